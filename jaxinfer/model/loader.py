@@ -1,0 +1,144 @@
+"""Load a Hugging Face Qwen3 safetensors checkpoint (single file or sharded) into jaxinfer's params.
+
+One name table (`_LAYER_TABLE`) maps each of our stacked, fused weights to the HF tensors it is built
+from. safetensors files are parsed here directly (an 8-byte header size, a JSON header, raw bytes) and
+memory-mapped, so bf16/fp16/fp32 checkpoints load without torch, and a truncated or corrupt file is
+reported with the file and tensor it breaks.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.qwen3 import layer_shapes
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+              "F64": np.float64, "I64": np.int64, "I32": np.int32}
+
+# ours -> HF tensors concatenated along the output axis; "T" = stored [out, in], we keep [in, out].
+_LAYER_TABLE = {
+    "input_layernorm": (["input_layernorm.weight"], False),
+    "qkv_proj": (["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"], True),
+    "q_norm": (["self_attn.q_norm.weight"], False),
+    "k_norm": (["self_attn.k_norm.weight"], False),
+    "o_proj": (["self_attn.o_proj.weight"], True),
+    "post_attention_layernorm": (["post_attention_layernorm.weight"], False),
+    "gate_up_proj": (["mlp.gate_proj.weight", "mlp.up_proj.weight"], True),
+    "down_proj": (["mlp.down_proj.weight"], True),
+}
+
+
+class SafetensorsFile:
+    """Lazy view of one .safetensors file: `names()`, `get(name) -> np.ndarray` (memory-mapped)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ValueError(f"{path!r} is truncated or not a safetensors file ({size} bytes)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > size - 8 or n > 100_000_000:
+                raise ValueError(f"{path!r} is corrupt: header size {n} does not fit a {size}-byte file")
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path!r} is corrupt: its header is not valid JSON ({e})") from None
+        header.pop("__metadata__", None)
+        self.header, self.data_start, self.size = header, 8 + n, size
+        self._mmap = None
+
+    def names(self) -> list[str]:
+        return list(self.header)
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        dtype = _ST_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"tensor {name!r} in {self.path!r} has unsupported dtype {info.get('dtype')!r}")
+        start, end = info["data_offsets"]
+        count = int(np.prod(info["shape"], dtype=np.int64))
+        if end - start != count * np.dtype(dtype).itemsize or start > end:
+            raise ValueError(f"tensor {name!r} in {self.path!r} is corrupt: offsets {start}..{end} "
+                             f"do not match shape {info['shape']} of {info['dtype']}")
+        if self.data_start + end > self.size:
+            raise ValueError(f"{self.path!r} is truncated: tensor {name!r} ends at byte {self.data_start + end} "
+                             f"but the file has {self.size} bytes")
+        if self._mmap is None:
+            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+        raw = self._mmap[self.data_start + start:self.data_start + end]
+        return raw.view(dtype).reshape(info["shape"])
+
+
+def _open_checkpoint(path: str) -> dict[str, SafetensorsFile]:
+    """tensor name -> the file holding it, for single-file and sharded checkpoints."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = {}
+        for fname in sorted(set(weight_map.values())):
+            fpath = os.path.join(path, fname)
+            if not os.path.isfile(fpath):
+                some = next(t for t, v in weight_map.items() if v == fname)
+                raise FileNotFoundError(f"shard {fpath!r} (holding e.g. tensor {some!r}) is missing")
+            files[fname] = SafetensorsFile(fpath)
+        return {t: files[f] for t, f in weight_map.items()}
+    paths = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not paths:
+        raise FileNotFoundError(f"no *.safetensors weights in {path!r}")
+    table = {}
+    for p in paths:
+        st = SafetensorsFile(p)
+        table.update({name: st for name in st.names()})
+    return table
+
+
+def load_params(path: str, config: ModelConfig | None = None, dtype=jnp.bfloat16) -> dict:
+    """Read a checkpoint directory into the params pytree of `Qwen3ForCausalLM`, cast to `dtype`."""
+    config = config or ModelConfig.from_pretrained(path)
+    tensors = _open_checkpoint(path)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+
+    def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"checkpoint {path!r} lacks tensor {name!r}")
+        a = tensors[name].get(name)
+        if tuple(a.shape) != tuple(shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)} "
+                             f"from config.json")
+        return a
+
+    c = config
+    E, D, I = c.hidden_size, c.head_dim, c.intermediate_size
+    hf_shapes = {"input_layernorm.weight": (E,), "post_attention_layernorm.weight": (E,),
+                 "self_attn.q_proj.weight": (c.q_size, E), "self_attn.k_proj.weight": (c.kv_size, E),
+                 "self_attn.v_proj.weight": (c.kv_size, E), "self_attn.o_proj.weight": (E, c.q_size),
+                 "self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,),
+                 "mlp.gate_proj.weight": (I, E), "mlp.up_proj.weight": (I, E), "mlp.down_proj.weight": (E, I)}
+    layers = {}
+    for ours, (hf_names, transposed) in _LAYER_TABLE.items():
+        stacked = np.empty((c.num_hidden_layers, *layer_shapes(c)[ours]), np_dtype)
+        for l in range(c.num_hidden_layers):
+            parts = [fetch(f"model.layers.{l}.{n}", hf_shapes[n]) for n in hf_names]
+            parts = [p.T if transposed else p for p in parts]
+            stacked[l] = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+        layers[ours] = jax.device_put(stacked)
+    params = {
+        "embed_tokens": jax.device_put(fetch("model.embed_tokens.weight", (c.vocab_size, E)).astype(np_dtype)),
+        "layers": layers,
+        "norm": jax.device_put(fetch("model.norm.weight", (E,)).astype(np_dtype)),
+    }
+    if not c.tie_word_embeddings:
+        params["lm_head"] = jax.device_put(np.ascontiguousarray(
+            fetch("lm_head.weight", (c.vocab_size, E)).T.astype(np_dtype)))
+    return params

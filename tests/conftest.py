@@ -1,0 +1,42 @@
+"""Shared pytest setup: CPU by default, a `gpu` marker for compiled-kernel checks."""
+import os
+import warnings
+
+import pytest
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
+
+
+def _has_gpu() -> bool:
+    import jax
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (compiled Pallas kernels); skipped on CPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="no GPU on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """name -> path of a tiny random fp32 checkpoint for each of helpers.TINY_CONFIGS."""
+    from helpers import TINY_CONFIGS, make_tiny_model
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: make_tiny_model(str(root / name), **kw) for name, kw in TINY_CONFIGS.items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_dirs):
+    return tiny_dirs["gqa2"]

@@ -1,0 +1,43 @@
+"""Test helpers: tiny checkpoints (cached per session) and the HF transformers reference."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.make_tiny_model import make_tiny_model  # noqa: E402
+
+# Three tiny configs that differ in GQA ratio, head_dim vs hidden/heads, tying and rope_theta.
+TINY_CONFIGS = {
+    "gqa1_tied": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16, hidden_size=64,
+                      tie_word_embeddings=True, rope_theta=10000.0),
+    "gqa2": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, hidden_size=64,
+                 tie_word_embeddings=False, rope_theta=1_000_000.0),
+    "gqa4_wide_head": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=24, hidden_size=48,
+                           tie_word_embeddings=False, rope_theta=500.0, num_hidden_layers=3),
+}
+
+
+def hf_model(path: str):
+    import torch
+    from transformers import Qwen3ForCausalLM
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logits(model, token_ids: list[int]) -> np.ndarray:
+    import torch
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].numpy()
+
+
+def hf_greedy(model, token_ids: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+    """HF greedy generate; returns only the new tokens (stops at eos like ours)."""
+    import torch
+    with torch.no_grad():
+        out = model.generate(torch.tensor([token_ids]), attention_mask=torch.ones(1, len(token_ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                             pad_token_id=eos if eos is not None else 0)
+    return out[0, len(token_ids):].tolist()

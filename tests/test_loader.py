@@ -1,0 +1,138 @@
+"""Loader: sharded and bf16 checkpoints, clear errors for broken files; presets without allocation."""
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import make_tiny_model
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.loader import load_params
+from jaxinfer.model.presets import PRESETS, preset
+from jaxinfer.model.qwen3 import init_params
+
+
+def _leaves(p):
+    return {jax.tree_util.keystr(k): np.asarray(v, np.float32) for k, v in jax.tree_util.tree_leaves_with_path(p)}
+
+
+def test_sharded_and_bf16_load_same_params(tmp_path):
+    single = make_tiny_model(str(tmp_path / "single"), seed=3)
+    sharded = make_tiny_model(str(tmp_path / "sharded"), seed=3, max_shard_size="100KB")
+    bf16 = make_tiny_model(str(tmp_path / "bf16"), seed=3, dtype="bfloat16")
+    assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
+    a = _leaves(load_params(single, dtype=jnp.float32))
+    b = _leaves(load_params(sharded, dtype=jnp.float32))
+    c = _leaves(load_params(bf16, dtype=jnp.float32))
+    d = load_params(single, dtype=jnp.bfloat16)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(d))
+    assert a.keys() == b.keys() == c.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+        np.testing.assert_allclose(a[k], c[k], rtol=1e-2, atol=1e-2, err_msg=k)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    return make_tiny_model(str(tmp_path / "m"))
+
+
+def test_missing_config(ckpt):
+    os.remove(os.path.join(ckpt, "config.json"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ModelConfig.from_pretrained(ckpt)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ModelConfig.from_pretrained(ckpt + "-nope")
+
+
+def test_missing_weights_file(ckpt):
+    os.remove(os.path.join(ckpt, "model.safetensors"))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_params(ckpt)
+
+
+def test_missing_shard(tmp_path):
+    path = make_tiny_model(str(tmp_path / "s"), max_shard_size="100KB")
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        shard = sorted(set(json.load(f)["weight_map"].values()))[-1]
+    os.remove(os.path.join(path, shard))
+    with pytest.raises(FileNotFoundError, match=shard):
+        load_params(path)
+
+
+def _rewrite(path, mutate):
+    """Rewrite model.safetensors after `mutate(header_dict, tensors_bytes)`."""
+    from jaxinfer.model.loader import SafetensorsFile
+    f = os.path.join(path, "model.safetensors")
+    st = SafetensorsFile(f)
+    header = dict(st.header)
+    with open(f, "rb") as fh:
+        fh.seek(st.data_start)
+        data = fh.read()
+    header, data = mutate(header, data)
+    raw = json.dumps(header).encode()
+    with open(f, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little") + raw + data)
+
+
+def test_missing_tensor(ckpt):
+    name = "model.layers.1.mlp.up_proj.weight"
+    _rewrite(ckpt, lambda h, d: ({k: v for k, v in h.items() if k != name}, d))
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        load_params(ckpt)
+
+
+def test_wrong_shape(ckpt):
+    name = "model.layers.0.self_attn.q_proj.weight"
+    cfg = json.load(open(os.path.join(ckpt, "config.json")))
+    cfg["head_dim"] = 16   # q_proj in the file is [4*32, 64]; config now says [4*16, 64]
+    json.dump(cfg, open(os.path.join(ckpt, "config.json"), "w"))
+    with pytest.raises(ValueError, match=r"q_proj.weight.*shape \(128, 64\), expected \(64, 64\)"):
+        load_params(ckpt)
+    del name
+
+
+def test_truncated_file(ckpt):
+    f = os.path.join(ckpt, "model.safetensors")
+    size = os.path.getsize(f)
+    with open(f, "r+b") as fh:
+        fh.truncate(size - 1000)
+    with pytest.raises(ValueError, match="truncated"):
+        load_params(ckpt)
+
+
+def test_corrupt_header(ckpt):
+    f = os.path.join(ckpt, "model.safetensors")
+    with open(f, "r+b") as fh:
+        fh.seek(8)
+        fh.write(b"\xff\xfe garbage")
+    with pytest.raises(ValueError, match="corrupt"):
+        load_params(ckpt)
+    with open(f, "wb") as fh:
+        fh.write(b"abc")
+    with pytest.raises(ValueError, match="truncated or not a safetensors"):
+        load_params(ckpt)
+
+
+def test_preset_parameter_counts_without_allocating():
+    cfg = preset("qwen3-0.6b")
+    shapes = jax.eval_shape(lambda: init_params(cfg, jnp.bfloat16))
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    assert n == cfg.num_params()
+    assert 0.59e9 < n < 0.60e9             # Qwen3-0.6B: 0.596B with tied embeddings
+    assert "lm_head" not in shapes
+    assert 8.1e9 < preset("Qwen/Qwen3-8B").num_params() < 8.3e9
+    assert len(PRESETS) == 6
+    with pytest.raises(ValueError, match="qwen3-7b"):
+        preset("qwen3-7b")
+
+
+def test_random_init_is_finite_in_bf16():
+    from jaxinfer.model.qwen3 import dense_logits
+    cfg = preset("qwen3-0.6b")
+    small = ModelConfig(**{**cfg.__dict__, "num_hidden_layers": 2, "vocab_size": 1000})
+    logits = dense_logits(small, init_params(small, jnp.bfloat16), jnp.arange(16)[None])
+    assert bool(jnp.all(jnp.isfinite(logits))) and float(jnp.abs(logits).max()) < 100
