@@ -1,0 +1,127 @@
+"""Paged KV blocks: allocation with reference counts, and a prefix cache of full blocks.
+
+Each full block whose KV has been computed gets a chained hash: hash(previous block's hash, its token ids).
+A new sequence reuses the longest chain of cached blocks that starts at its first token (ref count + 1)
+and skips computing them. The token ids are stored with the block and compared on a hit, so a hash
+collision can never hand back the wrong KV. Blocks whose ref count drops to 0 go back to the free list
+but keep their hash (and KV) until they are handed out again, so a later request can still hit them.
+Hashes are registered only once a block's KV is written (`cache_full_blocks`), never at allocation, so a
+sequence can never read a block another sequence has not computed yet.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from jaxinfer.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((prev, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # FIFO = LRU
+        self.cached: dict[int, int] = {}        # hash -> block id
+        self.prefix_caching = enable_prefix_caching
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    # -- prefix cache -----------------------------------------------------------------------------
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached chain for seq. The block holding the last token is never
+        reused, so the last token is always computed (its logits give the next token)."""
+        if not self.prefix_caching:
+            return []
+        hits, h = [], None
+        for i in range((len(seq) - 1) // self.block_size):
+            tokens = seq.block_tokens(i)
+            h = chain_hash(h, tokens)
+            bid = self.cached.get(h)
+            if bid is None or self.blocks[bid].token_ids != tokens:
+                break
+            hits.append(bid)
+        return hits
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the hashes of seq's full blocks whose KV is now computed (only the new ones)."""
+        if not self.prefix_caching:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        h = seq.last_hash
+        for i in range(seq.num_hashed_blocks, full):
+            tokens = seq.block_tokens(i)
+            h = chain_hash(h, tokens)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash != h:
+                if block.hash is not None and self.cached.get(block.hash) == block.block_id:
+                    del self.cached[block.hash]
+                block.hash, block.token_ids = h, tokens
+                self.cached.setdefault(h, block.block_id)
+        if full > seq.num_hashed_blocks:
+            seq.num_hashed_blocks, seq.last_hash = full, h
+
+    # -- allocation -------------------------------------------------------------------------------
+    def _take_free(self) -> int:
+        bid, _ = self.free.popitem(last=False)
+        block = self.blocks[bid]
+        if block.hash is not None and self.cached.get(block.hash) == bid:
+            del self.cached[block.hash]          # its old contents are about to be overwritten
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return bid
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._cached_prefix(seq)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return seq.num_blocks_needed - len(hits) + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give seq blocks for all its current tokens, reusing cached prefix blocks."""
+        assert not seq.block_table, f"{seq} already has blocks"
+        hits = self._cached_prefix(seq)
+        for bid in hits:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self.free[bid]
+            block.ref_count += 1
+        seq.block_table = hits + [self._take_free() for _ in range(seq.num_blocks_needed - len(hits))]
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
+        seq.last_hash = self.blocks[hits[-1]].hash if hits else None
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Room for the KV of every current token (a decode step adds one block at most)."""
+        return seq.num_blocks_needed - len(seq.block_table) <= self.num_free_blocks
+
+    def append(self, seq: Sequence) -> None:
+        while len(seq.block_table) < seq.num_blocks_needed:
+            seq.block_table.append(self._take_free())
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Drop seq's references; blocks at ref 0 go to the free list, keeping their hash."""
+        for bid in reversed(seq.block_table):   # tail blocks first: the prefix stays cached longest
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[bid] = None
+        seq.block_table = []
+        seq.num_computed_tokens = seq.num_hashed_blocks = 0
+        seq.last_hash = None

@@ -1,0 +1,102 @@
+"""The engine core without strings: add requests, run steps, abort, report stats.
+
+`LLMEngine.step()` schedules, packs, dispatches the compiled step and applies the sampled ids. It is what
+`LLM.generate` loops over and what the HTTP server drives from its own thread.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine.batch import bucket_for, pack
+from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.runner import ModelRunner, compilation_count, num_blocks_for_memory
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.sequence import Sequence, Status
+from jaxinfer.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, model: ModelConfig, engine: EngineConfig, params, eos_token_ids: tuple[int, ...] = ()):
+        self.model_config, self.config = model, engine
+        num_blocks = engine.num_kvcache_blocks or num_blocks_for_memory(model, engine, engine.dtype)
+        self.runner = ModelRunner(model, engine, params, num_blocks)
+        self.block_manager = BlockManager(num_blocks, engine.kvcache_block_size, engine.enable_prefix_caching)
+        self.scheduler = Scheduler(engine, self.block_manager, eos_token_ids)
+        self.rng = np.random.default_rng(engine.seed)
+        self.counters = dict(prompt_tokens=0, generated_tokens=0, prefill_steps=0, decode_steps=0)
+        self.compilations_at_warmup = compilation_count()
+
+    def warmup(self, progress=None) -> None:
+        self.runner.warmup(progress)
+        self.compilations_at_warmup = compilation_count()
+
+    # -- requests ---------------------------------------------------------------------------------
+    def check_request(self, token_ids: list[int], params: SamplingParams, where: str = "prompt") -> None:
+        """Raise ValueError (naming the value) for a request that can never run."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
+        n, V, cfg = len(token_ids), self.model_config.vocab_size, self.config
+        if n == 0:
+            raise ValueError(f"{where} is empty: give at least one token")
+        bad = [t for t in token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < V)]
+        if bad:
+            raise ValueError(f"{where} has token id {bad[0]!r} outside the vocabulary [0, {V})")
+        if n >= cfg.max_model_len:
+            raise ValueError(f"{where} has {n} tokens; max_model_len={cfg.max_model_len} leaves no room to "
+                             f"generate (the prompt must be shorter than max_model_len)")
+        need = -(-min(n + params.max_tokens, cfg.max_model_len) // cfg.kvcache_block_size)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"{where} needs {need} KV blocks for {n} prompt + {params.max_tokens} output tokens "
+                             f"but the pool has only {self.block_manager.num_blocks} (num_kvcache_blocks)")
+
+    def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
+        self.check_request(token_ids, params)
+        seed = params.seed if params.seed is not None else int(self.rng.integers(0, 2**31 - 1))
+        seq = Sequence([int(t) for t in token_ids], params, seed & 0x7FFFFFFF, self.config.kvcache_block_size)
+        seq.arrival_time = time.perf_counter()
+        self.counters["prompt_tokens"] += len(seq)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one step; return the sequences that got a new token (finished ones included)."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            raise RuntimeError("scheduler found no work although requests are pending (pool too small?)")
+        key = bucket_for(self.config, self.runner.widths, batch)
+        packed = pack(batch, key[1], key[2], key[3], self.config.kvcache_block_size, self.runner.num_slots)
+        ids = np.asarray(self.runner.run(key, packed))[:len(batch.seqs)]
+        updated = self.scheduler.postprocess(batch, ids)
+        now = time.perf_counter()
+        for seq in updated:
+            seq.token_times.append(now)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+        self.counters["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
+        self.counters["generated_tokens"] += len(updated)
+        return updated
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return dict(kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
+                    kvcache_block_size=self.config.kvcache_block_size,
+                    preemptions=self.scheduler.num_preemptions,
+                    prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
+                    compilations=compilation_count() - self.compilations_at_warmup,
+                    compiled_buckets=len(self.runner.compiled),
+                    running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                    **self.counters)
+
+
+def is_finished(seq: Sequence) -> bool:
+    return seq.status is Status.FINISHED

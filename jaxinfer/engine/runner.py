@@ -1,0 +1,103 @@
+"""Owns the weights and the paged KV cache; compiles one step per bucket at start-up and runs them.
+
+Every bucket (kind, T tokens, B rows, W block-table width) is compiled ahead of time, so serving never
+compiles; `compilations` counts every XLA compilation in the process (a JAX monitoring listener), so a
+stray one after warm-up shows up in `LLM.stats()`.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.step import batch_layout, jit_step, make_step
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# Compiled steps, shared by every runner in the process with the same shapes (params are arguments,
+# so an executable serves any weights of the same shapes: a second LLM of the same size starts at once).
+_EXECUTABLES: dict[tuple, object] = {}
+_compile_count = 0
+_lock = threading.Lock()
+
+
+def _on_event(event: str, *args, **kwargs) -> None:
+    global _compile_count
+    if event == _COMPILE_EVENT:
+        with _lock:
+            _compile_count += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def compilation_count() -> int:
+    """XLA compilations in this process so far."""
+    return _compile_count
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype) -> int:
+    return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * \
+        jnp.dtype(dtype).itemsize
+
+
+def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype) -> int:
+    """Size the KV pool from free device memory (GPU), or to fit max_num_seqs full sequences (CPU)."""
+    per_block = kv_bytes_per_block(model, engine.kvcache_block_size, dtype)
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = stats["bytes_limit"] * engine.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+        # headroom for activations / logits of the largest bucket: ~2 GiB
+        return max(1, int((free - 2 * 2**30) // per_block))
+    want = engine.max_num_seqs * engine.max_blocks_per_seq
+    return max(1, min(want, int(2 * 2**30 // per_block)))
+
+
+class ModelRunner:
+    def __init__(self, model: ModelConfig, engine: EngineConfig, params, num_blocks: int):
+        self.model, self.engine, self.params = model, engine, params
+        self.dtype = jnp.dtype(engine.dtype)
+        self.num_blocks = num_blocks
+        self.num_slots = num_blocks * engine.kvcache_block_size
+        shape = (num_blocks, engine.kvcache_block_size, model.num_key_value_heads, model.head_dim)
+        self.kv_caches = [(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+                          for _ in range(model.num_hidden_layers)]
+        self.interpret = jax.devices()[0].platform != "gpu"
+        W = engine.max_blocks_per_seq
+        # xla gathers W pages per row: offer narrower tables so short contexts gather less
+        self.widths = tuple(sorted({max(1, W // 16), max(1, W // 4), W})) if engine.attn_backend == "xla" else (W,)
+        self.compiled: dict[tuple[str, int, int, int], object] = {}
+
+    def buckets(self) -> list[tuple[str, int, int, int]]:
+        e = self.engine
+        out = [("prefill", T, min(e.max_num_seqs, T), W) for T in e.prefill_buckets for W in self.widths]
+        out += [("decode", B, B, W) for B in e.decode_buckets for W in self.widths]
+        return out
+
+    def compile(self, key: tuple[str, int, int, int]):
+        if key not in self.compiled:
+            kind, T, B, W = key
+            shared = (self.model, self.engine.attn_backend, str(self.dtype), self.num_blocks,
+                      self.engine.kvcache_block_size, self.interpret, key)
+            if shared not in _EXECUTABLES:
+                step = make_step(self.model, kind, T, B, W, self.engine.attn_backend, self.dtype, self.interpret)
+                packed = jax.ShapeDtypeStruct((batch_layout(T, B, W)["_size"][0],), jnp.int32)
+                _EXECUTABLES[shared] = jit_step(step).lower(self.params, self.kv_caches, packed).compile()
+            self.compiled[key] = _EXECUTABLES[shared]
+        return self.compiled[key]
+
+    def warmup(self, progress=None, threads: int = 4) -> None:
+        """Compile every bucket (in parallel threads: XLA compiles outside the GIL)."""
+        keys = [k for k in self.buckets() if k not in self.compiled]
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            for _ in pool.map(self.compile, keys):
+                if progress is not None:
+                    progress.update(1)
+
+    def run(self, key: tuple[str, int, int, int], packed: np.ndarray) -> jax.Array:
+        """Dispatch one step (asynchronous); returns the device array of sampled ids [B]."""
+        ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, jax.device_put(packed))
+        return ids

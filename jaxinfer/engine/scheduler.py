@@ -1,0 +1,120 @@
+"""Continuous batching: which sequences compute which tokens in the next step.
+
+A step is all-prefill or all-decode (as nano-vllm). Prefill steps first continue sequences whose prompt
+is partly computed, then admit waiting sequences FCFS; any prompt may be split into chunks across steps
+to fit `max_num_batched_tokens`. Decode steps compute one token for every running sequence; when the
+block pool is exhausted the newest running sequence is preempted: its blocks are freed and it goes back
+to the front of the waiting queue, to be recomputed (its prefix may still be in the prefix cache).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]     # tokens each sequence computes this step
+    is_prefill: bool
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, eos_token_ids: tuple[int, ...] = ()):
+        self.config = config
+        self.bm = block_manager
+        self.eos = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.config.max_num_batched_tokens
+        seqs, counts = [], []
+        for seq in self.running:                        # chunked prompts first
+            if seq.is_prefilling and budget > 0:
+                n = min(len(seq) - seq.num_computed_tokens, budget)
+                seqs.append(seq), counts.append(n)
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.bm.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.bm.allocate(seq)
+            self.num_prefix_hit_tokens += seq.num_cached_tokens
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            seqs.append(seq), counts.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, counts, True) if seqs else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        seqs = []
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or seq.is_prefilling:
+                continue
+            while not self.bm.can_append(seq):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.bm.append(seq)
+                seqs.append(seq)
+                if len(seqs) == self.config.max_num_seqs:
+                    break
+        return ScheduledBatch(seqs, [1] * len(seqs), False) if seqs else None
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free_seq(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, batch: ScheduledBatch, token_ids) -> list[Sequence]:
+        """Record computed tokens and sampled ids; finish sequences that hit a stop condition.
+        Returns the sequences that received a new token this step."""
+        updated = []
+        for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, token_ids):
+            seq.num_computed_tokens += n
+            self.bm.cache_full_blocks(seq)
+            if seq.num_computed_tokens < len(seq):       # a prompt chunk that stops mid-prompt
+                continue
+            tok = int(tok)
+            seq.token_ids.append(tok)
+            updated.append(seq)
+            p = seq.params
+            if (not p.ignore_eos and tok in self.eos) or tok in p.stop_token_ids:
+                self.finish(seq, "stop")
+            elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
+                self.finish(seq, "length")
+        return updated
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (stop condition, stop string, or abort) and return its blocks to the pool."""
+        if seq.status is Status.FINISHED:
+            return
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.bm.free_seq(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason

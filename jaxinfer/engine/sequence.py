@@ -1,0 +1,65 @@
+"""One request as the engine sees it: token ids, how many have KV in the cache, its block table."""
+from __future__ import annotations
+
+import enum
+import itertools
+
+from jaxinfer.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"      # no blocks (new, or preempted and waiting to be recomputed)
+    RUNNING = "running"      # has blocks; prefilling (num_computed < len) or decoding
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(self, token_ids: list[int], params: SamplingParams, seed: int, block_size: int):
+        self.seq_id = next(_ids)
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.params = params
+        self.seed = seed                  # per-request RNG seed (params.seed, or drawn by the engine)
+        self.block_size = block_size
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0      # tokens whose KV is in the cache
+        self.num_cached_tokens = 0        # of those, tokens found in the prefix cache at admission
+        self.num_hashed_blocks = 0        # leading blocks already registered in the prefix cache
+        self.last_hash: int | None = None # chained hash of the last of those
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.text = ""                    # detokenized output so far (kept only when stop strings need it)
+        self.first_token_time: float | None = None
+        self.arrival_time: float | None = None
+        self.token_times: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_blocks_needed(self) -> int:
+        """Blocks to hold the KV of every current token."""
+        return -(-len(self.token_ids) // self.block_size)
+
+    @property
+    def is_prefilling(self) -> bool:
+        # More than the last token lacks KV. (Computing just the last token is a decode step.)
+        return self.num_computed_tokens < len(self.token_ids) - 1
+
+    def block_tokens(self, i: int) -> tuple[int, ...]:
+        return tuple(self.token_ids[i * self.block_size:(i + 1) * self.block_size])
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, len={len(self)}, computed={self.num_computed_tokens}, "
+                f"blocks={len(self.block_table)}, {self.status.value})")

@@ -1,0 +1,138 @@
+"""The user-facing facade: `LLM(model, ...)`, `generate`, `stats`. The only place that sees strings.
+
+    from jaxinfer import LLM, SamplingParams
+    llm = LLM("path/to/Qwen3-0.6B", max_model_len=4096, attn_backend="pallas")
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0.6, max_tokens=128))
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence as Seq
+
+import jax.numpy as jnp
+from tqdm.auto import tqdm
+
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine.llm_engine import LLMEngine, is_finished
+from jaxinfer.engine.sequence import Sequence
+from jaxinfer.model.loader import load_params
+from jaxinfer.model.presets import is_preset, preset
+from jaxinfer.model.qwen3 import init_params
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.tokenizer import load_tokenizer
+
+Prompt = str | list[int]
+
+
+def load_model(model: str, dtype: str, seed: int = 0):
+    """(ModelConfig, params, tokenizer) from a checkpoint directory or an embedded preset (random weights)."""
+    if os.path.isdir(model):
+        config = ModelConfig.from_pretrained(model)
+        return config, load_params(model, config, jnp.dtype(dtype)), load_tokenizer(model)
+    if is_preset(model):
+        import jax
+        config = preset(model)
+        params = jax.jit(lambda: init_params(config, jnp.dtype(dtype), seed))()
+        return config, params, load_tokenizer(None)
+    raise FileNotFoundError(f"model {model!r} is neither a checkpoint directory nor an embedded preset")
+
+
+class LLM:
+    def __init__(self, model: str, *, dtype: str = "bfloat16", max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 16384, max_model_len: int = 4096, kvcache_block_size: int = 16,
+                 num_kvcache_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+                 attn_backend: str = "xla", enable_prefix_caching: bool = True,
+                 decode_buckets: tuple[int, ...] | None = None, prefill_buckets: tuple[int, ...] | None = None,
+                 seed: int = 0, warmup: bool = True):
+        self.config = EngineConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, kvcache_block_size=kvcache_block_size,
+            num_kvcache_blocks=num_kvcache_blocks, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
+            attn_backend=attn_backend, enable_prefix_caching=enable_prefix_caching,
+            decode_buckets=decode_buckets, prefill_buckets=prefill_buckets, seed=seed)
+        self.model_config, params, self.tokenizer = load_model(model, self.config.dtype, seed)
+        if max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                             f"{self.model_config.max_position_embeddings}")
+        eos = self.model_config.eos_token_id or tuple(
+            t for t in [getattr(self.tokenizer, "eos_token_id", None)] if t is not None)
+        self.engine = LLMEngine(self.model_config, self.config, params, eos)
+        if warmup:
+            buckets = self.engine.runner.buckets()
+            with tqdm(total=len(buckets), desc="Compiling steps", disable=None) as bar:
+                self.engine.warmup(bar)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def _tokenize(self, prompt: Prompt, i: int) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt)
+        raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _prepare(self, prompts, sampling_params) -> list[tuple[Prompt, list[int], SamplingParams]]:
+        """Normalise and validate every request before any is queued (a bad one disturbs no other)."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
+        reqs = []
+        for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
+            ids = self._tokenize(p, i)
+            self.engine.check_request(ids, sp, where=f"prompt {i}")
+            reqs.append((p, ids, sp))
+        return reqs
+
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order."""
+        reqs = self._prepare(prompts, sampling_params)
+        seqs = [self.engine.add_request(ids, sp) for _, ids, sp in reqs]
+        try:
+            with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm or None) as bar:
+                done = 0
+                while not all(is_finished(s) for s in seqs):
+                    for seq in self.engine.step():
+                        self._check_stop_strings(seq)
+                    now_done = sum(is_finished(s) for s in seqs)
+                    bar.update(now_done - done)
+                    done = now_done
+        finally:
+            for seq in seqs:              # on any error, nothing is left holding KV blocks
+                if not is_finished(seq):
+                    self.engine.abort(seq)
+        return [self._output(i, p, s) for i, ((p, _, _), s) in enumerate(zip(reqs, seqs))]
+
+    # -- text ---------------------------------------------------------------------------------------
+    def _check_stop_strings(self, seq: Sequence) -> None:
+        stops = seq.params.stop
+        if not stops:
+            return
+        seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        hits = [i for i in (seq.text.find(s) for s in stops) if i >= 0]
+        if hits:
+            seq.text = seq.text[:min(hits)]
+            self.engine.scheduler.finish(seq, "stop")
+
+    def _output(self, i: int, prompt: Prompt, seq: Sequence) -> RequestOutput:
+        text = seq.text if seq.params.stop else self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        m = {}
+        if seq.first_token_time is not None:
+            m["ttft_s"] = seq.first_token_time - seq.arrival_time
+            if seq.num_output_tokens > 1:
+                m["tpot_s"] = (seq.token_times[-1] - seq.first_token_time) / (seq.num_output_tokens - 1)
+        return RequestOutput(request_id=seq.seq_id, prompt=prompt if isinstance(prompt, str) else None,
+                             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+                             token_ids=seq.output_token_ids, text=text, finish_reason=seq.finish_reason,
+                             num_cached_tokens=seq.num_cached_tokens, metrics=m)
+
+    def stats(self) -> dict:
+        return self.engine.stats()

@@ -1,0 +1,94 @@
+"""Attention over the paged KV cache: write this step's K/V into their slots, then attend.
+
+KV cache layout, per layer, used for both writing and reading: k and v each [num_blocks, block_size, K, D].
+Token t of a step goes to flat slot `slot_mapping[t]` = block_id * block_size + offset; padding tokens
+point one past the last slot and their writes are dropped.
+
+Backends take the same arguments (the contracts of pallas_kernels/):
+- "xla": plain jnp. Pages are gathered through the block table and attended with einsum + softmax: the
+  readable reference, and the "XLA fusion" side of the kernel comparison.
+- "pallas": the hand-written kernels (flash_attention for prefill, paged_attention for decode).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping):
+    """k/v [T, K, D] into caches [P, bs, K, D] at flat slots [T]; out-of-range slots are dropped."""
+    P, bs, K, D = k_cache.shape
+    k_cache = k_cache.reshape(P * bs, K, D).at[slot_mapping].set(k, mode="drop", unique_indices=True)
+    v_cache = v_cache.reshape(P * bs, K, D).at[slot_mapping].set(v, mode="drop", unique_indices=True)
+    return k_cache.reshape(P, bs, K, D), v_cache.reshape(P, bs, K, D)
+
+
+def _attend(q, k, v, visible, scale):
+    """q [N, H, D]; k/v [N, S, K, D]; visible [N, S] -> [N, H, D]. GQA without repeating K/V."""
+    N, H, D = q.shape
+    K = k.shape[2]
+    qg = q.reshape(N, K, H // K, D)
+    s = jnp.einsum("nkgd,nskd->nkgs", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(visible[:, None, None, :], s, _NEG)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    return jnp.einsum("nkgs,nskd->nkgd", p, v).reshape(N, H, D)
+
+
+def _gather_pages(cache, block_tables):
+    """cache [P, bs, K, D], tables [N, W] -> [N, W*bs, K, D]."""
+    g = cache[block_tables]
+    return g.reshape(g.shape[0], -1, *g.shape[3:])
+
+
+def paged_decode_xla(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None):
+    """q [B, H, D], one new token per row; seq_lens [B] include it. -> [B, H, D]."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    S = block_tables.shape[1] * k_cache.shape[1]
+    visible = jnp.arange(S)[None, :] < seq_lens[:, None]
+    out = _attend(q, _gather_pages(k_cache, block_tables), _gather_pages(v_cache, block_tables), visible, scale)
+    return jnp.where((seq_lens > 0)[:, None, None], out, 0).astype(q.dtype)
+
+
+def prefill_xla(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, scale=None):
+    """q [T, H, D] packed new tokens; each sees its own sequence's context up to its position."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    T, B = q.shape[0], seq_lens.shape[0]
+    t = jnp.arange(T)
+    seq = jnp.clip(jnp.searchsorted(cu_seqlens_q[1:], t, side="right"), 0, B - 1)     # [T]
+    valid = t < cu_seqlens_q[-1]
+    pos = seq_lens[seq] - (cu_seqlens_q[seq + 1] - t)                                  # absolute position
+    tables = block_tables[seq]                                                         # [T, W]
+    S = tables.shape[1] * k_cache.shape[1]
+    visible = jnp.arange(S)[None, :] <= pos[:, None]
+    out = _attend(q, _gather_pages(k_cache, tables), _gather_pages(v_cache, tables), visible, scale)
+    return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
+
+
+def attention_fns(backend: str, interpret: bool):
+    """(prefill_fn, decode_fn) for a backend; both follow the pallas_kernels contracts."""
+    if backend == "xla":
+        return prefill_xla, paged_decode_xla
+    if backend == "pallas":
+        from pallas_kernels.flash_attention import flash_attention
+        from pallas_kernels.paged_attention import paged_attention
+        return (functools.partial(flash_attention, interpret=interpret),
+                functools.partial(paged_attention, interpret=interpret))
+    raise ValueError(f"attn_backend={backend!r} is not one of ('xla', 'pallas')")
+
+
+def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool = False):
+    """The `attn` callable the model calls per layer: write K/V, then prefill or decode attention."""
+    prefill_fn, decode_fn = attention_fns(backend, interpret)
+
+    def attn(l, q, k, v, cache):
+        k_cache, v_cache = write_kv(*cache, k, v, meta["slot_mapping"])
+        if kind == "decode":
+            o = decode_fn(q, k_cache, v_cache, meta["block_tables"], meta["seq_lens"])
+        else:
+            o = prefill_fn(q, k_cache, v_cache, meta["block_tables"], meta["cu_seqlens"], meta["seq_lens"])
+        return o, (k_cache, v_cache)
+    return attn

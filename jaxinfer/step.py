@@ -1,0 +1,66 @@
+"""The pure, jitted prefill / decode step: `step(params, kv_caches, packed) -> (token_ids, kv_caches)`.
+
+All per-step inputs travel as ONE int32 array (one host->device copy); `batch_layout` says where each
+field lives, and `unpack` slices it apart inside the step. Float sampling parameters ride along as their
+int32 bit patterns. Sampling happens in the step, so logits never leave the device.
+
+Shapes are static per bucket: T tokens, B rows (sequences), W block-table width.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.attention import paged_attention_layer
+from jaxinfer.model.qwen3 import Qwen3ForCausalLM
+from jaxinfer.sampling import sample
+
+_INT_FIELDS = ("token_ids", "positions", "slot_mapping")                       # [T]
+_ROW_FIELDS = ("seq_lens", "sample_idx", "top_k", "seeds", "counters",
+               "temperature", "top_p", "min_p")                                 # [B]
+FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+
+
+def batch_layout(T: int, B: int, W: int) -> dict[str, tuple[int, int]]:
+    """field -> (offset, length) in the packed int32 array; block_tables is [B, W] row-major."""
+    layout, off = {}, 0
+    for name, n in [*((f, T) for f in _INT_FIELDS), ("cu_seqlens", B + 1),
+                    *((f, B) for f in _ROW_FIELDS), ("block_tables", B * W)]:
+        layout[name] = (off, n)
+        off += n
+    layout["_size"] = (off, 0)
+    return layout
+
+
+def unpack(packed: jax.Array, T: int, B: int, W: int) -> dict[str, jax.Array]:
+    out = {}
+    for name, (off, n) in batch_layout(T, B, W).items():
+        if name == "_size":
+            continue
+        x = packed[off:off + n]
+        if name in FLOAT_FIELDS:
+            x = jax.lax.bitcast_convert_type(x, jnp.float32)
+        out[name] = x.reshape(B, W) if name == "block_tables" else x
+    return out
+
+
+def make_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: str,
+              dtype, interpret: bool = False):
+    """The step function for one bucket (not yet jitted). kind: 'prefill' | 'decode'."""
+    model = Qwen3ForCausalLM(config, dtype)
+
+    def step(params, kv_caches, packed):
+        b = unpack(packed, T, B, W)
+        attn = paged_attention_layer(kind, backend, b, interpret)
+        hidden, kv_caches = model.apply({"params": params}, b["token_ids"], b["positions"], attn, kv_caches)
+        rows = hidden[b["sample_idx"]]                                             # [B, E]
+        logits = model.apply({"params": params}, rows, method=Qwen3ForCausalLM.logits)   # [B, V] fp32
+        ids = sample(logits, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["counters"])
+        return ids, kv_caches
+
+    return step
+
+
+def jit_step(step):
+    return jax.jit(step, donate_argnums=(1,))
