@@ -7,12 +7,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Sequence as Seq
 
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.detokenizer import TextStream
 from jaxinfer.engine.llm_engine import LLMEngine, is_finished
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.model.loader import load_params
@@ -113,14 +115,24 @@ class LLM:
 
     # -- text ---------------------------------------------------------------------------------------
     def _check_stop_strings(self, seq: Sequence) -> None:
-        stops = seq.params.stop
-        if not stops:
-            return
-        seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        hits = [i for i in (seq.text.find(s) for s in stops) if i >= 0]
-        if hits:
-            seq.text = seq.text[:min(hits)]
+        if seq.params.stop:
+            self._update_text(seq)
+
+    def _update_text(self, seq: Sequence) -> TextStream:
+        """Detokenize seq's new tokens incrementally (seq.text); finish it when a stop string matches."""
+        ts = getattr(seq, "text_stream", None)
+        if ts is None:
+            ts = seq.text_stream = TextStream(self.tokenizer, seq.params.stop)
+        if ts.update(seq.output_token_ids, finished=is_finished(seq)):
+            if is_finished(seq):          # finished by length/EOS in the step that completed the stop string
+                seq.finish_reason = "stop"
             self.engine.scheduler.finish(seq, "stop")
+        seq.text = ts.text
+        return ts
+
+    def _text_delta(self, seq: Sequence) -> tuple[str, list[int]]:
+        """(new text, new token ids) of seq since the previous call; call after every step that updated seq."""
+        return self._update_text(seq).pop_delta(seq.output_token_ids)
 
     def _output(self, i: int, prompt: Prompt, seq: Sequence) -> RequestOutput:
         text = seq.text if seq.params.stop else self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
@@ -136,3 +148,65 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    # -- streaming and chat -------------------------------------------------------------------------
+    def stream(self, prompts: Prompt | Seq[Prompt],
+               sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Generate like `generate`, yielding deltas as tokens arrive (vLLM's DELTA output kind).
+
+        Each yielded RequestOutput holds only what is new for one request: `request_id` is the prompt's
+        index in `prompts`, `text` / `token_ids` are the new text and token ids, and `finish_reason` is set
+        on the request's last delta. A request's text deltas concatenate to its `generate` text.
+        Leaving the loop early (break / close) aborts the unfinished requests and frees their KV blocks.
+        """
+        reqs = self._prepare(prompts, sampling_params)
+        seqs = [self.engine.add_request(ids, sp) for _, ids, sp in reqs]
+        index = {s.seq_id: i for i, s in enumerate(seqs)}
+        try:
+            while not all(is_finished(s) for s in seqs):
+                for seq in self.engine.step():
+                    if seq.seq_id not in index:
+                        continue
+                    text, ids = self._text_delta(seq)
+                    if text or ids or is_finished(seq):
+                        i = index[seq.seq_id]
+                        prompt = reqs[i][0]
+                        yield RequestOutput(request_id=i, prompt=prompt if isinstance(prompt, str) else None,
+                                            prompt_token_ids=reqs[i][1], token_ids=ids, text=text,
+                                            finish_reason=seq.finish_reason,
+                                            num_cached_tokens=seq.num_cached_tokens)
+        finally:
+            for seq in seqs:
+                if not is_finished(seq):
+                    self.engine.abort(seq)
+
+    def apply_chat_template(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> str:
+        """Render one conversation ([{"role": ..., "content": ...}, ...]) into a prompt string, ending with
+        the assistant's turn. `chat_template_kwargs` reach the template (Qwen3: enable_thinking=False)."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"a conversation must be a non-empty list of messages, got {messages!r:.80}")
+        for j, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError(f"message {j} must be a dict with string 'role' and 'content', got {m!r:.80}")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
+        if getattr(self.tokenizer, "chat_template", None) is None and hasattr(self.tokenizer, "vocab_size"):
+            raise ValueError("this model's tokenizer has no chat template (tokenizer_config.json "
+                             "'chat_template'); use generate() with a plain prompt")
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                                  **(chat_template_kwargs or {}))
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             chat_template_kwargs: dict | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation or to a list of conversations (one output each).
+
+            llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=64),
+                     chat_template_kwargs={"enable_thinking": False})
+        """
+        convs = [messages] if messages and isinstance(messages, (list, tuple)) and isinstance(messages[0], dict) \
+            else messages
+        if not isinstance(convs, (list, tuple)) or not convs:
+            raise ValueError(f"messages must be a conversation (list of dicts) or a list of them, got {messages!r:.80}")
+        prompts = [self.apply_chat_template(c, chat_template_kwargs) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
