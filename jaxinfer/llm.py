@@ -17,6 +17,7 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.detokenizer import TextStream
 from jaxinfer.engine.llm_engine import LLMEngine, is_finished
 from jaxinfer.engine.sequence import Sequence
+from jaxinfer.hub import resolve_model
 from jaxinfer.model.loader import load_params
 from jaxinfer.model.presets import is_preset, preset
 from jaxinfer.model.qwen3 import init_params
@@ -28,7 +29,9 @@ Prompt = str | list[int]
 
 
 def load_model(model: str, dtype: str, seed: int = 0):
-    """(ModelConfig, params, tokenizer) from a checkpoint directory or an embedded preset (random weights)."""
+    """(ModelConfig, params, tokenizer) from a checkpoint directory, an embedded preset (random weights) or a
+    Hugging Face hub id (see jaxinfer.hub)."""
+    model = resolve_model(model)
     if os.path.isdir(model):
         config = ModelConfig.from_pretrained(model)
         return config, load_params(model, config, jnp.dtype(dtype)), load_tokenizer(model)

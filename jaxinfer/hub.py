@@ -1,0 +1,72 @@
+"""Model ids: a local checkpoint directory, an embedded preset (random weights), or a Hugging Face hub id.
+
+    resolve_model("/ckpt/Qwen3-0.6B")  -> "/ckpt/Qwen3-0.6B"        (a directory)
+    resolve_model("qwen3-0.6b")        -> "qwen3-0.6b"              (a preset: random weights, no files)
+    resolve_model("Qwen/Qwen3-0.6B")   -> ".../snapshots/<rev>"     (hub id: local cache, else download)
+
+A hub id ("owner/name") is looked up in the local Hugging Face cache first; if it is not there and we are
+online it is downloaded with `huggingface_hub.snapshot_download` (only config, tokenizer and safetensors
+files). Offline (HF_HUB_OFFLINE=1, or no network) and not cached is a FileNotFoundError that says how to
+get the files.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from jaxinfer.model.presets import PRESETS, is_preset
+
+# What a checkpoint needs: config, tokenizer, weights (never *.bin / *.pth / optimizer state).
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+def is_hub_id(model: str) -> bool:
+    return bool(_HUB_ID.match(model)) and not model.startswith((".", "/", "~"))
+
+
+def resolve_model(model: str, revision: str | None = None) -> str:
+    """A directory path or a preset name for `model`; see the module docstring. Raises FileNotFoundError."""
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must be a non-empty string (a directory, preset or hub id), got {model!r}")
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        return path
+    if "/" not in model and is_preset(model):
+        return model
+    if not is_hub_id(model):
+        raise FileNotFoundError(
+            f"model {model!r} is not a directory, an embedded preset ({', '.join(PRESETS)}) or a "
+            f"Hugging Face hub id (owner/name)")
+    return _snapshot(model, revision)
+
+
+def _snapshot(repo_id: str, revision: str | None) -> str:
+    import huggingface_hub
+
+    kw = dict(repo_id=repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS)
+    try:  # the cache first: no network round trip when the files are already here
+        return huggingface_hub.snapshot_download(local_files_only=True, **kw)
+    except Exception:
+        pass
+    if _offline():
+        raise FileNotFoundError(_how_to_get(repo_id, "offline mode (HF_HUB_OFFLINE) is on and it is not in the "
+                                                     "local Hugging Face cache")) from None
+    try:
+        return huggingface_hub.snapshot_download(**kw)
+    except Exception as e:  # no network, unknown repo, gated repo, ...: all end the same way
+        raise FileNotFoundError(_how_to_get(repo_id, f"downloading it failed ({type(e).__name__}: "
+                                                     f"{str(e).splitlines()[0][:200]})")) from None
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _how_to_get(repo_id: str, why: str) -> str:
+    preset_hint = ""
+    if is_preset(repo_id):
+        preset_hint = f", or use the embedded preset {repo_id.split('/')[-1].lower()!r} (random weights)"
+    return (f"cannot load hub model {repo_id!r}: {why}. Get the files on a machine with network access with "
+            f"`huggingface-cli download {repo_id}` (or `hf download {repo_id}`) and copy the Hugging Face cache "
+            f"(~/.cache/huggingface/hub), or pass a local checkpoint directory{preset_hint}")
