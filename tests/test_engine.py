@@ -1,0 +1,125 @@
+"""End to end on tiny checkpoints (fp32): the engine equals transformers, and a sequence's output does not
+depend on its batch neighbours, chunking, prefix-cache hits or preemption. Every run returns all blocks."""
+import numpy as np
+import pytest
+from helpers import hf_greedy, hf_model
+
+from jaxinfer import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+BASE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+            kvcache_block_size=4, num_kvcache_blocks=256, warmup=False)
+
+
+def prompts(vocab, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def tokens(llm, ps, sp=GREEDY):
+    outs = llm.generate(ps, sp, use_tqdm=False)
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"], st
+    assert st["running"] == st["waiting"] == 0
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("name", ["gqa1_tied", "gqa2", "gqa4_wide_head"])
+def test_greedy_equals_transformers(tiny_dirs, name):
+    llm = LLM(tiny_dirs[name], **BASE)
+    ps = prompts(llm.model_config.vocab_size, [1, 5, 17, 40])
+    ours = tokens(llm, ps)
+    ref = hf_model(tiny_dirs[name])
+    for p, o in zip(ps, ours):
+        assert o == hf_greedy(ref, p, 12), f"prompt of {len(p)} tokens"
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_dir):
+    """Reference: each prompt generated on its own."""
+    llm = LLM(tiny_dir, **BASE)
+    ps = prompts(512, [3, 9, 16, 23, 30, 41])
+    shared = ps[4][:20]
+    ps += [ps[4], shared + [5, 6, 7], ps[4] + [8, 9], ps[2]]   # repeats, shared prefix, prefix-of
+    return ps, [tokens(llm, [p])[0] for p in ps]
+
+
+def test_batch_neighbours_do_not_matter(tiny_dir, alone):
+    ps, ref = alone
+    llm = LLM(tiny_dir, **BASE)
+    assert tokens(llm, ps) == ref
+    assert tokens(llm, ps[::-1]) == ref[::-1]
+
+
+def test_chunked_prefill(tiny_dir, alone):
+    ps, ref = alone
+    llm = LLM(tiny_dir, **{**BASE, "max_num_batched_tokens": 8, "prefill_buckets": (8,), "enable_prefix_caching": False})
+    assert tokens(llm, ps) == ref
+    assert llm.stats()["prefill_steps"] > sum(len(p) for p in ps) // 8
+
+
+def test_prefix_cache_hits(tiny_dir, alone):
+    ps, ref = alone
+    llm = LLM(tiny_dir, **BASE)
+    assert tokens(llm, ps) == ref                      # repeats within one call
+    assert llm.stats()["prefix_cache_hit_tokens"] > 0
+    before = llm.stats()["prefix_cache_hit_tokens"]
+    assert tokens(llm, ps[:3]) == ref[:3]              # a later call hits blocks freed by the first
+    assert llm.stats()["prefix_cache_hit_tokens"] - before >= 4 * 2
+
+
+def test_prefix_caching_off_gives_same_tokens(tiny_dir, alone):
+    ps, ref = alone
+    llm = LLM(tiny_dir, **{**BASE, "enable_prefix_caching": False})
+    assert tokens(llm, ps) == ref and llm.stats()["prefix_cache_hit_tokens"] == 0
+
+
+def test_preemption(tiny_dir, alone):
+    ps, ref = alone
+    llm = LLM(tiny_dir, **{**BASE, "num_kvcache_blocks": 24})
+    assert tokens(llm, ps) == ref
+    assert llm.stats()["preemptions"] > 0
+
+
+def test_block_size_one_and_sixteen(tiny_dir, alone):
+    ps, ref = alone
+    for bs in (1, 16):
+        llm = LLM(tiny_dir, **{**BASE, "kvcache_block_size": bs, "num_kvcache_blocks": 1024 // bs})
+        assert tokens(llm, ps[:4]) == ref[:4], bs
+
+
+def test_seeded_sampling_ignores_neighbours(tiny_dir):
+    llm = LLM(tiny_dir, **BASE)
+    ps = prompts(512, [5, 11, 7], seed=1)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=1234, ignore_eos=True)
+    other = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True)
+    alone = tokens(llm, [ps[1]], sp)[0]
+    mixed = tokens(llm, ps, [other, sp, other])[1]
+    assert alone == mixed
+    assert tokens(llm, [ps[1]], SamplingParams(**{**sp.__dict__, "seed": 99}))[0] != alone
+
+
+def test_no_compilation_after_warmup(tiny_dir):
+    llm = LLM(tiny_dir, **{**BASE, "warmup": True})
+    assert llm.stats()["compilations"] == 0
+    ps = prompts(512, [1, 2, 7, 33, 60, 90, 100, 3, 4], seed=2)
+    tokens(llm, ps, SamplingParams(temperature=0.7, top_k=5, max_tokens=20))
+    tokens(llm, ps[:1], SamplingParams(temperature=0, max_tokens=27, ignore_eos=True))
+    assert llm.stats()["compilations"] == 0
+
+
+def test_stop_strings_and_eos(tiny_dir):
+    llm = LLM(tiny_dir, **BASE)
+    p = "Hello world"
+    full = llm.generate(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    assert len(full.text) > 4
+    stop = full.text[2:4]
+    cut = llm.generate(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.find(stop)]
+    eos_tok = full.token_ids[3]
+    stopped = llm.generate(p, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[eos_tok]),
+                           use_tqdm=False)[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == eos_tok
+    assert stopped.token_ids == full.token_ids[:full.token_ids.index(eos_tok) + 1]
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]

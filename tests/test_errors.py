@@ -1,0 +1,56 @@
+"""Bad input raises a clear ValueError naming the value, and the engine keeps working."""
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.config import EngineConfig
+
+BASE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+            kvcache_block_size=4, num_kvcache_blocks=256, warmup=False)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(tiny_dir, **BASE)
+
+
+@pytest.mark.parametrize("prompt, sp, match", [
+    ([], SamplingParams(), "empty"),
+    ("", SamplingParams(), "empty"),
+    (list(range(1, 200)), SamplingParams(), "199 tokens; max_model_len=128"),
+    ([1, 2, 512], SamplingParams(), "token id 512 outside"),
+    ([1, -1], SamplingParams(), "token id -1"),
+    ([1, 2], "greedy", "SamplingParams"),
+])
+def test_bad_requests(llm, prompt, sp, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[5, 6, 7], prompt], sp, use_tqdm=False)
+    st = llm.stats()
+    assert st["waiting"] == st["running"] == 0           # the good neighbour was not queued either
+    out = llm.generate([5, 6, 7], SamplingParams(max_tokens=3), use_tqdm=False)[0]
+    assert len(out.token_ids) >= 1 and llm.stats()["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_request_larger_than_pool(tiny_dir):
+    small = LLM(tiny_dir, **{**BASE, "num_kvcache_blocks": 8})
+    with pytest.raises(ValueError, match="needs 11 KV blocks.*only 8"):
+        small.generate(list(range(1, 30)), SamplingParams(max_tokens=12), use_tqdm=False)
+    assert small.generate([1, 2], SamplingParams(max_tokens=2), use_tqdm=False)[0].finish_reason
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(attn_backend="cuda"), "attn_backend='cuda'"), (dict(kvcache_block_size=3), "kvcache_block_size=3"),
+    (dict(max_num_seqs=0), "max_num_seqs=0"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(dtype="int8"), "dtype='int8'"), (dict(num_kvcache_blocks=0), "num_kvcache_blocks=0"),
+])
+def test_bad_engine_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kw)
+
+
+def test_bad_model_paths(tmp_path):
+    from helpers import make_tiny_model
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        LLM(str(tmp_path / "no-such-model"))
+    path = make_tiny_model(str(tmp_path / "m"), max_position_embeddings=256)
+    with pytest.raises(ValueError, match="max_model_len=4096 exceeds"):
+        LLM(path, **{**BASE, "max_model_len": 4096})

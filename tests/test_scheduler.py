@@ -1,0 +1,97 @@
+"""Scheduler rules: FCFS, chunked prefill of any prompt, all-prefill or all-decode steps, preemption."""
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.sequence import Sequence, Status
+from jaxinfer.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make(num_blocks=32, budget=16, max_seqs=4, max_len=64):
+    cfg = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
+                       kvcache_block_size=BS, num_kvcache_blocks=num_blocks)
+    return Scheduler(cfg, BlockManager(num_blocks, BS), eos_token_ids=(0,))
+
+
+def seq(n, max_tokens=8, **kw):
+    return Sequence(list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, **kw), 0, BS)
+
+
+def run_step(s, tok=7):
+    b = s.schedule()
+    s.postprocess(b, [tok] * len(b.seqs))
+    return b
+
+
+def test_prefill_chunks_any_prompt_within_budget():
+    s = make(budget=10)
+    a, b = seq(6), seq(9)
+    s.add(a), s.add(b)
+    b1 = s.schedule()
+    assert b1.is_prefill and b1.num_new_tokens == [6, 4]          # b is split: 4 now ...
+    s.postprocess(b1, [7, 7])
+    assert len(a) == 7 and len(b) == 9                            # a sampled; b mid-prompt did not
+    b2 = s.schedule()
+    assert b2.is_prefill and b2.seqs == [b] and b2.num_new_tokens == [5]   # ... 5 later
+    s.postprocess(b2, [7])
+    b3 = s.schedule()
+    assert not b3.is_prefill and b3.seqs == [a, b]
+
+
+def test_max_num_seqs_and_fcfs():
+    s = make(max_seqs=2, budget=64)
+    seqs = [seq(3) for _ in range(3)]
+    for x in seqs:
+        s.add(x)
+    b = s.schedule()
+    assert b.seqs == seqs[:2] and list(s.waiting) == [seqs[2]]
+
+
+def test_stop_conditions_free_blocks():
+    s = make()
+    a, b, c = seq(3, max_tokens=2), seq(3, stop_token_ids=[9]), seq(3, ignore_eos=True, max_tokens=3)
+    for x in (a, b, c):
+        s.add(x)
+    run_step(s, tok=0)                                 # eos for a and b; c ignores it
+    assert a.finish_reason == "stop" and b.finish_reason == "stop" and c.status is Status.RUNNING
+    run_step(s, tok=9)                                 # c: stop_token_ids not set for c
+    run_step(s, tok=9)
+    assert c.finish_reason == "length" and c.num_output_tokens == 3
+    assert s.bm.num_free_blocks == s.bm.num_blocks and not s.has_unfinished()
+
+
+def test_max_model_len_stops():
+    s = make(max_len=8)
+    a = seq(6, max_tokens=100)
+    s.add(a)
+    while s.has_unfinished():
+        run_step(s)
+    assert a.finish_reason == "length" and len(a) == 8
+
+
+def test_preemption_of_newest_when_blocks_run_out():
+    s = make(num_blocks=5, budget=64)
+    a, b = seq(7, max_tokens=9), seq(7, max_tokens=9)     # 2 blocks each after prefill, 4 at the end
+    s.add(a), s.add(b)
+    run_step(s)                                             # prefill both; lengths 8
+    b2 = run_step(s)                                        # decode: both fit (8 tokens in 2 blocks)
+    assert b2.seqs == [a, b]
+    b3 = s.schedule()                                       # len 9 needs a 3rd block each: b is preempted
+    assert b3.seqs == [a] and b.status is Status.WAITING and s.num_preemptions == 1
+    assert b.block_table == [] and b.num_computed_tokens == 0 and s.waiting[0] is b
+    s.postprocess(b3, [7])
+    while s.has_unfinished():
+        run_step(s)
+    assert a.num_output_tokens == 9 and b.num_output_tokens == 9
+    assert s.bm.num_free_blocks == 5
+
+
+def test_abort_waiting_and_running():
+    s = make(max_seqs=1)
+    a, b = seq(3), seq(3)
+    s.add(a), s.add(b)
+    run_step(s)
+    s.finish(a, "abort"), s.finish(b, "abort")
+    assert a.finish_reason == b.finish_reason == "abort"
+    assert not s.has_unfinished() and s.bm.num_free_blocks == s.bm.num_blocks
