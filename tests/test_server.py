@@ -1,0 +1,171 @@
+"""The OpenAI-compatible server, for real: uvicorn on 127.0.0.1, driven by the `openai` client and raw HTTP."""
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from jaxinfer import LLM
+from jaxinfer.server import build_app
+
+# Same engine settings as test_engine.py: the compiled steps are shared within the pytest process.
+BASE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+            kvcache_block_size=4, num_kvcache_blocks=256, warmup=False)
+MODEL = "tiny-qwen3"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def url(tiny_dir):
+    llm = LLM(tiny_dir, **BASE)
+    server = uvicorn.Server(uvicorn.Config(build_app(llm, MODEL), host="127.0.0.1", port=free_port(),
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "server failed to start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{server.config.port}"
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def wait_idle(url, timeout=30.0) -> dict:
+    end = time.time() + timeout
+    while True:
+        st = httpx.get(url + "/stats").json()
+        if st["running"] == st["waiting"] == 0 or time.time() > end:
+            return st
+
+
+def test_models_and_health(url, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_completion_stream_equals_non_stream(url, client):
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0)
+    full = client.completions.create(**kw)
+    assert full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage.prompt_tokens > 0 and 0 < full.usage.completion_tokens <= 12
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hello world! 你好"}], max_tokens=10,
+              temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    full = client.chat.completions.create(**kw)
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and isinstance(msg.content, str)
+    assert full.usage.completion_tokens <= 10
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == msg.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_raw_http_sse_and_batch_prompts(url):
+    body = {"model": MODEL, "prompt": ["Hello", [10, 20, 30]], "max_tokens": 5, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        assert s.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in s.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    got = ["", ""]
+    for ln in lines[:-1]:
+        c = json.loads(ln.removeprefix("data: "))["choices"][0]
+        got[c["index"]] += c["text"]
+    assert got == texts
+
+
+def test_32_concurrent_streams(client, url):
+    prompts = [f"Request {i}: hello world {i * 7}" for i in range(32)]
+    kw = dict(model=MODEL, max_tokens=8, temperature=0)
+    expected = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+        async def one(p):
+            text = ""
+            async for c in await aclient.completions.create(prompt=p, stream=True, **kw):
+                text += c.choices[0].text
+            return text
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await aclient.close()
+    assert asyncio.run(run()) == expected
+    st = wait_idle(url)
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_disconnect_mid_stream_frees_blocks(url):
+    body = {"model": MODEL, "prompt": "Disconnect me", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    before = wait_idle(url)["generated_tokens"]
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
+        for i, _ in enumerate(s.iter_lines()):
+            if i >= 3:
+                break                     # closing the response drops the connection mid-stream
+    st = wait_idle(url)
+    assert st["running"] == st["waiting"] == 0
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+    assert 0 < st["generated_tokens"] - before < 100, "the request was not aborted"
+
+
+@pytest.mark.parametrize("bad, param", [
+    (b"{not json", None),
+    (b"[1, 2]", None),
+    ({"model": "gpt-4", "prompt": "hi"}, "model"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "hi", "stop": 5}, "stop"),
+    ({"prompt": "hi", "n": 3}, "n"),
+    ({"prompt": 42}, "prompt"),
+    ({"prompt": [1, 10**9]}, "prompt"),
+    ({"prompt": "x" * 400}, "prompt"),
+    ({"prompt": "hi", "max_tokens": 500}, "max_tokens"),
+    ({"messages": "hi"}, "messages"),
+])
+def test_invalid_requests_get_400_and_server_keeps_serving(url, bad, param):
+    route = "/v1/chat/completions" if isinstance(bad, dict) and "messages" in bad else "/v1/completions"
+    if isinstance(bad, dict):
+        r = httpx.post(url + route, json={"model": MODEL, **bad} if "model" not in bad else bad, timeout=30)
+    else:
+        r = httpx.post(url + route, content=bad, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param
+    ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="no-such-model", prompt="hi")
+    assert "no-such-model" in str(e.value)
