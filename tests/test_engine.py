@@ -123,3 +123,10 @@ def test_stop_strings_and_eos(tiny_dir):
     assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == eos_tok
     assert stopped.token_ids == full.token_ids[:full.token_ids.index(eos_tok) + 1]
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_pallas_backend_equals_xla(tiny_dir, alone):
+    """The Pallas kernels (interpret mode on CPU) give the same greedy tokens as the XLA path."""
+    ps, ref = alone
+    llm = LLM(tiny_dir, **{**BASE, "attn_backend": "pallas", "kvcache_block_size": 16, "num_kvcache_blocks": 64})
+    assert tokens(llm, ps[:6]) == ref[:6]

@@ -26,7 +26,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, engine.kvcache_block_size, engine.enable_prefix_caching)
         self.scheduler = Scheduler(engine, self.block_manager, eos_token_ids)
         self.rng = np.random.default_rng(engine.seed)
-        self.counters = dict(prompt_tokens=0, generated_tokens=0, prefill_steps=0, decode_steps=0)
+        # kv_tokens_read: context tokens whose K/V the steps' attention had to read (for the roofline)
+        self.counters = dict(prompt_tokens=0, generated_tokens=0, prefill_steps=0, decode_steps=0,
+                             kv_tokens_read=0, padded_tokens=0)
         self.compilations_at_warmup = compilation_count()
 
     def warmup(self, progress=None) -> None:
@@ -75,6 +77,8 @@ class LLMEngine:
             raise RuntimeError("scheduler found no work although requests are pending (pool too small?)")
         key = bucket_for(self.config, self.runner.widths, batch)
         packed = pack(batch, key[1], key[2], key[3], self.config.kvcache_block_size, self.runner.num_slots)
+        self.counters["kv_tokens_read"] += sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens))
+        self.counters["padded_tokens"] += key[1] - sum(batch.num_new_tokens)
         ids = np.asarray(self.runner.run(key, packed))[:len(batch.seqs)]
         updated = self.scheduler.postprocess(batch, ids)
         now = time.perf_counter()

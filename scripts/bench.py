@@ -1,0 +1,178 @@
+"""Throughput benchmark: nano-vllm's workload (256 requests, prompts of 100-1024 random token ids,
+100-1024 output tokens, ignore_eos, temperature 0.6, one warm-up generate), with a roofline report.
+
+    python scripts/bench.py                              # embedded Qwen3-0.6B, random bf16 weights
+    python scripts/bench.py --attn-backend xla --json out.json
+    python scripts/bench.py --latency                    # 1 request: 1024-token prompt, 256 outputs
+    python scripts/bench.py --model qwen3-8b
+
+The roofline: every step must read the weights once and the K/V of every context token it attends to;
+those bytes divided by the HBM bandwidth measured in this process give the floor time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+
+def workload(num_seqs: int, max_input: int, max_output: int, vocab: int = 151936, seed: int = 0):
+    """Exactly nano-vllm bench.py's prompts and lengths (same random calls, same order). Token ids are
+    taken modulo the vocabulary so tiny test models can run it too."""
+    from jaxinfer import SamplingParams
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) % vocab for _ in range(random.randint(100, max_input))]
+               for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, max_output))
+              for _ in range(num_seqs)]
+    return prompts, params
+
+
+def measure_bandwidth() -> float:
+    """Device copy bandwidth (bytes/s): a jitted y = x + 1 over 1 GiB reads and writes 1 GiB each."""
+    import jax
+    import jax.numpy as jnp
+    if jax.devices()[0].platform != "gpu":
+        n = 64 * 2**20
+    else:
+        n = 2**30
+    x = jnp.ones((n // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a + 1)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n / float(np.median(times))
+
+
+def pct(xs, q):
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
+    """st: the engine counters of the timed run only."""
+    from jaxinfer.engine.runner import kv_bytes_per_block
+    mc = llm.model_config
+    out_tokens = sum(len(o.token_ids) for o in outs)
+    in_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    steps = st["prefill_steps"] + st["decode_steps"]
+    dtype_bytes = 2 if llm.config.dtype != "float32" else 4
+    weight_bytes = mc.num_params() * dtype_bytes
+    kv_per_token = kv_bytes_per_block(mc, 1, llm.config.dtype)
+    need = weight_bytes * steps + kv_per_token * st["kv_tokens_read"]
+    floor = need / bw
+    ttft = [o.metrics["ttft_s"] * 1e3 for o in outs if "ttft_s" in o.metrics]
+    tpot = [o.metrics["tpot_s"] * 1e3 for o in outs if "tpot_s" in o.metrics]
+    r = dict(model=args.model, attn_backend=llm.config.attn_backend, num_seqs=len(outs),
+             output_tokens=out_tokens, prompt_tokens=in_tokens, wall_s=wall,
+             output_tok_s=out_tokens / wall, total_tok_s=(out_tokens + in_tokens) / wall,
+             prefill_steps=st["prefill_steps"], decode_steps=st["decode_steps"],
+             compilations_after_warmup=st["compilations"], preemptions=st["preemptions"],
+             padded_tokens=st["padded_tokens"],
+             ttft_ms_p50=pct(ttft, 50), ttft_ms_p90=pct(ttft, 90), ttft_ms_p99=pct(ttft, 99),
+             tpot_ms_p50=pct(tpot, 50), tpot_ms_p90=pct(tpot, 90), tpot_ms_p99=pct(tpot, 99),
+             bytes_needed=need, bandwidth_GBs=bw / 1e9, floor_s=floor, pct_of_floor=100 * floor / wall,
+             achieved_GBs=need / wall / 1e9, warmup_s=args.warmup_s)
+    print(f"\n== {args.model} | backend={r['attn_backend']} | {len(outs)} requests ==")
+    print(f"output: {out_tokens} tok in {wall:.2f} s = {r['output_tok_s']:,.0f} tok/s "
+          f"(total {r['total_tok_s']:,.0f} tok/s incl. {in_tokens} prompt tokens)")
+    print(f"steps: {r['prefill_steps']} prefill + {r['decode_steps']} decode; compilations after warm-up: "
+          f"{r['compilations_after_warmup']}; preemptions: {r['preemptions']}; warm-up {args.warmup_s:.1f} s")
+    print(f"TTFT ms p50/p90/p99: {r['ttft_ms_p50']:.1f}/{r['ttft_ms_p90']:.1f}/{r['ttft_ms_p99']:.1f}; "
+          f"TPOT ms p50/p90/p99: {r['tpot_ms_p50']:.2f}/{r['tpot_ms_p90']:.2f}/{r['tpot_ms_p99']:.2f}")
+    print(f"roofline: {need / 1e12:.2f} TB must be read (weights once per step + KV of every context token); "
+          f"at the measured {bw / 1e12:.2f} TB/s the floor is {floor:.2f} s -> achieved {r['pct_of_floor']:.1f}% "
+          f"of the floor ({r['achieved_GBs']:,.0f} GB/s)")
+    return r
+
+
+def build(args):
+    from jaxinfer import LLM
+    t = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, attn_backend=args.attn_backend, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+              num_kvcache_blocks=args.num_kvcache_blocks, kvcache_block_size=args.block_size,
+              decode_buckets=args.decode_buckets, prefill_buckets=args.prefill_buckets)
+    args.warmup_s = time.perf_counter() - t
+    return llm
+
+
+def run_throughput(args) -> dict:
+    from jaxinfer import SamplingParams
+    llm = build(args)
+    prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, llm.model_config.vocab_size)
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)            # warm-up, as nano-vllm
+    before = llm.stats()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    after = llm.stats()
+    st = {k: after[k] - before[k] for k in ("prefill_steps", "decode_steps", "kv_tokens_read", "padded_tokens",
+                                           "preemptions")}
+    st["compilations"] = after["compilations"]
+    return report(llm, st, outs, wall, measure_bandwidth(), args)
+
+
+def run_latency(args) -> dict:
+    from jaxinfer import SamplingParams
+    llm = build(args)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 10000, args.latency_prompt).tolist()
+    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.latency_output)
+    llm.generate([prompt[:8]], sp, use_tqdm=False)
+    llm.engine.block_manager.prefix_caching = False       # measure a cold prompt
+    ttfts, tpots = [], []
+    for i in range(3):
+        o = llm.generate([[(t + i) % 10000 for t in prompt]], sp, use_tqdm=False)[0]
+        ttfts.append(o.metrics["ttft_s"] * 1e3)
+        tpots.append(o.metrics["tpot_s"] * 1e3)
+    r = dict(model=args.model, attn_backend=args.attn_backend, prompt_tokens=args.latency_prompt,
+             output_tokens=args.latency_output, ttft_ms=float(np.median(ttfts)), tpot_ms=float(np.median(tpots)),
+             compilations_after_warmup=llm.stats()["compilations"])
+    print(f"latency ({args.model}, {args.attn_backend}): TTFT {r['ttft_ms']:.1f} ms for {args.latency_prompt} "
+          f"prompt tokens; TPOT {r['tpot_ms']:.2f} ms over {args.latency_output} tokens (median of 3)")
+    return r
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-0.6b", help="preset name (random weights) or checkpoint dir")
+    ap.add_argument("--attn-backend", default="pallas", choices=["xla", "pallas"])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--max-input-len", type=int, default=1024)
+    ap.add_argument("--max-output-len", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-kvcache-blocks", type=int, default=None)
+    ap.add_argument("--decode-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
+    ap.add_argument("--prefill-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
+    ap.add_argument("--latency", action="store_true", help="one request: TTFT and TPOT")
+    ap.add_argument("--latency-prompt", type=int, default=1024)
+    ap.add_argument("--latency-output", type=int, default=256)
+    ap.add_argument("--json", default=None, help="write the results here")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    r = run_latency(args) if args.latency else run_throughput(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return r
+
+
+if __name__ == "__main__":
+    main()
