@@ -24,7 +24,7 @@ from pallas_kernels._common import LOG2E, NEG_BIG, check_paged_inputs, dot_preci
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 64
-DEFAULT_NUM_WARPS = 8
+DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
 
 
@@ -173,15 +173,17 @@ def flash_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arr
     row_ok = (row < end[:, None]) & real[:, None]
     row_c = jnp.clip(row, 0, num_tokens - 1)
     pos = (seq_lens[b] - (cu_seqlens_q[b + 1] - cu_seqlens_q[b]) - cu_seqlens_q[b])[:, None] + row  # [NT, C]
-    k = k_cache[block_tables[b]].reshape(b.shape[0], -1, kv_heads, head_dim).astype(jnp.float32)  # [NT, S, K, D]
-    v = v_cache[block_tables[b]].reshape(b.shape[0], -1, kv_heads, head_dim).astype(jnp.float32)
-    qt = q[row_c].reshape(*row.shape, kv_heads, heads // kv_heads, head_dim).astype(jnp.float32)  # [NT, C, K, G, D]
-    s = jnp.einsum("nckgd,nskd->nkgcs", qt, k, precision=jax.lax.Precision.HIGHEST) * scale  # [NT, K, G, C, S]
+    k = k_cache[block_tables[b]].reshape(b.shape[0], -1, kv_heads, head_dim)  # [NT, S, K, D]
+    v = v_cache[block_tables[b]].reshape(b.shape[0], -1, kv_heads, head_dim)
+    qt = q[row_c].reshape(*row.shape, kv_heads, heads // kv_heads, head_dim)  # [NT, C, K, G, D]
+    s = jnp.einsum("nckgd,nskd->nkgcs", qt, k, precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32) * scale  # [NT, K, G, C, S]
     visible = jnp.arange(k.shape[1])[None, None, :] <= pos[:, :, None]  # [NT, C, S]
     s = jnp.where(visible[:, None, None], s, -jnp.inf)
     p = jnp.exp(s - jnp.maximum(s.max(axis=-1, keepdims=True), -1e30))
     p = p / jnp.maximum(p.sum(axis=-1, keepdims=True), 1e-30)
-    out = jnp.einsum("nkgcs,nskd->nckgd", p, v, precision=jax.lax.Precision.HIGHEST)  # [NT, C, K, G, D]
+    out = jnp.einsum("nkgcs,nskd->nckgd", p, v.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)  # [NT, C, K, G, D]
     out = out.reshape(-1, heads, head_dim).astype(q.dtype)
     dest = jnp.where(row_ok, row, num_tokens).reshape(-1)  # rows not in a real tile are dropped
     return jnp.zeros_like(q).at[dest].set(out, mode="drop")

@@ -60,10 +60,8 @@ def test_reference_matches_dense(case):
     n_new, ctx, block_size, heads, kv_heads, head_dim, pad = CASES[case]
     q, k, v, tables, cu, seq_lens = make_prefill(np.random.default_rng(1), n_new, ctx, block_size, heads, kv_heads,
                                                  head_dim, jnp.float32, pad)
-    for chunk in (4, 16):
-        ref = flash_attention_reference(q, k, v, tables, cu, seq_lens, q_chunk=chunk)
-        np.testing.assert_allclose(np.asarray(ref), dense_prefill(q, k, v, tables, cu, seq_lens), atol=1e-5,
-                                   rtol=1e-5)
+    ref = flash_attention_reference(q, k, v, tables, cu, seq_lens, q_chunk=4)  # chunks straddle tokens unevenly
+    np.testing.assert_allclose(np.asarray(ref), dense_prefill(q, k, v, tables, cu, seq_lens), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -1,0 +1,257 @@
+"""Attention kernel bench on Qwen3-0.6B shapes (H=16, K=8, D=128, bf16, page 16): XLA vs Pallas vs cuDNN.
+
+Decode: effective TB/s = bytes of K and V the batch really needs / time, next to the copy bandwidth measured in
+the same run. Prefill: causal TFLOP/s (only the visible half of each score matrix counted), next to the bf16
+matmul rate measured in the same run. Each time is the median of several timed runs of a jitted loop that
+applies the kernel `n` times (output fed back as the next query), so dispatch overhead is amortised.
+
+  PYTHONPATH=. python scripts/bench_kernels.py [--quick] [--sweep] [--json PATH]
+  PYTHONPATH=. python scripts/bench_kernels.py --smoke   # CPU, interpret mode, tiny shapes: checks the script
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+import warnings
+
+warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels.flash_attention import flash_attention, flash_attention_reference  # noqa: E402
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
+
+H, K, D, PAGE, DTYPE = 16, 8, 128, 16, jnp.bfloat16
+
+
+def time_loop(fn, q, *args, est_s: float, repeats: int = 7) -> float:
+    """Seconds per application of fn(q, *args) -> same shape as q, timed inside one jitted fori_loop."""
+    n = int(min(200, max(3, 3e-3 / max(est_s, 1e-7))))
+    loop = jax.jit(lambda q, *a: jax.lax.fori_loop(0, n, lambda i, x: fn(x, *a), q))
+    loop(q, *args).block_until_ready()  # compile + warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        loop(q, *args).block_until_ready()
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
+
+
+def machine_ceilings(smoke: bool) -> dict:
+    """Copy bandwidth (read + write bytes of a 2 GiB array) and bf16 matmul rate (8192^3), measured now."""
+    n = 1 << (14 if smoke else 30)
+    x = jnp.ones((n,), DTYPE)
+    copy_s = time_loop(lambda x: -x, x, est_s=1e-3)  # exact, so XLA cannot drop it
+    m = 256 if smoke else 8192
+    a = jnp.ones((m, m), DTYPE) * 0.001
+    mm_s = time_loop(lambda x: jnp.dot(x, a), a, est_s=1.5e-3)
+    return {"copy_tbps": 2 * n * 2 / copy_s / 1e12, "matmul_tflops": 2 * m ** 3 / mm_s / 1e12}
+
+
+def paged_cache(key, batch, max_blocks):
+    """Cache of exactly batch * max_blocks pages (cuDNN's paged API wants that), scattered by a permutation."""
+    kk, kv, kp = jax.random.split(key, 3)
+    pages = batch * max_blocks
+    k = jax.random.normal(kk, (pages, PAGE, K, D), DTYPE)
+    v = jax.random.normal(kv, (pages, PAGE, K, D), DTYPE)
+    tables = jax.random.permutation(kp, pages).astype(jnp.int32).reshape(batch, max_blocks)
+    return k, v, tables
+
+
+def cudnn_paged_decode():
+    """cuDNN paged attention is only reachable through JAX's private cuDNN module (not jax.nn)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    def run(q, k, v, tables, lens, scale):
+        b = q.shape[0]
+        pt = tables.reshape(b, 1, -1, 1)
+        out = fa.paged_attention(q[:, None], k, v, jnp.ones((b,), jnp.int32), lens, pt, pt, scale=scale,
+                                 mask_type=fa.MaskType.PADDING)
+        return out[:, 0]
+    return run
+
+
+def bench_decode(batch, ctx, ceil, opts, smoke, impls=("xla", "pallas", "cudnn")):
+    max_blocks = -(-ctx // PAGE)
+    k, v, tables = paged_cache(jax.random.PRNGKey(batch * 7 + ctx), batch, max_blocks)
+    q = jax.random.normal(jax.random.PRNGKey(1), (batch, H, D), DTYPE)
+    lens = jnp.full((batch,), ctx, jnp.int32)
+    nbytes = batch * ctx * K * D * 2 * 2  # K and V rows really needed
+    est = nbytes / 2e12 + 5e-6
+    scale = D ** -0.5
+    fns = {"xla": lambda q, k, v, t, l: paged_attention_reference(q, k, v, t, l),
+           "pallas": lambda q, k, v, t, l: paged_attention(q, k, v, t, l, interpret=smoke, **opts)}
+    if "cudnn" in impls and not smoke:
+        try:
+            fns["cudnn"] = functools.partial(cudnn_paged_decode(), scale=scale)
+        except Exception as err:  # noqa: BLE001
+            print(f"  cudnn paged unavailable: {type(err).__name__}: {err}")
+    row = {"batch": batch, "ctx": ctx, "bytes": nbytes}
+    for name, fn in fns.items():
+        if name not in impls:
+            continue
+        try:
+            row[name + "_s"] = time_loop(fn, q, k, v, tables, lens, est_s=est * (6 if name == "xla" else 1))
+        except Exception as err:  # noqa: BLE001
+            row[name + "_s"] = None
+            print(f"  decode {name} B={batch} ctx={ctx} failed: {type(err).__name__}: {str(err)[:300]}")
+    if row.get("pallas_s"):
+        row["pallas_tbps"] = nbytes / row["pallas_s"] / 1e12
+        row["pct_copy_bw"] = 100 * row["pallas_tbps"] / ceil["copy_tbps"]
+    return row
+
+
+def prefill_case(n_new, prefix, key):
+    ctx = [n + p for n, p in zip(n_new, prefix)]
+    batch, max_blocks = len(n_new), -(-max(ctx) // PAGE)
+    k, v, tables = paged_cache(key, batch, max_blocks)
+    cu = jnp.asarray([0] + list(jnp.cumsum(jnp.asarray(n_new))), jnp.int32)
+    q = jax.random.normal(jax.random.PRNGKey(2), (sum(n_new), H, D), DTYPE)
+    flops = sum(4 * D * H * (n * p + n * (n + 1) // 2) for n, p in zip(n_new, prefix))  # visible scores only
+    return q, k, v, tables, cu, jnp.asarray(ctx, jnp.int32), flops
+
+
+def bench_prefill(name, n_new, prefix, ceil, opts, smoke, impls=("xla", "pallas", "cudnn")):
+    q, k, v, tables, cu, lens, flops = prefill_case(n_new, prefix, jax.random.PRNGKey(len(n_new)))
+    est = flops / 2e14 + 1e-5
+    fns = {"xla": lambda q, k, v, t, c, l: flash_attention_reference(q, k, v, t, c, l),
+           "pallas": lambda q, k, v, t, c, l: flash_attention(q, k, v, t, c, l, interpret=smoke, **opts)}
+    row = {"case": name, "tokens": sum(n_new), "flops": flops}
+    for impl, fn in fns.items():
+        if impl not in impls:
+            continue
+        try:
+            row[impl + "_s"] = time_loop(fn, q, k, v, tables, cu, lens, est_s=est * (20 if impl == "xla" else 1))
+        except Exception as err:  # noqa: BLE001
+            row[impl + "_s"] = None
+            print(f"  prefill {impl} {name} failed: {type(err).__name__}: {str(err)[:300]}")
+    uniform = len(set(n_new)) == 1 and not any(prefix)
+    if "cudnn" in impls and not smoke and uniform:  # dense equivalent: [B, n, heads, D], contiguous K/V
+        b, n = len(n_new), n_new[0]
+        kd = jax.random.normal(jax.random.PRNGKey(5), (b, n, K, D), DTYPE)
+        vd = jax.random.normal(jax.random.PRNGKey(6), (b, n, K, D), DTYPE)
+
+        def dense(q, kd, vd):
+            out = jax.nn.dot_product_attention(q.reshape(b, n, H, D), kd, vd, is_causal=True,
+                                               implementation="cudnn")
+            return out.reshape(q.shape)
+        try:
+            row["cudnn_s"] = time_loop(dense, q, kd, vd, est_s=est)
+        except Exception as err:  # noqa: BLE001
+            row["cudnn_s"] = None
+            print(f"  prefill cudnn {name} failed: {type(err).__name__}: {str(err)[:300]}")
+    if row.get("pallas_s"):
+        row["pallas_tflops"] = flops / row["pallas_s"] / 1e12
+        row["pct_matmul_peak"] = 100 * row["pallas_tflops"] / ceil["matmul_tflops"]
+    return row
+
+
+def ratio(a, b):
+    return f"{a / b:6.2f}x" if a and b else "    n/a"
+
+
+def us(x):
+    return f"{x * 1e6:9.1f}" if x else "      n/a"
+
+
+def print_decode(rows):
+    print("\nDecode (paged, page 16): time in us; TB/s = K+V bytes needed / Pallas time")
+    print(f"{'B':>4} {'ctx':>5} | {'XLA':>9} {'Pallas':>9} {'cuDNN':>9} | {'TB/s':>6} {'%copy':>6} | "
+          f"{'vs XLA':>7} {'vs cuDNN':>8}")
+    for r in rows:
+        print(f"{r['batch']:>4} {r['ctx']:>5} | {us(r.get('xla_s'))} {us(r.get('pallas_s'))} {us(r.get('cudnn_s'))} | "
+              f"{r.get('pallas_tbps', 0):6.2f} {r.get('pct_copy_bw', 0):5.0f}% | "
+              f"{ratio(r.get('xla_s'), r.get('pallas_s'))} {ratio(r.get('cudnn_s'), r.get('pallas_s')):>8}")
+
+
+def print_prefill(rows):
+    print("\nPrefill (causal varlen over the paged cache): time in us; TFLOP/s counts visible scores only")
+    print(f"{'case':>14} {'tokens':>6} | {'XLA':>9} {'Pallas':>9} {'cuDNN':>9} | {'TFLOP/s':>7} {'%mm':>5} | "
+          f"{'vs XLA':>7} {'vs cuDNN':>8}")
+    for r in rows:
+        print(f"{r['case']:>14} {r['tokens']:>6} | {us(r.get('xla_s'))} {us(r.get('pallas_s'))} "
+              f"{us(r.get('cudnn_s'))} | {r.get('pallas_tflops', 0):7.1f} {r.get('pct_matmul_peak', 0):4.0f}% | "
+              f"{ratio(r.get('xla_s'), r.get('pallas_s'))} {ratio(r.get('cudnn_s'), r.get('pallas_s')):>8}")
+
+
+PREFILL_CASES = {  # name: (new tokens per sequence, cached prefix per sequence)
+    "1x512": ([512], [0]), "4x512": ([512] * 4, [0] * 4), "8x1024": ([1024] * 8, [0] * 8),
+    "16x1024": ([1024] * 16, [0] * 16), "1x8192": ([8192], [0]),
+    "mixed+prefix": ([2048, 1024, 1024, 512, 512, 1536, 1024, 512], [0, 2048, 0, 1024, 3072, 512, 0, 256]),
+}
+
+
+def sweep(ceil, smoke):
+    """Small tile sweep at the shapes that matter for the targets."""
+    out = {"decode": [], "prefill": []}
+    variants = [dict(block_n=64, num_warps=4, num_stages=3, prefetch_pages=False),
+                dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=64, num_warps=4, num_stages=3),
+                dict(block_n=64, num_warps=4, num_stages=4), dict(block_n=128, num_warps=4, num_stages=3),
+                dict(block_n=32, num_warps=4, num_stages=4), dict(block_n=64, num_warps=2, num_stages=3)]
+    for b, ctx in ((64, 1024), (256, 1024)):
+        for opts in variants + [dict(num_splits=1), dict(num_splits=2), dict(num_splits=4)]:
+            r = bench_decode(b, ctx, ceil, opts, smoke, impls=("pallas",))
+            out["decode"].append({**opts, "batch": b, "ctx": ctx, "tbps": r.get("pallas_tbps")})
+            print(f"  sweep decode B={b} ctx={ctx} {opts}: {r.get('pallas_tbps') or 0:.2f} TB/s", flush=True)
+    for bq, bk, warps, stages in ((128, 64, 4, 3), (128, 64, 4, 2), (128, 128, 4, 2), (128, 32, 4, 3),
+                                  (128, 64, 4, 4), (64, 32, 4, 3)):
+        opts = dict(block_q=bq, block_k=bk, num_warps=warps, num_stages=stages)
+        for name in ("1x8192", "8x1024"):
+            r = bench_prefill(name, *PREFILL_CASES[name], ceil, opts, smoke, impls=("pallas",))
+            out["prefill"].append({**opts, "case": name, "tflops": r.get("pallas_tflops")})
+            print(f"  sweep prefill {name} {opts}: {r.get('pallas_tflops') or 0:.1f} TFLOP/s", flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--sweep", action="store_true", help="also run a small tile-size sweep")
+    ap.add_argument("--only-sweep", action="store_true", help="run only the tile-size sweep")
+    ap.add_argument("--json", help="write all results to this path")
+    ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shapes (checks the script)")
+    args = ap.parse_args()
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    ceil = machine_ceilings(args.smoke)
+    print(f"measured ceilings: copy {ceil['copy_tbps']:.2f} TB/s, bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s")
+    if args.only_sweep:
+        result = {"ceilings": ceil, "sweep": sweep(ceil, args.smoke)}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return
+    if args.smoke:
+        batches, contexts, cases = (2,), (40,), {"2x24": ([24, 9], [0, 20])}
+    elif args.quick:
+        batches, contexts = (1, 64, 256), (1024, 4096)
+        cases = {k: PREFILL_CASES[k] for k in ("1x512", "8x1024", "1x8192", "mixed+prefix")}
+    else:
+        batches, contexts, cases = (1, 16, 64, 256), (128, 512, 1024, 2048, 4096), PREFILL_CASES
+    dec_opts = dict(block_n=16) if args.smoke else {}
+    pre_opts = dict(block_q=16, block_k=16) if args.smoke else {}
+    decode = []
+    for b in batches:
+        for ctx in contexts:
+            decode.append(bench_decode(b, ctx, ceil, dec_opts, args.smoke))
+            print(f"  decode B={b} ctx={ctx} done", flush=True)
+    print_decode(decode)
+    prefill = []
+    for name, (n_new, prefix) in cases.items():
+        prefill.append(bench_prefill(name, n_new, prefix, ceil, pre_opts, args.smoke))
+        print(f"  prefill {name} done", flush=True)
+    print_prefill(prefill)
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "ceilings": ceil,
+              "decode": decode, "prefill": prefill}
+    if args.sweep and not args.smoke:
+        result["sweep"] = sweep(ceil, args.smoke)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
