@@ -54,20 +54,15 @@ def check_paged_inputs(name: str, q_heads: int, head_dim: int, q_dtype, k_cache,
         raise ValueError(f"{name}: seq_lens must be int32, got {seq_lens.dtype}")
 
 
-def page_ids(bt_ref, b, tok, block_size: int):
-    """Physical block id of each context position `tok` ([N] int32, 0 <= tok < seq_len) of sequence b."""
-    return bt_ref[b, tok // block_size]  # [N] (each id repeated block_size times)
-
-
-def load_rows(k_ref, v_ref, page, tok, kh, block_size: int):
-    """Gathers the K and V rows [N, D] of positions `tok` on pages `page`, kv head kh, straight from the cache."""
-    slot = tok % block_size
-    return k_ref[page, slot, kh, :], v_ref[page, slot, kh, :]
-
-
 def load_kv_tile(k_ref, v_ref, bt_ref, b, kh, tok, block_size: int):
-    """K and V rows [N, D] of positions `tok` of sequence b through the block table: no gathered copy in HBM."""
-    return load_rows(k_ref, v_ref, page_ids(bt_ref, b, tok, block_size), tok, kh, block_size)
+    """Gathers K and V rows of context positions `tok` ([N] int32, all < seq_len) of sequence b, kv head kh.
+
+    Each row is read straight from its page through the block table: no gathered copy in HBM.
+    Returns k, v: [N, D].
+    """
+    page = bt_ref[b, tok // block_size]  # [N] physical block ids (each repeated block_size times)
+    slot = tok % block_size  # [N]
+    return k_ref[page, slot, kh, :], v_ref[page, slot, kh, :]
 
 
 def dot_precision(dtype):

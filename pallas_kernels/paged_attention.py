@@ -18,8 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._common import (LOG2E, NEG_BIG, check_paged_inputs, dot_precision, load_kv_tile, load_rows,
-                                    next_pow2, page_ids)
+from pallas_kernels._common import LOG2E, NEG_BIG, check_paged_inputs, dot_precision, load_kv_tile, next_pow2
 
 NUM_SMS = 132  # H200; only used to pick the number of context splits.
 DEFAULT_BLOCK_N = 64  # tokens per tile (4 pages of 16)
@@ -37,8 +36,7 @@ def choose_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int 
 
 
 def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                   scale: float, block_size: int, group: int, rows: int, block_n: int, num_splits: int,
-                   prefetch_pages: bool):
+                   scale: float, block_size: int, group: int, rows: int, block_n: int, num_splits: int):
     kh, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[-1]
     length = seq_lens_ref[b]
@@ -55,19 +53,12 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
     prec = dot_precision(q.dtype)
     qk_scale = scale * LOG2E  # softmax in base 2
 
-    def tile_tokens(i):  # [N] positions of tile i, clamped into [0, length) so every read is a real row
-        tok = start + i * block_n + jnp.arange(block_n)
-        return tok, jnp.maximum(jnp.minimum(tok, length - 1), 0)
-
     def body(i, carry):
-        acc, m, l, page = carry
-        tok, tok_c = tile_tokens(i)
+        acc, m, l = carry
+        tok = start + i * block_n + jnp.arange(block_n)  # [N]
         valid = tok < end
-        if prefetch_pages:  # page ids were fetched one tile ahead: K/V addresses do not wait on a load
-            k, v = load_rows(k_ref, v_ref, page, tok_c, kh, block_size)
-            page = page_ids(bt_ref, b, tile_tokens(i + 1)[1], block_size)
-        else:
-            k, v = load_kv_tile(k_ref, v_ref, bt_ref, b, kh, tok_c, block_size)
+        # Positions past the end read the last real row (in bounds, finite) and are masked below.
+        k, v = load_kv_tile(k_ref, v_ref, bt_ref, b, kh, jnp.minimum(tok, length - 1), block_size)
         s = plt.dot(q, k, trans_b=True, precision=prec) * qk_scale  # [rows, N] fp32
         s = jnp.where(valid[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -75,13 +66,12 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
         p = jnp.exp2(s - m_new[:, None])
         l = l * alpha + p.sum(axis=1)
         acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v, precision=prec)
-        return acc, m_new, l, page
+        return acc, m_new, l
 
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), NEG_BIG, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
-    page = page_ids(bt_ref, b, tile_tokens(0)[1], block_size) if prefetch_pages else jnp.zeros((), jnp.int32)
-    acc, m, l, _ = jax.lax.fori_loop(0, num_tiles, body, (acc, m, l, page))
+    acc, m, l = jax.lax.fori_loop(0, num_tiles, body, (acc, m, l))
 
     nonempty = l > 0
     out = acc / jnp.where(nonempty, l, 1.0)[:, None]  # empty split / padding row -> zeros
@@ -93,9 +83,9 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_n", "num_splits", "num_warps",
-                                             "num_stages", "prefetch_pages"))
+                                             "num_stages"))
 def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, interpret, block_n, num_splits,
-                     num_warps, num_stages, prefetch_pages):
+                     num_warps, num_stages):
     batch, heads, head_dim = q.shape  # [B, H, D]
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -104,7 +94,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, inte
     seq_lens = jnp.clip(seq_lens, 0, block_tables.shape[1] * block_size)
     part_dtype = q.dtype if num_splits == 1 else jnp.float32
     kernel = functools.partial(_decode_kernel, scale=scale, block_size=block_size, group=group, rows=rows,
-                               block_n=block_n, num_splits=num_splits, prefetch_pages=prefetch_pages)
+                               block_n=block_n, num_splits=num_splits)
     out, lse = pl.pallas_call(
         kernel,
         grid=(kv_heads, num_splits, batch),
@@ -125,14 +115,12 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, inte
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
                     seq_lens: jax.Array, *, scale: float | None = None, interpret: bool = False,
                     block_n: int = DEFAULT_BLOCK_N, num_splits: int | None = None,
-                    num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES,
-                    prefetch_pages: bool = True) -> jax.Array:
+                    num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES) -> jax.Array:
     """Decode attention: q [B, H, D] (one token per sequence) over the paged cache [P, block_size, K, D].
 
     seq_lens[b] counts the context including the new token (already written); 0 marks a padding row (zeros out).
     Tile options: block_n (tokens per tile, power of two >= 16), num_splits (context splits, None = auto),
-    num_warps, num_stages, prefetch_pages (fetch the next tile's page ids one iteration ahead).
-    Returns [B, H, D] in q's dtype.
+    num_warps, num_stages. Returns [B, H, D] in q's dtype.
     """
     if q.ndim != 3:
         raise ValueError(f"paged_attention: q must be [B, H, D], got shape {q.shape}")
@@ -146,8 +134,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
         raise ValueError(f"paged_attention: num_splits must be >= 1, got {num_splits}")
     scale = float(head_dim ** -0.5 if scale is None else scale)
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, interpret=interpret,
-                            block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-                            prefetch_pages=prefetch_pages)
+                            block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
 def paged_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,

@@ -64,14 +64,13 @@ def test_reference_matches_dense(lens, block_size, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("case,num_splits,prefetch", [(0, 1, True), (0, 3, False), (1, 2, True), (2, None, True)])
-def test_kernel_matches_reference(dtype, case, num_splits, prefetch):
+@pytest.mark.parametrize("case,num_splits", [(0, 1), (0, 3), (1, 2), (2, None)])
+def test_kernel_matches_reference(dtype, case, num_splits):
     lens, block_size, heads, kv_heads, head_dim = CASES[case]
     rng = np.random.default_rng(2)
     k, v, tables, seq_lens = make_paged(rng, lens, block_size, kv_heads, head_dim, dtype)
     q = jnp.asarray(rng.standard_normal((len(lens), heads, head_dim)), dtype)
-    out = paged_attention(q, k, v, tables, seq_lens, interpret=True, block_n=16, num_splits=num_splits,
-                          prefetch_pages=prefetch)
+    out = paged_attention(q, k, v, tables, seq_lens, interpret=True, block_n=16, num_splits=num_splits)
     ref = paged_attention_reference(q, k, v, tables, seq_lens)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not np.isnan(np.asarray(out, np.float32)).any()
