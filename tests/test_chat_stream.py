@@ -1,0 +1,89 @@
+"""LLM.stream (deltas as tokens arrive) and LLM.chat (chat template, enable_thinking) on a tiny checkpoint."""
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+
+# Same engine settings as test_engine.py: the compiled steps are shared within the pytest process.
+BASE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+            kvcache_block_size=4, num_kvcache_blocks=256, warmup=False)
+PROMPTS = ["你好，世界。", "Emoji: 😀 🚀", "The quick brown fox", [5, 6, 7, 8, 9]]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(tiny_dir, **BASE)
+
+
+def idle(llm):
+    st = llm.stats()
+    return st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == st["waiting"] == 0
+
+
+def collect(llm, prompts, sp):
+    texts, ids, reasons = {}, {}, {}
+    for d in llm.stream(prompts, sp):
+        assert reasons.get(d.request_id) is None, "delta after the last one"
+        texts[d.request_id] = texts.get(d.request_id, "") + d.text
+        ids[d.request_id] = ids.get(d.request_id, []) + d.token_ids
+        reasons[d.request_id] = d.finish_reason
+    return texts, ids, reasons
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=0, max_tokens=20),
+                                SamplingParams(temperature=0.8, seed=3, max_tokens=20),
+                                SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=["o", "好"])])
+def test_stream_deltas_concatenate_to_generate(llm, sp):
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    texts, ids, reasons = collect(llm, PROMPTS, sp)
+    assert [texts[i] for i in range(len(PROMPTS))] == [o.text for o in outs]
+    assert [ids[i] for i in range(len(PROMPTS))] == [o.token_ids for o in outs]
+    assert [reasons[i] for i in range(len(PROMPTS))] == [o.finish_reason for o in outs]
+    assert idle(llm)
+
+
+def test_stop_strings_cut_the_text(llm):
+    free = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    stop = next(o.text[3:5] for o in free if len(o.text) > 6 and "\ufffd" not in o.text[3:5])
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=stop),
+                       use_tqdm=False)
+    for f, o in zip(free, out):
+        if stop in f.text:
+            assert o.text == f.text[:f.text.index(stop)] and o.finish_reason == "stop"
+        else:
+            assert o.text == f.text and o.finish_reason == "length"
+
+
+def test_leaving_a_stream_early_aborts_and_frees_blocks(llm):
+    it = llm.stream(PROMPTS, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    first = next(it)
+    assert first.token_ids
+    assert not idle(llm)
+    it.close()
+    assert idle(llm)
+
+
+def test_chat_applies_the_template(llm):
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    [out] = llm.chat(conv, sp, use_tqdm=False)
+    assert out.prompt == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello world!<|im_end|>\n"
+                          "<|im_start|>assistant\n")
+    assert out.token_ids == llm.generate(out.prompt, sp, use_tqdm=False)[0].token_ids
+    [nothink] = llm.chat(conv, sp, chat_template_kwargs={"enable_thinking": False}, use_tqdm=False)
+    assert nothink.prompt == out.prompt + "<think>\n\n</think>\n\n"
+    many = llm.chat([conv, conv[1:]], sp, use_tqdm=False)
+    assert len(many) == 2 and many[0].token_ids == out.token_ids
+    assert idle(llm)
+
+
+@pytest.mark.parametrize("bad", [[], "hello", [{"role": "user"}], [{"content": "x"}], [[]]])
+def test_chat_rejects_bad_messages(llm, bad):
+    with pytest.raises(ValueError, match="message|conversation"):
+        llm.chat(bad, use_tqdm=False)
+    assert idle(llm)
+
+
+def test_preset_byte_tokenizer_chat_template():
+    from jaxinfer.tokenizer import ByteTokenizer
+    text = ByteTokenizer().apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n")

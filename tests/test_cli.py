@@ -1,0 +1,90 @@
+"""The `jaxinfer` command end to end on a tiny checkpoint (subprocesses), plus --help and errors in-process."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from jaxinfer import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--dtype", "float32", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "128",
+         "--kvcache-block-size", "4", "--num-kvcache-blocks", "128", "--no-warmup"]
+
+
+def jaxinfer(*args, stdin=None, timeout=240):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "jaxinfer", *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+@pytest.mark.parametrize("cmd", ["generate", "chat", "serve"])
+def test_help(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([cmd, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--max-num-seqs" in out and "--attn-backend" in out
+
+
+def test_generate(tiny_dir):
+    r = jaxinfer("generate", tiny_dir, "-p", "Hello world", "-p", "你好", "--max-tokens", "4", *SMALL)
+    assert r.returncode == 0, r.stderr
+    assert "Prompt: 'Hello world'" in r.stdout and "Prompt: '你好'" in r.stdout
+    assert r.stdout.count("Output: ") == 2 and "tokens/s" in r.stdout
+
+
+def test_chat_streams_and_keeps_history(tiny_dir):
+    r = jaxinfer("chat", tiny_dir, "--max-tokens", "3", "--temperature", "0", "--no-thinking", *SMALL,
+                 stdin="Hello\n\nHow are you?\n/reset\nHi\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("> ") and r.stdout.count("> ") >= 6   # a prompt per line read, /exit included
+    assert r.stdout.count("\n") >= 3 and "Traceback" not in r.stderr   # three replies, each ended by a newline
+
+
+def test_serve(tiny_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer", "serve", tiny_dir, "--port", str(port),
+                             "--served-model-name", "tiny", "--log-level", "warning", *SMALL],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url, end = f"http://127.0.0.1:{port}", time.time() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < end, "server did not come up"
+            time.sleep(0.5)
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_bad_input_is_a_clear_error(tmp_path):
+    r = jaxinfer("generate", str(tmp_path / "missing-dir"), *SMALL, timeout=120)
+    assert r.returncode == 2 and "error:" in r.stderr and "missing-dir" in r.stderr
+    assert cli.main(["generate", "--temperature", "-1"]) == 2       # fails before loading any model
+
+
+def test_bench_delegates_or_explains(monkeypatch, tmp_path, capsys):
+    script = tmp_path / "bench.py"
+    script.write_text("def main(argv):\n    print('BENCH', argv)\n    return 0\n")
+    monkeypatch.setattr(cli, "bench_script", lambda: str(script))
+    assert cli.main(["bench", "--num-seqs", "2"]) == 0
+    assert "BENCH ['--num-seqs', '2']" in capsys.readouterr().out
+    monkeypatch.setattr(cli, "bench_script", lambda: str(tmp_path / "nope.py"))
+    assert cli.main(["bench", "--help"]) == 2
+    assert "missing" in capsys.readouterr().err

@@ -1,0 +1,99 @@
+"""Incremental detokenization: streamed pieces concatenate to exactly the full decode (multi-byte UTF-8,
+BPE merges, special tokens), and stop strings are cut without ever streaming a part of them."""
+import numpy as np
+import pytest
+from helpers import make_tiny_model  # noqa: F401  (puts the repo root on sys.path)
+
+from jaxinfer.detokenizer import IncrementalDetokenizer, TextStream
+from jaxinfer.tokenizer import ByteTokenizer
+from scripts.make_tiny_model import build_tokenizer
+
+TEXTS = [
+    "你好，世界。今天天气很好。我们在学习推理引擎。",
+    "Emoji: 😀 🚀 ✨ 👍🏽 and a family 👨‍👩‍👧",
+    "Ça va? naïve café. The quick brown fox jumps over the lazy dog.",
+    "mixed 中文 and English 😀😀 ünïcödé 🚀\n  def main():\n    return 0",
+]
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return build_tokenizer(400)
+
+
+def stream_pieces(tok, ids, chunk=1):
+    d = IncrementalDetokenizer(tok)
+    pieces = [d.add(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    pieces.append(d.flush())
+    assert "".join(pieces) == d.text
+    return pieces
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_bpe_pieces_concatenate_to_the_text(bpe, text, chunk):
+    ids = bpe.encode(text, add_special_tokens=False)
+    pieces = stream_pieces(bpe, ids, chunk)
+    assert "".join(pieces) == bpe.decode(ids, skip_special_tokens=True) == text
+    assert not any("\ufffd" in p for p in pieces), pieces      # unfinished characters are held back
+    assert sum(bool(p) for p in pieces) > len(pieces) // 3       # and it really streams
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_tokenizer_holds_partial_characters(text):
+    tok = ByteTokenizer()
+    ids = tok.encode(text)
+    pieces = stream_pieces(tok, ids)
+    assert "".join(pieces) == text
+    emoji = list("😀".encode())
+    d = IncrementalDetokenizer(tok)
+    assert [d.add([b]) for b in emoji] == ["", "", "", "😀"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_ids_match_full_decode(bpe, seed):
+    """Arbitrary ids (invalid byte runs, special tokens, ids the tokenizer lacks) still concatenate exactly."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 420, 60).tolist()
+    for tok in (bpe, ByteTokenizer()):
+        assert "".join(stream_pieces(tok, ids)) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_special_tokens_are_skipped(bpe):
+    eos = bpe.convert_tokens_to_ids("<|im_end|>")
+    ids = bpe.encode("你好 world", add_special_tokens=False) + [eos]
+    assert "".join(stream_pieces(bpe, ids)) == "你好 world"
+
+
+def run_stream(tok, ids, stop, finish_at=None):
+    ts, deltas = TextStream(tok, stop), []
+    for n in range(1, len(ids) + 1):
+        finished = n == len(ids) if finish_at is None else n == finish_at
+        stopped = ts.update(ids[:n], finished=finished)
+        deltas.append(ts.pop_delta(ids[:n])[0])
+        if stopped or finished:
+            return ts, deltas
+    return ts, deltas
+
+
+def test_stop_string_is_cut_and_never_streamed(bpe):
+    text = "Hello world! How are you today? I am fine."
+    ids = bpe.encode(text, add_special_tokens=False)
+    ts, deltas = run_stream(bpe, ids, ("are you",))
+    assert ts.stopped and ts.text == "Hello world! How " == "".join(deltas)
+    assert not any("are" in d for d in deltas)
+
+
+def test_stop_string_across_multibyte_pieces(bpe):
+    text = "今天天气很好。我们在学习"
+    ids = bpe.encode(text, add_special_tokens=False)
+    ts, deltas = run_stream(bpe, ids, ("我们", "never"))
+    assert ts.text == "今天天气很好。" == "".join(deltas)
+
+
+def test_no_stop_match_releases_the_holdback_at_the_end(bpe):
+    text = "The quick brown fox jumps"
+    ids = bpe.encode(text, add_special_tokens=False)
+    ts, deltas = run_stream(bpe, ids, ("a long stop string",))
+    assert not ts.stopped and "".join(deltas) == text
+    assert deltas[-1]                                            # held-back tail comes out on finish
