@@ -159,9 +159,9 @@ class EngineConfig:
         if self.attn_backend not in ATTN_BACKENDS:
             raise ValueError(f"attn_backend={self.attn_backend!r} is not one of {ATTN_BACKENDS}")
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        object.__setattr__(self, "decode_buckets", tuple(self.decode_buckets or _pow2_upto(self.max_num_seqs)))
+        object.__setattr__(self, "decode_buckets", tuple(sorted(self.decode_buckets or _decode_buckets(self.max_num_seqs))))
         object.__setattr__(self, "prefill_buckets",
-                           tuple(self.prefill_buckets or _prefill_buckets(self.max_num_batched_tokens)))
+                           tuple(sorted(self.prefill_buckets or _prefill_buckets(self.max_num_batched_tokens))))
         if max(self.decode_buckets) < self.max_num_seqs:
             raise ValueError(f"decode_buckets={self.decode_buckets} do not reach max_num_seqs={self.max_num_seqs}")
         if max(self.prefill_buckets) < self.max_num_batched_tokens:
@@ -176,12 +176,14 @@ class EngineConfig:
         return dataclasses.replace(self, **kw)
 
 
-def _pow2_upto(n: int, start: int = 1) -> list[int]:
-    out, b = [], start
+def _decode_buckets(n: int) -> list[int]:
+    # 1, 8, 32, 64, 128, 256, ...: few buckets (each is a compilation); padding a decode batch costs
+    # little because padding rows have no context (attention skips them) and the weights dominate.
+    out, b = [1], 8
     while b < n:
         out.append(b)
-        b *= 2
-    return out + [n]
+        b = b * 4 if b < 32 else b * 2
+    return sorted(set(out + [n]))
 
 
 def _prefill_buckets(n: int) -> list[int]:

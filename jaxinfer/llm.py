@@ -49,7 +49,7 @@ class LLM:
                  num_kvcache_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
                  attn_backend: str = "xla", enable_prefix_caching: bool = True,
                  decode_buckets: tuple[int, ...] | None = None, prefill_buckets: tuple[int, ...] | None = None,
-                 seed: int = 0, warmup: bool = True):
+                 seed: int = 0, warmup: bool = True, async_scheduling: bool = True):
         self.config = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, kvcache_block_size=kvcache_block_size,
@@ -62,7 +62,7 @@ class LLM:
                              f"{self.model_config.max_position_embeddings}")
         eos = self.model_config.eos_token_id or tuple(
             t for t in [getattr(self.tokenizer, "eos_token_id", None)] if t is not None)
-        self.engine = LLMEngine(self.model_config, self.config, params, eos)
+        self.engine = LLMEngine(self.model_config, self.config, params, eos, async_scheduling)
         if warmup:
             buckets = self.engine.runner.buckets()
             with tqdm(total=len(buckets), desc="Compiling steps", disable=None) as bar:

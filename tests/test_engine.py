@@ -130,3 +130,10 @@ def test_pallas_backend_equals_xla(tiny_dir, alone):
     ps, ref = alone
     llm = LLM(tiny_dir, **{**BASE, "attn_backend": "pallas", "kvcache_block_size": 16, "num_kvcache_blocks": 64})
     assert tokens(llm, ps[:6]) == ref[:6]
+
+
+def test_sync_scheduling_gives_same_tokens(tiny_dir, alone):
+    """Async scheduling (step N+1 packed while N runs, tokens fed on device) changes nothing."""
+    ps, ref = alone
+    llm = LLM(tiny_dir, **{**BASE, "async_scheduling": False})
+    assert tokens(llm, ps) == ref

@@ -20,6 +20,7 @@ def seq(n, max_tokens=8, **kw):
 
 def run_step(s, tok=7):
     b = s.schedule()
+    s.on_dispatch(b)
     s.postprocess(b, [tok] * len(b.seqs))
     return b
 
@@ -30,10 +31,12 @@ def test_prefill_chunks_any_prompt_within_budget():
     s.add(a), s.add(b)
     b1 = s.schedule()
     assert b1.is_prefill and b1.num_new_tokens == [6, 4]          # b is split: 4 now ...
+    s.on_dispatch(b1)
     s.postprocess(b1, [7, 7])
     assert len(a) == 7 and len(b) == 9                            # a sampled; b mid-prompt did not
     b2 = s.schedule()
     assert b2.is_prefill and b2.seqs == [b] and b2.num_new_tokens == [5]   # ... 5 later
+    s.on_dispatch(b2)
     s.postprocess(b2, [7])
     b3 = s.schedule()
     assert not b3.is_prefill and b3.seqs == [a, b]
@@ -80,6 +83,7 @@ def test_preemption_of_newest_when_blocks_run_out():
     b3 = s.schedule()                                       # len 9 needs a 3rd block each: b is preempted
     assert b3.seqs == [a] and b.status is Status.WAITING and s.num_preemptions == 1
     assert b.block_table == [] and b.num_computed_tokens == 0 and s.waiting[0] is b
+    s.on_dispatch(b3)
     s.postprocess(b3, [7])
     while s.has_unfinished():
         run_step(s)

@@ -1,4 +1,8 @@
-"""Pack one scheduled step into the single padded int32 array the jitted step reads (numpy only)."""
+"""Pack one scheduled step into the single padded int32 array the jitted step reads (numpy only).
+
+The hot path is a decode step of up to 256 sequences, so per-row fields are built with one numpy call
+each (no per-sequence numpy ops); only prefill chunks (few per step) loop per sequence.
+"""
 from __future__ import annotations
 
 import bisect
@@ -7,6 +11,7 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.scheduler import ScheduledBatch
+from jaxinfer.engine.sequence import PLACEHOLDER
 from jaxinfer.step import FLOAT_FIELDS, batch_layout
 
 
@@ -28,31 +33,59 @@ def bucket_for(config: EngineConfig, widths: tuple[int, ...], batch: ScheduledBa
     return "decode", B, B, W
 
 
+def _tables(seqs, B: int, W: int) -> np.ndarray:
+    """Block tables [B, W]; each sequence's numpy copy is cached until its table grows."""
+    tables = np.zeros((B, W), np.int32)
+    for i, seq in enumerate(seqs):
+        t = seq.block_table
+        if seq._np_table is None or len(seq._np_table) != len(t):
+            seq._np_table = np.asarray(t, np.int32)
+        tables[i, :len(t)] = seq._np_table
+    return tables
+
+
 def pack(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slots: int) -> np.ndarray:
     layout = batch_layout(T, B, W)
     buf = np.zeros(layout["_size"][0], np.int32)
     f = {name: buf[off:off + n] for name, (off, n) in layout.items() if name != "_size"}
+    seqs, counts = batch.seqs, batch.num_new_tokens
+    n = len(seqs)
+    tables = _tables(seqs, B, W)
+    f["block_tables"][:] = tables.reshape(-1)
+    start = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, n)
+    count = np.asarray(counts, np.int32)
+    ends = np.cumsum(count, dtype=np.int32)
+    used = int(ends[-1])
+    f["slot_mapping"][:] = num_slots                              # padding tokens write nowhere
+    f["prev_row"][:] = -1
+    if batch.is_prefill:
+        t = 0
+        for seq, s0, c in zip(seqs, start.tolist(), counts):
+            f["token_ids"][t:t + c] = seq.token_ids[s0:s0 + c]
+            t += c
+        row = np.repeat(np.arange(n), count)
+        pos = np.arange(used, dtype=np.int32) - np.repeat(ends - count, count) + np.repeat(start, count)
+    else:                                                         # one token per row: fully vectorised
+        last = [s.token_ids[-1] for s in seqs]
+        f["token_ids"][:n] = last
+        # a token still on the device is read from the previous step's output, row s._row
+        f["prev_row"][:n] = [s._row if t == PLACEHOLDER else -1 for s, t in zip(seqs, last)]
+        row, pos = np.arange(n), start
+    f["positions"][:used] = pos
+    f["slot_mapping"][:used] = tables[row, pos // block_size] * block_size + pos % block_size
+    f["cu_seqlens"][1:n + 1] = ends
+    f["cu_seqlens"][n + 1:] = used
+    f["seq_lens"][:n] = start + count
+    f["sample_idx"][:n] = ends - 1
+    for i, s in enumerate(seqs):
+        s._row = i
+    params = [s.params for s in seqs]
+    f["top_k"][:n] = [p.top_k for p in params]
+    f["seeds"][:n] = [s.seed for s in seqs]
+    f["counters"][:n] = [s.num_output_tokens for s in seqs]
     fl = {name: f[name].view(np.float32) for name in FLOAT_FIELDS}
-    f["slot_mapping"][:] = num_slots                 # padding tokens write nowhere
-    f["top_p"].view(np.float32)[:] = 1.0
-    tables = f["block_tables"].reshape(B, W)
-    t = 0
-    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-        start = seq.num_computed_tokens
-        table = np.asarray(seq.block_table, np.int32)
-        pos = np.arange(start, start + n, dtype=np.int32)
-        f["token_ids"][t:t + n] = seq.token_ids[start:start + n]
-        f["positions"][t:t + n] = pos
-        f["slot_mapping"][t:t + n] = table[pos // block_size] * block_size + pos % block_size
-        tables[i, :len(table)] = table
-        t += n
-        f["cu_seqlens"][i + 1] = t
-        f["seq_lens"][i] = start + n
-        f["sample_idx"][i] = t - 1
-        p = seq.params
-        f["top_k"][i] = p.top_k
-        f["seeds"][i] = seq.seed
-        f["counters"][i] = seq.num_output_tokens
-        fl["temperature"][i], fl["top_p"][i], fl["min_p"][i] = p.temperature, p.top_p, p.min_p
-    f["cu_seqlens"][len(batch.seqs) + 1:] = t
+    fl["temperature"][:n] = [p.temperature for p in params]
+    fl["top_p"][:] = 1.0
+    fl["top_p"][:n] = [p.top_p for p in params]
+    fl["min_p"][:n] = [p.min_p for p in params]
     return buf

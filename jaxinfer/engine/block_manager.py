@@ -65,7 +65,8 @@ class BlockManager:
         """Register the hashes of seq's full blocks whose KV is now computed (only the new ones)."""
         if not self.prefix_caching:
             return
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        known = min(seq.num_computed_tokens, len(seq) - seq.num_pending)   # KV written AND token known
+        full = min(known // self.block_size, len(seq.block_table))
         h = seq.last_hash
         for i in range(seq.num_hashed_blocks, full):
             tokens = seq.block_tokens(i)
@@ -123,5 +124,6 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[bid] = None
         seq.block_table = []
+        seq._np_table = None                    # the packer's cached copy is stale now
         seq.num_computed_tokens = seq.num_hashed_blocks = 0
         seq.last_hash = None

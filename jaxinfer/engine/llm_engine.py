@@ -19,8 +19,11 @@ from jaxinfer.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    def __init__(self, model: ModelConfig, engine: EngineConfig, params, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, model: ModelConfig, engine: EngineConfig, params, eos_token_ids: tuple[int, ...] = (),
+                 async_scheduling: bool = True):
         self.model_config, self.config = model, engine
+        self.async_scheduling = async_scheduling
+        self.in_flight = None             # (batch, device ids) of the step dispatched but not read yet
         num_blocks = engine.num_kvcache_blocks or num_blocks_for_memory(model, engine, engine.dtype)
         self.runner = ModelRunner(model, engine, params, num_blocks)
         self.block_manager = BlockManager(num_blocks, engine.kvcache_block_size, engine.enable_prefix_caching)
@@ -71,22 +74,45 @@ class LLMEngine:
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one step; return the sequences that got a new token (finished ones included)."""
+        """Run one step; return the sequences that got a new token (finished ones included).
+
+        With async scheduling (the default) the step dispatched here is read back by the NEXT call:
+        the host schedules and packs step N+1 while the GPU runs step N, and sampled tokens flow from
+        step N to step N+1 on the device. Before admitting waiting requests (a prefill, or a
+        preempted sequence's recompute) the step in flight is read first, so prompts are never
+        built from tokens still on the device.
+        """
+        if self.in_flight is not None and (self.scheduler.waiting or not self.async_scheduling):
+            return self._read_in_flight()
         batch = self.scheduler.schedule()
         if batch is None:
+            if self.in_flight is not None:
+                return self._read_in_flight()
             raise RuntimeError("scheduler found no work although requests are pending (pool too small?)")
         key = bucket_for(self.config, self.runner.widths, batch)
         packed = pack(batch, key[1], key[2], key[3], self.config.kvcache_block_size, self.runner.num_slots)
         self.counters["kv_tokens_read"] += sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens))
         self.counters["padded_tokens"] += key[1] - sum(batch.num_new_tokens)
-        ids = np.asarray(self.runner.run(key, packed))[:len(batch.seqs)]
-        updated = self.scheduler.postprocess(batch, ids)
+        self.counters["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
+        ids = self.runner.run(key, packed)
+        self.scheduler.on_dispatch(batch)
+        prev, self.in_flight = self.in_flight, (batch, ids)
+        if prev is not None:
+            return self._apply(*prev)
+        return [] if self.async_scheduling else self._read_in_flight()
+
+    def _read_in_flight(self) -> list[Sequence]:
+        prev, self.in_flight = self.in_flight, None
+        return self._apply(*prev)
+
+    def _apply(self, batch, ids) -> list[Sequence]:
+        """Read a dispatched step's sampled ids (blocks until it ran) and apply them."""
+        updated = self.scheduler.postprocess(batch, np.asarray(ids)[:len(batch.seqs)])
         now = time.perf_counter()
         for seq in updated:
             seq.token_times.append(now)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-        self.counters["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
         self.counters["generated_tokens"] += len(updated)
         return updated
 

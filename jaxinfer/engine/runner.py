@@ -70,6 +70,8 @@ class ModelRunner:
         # xla gathers W pages per row: offer narrower tables so short contexts gather less
         self.widths = tuple(sorted({max(1, W // 16), max(1, W // 4), W})) if engine.attn_backend == "xla" else (W,)
         self.compiled: dict[tuple[str, int, int, int], object] = {}
+        self.max_rows = engine.max_num_seqs
+        self.last_ids = jnp.zeros((self.max_rows,), jnp.int32)     # previous step's sampled ids
 
     def buckets(self) -> list[tuple[str, int, int, int]]:
         e = self.engine
@@ -81,11 +83,13 @@ class ModelRunner:
         if key not in self.compiled:
             kind, T, B, W = key
             shared = (self.model, self.engine.attn_backend, str(self.dtype), self.num_blocks,
-                      self.engine.kvcache_block_size, self.interpret, key)
+                      self.engine.kvcache_block_size, self.interpret, self.max_rows, key)
             if shared not in _EXECUTABLES:
-                step = make_step(self.model, kind, T, B, W, self.engine.attn_backend, self.dtype, self.interpret)
+                step = make_step(self.model, kind, T, B, W, self.engine.attn_backend, self.dtype, self.interpret,
+                                 self.max_rows)
                 packed = jax.ShapeDtypeStruct((batch_layout(T, B, W)["_size"][0],), jnp.int32)
-                _EXECUTABLES[shared] = jit_step(step).lower(self.params, self.kv_caches, packed).compile()
+                _EXECUTABLES[shared] = jit_step(step).lower(self.params, self.kv_caches, packed,
+                                                            self.last_ids).compile()
             self.compiled[key] = _EXECUTABLES[shared]
         return self.compiled[key]
 
@@ -98,6 +102,7 @@ class ModelRunner:
                     progress.update(1)
 
     def run(self, key: tuple[str, int, int, int], packed: np.ndarray) -> jax.Array:
-        """Dispatch one step (asynchronous); returns the device array of sampled ids [B]."""
-        ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, jax.device_put(packed))
-        return ids
+        """Dispatch one step (asynchronous); returns the device array of sampled ids [max_rows]."""
+        self.last_ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, jax.device_put(packed),
+                                                          self.last_ids)
+        return self.last_ids

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.block_manager import BlockManager
-from jaxinfer.engine.sequence import Sequence, Status
+from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, Status
 
 
 @dataclass
@@ -21,6 +21,7 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]     # tokens each sequence computes this step
     is_prefill: bool
+    sampled: list[bool] | None = None   # set at dispatch: which rows sample a token
 
 
 class Scheduler:
@@ -67,7 +68,7 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         seqs = []
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or seq.is_prefilling:
+            if seq.status is not Status.RUNNING or seq.is_prefilling or self._awaiting_last_token(seq):
                 continue
             while not self.bm.can_append(seq):
                 victim = self.running[-1]
@@ -81,6 +82,22 @@ class Scheduler:
                     break
         return ScheduledBatch(seqs, [1] * len(seqs), False) if seqs else None
 
+    def _awaiting_last_token(self, seq: Sequence) -> bool:
+        """Its final token is already sampled (still on the device): schedule nothing more."""
+        return seq.num_scheduled_outputs >= seq.params.max_tokens or len(seq) >= self.config.max_model_len
+
+    def on_dispatch(self, batch: ScheduledBatch) -> None:
+        """The step is on its way: count its tokens as computed and give each sampling row a
+        placeholder token, so the next step can be scheduled before this one is read back."""
+        batch.sampled = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            done = seq.num_computed_tokens == len(seq)
+            if done:
+                seq.token_ids.append(PLACEHOLDER)
+                seq.num_pending += 1
+            batch.sampled.append(done)
+
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free_seq(seq)
@@ -92,13 +109,16 @@ class Scheduler:
         """Record computed tokens and sampled ids; finish sequences that hit a stop condition.
         Returns the sequences that received a new token this step."""
         updated = []
-        for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, token_ids):
-            seq.num_computed_tokens += n
-            self.bm.cache_full_blocks(seq)
-            if seq.num_computed_tokens < len(seq):       # a prompt chunk that stops mid-prompt
+        for seq, sampled, tok in zip(batch.seqs, batch.sampled, token_ids):
+            if seq.status is Status.FINISHED:             # finished (or aborted) while this step ran
                 continue
-            tok = int(tok)
-            seq.token_ids.append(tok)
+            if sampled:                                   # not a prompt chunk that stops mid-prompt
+                tok = int(tok)
+                seq.token_ids[len(seq) - seq.num_pending] = tok
+                seq.num_pending -= 1
+            self.bm.cache_full_blocks(seq)
+            if not sampled:
+                continue
             updated.append(seq)
             p = seq.params
             if (not p.ignore_eos and tok in self.eos) or tok in p.stop_token_ids:
@@ -111,6 +131,9 @@ class Scheduler:
         """End a sequence (stop condition, stop string, or abort) and return its blocks to the pool."""
         if seq.status is Status.FINISHED:
             return
+        if seq.num_pending:                               # drop tokens sampled past the end
+            del seq.token_ids[len(seq) - seq.num_pending:]
+            seq.num_pending = 0
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             self.bm.free_seq(seq)

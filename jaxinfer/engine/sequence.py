@@ -14,6 +14,7 @@ class Status(enum.Enum):
 
 
 _ids = itertools.count()
+PLACEHOLDER = -1   # a sampled token still on the device (async scheduling); filled when its step is read
 
 
 class Sequence:
@@ -25,6 +26,9 @@ class Sequence:
         self.seed = seed                  # per-request RNG seed (params.seed, or drawn by the engine)
         self.block_size = block_size
         self.block_table: list[int] = []
+        self._np_table = None             # numpy copy of block_table, cached by engine/batch.py
+        self._row = -1                    # this sequence's row in the last dispatched step
+        self.num_pending = 0              # trailing PLACEHOLDER tokens (sampled, not yet read back)
         self.num_computed_tokens = 0      # tokens whose KV is in the cache
         self.num_cached_tokens = 0        # of those, tokens found in the prefix cache at admission
         self.num_hashed_blocks = 0        # leading blocks already registered in the prefix cache
@@ -41,11 +45,17 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens read back so far."""
+        return len(self.token_ids) - self.num_prompt_tokens - self.num_pending
+
+    @property
+    def num_scheduled_outputs(self) -> int:
+        """Generated tokens including those still on the device."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
 
     @property
     def num_blocks_needed(self) -> int:
