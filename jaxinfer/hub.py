@@ -25,8 +25,9 @@ def is_hub_id(model: str) -> bool:
     return bool(_HUB_ID.match(model)) and not model.startswith((".", "/", "~"))
 
 
-def resolve_model(model: str, revision: str | None = None) -> str:
-    """A directory path or a preset name for `model`; see the module docstring. Raises FileNotFoundError."""
+def resolve_model(model: str, revision: str | None = None, cache_dir: str | None = None) -> str:
+    """A directory path or a preset name for `model`; see the module docstring. Raises FileNotFoundError.
+    `cache_dir` overrides the Hugging Face cache (default: HF_HUB_CACHE / ~/.cache/huggingface/hub)."""
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a non-empty string (a directory, preset or hub id), got {model!r}")
     path = os.path.expanduser(model)
@@ -38,13 +39,13 @@ def resolve_model(model: str, revision: str | None = None) -> str:
         raise FileNotFoundError(
             f"model {model!r} is not a directory, an embedded preset ({', '.join(PRESETS)}) or a "
             f"Hugging Face hub id (owner/name)")
-    return _snapshot(model, revision)
+    return _snapshot(model, revision, cache_dir)
 
 
-def _snapshot(repo_id: str, revision: str | None) -> str:
+def _snapshot(repo_id: str, revision: str | None, cache_dir: str | None) -> str:
     import huggingface_hub
 
-    kw = dict(repo_id=repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS)
+    kw = dict(repo_id=repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=ALLOW_PATTERNS)
     try:  # the cache first: no network round trip when the files are already here
         return huggingface_hub.snapshot_download(local_files_only=True, **kw)
     except Exception:

@@ -88,3 +88,33 @@ def test_bench_delegates_or_explains(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(cli, "bench_script", lambda: str(tmp_path / "nope.py"))
     assert cli.main(["bench", "--help"]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+# -- model ids (jaxinfer.hub) -------------------------------------------------------------------------------
+def test_model_ids_dir_preset_and_cached_hub_id(tiny_dir, tmp_path, monkeypatch):
+    import shutil
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.hub import resolve_model
+    assert resolve_model(tiny_dir) == tiny_dir
+    assert resolve_model("qwen3-0.6b") == "qwen3-0.6b"
+    # A hub id already in the local Hugging Face cache resolves offline to its snapshot directory.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / "hub" / "models--someone--tiny-qwen3"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123456789abcdef0123456789abcdef01234567")
+    snap = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(tiny_dir, snap)
+    path = resolve_model("someone/tiny-qwen3", cache_dir=str(tmp_path / "hub"))
+    assert os.path.samefile(path, snap)
+    assert ModelConfig.from_pretrained(path).vocab_size == 512
+
+
+def test_uncached_hub_id_offline_says_how_to_get_it(tmp_path, monkeypatch):
+    from jaxinfer.hub import resolve_model
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="huggingface-cli download Qwen/Qwen3-0.6B") as e:
+        resolve_model("Qwen/Qwen3-0.6B", cache_dir=str(tmp_path))
+    assert "qwen3-0.6b" in str(e.value)                     # the preset is offered as an alternative
+    with pytest.raises(FileNotFoundError, match="not a directory, an embedded preset"):
+        resolve_model(str(tmp_path / "no" / "such" / "dir"))
