@@ -54,7 +54,8 @@ def build_app(llm, served_model_name: str) -> FastAPI:
 
     def tokenize(prompt) -> list[int]:
         try:
-            ids = llm._tokenize(prompt, 0)
+            with engine.tokenizer_lock:
+                ids = llm._tokenize(prompt, 0)
         except ValueError as e:
             raise P.RequestError(str(e), param="prompt") from None
         if not ids:
@@ -140,7 +141,8 @@ def build_app(llm, served_model_name: str) -> FastAPI:
         stream, include_usage = P.stream_flags(body)
         messages = P.chat_messages(body)
         try:
-            prompt = llm.apply_chat_template(messages, body.get("chat_template_kwargs"))
+            with engine.tokenizer_lock:
+                prompt = llm.apply_chat_template(messages, body.get("chat_template_kwargs"))
         except Exception as e:            # template errors (jinja) as well as our ValueErrors
             raise P.RequestError(f"cannot apply the chat template: {e}", param="messages") from None
         items = prepare(body, [prompt], default_max_tokens=None)

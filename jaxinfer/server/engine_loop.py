@@ -55,7 +55,9 @@ class AsyncEngine:
         self._stopping = False
         self._active: dict[int, tuple[_Request, int]] = {}      # seq_id -> (request, prompt index)
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
-        self.error: BaseException | None = None
+        # HF fast tokenizers may raise "Already borrowed" when one is used from two threads at once:
+        # handlers encode on the event loop while this thread decodes, so both take this lock.
+        self.tokenizer_lock = threading.Lock()
 
     # -- asyncio side -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -120,7 +122,8 @@ class AsyncEngine:
                 if entry is None:
                     continue
                 req, index = entry
-                text, ids = self.llm._text_delta(seq)
+                with self.tokenizer_lock:
+                    text, ids = self.llm._text_delta(seq)
                 done = is_finished(seq)
                 if text or ids or done:
                     req.post(Delta(index, text, ids, seq.finish_reason if done else None,
