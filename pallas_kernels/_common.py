@@ -15,6 +15,18 @@ LOG2E = math.log2(math.e)
 NEG_BIG = -1e30
 
 
+def online_softmax_update(acc, m, l, s, v, prec):
+    """One flash-attention step over a key tile. s [R, N] are log2-scaled scores (fp32; masked ones -inf),
+    v [N, D]; (acc [R, D], m [R], l [R]) are the running output, max and normaliser."""
+    from jax.experimental.pallas import triton as plt
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    l = l * alpha + p.sum(axis=1)
+    acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v, precision=prec)
+    return acc, m_new, l
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._common import LOG2E, NEG_BIG, check_paged_inputs, dot_precision, load_kv_tile
+from pallas_kernels._common import (LOG2E, NEG_BIG, check_paged_inputs, dot_precision, load_kv_tile,
+                                    online_softmax_update)
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 64
@@ -85,12 +86,7 @@ def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, seq_lens
             s = plt.dot(q, k, trans_b=True, precision=prec) * qk_scale  # [BQ, BK] fp32
             if masked:
                 s = jnp.where(t[None, :] <= pos[:, None], s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - m_new[:, None])
-            l = l * alpha + p.sum(axis=1)
-            acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v, precision=prec)
-            return acc, m_new, l
+            return online_softmax_update(acc, m, l, s, v, prec)
 
         carry = (jnp.zeros((block_q, head_dim), jnp.float32), jnp.full((block_q,), NEG_BIG, jnp.float32),
                  jnp.zeros((block_q,), jnp.float32))

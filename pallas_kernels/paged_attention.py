@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._common import LOG2E, NEG_BIG, check_paged_inputs, dot_precision, load_kv_tile, next_pow2
+from pallas_kernels._common import (LOG2E, NEG_BIG, check_paged_inputs, dot_precision, load_kv_tile, next_pow2,
+                                    online_softmax_update)
 
 NUM_SMS = 132  # H200; only used to pick the number of context splits.
 DEFAULT_BLOCK_N = 64  # tokens per tile (4 pages of 16)
@@ -61,12 +62,7 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
         k, v = load_kv_tile(k_ref, v_ref, bt_ref, b, kh, jnp.minimum(tok, length - 1), block_size)
         s = plt.dot(q, k, trans_b=True, precision=prec) * qk_scale  # [rows, N] fp32
         s = jnp.where(valid[None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        l = l * alpha + p.sum(axis=1)
-        acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v, precision=prec)
-        return acc, m_new, l
+        return online_softmax_update(acc, m, l, s, v, prec)
 
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), NEG_BIG, jnp.float32)

@@ -19,6 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
@@ -119,7 +120,11 @@ def run_throughput(args) -> dict:
     st = {k: after[k] - before[k] for k in ("prefill_steps", "decode_steps", "kv_tokens_read", "padded_tokens",
                                            "preemptions")}
     st["compilations"] = after["compilations"]
-    return report(llm, st, outs, wall, measure_bandwidth(), args)
+    r = report(llm, st, outs, wall, measure_bandwidth(), args)
+    if args.peer == "hf":
+        from bench_peer import compare
+        r["peer"] = compare(llm, args.model, prompts, args.peer_num_seqs, args.peer_max_tokens)
+    return r
 
 
 def run_latency(args) -> dict:
@@ -161,12 +166,18 @@ def parse(argv=None):
     ap.add_argument("--latency", action="store_true", help="one request: TTFT and TPOT")
     ap.add_argument("--latency-prompt", type=int, default=1024)
     ap.add_argument("--latency-output", type=int, default=256)
+    ap.add_argument("--peer", choices=["hf"], default=None,
+                    help="also run HF transformers' continuous batching on a subset (scripts/bench_peer.py)")
+    ap.add_argument("--peer-num-seqs", type=int, default=64)
+    ap.add_argument("--peer-max-tokens", type=int, default=256)
     ap.add_argument("--json", default=None, help="write the results here")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse(argv)
+    if args.peer:   # leave GPU memory for PyTorch: JAX would otherwise preallocate 75% of it
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
     r = run_latency(args) if args.latency else run_throughput(args)
     if args.json:
         with open(args.json, "w") as f:

@@ -41,3 +41,14 @@ def hf_greedy(model, token_ids: list[int], max_new_tokens: int, eos: int | None 
                              max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                              pad_token_id=eos if eos is not None else 0)
     return out[0, len(token_ids):].tolist()
+
+
+def assert_lowers_to_triton(fn, args) -> None:
+    """fn(*args) lowers to Triton IR for CUDA (no GPU needed): catches unsupported ops before a GPU run."""
+    import jax
+    import pytest
+    try:
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    except (ImportError, RuntimeError, TypeError) as err:  # jaxlib without the Triton dialect / old API
+        pytest.skip(f"cannot lower for CUDA here: {err}")
+    assert "triton" in text

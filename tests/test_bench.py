@@ -27,3 +27,36 @@ def test_workload_is_nano_vllms():
     prompts, params = bench.workload(256, 1024, 1024)
     assert sum(len(p) for p in prompts) == 142827          # the published totals of nano-vllm's bench.py
     assert sum(p.max_tokens for p in params) == 133966
+
+
+def test_peer_hf_runs_same_subset(tiny_dir, tmp_path):
+    args = ["--model", tiny_dir, "--dtype", "float32", "--attn-backend", "xla", "--num-seqs", "3",
+            "--max-input-len", "120", "--max-output-len", "110", "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "512", "--prefill-buckets", "512", "--decode-buckets", "4",
+            "--max-model-len", "256", "--block-size", "64", "--peer", "hf", "--peer-num-seqs", "2",
+            "--peer-max-tokens", "6"]
+    peer = bench.main(args)["peer"]
+    assert peer["peer_output_tokens"] == peer["ours_output_tokens"] == 2 * 6
+    assert peer["speedup"] > 0
+
+
+def test_preset_export_runs_in_transformers(tmp_path):
+    """A preset's random weights exported for the peer give transformers the same logits as ours."""
+    import jax.numpy as jnp
+    import numpy as np
+    from helpers import hf_logits, hf_model
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.model.loader import load_params, save_checkpoint
+    from jaxinfer.model.qwen3 import dense_logits, init_params
+    cfg = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    params = init_params(cfg, jnp.float32, seed=1)
+    path = save_checkpoint(params, cfg, str(tmp_path / "p"), dtype="float32")
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    ours = np.asarray(dense_logits(cfg, params, jnp.array([ids])))[0]
+    np.testing.assert_allclose(ours, hf_logits(hf_model(path), ids), atol=1e-4, rtol=1e-4)
+    back = load_params(path, dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(back["layers"]["qkv_proj"]), np.asarray(params["layers"]["qkv_proj"]))
+    save_checkpoint(params, cfg, str(tmp_path / "b"), dtype="bfloat16")    # bf16 export also loads
+    assert load_params(str(tmp_path / "b"), dtype=jnp.bfloat16)["norm"].dtype == jnp.bfloat16

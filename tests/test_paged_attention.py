@@ -3,6 +3,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import assert_lowers_to_triton
 
 from pallas_kernels.paged_attention import choose_num_splits, paged_attention, paged_attention_reference
 
@@ -123,11 +124,7 @@ def test_lowers_to_triton():
     sd = jax.ShapeDtypeStruct
     args = (sd((8, 16, 128), jnp.bfloat16), sd((64, 16, 8, 128), jnp.bfloat16), sd((64, 16, 8, 128), jnp.bfloat16),
             sd((8, 8), jnp.int32), sd((8,), jnp.int32))
-    try:
-        text = jax.jit(paged_attention).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    except (ImportError, RuntimeError, TypeError) as err:  # jaxlib without the Triton dialect / old API
-        pytest.skip(f"cannot lower for CUDA here: {err}")
-    assert "triton" in text
+    assert_lowers_to_triton(paged_attention, args)
 
 
 @pytest.mark.gpu

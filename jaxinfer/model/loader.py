@@ -142,3 +142,40 @@ def load_params(path: str, config: ModelConfig | None = None, dtype=jnp.bfloat16
         params["lm_head"] = jax.device_put(np.ascontiguousarray(
             fetch("lm_head.weight", (c.vocab_size, E)).T.astype(np_dtype)))
     return params
+
+
+def save_checkpoint(params: dict, config: ModelConfig, path: str, dtype: str = "bfloat16") -> str:
+    """Write params as a Hugging Face Qwen3 checkpoint (config.json + model.safetensors), the inverse of
+    `load_params` through the same name table: lets transformers run a preset's random weights."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    c = config
+    tensors = {"model.embed_tokens.weight": np.asarray(params["embed_tokens"]).astype(np_dtype),
+               "model.norm.weight": np.asarray(params["norm"]).astype(np_dtype)}
+    if not c.tie_word_embeddings:
+        tensors["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T.astype(np_dtype))
+    widths = {"self_attn.q_proj.weight": c.q_size, "self_attn.k_proj.weight": c.kv_size,
+              "self_attn.v_proj.weight": c.kv_size, "mlp.gate_proj.weight": c.intermediate_size,
+              "mlp.up_proj.weight": c.intermediate_size}
+    for ours, (hf_names, transposed) in _LAYER_TABLE.items():
+        stacked = np.asarray(params["layers"][ours]).astype(np_dtype)
+        for l in range(c.num_hidden_layers):
+            w, start = stacked[l], 0
+            for n in hf_names:
+                part = w[..., start:start + widths[n]] if len(hf_names) > 1 else w
+                start += part.shape[-1]
+                tensors[f"model.layers.{l}.{n}"] = np.ascontiguousarray(part.T if transposed else part)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    hf = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": c.vocab_size,
+          "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+          "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+          "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
+          "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+          "tie_word_embeddings": c.tie_word_embeddings, "max_position_embeddings": c.max_position_embeddings,
+          "hidden_act": "silu", "attention_bias": False, "torch_dtype": dtype, "dtype": dtype,
+          "eos_token_id": list(c.eos_token_id) or None}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    return path
