@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
            "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
@@ -140,7 +140,9 @@ class EngineConfig:
     decode_buckets: tuple[int, ...] | None = None
     prefill_buckets: tuple[int, ...] | None = None
     seed: int = 0
-    extra: dict = field(default_factory=dict, compare=False)
+    # Pass each layer's weights as its own arrays (True) or as stacked [L, ...] arrays (False).
+    # None: per-layer on CPU (measured faster), stacked on GPU (fewer arguments per call).
+    unstack_weights: bool | None = None
 
     def __post_init__(self):
         def positive(name):

@@ -49,13 +49,15 @@ class LLM:
                  num_kvcache_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
                  attn_backend: str = "xla", enable_prefix_caching: bool = True,
                  decode_buckets: tuple[int, ...] | None = None, prefill_buckets: tuple[int, ...] | None = None,
-                 seed: int = 0, warmup: bool = True, async_scheduling: bool = True):
+                 seed: int = 0, warmup: bool = True, async_scheduling: bool = True,
+                 unstack_weights: bool | None = None):
         self.config = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, kvcache_block_size=kvcache_block_size,
             num_kvcache_blocks=num_kvcache_blocks, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
             attn_backend=attn_backend, enable_prefix_caching=enable_prefix_caching,
-            decode_buckets=decode_buckets, prefill_buckets=prefill_buckets, seed=seed)
+            decode_buckets=decode_buckets, prefill_buckets=prefill_buckets, seed=seed,
+            unstack_weights=unstack_weights)
         self.model_config, params, self.tokenizer = load_model(model, self.config.dtype, seed)
         if max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.attention import paged_attention_layer
-from jaxinfer.model.qwen3 import Qwen3ForCausalLM
+from jaxinfer.model.qwen3 import compute_logits, forward
 from jaxinfer.sampling import sample
 
 _INT_FIELDS = ("token_ids", "positions", "slot_mapping", "prev_row")           # [T]
@@ -46,13 +46,12 @@ def unpack(packed: jax.Array, T: int, B: int, W: int) -> dict[str, jax.Array]:
 
 
 def make_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: str,
-              dtype, interpret: bool = False, max_rows: int | None = None):
+              interpret: bool = False, max_rows: int | None = None):
     """The step function for one bucket (not yet jitted). kind: 'prefill' | 'decode'.
 
     `prev_ids` [max_rows] are the previous step's sampled ids, still on the device: a token whose
     `prev_row` >= 0 is taken from there (async scheduling: the host never waited for it). The result is
     padded to [max_rows] so it can feed any next step."""
-    model = Qwen3ForCausalLM(config, dtype)
     max_rows = max_rows or B
 
     def step(params, kv_caches, packed, prev_ids):
@@ -60,9 +59,9 @@ def make_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: s
         prev = b["prev_row"]
         token_ids = jnp.where(prev >= 0, prev_ids[jnp.maximum(prev, 0)], b["token_ids"])
         attn = paged_attention_layer(kind, backend, b, interpret)
-        hidden, kv_caches = model.apply({"params": params}, token_ids, b["positions"], attn, kv_caches)
+        hidden, kv_caches = forward(config, params, token_ids, b["positions"], attn, kv_caches)
         rows = hidden[b["sample_idx"]]                                             # [B, E]
-        logits = model.apply({"params": params}, rows, method=Qwen3ForCausalLM.logits)   # [B, V] fp32
+        logits = compute_logits(config, params, rows)                              # [B, V] fp32
         ids = sample(logits, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["counters"])
         return jnp.pad(ids, (0, max_rows - B)), kv_caches
 

@@ -102,7 +102,8 @@ def build(args):
     llm = LLM(args.model, dtype=args.dtype, attn_backend=args.attn_backend, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               num_kvcache_blocks=args.num_kvcache_blocks, kvcache_block_size=args.block_size,
-              decode_buckets=args.decode_buckets, prefill_buckets=args.prefill_buckets)
+              decode_buckets=args.decode_buckets, prefill_buckets=args.prefill_buckets,
+              unstack_weights=args.unstack_weights)
     args.warmup_s = time.perf_counter() - t
     return llm
 
@@ -163,6 +164,8 @@ def parse(argv=None):
     ap.add_argument("--num-kvcache-blocks", type=int, default=None)
     ap.add_argument("--decode-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
     ap.add_argument("--prefill-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
+    ap.add_argument("--unstack-weights", action=argparse.BooleanOptionalAction, default=None,
+                    help="per-layer weight arrays instead of stacked [L, ...] (default: per-layer on CPU only)")
     ap.add_argument("--latency", action="store_true", help="one request: TTFT and TPOT")
     ap.add_argument("--latency-prompt", type=int, default=1024)
     ap.add_argument("--latency-output", type=int, default=256)

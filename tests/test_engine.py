@@ -137,3 +137,11 @@ def test_sync_scheduling_gives_same_tokens(tiny_dir, alone):
     ps, ref = alone
     llm = LLM(tiny_dir, **{**BASE, "async_scheduling": False})
     assert tokens(llm, ps) == ref
+
+
+def test_stacked_weights_give_same_tokens(tiny_dir, alone):
+    """Stacked [L, ...] weights (the GPU default) and per-layer arrays (the CPU default) agree."""
+    ps, ref = alone
+    llm = LLM(tiny_dir, **{**BASE, "unstack_weights": False})
+    assert isinstance(llm.engine.runner.params["layers"], dict)
+    assert tokens(llm, ps) == ref

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.model.qwen3 import unstack_layers
 from jaxinfer.step import batch_layout, jit_step, make_step
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -58,14 +59,18 @@ def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype) -> in
 
 class ModelRunner:
     def __init__(self, model: ModelConfig, engine: EngineConfig, params, num_blocks: int):
-        self.model, self.engine, self.params = model, engine, params
+        self.model, self.engine = model, engine
         self.dtype = jnp.dtype(engine.dtype)
+        self.interpret = jax.devices()[0].platform != "gpu"
+        # Per-layer weight arrays avoid XLA copying each layer out of the [L, ...] stack every step (3x
+        # faster layers on CPU); on GPU stacked stays the default until benchmarked (few arguments).
+        unstack = engine.unstack_weights if engine.unstack_weights is not None else self.interpret
+        self.params = unstack_layers(params) if unstack else params
         self.num_blocks = num_blocks
         self.num_slots = num_blocks * engine.kvcache_block_size
         shape = (num_blocks, engine.kvcache_block_size, model.num_key_value_heads, model.head_dim)
         self.kv_caches = [(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
                           for _ in range(model.num_hidden_layers)]
-        self.interpret = jax.devices()[0].platform != "gpu"
         W = engine.max_blocks_per_seq
         # xla gathers W pages per row: offer narrower tables so short contexts gather less
         self.widths = tuple(sorted({max(1, W // 16), max(1, W // 4), W})) if engine.attn_backend == "xla" else (W,)
@@ -83,10 +88,10 @@ class ModelRunner:
         if key not in self.compiled:
             kind, T, B, W = key
             shared = (self.model, self.engine.attn_backend, str(self.dtype), self.num_blocks,
-                      self.engine.kvcache_block_size, self.interpret, self.max_rows, key)
+                      self.engine.kvcache_block_size, self.interpret, self.max_rows,
+                      isinstance(self.params["layers"], tuple), key)
             if shared not in _EXECUTABLES:
-                step = make_step(self.model, kind, T, B, W, self.engine.attn_backend, self.dtype, self.interpret,
-                                 self.max_rows)
+                step = make_step(self.model, kind, T, B, W, self.engine.attn_backend, self.interpret, self.max_rows)
                 packed = jax.ShapeDtypeStruct((batch_layout(T, B, W)["_size"][0],), jnp.int32)
                 _EXECUTABLES[shared] = jit_step(step).lower(self.params, self.kv_caches, packed,
                                                             self.last_ids).compile()

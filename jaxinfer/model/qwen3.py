@@ -39,7 +39,7 @@ def layer_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 class Qwen3DecoderLayers(nn.Module):
-    """All L decoder layers' weights, stacked; `layer(l)` returns layer l's slice."""
+    """All L decoder layers' weights, stacked [L, ...]."""
     config: ModelConfig
     dtype: Any = jnp.bfloat16
 
@@ -49,8 +49,6 @@ class Qwen3DecoderLayers(nn.Module):
         self.weights = {name: self.param(name, init[len(shape) == 1], (L, *shape), self.dtype)
                         for name, shape in layer_shapes(self.config).items()}
 
-    def layer(self, l: int) -> dict[str, jax.Array]:
-        return {name: w[l] for name, w in self.weights.items()}
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -69,24 +67,49 @@ class Qwen3ForCausalLM(nn.Module):
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, attn: Callable, kv_caches=None):
         """token_ids, positions [...] -> final hidden states [..., E] (normed) and the updated caches."""
-        c = self.config
-        x = jnp.take(self.embed_tokens, token_ids, axis=0)                      # [..., E]
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling_factor)
-        caches = list(kv_caches) if kv_caches is not None else [None] * c.num_hidden_layers
-        for l in range(c.num_hidden_layers):
-            w = self.layers.layer(l)
-            x, caches[l] = _decoder_layer(c, w, x, cos, sin, attn, l, caches[l])
-        return rms_norm(x, self.norm, c.rms_norm_eps), caches
+        return forward(self.config, self._params(), token_ids, positions, attn, kv_caches)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., E] -> fp32 logits [..., V] (tied: the embedding matrix transposed)."""
-        if self.config.tie_word_embeddings:
-            return jnp.einsum("...e,ve->...v", hidden, self.embed_tokens, preferred_element_type=jnp.float32)
-        return jnp.einsum("...e,ev->...v", hidden, self.lm_head, preferred_element_type=jnp.float32)
+        return compute_logits(self.config, self._params(), hidden)
+
+    def _params(self) -> dict:
+        p = {"embed_tokens": self.embed_tokens, "layers": self.layers.weights, "norm": self.norm}
+        return p if self.config.tie_word_embeddings else {**p, "lm_head": self.lm_head}
 
     def declare(self):
         """Touch every parameter (used by `init_params`)."""
-        return self.embed_tokens, self.layers.weights, self.norm
+        return self._params()
+
+
+# -- the forward as pure functions of the params pytree (what the jitted engine step calls) ---------------
+
+def unstack_layers(params: dict) -> dict:
+    """params with `layers` as a tuple of L per-layer dicts instead of stacked [L, ...] arrays. More arrays
+    to pass per call, but XLA then never copies a layer's weights out of the stack: a slice of a stacked
+    array feeding a library GEMM (cuBLAS on GPU, Eigen on CPU) is materialised first (seen on CPU: ~3x
+    slower layers)."""
+    layers = params["layers"]
+    L = next(iter(layers.values())).shape[0]
+    return {**params, "layers": tuple({k: w[l] for k, w in layers.items()} for l in range(L))}
+
+
+def forward(c: ModelConfig, params: dict, token_ids, positions, attn: Callable, kv_caches=None):
+    """Pure forward; `params["layers"]` may be stacked (dict of [L, ...]) or unstacked (tuple of dicts)."""
+    layers = params["layers"]
+    x = jnp.take(params["embed_tokens"], token_ids, axis=0)                    # [..., E]
+    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling_factor)
+    caches = list(kv_caches) if kv_caches is not None else [None] * c.num_hidden_layers
+    for l in range(c.num_hidden_layers):
+        w = layers[l] if isinstance(layers, (tuple, list)) else {k: v[l] for k, v in layers.items()}
+        x, caches[l] = _decoder_layer(c, w, x, cos, sin, attn, l, caches[l])
+    return rms_norm(x, params["norm"], c.rms_norm_eps), caches
+
+
+def compute_logits(c: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
+    if c.tie_word_embeddings:
+        return jnp.einsum("...e,ve->...v", hidden, params["embed_tokens"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...e,ev->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 def _decoder_layer(c: ModelConfig, w, x, cos, sin, attn, l, cache):
