@@ -99,3 +99,38 @@ def test_abort_waiting_and_running():
     s.finish(a, "abort"), s.finish(b, "abort")
     assert a.finish_reason == b.finish_reason == "abort"
     assert not s.has_unfinished() and s.bm.num_free_blocks == s.bm.num_blocks
+
+
+def test_async_dispatch_before_readback():
+    """Step N+1 is scheduled while step N's tokens are still on the device (placeholders)."""
+    from jaxinfer.engine.sequence import PLACEHOLDER
+    s = make()
+    a, b = seq(5, max_tokens=3), seq(6, max_tokens=1)
+    s.add(a), s.add(b)
+    b1 = s.schedule()
+    s.on_dispatch(b1)                                     # prefill: both sample a token (not read yet)
+    assert a.token_ids[-1] == PLACEHOLDER and a.num_output_tokens == 0 and a.num_scheduled_outputs == 1
+    b2 = s.schedule()                                     # b's only token is pending: not scheduled again
+    assert not b2.is_prefill and b2.seqs == [a]
+    s.on_dispatch(b2)
+    assert a.num_pending == 2 and a.output_token_ids == []
+    s.postprocess(b1, [11, 12])                           # read step 1: fills the oldest placeholders
+    assert a.output_token_ids == [11] and b.output_token_ids == [12] and b.finish_reason == "length"
+    s.postprocess(b2, [13])
+    assert a.output_token_ids == [11, 13] and a.num_pending == 0
+    b3 = s.schedule()
+    s.on_dispatch(b3)
+    s.finish(a, "abort")                                  # aborted while a step is in flight
+    assert a.token_ids[-1] != PLACEHOLDER and a.output_token_ids == [11, 13]
+    s.postprocess(b3, [14])                               # its late token is dropped
+    assert a.output_token_ids == [11, 13] and s.bm.num_free_blocks == s.bm.num_blocks
+
+
+def test_prefix_cache_never_hashes_placeholders():
+    s = make(budget=64)
+    a = seq(7, max_tokens=4)                              # block size 4: token 8 completes block 2
+    s.add(a)
+    s.on_dispatch(s.schedule())                           # prefill 7 tokens, placeholder at position 7
+    assert a.num_computed_tokens == 7 and s.bm.blocks[a.block_table[1]].hash is None
+    s.bm.cache_full_blocks(a)
+    assert s.bm.blocks[a.block_table[1]].hash is None     # position 7 is not known yet
