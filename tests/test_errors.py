@@ -54,3 +54,9 @@ def test_bad_model_paths(tmp_path):
     path = make_tiny_model(str(tmp_path / "m"), max_position_embeddings=256)
     with pytest.raises(ValueError, match="max_model_len=4096 exceeds"):
         LLM(path, **{**BASE, "max_model_len": 4096})
+
+
+def test_kv_pool_larger_than_memory(tiny_dir):
+    with pytest.raises(ValueError, match=r"num_kvcache_blocks=1000000000000 needs .* GiB"):
+        LLM(tiny_dir, **{**BASE, "num_kvcache_blocks": 10**12})
+    assert LLM(tiny_dir, **BASE).generate([1, 2], SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids

@@ -12,7 +12,7 @@ import numpy as np
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.batch import bucket_for, pack
 from jaxinfer.engine.block_manager import BlockManager
-from jaxinfer.engine.runner import ModelRunner, compilation_count, num_blocks_for_memory
+from jaxinfer.engine.runner import ModelRunner, check_pool_fits, compilation_count, num_blocks_for_memory
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.sampling_params import SamplingParams
@@ -25,6 +25,7 @@ class LLMEngine:
         self.async_scheduling = async_scheduling
         self.in_flight = None             # (batch, device ids) of the step dispatched but not read yet
         num_blocks = engine.num_kvcache_blocks or num_blocks_for_memory(model, engine, engine.dtype)
+        check_pool_fits(model, engine, num_blocks)
         self.runner = ModelRunner(model, engine, params, num_blocks)
         self.block_manager = BlockManager(num_blocks, engine.kvcache_block_size, engine.enable_prefix_caching)
         self.scheduler = Scheduler(engine, self.block_manager, eos_token_ids)

@@ -6,6 +6,7 @@ stray one after warm-up shows up in `LLM.stats()`.
 """
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,16 +46,42 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype) -> int:
         jnp.dtype(dtype).itemsize
 
 
+_HEADROOM = 2 * 2**30   # activations / logits of the largest bucket
+
+
+def free_memory_bytes() -> int:
+    """Memory the KV pool may take: free device memory (GPU), or available host memory (CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype) -> int:
     """Size the KV pool from free device memory (GPU), or to fit max_num_seqs full sequences (CPU)."""
     per_block = kv_bytes_per_block(model, engine.kvcache_block_size, dtype)
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] * engine.gpu_memory_utilization - stats.get("bytes_in_use", 0)
-        # headroom for activations / logits of the largest bucket: ~2 GiB
-        return max(1, int((free - 2 * 2**30) // per_block))
+        blocks = int((free - _HEADROOM) // per_block)
+        if blocks < engine.max_blocks_per_seq:
+            raise ValueError(f"after the weights, gpu_memory_utilization={engine.gpu_memory_utilization} leaves room "
+                             f"for {max(blocks, 0)} KV blocks, fewer than one max_model_len={engine.max_model_len} "
+                             f"sequence needs ({engine.max_blocks_per_seq}); lower max_model_len or raise "
+                             f"gpu_memory_utilization")
+        return blocks
     want = engine.max_num_seqs * engine.max_blocks_per_seq
     return max(1, min(want, int(2 * 2**30 // per_block)))
+
+
+def check_pool_fits(model: ModelConfig, engine: EngineConfig, num_blocks: int) -> None:
+    """A KV pool larger than free memory fails here, with the numbers, not deep inside XLA."""
+    need = num_blocks * kv_bytes_per_block(model, engine.kvcache_block_size, engine.dtype)
+    free = free_memory_bytes()
+    if need > free:
+        raise ValueError(f"num_kvcache_blocks={num_blocks} needs {need / 2**30:.1f} GiB of KV cache but only "
+                         f"{free / 2**30:.1f} GiB is free; lower num_kvcache_blocks (or leave it None to size "
+                         f"the pool from free memory)")
 
 
 class ModelRunner:
