@@ -103,20 +103,25 @@ class LLM:
         """Generate for every prompt; outputs come back in prompt order."""
         reqs = self._prepare(prompts, sampling_params)
         seqs = [self.engine.add_request(ids, sp) for _, ids, sp in reqs]
+        with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm or None) as bar:
+            for _, seq in self._run(seqs):
+                self._check_stop_strings(seq)
+                bar.update(is_finished(seq))
+        return [self._output(i, p, s) for i, ((p, _, _), s) in enumerate(zip(reqs, seqs))]
+
+    def _run(self, seqs: list[Sequence]) -> Iterator[tuple[int, Sequence]]:
+        """Step the engine until every seq finishes, yielding (index in seqs, seq) for each new token.
+        However it ends (done, error, or the caller leaving early), nothing is left holding KV blocks."""
+        index = {s.seq_id: i for i, s in enumerate(seqs)}
         try:
-            with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm or None) as bar:
-                done = 0
-                while not all(is_finished(s) for s in seqs):
-                    for seq in self.engine.step():
-                        self._check_stop_strings(seq)
-                    now_done = sum(is_finished(s) for s in seqs)
-                    bar.update(now_done - done)
-                    done = now_done
+            while not all(is_finished(s) for s in seqs):
+                for seq in self.engine.step():
+                    if seq.seq_id in index:
+                        yield index[seq.seq_id], seq
         finally:
-            for seq in seqs:              # on any error, nothing is left holding KV blocks
+            for seq in seqs:
                 if not is_finished(seq):
                     self.engine.abort(seq)
-        return [self._output(i, p, s) for i, ((p, _, _), s) in enumerate(zip(reqs, seqs))]
 
     # -- text ---------------------------------------------------------------------------------------
     def _check_stop_strings(self, seq: Sequence) -> None:
@@ -166,24 +171,13 @@ class LLM:
         """
         reqs = self._prepare(prompts, sampling_params)
         seqs = [self.engine.add_request(ids, sp) for _, ids, sp in reqs]
-        index = {s.seq_id: i for i, s in enumerate(seqs)}
-        try:
-            while not all(is_finished(s) for s in seqs):
-                for seq in self.engine.step():
-                    if seq.seq_id not in index:
-                        continue
-                    text, ids = self._text_delta(seq)
-                    if text or ids or is_finished(seq):
-                        i = index[seq.seq_id]
-                        prompt = reqs[i][0]
-                        yield RequestOutput(request_id=i, prompt=prompt if isinstance(prompt, str) else None,
-                                            prompt_token_ids=reqs[i][1], token_ids=ids, text=text,
-                                            finish_reason=seq.finish_reason,
-                                            num_cached_tokens=seq.num_cached_tokens)
-        finally:
-            for seq in seqs:
-                if not is_finished(seq):
-                    self.engine.abort(seq)
+        for i, seq in self._run(seqs):
+            text, ids = self._text_delta(seq)
+            if text or ids or is_finished(seq):
+                prompt = reqs[i][0]
+                yield RequestOutput(request_id=i, prompt=prompt if isinstance(prompt, str) else None,
+                                    prompt_token_ids=reqs[i][1], token_ids=ids, text=text,
+                                    finish_reason=seq.finish_reason, num_cached_tokens=seq.num_cached_tokens)
 
     def apply_chat_template(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> str:
         """Render one conversation ([{"role": ..., "content": ...}, ...]) into a prompt string, ending with
