@@ -52,3 +52,21 @@ def assert_lowers_to_triton(fn, args) -> None:
     except (ImportError, RuntimeError, TypeError) as err:  # jaxlib without the Triton dialect / old API
         pytest.skip(f"cannot lower for CUDA here: {err}")
     assert "triton" in text
+
+
+def make_paged(rng, lens, block_size, kv_heads, head_dim, dtype, extra_cols=1, extra_pages=3):
+    """Random cache with each sequence's pages scattered over a permuted pool; unused table slots are garbage."""
+    import jax.numpy as jnp
+    pages = [-(-n // block_size) for n in lens]
+    num_pages = sum(pages) + extra_pages
+    width = max(pages) + extra_cols
+    tables = rng.integers(0, num_pages, (len(lens), width)).astype(np.int32)  # garbage, but in range
+    pool = rng.permutation(num_pages)
+    used = 0
+    for b, n in enumerate(pages):
+        tables[b, :n] = pool[used:used + n]
+        used += n
+    shape = (num_pages, block_size, kv_heads, head_dim)
+    k = jnp.asarray(rng.standard_normal(shape), dtype)
+    v = jnp.asarray(rng.standard_normal(shape), dtype)
+    return k, v, jnp.asarray(tables), jnp.asarray(np.asarray(lens, np.int32))

@@ -3,7 +3,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_lowers_to_triton
+from helpers import assert_lowers_to_triton, make_paged
 
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference, tile_metadata
 
@@ -12,20 +12,10 @@ TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rt
 
 def make_prefill(rng, n_new, ctx, block_size, heads, kv_heads, head_dim, dtype, pad_tokens=0):
     """Packed q for n_new new tokens per sequence (context ctx incl. them); pages scattered over a permuted pool."""
-    pages = [-(-n // block_size) for n in ctx]
-    num_pages = sum(pages) + 3
-    tables = rng.integers(0, num_pages, (len(ctx), max(pages) + 1)).astype(np.int32)  # garbage, in range
-    pool = rng.permutation(num_pages)
-    used = 0
-    for b, n in enumerate(pages):
-        tables[b, :n] = pool[used:used + n]
-        used += n
-    shape = (num_pages, block_size, kv_heads, head_dim)
-    k = jnp.asarray(rng.standard_normal(shape), dtype)
-    v = jnp.asarray(rng.standard_normal(shape), dtype)
+    k, v, tables, lens = make_paged(rng, ctx, block_size, kv_heads, head_dim, dtype)
     cu = np.concatenate([[0], np.cumsum(n_new)]).astype(np.int32)
     q = jnp.asarray(rng.standard_normal((int(cu[-1]) + pad_tokens, heads, head_dim)), dtype)
-    return q, k, v, jnp.asarray(tables), jnp.asarray(cu), jnp.asarray(np.asarray(ctx, np.int32))
+    return q, k, v, tables, jnp.asarray(cu), lens
 
 
 def dense_prefill(q, k_cache, v_cache, tables, cu, ctx):

@@ -3,28 +3,11 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_lowers_to_triton
+from helpers import assert_lowers_to_triton, make_paged
 
 from pallas_kernels.paged_attention import choose_num_splits, paged_attention, paged_attention_reference
 
 TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-
-
-def make_paged(rng, lens, block_size, kv_heads, head_dim, dtype, extra_cols=1, extra_pages=3):
-    """Random cache with each sequence's pages scattered over a permuted pool; unused table slots are garbage."""
-    pages = [-(-n // block_size) for n in lens]
-    num_pages = sum(pages) + extra_pages
-    width = max(pages) + extra_cols
-    tables = rng.integers(0, num_pages, (len(lens), width)).astype(np.int32)  # garbage, but in range
-    pool = rng.permutation(num_pages)
-    used = 0
-    for b, n in enumerate(pages):
-        tables[b, :n] = pool[used:used + n]
-        used += n
-    shape = (num_pages, block_size, kv_heads, head_dim)
-    k = jnp.asarray(rng.standard_normal(shape), dtype)
-    v = jnp.asarray(rng.standard_normal(shape), dtype)
-    return k, v, jnp.asarray(tables), jnp.asarray(np.asarray(lens, np.int32))
 
 
 def dense_decode(q, k_cache, v_cache, tables, lens):
