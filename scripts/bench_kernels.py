@@ -41,22 +41,26 @@ def time_loop(fn, q, *args, est_s: float, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
-def machine_ceilings(smoke: bool) -> dict:
-    """Copy bandwidth (read + write bytes of a 2 GiB array) and bf16 matmul rate (8192^3), measured now."""
-    n = 1 << (14 if smoke else 30)
-    x = jnp.ones((n,), DTYPE)
-    neg = jax.jit(lambda x: -x)  # one 2 GiB read + 2 GiB write per call (~1 ms: dispatch cost is noise)
+def copy_bandwidth(n: int) -> float:
+    """Bytes/s of a jitted elementwise pass over n bf16 values (read + write), best of 10 (also bench.py's)."""
+    x = jnp.ones((n,), jnp.bfloat16)
+    neg = jax.jit(lambda x: -x)  # at 2 GiB: ~1 ms a call, so dispatch cost is noise
     neg(x).block_until_ready()
     times = []
     for _ in range(10):
         t0 = time.perf_counter()
         neg(x).block_until_ready()
         times.append(time.perf_counter() - t0)
-    copy_s = min(times)
+    return 2 * n * 2 / min(times)
+
+
+def machine_ceilings(smoke: bool) -> dict:
+    """Copy bandwidth (read + write bytes of a 2 GiB array) and bf16 matmul rate (8192^3), measured now."""
+    copy = copy_bandwidth(1 << (14 if smoke else 30))
     m = 256 if smoke else 8192
     a = jnp.ones((m, m), DTYPE) * 0.001
     mm_s = time_loop(lambda x: jnp.dot(x, a), a, est_s=1.5e-3)
-    return {"copy_tbps": 2 * n * 2 / copy_s / 1e12, "matmul_tflops": 2 * m ** 3 / mm_s / 1e12}
+    return {"copy_tbps": copy / 1e12, "matmul_tflops": 2 * m ** 3 / mm_s / 1e12}
 
 
 def paged_cache(key, batch, max_blocks):
