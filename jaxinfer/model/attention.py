@@ -53,8 +53,12 @@ def paged_decode_xla(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None)
     return jnp.where((seq_lens > 0)[:, None, None], out, 0).astype(q.dtype)
 
 
-def prefill_xla(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, scale=None):
-    """q [T, H, D] packed new tokens; each sees its own sequence's context up to its position."""
+def prefill_xla(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, scale=None,
+                gather_budget_bytes: int = 16 * 2**30):
+    """q [T, H, D] packed new tokens; each sees its own sequence's context up to its position.
+
+    Each token gathers its own context ([T, S, K, D] for K and V): when that would exceed
+    `gather_budget_bytes`, the tokens are processed in sequential chunks (lax.map) that fit it."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     T, B = q.shape[0], seq_lens.shape[0]
     t = jnp.arange(T)
@@ -63,9 +67,25 @@ def prefill_xla(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, sc
     pos = seq_lens[seq] - (cu_seqlens_q[seq + 1] - t)                                  # absolute position
     tables = block_tables[seq]                                                         # [T, W]
     S = tables.shape[1] * k_cache.shape[1]
-    visible = jnp.arange(S)[None, :] <= pos[:, None]
-    out = _attend(q, _gather_pages(k_cache, tables), _gather_pages(v_cache, tables), visible, scale)
+
+    def chunk(args):
+        q, tables, pos = args
+        visible = jnp.arange(S)[None, :] <= pos[:, None]
+        return _attend(q, _gather_pages(k_cache, tables), _gather_pages(v_cache, tables), visible, scale)
+
+    per_token = 2 * S * k_cache.shape[2] * k_cache.shape[3] * k_cache.dtype.itemsize
+    C = _chunk_size(T, max(1, gather_budget_bytes // per_token))
+    if C == T:
+        out = chunk((q, tables, pos))
+    else:
+        split = lambda x: x.reshape(T // C, C, *x.shape[1:])
+        out = jax.lax.map(chunk, (split(q), split(tables), split(pos))).reshape(q.shape)
     return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
+
+
+def _chunk_size(T: int, limit: int) -> int:
+    """Largest divisor of T that is <= limit."""
+    return next(c for c in range(min(T, limit), 0, -1) if T % c == 0)
 
 
 def attention_fns(backend: str, interpret: bool):
