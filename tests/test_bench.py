@@ -60,3 +60,12 @@ def test_preset_export_runs_in_transformers(tmp_path):
     np.testing.assert_array_equal(np.asarray(back["layers"]["qkv_proj"]), np.asarray(params["layers"]["qkv_proj"]))
     save_checkpoint(params, cfg, str(tmp_path / "b"), dtype="bfloat16")    # bf16 export also loads
     assert load_params(str(tmp_path / "b"), dtype=jnp.bfloat16)["norm"].dtype == jnp.bfloat16
+
+
+def test_bench_step_anatomy_runs(tiny_dir, tmp_path):
+    import bench_step
+    r = bench_step.main(["--model", tiny_dir, "--dtype", "float32", "--batch", "2", "--context", "40",
+                         "--attn-backend", "xla", "--iters", "2", "--json", str(tmp_path / "s.json")])
+    assert set(r["times_ms"]) == {"step", "layers", "attention", "head"}
+    assert all(t > 0 for t in r["times_ms"].values()) and r["floors_ms"]["attention"] > 0
+    assert os.path.isfile(tmp_path / "s.json")

@@ -1,0 +1,145 @@
+"""Anatomy of one decode step: where the time of the engine's compiled step goes.
+
+    python scripts/bench_step.py [--model qwen3-0.6b] [--batch 256] [--context 1024] [--attn-backend pallas]
+                                 [--unstack-weights] [--json PATH]
+
+Each part is compiled alone and timed back to back on the device (median of --iters calls):
+  step       the engine's whole decode step (KV write, all layers, LM head, sampling), as the runner runs it
+  layers     the decoder layers with attention left out (matmuls, norms, rope, KV write)
+  attention  the attention calls of all layers alone, over `context` tokens of every sequence
+  head       the sampled rows -> logits -> sampling
+next to each part's floor: the bytes it must read divided by the bandwidth measured in this process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+
+def median_time(fn, args, iters: int, carry_kv: bool = False) -> float:
+    """Median seconds per call; with carry_kv the second argument is donated and fed back."""
+    import jax
+    args = list(args)
+    times = []
+    for i in range(iters + 2):
+        t = time.perf_counter()
+        out = fn(*args)
+        jax.block_until_ready(out)
+        if i >= 2:                                     # two warm-up calls
+            times.append(time.perf_counter() - t)
+        if carry_kv:
+            args[1] = out[1]
+    return float(np.median(times))
+
+
+def decode_batch(B: int, ctx: int, block_size: int):
+    """B sequences of ctx tokens (ctx - 1 cached), each with its own contiguous run of blocks."""
+    from jaxinfer.engine.scheduler import ScheduledBatch
+    from jaxinfer.engine.sequence import Sequence
+    from jaxinfer.sampling_params import SamplingParams
+    n = -(-ctx // block_size)
+    seqs = []
+    for b in range(B):
+        s = Sequence([1 + b % 7] * ctx, SamplingParams(temperature=0.6, ignore_eos=True), b, block_size)
+        s.block_table = list(range(b * n, (b + 1) * n))
+        s.num_computed_tokens = ctx - 1
+        seqs.append(s)
+    return ScheduledBatch(seqs, [1] * B, False), B * n + 1
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--attn-backend", default="pallas", choices=["xla", "pallas"])
+    ap.add_argument("--unstack-weights", action="store_true")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from bench_kernels import copy_bandwidth
+    from jaxinfer.engine.batch import pack
+    from jaxinfer.engine.runner import kv_bytes_per_block
+    from jaxinfer.llm import load_model
+    from jaxinfer.model.attention import attention_fns, write_kv
+    from jaxinfer.model.qwen3 import compute_logits, forward, unstack_layers
+    from jaxinfer.sampling import sample
+    from jaxinfer.step import jit_step, make_step, unpack
+
+    cfg, params, _ = load_model(a.model, a.dtype)
+    params = unstack_layers(params) if a.unstack_weights else params
+    B, bs, L = a.batch, a.block_size, cfg.num_hidden_layers
+    batch, num_blocks = decode_batch(B, a.context, bs)
+    W = -(-a.context // bs)
+    packed = jnp.asarray(pack(batch, B, B, W, bs, num_blocks * bs))
+    shape = (num_blocks, bs, cfg.num_key_value_heads, cfg.head_dim)
+    dtype = jnp.dtype(a.dtype)
+    fresh_kv = lambda: [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(L)]
+    interpret = jax.devices()[0].platform != "gpu"
+    prev = jnp.zeros((B,), jnp.int32)
+    f = unpack(packed, B, B, W)
+    _, decode_fn = attention_fns(a.attn_backend, interpret)
+
+    def layers_only(params, kv, tokens, positions):
+        def attn(l, q, k, v, cache):
+            return q, write_kv(*cache, k, v, f["slot_mapping"])
+        return forward(cfg, params, tokens, positions, attn, kv)
+
+    def attention_only(q, kv):
+        return [decode_fn(q, k, v, f["block_tables"], f["seq_lens"]) for k, v in kv]
+
+    def head(params, hidden):
+        ids = sample(compute_logits(cfg, params, hidden), f["temperature"], f["top_k"], f["top_p"], f["min_p"],
+                     f["seeds"], f["counters"])
+        return ids
+
+    q = jnp.ones((B, cfg.num_attention_heads, cfg.head_dim), dtype)
+    hidden = jnp.ones((B, cfg.hidden_size), dtype)
+    step = jit_step(make_step(cfg, "decode", B, B, W, a.attn_backend, interpret, B))
+    times = {
+        "step": median_time(step, (params, fresh_kv(), packed, prev), a.iters, carry_kv=True),
+        "layers": median_time(jax.jit(layers_only, donate_argnums=1),
+                              (params, fresh_kv(), f["token_ids"], f["positions"]), a.iters, carry_kv=True),
+        "attention": median_time(jax.jit(attention_only), (q, fresh_kv()), a.iters),
+    }
+    times["head"] = median_time(jax.jit(head), (params, hidden), a.iters)
+
+    bw = copy_bandwidth(2**30 if not interpret else 2**22)
+    item = dtype.itemsize
+    head_bytes = cfg.vocab_size * cfg.hidden_size * item
+    layer_bytes = (cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)) * item
+    kv_bytes = B * a.context * kv_bytes_per_block(cfg, 1, dtype)
+    floors = {"step": (layer_bytes + head_bytes + kv_bytes) / bw, "layers": layer_bytes / bw,
+              "attention": kv_bytes / bw, "head": head_bytes / bw}
+    print(f"{a.model} decode step, batch {B} x context {a.context}, {a.attn_backend}, "
+          f"{'per-layer' if a.unstack_weights else 'stacked'} weights; bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"{'part':>10} | {'time ms':>8} | {'floor ms':>8} | {'% floor':>7}")
+    for k in ("step", "layers", "attention", "head"):
+        print(f"{k:>10} | {times[k] * 1e3:8.3f} | {floors[k] * 1e3:8.3f} | {100 * floors[k] / times[k]:6.1f}%")
+    other = times["step"] - times["layers"] - times["attention"] - times["head"]
+    print(f"step - (layers + attention + head) = {other * 1e3:.3f} ms (fusion differences, launch gaps)")
+    r = dict(model=a.model, batch=B, context=a.context, attn_backend=a.attn_backend,
+             unstack_weights=a.unstack_weights, bandwidth_GBs=bw / 1e9,
+             times_ms={k: v * 1e3 for k, v in times.items()}, floors_ms={k: v * 1e3 for k, v in floors.items()})
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(r, fh, indent=2)
+    return r
+
+
+if __name__ == "__main__":
+    main()
