@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from scripts.make_tiny_model import make_tiny_model  # noqa: E402
+from scripts.make_tiny_model import make_tiny_model  # noqa: E402, F401  (re-exported for tests)
 
 # Three tiny configs that differ in GQA ratio, head_dim vs hidden/heads, tying and rope_theta.
 TINY_CONFIGS = {

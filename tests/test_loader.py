@@ -1,7 +1,6 @@
 """Loader: sharded and bf16 checkpoints, clear errors for broken files; presets without allocation."""
 import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -86,13 +85,11 @@ def test_missing_tensor(ckpt):
 
 
 def test_wrong_shape(ckpt):
-    name = "model.layers.0.self_attn.q_proj.weight"
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
     cfg["head_dim"] = 16   # q_proj in the file is [4*32, 64]; config now says [4*16, 64]
     json.dump(cfg, open(os.path.join(ckpt, "config.json"), "w"))
     with pytest.raises(ValueError, match=r"q_proj.weight.*shape \(128, 64\), expected \(64, 64\)"):
         load_params(ckpt)
-    del name
 
 
 def test_truncated_file(ckpt):
