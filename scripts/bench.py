@@ -12,6 +12,7 @@ those bytes divided by the HBM bandwidth measured in this process give the floor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -84,6 +85,24 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
     return r
 
 
+@contextlib.contextmanager
+def profiled(trace_dir: str | None):
+    """jax.profiler.trace around the block when a directory is given."""
+    import jax
+    if not trace_dir:
+        yield
+        return
+    with jax.profiler.trace(trace_dir):
+        yield
+
+
+def summarize_profile(trace_dir: str, steps: int) -> dict:
+    from trace_summary import print_summary, summarize
+    s = summarize(trace_dir, steps=steps)
+    print_summary(s)
+    return s
+
+
 def build(args):
     from jaxinfer import LLM
     t = time.perf_counter()
@@ -102,14 +121,17 @@ def run_throughput(args) -> dict:
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, llm.model_config.vocab_size)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)            # warm-up, as nano-vllm
     before = llm.stats()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t
+    with profiled(args.profile):
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t
     after = llm.stats()
     st = {k: after[k] - before[k] for k in ("prefill_steps", "decode_steps", "kv_tokens_read", "padded_tokens",
                                            "preemptions")}
     st["compilations"] = after["compilations"]
     r = report(llm, st, outs, wall, measure_bandwidth(), args)
+    if args.profile:
+        r["profile"] = summarize_profile(args.profile, st["prefill_steps"] + st["decode_steps"])
     if args.peer == "hf":
         from bench_peer import compare
         r["peer"] = compare(llm, args.model, prompts, args.peer_num_seqs, args.peer_max_tokens)
@@ -162,6 +184,8 @@ def parse(argv=None):
     ap.add_argument("--peer-num-seqs", type=int, default=64)
     ap.add_argument("--peer-max-tokens", type=int, default=256)
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="trace the timed run into DIR and print where the GPU time went (trace_summary.py)")
     return ap.parse_args(argv)
 
 

@@ -66,6 +66,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--unstack-weights", action="store_true")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, metavar="DIR", help="also trace the whole step; print its kernels")
     a = ap.parse_args(argv)
 
     import jax
@@ -117,6 +118,12 @@ def main(argv=None) -> dict:
         "attention": median_time(jax.jit(attention_only), (q, fresh_kv()), a.iters),
     }
     times["head"] = median_time(jax.jit(head), (params, hidden), a.iters)
+    profile = None
+    if a.profile:
+        from bench import profiled, summarize_profile
+        with profiled(a.profile):
+            median_time(step, (params, fresh_kv(), packed, prev), a.iters, carry_kv=True)
+        profile = summarize_profile(a.profile, a.iters + 2)
 
     bw = copy_bandwidth(2**30 if not interpret else 2**22)
     item = dtype.itemsize
@@ -134,7 +141,8 @@ def main(argv=None) -> dict:
     print(f"step - (layers + attention + head) = {other * 1e3:.3f} ms (fusion differences, launch gaps)")
     r = dict(model=a.model, batch=B, context=a.context, attn_backend=a.attn_backend,
              unstack_weights=a.unstack_weights, bandwidth_GBs=bw / 1e9,
-             times_ms={k: v * 1e3 for k, v in times.items()}, floors_ms={k: v * 1e3 for k, v in floors.items()})
+             times_ms={k: v * 1e3 for k, v in times.items()}, floors_ms={k: v * 1e3 for k, v in floors.items()},
+             profile=profile)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(r, fh, indent=2)

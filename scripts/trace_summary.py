@@ -1,0 +1,92 @@
+"""Where the GPU time went: a summary of a `jax.profiler.trace` directory, without TensorBoard.
+
+    python scripts/trace_summary.py TRACE_DIR [--top 25]
+
+Reads the newest *.xplane.pb under TRACE_DIR with jaxlib's ProfileData and prints, for the device plane:
+the span from the first kernel to the last, the time some kernel was running (busy; the rest are host
+gaps), and the kernels that took the most time, grouped by name. On a machine without a GPU it
+summarises the host's XLA threads instead, which is only good for testing this script.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+from collections import defaultdict
+
+
+def _newest_xplane(trace_dir: str) -> str:
+    found = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    if not found:
+        raise FileNotFoundError(f"no *.xplane.pb under {trace_dir!r}")
+    return found[-1]
+
+
+def _kernel_events(data):
+    """(name, start_ns, end_ns) of every kernel on the GPU streams (or XLA CPU threads when no GPU)."""
+    planes = list(data.planes)
+    gpu = [p for p in planes if p.name.startswith("/device:GPU")]
+    events = []
+    for p in gpu or [p for p in planes if p.name == "/host:CPU"]:
+        for line in p.lines:
+            wanted = line.name.startswith("Stream") if gpu else "XLA" in line.name and "Client" in line.name
+            if not wanted:
+                continue
+            for e in line.events:
+                if e.duration_ns > 0:
+                    events.append((e.name, e.start_ns, e.start_ns + e.duration_ns))
+    return events
+
+
+def _group(name: str) -> str:
+    """Fold numbered copies of one fusion (fusion.12, loop_gather_fusion_3) into one row."""
+    return re.sub(r"([._]\d+)+$", "", name)
+
+
+def summarize(trace_dir: str, top: int = 25, steps: int | None = None) -> dict:
+    from jax._src.profiler import ProfileData
+    events = _kernel_events(ProfileData.from_file(_newest_xplane(trace_dir)))
+    if not events:
+        return dict(span_ms=0.0, busy_ms=0.0, kernels=0, top=[])
+    events.sort(key=lambda e: e[1])
+    busy, cur_s, cur_e = 0, events[0][1], events[0][2]
+    for _, s, e in events[1:]:                       # union of intervals: overlapping streams count once
+        if s > cur_e:
+            busy, cur_s, cur_e = busy + cur_e - cur_s, s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = max(e for _, _, e in events) - events[0][1]
+    total, count = defaultdict(float), defaultdict(int)
+    for name, s, e in events:
+        total[_group(name)] += e - s
+        count[_group(name)] += 1
+    rows = sorted(total.items(), key=lambda kv: -kv[1])[:top]
+    per = steps or 1
+    return dict(span_ms=span / 1e6, busy_ms=busy / 1e6, kernels=len(events), steps=steps,
+                top=[dict(name=n, ms=t / 1e6 / per, calls=count[n] / per, share=t / max(busy, 1)) for n, t in rows])
+
+
+def print_summary(s: dict) -> None:
+    per = f" per step (over {s['steps']} steps)" if s.get("steps") else ""
+    print(f"trace: {s['kernels']} kernels; span {s['span_ms']:.1f} ms, GPU busy {s['busy_ms']:.1f} ms "
+          f"({100 * s['busy_ms'] / max(s['span_ms'], 1e-9):.1f}%); the rest are gaps between kernels")
+    print(f"{'ms' + per:>10} | {'calls':>6} | {'share':>6} | kernel")
+    for r in s["top"]:
+        print(f"{r['ms']:10.3f} | {r['calls']:6.1f} | {100 * r['share']:5.1f}% | {r['name'][:100]}")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace_dir")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--steps", type=int, default=None, help="divide times by this many steps")
+    a = ap.parse_args(argv)
+    s = summarize(a.trace_dir, a.top, a.steps)
+    print_summary(s)
+    return s
+
+
+if __name__ == "__main__":
+    main()
