@@ -44,3 +44,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_filter(self) -> bool:
+        """Whether sampling must sort the vocabulary (top-k, top-p or min-p on a sampled row)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)

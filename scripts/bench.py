@@ -44,6 +44,9 @@ def measure_bandwidth() -> float:
     return copy_bandwidth(2**30 if jax.devices()[0].platform == "gpu" else 2**24)
 
 
+HOST_TIMES = ("host_schedule_s", "host_dispatch_s", "host_wait_s", "host_apply_s")
+
+
 def pct(xs, q):
     return float(np.percentile(xs, q)) if xs else float("nan")
 
@@ -71,7 +74,8 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
              ttft_ms_p50=pct(ttft, 50), ttft_ms_p90=pct(ttft, 90), ttft_ms_p99=pct(ttft, 99),
              tpot_ms_p50=pct(tpot, 50), tpot_ms_p90=pct(tpot, 90), tpot_ms_p99=pct(tpot, 99),
              bytes_needed=need, bandwidth_GBs=bw / 1e9, floor_s=floor, pct_of_floor=100 * floor / wall,
-             achieved_GBs=need / wall / 1e9, warmup_s=args.warmup_s)
+             achieved_GBs=need / wall / 1e9, warmup_s=args.warmup_s,
+             host_ms_per_step={k[5:-2]: 1e3 * st[k] / steps for k in HOST_TIMES if k in st})
     print(f"\n== {args.model} | backend={r['attn_backend']} | {len(outs)} requests ==")
     print(f"output: {out_tokens} tok in {wall:.2f} s = {r['output_tok_s']:,.0f} tok/s "
           f"(total {r['total_tok_s']:,.0f} tok/s incl. {in_tokens} prompt tokens)")
@@ -79,6 +83,10 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
           f"{r['compilations_after_warmup']}; preemptions: {r['preemptions']}; warm-up {args.warmup_s:.1f} s")
     print(f"TTFT ms p50/p90/p99: {r['ttft_ms_p50']:.1f}/{r['ttft_ms_p90']:.1f}/{r['ttft_ms_p99']:.1f}; "
           f"TPOT ms p50/p90/p99: {r['tpot_ms_p50']:.2f}/{r['tpot_ms_p90']:.2f}/{r['tpot_ms_p99']:.2f}")
+    if r["host_ms_per_step"]:
+        h = r["host_ms_per_step"]
+        print("host ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in h.items()) +
+              " (wait = blocked on the GPU; the rest is host work, hidden only while the GPU is busier)")
     print(f"roofline: {need / 1e12:.2f} TB must be read (weights once per step + KV of every context token); "
           f"at the measured {bw / 1e12:.2f} TB/s the floor is {floor:.2f} s -> achieved {r['pct_of_floor']:.1f}% "
           f"of the floor ({r['achieved_GBs']:,.0f} GB/s)")
@@ -127,7 +135,7 @@ def run_throughput(args) -> dict:
         wall = time.perf_counter() - t
     after = llm.stats()
     st = {k: after[k] - before[k] for k in ("prefill_steps", "decode_steps", "kv_tokens_read", "padded_tokens",
-                                           "preemptions")}
+                                           "preemptions", *HOST_TIMES)}
     st["compilations"] = after["compilations"]
     r = report(llm, st, outs, wall, measure_bandwidth(), args)
     if args.profile:

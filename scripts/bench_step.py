@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 
 
-def median_time(fn, args, iters: int, carry_kv: bool = False) -> float:
-    """Median seconds per call; with carry_kv the second argument is donated and fed back."""
+def median_time(fn, args, iters: int, carry: dict[int, int] | None = None) -> float:
+    """Median seconds per call; carry {argument index: output index} feeds donated outputs back."""
     import jax
     args = list(args)
     times = []
@@ -35,8 +35,8 @@ def median_time(fn, args, iters: int, carry_kv: bool = False) -> float:
         jax.block_until_ready(out)
         if i >= 2:                                     # two warm-up calls
             times.append(time.perf_counter() - t)
-        if carry_kv:
-            args[1] = out[1]
+        for i_arg, i_out in (carry or {}).items():
+            args[i_arg] = out[i_out]
     return float(np.median(times))
 
 
@@ -105,16 +105,17 @@ def main(argv=None) -> dict:
 
     def head(params, hidden):
         ids = sample(compute_logits(cfg, params, hidden), f["temperature"], f["top_k"], f["top_p"], f["min_p"],
-                     f["seeds"], f["counters"])
+                     f["seeds"], f["counters"], filtered=False)
         return ids
 
     q = jnp.ones((B, cfg.num_attention_heads, cfg.head_dim), dtype)
     hidden = jnp.ones((B, cfg.hidden_size), dtype)
     step = jit_step(make_step(cfg, "decode", B, B, W, a.attn_backend, interpret, B))
+    state = lambda: jnp.concatenate([packed, prev])
     times = {
-        "step": median_time(step, (params, fresh_kv(), packed, prev), a.iters, carry_kv=True),
+        "step": median_time(step, (params, fresh_kv(), state()), a.iters, {1: 0, 2: 1}),
         "layers": median_time(jax.jit(layers_only, donate_argnums=1),
-                              (params, fresh_kv(), f["token_ids"], f["positions"]), a.iters, carry_kv=True),
+                              (params, fresh_kv(), f["token_ids"], f["positions"]), a.iters, {1: 1}),
         "attention": median_time(jax.jit(attention_only), (q, fresh_kv()), a.iters),
     }
     times["head"] = median_time(jax.jit(head), (params, hidden), a.iters)
@@ -122,7 +123,7 @@ def main(argv=None) -> dict:
     if a.profile:
         from bench import profiled, summarize_profile
         with profiled(a.profile):
-            median_time(step, (params, fresh_kv(), packed, prev), a.iters, carry_kv=True)
+            median_time(step, (params, fresh_kv(), state()), a.iters, {1: 0, 2: 1})
         profile = summarize_profile(a.profile, a.iters + 2)
 
     bw = copy_bandwidth(2**30 if not interpret else 2**22)

@@ -13,9 +13,10 @@ def run(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, coun
     full = lambda v, dt: jnp.full((B,), v, dt)
     seeds = jnp.arange(B, dtype=jnp.int32) if seeds is None else seeds
     counters = jnp.zeros(B, jnp.int32) if counters is None else counters
-    f = jax.jit(sample)
+    filtered = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p).needs_filter
+    f = jax.jit(sample, static_argnames="filtered")
     return np.asarray(f(logits, full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
-                        full(min_p, jnp.float32), seeds, counters))
+                        full(min_p, jnp.float32), seeds, counters, filtered=filtered))
 
 
 @pytest.fixture
@@ -39,10 +40,30 @@ def test_same_seed_same_tokens_other_seed_differs(logits):
 
 
 def test_filters_do_not_change_unfiltered_draw(logits):
-    # top_p=1 through the sorted path must give the same draw as the plain path (same noise per token)
+    # top_k=V through the sorted path must give the same draw as the plain path (same noise per token)
     plain = run(logits)
     via_sort = run(logits, top_k=50)
     assert (plain == via_sort).all()
+
+
+def test_plain_variant_ignores_filters_and_matches_sorted_for_unfiltered_rows(logits):
+    B = logits.shape[0]
+    args = (jnp.ones(B), jnp.zeros(B, jnp.int32), jnp.ones(B), jnp.zeros(B), jnp.arange(B), jnp.zeros(B, jnp.int32))
+    a = sample(logits, *args, filtered=False)
+    b = sample(logits, *args, filtered=True)
+    assert (np.asarray(a) == np.asarray(b)).all()
+
+
+def test_noise_is_uniform_gumbel_and_row_local():
+    from jaxinfer.sampling import gumbel_noise
+    g = np.asarray(gumbel_noise(jnp.arange(4), jnp.arange(4), 50000))
+    u = np.exp(-np.exp(-g))                                   # back to the uniforms
+    assert np.isfinite(g).all()
+    hist = np.histogram(u, bins=20, range=(0, 1))[0] / u.size
+    assert np.abs(hist - 0.05).max() < 0.002, hist
+    assert abs(np.corrcoef(u[0], u[1])[0, 1]) < 0.02
+    one = np.asarray(gumbel_noise(jnp.array([2]), jnp.array([2]), 50000))[0]
+    np.testing.assert_array_equal(one, g[2])                  # a row does not depend on its neighbours
 
 
 def _freqs(row, n=4000, **kw):

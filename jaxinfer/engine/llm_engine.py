@@ -33,6 +33,9 @@ class LLMEngine:
         # kv_tokens_read: context tokens whose K/V the steps' attention had to read (for the roofline)
         self.counters = dict(prompt_tokens=0, generated_tokens=0, prefill_steps=0, decode_steps=0,
                              kv_tokens_read=0, padded_tokens=0)
+        # host seconds spent scheduling + packing, dispatching, waiting for sampled ids, applying them:
+        # if wait is small against the rest, the host (not the GPU) sets the pace
+        self.host_time = dict(schedule_s=0.0, dispatch_s=0.0, wait_s=0.0, apply_s=0.0)
         self.compilations_at_warmup = compilation_count()
 
     def warmup(self, progress=None) -> None:
@@ -85,18 +88,24 @@ class LLMEngine:
         """
         if self.in_flight is not None and (self.scheduler.waiting or not self.async_scheduling):
             return self._read_in_flight()
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             if self.in_flight is not None:
                 return self._read_in_flight()
             raise RuntimeError("scheduler found no work although requests are pending (pool too small?)")
         key = bucket_for(self.config, self.runner.widths, batch)
-        packed = pack(batch, key[1], key[2], key[3], self.config.kvcache_block_size, self.runner.num_slots)
+        packed = pack(batch, key[1], key[2], key[3], self.config.kvcache_block_size, self.runner.num_slots,
+                      self.runner.ids_offset)
         self.counters["kv_tokens_read"] += sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens))
         self.counters["padded_tokens"] += key[1] - sum(batch.num_new_tokens)
         self.counters["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
-        ids = self.runner.run(key, packed)
+        filtered = any(s.params.needs_filter for s in batch.seqs)
+        t1 = time.perf_counter()
+        ids = self.runner.run(key + (filtered,), packed)
         self.scheduler.on_dispatch(batch)
+        self.host_time["schedule_s"] += t1 - t0
+        self.host_time["dispatch_s"] += time.perf_counter() - t1
         prev, self.in_flight = self.in_flight, (batch, ids)
         if prev is not None:
             return self._apply(*prev)
@@ -108,8 +117,13 @@ class LLMEngine:
 
     def _apply(self, batch, ids) -> list[Sequence]:
         """Read a dispatched step's sampled ids (blocks until it ran) and apply them."""
-        updated = self.scheduler.postprocess(batch, np.asarray(ids)[:len(batch.seqs)])
+        t0 = time.perf_counter()
+        ids = np.asarray(ids)
+        t1 = time.perf_counter()
+        updated = self.scheduler.postprocess(batch, ids[:len(batch.seqs)])
         now = time.perf_counter()
+        self.host_time["wait_s"] += t1 - t0
+        self.host_time["apply_s"] += now - t1
         for seq in updated:
             seq.token_times.append(now)
             if seq.first_token_time is None:
@@ -126,7 +140,7 @@ class LLMEngine:
                     compilations=compilation_count() - self.compilations_at_warmup,
                     compiled_buckets=len(self.runner.compiled),
                     running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                    **self.counters)
+                    **self.counters, **{f"host_{k}": v for k, v in self.host_time.items()})
 
 
 def is_finished(seq: Sequence) -> bool:

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model.qwen3 import unstack_layers
-from jaxinfer.step import batch_layout, jit_step, make_step
+from jaxinfer.step import batch_layout, jit_step, make_step, read_ids, stage
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # Compiled steps, shared by every runner in the process with the same shapes (params are arguments,
@@ -101,31 +101,39 @@ class ModelRunner:
         W = engine.max_blocks_per_seq
         # xla gathers W pages per row: offer narrower tables so short contexts gather less
         self.widths = tuple(sorted({max(1, W // 16), max(1, W // 4), W})) if engine.attn_backend == "xla" else (W,)
-        self.compiled: dict[tuple[str, int, int, int], object] = {}
+        self.compiled: dict[tuple[str, int, int, int, bool], object] = {}
         self.max_rows = engine.max_num_seqs
-        self.last_ids = jnp.zeros((self.max_rows,), jnp.int32)     # previous step's sampled ids
+        # The device-resident step input: every bucket's packed batch fits in front of ids_offset; the last
+        # step's sampled ids live after it (see step.make_step for why this buffer never moves).
+        self.ids_offset = max(batch_layout(*k[1:4])["_size"][0] for k in self.buckets())
+        self.state = jnp.zeros((self.ids_offset + self.max_rows,), jnp.int32)
+        put = jax.ShapeDtypeStruct((self.ids_offset,), jnp.int32)
+        self._stage = jax.jit(stage, donate_argnums=0).lower(self.state, put).compile()
+        self._read = jax.jit(read_ids, static_argnums=(1, 2)).lower(self.state, self.ids_offset,
+                                                                     self.max_rows).compile()
 
-    def buckets(self) -> list[tuple[str, int, int, int]]:
+    def buckets(self) -> list[tuple[str, int, int, int, bool]]:
+        """(kind, T, B, W, filtered) of every step to compile; `filtered` is the sampling variant with
+        top-k / top-p / min-p (a static choice: see sampling.py)."""
         e = self.engine
         out = [("prefill", T, min(e.max_num_seqs, T), W) for T in e.prefill_buckets for W in self.widths]
         out += [("decode", B, B, W) for B in e.decode_buckets for W in self.widths]
-        return out
+        return [k + (f,) for f in (False, True) for k in out]
 
-    def compile(self, key: tuple[str, int, int, int]):
+    def compile(self, key: tuple[str, int, int, int, bool]):
         if key not in self.compiled:
-            kind, T, B, W = key
+            kind, T, B, W, filtered = key
             shared = (self.model, self.engine.attn_backend, str(self.dtype), self.num_blocks,
-                      self.engine.kvcache_block_size, self.interpret, self.max_rows,
+                      self.engine.kvcache_block_size, self.interpret, self.max_rows, self.ids_offset,
                       isinstance(self.params["layers"], tuple), key)
             if shared not in _EXECUTABLES:
-                step = make_step(self.model, kind, T, B, W, self.engine.attn_backend, self.interpret, self.max_rows)
-                packed = jax.ShapeDtypeStruct((batch_layout(T, B, W)["_size"][0],), jnp.int32)
-                _EXECUTABLES[shared] = jit_step(step).lower(self.params, self.kv_caches, packed,
-                                                            self.last_ids).compile()
+                step = make_step(self.model, kind, T, B, W, self.engine.attn_backend, self.interpret, self.max_rows,
+                                 filtered, self.ids_offset)
+                _EXECUTABLES[shared] = jit_step(step).lower(self.params, self.kv_caches, self.state).compile()
             self.compiled[key] = _EXECUTABLES[shared]
         return self.compiled[key]
 
-    def warmup(self, progress=None, threads: int = 4) -> None:
+    def warmup(self, progress=None, threads: int = min(8, os.cpu_count() or 1)) -> None:
         """Compile every bucket (in parallel threads: XLA compiles outside the GIL)."""
         keys = [k for k in self.buckets() if k not in self.compiled]
         with ThreadPoolExecutor(max(1, threads)) as pool:
@@ -133,8 +141,11 @@ class ModelRunner:
                 if progress is not None:
                     progress.update(1)
 
-    def run(self, key: tuple[str, int, int, int], packed: np.ndarray) -> jax.Array:
-        """Dispatch one step (asynchronous); returns the device array of sampled ids [max_rows]."""
-        self.last_ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, jax.device_put(packed),
-                                                          self.last_ids)
-        return self.last_ids
+    def run(self, key: tuple[str, int, int, int, bool], packed: np.ndarray) -> jax.Array:
+        """Dispatch one step (asynchronous); returns the device array of sampled ids [max_rows].
+        `packed` is padded to ids_offset so one staging executable serves every bucket."""
+        if len(packed) < self.ids_offset:
+            packed = np.pad(packed, (0, self.ids_offset - len(packed)))
+        self.state = self._stage(self.state, jax.device_put(packed))
+        self.kv_caches, self.state = self.compile(key)(self.params, self.kv_caches, self.state)
+        return self._read(self.state)
