@@ -36,11 +36,18 @@ def choose_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int 
     return min(next_pow2(want), next_pow2(most))
 
 
-def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                   scale: float, block_size: int, group: int, rows: int, block_n: int, num_splits: int):
+def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
+                   scale: float, block_size: int, group: int, rows: int, block_n: int, num_splits: int,
+                   fused: bool):
+    if fused:   # the new token's K/V come as inputs; the caches are also (aliased) outputs
+        kn_ref, vn_ref, o_ref, lse_ref, k_out_ref, v_out_ref = refs
+    else:
+        o_ref, lse_ref = refs
     kh, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[-1]
-    length = seq_lens_ref[b]
+    seq_len = seq_lens_ref[b]
+    # fused: the cache holds only the first seq_len - 1 positions; the last one comes from kn/vn
+    length = jnp.maximum(seq_len - 1, 0) if fused else seq_len
     # This split's token range; splits follow the real length so the work is balanced for every sequence.
     chunk = pl.cdiv(pl.cdiv(length, num_splits), block_n) * block_n
     start = split * chunk
@@ -68,6 +75,11 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
     m = jnp.full((rows,), NEG_BIG, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
     acc, m, l = jax.lax.fori_loop(0, num_tiles, body, (acc, m, l))
+    if fused:
+        acc, m, l = _attend_new_token(acc, m, l, q, kn_ref, vn_ref, b, kh, dcol, qk_scale,
+                                      (split == 0) & (seq_len > 0))
+        _write_new_token(kn_ref, vn_ref, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, seq_len - 1, block_size,
+                         (split == 0) & (seq_len > 0))
 
     nonempty = l > 0
     out = acc / jnp.where(nonempty, l, 1.0)[:, None]  # empty split / padding row -> zeros
@@ -78,10 +90,32 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
     lse_ref[b, split, head] = lse
 
 
+def _attend_new_token(acc, m, l, q, kn_ref, vn_ref, b, kh, dcol, qk_scale, active):
+    """Fold the new token (one key, from registers) into the online softmax state when `active`."""
+    kn = kn_ref[b, kh, dcol].astype(jnp.float32)  # [D]
+    vn = vn_ref[b, kh, dcol].astype(jnp.float32)
+    s = jnp.sum(q.astype(jnp.float32) * kn[None, :], axis=1) * qk_scale  # [rows]
+    m_new = jnp.maximum(m, s)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new)
+    acc2 = acc * alpha[:, None] + p[:, None] * vn[None, :]
+    return (jnp.where(active, acc2, acc), jnp.where(active, m_new, m), jnp.where(active, l * alpha + p, l))
+
+
+def _write_new_token(kn_ref, vn_ref, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, pos, block_size, active):
+    """Store the new token's K/V of kv head kh into its slot: page bt[b, pos // block_size], row pos % block_size."""
+    @pl.when(active)
+    def _():
+        p = jnp.maximum(pos, 0)
+        page, slot = bt_ref[b, p // block_size], p % block_size
+        k_out_ref[page, slot, kh, dcol] = kn_ref[b, kh, dcol]
+        v_out_ref[page, slot, kh, dcol] = vn_ref[b, kh, dcol]
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_n", "num_splits", "num_warps",
                                              "num_stages"))
-def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, interpret, block_n, num_splits,
-                     num_warps, num_stages):
+def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, k_new=None, v_new=None, *, scale, interpret,
+                     block_n, num_splits, num_warps, num_stages):
     batch, heads, head_dim = q.shape  # [B, H, D]
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -89,23 +123,33 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, inte
     # Lengths past the block table are impossible; clamping keeps every read inside the table.
     seq_lens = jnp.clip(seq_lens, 0, block_tables.shape[1] * block_size)
     part_dtype = q.dtype if num_splits == 1 else jnp.float32
+    fused = k_new is not None
     kernel = functools.partial(_decode_kernel, scale=scale, block_size=block_size, group=group, rows=rows,
-                               block_n=block_n, num_splits=num_splits)
-    out, lse = pl.pallas_call(
+                               block_n=block_n, num_splits=num_splits, fused=fused)
+    out_shape = (jax.ShapeDtypeStruct((batch, num_splits, heads, head_dim), part_dtype),  # [B, S, H, D]
+                 jax.ShapeDtypeStruct((batch, num_splits, heads), jnp.float32))  # [B, S, H]
+    args = (seq_lens, block_tables, q, k_cache, v_cache)
+    if fused:   # the caches come back as outputs 2 and 3, in the same memory as inputs 3 and 4
+        out_shape += (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                      jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+        args += (k_new, v_new)
+    res = pl.pallas_call(
         kernel,
         grid=(kv_heads, num_splits, batch),
-        out_shape=(jax.ShapeDtypeStruct((batch, num_splits, heads, head_dim), part_dtype),  # [B, S, H, D]
-                   jax.ShapeDtypeStruct((batch, num_splits, heads), jnp.float32)),  # [B, S, H]
+        out_shape=out_shape,
+        input_output_aliases={3: 2, 4: 3} if fused else {},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_attention_decode",
-    )(seq_lens, block_tables, q, k_cache, v_cache)
+    )(*args)
+    out, lse = res[:2]
     if num_splits == 1:
-        return out[:, 0]
-    # Combine the splits: weights 2^(lse_s - max lse); empty splits carry NEG_BIG and weigh 0.
-    w = jnp.exp2(lse - lse.max(axis=1, keepdims=True))  # [B, S, H]
-    out = (w[..., None] * out).sum(axis=1) / w.sum(axis=1)[..., None]
-    return out.astype(q.dtype)
+        out = out[:, 0]
+    else:
+        # Combine the splits: weights 2^(lse_s - max lse); empty splits carry NEG_BIG and weigh 0.
+        w = jnp.exp2(lse - lse.max(axis=1, keepdims=True))  # [B, S, H]
+        out = ((w[..., None] * out).sum(axis=1) / w.sum(axis=1)[..., None]).astype(q.dtype)
+    return (out, *res[2:]) if fused else out
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
@@ -118,6 +162,31 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
     Tile options: block_n (tokens per tile, power of two >= 16), num_splits (context splits, None = auto),
     num_warps, num_stages. Returns [B, H, D] in q's dtype.
     """
+    return _entry(q, k_cache, v_cache, block_tables, seq_lens, None, None, scale, interpret, block_n, num_splits,
+                  num_warps, num_stages)
+
+
+def paged_attention_and_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
+                              v_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
+                              scale: float | None = None, interpret: bool = False, block_n: int = DEFAULT_BLOCK_N,
+                              num_splits: int | None = None, num_warps: int = DEFAULT_NUM_WARPS,
+                              num_stages: int = DEFAULT_NUM_STAGES) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`paged_attention` for a new token whose K/V [B, K, D] are NOT yet in the cache: the kernel writes them at
+    position seq_lens[b] - 1 (padding rows, seq_len 0, write nothing) and attends to them.
+    Returns (out [B, H, D], k_cache, v_cache); donate the caches to update them in place."""
+    if k_new.shape != (q.shape[0], k_cache.shape[2], q.shape[-1]) or v_new.shape != k_new.shape:
+        raise ValueError(f"paged_attention_and_write: k_new/v_new must be [B, K, D] = "
+                         f"{(q.shape[0], k_cache.shape[2], q.shape[-1])}, got {k_new.shape} / {v_new.shape}")
+    if not (k_new.dtype == v_new.dtype == k_cache.dtype):
+        raise ValueError(f"paged_attention_and_write: k_new/v_new dtype {k_new.dtype}/{v_new.dtype} != cache "
+                         f"dtype {k_cache.dtype}")
+    return _entry(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, scale, interpret, block_n, num_splits,
+                  num_warps, num_stages)
+
+
+def _entry(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, scale, interpret, block_n, num_splits,
+           num_warps, num_stages):
+    """Validation and defaults shared by both entry points."""
     if q.ndim != 3:
         raise ValueError(f"paged_attention: q must be [B, H, D], got shape {q.shape}")
     batch, heads, head_dim = q.shape
@@ -129,8 +198,9 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
     if num_splits < 1:
         raise ValueError(f"paged_attention: num_splits must be >= 1, got {num_splits}")
     scale = float(head_dim ** -0.5 if scale is None else scale)
-    return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, interpret=interpret,
-                            block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+    return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, scale=scale,
+                            interpret=interpret, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
+                            num_stages=num_stages)
 
 
 def paged_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,

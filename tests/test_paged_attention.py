@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import pytest
 from helpers import assert_lowers_to_triton, make_paged
 
-from pallas_kernels.paged_attention import choose_num_splits, paged_attention, paged_attention_reference
+from pallas_kernels.paged_attention import (choose_num_splits, paged_attention, paged_attention_and_write,
+                                            paged_attention_reference)
 
 TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -63,6 +64,44 @@ def test_kernel_matches_reference(dtype, case, num_splits):
     assert not np.asarray(out, np.float32)[padding].any(), "padding rows must be zeros"
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case,num_splits", [(0, 1), (0, 3), (2, 2)])
+def test_fused_write_matches_write_then_attend(dtype, case, num_splits):
+    """The kernel that writes the new token's K/V itself gives the output and caches of write-then-attend."""
+    lens, block_size, heads, kv_heads, head_dim = CASES[case]
+    rng = np.random.default_rng(5)
+    k, v, tables, seq_lens = make_paged(rng, lens, block_size, kv_heads, head_dim, dtype)
+    B = len(lens)
+    q = jnp.asarray(rng.standard_normal((B, heads, head_dim)), dtype)
+    kn, vn = (jnp.asarray(rng.standard_normal((B, kv_heads, head_dim)), dtype) for _ in range(2))
+    fused = jax.jit(lambda *a: paged_attention_and_write(*a, interpret=True, block_n=16, num_splits=num_splits))
+    check_fused(fused, q, kn, vn, k, v, tables, lens, TOL[dtype])
+
+
+def check_fused(fused, q, kn, vn, k, v, tables, lens, tol):
+    """fused(q, kn, vn, k, v, tables, seq_lens) == writing kn/vn at position len-1, then the reference."""
+    block_size = k.shape[1]
+    pos = np.maximum(np.asarray(lens) - 1, 0)
+    pages = np.asarray(tables)[np.arange(len(lens)), pos // block_size]
+    real = np.asarray(lens) > 0
+    k_ref = k.at[pages[real], pos[real] % block_size].set(kn[real])
+    v_ref = v.at[pages[real], pos[real] % block_size].set(vn[real])
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    out, k2, v2 = fused(q, kn, vn, k, v, tables, seq_lens)
+    np.testing.assert_array_equal(np.asarray(k2, np.float32), np.asarray(k_ref, np.float32))
+    np.testing.assert_array_equal(np.asarray(v2, np.float32), np.asarray(v_ref, np.float32))
+    ref = paged_attention_reference(q, k_ref, v_ref, tables, seq_lens)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tol)
+    assert not np.asarray(out, np.float32)[~real].any(), "padding rows must be zeros"
+
+
+def test_fused_write_validation():
+    z = jnp.zeros
+    with pytest.raises(ValueError, match="k_new"):
+        paged_attention_and_write(z((2, 4, 16)), z((2, 1, 16)), z((2, 1, 16)), z((4, 4, 2, 16)), z((4, 4, 2, 16)),
+                                  z((2, 3), jnp.int32), z((2,), jnp.int32), interpret=True)
+
+
 def test_kernel_inside_jit_with_scale():
     """Traceable under an outer jit with dynamic lengths; custom scale honoured."""
     rng = np.random.default_rng(3)
@@ -108,6 +147,8 @@ def test_lowers_to_triton():
     args = (sd((8, 16, 128), jnp.bfloat16), sd((64, 16, 8, 128), jnp.bfloat16), sd((64, 16, 8, 128), jnp.bfloat16),
             sd((8, 8), jnp.int32), sd((8,), jnp.int32))
     assert_lowers_to_triton(paged_attention, args)
+    new = sd((8, 8, 128), jnp.bfloat16)
+    assert_lowers_to_triton(paged_attention_and_write, (args[0], new, new, *args[1:]))
 
 
 @pytest.mark.gpu
@@ -127,3 +168,5 @@ def test_gpu_compiled(dtype, batch, max_len, block_size):
     ref = paged_attention_reference(q, k, v, tables, seq_lens)
     tol = TOL[dtype] if dtype == jnp.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tol)
+    kn, vn = (jnp.asarray(rng.standard_normal((batch, 8, 128)), dtype) for _ in range(2))
+    check_fused(jax.jit(paged_attention_and_write), q, kn, vn, k, v, tables, lens, tol)

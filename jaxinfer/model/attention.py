@@ -7,7 +7,8 @@ point one past the last slot and their writes are dropped.
 Backends take the same arguments (the contracts of pallas_kernels/):
 - "xla": plain jnp. Pages are gathered through the block table and attended with einsum + softmax: the
   readable reference, and the "XLA fusion" side of the kernel comparison.
-- "pallas": the hand-written kernels (flash_attention for prefill, paged_attention for decode).
+- "pallas": the hand-written kernels (flash_attention for prefill, paged_attention for decode). In a decode
+  step the kernel also writes the new token's K/V itself (paged_attention_and_write): no scatter kernels.
 """
 from __future__ import annotations
 
@@ -103,6 +104,14 @@ def attention_fns(backend: str, interpret: bool):
 def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool = False):
     """The `attn` callable the model calls per layer: write K/V, then prefill or decode attention."""
     prefill_fn, decode_fn = attention_fns(backend, interpret)
+    if kind == "decode" and backend == "pallas":
+        from pallas_kernels.paged_attention import paged_attention_and_write
+
+        def fused(l, q, k, v, cache):     # one token per row: row b's K/V go to position seq_lens[b] - 1
+            o, k_cache, v_cache = paged_attention_and_write(q, k, v, *cache, meta["block_tables"],
+                                                            meta["seq_lens"], interpret=interpret)
+            return o, (k_cache, v_cache)
+        return fused
 
     def attn(l, q, k, v, cache):
         k_cache, v_cache = write_kv(*cache, k, v, meta["slot_mapping"])
