@@ -75,6 +75,8 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
              tpot_ms_p50=pct(tpot, 50), tpot_ms_p90=pct(tpot, 90), tpot_ms_p99=pct(tpot, 99),
              bytes_needed=need, bandwidth_GBs=bw / 1e9, floor_s=floor, pct_of_floor=100 * floor / wall,
              achieved_GBs=need / wall / 1e9, warmup_s=args.warmup_s,
+             reference_bandwidth_GBs=args.reference_bw * 1e3, floor_s_at_reference=need / (args.reference_bw * 1e12),
+             pct_of_reference_floor=100 * need / (args.reference_bw * 1e12) / wall,
              host_ms_per_step={k[5:-2]: 1e3 * st[k] / steps for k in HOST_TIMES if k in st})
     print(f"\n== {args.model} | backend={r['attn_backend']} | {len(outs)} requests ==")
     print(f"output: {out_tokens} tok in {wall:.2f} s = {r['output_tok_s']:,.0f} tok/s "
@@ -90,6 +92,8 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
     print(f"roofline: {need / 1e12:.2f} TB must be read (weights once per step + KV of every context token); "
           f"at the measured {bw / 1e12:.2f} TB/s the floor is {floor:.2f} s -> achieved {r['pct_of_floor']:.1f}% "
           f"of the floor ({r['achieved_GBs']:,.0f} GB/s)")
+    print(f"  against the {args.reference_bw:.1f} TB/s of a raw device copy (--reference-bw; gpu-facts.md) the floor is "
+          f"{r['floor_s_at_reference']:.2f} s -> {r['pct_of_reference_floor']:.1f}%")
     return r
 
 
@@ -192,6 +196,9 @@ def parse(argv=None):
     ap.add_argument("--peer-num-seqs", type=int, default=64)
     ap.add_argument("--peer-max-tokens", type=int, default=256)
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--reference-bw", type=float, default=4.3,
+                    help="TB/s for a second floor: XLA's own pass reaches less than the HBM can (default 4.3, "
+                         "a torch device copy on the H200)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="trace the timed run into DIR and print where the GPU time went (trace_summary.py)")
     return ap.parse_args(argv)

@@ -18,8 +18,12 @@ def test_bench_runs_and_counts(tiny_dir, tmp_path, capsys):
     assert r["compilations_after_warmup"] == 0 and r["num_seqs"] == 5
     assert r["decode_steps"] >= max(p.max_tokens for p in params) - 1
     assert 0 < r["pct_of_floor"] and r["floor_s"] > 0
+    assert r["floor_s_at_reference"] > 0 and r["pct_of_reference_floor"] > 0
+    host = r["host_ms_per_step"]
+    assert set(host) == {"schedule", "dispatch", "wait", "apply"} and all(v >= 0 for v in host.values())
+    assert host["schedule"] > 0 and host["dispatch"] > 0
     out = capsys.readouterr().out
-    assert "tok/s" in out and "% of the floor" in out
+    assert "tok/s" in out and "% of the floor" in out and "host ms per step" in out
     assert os.path.isfile(tmp_path / "r.json")
 
 
@@ -65,7 +69,19 @@ def test_preset_export_runs_in_transformers(tmp_path):
 def test_bench_step_anatomy_runs(tiny_dir, tmp_path):
     import bench_step
     r = bench_step.main(["--model", tiny_dir, "--dtype", "float32", "--batch", "2", "--context", "40",
-                         "--attn-backend", "xla", "--iters", "2", "--json", str(tmp_path / "s.json")])
+                         "--attn-backend", "xla", "--iters", "2", "--json", str(tmp_path / "s.json"),
+                         "--profile", str(tmp_path / "trace")])
     assert set(r["times_ms"]) == {"step", "layers", "attention", "head"}
+    prof = r["profile"]                   # on CPU the summary reads the host's XLA threads
+    assert prof["kernels"] > 0 and 0 < prof["busy_ms"] <= prof["span_ms"] + 1e-6 and prof["top"]
     assert all(t > 0 for t in r["times_ms"].values()) and r["floors_ms"]["attention"] > 0
     assert os.path.isfile(tmp_path / "s.json")
+
+
+def test_trace_summary_needs_a_trace(tmp_path):
+    import pytest
+    import trace_summary
+    with pytest.raises(FileNotFoundError, match="xplane"):
+        trace_summary.summarize(str(tmp_path))
+    assert trace_summary._group("loop_add_fusion.12") == "loop_add_fusion"
+    assert trace_summary._group("paged_attention_decode") == "paged_attention_decode"
