@@ -47,6 +47,12 @@ def measure_bandwidth() -> float:
 HOST_TIMES = ("host_schedule_s", "host_dispatch_s", "host_wait_s", "host_apply_s")
 
 
+def write_json(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
 def pct(xs, q):
     return float(np.percentile(xs, q)) if xs else float("nan")
 
@@ -209,9 +215,7 @@ def main(argv=None) -> dict:
     if args.peer:   # leave GPU memory for PyTorch: JAX would otherwise preallocate 75% of it
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
     r = run_latency(args) if args.latency else run_throughput(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2)
+    write_json(args.json, r)
     return r
 
 

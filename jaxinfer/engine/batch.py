@@ -44,12 +44,9 @@ def _tables(seqs, B: int, W: int) -> np.ndarray:
     return tables
 
 
-def pack(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slots: int,
-         size: int = 0) -> np.ndarray:
-    """The step's packed int32 array, zero-padded to `size` if that is larger (the runner stages every
-    bucket through one buffer)."""
+def pack(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slots: int) -> np.ndarray:
     layout = batch_layout(T, B, W)
-    buf = np.zeros(max(size, layout["_size"][0]), np.int32)
+    buf = np.zeros(layout["_size"][0], np.int32)
     f = {name: buf[off:off + n] for name, (off, n) in layout.items() if name != "_size"}
     seqs, counts = batch.seqs, batch.num_new_tokens
     n = len(seqs)

@@ -95,8 +95,7 @@ class LLMEngine:
                 return self._read_in_flight()
             raise RuntimeError("scheduler found no work although requests are pending (pool too small?)")
         key = bucket_for(self.config, self.runner.widths, batch)
-        packed = pack(batch, key[1], key[2], key[3], self.config.kvcache_block_size, self.runner.num_slots,
-                      self.runner.ids_offset)
+        packed = pack(batch, key[1], key[2], key[3], self.config.kvcache_block_size, self.runner.num_slots)
         self.counters["kv_tokens_read"] += sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens))
         self.counters["padded_tokens"] += key[1] - sum(batch.num_new_tokens)
         self.counters["prefill_steps" if batch.is_prefill else "decode_steps"] += 1

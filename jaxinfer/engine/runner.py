@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model.qwen3 import unstack_layers
-from jaxinfer.step import batch_layout, jit_step, make_step, read_ids, stage
+from jaxinfer.step import batch_layout, jit_step, make_step
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # Compiled steps, shared by every runner in the process with the same shapes (params are arguments,
@@ -103,14 +103,7 @@ class ModelRunner:
         self.widths = tuple(sorted({max(1, W // 16), max(1, W // 4), W})) if engine.attn_backend == "xla" else (W,)
         self.compiled: dict[tuple[str, int, int, int, bool], object] = {}
         self.max_rows = engine.max_num_seqs
-        # The device-resident step input: every bucket's packed batch fits in front of ids_offset; the last
-        # step's sampled ids live after it (see step.make_step for why this buffer never moves).
-        self.ids_offset = max(batch_layout(*k[1:4])["_size"][0] for k in self.buckets())
-        self.state = jnp.zeros((self.ids_offset + self.max_rows,), jnp.int32)
-        put = jax.ShapeDtypeStruct((self.ids_offset,), jnp.int32)
-        self._stage = jax.jit(stage, donate_argnums=0).lower(self.state, put).compile()
-        self._read = jax.jit(read_ids, static_argnums=(1, 2)).lower(self.state, self.ids_offset,
-                                                                     self.max_rows).compile()
+        self.last_ids = jnp.zeros((self.max_rows,), jnp.int32)     # previous step's sampled ids
 
     def buckets(self) -> list[tuple[str, int, int, int, bool]]:
         """(kind, T, B, W, filtered) of every step to compile; `filtered` is the sampling variant with
@@ -124,12 +117,14 @@ class ModelRunner:
         if key not in self.compiled:
             kind, T, B, W, filtered = key
             shared = (self.model, self.engine.attn_backend, str(self.dtype), self.num_blocks,
-                      self.engine.kvcache_block_size, self.interpret, self.max_rows, self.ids_offset,
+                      self.engine.kvcache_block_size, self.interpret, self.max_rows,
                       isinstance(self.params["layers"], tuple), key)
             if shared not in _EXECUTABLES:
                 step = make_step(self.model, kind, T, B, W, self.engine.attn_backend, self.interpret, self.max_rows,
-                                 filtered, self.ids_offset)
-                _EXECUTABLES[shared] = jit_step(step).lower(self.params, self.kv_caches, self.state).compile()
+                                 filtered)
+                packed = jax.ShapeDtypeStruct((batch_layout(T, B, W)["_size"][0],), jnp.int32)
+                _EXECUTABLES[shared] = jit_step(step).lower(self.params, self.kv_caches, packed,
+                                                            self.last_ids).compile()
             self.compiled[key] = _EXECUTABLES[shared]
         return self.compiled[key]
 
@@ -142,10 +137,7 @@ class ModelRunner:
                     progress.update(1)
 
     def run(self, key: tuple[str, int, int, int, bool], packed: np.ndarray) -> jax.Array:
-        """Dispatch one step (asynchronous); returns the device array of sampled ids [max_rows].
-        `packed` is padded to ids_offset so one staging executable serves every bucket."""
-        if len(packed) < self.ids_offset:
-            packed = np.pad(packed, (0, self.ids_offset - len(packed)))
-        self.state = self._stage(self.state, jax.device_put(packed))
-        self.kv_caches, self.state = self.compile(key)(self.params, self.kv_caches, self.state)
-        return self._read(self.state)
+        """Dispatch one step (asynchronous); returns the device array of sampled ids [max_rows]."""
+        self.last_ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, jax.device_put(packed),
+                                                          self.last_ids)
+        return self.last_ids
