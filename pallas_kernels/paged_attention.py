@@ -38,15 +38,15 @@ def choose_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int 
 
 def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
                    scale: float, block_size: int, group: int, rows: int, block_n: int, num_splits: int,
-                   fused: bool):
-    if fused:   # the new token's K/V come as inputs; the caches are also (aliased) outputs
-        kn_ref, vn_ref, o_ref, lse_ref, k_out_ref, v_out_ref = refs
+                   fused: bool, eps: float):
+    if fused:   # q_ref holds the raw qkv projection [B, H + 2K, D]; the caches are also (aliased) outputs
+        qw_ref, kw_ref, cos_ref, sin_ref, o_ref, lse_ref, k_out_ref, v_out_ref = refs
     else:
         o_ref, lse_ref = refs
     kh, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[-1]
     seq_len = seq_lens_ref[b]
-    # fused: the cache holds only the first seq_len - 1 positions; the last one comes from kn/vn
+    # fused: the cache holds only the first seq_len - 1 positions; the last one is computed here
     length = jnp.maximum(seq_len - 1, 0) if fused else seq_len
     # This split's token range; splits follow the real length so the work is balanced for every sequence.
     chunk = pl.cdiv(pl.cdiv(length, num_splits), block_n) * block_n
@@ -57,7 +57,14 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     g = jnp.arange(rows)
     head = kh * group + jnp.minimum(g, group - 1)  # [rows] padding rows repeat the last real head
     dcol = jnp.arange(head_dim)
-    q = q_ref[b, head[:, None], dcol[None, :]]  # [rows, D]
+    if fused:
+        heads, kv_heads = o_ref.shape[2], k_out_ref.shape[2]
+        rope = (cos_ref, sin_ref, b, eps)
+        q = _norm_rope(q_ref, b, head, qw_ref, *rope)  # [rows, D]
+        kn = _norm_rope(q_ref, b, jnp.full((1,), heads + kh, jnp.int32), kw_ref, *rope)  # [1, D]
+        vn = q_ref[b, heads + kv_heads + kh, dcol[None, :]]  # [1, D]
+    else:
+        q = q_ref[b, head[:, None], dcol[None, :]]  # [rows, D]
     prec = dot_precision(q.dtype)
     qk_scale = scale * LOG2E  # softmax in base 2
 
@@ -76,10 +83,9 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     l = jnp.zeros((rows,), jnp.float32)
     acc, m, l = jax.lax.fori_loop(0, num_tiles, body, (acc, m, l))
     if fused:
-        acc, m, l = _attend_new_token(acc, m, l, q, kn_ref, vn_ref, b, kh, dcol, qk_scale,
-                                      (split == 0) & (seq_len > 0))
-        _write_new_token(kn_ref, vn_ref, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, seq_len - 1, block_size,
-                         (split == 0) & (seq_len > 0))
+        active = (split == 0) & (seq_len > 0)
+        acc, m, l = _attend_new_token(acc, m, l, q, kn, vn, qk_scale, active)
+        _write_new_token(kn, vn, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, seq_len - 1, block_size, active)
 
     nonempty = l > 0
     out = acc / jnp.where(nonempty, l, 1.0)[:, None]  # empty split / padding row -> zeros
@@ -90,49 +96,69 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     lse_ref[b, split, head] = lse
 
 
-def _attend_new_token(acc, m, l, q, kn_ref, vn_ref, b, kh, dcol, qk_scale, active):
-    """Fold the new token (one key, from registers) into the online softmax state when `active`."""
-    kn = kn_ref[b, kh, dcol].astype(jnp.float32)  # [D]
-    vn = vn_ref[b, kh, dcol].astype(jnp.float32)
-    s = jnp.sum(q.astype(jnp.float32) * kn[None, :], axis=1) * qk_scale  # [rows]
+def _norm_rope(qkv_ref, b, heads, w_ref, cos_ref, sin_ref, row, eps):
+    """Rows `heads` of qkv[b] -> Qwen3's per-head RMSNorm (HF order: normalise in fp32, cast, scale) then
+    rotate-half RoPE. rotate_half(x)[j] = -x[j + D/2] (j < D/2), x[j - D/2] (j >= D/2): the rotated copy is
+    loaded through a permuted column index instead of being shuffled in registers. -> [R, D] in qkv's dtype."""
+    D = qkv_ref.shape[-1]
+    dcol = jnp.arange(D)
+    perm = (dcol + D // 2) % D
+    x = qkv_ref[b, heads[:, None], dcol[None, :]]  # [R, D]
+    xp = qkv_ref[b, heads[:, None], perm[None, :]]  # [R, D] = x[:, perm]
+    dtype = x.dtype
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.sum(xf * xf, axis=1) / D + eps)[:, None]  # [R, 1]
+    xn = (xf * r).astype(dtype) * w_ref[dcol][None, :]
+    xpn = (xp.astype(jnp.float32) * r).astype(dtype) * w_ref[perm][None, :]
+    rotated = jnp.where(dcol[None, :] < D // 2, -xpn, xpn)
+    cos = cos_ref[row, dcol][None, :].astype(dtype)
+    sin = sin_ref[row, dcol][None, :].astype(dtype)
+    return xn * cos + rotated * sin
+
+
+def _attend_new_token(acc, m, l, q, kn, vn, qk_scale, active):
+    """Fold the new token (one key kn [1, D], value vn [1, D], in registers) into the online softmax state."""
+    s = jnp.sum(q.astype(jnp.float32) * kn.astype(jnp.float32), axis=1) * qk_scale  # [rows]
     m_new = jnp.maximum(m, s)
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new)
-    acc2 = acc * alpha[:, None] + p[:, None] * vn[None, :]
+    acc2 = acc * alpha[:, None] + p[:, None] * vn.astype(jnp.float32)
     return (jnp.where(active, acc2, acc), jnp.where(active, m_new, m), jnp.where(active, l * alpha + p, l))
 
 
-def _write_new_token(kn_ref, vn_ref, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, pos, block_size, active):
-    """Store the new token's K/V of kv head kh into its slot: page bt[b, pos // block_size], row pos % block_size."""
+def _write_new_token(kn, vn, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, pos, block_size, active):
+    """Store the new token's K/V [1, D] of kv head kh into its slot: page bt[b, pos // bs], row pos % bs."""
     @pl.when(active)
     def _():
         p = jnp.maximum(pos, 0)
         page, slot = bt_ref[b, p // block_size], p % block_size
-        k_out_ref[page, slot, kh, dcol] = kn_ref[b, kh, dcol]
-        v_out_ref[page, slot, kh, dcol] = vn_ref[b, kh, dcol]
+        k_out_ref[page, slot, kh, dcol[None, :]] = kn
+        v_out_ref[page, slot, kh, dcol[None, :]] = vn
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_n", "num_splits", "num_warps",
-                                             "num_stages"))
-def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, k_new=None, v_new=None, *, scale, interpret,
-                     block_n, num_splits, num_warps, num_stages):
-    batch, heads, head_dim = q.shape  # [B, H, D]
-    _, block_size, kv_heads, _ = k_cache.shape
+                                             "num_stages", "eps"))
+def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None, *, scale, interpret,
+                     block_n, num_splits, num_warps, num_stages, eps=0.0):
+    """q [B, H, D], or with `prologue` = (q_norm, k_norm, cos, sin) the raw qkv projection [B, H + 2K, D]."""
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    fused = prologue is not None
+    batch = q.shape[0]
+    heads = q.shape[1] - 2 * kv_heads if fused else q.shape[1]
     group = heads // kv_heads
     rows = max(16, next_pow2(group))  # tensor-core dots need >= 16 rows
     # Lengths past the block table are impossible; clamping keeps every read inside the table.
     seq_lens = jnp.clip(seq_lens, 0, block_tables.shape[1] * block_size)
     part_dtype = q.dtype if num_splits == 1 else jnp.float32
-    fused = k_new is not None
     kernel = functools.partial(_decode_kernel, scale=scale, block_size=block_size, group=group, rows=rows,
-                               block_n=block_n, num_splits=num_splits, fused=fused)
+                               block_n=block_n, num_splits=num_splits, fused=fused, eps=eps)
     out_shape = (jax.ShapeDtypeStruct((batch, num_splits, heads, head_dim), part_dtype),  # [B, S, H, D]
                  jax.ShapeDtypeStruct((batch, num_splits, heads), jnp.float32))  # [B, S, H]
     args = (seq_lens, block_tables, q, k_cache, v_cache)
     if fused:   # the caches come back as outputs 2 and 3, in the same memory as inputs 3 and 4
         out_shape += (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                       jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
-        args += (k_new, v_new)
+        args += tuple(prologue)
     res = pl.pallas_call(
         kernel,
         grid=(kv_heads, num_splits, batch),
@@ -144,7 +170,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, k_new=None, v_
     )(*args)
     out, lse = res[:2]
     if num_splits == 1:
-        out = out[:, 0]
+        out = out[:, 0].astype(q.dtype)
     else:
         # Combine the splits: weights 2^(lse_s - max lse); empty splits carry NEG_BIG and weigh 0.
         w = jnp.exp2(lse - lse.max(axis=1, keepdims=True))  # [B, S, H]
@@ -162,45 +188,56 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
     Tile options: block_n (tokens per tile, power of two >= 16), num_splits (context splits, None = auto),
     num_warps, num_stages. Returns [B, H, D] in q's dtype.
     """
-    return _entry(q, k_cache, v_cache, block_tables, seq_lens, None, None, scale, interpret, block_n, num_splits,
-                  num_warps, num_stages)
-
-
-def paged_attention_and_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
-                              v_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
-                              scale: float | None = None, interpret: bool = False, block_n: int = DEFAULT_BLOCK_N,
-                              num_splits: int | None = None, num_warps: int = DEFAULT_NUM_WARPS,
-                              num_stages: int = DEFAULT_NUM_STAGES) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`paged_attention` for a new token whose K/V [B, K, D] are NOT yet in the cache: the kernel writes them at
-    position seq_lens[b] - 1 (padding rows, seq_len 0, write nothing) and attends to them.
-    Returns (out [B, H, D], k_cache, v_cache); donate the caches to update them in place."""
-    if k_new.shape != (q.shape[0], k_cache.shape[2], q.shape[-1]) or v_new.shape != k_new.shape:
-        raise ValueError(f"paged_attention_and_write: k_new/v_new must be [B, K, D] = "
-                         f"{(q.shape[0], k_cache.shape[2], q.shape[-1])}, got {k_new.shape} / {v_new.shape}")
-    if not (k_new.dtype == v_new.dtype == k_cache.dtype):
-        raise ValueError(f"paged_attention_and_write: k_new/v_new dtype {k_new.dtype}/{v_new.dtype} != cache "
-                         f"dtype {k_cache.dtype}")
-    return _entry(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, scale, interpret, block_n, num_splits,
-                  num_warps, num_stages)
-
-
-def _entry(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, scale, interpret, block_n, num_splits,
-           num_warps, num_stages):
-    """Validation and defaults shared by both entry points."""
     if q.ndim != 3:
         raise ValueError(f"paged_attention: q must be [B, H, D], got shape {q.shape}")
-    batch, heads, head_dim = q.shape
-    check_paged_inputs("paged_attention", heads, head_dim, q.dtype, k_cache, v_cache, block_tables, seq_lens, batch)
+    tiles = _tiles("paged_attention", q, q.shape[1], k_cache, v_cache, block_tables, seq_lens, block_n, num_splits)
+    return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=_scale(scale, q), interpret=interpret,
+                            num_warps=num_warps, num_stages=num_stages, **tiles)
+
+
+def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: jax.Array, sin: jax.Array,
+                        k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
+                        eps: float, scale: float | None = None, interpret: bool = False,
+                        block_n: int = DEFAULT_BLOCK_N, num_splits: int | None = None,
+                        num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A Qwen3 decode layer's attention, from the qkv projection to the attention output, in ONE kernel.
+
+    qkv [B, H + 2K, D]: the new token's q heads, then k heads, then v heads (not yet normalised or rotated).
+    q_norm, k_norm [D]: the per-head RMSNorm weights (epsilon `eps`); cos, sin [B, D]: RoPE tables of each row's
+    position (rotate-half convention, see jaxinfer/model/layers.py). The kernel normalises and rotates q and k,
+    writes k and v at position seq_lens[b] - 1 (padding rows, seq_len 0, write nothing), and attends over the
+    cache plus the new token. Returns (out [B, H, D], k_cache, v_cache); donate the caches to update in place.
+    """
+    B, K, D = qkv.shape[0], k_cache.shape[2], qkv.shape[-1]
+    if qkv.ndim != 3 or qkv.shape[1] <= 2 * K:
+        raise ValueError(f"paged_attention_qkv: qkv must be [B, H + 2K, D] with K={K} kv heads, got {qkv.shape}")
+    for name, x, shape in (("q_norm", q_norm, (D,)), ("k_norm", k_norm, (D,)), ("cos", cos, (B, D)),
+                           ("sin", sin, (B, D))):
+        if x.shape != shape:
+            raise ValueError(f"paged_attention_qkv: {name} must have shape {shape}, got {x.shape}")
+    heads = qkv.shape[1] - 2 * K
+    tiles = _tiles("paged_attention_qkv", qkv, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits)
+    norms = (q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype), cos.astype(jnp.float32), sin.astype(jnp.float32))
+    return _paged_attention(qkv, k_cache, v_cache, block_tables, seq_lens, norms, scale=_scale(scale, qkv),
+                            interpret=interpret, num_warps=num_warps, num_stages=num_stages, eps=float(eps), **tiles)
+
+
+def _scale(scale, q) -> float:
+    return float(q.shape[-1] ** -0.5 if scale is None else scale)
+
+
+def _tiles(name, q, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits) -> dict:
+    """Validation shared by both entry points; returns the static tile choices."""
+    check_paged_inputs(name, heads, q.shape[-1], q.dtype, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
     if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"paged_attention: block_n must be a power of two >= 16, got {block_n}")
+        raise ValueError(f"{name}: block_n must be a power of two >= 16, got {block_n}")
     if num_splits is None:
-        num_splits = choose_num_splits(batch, k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], block_n)
+        num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1],
+                                       block_n)
     if num_splits < 1:
-        raise ValueError(f"paged_attention: num_splits must be >= 1, got {num_splits}")
-    scale = float(head_dim ** -0.5 if scale is None else scale)
-    return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, scale=scale,
-                            interpret=interpret, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
-                            num_stages=num_stages)
+        raise ValueError(f"{name}: num_splits must be >= 1, got {num_splits}")
+    return dict(block_n=block_n, num_splits=num_splits)
 
 
 def paged_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,

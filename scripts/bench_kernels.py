@@ -23,7 +23,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference  # noqa: E402
-from pallas_kernels.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
+from pallas_kernels.paged_attention import (paged_attention, paged_attention_qkv,  # noqa: E402
+                                            paged_attention_reference)
 
 H, K, D, PAGE, DTYPE = 16, 8, 128, 16, jnp.bfloat16
 
@@ -32,11 +33,11 @@ def time_loop(fn, q, *args, est_s: float, repeats: int = 7) -> float:
     """Seconds per application of fn(q, *args) -> same shape as q, timed inside one jitted fori_loop."""
     n = int(min(200, max(3, 3e-3 / max(est_s, 1e-7))))
     loop = jax.jit(lambda q, *a: jax.lax.fori_loop(0, n, lambda i, x: fn(x, *a), q))
-    loop(q, *args).block_until_ready()  # compile + warm up
+    jax.block_until_ready(loop(q, *args))  # compile + warm up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        loop(q, *args).block_until_ready()
+        jax.block_until_ready(loop(q, *args))
         times.append((time.perf_counter() - t0) / n)
     return statistics.median(times)
 
@@ -86,7 +87,18 @@ def cudnn_paged_decode():
     return run
 
 
-def bench_decode(batch, ctx, ceil, opts, smoke, impls=("xla", "pallas", "cudnn")):
+def qkv_decode(opts, smoke):
+    """The engine's decode kernel (paged_attention_qkv: q/k RMSNorm + RoPE, K/V write, attention) as a loop body
+    carrying (qkv, k_cache, v_cache), so the caches are updated in place as in the engine."""
+    def run(carry, norm, cos, tables, lens):
+        qkv, k, v = carry
+        out, k, v = paged_attention_qkv(qkv, norm, norm, cos, cos, k, v, tables, lens, eps=1e-6, interpret=smoke,
+                                        **opts)
+        return qkv.at[:, :H].set(out), k, v
+    return run
+
+
+def bench_decode(batch, ctx, ceil, opts, smoke, impls=("xla", "pallas", "pallas_qkv", "cudnn")):
     max_blocks = -(-ctx // PAGE)
     k, v, tables = paged_cache(jax.random.PRNGKey(batch * 7 + ctx), batch, max_blocks)
     q = jax.random.normal(jax.random.PRNGKey(1), (batch, H, D), DTYPE)
@@ -110,8 +122,18 @@ def bench_decode(batch, ctx, ceil, opts, smoke, impls=("xla", "pallas", "cudnn")
         except Exception as err:  # noqa: BLE001
             row[name + "_s"] = None
             print(f"  decode {name} B={batch} ctx={ctx} failed: {type(err).__name__}: {str(err)[:300]}")
+    if "pallas_qkv" in impls:
+        qkv = jax.random.normal(jax.random.PRNGKey(3), (batch, H + 2 * K, D), DTYPE)
+        norm, cos = jnp.ones((D,), DTYPE), jnp.ones((batch, D), jnp.float32)
+        try:
+            row["pallas_qkv_s"] = time_loop(qkv_decode(opts, smoke), (qkv, k, v), norm, cos, tables, lens, est_s=est)
+        except Exception as err:  # noqa: BLE001
+            row["pallas_qkv_s"] = None
+            print(f"  decode pallas_qkv B={batch} ctx={ctx} failed: {type(err).__name__}: {str(err)[:300]}")
+    for name in ("pallas", "pallas_qkv"):
+        if row.get(name + "_s"):
+            row[name + "_tbps"] = nbytes / row[name + "_s"] / 1e12
     if row.get("pallas_s"):
-        row["pallas_tbps"] = nbytes / row["pallas_s"] / 1e12
         row["pct_copy_bw"] = 100 * row["pallas_tbps"] / ceil["copy_tbps"]
     return row
 
@@ -170,11 +192,13 @@ def us(x):
 
 
 def print_decode(rows):
-    print("\nDecode (paged, page 16): time in us; TB/s = K+V bytes needed / Pallas time")
-    print(f"{'B':>4} {'ctx':>5} | {'XLA':>9} {'Pallas':>9} {'cuDNN':>9} | {'TB/s':>6} {'%copy':>6} | "
+    print("\nDecode (paged, page 16): time in us; TB/s = K+V bytes needed / Pallas time; 'engine' = the engine's "
+          "kernel (paged_attention_qkv: + q/k norm, rope and the K/V write)")
+    print(f"{'B':>4} {'ctx':>5} | {'XLA':>9} {'Pallas':>9} {'engine':>9} {'cuDNN':>9} | {'TB/s':>6} {'%copy':>6} | "
           f"{'vs XLA':>7} {'vs cuDNN':>8}")
     for r in rows:
-        print(f"{r['batch']:>4} {r['ctx']:>5} | {us(r.get('xla_s'))} {us(r.get('pallas_s'))} {us(r.get('cudnn_s'))} | "
+        print(f"{r['batch']:>4} {r['ctx']:>5} | {us(r.get('xla_s'))} {us(r.get('pallas_s'))} "
+              f"{us(r.get('pallas_qkv_s'))} {us(r.get('cudnn_s'))} | "
               f"{r.get('pallas_tbps', 0):6.2f} {r.get('pct_copy_bw', 0):5.0f}% | "
               f"{ratio(r.get('xla_s'), r.get('pallas_s'))} {ratio(r.get('cudnn_s'), r.get('pallas_s')):>8}")
 
@@ -196,24 +220,35 @@ PREFILL_CASES = {  # name: (new tokens per sequence, cached prefix per sequence)
 }
 
 
-def sweep(ceil, smoke):
-    """Small tile sweep at the shapes that matter for the targets."""
+DECODE_SWEEP_SHAPES = ((32, 2048), (64, 1024), (128, 1024), (256, 1024))
+DECODE_SWEEP_TILES = (dict(block_n=64, num_warps=4, num_stages=3), dict(block_n=32, num_warps=4, num_stages=4),
+                      dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=32, num_warps=2, num_stages=3),
+                      dict(block_n=128, num_warps=8, num_stages=2))
+
+
+def sweep(ceil, smoke, prefill: bool = True):
+    """Tile sweep at the shapes that matter for the targets: decode tiles x context splits, prefill tiles."""
     out = {"decode": [], "prefill": []}
-    variants = [dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=64, num_warps=4, num_stages=3),
-                dict(block_n=64, num_warps=4, num_stages=4), dict(block_n=128, num_warps=4, num_stages=3),
-                dict(block_n=32, num_warps=4, num_stages=4), dict(block_n=64, num_warps=2, num_stages=3)]
-    for b, ctx in ((64, 1024), (256, 1024)):
-        for opts in variants + [dict(num_splits=1), dict(num_splits=2), dict(num_splits=4)]:
-            r = bench_decode(b, ctx, ceil, opts, smoke, impls=("pallas",))
-            out["decode"].append({**opts, "batch": b, "ctx": ctx, "tbps": r.get("pallas_tbps")})
-            print(f"  sweep decode B={b} ctx={ctx} {opts}: {r.get('pallas_tbps') or 0:.2f} TB/s", flush=True)
+    for b, ctx in ((2, 40),) if smoke else DECODE_SWEEP_SHAPES:
+        for tile in DECODE_SWEEP_TILES[:1] if smoke else DECODE_SWEEP_TILES:
+            for splits in (1, 2, 4):
+                opts = {**tile, "num_splits": splits, **(dict(block_n=16) if smoke else {})}
+                r = bench_decode(b, ctx, ceil, opts, smoke, impls=("pallas",))
+                out["decode"].append({**opts, "batch": b, "ctx": ctx, "tbps": r.get("pallas_tbps")})
+                print(f"  sweep decode B={b} ctx={ctx} {opts}: {r.get('pallas_tbps') or 0:.2f} TB/s", flush=True)
+    if not prefill:
+        return out
     for bq, bk, warps, stages in ((128, 64, 4, 3), (128, 64, 4, 2), (128, 128, 4, 2), (128, 32, 4, 3),
-                                  (128, 64, 4, 4), (64, 32, 4, 3)):
+                                  (128, 64, 4, 4), (64, 32, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)):
         opts = dict(block_q=bq, block_k=bk, num_warps=warps, num_stages=stages)
+        if smoke:
+            opts.update(block_q=16, block_k=16)
         for name in ("1x8192", "8x1024"):
             r = bench_prefill(name, *PREFILL_CASES[name], ceil, opts, smoke, impls=("pallas",))
             out["prefill"].append({**opts, "case": name, "tflops": r.get("pallas_tflops")})
             print(f"  sweep prefill {name} {opts}: {r.get('pallas_tflops') or 0:.1f} TFLOP/s", flush=True)
+        if smoke:
+            break
     return out
 
 
@@ -222,6 +257,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--sweep", action="store_true", help="also run a small tile-size sweep")
     ap.add_argument("--only-sweep", action="store_true", help="run only the tile-size sweep")
+    ap.add_argument("--decode-only", action="store_true", help="with a sweep: leave out the prefill tiles")
     ap.add_argument("--json", help="write all results to this path")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shapes (checks the script)")
     args = ap.parse_args()
@@ -230,7 +266,7 @@ def main():
     print(f"measured ceilings: XLA elementwise copy {ceil['copy_tbps']:.2f} TB/s (read + write; a raw device copy "
           f"reaches ~4.3 TB/s on an H200), bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s")
     if args.only_sweep:
-        result = {"ceilings": ceil, "sweep": sweep(ceil, args.smoke)}
+        result = {"ceilings": ceil, "sweep": sweep(ceil, args.smoke, prefill=not args.decode_only)}
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
@@ -258,7 +294,7 @@ def main():
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "ceilings": ceil,
               "decode": decode, "prefill": prefill}
     if args.sweep and not args.smoke:
-        result["sweep"] = sweep(ceil, args.smoke)
+        result["sweep"] = sweep(ceil, args.smoke, prefill=not args.decode_only)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -37,6 +38,29 @@ def median_time(fn, args, iters: int, carry: dict[int, int] | None = None) -> fl
         for i_arg, i_out in (carry or {}).items():
             args[i_arg] = out[i_out]
     return float(np.median(times))
+
+
+def hlo_kernels(hlo_text: str) -> dict[str, int]:
+    """Kernel launches of a compiled step, counted from its optimised HLO text: every fusion and custom call
+    (cuBLAS GEMM, Pallas kernel) outside fused computations is one kernel (a cuBLAS split-K GEMM may be two)."""
+    counts: dict[str, int] = {}
+    fused = False
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" "):      # a computation header: fused bodies hold no launches
+            fused = line.lstrip("%").startswith(("fused", "wrapped", "triton", "horizontally", "command_buffer_fused"))
+            continue
+        if fused:
+            continue
+        m = re.search(r"custom_call_target=\"([^\"]+)\"", line)
+        if m:
+            key = "custom-call " + m.group(1)
+        elif re.search(r"\bfusion\(", line):
+            kind = re.search(r"kind=(k\w+)", line)
+            key = "fusion " + (kind.group(1) if kind else "?")
+        else:
+            continue
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def decode_batch(B: int, ctx: int, block_size: int):
@@ -66,6 +90,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, metavar="DIR", help="also trace the whole step; print its kernels")
+    ap.add_argument("--kernels", default=None, metavar="PATH",
+                    help="write the compiled step's optimised HLO here and print its kernels by kind")
     a = ap.parse_args(argv)
 
     import jax
@@ -111,6 +137,14 @@ def main(argv=None) -> dict:
     q = jnp.ones((B, cfg.num_attention_heads, cfg.head_dim), dtype)
     hidden = jnp.ones((B, cfg.hidden_size), dtype)
     step = jit_step(make_step(cfg, "decode", B, B, W, a.attn_backend, interpret, B))
+    if a.kernels:
+        text = step.lower(params, fresh_kv(), packed, prev).compile().as_text()
+        with open(a.kernels, "w") as fh:
+            fh.write(text)
+        counts = hlo_kernels(text)
+        print(f"kernels in the compiled step: {sum(counts.values())} ({sum(counts.values()) / L:.1f} per layer)")
+        for k, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+            print(f"  {n:5d}  {k}")
     times = {
         "step": median_time(step, (params, fresh_kv(), packed, prev), a.iters, {1: 1}),
         "layers": median_time(jax.jit(layers_only, donate_argnums=1),

@@ -1,11 +1,14 @@
 """Decode paged attention: the Pallas kernel (interpret mode on CPU) vs the jnp reference vs dense numpy."""
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
 from helpers import assert_lowers_to_triton, make_paged
 
-from pallas_kernels.paged_attention import (choose_num_splits, paged_attention, paged_attention_and_write,
+from jaxinfer.model.layers import apply_rope, rms_norm, rope_cos_sin
+from pallas_kernels.paged_attention import (choose_num_splits, paged_attention, paged_attention_qkv,
                                             paged_attention_reference)
 
 TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -66,40 +69,54 @@ def test_kernel_matches_reference(dtype, case, num_splits):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case,num_splits", [(0, 1), (0, 3), (2, 2)])
-def test_fused_write_matches_write_then_attend(dtype, case, num_splits):
-    """The kernel that writes the new token's K/V itself gives the output and caches of write-then-attend."""
+def test_qkv_kernel_matches_norm_rope_write_then_attend(dtype, case, num_splits):
+    """The kernel that starts from the raw qkv projection (q/k RMSNorm + RoPE, K/V write, attention) gives the
+    output and caches of the model's own norm/rope, a scatter write, then the reference attention."""
     lens, block_size, heads, kv_heads, head_dim = CASES[case]
     rng = np.random.default_rng(5)
-    k, v, tables, seq_lens = make_paged(rng, lens, block_size, kv_heads, head_dim, dtype)
-    B = len(lens)
-    q = jnp.asarray(rng.standard_normal((B, heads, head_dim)), dtype)
-    kn, vn = (jnp.asarray(rng.standard_normal((B, kv_heads, head_dim)), dtype) for _ in range(2))
-    fused = jax.jit(lambda *a: paged_attention_and_write(*a, interpret=True, block_n=16, num_splits=num_splits))
-    check_fused(fused, q, kn, vn, k, v, tables, lens, TOL[dtype])
+    k, v, tables, _ = make_paged(rng, lens, block_size, kv_heads, head_dim, dtype)
+    qkv = jnp.asarray(rng.standard_normal((len(lens), heads + 2 * kv_heads, head_dim)), dtype)
+    norms = tuple(jnp.asarray(1 + 0.3 * rng.standard_normal(head_dim), dtype) for _ in range(2))
+    fused = jax.jit(lambda *a: paged_attention_qkv(*a, eps=1e-6, interpret=True, block_n=16, num_splits=num_splits))
+    check_qkv(fused, qkv, norms, k, v, tables, lens, TOL[dtype])
 
 
-def check_fused(fused, q, kn, vn, k, v, tables, lens, tol):
-    """fused(q, kn, vn, k, v, tables, seq_lens) == writing kn/vn at position len-1, then the reference."""
-    block_size = k.shape[1]
+def check_qkv(fused, qkv, norms, k, v, tables, lens, tol, theta=10_000.0, eps=1e-6):
+    """fused(qkv, q_norm, k_norm, cos, sin, k, v, tables, seq_lens) == norm + rope (model/layers.py), writing
+    k/v at position len-1, then the reference attention."""
+    block_size, K = k.shape[1], k.shape[2]
+    H = qkv.shape[1] - 2 * K
     pos = np.maximum(np.asarray(lens) - 1, 0)
+    cos, sin = rope_cos_sin(jnp.asarray(pos), qkv.shape[-1], theta)
+    q = apply_rope(rms_norm(qkv[:, :H], norms[0], eps), cos, sin)
+    kn = apply_rope(rms_norm(qkv[:, H:H + K], norms[1], eps), cos, sin)
+    vn = qkv[:, H + K:]
     pages = np.asarray(tables)[np.arange(len(lens)), pos // block_size]
     real = np.asarray(lens) > 0
     k_ref = k.at[pages[real], pos[real] % block_size].set(kn[real])
     v_ref = v.at[pages[real], pos[real] % block_size].set(vn[real])
     seq_lens = jnp.asarray(lens, jnp.int32)
-    out, k2, v2 = fused(q, kn, vn, k, v, tables, seq_lens)
-    np.testing.assert_array_equal(np.asarray(k2, np.float32), np.asarray(k_ref, np.float32))
+    out, k2, v2 = fused(qkv, *norms, cos, sin, k, v, tables, seq_lens)
+    cache_tol = dict(atol=1e-6, rtol=1e-6) if qkv.dtype == jnp.float32 else dict(atol=1e-2, rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(k2, np.float32), np.asarray(k_ref, np.float32), **cache_tol)
     np.testing.assert_array_equal(np.asarray(v2, np.float32), np.asarray(v_ref, np.float32))
     ref = paged_attention_reference(q, k_ref, v_ref, tables, seq_lens)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tol)
     assert not np.asarray(out, np.float32)[~real].any(), "padding rows must be zeros"
 
 
-def test_fused_write_validation():
+@pytest.mark.parametrize("bad,match", [
+    (dict(qkv=jnp.zeros((2, 4, 16))), "H \\+ 2K"), (dict(q_norm=jnp.zeros((8,))), "q_norm"),
+    (dict(cos=jnp.zeros((3, 16))), "cos"),
+])
+def test_qkv_kernel_validation(bad, match):
     z = jnp.zeros
-    with pytest.raises(ValueError, match="k_new"):
-        paged_attention_and_write(z((2, 4, 16)), z((2, 1, 16)), z((2, 1, 16)), z((4, 4, 2, 16)), z((4, 4, 2, 16)),
-                                  z((2, 3), jnp.int32), z((2,), jnp.int32), interpret=True)
+    args = dict(qkv=z((2, 8, 16)), q_norm=z((16,)), k_norm=z((16,)), cos=z((2, 16)), sin=z((2, 16)),
+                k_cache=z((4, 4, 2, 16)), v_cache=z((4, 4, 2, 16)), block_tables=z((2, 3), jnp.int32),
+                seq_lens=z((2,), jnp.int32))
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        paged_attention_qkv(**args, eps=1e-6, interpret=True)
 
 
 def test_kernel_inside_jit_with_scale():
@@ -147,8 +164,9 @@ def test_lowers_to_triton():
     args = (sd((8, 16, 128), jnp.bfloat16), sd((64, 16, 8, 128), jnp.bfloat16), sd((64, 16, 8, 128), jnp.bfloat16),
             sd((8, 8), jnp.int32), sd((8,), jnp.int32))
     assert_lowers_to_triton(paged_attention, args)
-    new = sd((8, 8, 128), jnp.bfloat16)
-    assert_lowers_to_triton(paged_attention_and_write, (args[0], new, new, *args[1:]))
+    vec, rope = sd((128,), jnp.bfloat16), sd((8, 128), jnp.float32)
+    assert_lowers_to_triton(functools.partial(paged_attention_qkv, eps=1e-6),
+                            (sd((8, 32, 128), jnp.bfloat16), vec, vec, rope, rope, *args[1:]))
 
 
 @pytest.mark.gpu
@@ -168,5 +186,7 @@ def test_gpu_compiled(dtype, batch, max_len, block_size):
     ref = paged_attention_reference(q, k, v, tables, seq_lens)
     tol = TOL[dtype] if dtype == jnp.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tol)
-    kn, vn = (jnp.asarray(rng.standard_normal((batch, 8, 128)), dtype) for _ in range(2))
-    check_fused(jax.jit(paged_attention_and_write), q, kn, vn, k, v, tables, lens, tol)
+    qkv = jnp.asarray(rng.standard_normal((batch, 32, 128)), dtype)
+    norms = tuple(jnp.asarray(1 + 0.3 * rng.standard_normal(128), dtype) for _ in range(2))
+    check_qkv(jax.jit(functools.partial(paged_attention_qkv, eps=1e-6)), qkv, norms, k, v, tables, lens, tol,
+              theta=1e6)

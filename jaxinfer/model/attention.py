@@ -8,7 +8,8 @@ Backends take the same arguments (the contracts of pallas_kernels/):
 - "xla": plain jnp. Pages are gathered through the block table and attended with einsum + softmax: the
   readable reference, and the "XLA fusion" side of the kernel comparison.
 - "pallas": the hand-written kernels (flash_attention for prefill, paged_attention for decode). In a decode
-  step the kernel also writes the new token's K/V itself (paged_attention_and_write): no scatter kernels.
+  step one kernel (paged_attention_qkv) takes the raw qkv projection, applies q/k RMSNorm and RoPE, writes the
+  new token's K/V and attends: no norm, rope, slice or scatter kernels around it.
 """
 from __future__ import annotations
 
@@ -102,16 +103,11 @@ def attention_fns(backend: str, interpret: bool):
 
 
 def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool = False):
-    """The `attn` callable the model calls per layer: write K/V, then prefill or decode attention."""
-    prefill_fn, decode_fn = attention_fns(backend, interpret)
-    if kind == "decode" and backend == "pallas":
-        from pallas_kernels.paged_attention import paged_attention_and_write
+    """The `attn` callable the model calls per layer: write K/V, then prefill or decode attention.
 
-        def fused(l, q, k, v, cache):     # one token per row: row b's K/V go to position seq_lens[b] - 1
-            o, k_cache, v_cache = paged_attention_and_write(q, k, v, *cache, meta["block_tables"],
-                                                            meta["seq_lens"], interpret=interpret)
-            return o, (k_cache, v_cache)
-        return fused
+    For a pallas decode step it also carries `from_qkv`, which the model prefers: one kernel takes the raw qkv
+    projection, applies q/k RMSNorm and RoPE, writes the new K/V and attends (paged_attention_qkv)."""
+    prefill_fn, decode_fn = attention_fns(backend, interpret)
 
     def attn(l, q, k, v, cache):
         k_cache, v_cache = write_kv(*cache, k, v, meta["slot_mapping"])
@@ -120,4 +116,13 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
         else:
             o = prefill_fn(q, k_cache, v_cache, meta["block_tables"], meta["cu_seqlens"], meta["seq_lens"])
         return o, (k_cache, v_cache)
+
+    if kind == "decode" and backend == "pallas":
+        from pallas_kernels.paged_attention import paged_attention_qkv
+
+        def from_qkv(l, qkv, q_norm, k_norm, cos, sin, eps, cache):   # row b's new token is at seq_lens[b] - 1
+            o, k_cache, v_cache = paged_attention_qkv(qkv, q_norm, k_norm, cos, sin, *cache, meta["block_tables"],
+                                                      meta["seq_lens"], eps=eps, interpret=interpret)
+            return o, (k_cache, v_cache)
+        attn.from_qkv = from_qkv
     return attn

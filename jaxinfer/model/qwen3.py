@@ -7,7 +7,9 @@ takes ~12 arrays instead of ~300 (dispatch cost), and a Python loop over layers 
 
 The forward is pure: `hidden, kv_caches = model.apply({"params": p}, token_ids, positions, attn, kv_caches)`.
 `attn(layer, q, k, v, cache) -> (out, cache)` decides how attention sees the context: dense causal for the
-reference path (`dense_attention`), paged over the KV cache for the engine (model/attention.py).
+reference path (`dense_attention`), paged over the KV cache for the engine (model/attention.py). An `attn` that
+carries `attn.from_qkv(layer, qkv, q_norm, k_norm, cos, sin, eps, cache)` gets the raw qkv projection
+instead and applies the q/k RMSNorm and RoPE itself (the Pallas decode kernel does, in its prologue).
 """
 from __future__ import annotations
 
@@ -117,12 +119,17 @@ def _decoder_layer(c: ModelConfig, w, x, cos, sin, attn, l, cache):
     lead = x.shape[:-1]
     h = rms_norm(x, w["input_layernorm"], c.rms_norm_eps)
     qkv = h @ w["qkv_proj"]                                                       # [..., (H+2K)D]
-    q = qkv[..., :c.q_size].reshape(*lead, H, D)
-    k = qkv[..., c.q_size:c.q_size + c.kv_size].reshape(*lead, K, D)
-    v = qkv[..., c.q_size + c.kv_size:].reshape(*lead, K, D)
-    q = apply_rope(rms_norm(q, w["q_norm"], c.rms_norm_eps), cos, sin)
-    k = apply_rope(rms_norm(k, w["k_norm"], c.rms_norm_eps), cos, sin)
-    o, cache = attn(l, q, k, v, cache)                                            # [..., H, D]
+    from_qkv = getattr(attn, "from_qkv", None)
+    if from_qkv is not None:     # the kernel normalises and rotates q/k itself (one kernel instead of ~6)
+        qkv = qkv.reshape(*lead, H + 2 * K, D)
+        o, cache = from_qkv(l, qkv, w["q_norm"], w["k_norm"], cos, sin, c.rms_norm_eps, cache)
+    else:
+        q = qkv[..., :c.q_size].reshape(*lead, H, D)
+        k = qkv[..., c.q_size:c.q_size + c.kv_size].reshape(*lead, K, D)
+        v = qkv[..., c.q_size + c.kv_size:].reshape(*lead, K, D)
+        q = apply_rope(rms_norm(q, w["q_norm"], c.rms_norm_eps), cos, sin)
+        k = apply_rope(rms_norm(k, w["k_norm"], c.rms_norm_eps), cos, sin)
+        o, cache = attn(l, q, k, v, cache)                                        # [..., H, D]
     x = x + o.reshape(*lead, H * D) @ w["o_proj"]
     h = rms_norm(x, w["post_attention_layernorm"], c.rms_norm_eps)
     return x + swiglu(h @ w["gate_up_proj"]) @ w["down_proj"], cache
