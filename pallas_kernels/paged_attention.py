@@ -61,8 +61,6 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
         heads, kv_heads = o_ref.shape[2], k_out_ref.shape[2]
         rope = (cos_ref, sin_ref, b, eps)
         q = _norm_rope(q_ref, b, head, qw_ref, *rope)  # [rows, D]
-        kn = _norm_rope(q_ref, b, jnp.full((1,), heads + kh, jnp.int32), kw_ref, *rope)  # [1, D]
-        vn = q_ref[b, heads + kv_heads + kh, dcol[None, :]]  # [1, D]
     else:
         q = q_ref[b, head[:, None], dcol[None, :]]  # [rows, D]
     prec = dot_precision(q.dtype)
@@ -82,7 +80,9 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     m = jnp.full((rows,), NEG_BIG, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
     acc, m, l = jax.lax.fori_loop(0, num_tiles, body, (acc, m, l))
-    if fused:
+    if fused:   # the new token's k and v are made only now: nothing extra stays live through the loop
+        kn = _norm_rope(q_ref, b, jnp.full((1,), heads + kh, jnp.int32), kw_ref, *rope)  # [1, D]
+        vn = q_ref[b, heads + kv_heads + kh, dcol[None, :]]  # [1, D]
         active = (split == 0) & (seq_len > 0)
         acc, m, l = _attend_new_token(acc, m, l, q, kn, vn, qk_scale, active)
         _write_new_token(kn, vn, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, seq_len - 1, block_size, active)

@@ -2,8 +2,9 @@
 
 Decode: effective TB/s = bytes of K and V the batch really needs / time, next to the copy bandwidth measured in
 the same run. Prefill: causal TFLOP/s (only the visible half of each score matrix counted), next to the bf16
-matmul rate measured in the same run. Each time is the median of several timed runs of a jitted loop that
-applies the kernel `n` times (output fed back as the next query), so dispatch overhead is amortised.
+matmul rate measured in the same run. Each time is the median of several timed runs of `n` back-to-back
+dispatches of the jitted kernel (each output fed back as the next query); dispatch is asynchronous, so it is
+hidden behind kernels longer than ~20-40 us (the batch-1 decode rows are dispatch-bound).
 
   PYTHONPATH=. python scripts/bench_kernels.py [--quick] [--sweep] [--json PATH]
   PYTHONPATH=. python scripts/bench_kernels.py --smoke   # CPU, interpret mode, tiny shapes: checks the script
@@ -30,14 +31,36 @@ H, K, D, PAGE, DTYPE = 16, 8, 128, 16, jnp.bfloat16
 
 
 def time_loop(fn, q, *args, est_s: float, repeats: int = 7) -> float:
-    """Seconds per application of fn(q, *args) -> same shape as q, timed inside one jitted fori_loop."""
+    """Seconds per application of fn(q, *args) -> same shape as q: the jitted fn is dispatched n times in a row,
+    each output fed back as the next query, and timed to the last result. Dispatch is asynchronous, so for
+    kernels longer than the ~20-40 us dispatch cost the GPU never waits. (A jitted fori_loop instead adds ~8 us
+    per iteration on the H200: its loop condition goes through the host, which understated short kernels by
+    10-20%, measured 2026-11-29.)"""
     n = int(min(200, max(3, 3e-3 / max(est_s, 1e-7))))
-    loop = jax.jit(lambda q, *a: jax.lax.fori_loop(0, n, lambda i, x: fn(x, *a), q))
-    jax.block_until_ready(loop(q, *args))  # compile + warm up
+    step = jax.jit(fn)
+    q = jax.block_until_ready(step(q, *args))  # compile + warm up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(loop(q, *args))
+        for _ in range(n):
+            q = step(q, *args)
+        jax.block_until_ready(q)
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
+
+
+def time_donated(fn, carry, *args, est_s: float, repeats: int = 7):
+    """time_loop for fn(carry, *args) -> carry, jitted with the carry donated: the caches are updated in place,
+    as in the engine."""
+    n = int(min(200, max(3, 3e-3 / max(est_s, 1e-7))))
+    step = jax.jit(fn, donate_argnums=0)
+    carry = jax.block_until_ready(step(carry, *args))  # compile + warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            carry = step(carry, *args)
+        jax.block_until_ready(carry)
         times.append((time.perf_counter() - t0) / n)
     return statistics.median(times)
 
@@ -88,7 +111,7 @@ def cudnn_paged_decode():
 
 
 def qkv_decode(opts, smoke):
-    """The engine's decode kernel (paged_attention_qkv: q/k RMSNorm + RoPE, K/V write, attention) as a loop body
+    """The engine's decode kernel (paged_attention_qkv: q/k RMSNorm + RoPE, K/V write, attention) as a step
     carrying (qkv, k_cache, v_cache), so the caches are updated in place as in the engine."""
     def run(carry, norm, cos, tables, lens):
         qkv, k, v = carry
@@ -126,7 +149,8 @@ def bench_decode(batch, ctx, ceil, opts, smoke, impls=("xla", "pallas", "pallas_
         qkv = jax.random.normal(jax.random.PRNGKey(3), (batch, H + 2 * K, D), DTYPE)
         norm, cos = jnp.ones((D,), DTYPE), jnp.ones((batch, D), jnp.float32)
         try:
-            row["pallas_qkv_s"] = time_loop(qkv_decode(opts, smoke), (qkv, k, v), norm, cos, tables, lens, est_s=est)
+            row["pallas_qkv_s"] = time_donated(qkv_decode(opts, smoke), (qkv, k, v), norm, cos, tables, lens,
+                                               est_s=est)
         except Exception as err:  # noqa: BLE001
             row["pallas_qkv_s"] = None
             print(f"  decode pallas_qkv B={batch} ctx={ctx} failed: {type(err).__name__}: {str(err)[:300]}")
@@ -224,18 +248,21 @@ DECODE_SWEEP_SHAPES = ((32, 2048), (64, 1024), (128, 1024), (256, 1024))
 DECODE_SWEEP_TILES = (dict(block_n=64, num_warps=4, num_stages=3), dict(block_n=32, num_warps=4, num_stages=4),
                       dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=32, num_warps=2, num_stages=3),
                       dict(block_n=128, num_warps=8, num_stages=2))
+DECODE_SWEEP_SPLITS = (None, 1, 2, 4, 8)   # None: choose_num_splits
 
 
 def sweep(ceil, smoke, prefill: bool = True):
     """Tile sweep at the shapes that matter for the targets: decode tiles x context splits, prefill tiles."""
     out = {"decode": [], "prefill": []}
     for b, ctx in ((2, 40),) if smoke else DECODE_SWEEP_SHAPES:
-        for tile in DECODE_SWEEP_TILES[:1] if smoke else DECODE_SWEEP_TILES:
-            for splits in (1, 2, 4):
-                opts = {**tile, "num_splits": splits, **(dict(block_n=16) if smoke else {})}
-                r = bench_decode(b, ctx, ceil, opts, smoke, impls=("pallas",))
-                out["decode"].append({**opts, "batch": b, "ctx": ctx, "tbps": r.get("pallas_tbps")})
-                print(f"  sweep decode B={b} ctx={ctx} {opts}: {r.get('pallas_tbps') or 0:.2f} TB/s", flush=True)
+        variants = [{**t, "num_splits": None} for t in DECODE_SWEEP_TILES]
+        variants += [{**DECODE_SWEEP_TILES[0], "num_splits": n} for n in DECODE_SWEEP_SPLITS[1:]]
+        for opts in variants[:2] if smoke else variants:
+            if smoke:
+                opts = {**opts, "block_n": 16}
+            r = bench_decode(b, ctx, ceil, opts, smoke, impls=("pallas",))
+            out["decode"].append({**opts, "batch": b, "ctx": ctx, "tbps": r.get("pallas_tbps")})
+            print(f"  sweep decode B={b} ctx={ctx} {opts}: {r.get('pallas_tbps') or 0:.2f} TB/s", flush=True)
     if not prefill:
         return out
     for bq, bk, warps, stages in ((128, 64, 4, 3), (128, 64, 4, 2), (128, 128, 4, 2), (128, 32, 4, 3),

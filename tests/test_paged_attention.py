@@ -39,6 +39,7 @@ CASES = [
     ([1, 8, 13, 0], 4, 4, 2, 16),
     ([5, 1, 32], 1, 2, 2, 16),  # block size 1, no GQA
     ([16, 47, 1, 33], 16, 8, 2, 32),  # GQA 4
+    ([9, 3, 0, 17], 4, 6, 3, 16),  # heads and kv heads not powers of two
 ]
 
 
@@ -52,7 +53,7 @@ def test_reference_matches_dense(lens, block_size, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("case,num_splits", [(0, 1), (0, 3), (1, 2), (2, None)])
+@pytest.mark.parametrize("case,num_splits", [(0, 1), (0, 3), (1, 2), (2, None), (3, 2)])
 def test_kernel_matches_reference(dtype, case, num_splits):
     lens, block_size, heads, kv_heads, head_dim = CASES[case]
     rng = np.random.default_rng(2)
@@ -68,7 +69,7 @@ def test_kernel_matches_reference(dtype, case, num_splits):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("case,num_splits", [(0, 1), (0, 3), (2, 2)])
+@pytest.mark.parametrize("case,num_splits", [(0, 1), (0, 3), (2, 2), (3, 1)])
 def test_qkv_kernel_matches_norm_rope_write_then_attend(dtype, case, num_splits):
     """The kernel that starts from the raw qkv projection (q/k RMSNorm + RoPE, K/V write, attention) gives the
     output and caches of the model's own norm/rope, a scatter write, then the reference attention."""
