@@ -8,6 +8,9 @@ Design (flash-decoding):
   * Online softmax in fp32. With S > 1 each split writes a normalised partial output and its log-sum-exp;
     a tiny jnp combine (inside the same jit) merges them. S is static, chosen from B and the max context so
     small batches with long contexts still fill the GPU; each sequence's split size follows its real length.
+  * `paged_attention_qkv` (the engine's decode kernel) is the same kernel fed the raw qkv projection: its
+    prologue applies Qwen3's q/k RMSNorm and RoPE, and after the context loop it writes the new token's K/V
+    into the (aliased) cache and folds it into the softmax from registers.
 """
 from __future__ import annotations
 
