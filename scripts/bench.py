@@ -40,7 +40,7 @@ def workload(num_seqs: int, max_input: int, max_output: int, vocab: int = 151936
 def measure_bandwidth() -> float:
     """HBM bandwidth (bytes/s) as XLA's own elementwise pass over 2 GiB reaches it, in this process."""
     import jax
-    from bench_kernels import copy_bandwidth
+    from timing import copy_bandwidth
     return copy_bandwidth(2**30 if jax.devices()[0].platform == "gpu" else 2**24)
 
 

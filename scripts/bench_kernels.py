@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-import time
 import warnings
 
 warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
@@ -27,55 +25,9 @@ from pallas_kernels.flash_attention import flash_attention, flash_attention_refe
 from pallas_kernels.paged_attention import (paged_attention, paged_attention_qkv,  # noqa: E402
                                             paged_attention_reference)
 
+from timing import copy_bandwidth, time_loop  # noqa: E402
+
 H, K, D, PAGE, DTYPE = 16, 8, 128, 16, jnp.bfloat16
-
-
-def time_loop(fn, q, *args, est_s: float, repeats: int = 7) -> float:
-    """Seconds per application of fn(q, *args) -> same shape as q: the jitted fn is dispatched n times in a row,
-    each output fed back as the next query, and timed to the last result. Dispatch is asynchronous, so for
-    kernels longer than the ~20-40 us dispatch cost the GPU never waits. (A jitted fori_loop instead adds ~8 us
-    per iteration on the H200: its loop condition goes through the host, which understated short kernels by
-    10-20%, measured 2026-11-29.)"""
-    n = int(min(200, max(3, 3e-3 / max(est_s, 1e-7))))
-    step = jax.jit(fn)
-    q = jax.block_until_ready(step(q, *args))  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            q = step(q, *args)
-        jax.block_until_ready(q)
-        times.append((time.perf_counter() - t0) / n)
-    return statistics.median(times)
-
-
-def time_donated(fn, carry, *args, est_s: float, repeats: int = 7):
-    """time_loop for fn(carry, *args) -> carry, jitted with the carry donated: the caches are updated in place,
-    as in the engine."""
-    n = int(min(200, max(3, 3e-3 / max(est_s, 1e-7))))
-    step = jax.jit(fn, donate_argnums=0)
-    carry = jax.block_until_ready(step(carry, *args))  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            carry = step(carry, *args)
-        jax.block_until_ready(carry)
-        times.append((time.perf_counter() - t0) / n)
-    return statistics.median(times)
-
-
-def copy_bandwidth(n: int) -> float:
-    """Bytes/s of a jitted elementwise pass over n bf16 values (read + write), best of 10 (also bench.py's)."""
-    x = jnp.ones((n,), jnp.bfloat16)
-    neg = jax.jit(lambda x: -x)  # at 2 GiB: ~1 ms a call, so dispatch cost is noise
-    neg(x).block_until_ready()
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        neg(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * n * 2 / min(times)
 
 
 def machine_ceilings(smoke: bool) -> dict:
@@ -149,8 +101,8 @@ def bench_decode(batch, ctx, ceil, opts, smoke, impls=("xla", "pallas", "pallas_
         qkv = jax.random.normal(jax.random.PRNGKey(3), (batch, H + 2 * K, D), DTYPE)
         norm, cos = jnp.ones((D,), DTYPE), jnp.ones((batch, D), jnp.float32)
         try:
-            row["pallas_qkv_s"] = time_donated(qkv_decode(opts, smoke), (qkv, k, v), norm, cos, tables, lens,
-                                               est_s=est)
+            row["pallas_qkv_s"] = time_loop(qkv_decode(opts, smoke), (qkv, k, v), norm, cos, tables, lens,
+                                            est_s=est, donate=True)
         except Exception as err:  # noqa: BLE001
             row["pallas_qkv_s"] = None
             print(f"  decode pallas_qkv B={batch} ctx={ctx} failed: {type(err).__name__}: {str(err)[:300]}")

@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
 
     from bench import write_json
-    from bench_kernels import copy_bandwidth
+    from timing import copy_bandwidth
     from jaxinfer.engine.batch import pack
     from jaxinfer.engine.runner import kv_bytes_per_block
     from jaxinfer.llm import load_model

@@ -120,7 +120,7 @@ def _decoder_layer(c: ModelConfig, w, x, cos, sin, attn, l, cache):
     h = rms_norm(x, w["input_layernorm"], c.rms_norm_eps)
     qkv = h @ w["qkv_proj"]                                                       # [..., (H+2K)D]
     from_qkv = getattr(attn, "from_qkv", None)
-    if from_qkv is not None:     # the kernel normalises and rotates q/k itself (one kernel instead of ~6)
+    if from_qkv is not None:     # the kernel normalises and rotates q/k itself (3 fewer kernels a layer)
         qkv = qkv.reshape(*lead, H + 2 * K, D)
         o, cache = from_qkv(l, qkv, w["q_norm"], w["k_norm"], cos, sin, c.rms_norm_eps, cache)
     else:
