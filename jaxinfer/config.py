@@ -179,13 +179,15 @@ class EngineConfig:
 
 
 def _decode_buckets(n: int) -> list[int]:
-    # 1, 8, 32, 64, 128, 256, ...: few buckets (each is a compilation); padding a decode batch costs
+    # 2, 8, 32, 64, 128, 256, ...: few buckets (each is a compilation); padding a decode batch costs
     # little because padding rows have no context (attention skips them) and the weights dominate.
-    out, b = [1], 8
+    # The smallest is 2, not 1: with one row XLA rewrites every matmul as multiply + reduce, and a whole
+    # batch-1 step took 2.25 ms on the H200 against 1.61 ms for batch 2 (scripts/bench_step.py, same run).
+    out, b = [2], 8
     while b < n:
         out.append(b)
         b = b * 4 if b < 32 else b * 2
-    return sorted(set(out + [n]))
+    return sorted(set(out + ([n] if n > 2 else [])))
 
 
 def _prefill_buckets(n: int) -> list[int]:

@@ -43,7 +43,7 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
                    scale: float, block_size: int, group: int, rows: int, block_n: int, num_splits: int,
                    fused: bool, eps: float):
     if fused:   # q_ref holds the raw qkv projection [B, H + 2K, D]; the caches are also (aliased) outputs
-        qw_ref, kw_ref, cos_ref, sin_ref, o_ref, lse_ref, k_out_ref, v_out_ref = refs
+        qw_ref, kw_ref, layer_ref, cos_ref, sin_ref, o_ref, lse_ref, k_out_ref, v_out_ref = refs
     else:
         o_ref, lse_ref = refs
     kh, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -62,7 +62,7 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     dcol = jnp.arange(head_dim)
     if fused:
         heads, kv_heads = o_ref.shape[2], k_out_ref.shape[2]
-        rope = (cos_ref, sin_ref, b, eps)
+        rope = (layer_ref[0], cos_ref, sin_ref, b, eps)
         q = _norm_rope(q_ref, b, head, qw_ref, *rope)  # [rows, D]
     else:
         q = q_ref[b, head[:, None], dcol[None, :]]  # [rows, D]
@@ -99,8 +99,9 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     lse_ref[b, split, head] = lse
 
 
-def _norm_rope(qkv_ref, b, heads, w_ref, cos_ref, sin_ref, row, eps):
-    """Rows `heads` of qkv[b] -> Qwen3's per-head RMSNorm (HF order: normalise in fp32, cast, scale) then
+def _norm_rope(qkv_ref, b, heads, w_ref, layer, cos_ref, sin_ref, row, eps):
+    """Rows `heads` of qkv[b] -> Qwen3's per-head RMSNorm with weights w_ref[layer] (HF order: normalise in
+    fp32, cast, scale) then
     rotate-half RoPE. rotate_half(x)[j] = -x[j + D/2] (j < D/2), x[j - D/2] (j >= D/2): the rotated copy is
     loaded through a permuted column index instead of being shuffled in registers. -> [R, D] in qkv's dtype."""
     D = qkv_ref.shape[-1]
@@ -111,8 +112,8 @@ def _norm_rope(qkv_ref, b, heads, w_ref, cos_ref, sin_ref, row, eps):
     dtype = x.dtype
     xf = x.astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.sum(xf * xf, axis=1) / D + eps)[:, None]  # [R, 1]
-    xn = (xf * r).astype(dtype) * w_ref[dcol][None, :]
-    xpn = (xp.astype(jnp.float32) * r).astype(dtype) * w_ref[perm][None, :]
+    xn = (xf * r).astype(dtype) * w_ref[layer, dcol][None, :]
+    xpn = (xp.astype(jnp.float32) * r).astype(dtype) * w_ref[layer, perm][None, :]
     rotated = jnp.where(dcol[None, :] < D // 2, -xpn, xpn)
     cos = cos_ref[row, dcol][None, :].astype(dtype)
     sin = sin_ref[row, dcol][None, :].astype(dtype)
@@ -143,7 +144,8 @@ def _write_new_token(kn, vn, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, pos, blo
                                              "num_stages", "eps"))
 def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None, *, scale, interpret,
                      block_n, num_splits, num_warps, num_stages, eps=0.0):
-    """q [B, H, D], or with `prologue` = (q_norm, k_norm, cos, sin) the raw qkv projection [B, H + 2K, D]."""
+    """q [B, H, D], or with `prologue` = (q_norm [L, D], k_norm [L, D], layer [1], cos, sin) the raw qkv
+    projection [B, H + 2K, D]."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     fused = prologue is not None
     batch = q.shape[0]
@@ -200,14 +202,16 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
 
 def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: jax.Array, sin: jax.Array,
                         k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
-                        eps: float, scale: float | None = None, interpret: bool = False,
+                        eps: float, layer: int | jax.Array = 0, scale: float | None = None, interpret: bool = False,
                         block_n: int = DEFAULT_BLOCK_N, num_splits: int | None = None,
                         num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A Qwen3 decode layer's attention, from the qkv projection to the attention output, in ONE kernel.
 
     qkv [B, H + 2K, D]: the new token's q heads, then k heads, then v heads (not yet normalised or rotated).
-    q_norm, k_norm [D]: the per-head RMSNorm weights (epsilon `eps`); cos, sin [B, D]: RoPE tables of each row's
+    q_norm, k_norm [D]: the per-head RMSNorm weights (epsilon `eps`), or [L, D] for all layers, of which row
+    `layer` is used: a model's stacked weights go in whole, so XLA copies no per-layer slice out for the
+    kernel (two copy kernels a layer otherwise). cos, sin [B, D]: RoPE tables of each row's
     position (rotate-half convention, see jaxinfer/model/layers.py). The kernel normalises and rotates q and k,
     writes k and v at position seq_lens[b] - 1 (padding rows, seq_len 0, write nothing), and attends over the
     cache plus the new token. Returns (out [B, H, D], k_cache, v_cache); donate the caches to update in place.
@@ -215,13 +219,21 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
     B, K, D = qkv.shape[0], k_cache.shape[2], qkv.shape[-1]
     if qkv.ndim != 3 or qkv.shape[1] <= 2 * K:
         raise ValueError(f"paged_attention_qkv: qkv must be [B, H + 2K, D] with K={K} kv heads, got {qkv.shape}")
-    for name, x, shape in (("q_norm", q_norm, (D,)), ("k_norm", k_norm, (D,)), ("cos", cos, (B, D)),
-                           ("sin", sin, (B, D))):
-        if x.shape != shape:
-            raise ValueError(f"paged_attention_qkv: {name} must have shape {shape}, got {x.shape}")
+    for name, x in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if x.shape[-1:] != (D,) or x.ndim not in (1, 2) or x.shape != q_norm.shape:
+            raise ValueError(f"paged_attention_qkv: {name} must have shape ({D},) or (L, {D}) like q_norm, "
+                             f"got {x.shape}")
+    for name, x in (("cos", cos), ("sin", sin)):
+        if x.shape != (B, D):
+            raise ValueError(f"paged_attention_qkv: {name} must have shape {(B, D)}, got {x.shape}")
+    if isinstance(layer, int) and not 0 <= layer < (q_norm.shape[0] if q_norm.ndim == 2 else 1):
+        raise ValueError(f"paged_attention_qkv: layer={layer} is outside the {q_norm.shape[0] if q_norm.ndim == 2 else 1}"
+                         f" rows of q_norm/k_norm")
     heads = qkv.shape[1] - 2 * K
     tiles = _tiles("paged_attention_qkv", qkv, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits)
-    norms = (q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype), cos.astype(jnp.float32), sin.astype(jnp.float32))
+    q_norm, k_norm = (jnp.atleast_2d(w).astype(qkv.dtype) for w in (q_norm, k_norm))   # [L, D]
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)                              # a constant: no kernel
+    norms = (q_norm, k_norm, layer, cos.astype(jnp.float32), sin.astype(jnp.float32))
     return _paged_attention(qkv, k_cache, v_cache, block_tables, seq_lens, norms, scale=_scale(scale, qkv),
                             interpret=interpret, num_warps=num_warps, num_stages=num_stages, eps=float(eps), **tiles)
 

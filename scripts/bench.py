@@ -103,6 +103,24 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
     return r
 
 
+STEP_LOG_COLUMNS = ("kind", "rows", "bucket", "schedule_s", "dispatch_s", "wait_s", "apply_s")
+
+
+def step_log_summary(log: list) -> dict:
+    """Host ms per step for each (kind, bucket) of the engine's step log: where `wait` is ~0 the host, not the
+    GPU, set the pace of those steps."""
+    groups: dict[str, list] = {}
+    for kind, _, bucket, *times in log:
+        groups.setdefault(f"{kind} {bucket}", []).append(times)
+    out = {}
+    print("host ms per step by bucket (schedule / dispatch / wait / apply):")
+    for name, rows in sorted(groups.items(), key=lambda kv: (kv[0].split()[0], int(kv[0].split()[1]))):
+        mean = np.mean(np.asarray(rows), axis=0) * 1e3
+        out[name] = dict(steps=len(rows), **dict(zip(("schedule", "dispatch", "wait", "apply"), mean.tolist())))
+        print(f"  {name:>14}: {len(rows):5d} steps  " + " / ".join(f"{v:6.2f}" for v in mean))
+    return out
+
+
 @contextlib.contextmanager
 def profiled(trace_dir: str | None):
     """jax.profiler.trace around the block when a directory is given."""
@@ -139,6 +157,8 @@ def run_throughput(args) -> dict:
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, llm.model_config.vocab_size)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)            # warm-up, as nano-vllm
     before = llm.stats()
+    if args.step_log:
+        llm.engine.step_log = []
     with profiled(args.profile):
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -148,6 +168,9 @@ def run_throughput(args) -> dict:
                                            "preemptions", *HOST_TIMES)}
     st["compilations"] = after["compilations"]
     r = report(llm, st, outs, wall, measure_bandwidth(), args)
+    if args.step_log:
+        r["host_ms_by_bucket"] = step_log_summary(llm.engine.step_log)
+        write_json(args.step_log, dict(columns=STEP_LOG_COLUMNS, steps=llm.engine.step_log))
     if args.profile:
         r["profile"] = summarize_profile(args.profile, st["prefill_steps"] + st["decode_steps"])
     if args.peer == "hf":
@@ -205,6 +228,8 @@ def parse(argv=None):
     ap.add_argument("--reference-bw", type=float, default=4.3,
                     help="TB/s for a second floor: XLA's own pass reaches less than the HBM can (default 4.3, "
                          "a torch device copy on the H200)")
+    ap.add_argument("--step-log", default=None, metavar="PATH",
+                    help="log every step's host times (schedule, dispatch, wait, apply) to PATH; print them by bucket")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="trace the timed run into DIR and print where the GPU time went (trace_summary.py)")
     return ap.parse_args(argv)

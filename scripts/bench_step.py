@@ -5,6 +5,10 @@
 
 Each part is compiled alone and timed back to back on the device (median of --iters calls):
   step       the engine's whole decode step (KV write, all layers, LM head, sampling), as the runner runs it
+             (each call waited for: dispatch + GPU + read-back)
+  pipelined  the same step dispatched back to back, as the engine does (GPU time per step, unless the host
+             is slower)
+  dispatch   host time for the step call to return while the GPU is idle (argument handling, launch)
   layers     the decoder layers with attention left out (matmuls, norms, rope, KV write)
   attention  the attention calls of all layers alone, over `context` tokens of every sequence
   head       the sampled rows -> logits -> sampling
@@ -38,6 +42,49 @@ def median_time(fn, args, iters: int, carry: dict[int, int] | None = None) -> fl
         for i_arg, i_out in (carry or {}).items():
             args[i_arg] = out[i_out]
     return float(np.median(times))
+
+
+def pipelined_time(step, args, iters: int) -> tuple[float, float]:
+    """(seconds per step dispatched back to back as the engine does, host seconds for one call to return
+    while the GPU is idle). The step is donated: its caches are fed back."""
+    import jax
+    params, kv, packed, prev = args
+    ids, kv = step(params, kv, packed, prev)
+    dispatch = []
+    for _ in range(iters):
+        jax.block_until_ready(ids)
+        t = time.perf_counter()
+        ids, kv = step(params, kv, packed, ids)
+        dispatch.append(time.perf_counter() - t)
+    jax.block_until_ready(ids)
+    runs = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(iters):
+            ids, kv = step(params, kv, packed, ids)
+        jax.block_until_ready(ids)
+        runs.append((time.perf_counter() - t) / iters)
+    return float(np.median(runs)), float(np.median(dispatch))
+
+
+def engine_loop_time(step, args, iters: int) -> tuple[float, float]:
+    """(seconds per step, host seconds per step spent in transfer + dispatch) for the engine's loop: the numpy
+    batch goes to the device, the step is dispatched, then the previous step's sampled ids are read."""
+    import jax
+    params, kv, packed_np, prev = args
+    ids, kv = step(params, kv, jax.device_put(packed_np), prev)
+    runs, dispatch = [], 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            new_ids, kv = step(params, kv, jax.device_put(packed_np), ids)
+            dispatch += time.perf_counter() - t0
+            np.asarray(ids)
+            ids = new_ids
+        np.asarray(ids)
+        runs.append((time.perf_counter() - t) / iters)
+    return float(np.median(runs)), dispatch / (5 * iters)
 
 
 def hlo_kernels(hlo_text: str) -> dict[str, int]:
@@ -89,6 +136,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--unstack-weights", action="store_true")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only-step", action="store_true", help="time the whole step only (no parts)")
+    ap.add_argument("--compiler-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an XLA option for compiling the step, e.g. xla_gpu_enable_dot_strength_reduction=false")
     ap.add_argument("--profile", default=None, metavar="DIR", help="also trace the whole step; print its kernels")
     ap.add_argument("--kernels", default=None, metavar="PATH",
                     help="write the compiled step's optimised HLO here and print its kernels by kind")
@@ -136,22 +186,26 @@ def main(argv=None) -> dict:
 
     q = jnp.ones((B, cfg.num_attention_heads, cfg.head_dim), dtype)
     hidden = jnp.ones((B, cfg.hidden_size), dtype)
-    step = jit_step(make_step(cfg, "decode", B, B, W, a.attn_backend, interpret, B))
+    opts = dict(kv.split("=", 1) for kv in a.compiler_option)
+    step = jit_step(make_step(cfg, "decode", B, B, W, a.attn_backend, interpret, B)).lower(
+        params, fresh_kv(), packed, prev).compile(compiler_options=opts or None)
     if a.kernels:
-        text = step.lower(params, fresh_kv(), packed, prev).compile().as_text()
+        text = step.as_text()
         with open(a.kernels, "w") as fh:
             fh.write(text)
         counts = hlo_kernels(text)
         print(f"kernels in the compiled step: {sum(counts.values())} ({sum(counts.values()) / L:.1f} per layer)")
         for k, n in sorted(counts.items(), key=lambda kv: -kv[1]):
             print(f"  {n:5d}  {k}")
-    times = {
-        "step": median_time(step, (params, fresh_kv(), packed, prev), a.iters, {1: 1}),
-        "layers": median_time(jax.jit(layers_only, donate_argnums=1),
-                              (params, fresh_kv(), f["token_ids"], f["positions"]), a.iters, {1: 1}),
-        "attention": median_time(jax.jit(attention_only), (q, fresh_kv()), a.iters),
-    }
-    times["head"] = median_time(jax.jit(head), (params, hidden), a.iters)
+    times = {"step": median_time(step, (params, fresh_kv(), packed, prev), a.iters, {1: 1})}
+    times["pipelined"], times["dispatch"] = pipelined_time(step, (params, fresh_kv(), packed, prev), a.iters)
+    times["engine"], times["engine_dispatch"] = engine_loop_time(step, (params, fresh_kv(), np.asarray(packed), prev),
+                                                                 a.iters)
+    if not a.only_step:
+        times["layers"] = median_time(jax.jit(layers_only, donate_argnums=1),
+                                      (params, fresh_kv(), f["token_ids"], f["positions"]), a.iters, {1: 1})
+        times["attention"] = median_time(jax.jit(attention_only), (q, fresh_kv()), a.iters)
+        times["head"] = median_time(jax.jit(head), (params, hidden), a.iters)
     profile = None
     if a.profile:
         from bench import profiled, summarize_profile
@@ -169,10 +223,16 @@ def main(argv=None) -> dict:
     print(f"{a.model} decode step, batch {B} x context {a.context}, {a.attn_backend}, "
           f"{'per-layer' if a.unstack_weights else 'stacked'} weights; bandwidth {bw / 1e12:.2f} TB/s")
     print(f"{'part':>10} | {'time ms':>8} | {'floor ms':>8} | {'% floor':>7}")
-    for k in ("step", "layers", "attention", "head"):
-        print(f"{k:>10} | {times[k] * 1e3:8.3f} | {floors[k] * 1e3:8.3f} | {100 * floors[k] / times[k]:6.1f}%")
-    other = times["step"] - times["layers"] - times["attention"] - times["head"]
-    print(f"step - (layers + attention + head) = {other * 1e3:.3f} ms (fusion differences, launch gaps)")
+    for k in ("step", "pipelined", "layers", "attention", "head"):
+        if k in times:
+            fl = floors[k if k != "pipelined" else "step"]
+            print(f"{k:>10} | {times[k] * 1e3:8.3f} | {fl * 1e3:8.3f} | {100 * fl / times[k]:6.1f}%")
+    print(f"host dispatch of one step (GPU idle): {times['dispatch'] * 1e3:.3f} ms; as the engine runs it "
+          f"(numpy batch -> device, dispatch, read the previous step's ids): {times['engine'] * 1e3:.3f} ms a step, "
+          f"{times['engine_dispatch'] * 1e3:.3f} ms of it in transfer + dispatch")
+    if not a.only_step:
+        other = times["step"] - times["layers"] - times["attention"] - times["head"]
+        print(f"step - (layers + attention + head) = {other * 1e3:.3f} ms (fusion differences, launch gaps)")
     r = dict(model=a.model, batch=B, context=a.context, attn_backend=a.attn_backend,
              unstack_weights=a.unstack_weights, bandwidth_GBs=bw / 1e9,
              times_ms={k: v * 1e3 for k, v in times.items()}, floors_ms={k: v * 1e3 for k, v in floors.items()},

@@ -50,9 +50,11 @@ def make_tiny_model(path: str, *, vocab_size: int = 512, hidden_size: int = 64, 
                     num_hidden_layers: int = 2, num_attention_heads: int = 4, num_key_value_heads: int = 2,
                     head_dim: int = 32, rope_theta: float = 10000.0, tie_word_embeddings: bool = False,
                     max_position_embeddings: int = 2048, dtype: str = "float32", seed: int = 0,
-                    max_shard_size: str | None = None, init_std: float = 0.1) -> str:
+                    max_shard_size: str | None = None, init_std: float = 0.1, norm_std: float = 0.2) -> str:
     """Create the checkpoint directory and return its path. `init_std` > HF's 0.02 gives the random
-    model peaked next-token distributions, so greedy decoding is not decided by float rounding."""
+    model peaked next-token distributions, so greedy decoding is not decided by float rounding. RMSNorm
+    weights are 1 + N(0, norm_std) (HF initialises them to ones, which would hide a norm weight taken
+    from the wrong layer or head)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -68,6 +70,10 @@ def make_tiny_model(path: str, *, vocab_size: int = 512, hidden_size: int = 64, 
                          initializer_range=init_std)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(getattr(torch, dtype)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(norm_std * torch.randn_like(p))
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kw)
     tokenizer.save_pretrained(path)

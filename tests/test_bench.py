@@ -11,7 +11,8 @@ def test_bench_runs_and_counts(tiny_dir, tmp_path, capsys):
     args = ["--model", tiny_dir, "--dtype", "float32", "--attn-backend", "xla", "--num-seqs", "5",
             "--max-input-len", "120", "--max-output-len", "110", "--max-num-seqs", "4",
             "--max-num-batched-tokens", "512", "--prefill-buckets", "512", "--decode-buckets", "4",
-            "--max-model-len", "256", "--block-size", "64", "--json", str(tmp_path / "r.json")]
+            "--max-model-len", "256", "--block-size", "64", "--json", str(tmp_path / "r.json"),
+            "--step-log", str(tmp_path / "log.json")]
     r = bench.main(args)
     _, params = bench.workload(5, 120, 110, vocab=512)
     assert r["output_tokens"] == sum(p.max_tokens for p in params)
@@ -25,6 +26,12 @@ def test_bench_runs_and_counts(tiny_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "tok/s" in out and "% of the floor" in out and "host ms per step" in out
     assert os.path.isfile(tmp_path / "r.json")
+    import json
+    log = json.load(open(tmp_path / "log.json"))["steps"]
+    assert len(log) == r["prefill_steps"] + r["decode_steps"]
+    by_bucket = r["host_ms_by_bucket"]
+    assert by_bucket["decode 4"]["steps"] == r["decode_steps"] and by_bucket["prefill 512"]["steps"] == r["prefill_steps"]
+    assert sum(row[1] for row in log if row[0] == "decode") == r["output_tokens"] - r["num_seqs"]
 
 
 def test_workload_is_nano_vllms():
@@ -71,7 +78,8 @@ def test_bench_step_anatomy_runs(tiny_dir, tmp_path):
     r = bench_step.main(["--model", tiny_dir, "--dtype", "float32", "--batch", "2", "--context", "40",
                          "--attn-backend", "xla", "--iters", "2", "--json", str(tmp_path / "s.json"),
                          "--profile", str(tmp_path / "trace")])
-    assert set(r["times_ms"]) == {"step", "layers", "attention", "head"}
+    assert set(r["times_ms"]) == {"step", "pipelined", "dispatch", "engine", "engine_dispatch", "layers",
+                                  "attention", "head"}
     prof = r["profile"]                   # on CPU the summary reads the host's XLA threads
     assert prof["kernels"] > 0 and 0 < prof["busy_ms"] <= prof["span_ms"] + 1e-6 and prof["top"]
     assert all(t > 0 for t in r["times_ms"].values()) and r["floors_ms"]["attention"] > 0

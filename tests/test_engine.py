@@ -125,10 +125,14 @@ def test_stop_strings_and_eos(tiny_dir):
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
-def test_pallas_backend_equals_xla(tiny_dir, alone):
-    """The Pallas kernels (interpret mode on CPU) give the same greedy tokens as the XLA path."""
+@pytest.mark.parametrize("unstack", [None, False])
+def test_pallas_backend_equals_xla(tiny_dir, alone, unstack):
+    """The Pallas kernels (interpret mode on CPU) give the same greedy tokens as the XLA path, with per-layer
+    weights (the CPU default) and stacked ones (the GPU default: the decode kernel then picks each layer's
+    q/k norm row out of the stacked weights)."""
     ps, ref = alone
-    llm = LLM(tiny_dir, **{**BASE, "attn_backend": "pallas", "kvcache_block_size": 16, "num_kvcache_blocks": 64})
+    llm = LLM(tiny_dir, **{**BASE, "attn_backend": "pallas", "kvcache_block_size": 16, "num_kvcache_blocks": 64,
+                           "unstack_weights": unstack})
     assert tokens(llm, ps[:6]) == ref[:6]
 
 

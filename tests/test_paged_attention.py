@@ -82,6 +82,25 @@ def test_qkv_kernel_matches_norm_rope_write_then_attend(dtype, case, num_splits)
     check_qkv(fused, qkv, norms, k, v, tables, lens, TOL[dtype])
 
 
+@pytest.mark.parametrize("traced", [False, True])
+def test_qkv_kernel_takes_stacked_norm_weights(traced):
+    """Stacked [L, D] norm weights plus a layer row (a Python int, or traced as in a jitted model) give the
+    same result as that row's [D] weights."""
+    lens, block_size, heads, kv_heads, head_dim = CASES[0]
+    rng = np.random.default_rng(8)
+    k, v, tables, _ = make_paged(rng, lens, block_size, kv_heads, head_dim, jnp.float32)
+    qkv = jnp.asarray(rng.standard_normal((len(lens), heads + 2 * kv_heads, head_dim)), jnp.float32)
+    stacked = [jnp.asarray(1 + 0.3 * rng.standard_normal((3, head_dim)), jnp.float32) for _ in range(2)]
+    norms = tuple(w[2] for w in stacked)
+
+    def fused(qkv, q_norm, k_norm, *rest):   # check_qkv passes row 2's weights; the kernel gets all 3 rows
+        if traced:
+            return jax.jit(lambda row, *a: paged_attention_qkv(*a, eps=1e-6, layer=row, interpret=True, block_n=16))(
+                jnp.int32(2), qkv, *stacked, *rest)
+        return paged_attention_qkv(qkv, *stacked, *rest, eps=1e-6, layer=2, interpret=True, block_n=16)
+    check_qkv(fused, qkv, norms, k, v, tables, lens, TOL[jnp.float32])
+
+
 def check_qkv(fused, qkv, norms, k, v, tables, lens, tol, theta=10_000.0, eps=1e-6):
     """fused(qkv, q_norm, k_norm, cos, sin, k, v, tables, seq_lens) == norm + rope (model/layers.py), writing
     k/v at position len-1, then the reference attention."""
@@ -108,7 +127,8 @@ def check_qkv(fused, qkv, norms, k, v, tables, lens, tol, theta=10_000.0, eps=1e
 
 @pytest.mark.parametrize("bad,match", [
     (dict(qkv=jnp.zeros((2, 4, 16))), "H \\+ 2K"), (dict(q_norm=jnp.zeros((8,))), "q_norm"),
-    (dict(cos=jnp.zeros((3, 16))), "cos"),
+    (dict(cos=jnp.zeros((3, 16))), "cos"), (dict(k_norm=jnp.zeros((2, 16))), "k_norm"),
+    (dict(q_norm=jnp.zeros((2, 16)), k_norm=jnp.zeros((2, 16)), layer=2), "layer=2"),
 ])
 def test_qkv_kernel_validation(bad, match):
     z = jnp.zeros
@@ -116,8 +136,9 @@ def test_qkv_kernel_validation(bad, match):
                 k_cache=z((4, 4, 2, 16)), v_cache=z((4, 4, 2, 16)), block_tables=z((2, 3), jnp.int32),
                 seq_lens=z((2,), jnp.int32))
     args.update(bad)
+    layer = args.pop("layer", 0)
     with pytest.raises(ValueError, match=match):
-        paged_attention_qkv(**args, eps=1e-6, interpret=True)
+        paged_attention_qkv(**args, eps=1e-6, layer=layer, interpret=True)
 
 
 def test_kernel_inside_jit_with_scale():
@@ -168,6 +189,9 @@ def test_lowers_to_triton():
     vec, rope = sd((128,), jnp.bfloat16), sd((8, 128), jnp.float32)
     assert_lowers_to_triton(functools.partial(paged_attention_qkv, eps=1e-6),
                             (sd((8, 32, 128), jnp.bfloat16), vec, vec, rope, rope, *args[1:]))
+    stacked = sd((28, 128), jnp.bfloat16)     # a model's stacked weights, one row per layer
+    assert_lowers_to_triton(functools.partial(paged_attention_qkv, eps=1e-6, layer=27),
+                            (sd((8, 32, 128), jnp.bfloat16), stacked, stacked, rope, rope, *args[1:]))
 
 
 @pytest.mark.gpu
@@ -191,3 +215,6 @@ def test_gpu_compiled(dtype, batch, max_len, block_size):
     norms = tuple(jnp.asarray(1 + 0.3 * rng.standard_normal(128), dtype) for _ in range(2))
     check_qkv(jax.jit(functools.partial(paged_attention_qkv, eps=1e-6)), qkv, norms, k, v, tables, lens, tol,
               theta=1e6)
+    stacked = [jnp.stack([w * 0.5, w]) for w in norms]       # as the engine calls it: [L, D] weights, row 1
+    check_qkv(jax.jit(lambda qkv, qn, kn, *a: paged_attention_qkv(qkv, *stacked, *a, eps=1e-6, layer=1)),
+              qkv, norms, k, v, tables, lens, tol, theta=1e6)

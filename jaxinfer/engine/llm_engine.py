@@ -37,6 +37,8 @@ class LLMEngine:
         # if wait is small against the rest, the host (not the GPU) sets the pace
         self.host_time = dict(schedule_s=0.0, dispatch_s=0.0, wait_s=0.0, apply_s=0.0)
         self.compilations_at_warmup = compilation_count()
+        # per-step host times when a list: [kind, rows, bucket (tokens), schedule, dispatch, wait, apply] in s
+        self.step_log: list | None = None
 
     def warmup(self, progress=None) -> None:
         self.runner.warmup(progress)
@@ -105,7 +107,12 @@ class LLMEngine:
         self.scheduler.on_dispatch(batch)
         self.host_time["schedule_s"] += t1 - t0
         self.host_time["dispatch_s"] += time.perf_counter() - t1
-        prev, self.in_flight = self.in_flight, (batch, ids)
+        entry = None
+        if self.step_log is not None:
+            entry = ["prefill" if batch.is_prefill else "decode", len(batch.seqs), key[1], t1 - t0,
+                     time.perf_counter() - t1, 0.0, 0.0]
+            self.step_log.append(entry)
+        prev, self.in_flight = self.in_flight, (batch, ids, entry)
         if prev is not None:
             return self._apply(*prev)
         return [] if self.async_scheduling else self._read_in_flight()
@@ -114,7 +121,7 @@ class LLMEngine:
         prev, self.in_flight = self.in_flight, None
         return self._apply(*prev)
 
-    def _apply(self, batch, ids) -> list[Sequence]:
+    def _apply(self, batch, ids, entry=None) -> list[Sequence]:
         """Read a dispatched step's sampled ids (blocks until it ran) and apply them."""
         t0 = time.perf_counter()
         ids = np.asarray(ids)
@@ -123,6 +130,8 @@ class LLMEngine:
         now = time.perf_counter()
         self.host_time["wait_s"] += t1 - t0
         self.host_time["apply_s"] += now - t1
+        if entry is not None:
+            entry[5:7] = t1 - t0, now - t1
         for seq in updated:
             seq.token_times.append(now)
             if seq.first_token_time is None:

@@ -102,7 +102,7 @@ class ModelRunner:
         # xla gathers W pages per row: offer narrower tables so short contexts gather less
         self.widths = tuple(sorted({max(1, W // 16), max(1, W // 4), W})) if engine.attn_backend == "xla" else (W,)
         self.compiled: dict[tuple[str, int, int, int, bool], object] = {}
-        self.max_rows = engine.max_num_seqs
+        self.max_rows = max(engine.max_num_seqs, *engine.decode_buckets)   # a bucket may exceed max_num_seqs
         self.last_ids = jnp.zeros((self.max_rows,), jnp.int32)     # previous step's sampled ids
 
     def buckets(self) -> list[tuple[str, int, int, int, bool]]:

@@ -8,8 +8,9 @@ takes ~12 arrays instead of ~300 (dispatch cost), and a Python loop over layers 
 The forward is pure: `hidden, kv_caches = model.apply({"params": p}, token_ids, positions, attn, kv_caches)`.
 `attn(layer, q, k, v, cache) -> (out, cache)` decides how attention sees the context: dense causal for the
 reference path (`dense_attention`), paged over the KV cache for the engine (model/attention.py). An `attn` that
-carries `attn.from_qkv(layer, qkv, q_norm, k_norm, cos, sin, eps, cache)` gets the raw qkv projection
-instead and applies the q/k RMSNorm and RoPE itself (the Pallas decode kernel does, in its prologue).
+carries `attn.from_qkv(layer, qkv, q_norm, k_norm, row, cos, sin, eps, cache)` gets the raw qkv projection
+instead and applies the q/k RMSNorm and RoPE itself (the Pallas decode kernel does, in its prologue); it gets
+the stacked [L, D] norm weights and the row to use, so no per-layer slice has to be copied out for it.
 """
 from __future__ import annotations
 
@@ -103,8 +104,11 @@ def forward(c: ModelConfig, params: dict, token_ids, positions, attn: Callable, 
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling_factor)
     caches = list(kv_caches) if kv_caches is not None else [None] * c.num_hidden_layers
     for l in range(c.num_hidden_layers):
-        w = layers[l] if isinstance(layers, (tuple, list)) else {k: v[l] for k, v in layers.items()}
-        x, caches[l] = _decoder_layer(c, w, x, cos, sin, attn, l, caches[l])
+        if isinstance(layers, (tuple, list)):
+            w, qk_norms = layers[l], (layers[l]["q_norm"], layers[l]["k_norm"], 0)
+        else:
+            w, qk_norms = {k: v[l] for k, v in layers.items()}, (layers["q_norm"], layers["k_norm"], l)
+        x, caches[l] = _decoder_layer(c, w, x, cos, sin, attn, l, caches[l], qk_norms)
     return rms_norm(x, params["norm"], c.rms_norm_eps), caches
 
 
@@ -114,7 +118,9 @@ def compute_logits(c: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array
     return jnp.einsum("...e,ev->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
 
 
-def _decoder_layer(c: ModelConfig, w, x, cos, sin, attn, l, cache):
+def _decoder_layer(c: ModelConfig, w, x, cos, sin, attn, l, cache, qk_norms):
+    """qk_norms = (q_norm, k_norm, row): the q/k norm weights as given to `attn.from_qkv` ([D], row 0, or the
+    stacked [L, D] and row l)."""
     H, K, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     lead = x.shape[:-1]
     h = rms_norm(x, w["input_layernorm"], c.rms_norm_eps)
@@ -122,7 +128,7 @@ def _decoder_layer(c: ModelConfig, w, x, cos, sin, attn, l, cache):
     from_qkv = getattr(attn, "from_qkv", None)
     if from_qkv is not None:     # the kernel normalises and rotates q/k itself (3 fewer kernels a layer)
         qkv = qkv.reshape(*lead, H + 2 * K, D)
-        o, cache = from_qkv(l, qkv, w["q_norm"], w["k_norm"], cos, sin, c.rms_norm_eps, cache)
+        o, cache = from_qkv(l, qkv, *qk_norms, cos, sin, c.rms_norm_eps, cache)
     else:
         q = qkv[..., :c.q_size].reshape(*lead, H, D)
         k = qkv[..., c.q_size:c.q_size + c.kv_size].reshape(*lead, K, D)
