@@ -156,6 +156,11 @@ class LLM:
                              token_ids=seq.output_token_ids, text=text, finish_reason=seq.finish_reason,
                              num_cached_tokens=seq.num_cached_tokens, metrics=m)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached KV of prompts no request holds (as vLLM's `reset_prefix_cache`): the next
+        identical prompt is computed again, e.g. to time a workload twice. Returns the blocks forgotten."""
+        return self.engine.block_manager.reset_prefix_cache()
+
     def stats(self) -> dict:
         return self.engine.stats()
 

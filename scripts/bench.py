@@ -76,7 +76,7 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
              output_tok_s=out_tokens / wall, total_tok_s=(out_tokens + in_tokens) / wall,
              prefill_steps=st["prefill_steps"], decode_steps=st["decode_steps"],
              compilations_after_warmup=st["compilations"], preemptions=st["preemptions"],
-             padded_tokens=st["padded_tokens"],
+             padded_tokens=st["padded_tokens"], prefix_cache_hit_tokens=st.get("prefix_cache_hit_tokens", 0),
              ttft_ms_p50=pct(ttft, 50), ttft_ms_p90=pct(ttft, 90), ttft_ms_p99=pct(ttft, 99),
              tpot_ms_p50=pct(tpot, 50), tpot_ms_p90=pct(tpot, 90), tpot_ms_p99=pct(tpot, 99),
              bytes_needed=need, bandwidth_GBs=bw / 1e9, floor_s=floor, pct_of_floor=100 * floor / wall,
@@ -103,7 +103,7 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
     return r
 
 
-STEP_LOG_COLUMNS = ("kind", "rows", "bucket", "schedule_s", "dispatch_s", "wait_s", "apply_s")
+STEP_LOG_COLUMNS = ("kind", "rows", "bucket", "schedule_s", "dispatch_s", "wait_s", "apply_s", "transfer_s")
 
 
 def step_log_summary(log: list) -> dict:
@@ -113,11 +113,13 @@ def step_log_summary(log: list) -> dict:
     for kind, _, bucket, *times in log:
         groups.setdefault(f"{kind} {bucket}", []).append(times)
     out = {}
-    print("host ms per step by bucket (schedule / dispatch / wait / apply):")
+    print("host ms per step by bucket (schedule / dispatch (of it: transfer) / wait / apply):")
     for name, rows in sorted(groups.items(), key=lambda kv: (kv[0].split()[0], int(kv[0].split()[1]))):
         mean = np.mean(np.asarray(rows), axis=0) * 1e3
-        out[name] = dict(steps=len(rows), **dict(zip(("schedule", "dispatch", "wait", "apply"), mean.tolist())))
-        print(f"  {name:>14}: {len(rows):5d} steps  " + " / ".join(f"{v:6.2f}" for v in mean))
+        out[name] = dict(steps=len(rows), **dict(zip(("schedule", "dispatch", "wait", "apply", "transfer"),
+                                                     mean.tolist())))
+        print(f"  {name:>14}: {len(rows):5d} steps  {mean[0]:6.2f} / {mean[1]:6.2f} ({mean[4]:5.2f}) / {mean[2]:6.2f}"
+              f" / {mean[3]:6.2f}")
     return out
 
 
@@ -156,18 +158,26 @@ def run_throughput(args) -> dict:
     llm = build(args)
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, llm.model_config.vocab_size)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)            # warm-up, as nano-vllm
-    before = llm.stats()
-    if args.step_log:
-        llm.engine.step_log = []
-    with profiled(args.profile):
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - t
-    after = llm.stats()
+    walls = []
+    for _ in range(args.repeats):     # the counters, step log and profile are of the last repeat
+        llm.reset_prefix_cache()      # every repeat computes its prompts, as the first did
+        before = llm.stats()
+        if args.step_log:
+            llm.engine.step_log = []
+        with profiled(args.profile if len(walls) == args.repeats - 1 else None):
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            walls.append(time.perf_counter() - t)
+        after = llm.stats()
+    wall = float(np.median(walls))
     st = {k: after[k] - before[k] for k in ("prefill_steps", "decode_steps", "kv_tokens_read", "padded_tokens",
-                                           "preemptions", *HOST_TIMES)}
+                                           "preemptions", "prefix_cache_hit_tokens", *HOST_TIMES)}
     st["compilations"] = after["compilations"]
     r = report(llm, st, outs, wall, measure_bandwidth(), args)
+    if args.repeats > 1:
+        r["walls_s"] = walls
+        print(f"wall of each of the {args.repeats} repeats: " + ", ".join(f"{w:.2f} s" for w in walls) +
+              " (the median is reported)")
     if args.step_log:
         r["host_ms_by_bucket"] = step_log_summary(llm.engine.step_log)
         write_json(args.step_log, dict(columns=STEP_LOG_COLUMNS, steps=llm.engine.step_log))
@@ -228,6 +238,12 @@ def parse(argv=None):
     ap.add_argument("--reference-bw", type=float, default=4.3,
                     help="TB/s for a second floor: XLA's own pass reaches less than the HBM can (default 4.3, "
                          "a torch device copy on the H200)")
+    ap.add_argument("--stable-temp-addresses", action="store_true",
+                    help="run with XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP (JAX >= 0.11 on a GPU): "
+                         "XLA's temporary buffers keep their addresses, so dispatching a step need not update the "
+                         "previous step's CUDA graph, which waits for that step to finish")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="time the workload this many times; report the median wall (A/B runs: less noise)")
     ap.add_argument("--step-log", default=None, metavar="PATH",
                     help="log every step's host times (schedule, dispatch, wait, apply) to PATH; print them by bucket")
     ap.add_argument("--profile", default=None, metavar="DIR",
@@ -237,9 +253,13 @@ def parse(argv=None):
 
 def main(argv=None) -> dict:
     args = parse(argv)
+    if args.stable_temp_addresses:   # read when JAX starts its GPU backend, so set before the first jax call
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_gpu_command_buffer_update_mode=SKIP_TEMP").strip()
     if args.peer:   # leave GPU memory for PyTorch: JAX would otherwise preallocate 75% of it
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
     r = run_latency(args) if args.latency else run_throughput(args)
+    r["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     write_json(args.json, r)
     return r
 

@@ -12,7 +12,7 @@ def test_bench_runs_and_counts(tiny_dir, tmp_path, capsys):
             "--max-input-len", "120", "--max-output-len", "110", "--max-num-seqs", "4",
             "--max-num-batched-tokens", "512", "--prefill-buckets", "512", "--decode-buckets", "4",
             "--max-model-len", "256", "--block-size", "64", "--json", str(tmp_path / "r.json"),
-            "--step-log", str(tmp_path / "log.json")]
+            "--step-log", str(tmp_path / "log.json"), "--repeats", "2"]
     r = bench.main(args)
     _, params = bench.workload(5, 120, 110, vocab=512)
     assert r["output_tokens"] == sum(p.max_tokens for p in params)
@@ -26,6 +26,8 @@ def test_bench_runs_and_counts(tiny_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "tok/s" in out and "% of the floor" in out and "host ms per step" in out
     assert os.path.isfile(tmp_path / "r.json")
+    assert len(r["walls_s"]) == 2 and min(r["walls_s"]) <= r["wall_s"] <= max(r["walls_s"])
+    assert r["prefix_cache_hit_tokens"] == 0, "each repeat computes its prompts (prefix cache reset)"
     import json
     log = json.load(open(tmp_path / "log.json"))["steps"]
     assert len(log) == r["prefill_steps"] + r["decode_steps"]

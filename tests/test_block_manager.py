@@ -137,3 +137,19 @@ def test_prefix_caching_switch(caching):
     b = seq(range(9))
     bm.allocate(b)
     assert (b.num_cached_tokens == 8) == caching
+
+
+def test_reset_prefix_cache_forgets_free_blocks_only():
+    bm = BlockManager(16, BS)
+    a, held = seq(range(12)), seq(range(100, 112))
+    for s in (a, held):
+        bm.allocate(s)
+        computed(bm, s)
+    bm.free_seq(a)
+    assert bm.reset_prefix_cache() == 3                   # a's 3 full blocks, now free
+    again = seq(range(12))
+    bm.allocate(again)
+    assert again.num_cached_tokens == 0                   # a's prompt is computed again
+    b = seq(list(range(100, 112)) + [1])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 12                      # blocks in use keep their hashes

@@ -60,3 +60,28 @@ def test_kv_pool_larger_than_memory(tiny_dir):
     with pytest.raises(ValueError, match=r"num_kvcache_blocks=1000000000000 needs .* GiB"):
         LLM(tiny_dir, **{**BASE, "num_kvcache_blocks": 10**12})
     assert LLM(tiny_dir, **BASE).generate([1, 2], SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids
+
+
+class _FakeGpu:
+    platform = "gpu"
+
+    def memory_stats(self):          # XLA's VMM allocator (SKIP_TEMP command buffers) keeps no stats
+        return None
+
+
+def test_kv_pool_sizing_without_allocator_stats(monkeypatch):
+    """A GPU whose allocator reports no stats is sized from the CUDA driver's numbers; when those are missing
+    too, the error says to give num_kvcache_blocks."""
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.engine import runner
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    engine = EngineConfig(max_model_len=128, kvcache_block_size=4, gpu_memory_utilization=0.5)
+    per_block = runner.kv_bytes_per_block(cfg, 4, "float32")
+    monkeypatch.setattr(runner.jax, "devices", lambda: [_FakeGpu()])
+    monkeypatch.setattr(runner, "_cuda_memory", lambda: (40 * 2**30, 4 * 2**30))
+    assert runner.num_blocks_for_memory(cfg, engine, "float32") == (16 * 2**30 - runner._HEADROOM) // per_block
+    assert runner.free_memory_bytes() == 36 * 2**30
+    monkeypatch.setattr(runner, "_cuda_memory", lambda: None)
+    with pytest.raises(ValueError, match="give num_kvcache_blocks"):
+        runner.num_blocks_for_memory(cfg, engine, "float32")

@@ -46,6 +46,19 @@ class BlockManager:
         return len(self.free)
 
     # -- prefix cache -----------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block that no sequence holds (their KV can no longer be hit); returns how
+        many were forgotten. Blocks in use keep their hashes."""
+        forgotten = 0
+        for bid in self.free:
+            b = self.blocks[bid]
+            if b.hash is not None:
+                if self.cached.get(b.hash) == bid:
+                    del self.cached[b.hash]
+                b.hash, b.token_ids = None, ()
+                forgotten += 1
+        return forgotten
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached chain for seq. The block holding the last token is never
         reused, so the last token is always computed (its logits give the next token)."""

@@ -37,7 +37,8 @@ class LLMEngine:
         # if wait is small against the rest, the host (not the GPU) sets the pace
         self.host_time = dict(schedule_s=0.0, dispatch_s=0.0, wait_s=0.0, apply_s=0.0)
         self.compilations_at_warmup = compilation_count()
-        # per-step host times when a list: [kind, rows, bucket (tokens), schedule, dispatch, wait, apply] in s
+        # per-step host times when a list: [kind, rows, bucket (tokens), schedule, dispatch, wait, apply,
+        # transfer (the part of dispatch that sends the batch)] in s
         self.step_log: list | None = None
 
     def warmup(self, progress=None) -> None:
@@ -103,6 +104,8 @@ class LLMEngine:
         self.counters["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
         filtered = any(s.params.needs_filter for s in batch.seqs)
         t1 = time.perf_counter()
+        packed = self.runner.put(packed)
+        t_put = time.perf_counter() - t1
         ids = self.runner.run(key + (filtered,), packed)
         self.scheduler.on_dispatch(batch)
         self.host_time["schedule_s"] += t1 - t0
@@ -110,7 +113,7 @@ class LLMEngine:
         entry = None
         if self.step_log is not None:
             entry = ["prefill" if batch.is_prefill else "decode", len(batch.seqs), key[1], t1 - t0,
-                     time.perf_counter() - t1, 0.0, 0.0]
+                     time.perf_counter() - t1, 0.0, 0.0, t_put]
             self.step_log.append(entry)
         prev, self.in_flight = self.in_flight, (batch, ids, entry)
         if prev is not None:

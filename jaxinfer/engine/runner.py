@@ -6,6 +6,7 @@ stray one after warm-up shows up in `LLM.stats()`.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -49,20 +50,57 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype) -> int:
 _HEADROOM = 2 * 2**30   # activations / logits of the largest bucket
 
 
+def _cuda_memory() -> tuple[int, int] | None:
+    """(total, in use) bytes of GPU 0 from the CUDA driver, or None. For allocators that keep no stats (with
+    XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP, XLA's VMM allocator returns none)."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), 0) or \
+                cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev):
+            return None
+        try:     # the primary context is the one XLA uses
+            if cuda.cuCtxPushCurrent_v2(ctx):
+                return None
+            ok = cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0
+            cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        finally:
+            cuda.cuDevicePrimaryCtxRelease_v2(dev)
+        return (total.value, total.value - free.value) if ok else None
+    except (OSError, AttributeError):
+        return None
+
+
+def device_memory() -> tuple[int, int] | None:
+    """(bytes the device may use, bytes in use) on a GPU; None on the CPU."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+    if device.platform != "gpu":
+        return None
+    mem = _cuda_memory()
+    if mem is None:
+        raise ValueError("cannot tell how much GPU memory is free (the allocator keeps no stats and the CUDA driver "
+                         "did not answer): give num_kvcache_blocks explicitly")
+    return mem
+
+
 def free_memory_bytes() -> int:
     """Memory the KV pool may take: free device memory (GPU), or available host memory (CPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    mem = device_memory()
+    if mem is not None:
+        return mem[0] - mem[1]
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype) -> int:
     """Size the KV pool from free device memory (GPU), or to fit max_num_seqs full sequences (CPU)."""
     per_block = kv_bytes_per_block(model, engine.kvcache_block_size, dtype)
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        free = stats["bytes_limit"] * engine.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+    mem = device_memory()
+    if mem is not None:
+        free = mem[0] * engine.gpu_memory_utilization - mem[1]
         blocks = int((free - _HEADROOM) // per_block)
         if blocks < engine.max_blocks_per_seq:
             raise ValueError(f"after the weights, gpu_memory_utilization={engine.gpu_memory_utilization} leaves room "
@@ -136,8 +174,13 @@ class ModelRunner:
                 if progress is not None:
                     progress.update(1)
 
-    def run(self, key: tuple[str, int, int, int, bool], packed: np.ndarray) -> jax.Array:
-        """Dispatch one step (asynchronous); returns the device array of sampled ids [max_rows]."""
+    def put(self, packed: np.ndarray) -> jax.Array:
+        """Send a step's packed batch to the device (one host -> device copy)."""
+        return jax.device_put(packed)
+
+    def run(self, key: tuple[str, int, int, int, bool], packed: np.ndarray | jax.Array) -> jax.Array:
+        """Dispatch one step (asynchronous); returns the device array of sampled ids [max_rows]. `packed`: the
+        step's batch, in host memory or already sent with `jax.device_put`."""
         self.last_ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, jax.device_put(packed),
                                                           self.last_ids)
         return self.last_ids
