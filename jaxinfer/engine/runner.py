@@ -51,8 +51,10 @@ _HEADROOM = 2 * 2**30   # activations / logits of the largest bucket
 
 
 def _cuda_memory() -> tuple[int, int] | None:
-    """(total, in use) bytes of GPU 0 from the CUDA driver, or None. For allocators that keep no stats (with
-    XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP, XLA's VMM allocator returns none)."""
+    """(bytes JAX may allocate, bytes in use) of GPU 0 from the CUDA driver, or None. For allocators that keep
+    no stats (with XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP, XLA's VMM allocator returns
+    none). JAX may allocate XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) of the total: the VMM allocator
+    enforces it (a pool sized from the whole GPU failed with 'Not enough PA budget' on the H200)."""
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
         dev, ctx = ctypes.c_int(), ctypes.c_void_p()
@@ -67,7 +69,8 @@ def _cuda_memory() -> tuple[int, int] | None:
             cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
         finally:
             cuda.cuDevicePrimaryCtxRelease_v2(dev)
-        return (total.value, total.value - free.value) if ok else None
+        fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+        return (int(total.value * fraction), total.value - free.value) if ok else None
     except (OSError, AttributeError):
         return None
 
