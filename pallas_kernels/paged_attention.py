@@ -226,9 +226,9 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
     for name, x in (("cos", cos), ("sin", sin)):
         if x.shape != (B, D):
             raise ValueError(f"paged_attention_qkv: {name} must have shape {(B, D)}, got {x.shape}")
-    if isinstance(layer, int) and not 0 <= layer < (q_norm.shape[0] if q_norm.ndim == 2 else 1):
-        raise ValueError(f"paged_attention_qkv: layer={layer} is outside the {q_norm.shape[0] if q_norm.ndim == 2 else 1}"
-                         f" rows of q_norm/k_norm")
+    rows = q_norm.shape[0] if q_norm.ndim == 2 else 1
+    if isinstance(layer, int) and not 0 <= layer < rows:
+        raise ValueError(f"paged_attention_qkv: layer={layer} is outside the {rows} rows of q_norm/k_norm")
     heads = qkv.shape[1] - 2 * K
     tiles = _tiles("paged_attention_qkv", qkv, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits)
     q_norm, k_norm = (jnp.atleast_2d(w).astype(qkv.dtype) for w in (q_norm, k_norm))   # [L, D]

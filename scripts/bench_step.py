@@ -44,47 +44,38 @@ def median_time(fn, args, iters: int, carry: dict[int, int] | None = None) -> fl
     return float(np.median(times))
 
 
-def pipelined_time(step, args, iters: int) -> tuple[float, float]:
-    """(seconds per step dispatched back to back as the engine does, host seconds for one call to return
-    while the GPU is idle). The step is donated: its caches are fed back."""
+def back_to_back(step, args, iters: int, like_engine: bool = False) -> tuple[float, float]:
+    """(seconds per step, host seconds per call in transfer + dispatch) for steps dispatched back to back, each
+    fed the previous step's ids on the device and its donated caches. `like_engine`: as the engine loop runs
+    it, the numpy batch is sent every step and the previous step's ids are read after the next is dispatched."""
     import jax
-    params, kv, packed, prev = args
-    ids, kv = step(params, kv, packed, prev)
-    dispatch = []
+    params, kv, packed, ids = args
+    runs, dispatch = [], []
+    for _ in range(6):                                 # the first round is a warm-up
+        t = time.perf_counter()
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            new_ids, kv = step(params, kv, jax.device_put(packed) if like_engine else packed, ids)
+            dispatch.append(time.perf_counter() - t0)
+            if like_engine:
+                np.asarray(ids)
+            ids = new_ids
+        jax.block_until_ready(ids)
+        runs.append((time.perf_counter() - t) / iters)
+    return float(np.median(runs[1:])), float(np.mean(dispatch[iters:]))
+
+
+def idle_dispatch(step, args, iters: int) -> float:
+    """Median host seconds for one step call to return while the GPU is idle."""
+    import jax
+    params, kv, packed, ids = args
+    times = []
     for _ in range(iters):
         jax.block_until_ready(ids)
         t = time.perf_counter()
         ids, kv = step(params, kv, packed, ids)
-        dispatch.append(time.perf_counter() - t)
-    jax.block_until_ready(ids)
-    runs = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(iters):
-            ids, kv = step(params, kv, packed, ids)
-        jax.block_until_ready(ids)
-        runs.append((time.perf_counter() - t) / iters)
-    return float(np.median(runs)), float(np.median(dispatch))
-
-
-def engine_loop_time(step, args, iters: int) -> tuple[float, float]:
-    """(seconds per step, host seconds per step spent in transfer + dispatch) for the engine's loop: the numpy
-    batch goes to the device, the step is dispatched, then the previous step's sampled ids are read."""
-    import jax
-    params, kv, packed_np, prev = args
-    ids, kv = step(params, kv, jax.device_put(packed_np), prev)
-    runs, dispatch = [], 0.0
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            new_ids, kv = step(params, kv, jax.device_put(packed_np), ids)
-            dispatch += time.perf_counter() - t0
-            np.asarray(ids)
-            ids = new_ids
-        np.asarray(ids)
-        runs.append((time.perf_counter() - t) / iters)
-    return float(np.median(runs)), dispatch / (5 * iters)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
 
 
 def hlo_kernels(hlo_text: str) -> dict[str, int]:
@@ -198,9 +189,10 @@ def main(argv=None) -> dict:
         for k, n in sorted(counts.items(), key=lambda kv: -kv[1]):
             print(f"  {n:5d}  {k}")
     times = {"step": median_time(step, (params, fresh_kv(), packed, prev), a.iters, {1: 1})}
-    times["pipelined"], times["dispatch"] = pipelined_time(step, (params, fresh_kv(), packed, prev), a.iters)
-    times["engine"], times["engine_dispatch"] = engine_loop_time(step, (params, fresh_kv(), np.asarray(packed), prev),
-                                                                 a.iters)
+    times["dispatch"] = idle_dispatch(step, (params, fresh_kv(), packed, prev), a.iters)
+    times["pipelined"], _ = back_to_back(step, (params, fresh_kv(), packed, prev), a.iters)
+    times["engine"], times["engine_dispatch"] = back_to_back(step, (params, fresh_kv(), np.asarray(packed), prev),
+                                                             a.iters, like_engine=True)
     if not a.only_step:
         times["layers"] = median_time(jax.jit(layers_only, donate_argnums=1),
                                       (params, fresh_kv(), f["token_ids"], f["positions"]), a.iters, {1: 1})

@@ -71,7 +71,7 @@ class _FakeGpu:
 
 def test_kv_pool_sizing_without_allocator_stats(monkeypatch):
     """A GPU whose allocator reports no stats is sized from the CUDA driver's numbers; when those are missing
-    too, the error says to give num_kvcache_blocks."""
+    too, the error says to give num_kvcache_blocks, and a given pool is accepted."""
     from jaxinfer.config import ModelConfig
     from jaxinfer.engine import runner
     cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -85,3 +85,4 @@ def test_kv_pool_sizing_without_allocator_stats(monkeypatch):
     monkeypatch.setattr(runner, "_cuda_memory", lambda: None)
     with pytest.raises(ValueError, match="give num_kvcache_blocks"):
         runner.num_blocks_for_memory(cfg, engine, "float32")
+    runner.check_pool_fits(cfg, engine, 10)               # an explicit pool is not refused for want of numbers

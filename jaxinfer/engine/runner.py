@@ -76,25 +76,20 @@ def _cuda_memory() -> tuple[int, int] | None:
 
 
 def device_memory() -> tuple[int, int] | None:
-    """(bytes the device may use, bytes in use) on a GPU; None on the CPU."""
-    device = jax.devices()[0]
-    stats = device.memory_stats() or {}
+    """(bytes the device may use, bytes in use) on a GPU; None on the CPU or when the GPU cannot tell."""
+    stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
-    if device.platform != "gpu":
-        return None
-    mem = _cuda_memory()
-    if mem is None:
-        raise ValueError("cannot tell how much GPU memory is free (the allocator keeps no stats and the CUDA driver "
-                         "did not answer): give num_kvcache_blocks explicitly")
-    return mem
+    return _cuda_memory() if jax.devices()[0].platform == "gpu" else None
 
 
-def free_memory_bytes() -> int:
-    """Memory the KV pool may take: free device memory (GPU), or available host memory (CPU)."""
+def free_memory_bytes() -> int | None:
+    """Memory the KV pool may take: free device memory (GPU; None if unknown), or available host memory (CPU)."""
     mem = device_memory()
     if mem is not None:
         return mem[0] - mem[1]
+    if jax.devices()[0].platform == "gpu":
+        return None
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
@@ -111,6 +106,9 @@ def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype) -> in
                              f"sequence needs ({engine.max_blocks_per_seq}); lower max_model_len or raise "
                              f"gpu_memory_utilization")
         return blocks
+    if jax.devices()[0].platform == "gpu":
+        raise ValueError("cannot tell how much GPU memory is free (the allocator keeps no stats and the CUDA driver "
+                         "did not answer): give num_kvcache_blocks explicitly")
     want = engine.max_num_seqs * engine.max_blocks_per_seq
     return max(1, min(want, int(2 * 2**30 // per_block)))
 
@@ -119,7 +117,7 @@ def check_pool_fits(model: ModelConfig, engine: EngineConfig, num_blocks: int) -
     """A KV pool larger than free memory fails here, with the numbers, not deep inside XLA."""
     need = num_blocks * kv_bytes_per_block(model, engine.kvcache_block_size, engine.dtype)
     free = free_memory_bytes()
-    if need > free:
+    if free is not None and need > free:        # None: a GPU that cannot tell; XLA will fail if it is too big
         raise ValueError(f"num_kvcache_blocks={num_blocks} needs {need / 2**30:.1f} GiB of KV cache but only "
                          f"{free / 2**30:.1f} GiB is free; lower num_kvcache_blocks (or leave it None to size "
                          f"the pool from free memory)")
@@ -181,9 +179,8 @@ class ModelRunner:
         """Send a step's packed batch to the device (one host -> device copy)."""
         return jax.device_put(packed)
 
-    def run(self, key: tuple[str, int, int, int, bool], packed: np.ndarray | jax.Array) -> jax.Array:
+    def run(self, key: tuple[str, int, int, int, bool], packed: jax.Array) -> jax.Array:
         """Dispatch one step (asynchronous); returns the device array of sampled ids [max_rows]. `packed`: the
-        step's batch, in host memory or already sent with `jax.device_put`."""
-        self.last_ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, jax.device_put(packed),
-                                                          self.last_ids)
+        step's batch, already sent with `put`."""
+        self.last_ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, packed, self.last_ids)
         return self.last_ids
