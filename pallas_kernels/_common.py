@@ -31,6 +31,10 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def prev_pow2(n: int) -> int:
+    return 1 << max(0, int(n).bit_length() - 1)
+
+
 def is_pow2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 

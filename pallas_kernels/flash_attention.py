@@ -41,7 +41,9 @@ def tile_metadata(cu_seqlens_q: jax.Array, seq_lens: jax.Array, num_tokens: int,
     tiles_per_seq = pl.cdiv(n_new, block_q)
     tile_end = jnp.cumsum(tiles_per_seq)
     i = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.searchsorted(tile_end, i, side="right").astype(jnp.int32)  # [NT] in [0, B + 1]
+    # compare_all: one [NT, B + 1] comparison. The default method is a while loop, whose condition goes
+    # through the host on a GPU (~180 us for this pass on the H200, measured 2026-11-29).
+    seq = jnp.searchsorted(tile_end, i, side="right", method="compare_all").astype(jnp.int32)  # [NT] in [0, B + 1]
     seq_c = jnp.minimum(seq, batch)
     first = cu[seq_c] + (i - (tile_end[seq_c] - tiles_per_seq[seq_c])) * block_q
     end = jnp.minimum(first + block_q, cu[seq_c + 1])

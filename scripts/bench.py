@@ -238,10 +238,11 @@ def parse(argv=None):
     ap.add_argument("--reference-bw", type=float, default=4.3,
                     help="TB/s for a second floor: XLA's own pass reaches less than the HBM can (default 4.3, "
                          "a torch device copy on the H200)")
-    ap.add_argument("--stable-temp-addresses", action="store_true",
-                    help="run with XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP (JAX >= 0.11 on a GPU): "
-                         "XLA's temporary buffers keep their addresses, so dispatching a step need not update the "
-                         "previous step's CUDA graph, which waits for that step to finish")
+    ap.add_argument("--stable-temp-addresses", action=argparse.BooleanOptionalAction, default=None,
+                    help="run with XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP: XLA's temporary "
+                         "buffers keep their addresses, so dispatching a step need not update its CUDA graph "
+                         "(default: on with jaxlib 0.11.x, where it was measured; other XLA versions name the "
+                         "mode differently)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="time the workload this many times; report the median wall (A/B runs: less noise)")
     ap.add_argument("--step-log", default=None, metavar="PATH",
@@ -251,9 +252,19 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
+def jaxlib_minor() -> tuple[int, int]:
+    """(major, minor) of the installed jaxlib, read without starting a JAX backend."""
+    from importlib.metadata import version
+    major, minor = version("jaxlib").split(".")[:2]
+    return int(major), int(minor)
+
+
 def main(argv=None) -> dict:
     args = parse(argv)
-    if args.stable_temp_addresses:   # read when JAX starts its GPU backend, so set before the first jax call
+    stable = args.stable_temp_addresses
+    if stable is None:
+        stable = jaxlib_minor() == (0, 11) and "command_buffer_update_mode" not in os.environ.get("XLA_FLAGS", "")
+    if stable:   # read when JAX starts its GPU backend, so set before the first jax call
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    " --xla_gpu_command_buffer_update_mode=SKIP_TEMP").strip()
     if args.peer:   # leave GPU memory for PyTorch: JAX would otherwise preallocate 75% of it

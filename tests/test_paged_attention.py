@@ -159,6 +159,9 @@ def test_choose_num_splits():
     assert choose_num_splits(batch=1, kv_heads=8, max_context=4096) == 8
     assert choose_num_splits(batch=64, kv_heads=8, max_context=1024) == 2
     assert choose_num_splits(batch=1, kv_heads=8, max_context=128) == 1
+    # ~4 programs per SM rounded down: over-splitting a moderate batch was slower on the H200
+    assert choose_num_splits(batch=32, kv_heads=8, max_context=4096) == 2
+    assert choose_num_splits(batch=8, kv_heads=8, max_context=4096) == 8
 
 
 @pytest.mark.parametrize("bad,match", [
