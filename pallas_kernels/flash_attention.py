@@ -42,7 +42,8 @@ def tile_metadata(cu_seqlens_q: jax.Array, seq_lens: jax.Array, num_tokens: int,
     tile_end = jnp.cumsum(tiles_per_seq)
     i = jnp.arange(num_tiles, dtype=jnp.int32)
     # compare_all: one [NT, B + 1] comparison. The default method is a while loop, whose condition goes
-    # through the host on a GPU (~180 us for this pass on the H200, measured 2026-11-29).
+    # through the host on a GPU: a whole 8 x 1024 prefill call took 174-201 us with it and 137-141 us
+    # without (H200, same process).
     seq = jnp.searchsorted(tile_end, i, side="right", method="compare_all").astype(jnp.int32)  # [NT] in [0, B + 1]
     seq_c = jnp.minimum(seq, batch)
     first = cu[seq_c] + (i - (tile_end[seq_c] - tiles_per_seq[seq_c])) * block_q
