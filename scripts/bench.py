@@ -259,12 +259,16 @@ def jaxlib_minor() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def wants_stable_temp(flag: bool | None) -> bool:
+    """--stable-temp-addresses as given, else on for jaxlib 0.11.x unless XLA_FLAGS already sets the mode."""
+    if flag is not None:
+        return flag
+    return jaxlib_minor() == (0, 11) and "command_buffer_update_mode" not in os.environ.get("XLA_FLAGS", "")
+
+
 def main(argv=None) -> dict:
     args = parse(argv)
-    stable = args.stable_temp_addresses
-    if stable is None:
-        stable = jaxlib_minor() == (0, 11) and "command_buffer_update_mode" not in os.environ.get("XLA_FLAGS", "")
-    if stable:   # read when JAX starts its GPU backend, so set before the first jax call
+    if wants_stable_temp(args.stable_temp_addresses):  # read when JAX starts its GPU backend: set it first
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    " --xla_gpu_command_buffer_update_mode=SKIP_TEMP").strip()
     if args.peer:   # leave GPU memory for PyTorch: JAX would otherwise preallocate 75% of it

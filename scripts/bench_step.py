@@ -101,6 +101,13 @@ def hlo_kernels(hlo_text: str) -> dict[str, int]:
     return counts
 
 
+def _option_value(v: str):
+    """XLA compile options take typed values: 'true'/'false' -> bool, digits -> int, else the string."""
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    return int(v) if v.lstrip("-").isdigit() else v
+
+
 def decode_batch(B: int, ctx: int, block_size: int):
     """B sequences of ctx tokens (ctx - 1 cached), each with its own contiguous run of blocks."""
     from jaxinfer.engine.scheduler import ScheduledBatch
@@ -177,7 +184,7 @@ def main(argv=None) -> dict:
 
     q = jnp.ones((B, cfg.num_attention_heads, cfg.head_dim), dtype)
     hidden = jnp.ones((B, cfg.hidden_size), dtype)
-    opts = dict(kv.split("=", 1) for kv in a.compiler_option)
+    opts = {k: _option_value(v) for k, v in (kv.split("=", 1) for kv in a.compiler_option)}
     step = jit_step(make_step(cfg, "decode", B, B, W, a.attn_backend, interpret, B)).lower(
         params, fresh_kv(), packed, prev).compile(compiler_options=opts or None)
     if a.kernels:

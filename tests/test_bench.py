@@ -88,6 +88,25 @@ def test_bench_step_anatomy_runs(tiny_dir, tmp_path):
     assert os.path.isfile(tmp_path / "s.json")
 
 
+def test_stable_temp_default_follows_jaxlib(monkeypatch):
+    import bench
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert bench.parse([]).stable_temp_addresses is None
+    assert bench.parse(["--no-stable-temp-addresses"]).stable_temp_addresses is False
+    for version, want in (((0, 10), False), ((0, 11), True), ((0, 12), False)):
+        monkeypatch.setattr(bench, "jaxlib_minor", lambda v=version: v)
+        assert bench.wants_stable_temp(None) is want
+        assert bench.wants_stable_temp(True) and not bench.wants_stable_temp(False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP")
+    assert bench.wants_stable_temp(None) is False          # already set by the user: not added twice
+
+
+def test_bench_step_compiler_option_values():
+    import bench_step
+    assert bench_step._option_value("true") is True and bench_step._option_value("False") is False
+    assert bench_step._option_value("12") == 12 and bench_step._option_value("abc") == "abc"
+
+
 def test_trace_summary_needs_a_trace(tmp_path):
     import pytest
     import trace_summary
