@@ -1,6 +1,7 @@
 """End to end on tiny checkpoints (fp32): the engine equals transformers, and a sequence's output does not
 depend on its batch neighbours, chunking, prefix-cache hits or preemption. Every run returns all blocks."""
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -110,6 +111,10 @@ def test_no_compilation_after_warmup(tiny_dir):
     tokens(llm, ps, SamplingParams(temperature=0.7, top_k=5, max_tokens=20))
     tokens(llm, ps[:1], SamplingParams(temperature=0, max_tokens=27, ignore_eos=True))
     assert llm.stats()["compilations"] == 0
+    runner = weakref.ref(llm.engine.runner)
+    del llm
+    gc.collect()
+    assert runner() is None          # frozen objects are still freed: a deleted engine's KV cache goes back
 
 
 def test_stop_strings_and_eos(tiny_dir):
