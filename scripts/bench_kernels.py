@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import warnings
 
 warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
@@ -25,6 +24,7 @@ from pallas_kernels.flash_attention import flash_attention, flash_attention_refe
 from pallas_kernels.paged_attention import (paged_attention, paged_attention_qkv,  # noqa: E402
                                             paged_attention_reference)
 
+from bench import write_json  # noqa: E402
 from timing import copy_bandwidth, time_loop  # noqa: E402
 
 H, K, D, PAGE, DTYPE = 16, 8, 128, 16, jnp.bfloat16
@@ -246,9 +246,7 @@ def main():
           f"reaches ~4.3 TB/s on an H200), bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s")
     if args.only_sweep:
         result = {"ceilings": ceil, "sweep": sweep(ceil, args.smoke, prefill=not args.decode_only)}
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+        write_json(args.json, result)
         return
     if args.smoke:
         batches, contexts, cases = (2,), (40,), {"2x24": ([24, 9], [0, 20])}
@@ -274,9 +272,7 @@ def main():
               "decode": decode, "prefill": prefill}
     if args.sweep and not args.smoke:
         result["sweep"] = sweep(ceil, args.smoke, prefill=not args.decode_only)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None)
     ap.add_argument("--only-step", action="store_true", help="time the whole step only (no parts)")
     ap.add_argument("--compiler-option", action="append", default=[], metavar="KEY=VALUE",
-                    help="an XLA option for compiling the step, e.g. xla_gpu_enable_dot_strength_reduction=false")
+                    help="an XLA option for compiling the step, e.g. xla_gpu_enable_cublaslt=true")
     ap.add_argument("--profile", default=None, metavar="DIR", help="also trace the whole step; print its kernels")
     ap.add_argument("--kernels", default=None, metavar="PATH",
                     help="write the compiled step's optimised HLO here and print its kernels by kind")

@@ -107,6 +107,17 @@ def test_bench_step_compiler_option_values():
     assert bench_step._option_value("12") == 12 and bench_step._option_value("abc") == "abc"
 
 
+def test_bench_kernels_smoke_writes_json(tmp_path):
+    import json
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "k.json"
+    subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_kernels.py"), "--smoke", "--json", str(out)],
+                   check=True, env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}, capture_output=True)
+    r = json.loads(out.read_text())
+    assert r["decode"][0]["pallas_s"] > 0 and r["prefill"][0]["pallas_s"] > 0
+
+
 def test_trace_summary_needs_a_trace(tmp_path):
     import pytest
     import trace_summary
