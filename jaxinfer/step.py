@@ -17,7 +17,7 @@ from jaxinfer.model.qwen3 import compute_logits, forward
 from jaxinfer.sampling import sample
 
 _INT_FIELDS = ("token_ids", "positions", "slot_mapping", "prev_row")           # [T]
-_ROW_FIELDS = ("seq_lens", "sample_idx", "top_k", "seeds", "counters",
+_ROW_FIELDS = ("seq_lens", "attn_order", "sample_idx", "top_k", "seeds", "counters",
                "temperature", "top_p", "min_p")                                 # [B]
 FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 

@@ -8,6 +8,9 @@ Design (flash-decoding):
   * Online softmax in fp32. With S > 1 each split writes a normalised partial output and its log-sum-exp;
     a tiny jnp combine (inside the same jit) merges them. S is static, chosen from B and the max context so
     small batches with long contexts still fill the GPU; each sequence's split size follows its real length.
+  * `order` (optional, [B]): row order[i] is the i-th sequence whose programs start. Longest contexts first
+    (the engine passes rows by decreasing length) shortens the tail where a few long programs run alone: on
+    the H200, the benchmark's real lengths at batch 59-256 took 2-7% less time than in arrival order.
   * `paged_attention_qkv` (the engine's decode kernel) is the same kernel fed the raw qkv projection: its
     prologue applies Qwen3's q/k RMSNorm and RoPE, and after the context loop it writes the new token's K/V
     into the (aliased) cache and folds it into the softmax from registers.
@@ -26,30 +29,40 @@ from pallas_kernels._common import (LOG2E, NEG_BIG, check_paged_inputs, dot_prec
 
 NUM_SMS = 132  # H200; only used to pick the number of context splits.
 DEFAULT_BLOCK_N = 64  # tokens per tile (4 pages of 16)
-DEFAULT_NUM_WARPS = 4
+# 2 warps, not 4: on the H200 the engine kernel took 9-12% less time on the benchmark's real lengths (tile
+# sweep, rows longest first) and the whole benchmark ran at 25,556 tok/s against 24,549 with 4 warps (one
+# machine, same run). 4 stages measured the same within noise (25,671) but needs 128 KiB of shared memory.
+DEFAULT_NUM_WARPS = 2
 DEFAULT_NUM_STAGES = 3
 MIN_TOKENS_PER_SPLIT = 512
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int = DEFAULT_BLOCK_N) -> int:
-    """Static split count: about 4 programs per SM, rounded DOWN to a power of two, and no split shorter
-    than 512 tokens of the table's width. Rounding up over-split: on the H200 (28 chained calls, table
-    width 4096) batch 32 x 512 took 30.6 us with 8 splits and 27.7 with 2; batch 8 x 1024 11.3 us with 8
-    and 14.8 with 16; batch 64 x 1024 77.8 with 4 and 76.0 with 2."""
+    """Static split count: at most about 4 programs per SM, rounded DOWN to a power of two, and no split
+    shorter than 512 tokens of the table's width. Over-splitting was slower on the H200 (28 chained calls,
+    table width 4096): batch 32 x 512 took 30.6 us with 8 splits and 27.7 with 2; batch 8 x 1024 11.3 us
+    with 8 and 14.8 with 16; batch 64 x 1024 77.8 with 4 and 76.0 with 2; and on the benchmark's lengths
+    at step 800 (59 rows of 900-1800 tokens, bucket 64) one split took 96.5 us, two 102.0."""
     programs = batch * kv_heads
-    want = max(1, -(-4 * NUM_SMS // programs))
+    want = max(1, 4 * NUM_SMS // programs)
     most = max(1, max_context // max(MIN_TOKENS_PER_SPLIT, block_n))
     return min(prev_pow2(want), next_pow2(most))
 
 
 def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
                    scale: float, block_size: int, group: int, rows: int, block_n: int, num_splits: int,
-                   fused: bool, eps: float):
+                   fused: bool, ordered: bool, eps: float):
+    refs = list(refs)
     if fused:   # q_ref holds the raw qkv projection [B, H + 2K, D]; the caches are also (aliased) outputs
-        qw_ref, kw_ref, layer_ref, cos_ref, sin_ref, o_ref, lse_ref, k_out_ref, v_out_ref = refs
-    else:
-        o_ref, lse_ref = refs
+        qw_ref, kw_ref, layer_ref, cos_ref, sin_ref = refs[:5]
+        del refs[:5]
+    order_ref = refs.pop(0) if ordered else None
+    o_ref, lse_ref = refs[:2]
+    if fused:
+        k_out_ref, v_out_ref = refs[2:]
     kh, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if ordered:
+        b = order_ref[b]
     head_dim = q_ref.shape[-1]
     seq_len = seq_lens_ref[b]
     # fused: the cache holds only the first seq_len - 1 positions; the last one is computed here
@@ -145,10 +158,10 @@ def _write_new_token(kn, vn, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, pos, blo
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_n", "num_splits", "num_warps",
                                              "num_stages", "eps"))
-def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None, *, scale, interpret,
+def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None, order=None, *, scale, interpret,
                      block_n, num_splits, num_warps, num_stages, eps=0.0):
     """q [B, H, D], or with `prologue` = (q_norm [L, D], k_norm [L, D], layer [1], cos, sin) the raw qkv
-    projection [B, H + 2K, D]."""
+    projection [B, H + 2K, D]. order [B] int32: the row each program index runs (None: row = index)."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     fused = prologue is not None
     batch = q.shape[0]
@@ -159,7 +172,8 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None,
     seq_lens = jnp.clip(seq_lens, 0, block_tables.shape[1] * block_size)
     part_dtype = q.dtype if num_splits == 1 else jnp.float32
     kernel = functools.partial(_decode_kernel, scale=scale, block_size=block_size, group=group, rows=rows,
-                               block_n=block_n, num_splits=num_splits, fused=fused, eps=eps)
+                               block_n=block_n, num_splits=num_splits, fused=fused, ordered=order is not None,
+                               eps=eps)
     out_shape = (jax.ShapeDtypeStruct((batch, num_splits, heads, head_dim), part_dtype),  # [B, S, H, D]
                  jax.ShapeDtypeStruct((batch, num_splits, heads), jnp.float32))  # [B, S, H]
     args = (seq_lens, block_tables, q, k_cache, v_cache)
@@ -167,6 +181,8 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None,
         out_shape += (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                       jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
         args += tuple(prologue)
+    if order is not None:
+        args += (order,)
     res = pl.pallas_call(
         kernel,
         grid=(kv_heads, num_splits, batch),
@@ -187,25 +203,30 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None,
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
-                    seq_lens: jax.Array, *, scale: float | None = None, interpret: bool = False,
+                    seq_lens: jax.Array, *, order: jax.Array | None = None, scale: float | None = None,
+                    interpret: bool = False,
                     block_n: int = DEFAULT_BLOCK_N, num_splits: int | None = None,
                     num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES) -> jax.Array:
     """Decode attention: q [B, H, D] (one token per sequence) over the paged cache [P, block_size, K, D].
 
     seq_lens[b] counts the context including the new token (already written); 0 marks a padding row (zeros out).
-    Tile options: block_n (tokens per tile, power of two >= 16), num_splits (context splits, None = auto),
-    num_warps, num_stages. Returns [B, H, D] in q's dtype.
+    order [B] int32, optional: a permutation of the rows, the order their programs start in (longest
+    context first shortens the tail; rows left out of it are not computed). Tile options: block_n (tokens
+    per tile, power of two >= 16), num_splits (context splits, None = auto), num_warps, num_stages.
+    Returns [B, H, D] in q's dtype.
     """
     if q.ndim != 3:
         raise ValueError(f"paged_attention: q must be [B, H, D], got shape {q.shape}")
-    tiles = _tiles("paged_attention", q, q.shape[1], k_cache, v_cache, block_tables, seq_lens, block_n, num_splits)
-    return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=_scale(scale, q), interpret=interpret,
-                            num_warps=num_warps, num_stages=num_stages, **tiles)
+    tiles = _tiles("paged_attention", q, q.shape[1], k_cache, v_cache, block_tables, seq_lens, block_n, num_splits,
+                   order)
+    return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, order=order, scale=_scale(scale, q),
+                            interpret=interpret, num_warps=num_warps, num_stages=num_stages, **tiles)
 
 
 def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: jax.Array, sin: jax.Array,
                         k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
-                        eps: float, layer: int | jax.Array = 0, scale: float | None = None, interpret: bool = False,
+                        eps: float, layer: int | jax.Array = 0, order: jax.Array | None = None,
+                        scale: float | None = None, interpret: bool = False,
                         block_n: int = DEFAULT_BLOCK_N, num_splits: int | None = None,
                         num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -217,7 +238,8 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
     kernel (two copy kernels a layer otherwise). cos, sin [B, D]: RoPE tables of each row's
     position (rotate-half convention, see jaxinfer/model/layers.py). The kernel normalises and rotates q and k,
     writes k and v at position seq_lens[b] - 1 (padding rows, seq_len 0, write nothing), and attends over the
-    cache plus the new token. Returns (out [B, H, D], k_cache, v_cache); donate the caches to update in place.
+    cache plus the new token. `order`: as in paged_attention. Returns (out [B, H, D], k_cache, v_cache); donate
+    the caches to update in place.
     """
     B, K, D = qkv.shape[0], k_cache.shape[2], qkv.shape[-1]
     if qkv.ndim != 3 or qkv.shape[1] <= 2 * K:
@@ -233,11 +255,12 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
     if isinstance(layer, int) and not 0 <= layer < rows:
         raise ValueError(f"paged_attention_qkv: layer={layer} is outside the {rows} rows of q_norm/k_norm")
     heads = qkv.shape[1] - 2 * K
-    tiles = _tiles("paged_attention_qkv", qkv, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits)
+    tiles = _tiles("paged_attention_qkv", qkv, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits,
+                   order)
     q_norm, k_norm = (jnp.atleast_2d(w).astype(qkv.dtype) for w in (q_norm, k_norm))   # [L, D]
     layer = jnp.asarray(layer, jnp.int32).reshape(1)                              # a constant: no kernel
     norms = (q_norm, k_norm, layer, cos.astype(jnp.float32), sin.astype(jnp.float32))
-    return _paged_attention(qkv, k_cache, v_cache, block_tables, seq_lens, norms, scale=_scale(scale, qkv),
+    return _paged_attention(qkv, k_cache, v_cache, block_tables, seq_lens, norms, order, scale=_scale(scale, qkv),
                             interpret=interpret, num_warps=num_warps, num_stages=num_stages, eps=float(eps), **tiles)
 
 
@@ -245,9 +268,12 @@ def _scale(scale, q) -> float:
     return float(q.shape[-1] ** -0.5 if scale is None else scale)
 
 
-def _tiles(name, q, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits) -> dict:
+def _tiles(name, q, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits, order) -> dict:
     """Validation shared by both entry points; returns the static tile choices."""
     check_paged_inputs(name, heads, q.shape[-1], q.dtype, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
+    if order is not None and (order.shape != seq_lens.shape or order.dtype != jnp.int32):
+        raise ValueError(f"{name}: order must be int32 of shape {seq_lens.shape} like seq_lens, got "
+                         f"{order.dtype} {order.shape}")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{name}: block_n must be a power of two >= 16, got {block_n}")
     if num_splits is None:

@@ -134,3 +134,27 @@ def test_prefix_cache_never_hashes_placeholders():
     assert a.num_computed_tokens == 7 and s.bm.blocks[a.block_table[1]].hash is None
     s.bm.cache_full_blocks(a)
     assert s.bm.blocks[a.block_table[1]].hash is None     # position 7 is not known yet
+
+
+def test_pack_orders_rows_longest_first_for_the_decode_kernel():
+    """attn_order is a permutation of the bucket's rows by decreasing context, padding rows (length 0) last."""
+    import numpy as np
+
+    from jaxinfer.engine.batch import pack
+    from jaxinfer.step import batch_layout
+    s = make(budget=64, max_seqs=4)
+    seqs = [seq(n) for n in (5, 11, 3)]
+    for x in seqs:
+        s.add(x)
+    run_step(s)                                                  # prefill all three
+    b = s.schedule()
+    assert not b.is_prefill and len(b.seqs) == 3
+    B, W = 8, 4
+    buf = pack(b, B, B, W, BS, 32 * BS)
+    off, n = batch_layout(B, B, W)["attn_order"]
+    order = buf[off:off + n]
+    off, n = batch_layout(B, B, W)["seq_lens"]
+    lens = buf[off:off + n]
+    assert sorted(order.tolist()) == list(range(B))
+    assert lens[order].tolist() == [12, 6, 4, 0, 0, 0, 0, 0]
+    assert order[:3].tolist() == [1, 0, 2]

@@ -76,6 +76,9 @@ def pack(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slo
     f["cu_seqlens"][1:n + 1] = ends
     f["cu_seqlens"][n + 1:] = used
     f["seq_lens"][:n] = start + count
+    # Rows by decreasing context (padding rows, length 0, last): the decode kernel starts the longest
+    # sequences' programs first, so no long one is left running alone at the end (2-7% on the H200).
+    f["attn_order"][:] = np.argsort(-f["seq_lens"], kind="stable")
     f["sample_idx"][:n] = ends - 1
     for i, s in enumerate(seqs):
         s._row = i

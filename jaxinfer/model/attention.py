@@ -122,7 +122,8 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
 
         def from_qkv(l, qkv, q_norm, k_norm, row, cos, sin, eps, cache):   # row b's new token: seq_lens[b] - 1
             o, k_cache, v_cache = paged_attention_qkv(qkv, q_norm, k_norm, cos, sin, *cache, meta["block_tables"],
-                                                      meta["seq_lens"], eps=eps, layer=row, interpret=interpret)
+                                                      meta["seq_lens"], eps=eps, layer=row, order=meta["attn_order"],
+                                                      interpret=interpret)
             return o, (k_cache, v_cache)
         attn.from_qkv = from_qkv
     return attn
