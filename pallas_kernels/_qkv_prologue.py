@@ -1,0 +1,59 @@
+"""The Qwen3-specific parts of the engine's decode kernel (`paged_attention_qkv`), on refs inside the kernel:
+per-head q/k RMSNorm + RoPE from the raw qkv projection, and the new token's K/V (stored into the aliased
+cache, then folded into the online softmax from registers)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+
+def new_token(qkv_ref, k_out_ref, v_out_ref, kw_ref, rope, bt_ref, b, kh, heads, kv_heads, dcol, split, seq_len,
+              block_size):
+    """The new token's k (normalised, rotated) and v [1, D] of kv head kh, stored into the cache at position
+    seq_len - 1 (split 0 of a real row only). The context loop never reads that position."""
+    kn = norm_rope(qkv_ref, b, jnp.full((1,), heads + kh, jnp.int32), kw_ref, *rope)  # [1, D]
+    vn = qkv_ref[b, heads + kv_heads + kh, dcol[None, :]]  # [1, D]
+    active = (split == 0) & (seq_len > 0)
+    write_new_token(kn, vn, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, seq_len - 1, block_size, active)
+    return kn, vn, active
+
+
+def norm_rope(qkv_ref, b, heads, w_ref, layer, cos_ref, sin_ref, row, eps):
+    """Rows `heads` of qkv[b] -> Qwen3's per-head RMSNorm with weights w_ref[layer] (HF order: normalise in
+    fp32, cast, scale) then rotate-half RoPE. rotate_half(x)[j] = -x[j + D/2] (j < D/2), x[j - D/2] (j >= D/2): the rotated copy is
+    loaded through a permuted column index instead of being shuffled in registers. -> [R, D] in qkv's dtype."""
+    D = qkv_ref.shape[-1]
+    dcol = jnp.arange(D)
+    perm = (dcol + D // 2) % D
+    x = qkv_ref[b, heads[:, None], dcol[None, :]]  # [R, D]
+    xp = qkv_ref[b, heads[:, None], perm[None, :]]  # [R, D] = x[:, perm]
+    dtype = x.dtype
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.sum(xf * xf, axis=1) / D + eps)[:, None]  # [R, 1]
+    xn = (xf * r).astype(dtype) * w_ref[layer, dcol][None, :]
+    xpn = (xp.astype(jnp.float32) * r).astype(dtype) * w_ref[layer, perm][None, :]
+    rotated = jnp.where(dcol[None, :] < D // 2, -xpn, xpn)
+    cos = cos_ref[row, dcol][None, :].astype(dtype)
+    sin = sin_ref[row, dcol][None, :].astype(dtype)
+    return xn * cos + rotated * sin
+
+
+def attend_new_token(acc, m, l, q, kn, vn, qk_scale, active):
+    """Fold the new token (one key kn [1, D], value vn [1, D], in registers) into the online softmax state."""
+    s = jnp.sum(q.astype(jnp.float32) * kn.astype(jnp.float32), axis=1) * qk_scale  # [rows]
+    m_new = jnp.maximum(m, s)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new)
+    acc2 = acc * alpha[:, None] + p[:, None] * vn.astype(jnp.float32)
+    return (jnp.where(active, acc2, acc), jnp.where(active, m_new, m), jnp.where(active, l * alpha + p, l))
+
+
+def write_new_token(kn, vn, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, pos, block_size, active):
+    """Store the new token's K/V [1, D] of kv head kh into its slot: page bt[b, pos // bs], row pos % bs."""
+    @pl.when(active)
+    def _():
+        p = jnp.maximum(pos, 0)
+        page, slot = bt_ref[b, p // block_size], p % block_size
+        k_out_ref[page, slot, kh, dcol[None, :]] = kn
+        v_out_ref[page, slot, kh, dcol[None, :]] = vn
