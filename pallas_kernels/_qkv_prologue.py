@@ -21,8 +21,9 @@ def new_token(qkv_ref, k_out_ref, v_out_ref, kw_ref, rope, bt_ref, b, kh, heads,
 
 def norm_rope(qkv_ref, b, heads, w_ref, layer, cos_ref, sin_ref, row, eps):
     """Rows `heads` of qkv[b] -> Qwen3's per-head RMSNorm with weights w_ref[layer] (HF order: normalise in
-    fp32, cast, scale) then rotate-half RoPE. rotate_half(x)[j] = -x[j + D/2] (j < D/2), x[j - D/2] (j >= D/2): the rotated copy is
-    loaded through a permuted column index instead of being shuffled in registers. -> [R, D] in qkv's dtype."""
+    fp32, cast, scale) then rotate-half RoPE. rotate_half(x)[j] = -x[j + D/2] (j < D/2), x[j - D/2]
+    (j >= D/2): the rotated copy is loaded through a permuted column index instead of being shuffled in
+    registers. -> [R, D] in qkv's dtype."""
     D = qkv_ref.shape[-1]
     dcol = jnp.arange(D)
     perm = (dcol + D // 2) % D

@@ -101,7 +101,7 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
         # the q prologue's instead of adding a second wait after the loop: on the H200 256 x 1024 took 295.8
         # instead of 322.6 us, and the whole benchmark ran 25,768 against 25,147 tok/s (same machine).
         kn, vn, active = new_token(q_ref, k_out_ref, v_out_ref, kw_ref, rope, bt_ref, b, kh, heads, kv_heads, dcol,
-                                    split, seq_len, block_size)
+                                   split, seq_len, block_size)
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), NEG_BIG, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
@@ -166,8 +166,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None,
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
                     seq_lens: jax.Array, *, order: jax.Array | None = None, scale: float | None = None,
-                    interpret: bool = False,
-                    block_n: int = DEFAULT_BLOCK_N, num_splits: int | None = None,
+                    interpret: bool = False, block_n: int = DEFAULT_BLOCK_N, num_splits: int | None = None,
                     num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES) -> jax.Array:
     """Decode attention: q [B, H, D] (one token per sequence) over the paged cache [P, block_size, K, D].
 

@@ -138,8 +138,6 @@ def test_prefix_cache_never_hashes_placeholders():
 
 def test_pack_orders_rows_longest_first_for_the_decode_kernel():
     """attn_order is a permutation of the bucket's rows by decreasing context, padding rows (length 0) last."""
-    import numpy as np
-
     from jaxinfer.engine.batch import pack
     from jaxinfer.step import batch_layout
     s = make(budget=64, max_seqs=4)
