@@ -53,17 +53,15 @@ def choose_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int 
 def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
                    scale: float, block_size: int, group: int, rows: int, block_n: int, num_splits: int,
                    fused: bool, ordered: bool, eps: float):
-    refs = list(refs)
+    # refs: [5 prologue inputs if fused] [order if ordered] o, lse [k_out, v_out if fused]
     if fused:   # q_ref holds the raw qkv projection [B, H + 2K, D]; the caches are also (aliased) outputs
-        qw_ref, kw_ref, layer_ref, cos_ref, sin_ref = refs[:5]
-        del refs[:5]
-    order_ref = refs.pop(0) if ordered else None
-    o_ref, lse_ref = refs[:2]
-    if fused:
-        k_out_ref, v_out_ref = refs[2:]
+        (qw_ref, kw_ref, layer_ref, cos_ref, sin_ref), refs = refs[:5], refs[5:]
     kh, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    if ordered:
-        b = order_ref[b]
+    if ordered:   # program slot b runs row order[b]
+        b, refs = refs[0][b], refs[1:]
+    o_ref, lse_ref, *caches = refs
+    if fused:
+        k_out_ref, v_out_ref = caches
     head_dim = q_ref.shape[-1]
     seq_len = seq_lens_ref[b]
     # fused: the cache holds only the first seq_len - 1 positions; the last one is computed here
