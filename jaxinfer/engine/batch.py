@@ -85,7 +85,10 @@ def pack(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slo
     params = [s.params for s in seqs]
     f["top_k"][:n] = [p.top_k for p in params]
     f["seeds"][:n] = [s.seed for s in seqs]
-    f["counters"][:n] = [s.num_output_tokens for s in seqs]
+    # The noise counter is the index of the token this row samples: every output token so far, read back or
+    # still on the device. (The read-back count alone depended on whether the previous step had been
+    # applied yet, i.e. on what else was queued: seeded tokens then changed with the batch.)
+    f["counters"][:n] = [s.num_scheduled_outputs for s in seqs]
     fl = {name: f[name].view(np.float32) for name in FLOAT_FIELDS}
     fl["temperature"][:n] = [p.temperature for p in params]
     fl["top_p"][:] = 1.0
