@@ -1,12 +1,22 @@
-"""jaxinfer: a small, fast LLM inference engine for Qwen3 in JAX."""
-import os as _os
+"""jaxinfer: a small, fast LLM inference engine for Qwen3 in JAX.
 
-# XLA's Triton GEMM autotuning made start-up compile ~30 s per bucket on the H200; cuBLAS GEMMs compile in
-# a fraction of that. Set XLA_FLAGS yourself (with xla_gpu_enable_triton_gemm) to choose otherwise.
-if "xla_gpu_enable_triton_gemm" not in _os.environ.get("XLA_FLAGS", ""):
-    _os.environ["XLA_FLAGS"] = (_os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false").strip()
-from jaxinfer.llm import LLM
-from jaxinfer.outputs import RequestOutput
-from jaxinfer.sampling_params import SamplingParams
+Importing it changes nothing in the process: XLA options go to each compiled step (see xla_options.py), and
+JAX itself (which sets a few variables of its own when imported) loads only when `LLM` or another name is
+first used.
+"""
+import importlib
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+_EXPORTS = {"LLM": "jaxinfer.llm", "SamplingParams": "jaxinfer.sampling_params",
+            "RequestOutput": "jaxinfer.outputs",
+            "EngineConfig": "jaxinfer.config"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jaxinfer' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

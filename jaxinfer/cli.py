@@ -1,19 +1,22 @@
 """The `jaxinfer` command: generate, chat, serve, bench.
 
-    jaxinfer generate                                   # embedded qwen3-0.6b preset, random weights, no download
+    jaxinfer generate                                   # the small trained demo model that ships inside, no download
     jaxinfer generate Qwen/Qwen3-0.6B -p "Hello" --max-tokens 64
     jaxinfer chat /path/to/Qwen3-0.6B --no-thinking     # interactive, streaming
     jaxinfer serve Qwen/Qwen3-0.6B --port 8000          # OpenAI-compatible HTTP API
     jaxinfer bench ...                                  # scripts/bench.py
 
 MODEL is a checkpoint directory, an embedded preset (qwen3-0.6b ... qwen3-32b: random weights) or a
-Hugging Face hub id. Engine options left unset get defaults for the platform: on CPU small ones
-(float32, 4 sequences, 512-token context, steps compiled lazily); on GPU the engine's own.
+Hugging Face hub id. Engine flags are the fields of jaxinfer.config.EngineConfig; left unset they take the
+engine's platform defaults (config.PLATFORM_DEFAULTS: the benchmarked configuration on a GPU, small ones on
+a CPU). The commands own their process, so they also turn on XLA's fast command-buffer mode where it applies
+(jaxinfer/xla_options.py) before JAX starts.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import os
 import sys
 import time
@@ -21,54 +24,70 @@ import time
 DEFAULT_MODEL = "qwen3-0.6b"
 DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is", "JAX compiles Python to",
                    "The future of AI is"]
-# Small enough that `jaxinfer generate` on a 2-core CPU finishes in a few minutes.
-CPU_DEFAULTS = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, warmup=False)
-ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kvcache_block_size",
-                  "num_kvcache_blocks", "gpu_memory_utilization", "attn_backend", "enable_prefix_caching",
-                  "seed", "warmup")
 
 
-def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
-    if model_required:
-        p.add_argument("model", help="checkpoint directory, preset name or Hugging Face hub id")
-    else:
+def _flag_type(annotation: str):
+    """(argparse kwargs) for an EngineConfig field's annotation (a string: annotations are postponed)."""
+    if "bool" in annotation:
+        return dict(action=argparse.BooleanOptionalAction)
+    if annotation.startswith("tuple"):
+        return dict(type=lambda s: tuple(int(x) for x in s.split(",")), metavar="N,N,...")
+    if annotation.startswith("int"):
+        return dict(type=int, metavar="N")
+    if annotation.startswith("float"):
+        return dict(type=float, metavar="X")
+    return dict(type=str)
+
+
+def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None:
+    """One flag per EngineConfig field (`--max-num-seqs`, `--block-size`, ...), derived from the dataclass, so
+    LLM kwargs, the CLI and scripts/bench.py can never drift apart. Unset flags take the engine's defaults."""
+    from dataclasses import MISSING, fields
+
+    from jaxinfer.config import EngineConfig
+    if with_model:
         p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                        help=f"checkpoint directory, preset name or Hugging Face hub id (default: {DEFAULT_MODEL})")
-    g = p.add_argument_group("engine options (unset: platform defaults)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--max-num-seqs", type=int, help="most sequences in one step")
-    g.add_argument("--max-num-batched-tokens", type=int, help="most tokens in one prefill step")
-    g.add_argument("--max-model-len", type=int, help="longest prompt + output, in tokens")
-    g.add_argument("--kvcache-block-size", type=int, help="tokens per KV cache block (power of two)")
-    g.add_argument("--num-kvcache-blocks", type=int, help="KV cache blocks (default: sized from memory)")
-    g.add_argument("--gpu-memory-utilization", type=float, help="fraction of GPU memory to use")
-    g.add_argument("--attn-backend", choices=["xla", "pallas"], help="attention implementation")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--seed", type=int, help="engine seed (requests without their own seed)")
-    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile every step bucket before serving (default: on GPU yes, on CPU no)")
-
-
-def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens per prompt (default {max_tokens})")
-    g.add_argument("--temperature", type=float, default=temperature, help=f"0 = greedy (default {temperature})")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    g = p.add_argument_group("engine options (jaxinfer.config.EngineConfig; unset: the platform's defaults)")
+    for f in fields(EngineConfig):
+        help_text = f.metadata.get("help", "")
+        if f.default is not MISSING and f.default is not None and "default" not in help_text:
+            help_text += f" (default: {f.default})"
+        kw = _flag_type(str(f.type))
+        if "choices" in f.metadata:
+            kw["choices"] = f.metadata["choices"]
+        names = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+        g.add_argument(*names, dest=f.name, default=None, help=help_text, **kw)
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
-    import jax
-    defaults = CPU_DEFAULTS if jax.default_backend() == "cpu" else {}
-    return {**defaults, **{k: getattr(a, k) for k in ENGINE_OPTIONS if getattr(a, k) is not None}}
+    """The engine options given on the command line (the rest are the engine's defaults)."""
+    from dataclasses import fields
+
+    from jaxinfer.config import EngineConfig
+    return {f.name: getattr(a, f.name) for f in fields(EngineConfig) if getattr(a, f.name, None) is not None}
 
 
 def build_llm(a: argparse.Namespace):
     from jaxinfer import LLM
     kw = engine_kwargs(a)
-    print(f"loading {a.model} ({', '.join(f'{k}={v}' for k, v in kw.items())})", file=sys.stderr, flush=True)
-    return LLM(a.model, **kw)
+    print(f"loading {a.model} ({', '.join(f'{k}={v}' for k, v in kw.items()) or 'engine defaults'})",
+          file=sys.stderr, flush=True)
+    llm = LLM(a.model, **kw)
+    c = llm.config
+    print(f"engine: {c.attn_backend} attention, {c.dtype}, max_num_seqs={c.max_num_seqs}, max_model_len="
+          f"{c.max_model_len}, {llm.stats()['kv_blocks_total']} KV blocks of {c.block_size} tokens"
+          + ("" if c.warmup else "; steps compile when first used"), file=sys.stderr, flush=True)
+    return llm
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens per prompt (default: {max_tokens})")
+    g.add_argument("--temperature", type=float, default=temperature, help=f"0 = greedy (default: {temperature})")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0, off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default: 0, off)")
+    g.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
 
 
 def sampling(a: argparse.Namespace):
@@ -94,36 +113,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
     decode_s = max(elapsed - max(firsts), 1e-9)   # after every request's first token
     print(f"{len(outs)} prompts, {n} new tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s overall, "
           f"{(n - len(outs)) / decode_s:.1f} tokens/s decoding (after the first token; on {jax.devices()[0].device_kind}, "
-          f"{'includes compiling the steps it used' if not engine_kwargs(a).get('warmup', True) else 'steps precompiled'})")
+          f"{'steps precompiled' if llm.config.warmup else 'includes compiling the steps it used'})")
     return 0
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
+    from jaxinfer.chat import chat_loop
     sp = sampling(a)
-    llm = build_llm(a)
-    kwargs = {"enable_thinking": False} if a.no_thinking else None
-    history = [{"role": "system", "content": a.system}] if a.system else []
-    print("chat: type a message; /reset clears the conversation, /exit (or Ctrl-D) quits.", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            print()
-            return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if line.strip() == "/reset":
-            history = history[:1] if a.system else []
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        reply = []
-        for d in llm.stream(llm.apply_chat_template(history, kwargs), sp):
-            print(d.text, end="", flush=True)
-            reply.append(d.text)
-        print()
-        history.append({"role": "assistant", "content": "".join(reply)})
+    return chat_loop(build_llm(a), sp, system=a.system, thinking=not a.no_thinking)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -182,11 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                        description="Serve /v1/models, /v1/completions, /v1/chat/completions, /health, /stats.")
-    add_engine_args(s, model_required=True)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     s.add_argument("--served-model-name", help="the model id clients send (default: MODEL as given)")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log level (default: info)")
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="throughput benchmark (scripts/bench.py; its own --help)", add_help=False,
@@ -197,9 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    from jaxinfer.xla_options import set_process_flags
+    set_process_flags()                   # this process is ours: before JAX starts its GPU client
     if argv[:1] == ["bench"]:             # everything after `bench` belongs to the benchmark script
         return cmd_bench(argv[1:])
     a = build_parser().parse_args(argv)
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("jaxinfer").setLevel(logging.INFO)   # e.g. "compiling decode step ..." on a CPU
     try:
         return a.func(a)
     except (ValueError, FileNotFoundError) as e:

@@ -6,9 +6,10 @@ construction; every error message prints the offending value.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
            "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
@@ -122,57 +123,124 @@ class ModelConfig:
 
 
 ATTN_BACKENDS = ("xla", "pallas")
+KV_BLOCK_SIZE_ALIASES = {"kvcache_block_size": "block_size"}   # nano-vllm's name -> vLLM's
+
+
+def _opt(default, help: str, **meta):
+    """A config field with its help text: LLM kwargs, CLI flags and bench options are derived from these."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+# Defaults that depend on where the engine runs, in one place. On a GPU: the benchmarked configuration. On a
+# CPU: small enough that a tiny model starts in seconds (a 256-sequence GPU pool took 100 s to compile).
+PLATFORM_DEFAULTS = {
+    "gpu": dict(dtype="auto", attn_backend="pallas", max_num_seqs=256, max_num_batched_tokens=16384, warmup=True),
+    "cpu": dict(dtype="float32", attn_backend="xla", max_num_seqs=8, max_num_batched_tokens=512, warmup=False),
+}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs one model. Names follow vLLM / nano-vllm."""
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 16384
-    max_model_len: int = 4096
-    kvcache_block_size: int = 16
-    num_kvcache_blocks: int | None = None   # None: size the pool from free device memory
-    gpu_memory_utilization: float = 0.9
-    dtype: str = "bfloat16"
-    attn_backend: str = "xla"
-    enable_prefix_caching: bool = True
-    # Buckets: decode batch sizes and prefill token counts are padded up to one of these.
-    decode_buckets: tuple[int, ...] | None = None
-    prefill_buckets: tuple[int, ...] | None = None
-    seed: int = 0
-    # Pass each layer's weights as its own arrays (True) or as stacked [L, ...] arrays (False).
-    # None: per-layer on CPU (measured faster), stacked on GPU (fewer arguments per call).
-    unstack_weights: bool | None = None
+    """How the engine runs one model. Names follow vLLM / nano-vllm. A None field takes its platform default
+    (PLATFORM_DEFAULTS) when the engine starts: `resolve(platform, model)` returns the concrete config."""
+    dtype: str | None = _opt(None, "weights and KV cache dtype: auto (GPU: the checkpoint's; CPU: float32), "
+                                   "float32, bfloat16, float16", choices=("auto", "float32", "bfloat16", "float16"))
+    attn_backend: str | None = _opt(None, "attention implementation (GPU: pallas; CPU: xla)", choices=ATTN_BACKENDS)
+    max_num_seqs: int | None = _opt(None, "most sequences in one step (GPU: 256; CPU: 8)")
+    max_num_batched_tokens: int | None = _opt(None, "most prompt tokens in one prefill step (GPU: 16384; CPU: 512)")
+    max_model_len: int | None = _opt(None, "longest prompt + output in tokens (default: the model's "
+                                           "max_position_embeddings, capped by what the KV pool holds)")
+    block_size: int = _opt(16, "tokens per KV cache block (a power of two)", aliases=("--kvcache-block-size",))
+    num_kvcache_blocks: int | None = _opt(None, "KV cache blocks (default: sized from free device memory)")
+    gpu_memory_utilization: float = _opt(0.9, "fraction of the GPU memory JAX may use that the engine takes")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV of cached prompt prefixes")
+    decode_buckets: tuple[int, ...] | None = _opt(None, "decode batch sizes to compile, e.g. 8,32,64 "
+                                                        "(default: 8, 32, then powers of two to max_num_seqs)")
+    prefill_buckets: tuple[int, ...] | None = _opt(None, "prefill token counts to compile (default: 64 x 4^k "
+                                                         "up to max_num_batched_tokens)")
+    seed: int = _opt(0, "engine seed: draws the seeds of requests that give none")
+    unstack_weights: bool | None = _opt(None, "per-layer weight arrays instead of stacked [L, ...] ones "
+                                              "(default: per-layer on CPU, stacked on GPU)")
+    async_scheduling: bool = _opt(True, "schedule step N+1 while step N runs (sampled ids stay on the device)")
+    warmup: bool | None = _opt(None, "compile every step bucket at start-up (GPU: yes; CPU: no, compile lazily)")
+    tensor_parallel_size: int = _opt(1, "devices each replica's weights and KV cache are split over (tensor "
+                                        "parallelism; must divide the attention heads)", aliases=("-tp",))
+    data_parallel_size: int = _opt(1, "engine replicas, each on its own tensor_parallel_size devices; requests go "
+                                      "to the least loaded", aliases=("-dp",))
 
     def __post_init__(self):
         def positive(name):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name}={v!r} must be a positive integer")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kvcache_block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kvcache_blocks",
+                     "tensor_parallel_size", "data_parallel_size"):
             positive(name)
-        bs = self.kvcache_block_size
+        bs = self.block_size
         if bs & (bs - 1):
-            raise ValueError(f"kvcache_block_size={bs} must be a power of two")
-        if self.num_kvcache_blocks is not None:
-            positive("num_kvcache_blocks")
-        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"block_size={bs} must be a power of two")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
-        if self.attn_backend not in ATTN_BACKENDS:
+        if self.attn_backend is not None and self.attn_backend not in ATTN_BACKENDS:
             raise ValueError(f"attn_backend={self.attn_backend!r} is not one of {ATTN_BACKENDS}")
-        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        object.__setattr__(self, "decode_buckets", tuple(sorted(self.decode_buckets or _decode_buckets(self.max_num_seqs))))
-        object.__setattr__(self, "prefill_buckets",
-                           tuple(sorted(self.prefill_buckets or _prefill_buckets(self.max_num_batched_tokens))))
-        if max(self.decode_buckets) < self.max_num_seqs:
-            raise ValueError(f"decode_buckets={self.decode_buckets} do not reach max_num_seqs={self.max_num_seqs}")
-        if max(self.prefill_buckets) < self.max_num_batched_tokens:
-            raise ValueError(f"prefill_buckets={self.prefill_buckets} do not reach "
-                             f"max_num_batched_tokens={self.max_num_batched_tokens}")
+        if self.dtype is not None and self.dtype != "auto":
+            object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        for name in ("decode_buckets", "prefill_buckets"):
+            v = getattr(self, name)
+            if v is not None:
+                if isinstance(v, int) or not all(isinstance(x, int) and x >= 1 for x in v) or not v:
+                    raise ValueError(f"{name}={v!r} must be a non-empty list of positive integers")
+                object.__setattr__(self, name, tuple(sorted(set(v))))
+        if self.resolved:
+            if max(self.decode_buckets) < self.max_num_seqs:
+                raise ValueError(f"decode_buckets={self.decode_buckets} do not reach max_num_seqs={self.max_num_seqs}")
+            if max(self.prefill_buckets) < self.max_num_batched_tokens:
+                raise ValueError(f"prefill_buckets={self.prefill_buckets} do not reach "
+                                 f"max_num_batched_tokens={self.max_num_batched_tokens}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """EngineConfig from LLM-style keyword arguments; an unknown one is a ValueError that names it."""
+        names = {f.name for f in fields(cls)}
+        for old, new in KV_BLOCK_SIZE_ALIASES.items():
+            if old in kwargs:
+                if new in kwargs:
+                    raise ValueError(f"give {new}= or {old}=, not both")
+                kwargs[new] = kwargs.pop(old)
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            hint = difflib.get_close_matches(unknown[0], names, n=1)
+            raise ValueError(f"unknown engine option {unknown[0]}={kwargs[unknown[0]]!r}"
+                             + (f"; did you mean {hint[0]}?" if hint else f"; the options are {sorted(names)}"))
+        return cls(**kwargs)
+
+    @property
+    def resolved(self) -> bool:
+        return None not in (self.dtype, self.attn_backend, self.max_num_seqs, self.max_num_batched_tokens,
+                            self.max_model_len, self.decode_buckets, self.prefill_buckets, self.warmup) \
+            and self.dtype != "auto"
+
+    def resolve(self, platform: str, model: "ModelConfig") -> "EngineConfig":
+        """Fill every None field for `platform` ("gpu" or "cpu") and `model`. max_model_len left None becomes the
+        model's max_position_embeddings here; the engine caps it by the KV pool once the pool is sized."""
+        kw = {k: v for k, v in PLATFORM_DEFAULTS["gpu" if platform == "gpu" else "cpu"].items()
+              if getattr(self, k) is None}
+        if (self.dtype or kw.get("dtype")) == "auto":
+            kw["dtype"] = model.torch_dtype
+        mml = self.max_model_len or model.max_position_embeddings
+        if mml > model.max_position_embeddings:
+            raise ValueError(f"max_model_len={mml} exceeds the model's max_position_embeddings="
+                             f"{model.max_position_embeddings}")
+        kw["max_model_len"] = mml
+        seqs = self.max_num_seqs or kw["max_num_seqs"]
+        tokens = self.max_num_batched_tokens or kw["max_num_batched_tokens"]
+        kw["decode_buckets"] = self.decode_buckets or tuple(_decode_buckets(seqs))
+        kw["prefill_buckets"] = self.prefill_buckets or tuple(_prefill_buckets(tokens))
+        return dataclasses.replace(self, **kw)
 
     @property
     def max_blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.kvcache_block_size)
+        return -(-self.max_model_len // self.block_size)
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

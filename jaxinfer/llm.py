@@ -1,7 +1,7 @@
 """The user-facing facade: `LLM(model, ...)`, `generate`, `stats`. The only place that sees strings.
 
     from jaxinfer import LLM, SamplingParams
-    llm = LLM("path/to/Qwen3-0.6B", max_model_len=4096, attn_backend="pallas")
+    llm = LLM("path/to/Qwen3-0.6B", max_model_len=4096)
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0.6, max_tokens=128))
 """
 from __future__ import annotations
@@ -10,65 +10,79 @@ import os
 from collections.abc import Iterator
 from typing import Sequence as Seq
 
+import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.detokenizer import TextStream
+from jaxinfer.engine.dp_engine import create_engine
 from jaxinfer.engine.llm_engine import LLMEngine, is_finished
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.hub import resolve_model
-from jaxinfer.model.loader import load_params
+from jaxinfer.model.loader import load_params, random_params
 from jaxinfer.model.presets import is_preset, preset
 from jaxinfer.model.qwen3 import init_params
+from jaxinfer.output_processor import OutputProcessor, TextDelta
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import load_tokenizer
+from jaxinfer.xla_options import warn_if_slow_command_buffers
 
 Prompt = str | list[int]
 
 
-def load_model(model: str, dtype: str, seed: int = 0):
-    """(ModelConfig, params, tokenizer) from a checkpoint directory, an embedded preset (random weights) or a
-    Hugging Face hub id (see jaxinfer.hub)."""
+def model_config_for(model: str) -> tuple[str, ModelConfig]:
+    """(resolved path or preset name, ModelConfig) of a checkpoint directory, an embedded preset (random
+    weights) or a Hugging Face hub id (see jaxinfer.hub). Reads config.json only."""
     model = resolve_model(model)
     if os.path.isdir(model):
-        config = ModelConfig.from_pretrained(model)
-        return config, load_params(model, config, jnp.dtype(dtype)), load_tokenizer(model)
+        return model, ModelConfig.from_pretrained(model)
     if is_preset(model):
-        import jax
-        config = preset(model)
-        params = jax.jit(lambda: init_params(config, jnp.dtype(dtype), seed))()
-        return config, params, load_tokenizer(None)
+        return model, preset(model)
     raise FileNotFoundError(f"model {model!r} is neither a checkpoint directory nor an embedded preset")
 
 
+def load_model(model: str, dtype: str, seed: int = 0, placement=None):
+    """(ModelConfig, params, tokenizer) of `model` (see `model_config_for`); presets get random weights.
+    placement (parallel.Placement): params go to its devices, split for tensor parallelism."""
+    model, config = model_config_for(model)
+    if os.path.isdir(model):
+        return config, load_params(model, config, jnp.dtype(dtype), placement), load_tokenizer(model)
+    return config, random_params(config, jnp.dtype(dtype), seed, placement), load_tokenizer(None)
+
+
 class LLM:
-    def __init__(self, model: str, *, dtype: str = "bfloat16", max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 16384, max_model_len: int = 4096, kvcache_block_size: int = 16,
-                 num_kvcache_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
-                 attn_backend: str = "xla", enable_prefix_caching: bool = True,
-                 decode_buckets: tuple[int, ...] | None = None, prefill_buckets: tuple[int, ...] | None = None,
-                 seed: int = 0, warmup: bool = True, async_scheduling: bool = True,
-                 unstack_weights: bool | None = None):
-        self.config = EngineConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, kvcache_block_size=kvcache_block_size,
-            num_kvcache_blocks=num_kvcache_blocks, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
-            attn_backend=attn_backend, enable_prefix_caching=enable_prefix_caching,
-            decode_buckets=decode_buckets, prefill_buckets=prefill_buckets, seed=seed,
-            unstack_weights=unstack_weights)
-        self.model_config, params, self.tokenizer = load_model(model, self.config.dtype, seed)
-        if max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                             f"{self.model_config.max_position_embeddings}")
+    """An offline engine for one model: `LLM(model, **engine_options)`.
+
+    `model` is a checkpoint directory, an embedded preset ("qwen3-0.6b": random weights) or a hub id. The
+    engine options are the fields of `jaxinfer.config.EngineConfig`, with vLLM's names (dtype, attn_backend,
+    max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_kvcache_blocks,
+    gpu_memory_utilization, enable_prefix_caching, seed, async_scheduling, warmup, ...). Options left unset
+    take the platform's defaults (`PLATFORM_DEFAULTS`: the benchmarked configuration on a GPU, small
+    settings on a CPU); `llm.config` shows what was chosen.
+    """
+
+    def __init__(self, model: str, **kwargs):
+        requested = EngineConfig.from_kwargs(**kwargs)
+        path, model_config = model_config_for(model)
+        config = requested.resolve(jax.default_backend(), model_config)
+        self.model_config, self.tokenizer = model_config, load_tokenizer(path if os.path.isdir(path) else None)
+        load = lambda placement: load_model(path, config.dtype, config.seed, placement)[1]   # noqa: E731
         eos = self.model_config.eos_token_id or tuple(
             t for t in [getattr(self.tokenizer, "eos_token_id", None)] if t is not None)
-        self.engine = LLMEngine(self.model_config, self.config, params, eos, async_scheduling)
-        if warmup:
+        # max_model_len left unset: the model's limit, capped by what the KV pool holds (as vLLM)
+        self.engine = create_engine(self.model_config, config, load, eos,
+                                    cap_max_model_len=requested.max_model_len is None)
+        self.config = self.engine.config
+        warn_if_slow_command_buffers()
+        if self.config.warmup:
             buckets = self.engine.runner.buckets()
             with tqdm(total=len(buckets), desc="Compiling steps", disable=None) as bar:
                 self.engine.warmup(bar)
+
+    def get_tokenizer(self):
+        """The tokenizer (a Hugging Face tokenizer for checkpoints; a byte-level stand-in for presets)."""
+        return self.tokenizer
 
     # -- requests ---------------------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt, i: int) -> list[int]:
@@ -125,27 +139,28 @@ class LLM:
 
     # -- text ---------------------------------------------------------------------------------------
     def _check_stop_strings(self, seq: Sequence) -> None:
+        """generate: only requests with stop strings are detokenized as they run (the rest once, at the end)."""
         if seq.params.stop:
-            self._update_text(seq)
+            self._process_text(seq, self.__dict__.setdefault("_stop_texts", {}), stream=False)
 
-    def _update_text(self, seq: Sequence) -> TextStream:
-        """Detokenize seq's new tokens incrementally (seq.text); finish it when a stop string matches."""
-        ts = getattr(seq, "text_stream", None)
-        if ts is None:
-            ts = seq.text_stream = TextStream(self.tokenizer, seq.params.stop)
-        if ts.update(seq.output_token_ids, finished=is_finished(seq)):
-            if is_finished(seq):          # finished by length/EOS in the step that completed the stop string
-                seq.finish_reason = "stop"
+    def _process_text(self, seq: Sequence, procs: dict[int, OutputProcessor], stream: bool) -> TextDelta:
+        """Feed seq's new tokens to its OutputProcessor (in procs, by seq_id; the one the server uses too);
+        finish seq in the engine when a stop string matched."""
+        proc = procs.get(seq.seq_id)
+        if proc is None:
+            proc = procs[seq.seq_id] = OutputProcessor(self.tokenizer, seq.params.stop, stream=stream)
+        delta = proc.update(seq.output_token_ids[len(proc.token_ids):], seq.finish_reason)
+        if proc.stopped and not is_finished(seq):
             self.engine.scheduler.finish(seq, "stop")
-        seq.text = ts.text
-        return ts
-
-    def _text_delta(self, seq: Sequence) -> tuple[str, list[int]]:
-        """(new text, new token ids) of seq since the previous call; call after every step that updated seq."""
-        return self._update_text(seq).pop_delta(seq.output_token_ids)
+        return delta
 
     def _output(self, i: int, prompt: Prompt, seq: Sequence) -> RequestOutput:
-        text = seq.text if seq.params.stop else self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        proc = self.__dict__.get("_stop_texts", {}).pop(seq.seq_id, None)
+        if proc is not None:      # stop strings: the processor's text (cut before a match) and its reason
+            text, reason = proc.text, proc.finish_reason or seq.finish_reason
+        else:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            reason = seq.finish_reason
         m = {}
         if seq.first_token_time is not None:
             m["ttft_s"] = seq.first_token_time - seq.arrival_time
@@ -153,7 +168,7 @@ class LLM:
                 m["tpot_s"] = (seq.token_times[-1] - seq.first_token_time) / (seq.num_output_tokens - 1)
         return RequestOutput(request_id=seq.seq_id, prompt=prompt if isinstance(prompt, str) else None,
                              prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-                             token_ids=seq.output_token_ids, text=text, finish_reason=seq.finish_reason,
+                             token_ids=seq.output_token_ids, text=text, finish_reason=reason,
                              num_cached_tokens=seq.num_cached_tokens, metrics=m)
 
     def reset_prefix_cache(self) -> int:
@@ -176,13 +191,14 @@ class LLM:
         """
         reqs = self._prepare(prompts, sampling_params)
         seqs = [self.engine.add_request(ids, sp) for _, ids, sp in reqs]
+        procs: dict[int, OutputProcessor] = {}
         for i, seq in self._run(seqs):
-            text, ids = self._text_delta(seq)
-            if text or ids or is_finished(seq):
+            d = self._process_text(seq, procs, stream=True)
+            if d.text or d.token_ids or d.finish_reason:
                 prompt = reqs[i][0]
                 yield RequestOutput(request_id=i, prompt=prompt if isinstance(prompt, str) else None,
-                                    prompt_token_ids=reqs[i][1], token_ids=ids, text=text,
-                                    finish_reason=seq.finish_reason, num_cached_tokens=seq.num_cached_tokens)
+                                    prompt_token_ids=reqs[i][1], token_ids=d.token_ids, text=d.text,
+                                    finish_reason=d.finish_reason, num_cached_tokens=seq.num_cached_tokens)
 
     def apply_chat_template(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> str:
         """Render one conversation ([{"role": ..., "content": ...}, ...]) into a prompt string, ending with

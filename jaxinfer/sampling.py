@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer.parallel import shard_map
 
 _NEG = -1e30
 
@@ -27,10 +31,12 @@ def _mix(x):
     return x ^ (x >> 16)
 
 
-def gumbel_noise(seeds, counters, V: int):
-    """[B, V] fp32 Gumbel noise; row b depends only on (seeds[b], counters[b])."""
+def gumbel_noise(seeds, counters, V: int, start=0):
+    """[B, V] fp32 Gumbel noise for token ids start .. start + V - 1; entry (b, t) depends only on (seeds[b],
+    counters[b], t), so a device holding one vocabulary shard draws exactly the noise of those ids."""
     row = _mix(_mix(seeds.astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9)) + counters.astype(jnp.uint32))  # [B]
-    bits = _mix(row[:, None] ^ _mix(jnp.arange(V, dtype=jnp.uint32)[None, :] + jnp.uint32(0x632BE5AB)))
+    ids = jnp.arange(V, dtype=jnp.uint32) + jnp.asarray(start).astype(jnp.uint32)                     # [V]
+    bits = _mix(row[:, None] ^ _mix(ids[None, :] + jnp.uint32(0x632BE5AB)))
     u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))                    # in (0, 1)
     return -jnp.log(-jnp.log(u))
 
@@ -65,3 +71,29 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: 
     noise = jnp.take_along_axis(gumbel, order, axis=-1)               # keeps per-token noise fixed
     pick = jnp.argmax(masked + noise, axis=-1)
     return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def sample_sharded(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: bool, mesh,
+                   vocab_size: int):
+    """`sample` for logits [B, V'] split by vocabulary over the mesh axis "tp" (V' >= vocab_size, padding -inf).
+
+    Each device takes argmax(logits / T + gumbel) over its own shard, with the noise of the global token ids
+    it holds; then the [tp, B] (max, id) pairs are all-gathered and the first largest wins: the same token
+    as `sample` on the whole row (argmax returns the first maximum, and shards are in vocabulary order).
+    The filtered variant (top-k / top-p / min-p) sorts the whole vocabulary: it gathers [B, V] first."""
+    if filtered:
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))[:, :vocab_size]
+        return sample(logits, temperature, top_k, top_p, min_p, seeds, counters, True)
+
+    def local(lg, temperature, seeds, counters):                    # lg [B, V'/tp]
+        n = lg.shape[-1]
+        start = jax.lax.axis_index("tp") * n
+        sampled_row = (temperature > 0)[:, None]
+        scaled = lg / jnp.where(sampled_row, temperature[:, None], 1.0)
+        z = scaled + jnp.where(sampled_row, gumbel_noise(seeds, counters, n, start), 0.0)
+        best = jnp.argmax(z, axis=-1)                                            # [B]
+        peaks = jax.lax.all_gather(jnp.max(z, axis=-1), "tp")                    # [tp, B]
+        ids = jax.lax.all_gather(best.astype(jnp.int32) + start, "tp")           # [tp, B]
+        shard = jnp.argmax(peaks, axis=0)                                        # first shard with the maximum
+        return jnp.take_along_axis(ids, shard[None, :], axis=0)[0].astype(jnp.int32)
+    return shard_map(local, mesh, (P(None, "tp"), P(), P(), P()), P())(logits, temperature, seeds, counters)

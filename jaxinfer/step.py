@@ -13,8 +13,8 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.attention import paged_attention_layer
-from jaxinfer.model.qwen3 import compute_logits, forward
-from jaxinfer.sampling import sample
+from jaxinfer.model.qwen3 import compute_logits, forward, tp_size
+from jaxinfer.sampling import sample, sample_sharded
 
 _INT_FIELDS = ("token_ids", "positions", "slot_mapping", "prev_row")           # [T]
 _ROW_FIELDS = ("seq_lens", "attn_order", "sample_idx", "top_k", "seeds", "counters",
@@ -46,29 +46,36 @@ def unpack(packed: jax.Array, T: int, B: int, W: int) -> dict[str, jax.Array]:
 
 
 def make_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: str,
-              interpret: bool = False, max_rows: int | None = None, filtered: bool = False):
+              interpret: bool = False, max_rows: int | None = None, filtered: bool = False, mesh=None):
     """The step function for one bucket (not yet jitted). kind: 'prefill' | 'decode'.
 
     `prev_ids` [max_rows] are the previous step's sampled ids, still on the device: a token whose
     `prev_row` >= 0 is taken from there (async scheduling: the host never waited for it). The result is
     padded to [max_rows] so it can feed any next step. `filtered`: the variant whose sampling applies
-    top-k / top-p / min-p (see sampling.py)."""
+    top-k / top-p / min-p (see sampling.py). `mesh`: a Mesh with axis "tp" when params and caches are split
+    over several devices (parallel/); the step is still one program, partitioned by XLA."""
     max_rows = max_rows or B
 
     def step(params, kv_caches, packed, prev_ids):
         b = unpack(packed, T, B, W)
         prev = b["prev_row"]
         token_ids = jnp.where(prev >= 0, prev_ids[jnp.maximum(prev, 0)], b["token_ids"])
-        attn = paged_attention_layer(kind, backend, b, interpret)
-        hidden, kv_caches = forward(config, params, token_ids, b["positions"], attn, kv_caches)
+        attn = paged_attention_layer(kind, backend, b, interpret, mesh)
+        hidden, kv_caches = forward(config, params, token_ids, b["positions"], attn, kv_caches, mesh)
         rows = hidden[b["sample_idx"]]                                             # [B, E]
-        logits = compute_logits(config, params, rows)                              # [B, V] fp32
-        ids = sample(logits, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["counters"],
-                     filtered)
+        logits = compute_logits(config, params, rows)                              # [B, V'] fp32
+        args = (logits, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["counters"], filtered)
+        if tp_size(mesh) > 1:
+            ids = sample_sharded(*args, mesh, config.vocab_size)
+        else:
+            ids = sample(*args)
         return jnp.pad(ids, (0, max_rows - B)), kv_caches
 
     return step
 
 
-def jit_step(step):
-    return jax.jit(step, donate_argnums=(1,))
+def jit_step(step, out_shardings=None):
+    """out_shardings (ids, kv_caches): keeps the donated caches' sharding from step to step."""
+    if out_shardings is None:
+        return jax.jit(step, donate_argnums=(1,))
+    return jax.jit(step, donate_argnums=(1,), out_shardings=out_shardings)

@@ -146,7 +146,7 @@ def build(args):
     t = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, attn_backend=args.attn_backend, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              num_kvcache_blocks=args.num_kvcache_blocks, kvcache_block_size=args.block_size,
+              num_kvcache_blocks=args.num_kvcache_blocks, block_size=args.block_size,
               decode_buckets=args.decode_buckets, prefill_buckets=args.prefill_buckets,
               unstack_weights=args.unstack_weights)
     args.warmup_s = time.perf_counter() - t

@@ -20,6 +20,11 @@ TINY_CONFIGS = {
 }
 
 
+# The engine settings of the end-to-end tests (one dict, so the compiled steps are shared within a pytest process).
+TINY_ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+                   block_size=4, num_kvcache_blocks=256, warmup=False)
+
+
 def hf_model(path: str):
     import torch
     from transformers import Qwen3ForCausalLM

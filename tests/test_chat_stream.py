@@ -1,11 +1,11 @@
 """LLM.stream (deltas as tokens arrive) and LLM.chat (chat template, enable_thinking) on a tiny checkpoint."""
 import pytest
 
+from helpers import TINY_ENGINE
+
 from jaxinfer import LLM, SamplingParams
 
-# Same engine settings as test_engine.py: the compiled steps are shared within the pytest process.
-BASE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
-            kvcache_block_size=4, num_kvcache_blocks=256, warmup=False)
+BASE = TINY_ENGINE
 PROMPTS = ["你好，世界。", "Emoji: 😀 🚀", "The quick brown fox", [5, 6, 7, 8, 9]]
 
 

@@ -12,7 +12,7 @@ from jaxinfer import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--dtype", "float32", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "128",
-         "--kvcache-block-size", "4", "--num-kvcache-blocks", "128", "--no-warmup"]
+         "--block-size", "4", "--num-kvcache-blocks", "128", "--no-warmup"]
 
 
 def jaxinfer(*args, stdin=None, timeout=240):

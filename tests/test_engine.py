@@ -5,13 +5,12 @@ import weakref
 
 import numpy as np
 import pytest
-from helpers import hf_greedy, hf_model
+from helpers import TINY_ENGINE, hf_greedy, hf_model
 
 from jaxinfer import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-BASE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
-            kvcache_block_size=4, num_kvcache_blocks=256, warmup=False)
+BASE = TINY_ENGINE
 
 
 def prompts(vocab, lengths, seed=0):
@@ -87,7 +86,7 @@ def test_preemption(tiny_dir, alone):
 def test_block_size_one_and_sixteen(tiny_dir, alone):
     ps, ref = alone
     for bs in (1, 16):
-        llm = LLM(tiny_dir, **{**BASE, "kvcache_block_size": bs, "num_kvcache_blocks": 1024 // bs})
+        llm = LLM(tiny_dir, **{**BASE, "block_size": bs, "num_kvcache_blocks": 1024 // bs})
         assert tokens(llm, ps[:4]) == ref[:4], bs
 
 
@@ -140,7 +139,7 @@ def test_pallas_backend_equals_xla(tiny_dir, alone, unstack):
     weights (the CPU default) and stacked ones (the GPU default: the decode kernel then picks each layer's
     q/k norm row out of the stacked weights)."""
     ps, ref = alone
-    llm = LLM(tiny_dir, **{**BASE, "attn_backend": "pallas", "kvcache_block_size": 16, "num_kvcache_blocks": 64,
+    llm = LLM(tiny_dir, **{**BASE, "attn_backend": "pallas", "block_size": 16, "num_kvcache_blocks": 64,
                            "unstack_weights": unstack})
     assert tokens(llm, ps[:6]) == ref[:6]
 

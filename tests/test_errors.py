@@ -1,11 +1,11 @@
 """Bad input raises a clear ValueError naming the value, and the engine keeps working."""
 import pytest
+from helpers import TINY_ENGINE
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import EngineConfig
 
-BASE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
-            kvcache_block_size=4, num_kvcache_blocks=256, warmup=False)
+BASE = TINY_ENGINE
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_request_larger_than_pool(tiny_dir):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(attn_backend="cuda"), "attn_backend='cuda'"), (dict(kvcache_block_size=3), "kvcache_block_size=3"),
+    (dict(attn_backend="cuda"), "attn_backend='cuda'"), (dict(block_size=3), "block_size=3"),
     (dict(max_num_seqs=0), "max_num_seqs=0"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(dtype="int8"), "dtype='int8'"), (dict(num_kvcache_blocks=0), "num_kvcache_blocks=0"),
 ])
@@ -70,19 +70,19 @@ class _FakeGpu:
 
 
 def test_kv_pool_sizing_without_allocator_stats(monkeypatch):
-    """A GPU whose allocator reports no stats is sized from the CUDA driver's numbers; when those are missing
-    too, the error says to give num_kvcache_blocks, and a given pool is accepted."""
+    """A GPU whose allocator reports no stats is sized from NVML's numbers; when those are missing too, the
+    error says to give num_kvcache_blocks, and a given pool is accepted."""
     from jaxinfer.config import ModelConfig
     from jaxinfer.engine import runner
     cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    engine = EngineConfig(max_model_len=128, kvcache_block_size=4, gpu_memory_utilization=0.5)
+    engine = EngineConfig(max_num_seqs=8, max_model_len=128, block_size=4, gpu_memory_utilization=0.5)
     per_block = runner.kv_bytes_per_block(cfg, 4, "float32")
     monkeypatch.setattr(runner.jax, "devices", lambda: [_FakeGpu()])
-    monkeypatch.setattr(runner, "_cuda_memory", lambda: (40 * 2**30, 4 * 2**30))
+    monkeypatch.setattr(runner, "_nvml_memory", lambda device: (40 * 2**30, 4 * 2**30))
     assert runner.num_blocks_for_memory(cfg, engine, "float32") == (16 * 2**30 - runner._HEADROOM) // per_block
     assert runner.free_memory_bytes() == 36 * 2**30
-    monkeypatch.setattr(runner, "_cuda_memory", lambda: None)
+    monkeypatch.setattr(runner, "_nvml_memory", lambda device: None)
     with pytest.raises(ValueError, match="give num_kvcache_blocks"):
         runner.num_blocks_for_memory(cfg, engine, "float32")
     runner.check_pool_fits(cfg, engine, 10)               # an explicit pool is not refused for want of numbers

@@ -10,7 +10,7 @@ BS = 4
 
 def make(num_blocks=32, budget=16, max_seqs=4, max_len=64):
     cfg = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
-                       kvcache_block_size=BS, num_kvcache_blocks=num_blocks)
+                       block_size=BS, num_kvcache_blocks=num_blocks)
     return Scheduler(cfg, BlockManager(num_blocks, BS), eos_token_ids=(0,))
 
 

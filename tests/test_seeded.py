@@ -4,10 +4,11 @@ scheduling, on either backend. The noise of token i is a function of (seed, i) o
 import numpy as np
 import pytest
 
+from helpers import TINY_ENGINE
+
 from jaxinfer import LLM, SamplingParams
 
-BASE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
-            kvcache_block_size=4, num_kvcache_blocks=256, warmup=False)
+BASE = TINY_ENGINE
 
 
 def _requests(n: int = 24):
@@ -59,7 +60,7 @@ def test_seeded_tokens_do_not_depend_on_the_batch(tiny_dir, alone, case):
 def test_seeded_tokens_pallas_backend(tiny_dir, scheduling):
     """The same check on the Pallas kernels (interpret mode), fewer requests to keep it short."""
     ps, sps = _requests(10)
-    cfg = {**BASE, "attn_backend": "pallas", "kvcache_block_size": 16, "num_kvcache_blocks": 64, "max_num_seqs": 4}
+    cfg = {**BASE, "attn_backend": "pallas", "block_size": 16, "num_kvcache_blocks": 64, "max_num_seqs": 4}
     llm = LLM(tiny_dir, **{**cfg, "async_scheduling": scheduling})
     crowded = _run(llm, ps, sps)
     assert [_run(llm, [p], [sp])[0] for p, sp in zip(ps[:3], sps[:3])] == crowded[:3]

@@ -5,30 +5,48 @@
 """
 from __future__ import annotations
 
+import functools
 import gc
 import time
+from typing import Callable
 
 import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.batch import bucket_for, pack
 from jaxinfer.engine.block_manager import BlockManager
-from jaxinfer.engine.runner import ModelRunner, check_pool_fits, compilation_count, num_blocks_for_memory
+from jaxinfer.engine.runner import CompileCounter, ModelRunner, check_pool_fits, num_blocks_for_memory
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence, Status
+from jaxinfer.parallel import Placement
 from jaxinfer.sampling_params import SamplingParams
 
 
 class LLMEngine:
     def __init__(self, model: ModelConfig, engine: EngineConfig, params, eos_token_ids: tuple[int, ...] = (),
-                 async_scheduling: bool = True):
-        self.model_config, self.config = model, engine
-        self.async_scheduling = async_scheduling
+                 cap_max_model_len: bool = False, placement: Placement | None = None):
+        """`engine` must be resolved (EngineConfig.resolve). cap_max_model_len: max_model_len was left to the
+        model; lower it to what the KV pool holds (as vLLM) instead of refusing a pool that cannot hold it.
+        placement: the devices of this replica (parallel/; None: the first device), params already on them."""
+        if not engine.resolved:
+            raise ValueError(f"the engine needs a resolved EngineConfig (EngineConfig.resolve), got {engine}")
+        self.model_config = model
+        self.async_scheduling = engine.async_scheduling
         self.in_flight = None             # (batch, device ids) of the step dispatched but not read yet
-        num_blocks = engine.num_kvcache_blocks or num_blocks_for_memory(model, engine, engine.dtype)
-        check_pool_fits(model, engine, num_blocks)
-        self.runner = ModelRunner(model, engine, params, num_blocks)
-        self.block_manager = BlockManager(num_blocks, engine.kvcache_block_size, engine.enable_prefix_caching)
+        # the pool is sized from one device's memory and its share of the KV (K'/tp kv heads)
+        kv_model = placement.kv_view(model) if placement is not None else model
+        device = placement.devices[0] if placement is not None else None
+        if engine.num_kvcache_blocks:
+            num_blocks = engine.num_kvcache_blocks
+        else:
+            num_blocks = num_blocks_for_memory(kv_model, engine, engine.dtype, strict=not cap_max_model_len,
+                                               device=device)
+        if cap_max_model_len:
+            engine = engine.replace(max_model_len=min(engine.max_model_len, num_blocks * engine.block_size))
+        self.config = engine
+        check_pool_fits(kv_model, engine, num_blocks, device=device)
+        self.runner = ModelRunner(model, engine, params, num_blocks, placement)
+        self.block_manager = BlockManager(num_blocks, engine.block_size, engine.enable_prefix_caching)
         self.scheduler = Scheduler(engine, self.block_manager, eos_token_ids)
         self.rng = np.random.default_rng(engine.seed)
         # kv_tokens_read: context tokens whose K/V the steps' attention had to read (for the roofline)
@@ -37,14 +55,15 @@ class LLMEngine:
         # host seconds spent scheduling + packing, dispatching, waiting for sampled ids, applying them:
         # if wait is small against the rest, the host (not the GPU) sets the pace
         self.host_time = dict(schedule_s=0.0, dispatch_s=0.0, wait_s=0.0, apply_s=0.0)
-        self.compilations_at_warmup = compilation_count()
+        self.compile_counter = CompileCounter()     # owned: its listener goes with the engine
+        self.compilations_at_warmup = 0
         # per-step host times when a list: [kind, rows, bucket (tokens), schedule, dispatch, wait, apply,
         # transfer (the part of dispatch that sends the batch)] in s
         self.step_log: list | None = None
 
     def warmup(self, progress=None) -> None:
         self.runner.warmup(progress)
-        self.compilations_at_warmup = compilation_count()
+        self.compilations_at_warmup = self.compile_counter.count
         # Compiling leaves ~300k long-lived Python objects (JAX's caches); every full (generation 2) garbage
         # collection walked them all: one took 137 ms in the middle of a 5.5 s benchmark run on the H200
         # machine. Freezing moves the survivors out of the collector's view (as vLLM does after capturing its
@@ -66,7 +85,7 @@ class LLMEngine:
         if n >= cfg.max_model_len:
             raise ValueError(f"{where} has {n} tokens; max_model_len={cfg.max_model_len} leaves no room to "
                              f"generate (the prompt must be shorter than max_model_len)")
-        need = -(-min(n + params.max_tokens, cfg.max_model_len) // cfg.kvcache_block_size)
+        need = -(-min(n + params.max_tokens, cfg.max_model_len) // cfg.block_size)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"{where} needs {need} KV blocks for {n} prompt + {params.max_tokens} output tokens "
                              f"but the pool has only {self.block_manager.num_blocks} (num_kvcache_blocks)")
@@ -74,7 +93,7 @@ class LLMEngine:
     def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
         self.check_request(token_ids, params)
         seed = params.seed if params.seed is not None else int(self.rng.integers(0, 2**31 - 1))
-        seq = Sequence([int(t) for t in token_ids], params, seed & 0x7FFFFFFF, self.config.kvcache_block_size)
+        seq = Sequence([int(t) for t in token_ids], params, seed & 0x7FFFFFFF, self.config.block_size)
         seq.arrival_time = time.perf_counter()
         self.counters["prompt_tokens"] += len(seq)
         self.scheduler.add(seq)
@@ -88,7 +107,13 @@ class LLMEngine:
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one step; return the sequences that got a new token (finished ones included).
+        """Run one step; return the sequences that got a new token (finished ones included)."""
+        return self.dispatch()()
+
+    def dispatch(self) -> Callable[[], list[Sequence]]:
+        """The first half of `step`: schedule and dispatch (never waits for the device). Returns the second
+        half, which reads a finished step's ids (may block) and applies them. Data-parallel replicas
+        (engine/dp_engine.py) dispatch every replica before any reads, so their devices run together.
 
         With async scheduling (the default) the step dispatched here is read back by the NEXT call:
         the host schedules and packs step N+1 while the GPU runs step N, and sampled tokens flow from
@@ -97,15 +122,15 @@ class LLMEngine:
         built from tokens still on the device.
         """
         if self.in_flight is not None and (self.scheduler.waiting or not self.async_scheduling):
-            return self._read_in_flight()
+            return self._read_in_flight
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             if self.in_flight is not None:
-                return self._read_in_flight()
+                return self._read_in_flight
             raise RuntimeError("scheduler found no work although requests are pending (pool too small?)")
         key = bucket_for(self.config, self.runner.widths, batch)
-        packed = pack(batch, key[1], key[2], key[3], self.config.kvcache_block_size, self.runner.num_slots)
+        packed = pack(batch, key[1], key[2], key[3], self.config.block_size, self.runner.num_slots)
         self.counters["kv_tokens_read"] += sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens))
         self.counters["padded_tokens"] += key[1] - sum(batch.num_new_tokens)
         self.counters["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
@@ -124,8 +149,8 @@ class LLMEngine:
             self.step_log.append(entry)
         prev, self.in_flight = self.in_flight, (batch, ids, entry)
         if prev is not None:
-            return self._apply(*prev)
-        return [] if self.async_scheduling else self._read_in_flight()
+            return functools.partial(self._apply, *prev)
+        return list if self.async_scheduling else self._read_in_flight
 
     def _read_in_flight(self) -> list[Sequence]:
         prev, self.in_flight = self.in_flight, None
@@ -152,10 +177,10 @@ class LLMEngine:
     def stats(self) -> dict:
         bm = self.block_manager
         return dict(kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
-                    kvcache_block_size=self.config.kvcache_block_size,
+                    block_size=self.config.block_size,
                     preemptions=self.scheduler.num_preemptions,
                     prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
-                    compilations=compilation_count() - self.compilations_at_warmup,
+                    compilations=self.compile_counter.count - self.compilations_at_warmup,
                     compiled_buckets=len(self.runner.compiled),
                     running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                     **self.counters, **{f"host_{k}": v for k, v in self.host_time.items()})

@@ -1,14 +1,16 @@
 """Owns the weights and the paged KV cache; compiles one step per bucket at start-up and runs them.
 
 Every bucket (kind, T tokens, B rows, W block-table width) is compiled ahead of time, so serving never
-compiles; `compilations` counts every XLA compilation in the process (a JAX monitoring listener), so a
-stray one after warm-up shows up in `LLM.stats()`.
+compiles; a `CompileCounter` (a JAX monitoring listener the engine owns) counts every XLA compilation in
+the process while the engine lives, so a stray one after warm-up shows up in `LLM.stats()`.
 """
 from __future__ import annotations
 
-import ctypes
+import logging
 import os
 import threading
+import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -17,29 +19,67 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model.qwen3 import unstack_layers
+from jaxinfer.parallel import Placement, kv_heads, make_placements
+from jaxinfer.parallel.layout import KV_SPEC
 from jaxinfer.step import batch_layout, jit_step, make_step
+from jaxinfer.xla_options import step_compiler_options
 
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-# Compiled steps, shared by every runner in the process with the same shapes (params are arguments,
-# so an executable serves any weights of the same shapes: a second LLM of the same size starts at once).
-_EXECUTABLES: dict[tuple, object] = {}
-_compile_count = 0
-_lock = threading.Lock()
+log = logging.getLogger(__name__)
 
 
-def _on_event(event: str, *args, **kwargs) -> None:
-    global _compile_count
-    if event == _COMPILE_EVENT:
-        with _lock:
-            _compile_count += 1
+class ExecutableCache:
+    """Compiled steps keyed by everything that shapes the program. Params are arguments, so an executable
+    serves any weights of the same shapes: every LLM in a process shares `SHARED_EXECUTABLES` by default,
+    and a second LLM of the same size starts at once."""
+
+    def __init__(self):
+        self._compiled: dict[tuple, object] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, build):
+        exe = self._compiled.get(key)
+        if exe is None:
+            exe = build()
+            with self._lock:
+                exe = self._compiled.setdefault(key, exe)
+        return exe
+
+    def clear(self) -> None:
+        with self._lock:
+            self._compiled.clear()
 
 
-jax.monitoring.register_event_duration_secs_listener(_on_event)
+SHARED_EXECUTABLES = ExecutableCache()
 
 
-def compilation_count() -> int:
-    """XLA compilations in this process so far."""
-    return _compile_count
+class CompileCounter:
+    """Counts XLA compilations in this process while it lives (a JAX monitoring listener, removed by
+    `close()` or when the counter is collected: the listener holds only a weak reference to it)."""
+    _EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+        self._lock = threading.Lock()
+        me = weakref.ref(self)
+
+        def listener(event: str, *args, **kwargs) -> None:
+            counter = me()
+            if counter is not None and event == CompileCounter._EVENT:
+                with counter._lock:
+                    counter.count += 1
+        self._listener = listener
+        jax.monitoring.register_event_duration_secs_listener(listener)
+
+    def close(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            try:
+                jax.monitoring.unregister_event_duration_listener(listener)
+            except (AssertionError, ValueError):    # already gone (e.g. clear_event_listeners)
+                pass
+
+    def __del__(self):
+        self.close()
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype) -> int:
@@ -49,74 +89,68 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype) -> int:
 
 _HEADROOM = 2 * 2**30   # activations / logits of the largest bucket
 
-
-def _cuda_memory() -> tuple[int, int] | None:
-    """(bytes JAX may allocate, bytes in use) of GPU 0 from the CUDA driver, or None. For allocators that keep
-    no stats (with XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP, XLA's VMM allocator returns
-    none). JAX may allocate XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) of the total: the VMM allocator
-    enforces it (a pool sized from the whole GPU failed with 'Not enough PA budget' on the H200)."""
+def _nvml_memory(device) -> tuple[int, int] | None:
+    """(bytes JAX may allocate, bytes in use) of a GPU from NVML (nvidia-ml-py), for allocators that keep no
+    stats (XLA's VMM allocator under the SKIP_TEMP command-buffer mode). JAX may allocate
+    XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) of the total: the VMM allocator enforces it (a pool
+    sized from the whole H200 failed with 'Not enough PA budget')."""
     try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-        free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), 0) or \
-                cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev):
-            return None
-        try:     # the primary context is the one XLA uses
-            if cuda.cuCtxPushCurrent_v2(ctx):
-                return None
-            ok = cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0
-            cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(device.local_hardware_id or 0))
         finally:
-            cuda.cuDevicePrimaryCtxRelease_v2(dev)
-        fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
-        return (int(total.value * fraction), total.value - free.value) if ok else None
-    except (OSError, AttributeError):
+            pynvml.nvmlShutdown()
+    except Exception:           # no NVML library, no such device: the caller asks for num_kvcache_blocks
         return None
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    return int(info.total * fraction), int(info.total - info.free)
 
 
-def device_memory() -> tuple[int, int] | None:
+def device_memory(device=None) -> tuple[int, int] | None:
     """(bytes the device may use, bytes in use) on a GPU; None on the CPU or when the GPU cannot tell."""
-    stats = jax.devices()[0].memory_stats() or {}
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
-    return _cuda_memory() if jax.devices()[0].platform == "gpu" else None
+    return _nvml_memory(device) if device.platform == "gpu" else None
 
 
-def free_memory_bytes() -> int | None:
+def free_memory_bytes(device=None) -> int | None:
     """Memory the KV pool may take: free device memory (GPU; None if unknown), or available host memory (CPU)."""
-    mem = device_memory()
+    mem = device_memory(device)
     if mem is not None:
         return mem[0] - mem[1]
-    if jax.devices()[0].platform == "gpu":
+    if (device or jax.devices()[0]).platform == "gpu":
         return None
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype) -> int:
-    """Size the KV pool from free device memory (GPU), or to fit max_num_seqs full sequences (CPU)."""
-    per_block = kv_bytes_per_block(model, engine.kvcache_block_size, dtype)
-    mem = device_memory()
+def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype, strict: bool = True, device=None) -> int:
+    """Size the KV pool from free device memory (GPU), or to fit max_num_seqs full sequences (CPU, at most
+    2 GiB). strict: refuse a pool that cannot hold one max_model_len sequence (else the caller caps it)."""
+    per_block = kv_bytes_per_block(model, engine.block_size, dtype)
+    mem = device_memory(device)
     if mem is not None:
         free = mem[0] * engine.gpu_memory_utilization - mem[1]
         blocks = int((free - _HEADROOM) // per_block)
-        if blocks < engine.max_blocks_per_seq:
+        if blocks < (engine.max_blocks_per_seq if strict else 1):
             raise ValueError(f"after the weights, gpu_memory_utilization={engine.gpu_memory_utilization} leaves room "
                              f"for {max(blocks, 0)} KV blocks, fewer than one max_model_len={engine.max_model_len} "
                              f"sequence needs ({engine.max_blocks_per_seq}); lower max_model_len or raise "
                              f"gpu_memory_utilization")
         return blocks
-    if jax.devices()[0].platform == "gpu":
-        raise ValueError("cannot tell how much GPU memory is free (the allocator keeps no stats and the CUDA driver "
-                         "did not answer): give num_kvcache_blocks explicitly")
+    if (device or jax.devices()[0]).platform == "gpu":
+        raise ValueError("cannot tell how much GPU memory is free (the allocator keeps no stats and NVML "
+                         "(nvidia-ml-py) did not answer): give num_kvcache_blocks explicitly")
     want = engine.max_num_seqs * engine.max_blocks_per_seq
     return max(1, min(want, int(2 * 2**30 // per_block)))
 
 
-def check_pool_fits(model: ModelConfig, engine: EngineConfig, num_blocks: int) -> None:
+def check_pool_fits(model: ModelConfig, engine: EngineConfig, num_blocks: int, device=None) -> None:
     """A KV pool larger than free memory fails here, with the numbers, not deep inside XLA."""
-    need = num_blocks * kv_bytes_per_block(model, engine.kvcache_block_size, engine.dtype)
-    free = free_memory_bytes()
+    need = num_blocks * kv_bytes_per_block(model, engine.block_size, engine.dtype)
+    free = free_memory_bytes(device)
     if free is not None and need > free:        # None: a GPU that cannot tell; XLA will fail if it is too big
         raise ValueError(f"num_kvcache_blocks={num_blocks} needs {need / 2**30:.1f} GiB of KV cache but only "
                          f"{free / 2**30:.1f} GiB is free; lower num_kvcache_blocks (or leave it None to size "
@@ -124,25 +158,46 @@ def check_pool_fits(model: ModelConfig, engine: EngineConfig, num_blocks: int) -
 
 
 class ModelRunner:
-    def __init__(self, model: ModelConfig, engine: EngineConfig, params, num_blocks: int):
+    """One replica's weights, KV cache and compiled steps, on the devices of its `Placement` (parallel/): one
+    device by default; with tensor_parallel_size > 1 a "tp" mesh, params and caches split by NamedSharding and
+    each bucket compiled once as one SPMD program over the mesh."""
+
+    def __init__(self, model: ModelConfig, engine: EngineConfig, params, num_blocks: int,
+                 placement: Placement | None = None, executables: ExecutableCache | None = None):
         self.model, self.engine = model, engine
+        self.executables = executables if executables is not None else SHARED_EXECUTABLES
+        self.placement = placement or make_placements(1, 1, jax.devices()[:1])[0]
+        tp = self.placement.tp
+        self.mesh = self.placement.mesh if tp > 1 else None
         self.dtype = jnp.dtype(engine.dtype)
-        self.interpret = jax.devices()[0].platform != "gpu"
+        self.interpret = self.placement.devices[0].platform != "gpu"
         # Per-layer weight arrays avoid XLA copying each layer out of the [L, ...] stack every step (3x
         # faster layers on CPU); on GPU stacked stays the default until benchmarked (few arguments).
         unstack = engine.unstack_weights if engine.unstack_weights is not None else self.interpret
-        self.params = unstack_layers(params) if unstack else params
+        self.params = self._place(unstack_layers(params) if unstack else params)
         self.num_blocks = num_blocks
-        self.num_slots = num_blocks * engine.kvcache_block_size
-        shape = (num_blocks, engine.kvcache_block_size, model.num_key_value_heads, model.head_dim)
-        self.kv_caches = [(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+        self.num_slots = num_blocks * engine.block_size
+        # [P, bs, K', D] per layer, split by kv head: each device holds K'/tp heads (parallel/layout.py)
+        shape = (num_blocks, engine.block_size, kv_heads(model, tp) if tp > 1 else model.num_key_value_heads,
+                 model.head_dim)
+        self.kv_caches = [(self.placement.zeros_kv(shape, self.dtype), self.placement.zeros_kv(shape, self.dtype))
                           for _ in range(model.num_hidden_layers)]
         W = engine.max_blocks_per_seq
-        # xla gathers W pages per row: offer narrower tables so short contexts gather less
-        self.widths = tuple(sorted({max(1, W // 16), max(1, W // 4), W})) if engine.attn_backend == "xla" else (W,)
+        # xla gathers W pages per row: offer narrower tables so short contexts gather less. The kernels read
+        # only the pages a row needs, but a [B, W] table for a 40k-token model (W = 2560) would be sent and
+        # packed every step: they get one narrow width (4096 tokens) beside the full one.
+        narrow = {max(1, W // 16), max(1, W // 4)} if engine.attn_backend == "xla" else {min(W, -(-4096 // engine.block_size))}
+        self.widths = tuple(sorted(narrow | {W}))
         self.compiled: dict[tuple[str, int, int, int, bool], object] = {}
         self.max_rows = max(engine.max_num_seqs, *engine.decode_buckets)   # a bucket may exceed max_num_seqs
-        self.last_ids = jnp.zeros((self.max_rows,), jnp.int32)     # previous step's sampled ids
+        self.last_ids = self.placement.put(np.zeros((self.max_rows,), np.int32))   # previous step's sampled ids
+
+    def _place(self, params):
+        """params onto this replica's devices with their tp shardings; arrays already there are kept (no copy,
+        so the caller's reference does not double the weights' memory)."""
+        targets = self.placement.param_shardings(params)
+        return jax.tree.map(lambda a, s: a if getattr(a, "sharding", None) is not None and
+                            a.sharding.is_equivalent_to(s, a.ndim) else jax.device_put(a, s), params, targets)
 
     def buckets(self) -> list[tuple[str, int, int, int, bool]]:
         """(kind, T, B, W, filtered) of every step to compile; `filtered` is the sampling variant with
@@ -152,35 +207,44 @@ class ModelRunner:
         out += [("decode", B, B, W) for B in e.decode_buckets for W in self.widths]
         return [k + (f,) for f in (False, True) for k in out]
 
-    def compile(self, key: tuple[str, int, int, int, bool]):
+    def compile(self, key: tuple[str, int, int, int, bool], quiet: bool = False):
         if key not in self.compiled:
             kind, T, B, W, filtered = key
             shared = (self.model, self.engine.attn_backend, str(self.dtype), self.num_blocks,
-                      self.engine.kvcache_block_size, self.interpret, self.max_rows,
-                      isinstance(self.params["layers"], tuple), key)
-            if shared not in _EXECUTABLES:
+                      self.engine.block_size, self.interpret, self.max_rows,
+                      isinstance(self.params["layers"], tuple), self.placement.key, key)
+
+            def build():
                 step = make_step(self.model, kind, T, B, W, self.engine.attn_backend, self.interpret, self.max_rows,
-                                 filtered)
-                packed = jax.ShapeDtypeStruct((batch_layout(T, B, W)["_size"][0],), jnp.int32)
-                _EXECUTABLES[shared] = jit_step(step).lower(self.params, self.kv_caches, packed,
-                                                            self.last_ids).compile()
-            self.compiled[key] = _EXECUTABLES[shared]
+                                 filtered, self.mesh)
+                rep = self.placement.replicated
+                packed = jax.ShapeDtypeStruct((batch_layout(T, B, W)["_size"][0],), jnp.int32, sharding=rep)
+                out = (rep, self.placement.sharding(KV_SPEC))      # the caches keep their split across steps
+                lowered = jit_step(step, out).lower(self.params, self.kv_caches, packed, self.last_ids)
+                return lowered.compile(compiler_options=step_compiler_options(self.placement.devices[0].platform))
+            t0 = time.perf_counter()
+            self.compiled[key] = self.executables.get(shared, build)
+            if not quiet and time.perf_counter() - t0 > 0.5:       # a step compiled lazily, mid-run
+                log.info("compiled the %s step for %d tokens, %d rows, %d-block tables in %.1f s",
+                         kind, T, B, W, time.perf_counter() - t0)
         return self.compiled[key]
 
     def warmup(self, progress=None, threads: int = min(8, os.cpu_count() or 1)) -> None:
         """Compile every bucket (in parallel threads: XLA compiles outside the GIL)."""
         keys = [k for k in self.buckets() if k not in self.compiled]
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            for _ in pool.map(self.compile, keys):
+            for _ in pool.map(lambda k: self.compile(k, quiet=True), keys):
                 if progress is not None:
                     progress.update(1)
 
     def put(self, packed: np.ndarray) -> jax.Array:
-        """Send a step's packed batch to the device (one host -> device copy)."""
-        return jax.device_put(packed)
+        """Send a step's packed batch to the device(s) (one host -> device copy; replicated over tp)."""
+        return self.placement.put(packed)
 
     def run(self, key: tuple[str, int, int, int, bool], packed: jax.Array) -> jax.Array:
         """Dispatch one step (asynchronous); returns the device array of sampled ids [max_rows]. `packed`: the
         step's batch, already sent with `put`."""
         self.last_ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, packed, self.last_ids)
+        if jax.process_count() > 1:     # ids are replicated over a mesh spanning hosts: read this host's copy
+            return self.last_ids.addressable_data(0)
         return self.last_ids

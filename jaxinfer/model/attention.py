@@ -17,6 +17,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer.parallel import shard_map
+from jaxinfer.parallel.layout import KV_SPEC
 
 _NEG = -1e30
 
@@ -102,14 +106,18 @@ def attention_fns(backend: str, interpret: bool):
     raise ValueError(f"attn_backend={backend!r} is not one of ('xla', 'pallas')")
 
 
-def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool = False):
+def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool = False, mesh=None):
     """The `attn` callable the model calls per layer: write K/V, then prefill or decode attention.
 
     For a pallas decode step it also carries `from_qkv`, which the model prefers: one kernel takes the raw qkv
-    projection, applies q/k RMSNorm and RoPE, writes the new K/V and attends (paged_attention_qkv)."""
+    projection, applies q/k RMSNorm and RoPE, writes the new K/V and attends (paged_attention_qkv).
+
+    mesh (axis "tp" > 1): q / k / v and the caches are split by head. The Pallas kernels then run per device
+    inside shard_map on the device's own heads (a kernel cannot be partitioned by XLA); the xla backend is plain
+    jnp and is partitioned by XLA like the rest of the step (every op is per head)."""
     prefill_fn, decode_fn = attention_fns(backend, interpret)
 
-    def attn(l, q, k, v, cache):
+    def attn_local(meta, l, q, k, v, cache):
         k_cache, v_cache = write_kv(*cache, k, v, meta["slot_mapping"])
         if kind == "decode":
             o = decode_fn(q, k_cache, v_cache, meta["block_tables"], meta["seq_lens"])
@@ -117,13 +125,30 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
             o = prefill_fn(q, k_cache, v_cache, meta["block_tables"], meta["cu_seqlens"], meta["seq_lens"])
         return o, (k_cache, v_cache)
 
+    per_device = mesh is not None and mesh.shape["tp"] > 1 and backend == "pallas"
+    heads, kv = P(None, "tp", None), (KV_SPEC, KV_SPEC)          # [T, H, D] by head; caches by kv head
+
+    def attn(l, q, k, v, cache):
+        if not per_device:
+            return attn_local(meta, l, q, k, v, cache)
+        f = lambda m, q, k, v, c: attn_local(m, l, q, k, v, c)
+        return shard_map(f, mesh, (P(), heads, heads, heads, kv), (heads, kv))(meta, q, k, v, cache)
+
     if kind == "decode" and backend == "pallas":
         from pallas_kernels.paged_attention import paged_attention_qkv
 
-        def from_qkv(l, qkv, q_norm, k_norm, row, cos, sin, eps, cache):   # row b's new token: seq_lens[b] - 1
+        def qkv_local(meta, row, qkv, q_norm, k_norm, cos, sin, eps, cache):   # row b's new token: seq_lens[b] - 1
             o, k_cache, v_cache = paged_attention_qkv(qkv, q_norm, k_norm, cos, sin, *cache, meta["block_tables"],
                                                       meta["seq_lens"], eps=eps, layer=row, order=meta["attn_order"],
                                                       interpret=interpret)
             return o, (k_cache, v_cache)
+
+        def from_qkv(l, qkv, q_norm, k_norm, row, cos, sin, eps, cache):
+            if not per_device:
+                return qkv_local(meta, row, qkv, q_norm, k_norm, cos, sin, eps, cache)
+            # qkv [B, tp (Hl + 2Kl), D]: a contiguous split gives each device its own [q | k | v] heads
+            f = lambda m, qkv, qn, kn, cos, sin, c: qkv_local(m, row, qkv, qn, kn, cos, sin, eps, c)
+            return shard_map(f, mesh, (P(), heads, P(), P(), P(), P(), kv), (heads, kv))(
+                meta, qkv, q_norm, k_norm, cos, sin, cache)
         attn.from_qkv = from_qkv
     return attn

@@ -20,8 +20,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from jaxinfer.parallel import kv_heads, shard_map
 
 INIT_STD = 0.02   # HF's initializer_range; keeps random-weight logits O(1), finite in bf16
 
@@ -97,10 +100,15 @@ def unstack_layers(params: dict) -> dict:
     return {**params, "layers": tuple({k: w[l] for k, w in layers.items()} for l in range(L))}
 
 
-def forward(c: ModelConfig, params: dict, token_ids, positions, attn: Callable, kv_caches=None):
-    """Pure forward; `params["layers"]` may be stacked (dict of [L, ...]) or unstacked (tuple of dicts)."""
-    layers = params["layers"]
-    x = jnp.take(params["embed_tokens"], token_ids, axis=0)                    # [..., E]
+def tp_size(mesh) -> int:
+    return 1 if mesh is None else mesh.shape["tp"]
+
+
+def forward(c: ModelConfig, params: dict, token_ids, positions, attn: Callable, kv_caches=None, mesh=None):
+    """Pure forward; `params["layers"]` may be stacked (dict of [L, ...]) or unstacked (tuple of dicts).
+    `mesh` (axis "tp"): params are in the tensor-parallel layout of parallel/layout.py (None: one device)."""
+    layers, tp = params["layers"], tp_size(mesh)
+    x = embed(params["embed_tokens"], token_ids, mesh)                         # [..., E]
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling_factor)
     caches = list(kv_caches) if kv_caches is not None else [None] * c.num_hidden_layers
     for l in range(c.num_hidden_layers):
@@ -108,37 +116,63 @@ def forward(c: ModelConfig, params: dict, token_ids, positions, attn: Callable, 
             w, qk_norms = layers[l], (layers[l]["q_norm"], layers[l]["k_norm"], 0)
         else:
             w, qk_norms = {k: v[l] for k, v in layers.items()}, (layers["q_norm"], layers["k_norm"], l)
-        x, caches[l] = _decoder_layer(c, w, x, cos, sin, attn, l, caches[l], qk_norms)
+        x, caches[l] = _decoder_layer(c, w, x, cos, sin, attn, l, caches[l], qk_norms, tp)
     return rms_norm(x, params["norm"], c.rms_norm_eps), caches
 
 
+def embed(table: jax.Array, token_ids: jax.Array, mesh=None) -> jax.Array:
+    """Rows of table [V, E] for token_ids [...]. Split by vocabulary over "tp": each device looks up the ids
+    in its own rows (zeros elsewhere) and a psum adds the tp partial results (only one is non-zero: exact)."""
+    if tp_size(mesh) == 1:
+        return jnp.take(table, token_ids, axis=0)
+
+    def local(rows, ids):                                     # rows [V/tp, E]: this device's vocabulary
+        n = rows.shape[0]
+        i = ids - jax.lax.axis_index("tp") * n
+        mine = (i >= 0) & (i < n)
+        x = jnp.take(rows, jnp.where(mine, i, 0), axis=0)
+        return jax.lax.psum(jnp.where(mine[..., None], x, jnp.zeros((), x.dtype)), "tp")
+    return shard_map(local, mesh, (P("tp", None), P()), P())(table, token_ids)
+
+
 def compute_logits(c: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
+    """hidden [..., E] -> fp32 logits [..., V']. V' > V when the vocabulary was padded for tensor
+    parallelism: the padding is -inf, so it is never sampled. Split by vocabulary when the weights are."""
     if c.tie_word_embeddings:
-        return jnp.einsum("...e,ve->...v", hidden, params["embed_tokens"], preferred_element_type=jnp.float32)
-    return jnp.einsum("...e,ev->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...e,ve->...v", hidden, params["embed_tokens"], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("...e,ev->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    if logits.shape[-1] > c.vocab_size:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < c.vocab_size, logits, -jnp.inf)
+    return logits
 
 
-def _decoder_layer(c: ModelConfig, w, x, cos, sin, attn, l, cache, qk_norms):
+def _decoder_layer(c: ModelConfig, w, x, cos, sin, attn, l, cache, qk_norms, tp: int = 1):
     """qk_norms = (q_norm, k_norm, row): the q/k norm weights as given to `attn.from_qkv` ([D], row 0, or the
-    stacked [L, D] and row l)."""
-    H, K, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    stacked [L, D] and row l). tp > 1: the fused weights hold each device's heads adjacent (parallel/layout.py);
+    the [..., tp, per device] reshapes below read them back, and are no-ops for tp = 1."""
+    H, D = c.num_attention_heads, c.head_dim
+    K = kv_heads(c, tp) if tp > 1 else c.num_key_value_heads                     # K' (replicated up to tp)
+    Hl, Kl = H // tp, K // tp
     lead = x.shape[:-1]
     h = rms_norm(x, w["input_layernorm"], c.rms_norm_eps)
-    qkv = h @ w["qkv_proj"]                                                       # [..., (H+2K)D]
+    qkv = h @ w["qkv_proj"]                                                       # [..., tp (Hl+2Kl) D]
     from_qkv = getattr(attn, "from_qkv", None)
     if from_qkv is not None:     # the kernel normalises and rotates q/k itself (3 fewer kernels a layer)
-        qkv = qkv.reshape(*lead, H + 2 * K, D)
+        qkv = qkv.reshape(*lead, tp * (Hl + 2 * Kl), D)
         o, cache = from_qkv(l, qkv, *qk_norms, cos, sin, c.rms_norm_eps, cache)
     else:
-        q = qkv[..., :c.q_size].reshape(*lead, H, D)
-        k = qkv[..., c.q_size:c.q_size + c.kv_size].reshape(*lead, K, D)
-        v = qkv[..., c.q_size + c.kv_size:].reshape(*lead, K, D)
+        qkv = qkv.reshape(*lead, tp, Hl + 2 * Kl, D)
+        q = qkv[..., :Hl, :].reshape(*lead, H, D)
+        k = qkv[..., Hl:Hl + Kl, :].reshape(*lead, K, D)
+        v = qkv[..., Hl + Kl:, :].reshape(*lead, K, D)
         q = apply_rope(rms_norm(q, w["q_norm"], c.rms_norm_eps), cos, sin)
         k = apply_rope(rms_norm(k, w["k_norm"], c.rms_norm_eps), cos, sin)
         o, cache = attn(l, q, k, v, cache)                                        # [..., H, D]
-    x = x + o.reshape(*lead, H * D) @ w["o_proj"]
+    x = x + o.reshape(*lead, H * D) @ w["o_proj"]        # split by input for tp: XLA adds the all-reduce
     h = rms_norm(x, w["post_attention_layernorm"], c.rms_norm_eps)
-    return x + swiglu(h @ w["gate_up_proj"]) @ w["down_proj"], cache
+    gate_up = (h @ w["gate_up_proj"]).reshape(*lead, tp, -1)                      # [..., tp, 2I/tp]
+    return x + swiglu(gate_up).reshape(*lead, -1) @ w["down_proj"], cache
 
 
 def dense_attention(l, q, k, v, cache):

@@ -1,0 +1,30 @@
+"""Several devices through JAX's own SPMD: a `Mesh`, `NamedSharding`s, `shard_map` around the Pallas kernels.
+
+Tensor parallelism (`tensor_parallel_size` = tp): one scheduler and one compiled step per bucket over a mesh
+with axis "tp". Weights are split as `layout.py` says (heads for qkv / gate_up, their inputs for o_proj /
+down_proj, vocabulary for the embedding and LM head); XLA inserts one all-reduce after o_proj and one after
+down_proj. The KV cache is split by kv head (replicated when tp > num_key_value_heads). The packed batch is
+replicated: still one host->device transfer per step. Sampling reduces each device's vocabulary shard to
+(max, argmax) per row, then all-gathers those [tp, B] pairs: [B, V] logits are never gathered.
+
+Data parallelism (`data_parallel_size` = dp): dp independent engine replicas on disjoint devices in one
+process (engine/dp_engine.py); each may itself be tensor-parallel.
+
+Several hosts. Every host runs the same program (`jaxinfer serve ...` or a script) after
+
+    import jax
+    jax.distributed.initialize(coordinator_address="host0:1234", num_processes=N, process_id=i)
+
+(on Slurm / TPU pods / with JAX_COORDINATOR_ADDRESS etc. set, plain `jax.distributed.initialize()`).
+`jax.devices()` then lists every host's devices and `make_placements` builds the mesh from that global list,
+so a tp group may span hosts (XLA uses NCCL across them; prefer tp within a host's NVLink and dp across
+hosts). Each process runs the same scheduler on the same requests, so every host packs the same batch and
+supplies it to its own devices (`Placement.put`); sampled ids are replicated, so each host reads its local
+copy. Requests must therefore reach every process in the same order (the server runs on process 0 and
+broadcasting requests is left to the launcher); the library does not hand-roll any RPC.
+"""
+from jaxinfer.parallel.compat import shard_map
+from jaxinfer.parallel.layout import check_tp, kv_heads, padded_vocab
+from jaxinfer.parallel.placement import Placement, available_devices, make_placements
+
+__all__ = ["Placement", "available_devices", "check_tp", "kv_heads", "make_placements", "padded_vocab", "shard_map"]

@@ -1,0 +1,112 @@
+"""Which devices one engine replica runs on, and how its arrays are placed there.
+
+A `Placement` is a 1-D `Mesh` with axis "tp" over the replica's devices. With tp = 1 it is one device and
+every sharding is that device: the single-GPU engine is the tp = 1 case of the same code.
+`make_placements(tp, dp)` splits the first tp * dp devices into dp replicas of tp devices each.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer.parallel.layout import KV_SPEC, check_tp, kv_heads, map_params, param_specs, spec, to_tp
+
+
+def available_devices() -> list:
+    """This process's devices; with several processes (jax.distributed) the global list, so a mesh may
+    span hosts."""
+    return jax.devices() if jax.process_count() > 1 else jax.local_devices()
+
+
+def make_placements(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None) -> list["Placement"]:
+    """dp placements of tp devices each, from the first tp * dp devices. ValueError naming the numbers
+    when a size is below 1 or there are too few devices."""
+    tp, dp = tensor_parallel_size, data_parallel_size
+    for name, v in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an integer >= 1")
+    devices = list(devices if devices is not None else available_devices())
+    if tp * dp > len(devices):
+        raise ValueError(f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {tp * dp} devices but only "
+                         f"{len(devices)} are available ({devices[0].platform})")
+    return [Placement(Mesh(np.array(devices[r * tp:(r + 1) * tp]), ("tp",))) for r in range(dp)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    mesh: Mesh
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.shape["tp"]
+
+    @property
+    def devices(self) -> list:
+        return list(self.mesh.devices.flat)
+
+    @property
+    def key(self) -> tuple:
+        """Identifies the devices (a compiled executable is bound to them)."""
+        return tuple(d.id for d in self.devices)
+
+    def sharding(self, spec: P = P()) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return self.sharding(P())
+
+    # -- params ---------------------------------------------------------------------------------------
+    def check(self, model) -> None:
+        check_tp(model, self.tp)
+
+    def param_shardings(self, params) -> dict:
+        return jax.tree.map(self.sharding, param_specs(params), is_leaf=lambda x: isinstance(x, P))
+
+    def place_host_params(self, model, host: dict) -> dict:
+        """Checkpoint-layout numpy params -> tp-layout device arrays. Each device receives only its own
+        slices (make_array_from_callback), so no device ever holds the whole model."""
+        self.check(model)
+
+        def place(name, w):
+            w = to_tp(name, w, model, self.tp, np)
+            sharding = self.sharding(spec(name, w.ndim))
+            return jax.make_array_from_callback(w.shape, sharding, lambda idx: np.ascontiguousarray(w[idx]))
+        return map_params(place, host)
+
+    def shard_params(self, model, params: dict) -> dict:
+        """Checkpoint-layout params (device or host arrays, e.g. `init_params`' output) -> tp layout, placed.
+        Runs as one jitted program whose outputs are sharded, so random presets are made on their devices."""
+        self.check(model)
+        laid = jax.eval_shape(lambda p: map_params(lambda n, w: to_tp(n, w, model, self.tp, jnp), p), params)
+        fn = jax.jit(lambda p: map_params(lambda n, w: to_tp(n, w, model, self.tp, jnp), p),
+                     out_shardings=self.param_shardings(laid))
+        return fn(params)
+
+    def random_params(self, model, init, dtype, seed: int) -> dict:
+        """`init(model, dtype, seed)` (checkpoint layout) generated inside the same jitted program as the
+        tp relayout, with sharded outputs: the whole model never sits on one device."""
+        self.check(model)
+        relayout = lambda: map_params(lambda n, w: to_tp(n, w, model, self.tp, jnp), init(model, dtype, seed))
+        return jax.jit(relayout, out_shardings=self.param_shardings(jax.eval_shape(relayout)))()
+
+    # -- KV cache and per-step inputs -------------------------------------------------------------------
+    def kv_view(self, model):
+        """The model config as one device's KV cache sees it (num_key_value_heads = K' / tp): for sizing
+        the pool from one device's free memory."""
+        return dataclasses.replace(model, num_key_value_heads=kv_heads(model, self.tp) // self.tp)
+
+    def zeros_kv(self, shape: tuple[int, ...], dtype):
+        """One [P, bs, K', D] cache array, allocated shard by shard on its devices."""
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.sharding(KV_SPEC))()
+
+    def put(self, x: np.ndarray) -> jax.Array:
+        """One host array to every device of the replica (the packed batch: replicated)."""
+        if jax.process_count() > 1:    # a global mesh: each process supplies its own devices' copies
+            return jax.make_array_from_callback(x.shape, self.replicated, lambda idx: x[idx])
+        return jax.device_put(x, self.replicated)
