@@ -1,10 +1,12 @@
 """Throughput benchmark: nano-vllm's workload (256 requests, prompts of 100-1024 random token ids,
 100-1024 output tokens, ignore_eos, temperature 0.6, one warm-up generate), with a roofline report.
 
-    python scripts/bench.py                              # embedded Qwen3-0.6B, random bf16 weights
+    python scripts/bench.py                              # embedded Qwen3-0.6B, random weights
     python scripts/bench.py --attn-backend xla --json out.json
     python scripts/bench.py --latency                    # 1 request: 1024-token prompt, 256 outputs
-    python scripts/bench.py --model qwen3-8b
+    python scripts/bench.py qwen3-8b -tp 2
+Engine options are the engine's own flags (as `jaxinfer generate --help`), with the engine's defaults: the
+benchmark runs what `LLM(model)` runs.
 
 The roofline: every step must read the weights once and the K/V of every context token it attends to;
 those bytes divided by the HBM bandwidth measured in this process give the floor time.
@@ -142,14 +144,14 @@ def summarize_profile(trace_dir: str, steps: int) -> dict:
 
 
 def build(args):
+    """The LLM as a user gets it: the engine options given here, the engine's defaults for the rest."""
     from jaxinfer import LLM
+    from jaxinfer.cli import engine_kwargs
     t = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, attn_backend=args.attn_backend, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              num_kvcache_blocks=args.num_kvcache_blocks, block_size=args.block_size,
-              decode_buckets=args.decode_buckets, prefill_buckets=args.prefill_buckets,
-              unstack_weights=args.unstack_weights)
+    llm = LLM(args.model, **engine_kwargs(args))
     args.warmup_s = time.perf_counter() - t
+    args.attn_backend = llm.config.attn_backend
+    print(f"engine: {llm.config}", flush=True)
     return llm
 
 
@@ -211,22 +213,16 @@ def run_latency(args) -> dict:
 
 
 def parse(argv=None):
+    from jaxinfer.cli import add_engine_args
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-0.6b", help="preset name (random weights) or checkpoint dir")
-    ap.add_argument("--attn-backend", default="pallas", choices=["xla", "pallas"])
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--max-input-len", type=int, default=1024)
-    ap.add_argument("--max-output-len", type=int, default=1024)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-kvcache-blocks", type=int, default=None)
-    ap.add_argument("--decode-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
-    ap.add_argument("--prefill-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
-    ap.add_argument("--unstack-weights", action=argparse.BooleanOptionalAction, default=None,
-                    help="per-layer weight arrays instead of stacked [L, ...] (default: per-layer on CPU only)")
+    ap.add_argument("model", nargs="?", default="qwen3-0.6b",
+                    help="checkpoint dir, preset name (random weights) or hub id (default: qwen3-0.6b)")
+    ap.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)   # older spelling
+    g = ap.add_argument_group("workload (nano-vllm's bench.py)")
+    g.add_argument("--num-seqs", type=int, default=256, help="requests (default: 256)")
+    g.add_argument("--max-input-len", type=int, default=1024, help="longest prompt (default: 1024)")
+    g.add_argument("--max-output-len", type=int, default=1024, help="most output tokens (default: 1024)")
+    add_engine_args(ap, with_model=False)
     ap.add_argument("--latency", action="store_true", help="one request: TTFT and TPOT")
     ap.add_argument("--latency-prompt", type=int, default=1024)
     ap.add_argument("--latency-output", type=int, default=256)
@@ -238,11 +234,6 @@ def parse(argv=None):
     ap.add_argument("--reference-bw", type=float, default=4.3,
                     help="TB/s for a second floor: XLA's own pass reaches less than the HBM can (default 4.3, "
                          "a torch device copy on the H200)")
-    ap.add_argument("--stable-temp-addresses", action=argparse.BooleanOptionalAction, default=None,
-                    help="run with XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP: XLA's temporary "
-                         "buffers keep their addresses, so dispatching a step need not update its CUDA graph "
-                         "(default: on with jaxlib 0.11.x, where it was measured; other XLA versions name the "
-                         "mode differently)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="time the workload this many times; report the median wall (A/B runs: less noise)")
     ap.add_argument("--step-log", default=None, metavar="PATH",
@@ -252,25 +243,11 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
-def jaxlib_minor() -> tuple[int, int]:
-    """(major, minor) of the installed jaxlib, read without starting a JAX backend."""
-    from importlib.metadata import version
-    major, minor = version("jaxlib").split(".")[:2]
-    return int(major), int(minor)
-
-
-def wants_stable_temp(flag: bool | None) -> bool:
-    """--stable-temp-addresses as given, else on for jaxlib 0.11.x unless XLA_FLAGS already sets the mode."""
-    if flag is not None:
-        return flag
-    return jaxlib_minor() == (0, 11) and "command_buffer_update_mode" not in os.environ.get("XLA_FLAGS", "")
-
-
 def main(argv=None) -> dict:
     args = parse(argv)
-    if wants_stable_temp(args.stable_temp_addresses):  # read when JAX starts its GPU backend: set it first
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   " --xla_gpu_command_buffer_update_mode=SKIP_TEMP").strip()
+    args.model = args.model_flag or args.model
+    from jaxinfer.xla_options import set_process_flags
+    set_process_flags()          # exactly what the `jaxinfer` commands do: this process is ours
     if args.peer:   # leave GPU memory for PyTorch: JAX would otherwise preallocate 75% of it
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
     r = run_latency(args) if args.latency else run_throughput(args)

@@ -11,7 +11,7 @@ def test_bench_runs_and_counts(tiny_dir, tmp_path, capsys):
     args = ["--model", tiny_dir, "--dtype", "float32", "--attn-backend", "xla", "--num-seqs", "5",
             "--max-input-len", "120", "--max-output-len", "110", "--max-num-seqs", "4",
             "--max-num-batched-tokens", "512", "--prefill-buckets", "512", "--decode-buckets", "4",
-            "--max-model-len", "256", "--block-size", "64", "--json", str(tmp_path / "r.json"),
+            "--max-model-len", "256", "--block-size", "64", "--warmup", "--json", str(tmp_path / "r.json"),
             "--step-log", str(tmp_path / "log.json"), "--repeats", "2"]
     r = bench.main(args)
     _, params = bench.workload(5, 120, 110, vocab=512)
@@ -88,17 +88,22 @@ def test_bench_step_anatomy_runs(tiny_dir, tmp_path):
     assert os.path.isfile(tmp_path / "s.json")
 
 
-def test_stable_temp_default_follows_jaxlib(monkeypatch):
-    import bench
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
-    assert bench.parse([]).stable_temp_addresses is None
-    assert bench.parse(["--no-stable-temp-addresses"]).stable_temp_addresses is False
+def test_skip_temp_mode_follows_jaxlib(monkeypatch):
+    """bench.py and the jaxinfer commands add the SKIP_TEMP command-buffer mode on jaxlib 0.11 only, never twice;
+    importing jaxinfer adds nothing."""
+    from jaxinfer import xla_options
     for version, want in (((0, 10), False), ((0, 11), True), ((0, 12), False)):
-        monkeypatch.setattr(bench, "jaxlib_minor", lambda v=version: v)
-        assert bench.wants_stable_temp(None) is want
-        assert bench.wants_stable_temp(True) and not bench.wants_stable_temp(False)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP")
-    assert bench.wants_stable_temp(None) is False          # already set by the user: not added twice
+        monkeypatch.setattr(xla_options, "jaxlib_minor", lambda v=version: v)
+        assert xla_options.wants_skip_temp({}) is want
+        assert (xla_options.SKIP_TEMP in xla_options.command_buffer_flags({"XLA_FLAGS": "--a=1"})) is want
+    mode = "--xla_gpu_command_buffer_update_mode=NONE"
+    assert xla_options.command_buffer_flags({"XLA_FLAGS": mode}) == mode       # the user's choice stands
+
+
+def test_bench_takes_the_engine_flags_and_defaults():
+    a = bench.parse(["qwen3-8b", "--max-num-seqs", "4"])
+    from jaxinfer.cli import engine_kwargs
+    assert a.model == "qwen3-8b" and engine_kwargs(a) == {"max_num_seqs": 4}   # the rest: the engine's defaults
 
 
 def test_bench_step_compiler_option_values():
