@@ -2,14 +2,16 @@
 
 Decoding one token at a time is wrong in two ways: a byte-level BPE token can hold part of a multi-byte
 UTF-8 character (decode gives U+FFFD until the rest arrives), and some tokenizers decode a token
-differently depending on its left neighbour (leading-space handling). So, as vLLM does, we decode a short
-*window* of recent tokens (`prefix_offset` .. end) and emit only what the window's text gained since the
-last call, holding back a trailing run of U+FFFD (an unfinished character). The window starts a few tokens
-before the last emitted token, which gives the decoder its left context and keeps each call O(window).
+differently depending on its left neighbour (leading-space handling). Two decoders handle both:
 
-`TextStream` adds what streaming needs on top: stop strings (the text is cut before the first match and the
-request is reported as stopped) and a hold-back of `len(longest stop) - 1` characters, so a client is
-never sent a prefix of a stop string that is later cut off. Concatenated pieces == the final text.
+- `FastDetokenizer`: HF tokenizers' own `DecodeStream` (Rust; what vLLM uses for fast tokenizers). Used
+  whenever the tokenizer is a fast one (it has a `backend_tokenizer`).
+- `WindowDetokenizer`: for other tokenizers (the byte-level stand-in of the presets, slow HF tokenizers).
+  As vLLM's slow path, it decodes a short *window* of recent tokens and emits only what the window's text
+  gained since the last call, holding back a trailing run of U+FFFD (an unfinished character).
+
+Both promise: the pieces returned by `add` and then `flush` concatenate to exactly
+`tokenizer.decode(all_ids, skip_special_tokens=...)`. `make_detokenizer` picks one.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 5          # tokens of left context kept in the decode window
 
 
-class IncrementalDetokenizer:
+class WindowDetokenizer:
     """Feed it token ids (`add`); it returns the new stable text each time; `flush` returns the rest."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
@@ -54,52 +56,62 @@ class IncrementalDetokenizer:
         return piece
 
 
-class TextStream:
-    """One request's output text as it streams: detokenizes, applies stop strings, yields deltas.
+# The window decoder's old name (kept for code that imported it).
+IncrementalDetokenizer = WindowDetokenizer
 
-    `update(output_token_ids, finished)` consumes the tokens not seen yet and returns True when a stop
-    string matched (the caller then finishes the request). `pop_delta()` returns the (text, token ids)
-    produced since the previous call; with `finished=True` it releases everything held back.
-    """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True):
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        self.stop = tuple(stop)
-        self.holdback = max((len(s) for s in self.stop), default=1) - 1
-        self.text = ""               # output text, cut before a matched stop string
-        self.stopped = False
-        self.finished = False
-        self._num_tokens = 0         # tokens consumed from the sequence's output
-        self._sent_chars = 0
-        self._sent_tokens = 0
+class FastDetokenizer:
+    """HF tokenizers' `DecodeStream` behind the same `add` / `flush` interface as `WindowDetokenizer`.
 
-    def update(self, output_token_ids: list[int], finished: bool = False) -> bool:
-        if self.stopped or self.finished:
-            return self.stopped
-        new = output_token_ids[self._num_tokens:]
-        self._num_tokens = len(output_token_ids)
-        piece = self.detok.add(new) if new else ""
-        if finished:
-            piece += self.detok.flush()
-            self.finished = True
-        if piece and self.stop:
-            start = max(0, len(self.text) - self.holdback)   # a match may straddle the old end
-            self.text += piece
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-            if hits:
-                self.text = self.text[:min(hits)]
-                self.stopped = self.finished = True
-        else:
-            self.text += piece
-        return self.stopped
+    DecodeStream returns None while a character is unfinished and never emits bytes that stay
+    unfinished at the end; `flush` then falls back to one full decode, only in that case."""
 
-    def pop_delta(self, output_token_ids: list[int] | None = None) -> tuple[str, list[int]]:
-        """New text (minus the stop-string hold-back unless finished) and new token ids since last call."""
-        end = len(self.text) if self.finished else max(self._sent_chars, len(self.text) - self.holdback)
-        text = self.text[self._sent_chars:end]
-        self._sent_chars = end
-        ids: list[int] = []
-        if output_token_ids is not None:
-            ids = list(output_token_ids[self._sent_tokens:])
-            self._sent_tokens = len(output_token_ids)
-        return text, ids
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        from tokenizers.decoders import DecodeStream
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._backend = tokenizer.backend_tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._pending = False        # the last step returned None: bytes wait for the rest of a character
+
+    def add(self, new_token_ids) -> str:
+        pieces = []
+        for t in new_token_ids:
+            t = int(t)
+            self.token_ids.append(t)
+            piece = self._stream.step(self._backend, t)
+            self._pending = piece is None
+            if piece:
+                pieces.append(piece)
+        piece = "".join(pieces)
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        if not self._pending:
+            return ""
+        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        piece = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += piece
+        self._pending = False
+        return piece
+
+
+def has_fast_decoder(tokenizer) -> bool:
+    """Whether `tokenizer` can use `FastDetokenizer`: an HF fast tokenizer whose `decode` adds no
+    post-processing that DecodeStream lacks (clean_up_tokenization_spaces)."""
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream  # noqa: F401  (tokenizers >= 0.21)
+    except ImportError:
+        return False
+    return (isinstance(getattr(tokenizer, "backend_tokenizer", None), Tokenizer)
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", False))
+
+
+def make_detokenizer(tokenizer, skip_special_tokens: bool = True) -> FastDetokenizer | WindowDetokenizer:
+    """The fast decoder where the tokenizer has one, else the window decoder."""
+    cls = FastDetokenizer if has_fast_decoder(tokenizer) else WindowDetokenizer
+    return cls(tokenizer, skip_special_tokens)

@@ -1,10 +1,12 @@
 """Incremental detokenization: streamed pieces concatenate to exactly the full decode (multi-byte UTF-8,
-BPE merges, special tokens), and stop strings are cut without ever streaming a part of them."""
+BPE merges, special tokens) with both decoders (HF DecodeStream and the window decoder), and the output
+processor cuts stop strings without ever streaming a part of them."""
 import numpy as np
 import pytest
 from helpers import make_tiny_model  # noqa: F401  (puts the repo root on sys.path)
 
-from jaxinfer.detokenizer import IncrementalDetokenizer, TextStream
+from jaxinfer.detokenizer import FastDetokenizer, WindowDetokenizer, make_detokenizer
+from jaxinfer.output_processor import OutputProcessor
 from jaxinfer.tokenizer import ByteTokenizer
 from scripts.make_tiny_model import build_tokenizer
 
@@ -21,19 +23,28 @@ def bpe():
     return build_tokenizer(400)
 
 
-def stream_pieces(tok, ids, chunk=1):
-    d = IncrementalDetokenizer(tok)
+DECODERS = [FastDetokenizer, WindowDetokenizer]
+
+
+def stream_pieces(tok, ids, chunk=1, cls=WindowDetokenizer):
+    d = cls(tok)
     pieces = [d.add(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
     pieces.append(d.flush())
     assert "".join(pieces) == d.text
     return pieces
 
 
+def test_fast_decoder_is_chosen_for_fast_tokenizers(bpe):
+    assert isinstance(make_detokenizer(bpe), FastDetokenizer)
+    assert isinstance(make_detokenizer(ByteTokenizer()), WindowDetokenizer)
+
+
+@pytest.mark.parametrize("cls", DECODERS)
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("chunk", [1, 3])
-def test_bpe_pieces_concatenate_to_the_text(bpe, text, chunk):
+def test_bpe_pieces_concatenate_to_the_text(bpe, text, chunk, cls):
     ids = bpe.encode(text, add_special_tokens=False)
-    pieces = stream_pieces(bpe, ids, chunk)
+    pieces = stream_pieces(bpe, ids, chunk, cls)
     assert "".join(pieces) == bpe.decode(ids, skip_special_tokens=True) == text
     assert not any("\ufffd" in p for p in pieces), pieces      # unfinished characters are held back
     assert sum(bool(p) for p in pieces) > len(pieces) // 3       # and it really streams
@@ -46,41 +57,45 @@ def test_byte_tokenizer_holds_partial_characters(text):
     pieces = stream_pieces(tok, ids)
     assert "".join(pieces) == text
     emoji = list("😀".encode())
-    d = IncrementalDetokenizer(tok)
+    d = WindowDetokenizer(tok)
     assert [d.add([b]) for b in emoji] == ["", "", "", "😀"]
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_ids_match_full_decode(bpe, seed):
-    """Arbitrary ids (invalid byte runs, special tokens, ids the tokenizer lacks) still concatenate exactly."""
+    """Arbitrary ids (invalid byte runs, special tokens, ids the tokenizer lacks) still concatenate exactly,
+    also when the ids end in an unfinished character (the fast decoder's flush)."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, 420, 60).tolist()
-    for tok in (bpe, ByteTokenizer()):
-        assert "".join(stream_pieces(tok, ids)) == tok.decode(ids, skip_special_tokens=True)
+    for cls in DECODERS:
+        assert "".join(stream_pieces(bpe, ids, cls=cls)) == bpe.decode(ids, skip_special_tokens=True)
+    tok = ByteTokenizer()
+    assert "".join(stream_pieces(tok, ids)) == tok.decode(ids, skip_special_tokens=True)
 
 
-def test_special_tokens_are_skipped(bpe):
+@pytest.mark.parametrize("cls", DECODERS)
+def test_special_tokens_are_skipped(bpe, cls):
     eos = bpe.convert_tokens_to_ids("<|im_end|>")
     ids = bpe.encode("你好 world", add_special_tokens=False) + [eos]
-    assert "".join(stream_pieces(bpe, ids)) == "你好 world"
+    assert "".join(stream_pieces(bpe, ids, cls=cls)) == "你好 world"
 
 
 def run_stream(tok, ids, stop, finish_at=None):
-    ts, deltas = TextStream(tok, stop), []
+    proc, deltas = OutputProcessor(tok, stop, stream=True), []
     for n in range(1, len(ids) + 1):
         finished = n == len(ids) if finish_at is None else n == finish_at
-        stopped = ts.update(ids[:n], finished=finished)
-        deltas.append(ts.pop_delta(ids[:n])[0])
-        if stopped or finished:
-            return ts, deltas
-    return ts, deltas
+        d = proc.update(ids[n - 1:n], "length" if finished else None)
+        deltas.append(d.text)
+        if d.finish_reason:
+            return proc, deltas
+    return proc, deltas
 
 
 def test_stop_string_is_cut_and_never_streamed(bpe):
     text = "Hello world! How are you today? I am fine."
     ids = bpe.encode(text, add_special_tokens=False)
     ts, deltas = run_stream(bpe, ids, ("are you",))
-    assert ts.stopped and ts.text == "Hello world! How " == "".join(deltas)
+    assert ts.stopped and ts.finish_reason == "stop" and ts.text == "Hello world! How " == "".join(deltas)
     assert not any("are" in d for d in deltas)
 
 
@@ -95,5 +110,16 @@ def test_no_stop_match_releases_the_holdback_at_the_end(bpe):
     text = "The quick brown fox jumps"
     ids = bpe.encode(text, add_special_tokens=False)
     ts, deltas = run_stream(bpe, ids, ("a long stop string",))
-    assert not ts.stopped and "".join(deltas) == text
+    assert not ts.stopped and ts.finish_reason == "length" and "".join(deltas) == text
     assert deltas[-1]                                            # held-back tail comes out on finish
+
+
+def test_non_streaming_without_stop_decodes_once_at_the_end(bpe):
+    text = "Hello world! 你好"
+    ids = bpe.encode(text, add_special_tokens=False)
+    proc = OutputProcessor(bpe, (), stream=False)
+    assert proc._detok is None                                   # no per-token work at all
+    deltas = [proc.update([t]).text for t in ids[:-1]] + [proc.update(ids[-1:], "length").text]
+    assert deltas[:-1] == [""] * (len(ids) - 1) and deltas[-1] == text == proc.text
+    assert proc.token_ids == ids
+    assert proc.update([1, 2], None).token_ids == []             # after the finish, nothing more

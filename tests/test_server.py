@@ -10,11 +10,10 @@ import openai
 import pytest
 import uvicorn
 
-from jaxinfer import LLM
-from jaxinfer.server import build_app
+from jaxinfer.server import CoreProcess, build_app
 
-# Same engine settings as test_engine.py: the compiled steps are shared within the pytest process.
-BASE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+# Small engine sizes for the tiny model (CPU, float32, xla backend).
+BASE = dict(dtype="float32", attn_backend="xla", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
             kvcache_block_size=4, num_kvcache_blocks=256, warmup=False)
 MODEL = "tiny-qwen3"
 
@@ -27,9 +26,10 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def url(tiny_dir):
-    llm = LLM(tiny_dir, **BASE)
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, MODEL), host="127.0.0.1", port=free_port(),
-                                           log_level="warning"))
+    """The engine core in its own (spawned) process; the API app on uvicorn in a thread of this process."""
+    core = CoreProcess(tiny_dir, BASE)
+    server = uvicorn.Server(uvicorn.Config(build_app(core.info, MODEL, alive=core.alive), host="127.0.0.1",
+                                           port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -38,6 +38,7 @@ def url(tiny_dir):
     yield f"http://127.0.0.1:{server.config.port}"
     server.should_exit = True
     thread.join(timeout=30)
+    assert core.shutdown() == 0, "the engine core did not exit cleanly"
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +50,10 @@ def wait_idle(url, timeout=30.0) -> dict:
     end = time.time() + timeout
     while True:
         st = httpx.get(url + "/stats").json()
-        if st["running"] == st["waiting"] == 0 or time.time() > end:
+        if st["running"] == st["waiting"] == 0:
             return st
+        assert time.time() < end, f"the engine did not become idle in {timeout} s: {st}"
+        time.sleep(0.02)
 
 
 def test_models_and_health(url, client):
@@ -124,15 +127,18 @@ def test_32_concurrent_streams(client, url):
 def test_disconnect_mid_stream_frees_blocks(url):
     body = {"model": MODEL, "prompt": "Disconnect me", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    before = wait_idle(url)["generated_tokens"]
+    before = wait_idle(url)
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
         for i, _ in enumerate(s.iter_lines()):
             if i >= 3:
                 break                     # closing the response drops the connection mid-stream
-    st = wait_idle(url)
-    assert st["running"] == st["waiting"] == 0
+    end = time.time() + 30
+    while (st := wait_idle(url))["api_aborts"] == before["api_aborts"]:
+        assert time.time() < end, "the disconnect did not abort the request in the core"
+        time.sleep(0.02)
+    assert st["api_aborts"] == before["api_aborts"] + 1
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
-    assert 0 < st["generated_tokens"] - before < 100, "the request was not aborted"
+    assert st["generated_tokens"] - before["generated_tokens"] > 0
 
 
 @pytest.mark.parametrize("bad, param", [
@@ -169,3 +175,22 @@ def test_openai_client_raises_bad_request(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="no-such-model", prompt="hi")
     assert "no-such-model" in str(e.value)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cuts_text_and_aborts_in_the_core(url, client, stream):
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    expected = full[:full.find(stop)]
+    before = wait_idle(url)["api_aborts"]
+    if stream:
+        chunks = list(client.completions.create(**kw, stop=[stop], stream=True))
+        text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+    else:
+        out = client.completions.create(**kw, stop=[stop]).choices[0]
+        text, reason = out.text, out.finish_reason
+    assert (text, reason) == (expected, "stop")
+    st = wait_idle(url)
+    assert st["api_aborts"] == before + 1, "the stop string did not end the request in the core"
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]

@@ -1,4 +1,32 @@
-"""OpenAI-compatible HTTP server: `build_app(llm, name)` (FastAPI app) and `serve(llm, name, host, port)`."""
-from jaxinfer.server.app import build_app, serve
+"""The OpenAI-compatible HTTP server, with the engine in its own process.
 
-__all__ = ["build_app", "serve"]
+    jaxinfer serve Qwen/Qwen3-0.6B --port 8000          # or, from Python:
+    from jaxinfer.server import serve; serve("Qwen/Qwen3-0.6B", {"max_model_len": 4096}, port=8000)
+
+Process layout (as vLLM V1):
+
+    HTTP clients ──> API process(es): uvicorn + FastAPI, tokenizer, OpenAI protocol, detokenization,
+                     stop strings (app.py, client.py; jaxinfer.output_processor)
+                        │  ZMQ PUSH: msgpack [add / abort / stats], batched per event-loop turn
+                        ▼
+                     engine core process (core.py): LLMEngine = scheduler + compiled steps; its own
+                     XLA_FLAGS (fast command-buffer mode); started with multiprocessing 'spawn'
+                        │  ZMQ PUSH: one msgpack message per step: [(request id, new token ids, finish reason)]
+                        ▼
+                     back to the API process that owns the request id
+
+- Start-up: `serve` spawns the core, which loads the model and reports readiness (or the load error)
+  before anything listens; then uvicorn starts (api_server_count > 1: that many API processes share one
+  listening socket, and this process supervises them).
+- Per token, the core does nothing beyond the step; the API process detokenizes only streaming requests
+  and those with stop strings (HF tokenizers' DecodeStream). A stop string match aborts the request in
+  the core; so does a client disconnect. Every request finishes or fails explicitly; all KV blocks return.
+- Faults: if the core dies, in-flight requests get an error (an SSE error event, or a 500 JSON body), new
+  ones a 503, /health answers 503, and the server exits with code 1 about a second later (no restart).
+  SIGTERM drains: uvicorn stops accepting, in-flight requests finish, then the core is shut down; exit 0.
+"""
+from jaxinfer.server.app import build_app
+from jaxinfer.server.client import CoreClient, CoreInfo, CoreProcess, EngineDeadError
+from jaxinfer.server.launch import run_api, serve
+
+__all__ = ["serve", "build_app", "run_api", "CoreProcess", "CoreInfo", "CoreClient", "EngineDeadError"]

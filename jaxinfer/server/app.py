@@ -1,43 +1,59 @@
-"""The OpenAI-compatible HTTP API (FastAPI): /v1/models, /v1/completions, /v1/chat/completions, /health, /stats.
+"""The OpenAI-compatible HTTP API of one API process (FastAPI): /v1/models, /v1/completions,
+/v1/chat/completions, /health, /stats.
 
-    jaxinfer serve Qwen/Qwen3-0.6B --port 8000
-    curl localhost:8000/v1/chat/completions -d '{"model": "Qwen/Qwen3-0.6B",
-        "messages": [{"role": "user", "content": "Hi"}], "stream": true}'
-
-Handlers validate and tokenize on the event loop, then hand the request to the single engine thread
-(`AsyncEngine`) and stream its deltas back as server-sent events (`stream: true`) or one JSON body.
+Handlers validate and tokenize on the event loop, submit token ids to the engine core (`CoreClient`), and
+turn the core's token ids into text with one `OutputProcessor` per prompt (incremental detokenization only
+when streaming or when stop strings need it; a stop string match aborts the request in the core). Streams
+are server-sent events; a handler that falls behind gets several tokens in one event.
 """
 from __future__ import annotations
 
 import json
+import os
 import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from jaxinfer.output_processor import OutputProcessor, TextDelta
 from jaxinfer.server import protocol as P
-from jaxinfer.server.engine_loop import AsyncEngine
+from jaxinfer.server.client import CoreClient, CoreInfo, EngineDeadError, RequestFailed
+from jaxinfer.tokenizer import load_tokenizer
 
 
-def build_app(llm, served_model_name: str) -> FastAPI:
-    """A FastAPI app serving `llm` under the model id `served_model_name`; the engine thread runs while
-    the app is up (started and stopped by the app's lifespan)."""
-    engine = AsyncEngine(llm)
-    max_model_len = llm.config.max_model_len
+def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0,
+              alive: Callable[[], bool] | None = None, on_dead: Callable[[str], None] | None = None) -> FastAPI:
+    """A FastAPI app serving the engine core described by `info` (from `CoreProcess(...).info`) under the
+    model id `served_model_name`. `alive` tells whether the core process still runs (default: by its pid);
+    `on_dead(reason)` runs on the event loop when the core is found dead (`serve` stops the server then)."""
+    tokenizer = load_tokenizer(info.model if os.path.isdir(info.model) else None)
+    limits = info.limits
+    max_model_len = limits["max_model_len"]
 
     @asynccontextmanager
     async def lifespan(app):
-        engine.start()
+        client = CoreClient(info, api_index, alive)
+        if on_dead is not None:
+            client.on_dead.append(on_dead)
+        client.start()
+        app.state.client = client
         yield
-        engine.stop()
+        client.close()
 
     app = FastAPI(title="jaxinfer", lifespan=lifespan)
-    app.state.engine = engine
+    app.state.client = None
 
     @app.exception_handler(P.RequestError)
     async def _request_error(request: Request, e: P.RequestError):
-        return JSONResponse(P.error_body(str(e), e.param, e.code), status_code=e.status)
+        return JSONResponse(P.error_body(str(e), e.param, e.code, e.type), status_code=e.status)
+
+    def client() -> CoreClient:
+        c = app.state.client
+        if c is None or c.dead:
+            raise P.RequestError(f"the engine is not running: {c.dead if c else 'not started'}", status=503)
+        return c
 
     async def read_body(request: Request) -> dict:
         try:
@@ -53,11 +69,7 @@ def build_app(llm, served_model_name: str) -> FastAPI:
         return body
 
     def tokenize(prompt) -> list[int]:
-        try:
-            with engine.tokenizer_lock:
-                ids = llm._tokenize(prompt, 0)
-        except ValueError as e:
-            raise P.RequestError(str(e), param="prompt") from None
+        ids = list(tokenizer.encode(prompt, add_special_tokens=False)) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise P.RequestError("the prompt is empty", param="prompt")
         if len(ids) >= max_model_len:
@@ -71,22 +83,43 @@ def build_app(llm, served_model_name: str) -> FastAPI:
         for p in prompts:
             ids = tokenize(p)
             params = P.sampling_params(body, len(ids), max_model_len, default_max_tokens)
-            try:
-                llm.engine.check_request(ids, params)   # reads only constants: safe off the engine thread
-            except ValueError as e:
-                raise P.RequestError(str(e), param="prompt") from None
+            P.check_request(ids, params, limits)
             items.append((ids, params))
         return items
 
+    async def run(items, stream: bool) -> AsyncIterator[tuple[int, TextDelta, OutputProcessor]]:
+        """Submit the prompts; yield (prompt index, delta, its processor) as outputs arrive, until all finish.
+        Leaving early (client gone, error) aborts what is still running in the core."""
+        c = client()
+        procs = [OutputProcessor(tokenizer, params.stop, stream=stream) for _, params in items]
+        coll = c.submit(items, eager=stream or any(params.stop for _, params in items))
+        left = len(items)
+        try:
+            while left:
+                for index, ids, reason in await coll.get():
+                    proc = procs[index]
+                    if proc.finished:
+                        continue
+                    d = proc.update(ids, reason)
+                    if proc.stopped and reason is None:       # a stop string matched: end it in the core
+                        c.abort(coll, [index])
+                    left -= d.finish_reason is not None
+                    yield index, d, proc
+        finally:
+            c.abort(coll)
+
     async def collect(items) -> tuple[list[str], list[str], dict]:
-        texts, reasons = [""] * len(items), [None] * len(items)
-        out_tokens = [0] * len(items)
-        async for d in engine.generate(items):
-            texts[d.index] += d.text
-            out_tokens[d.index] = d.num_output_tokens
-            if d.finish_reason:
-                reasons[d.index] = d.finish_reason
-        return texts, reasons, P.usage(sum(len(ids) for ids, _ in items), sum(out_tokens))
+        procs = {}
+        try:
+            async for index, _, proc in run(items, stream=False):
+                procs[index] = proc
+        except EngineDeadError as e:
+            raise P.RequestError(str(e), status=500) from None
+        except RequestFailed as e:
+            raise P.RequestError(str(e), param="prompt" if e.status == 400 else None, status=e.status) from None
+        procs = [procs[i] for i in range(len(items))]
+        use = P.usage(sum(len(ids) for ids, _ in items), sum(len(p.token_ids) for p in procs))
+        return [p.text for p in procs], [p.finish_reason for p in procs], use
 
     def sse(gen) -> StreamingResponse:
         async def body():
@@ -102,13 +135,19 @@ def build_app(llm, served_model_name: str) -> FastAPI:
     # -- routes -------------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
-        if not engine.alive:
-            return JSONResponse({"status": "error", "message": "engine thread is not running"}, status_code=503)
+        c = app.state.client
+        if c is None or c.dead:
+            return JSONResponse({"status": "error", "message": c.dead if c else "starting"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/stats")
     async def stats():
-        return await engine.stats()
+        c = client()
+        try:             # the core's engine stats, plus this API process's counters and the core's pid
+            st = await c.stats()
+            return {**st, **{f"api_{k}": v for k, v in c.counters.items()}, "engine_core_pid": info.pid}
+        except EngineDeadError as e:
+            raise P.RequestError(str(e), status=503) from None
 
     @app.get("/v1/models")
     async def models():
@@ -124,14 +163,15 @@ def build_app(llm, served_model_name: str) -> FastAPI:
         if not stream:
             texts, reasons, use = await collect(items)
             return P.completion(rid, model, texts, reasons, use)
+        client()                                  # 503 now, not inside the stream, if the core is gone
 
         async def chunks():
-            out_tokens = [0] * len(items)
-            async for d in engine.generate(items):
-                out_tokens[d.index] = d.num_output_tokens
-                yield P.completion_chunk(rid, model, d.index, d.text, d.finish_reason)
+            procs = {}
+            async for index, d, proc in run(items, stream=True):
+                procs[index] = proc
+                yield P.completion_chunk(rid, model, index, d.text, d.finish_reason)
             if include_usage:
-                use = P.usage(sum(len(ids) for ids, _ in items), sum(out_tokens))
+                use = P.usage(sum(len(ids) for ids, _ in items), sum(len(p.token_ids) for p in procs.values()))
                 yield P.usage_chunk(rid, model, "text_completion", use)
         return sse(chunks())
 
@@ -140,22 +180,19 @@ def build_app(llm, served_model_name: str) -> FastAPI:
         body = await read_body(request)
         stream, include_usage = P.stream_flags(body)
         messages = P.chat_messages(body)
-        try:
-            with engine.tokenizer_lock:
-                prompt = llm.apply_chat_template(messages, body.get("chat_template_kwargs"))
-        except Exception as e:            # template errors (jinja) as well as our ValueErrors
-            raise P.RequestError(f"cannot apply the chat template: {e}", param="messages") from None
+        prompt = P.apply_chat_template(tokenizer, messages, body.get("chat_template_kwargs"))
         items = prepare(body, [prompt], default_max_tokens=None)
         rid, model = P.new_id("chatcmpl"), served_model_name
         if not stream:
             texts, reasons, use = await collect(items)
             return P.chat_completion(rid, model, texts[0], reasons[0], use)
+        client()
 
         async def chunks():
             yield P.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None)
             n_out = 0
-            async for d in engine.generate(items):
-                n_out = d.num_output_tokens
+            async for _, d, proc in run(items, stream=True):
+                n_out = len(proc.token_ids)
                 if d.text:
                     yield P.chat_chunk(rid, model, {"content": d.text}, None)
                 if d.finish_reason:
@@ -165,10 +202,3 @@ def build_app(llm, served_model_name: str) -> FastAPI:
         return sse(chunks())
 
     return app
-
-
-def serve(llm, served_model_name: str, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run the server in the foreground until interrupted."""
-    import uvicorn
-    uvicorn.run(build_app(llm, served_model_name), host=host, port=port, log_level=log_level)
-

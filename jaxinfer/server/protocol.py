@@ -12,11 +12,15 @@ from jaxinfer.sampling_params import SamplingParams
 
 
 class RequestError(ValueError):
-    """An invalid request: becomes a 400 {"error": {...}} response."""
+    """An invalid request (400) or one the server cannot serve now (5xx): an {"error": {...}} response."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
         super().__init__(message)
         self.param, self.code, self.status = param, code, status
+
+    @property
+    def type(self) -> str:
+        return "invalid_request_error" if self.status < 500 else "server_error"
 
 
 def error_body(message: str, param: str | None = None, code: str | None = None,
@@ -61,6 +65,19 @@ def sampling_params(body: dict, prompt_len: int, max_model_len: int, default_max
         raise RequestError(str(e).replace("SamplingParams.", ""), param=str(e).split("=")[0].split(".")[-1]) from None
 
 
+def check_request(ids: list[int], params: SamplingParams, limits: dict) -> None:
+    """The engine's own request check (LLMEngine.check_request), against the limits the core reported, so
+    that a bad prompt is a 400 before any streaming starts. The core checks again, authoritatively."""
+    V, mml, bs, nb = limits["vocab_size"], limits["max_model_len"], limits["block_size"], limits["num_blocks"]
+    bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V)]
+    if bad:
+        raise RequestError(f"the prompt has token id {bad[0]!r} outside the vocabulary [0, {V})", param="prompt")
+    need = -(-min(len(ids) + params.max_tokens, mml) // bs)
+    if need > nb:
+        raise RequestError(f"the request needs {need} KV blocks for {len(ids)} prompt + {params.max_tokens} output "
+                           f"tokens but the pool has only {nb}", param="prompt")
+
+
 def completion_prompts(body: dict) -> list[str | list[int]]:
     """`prompt` as a list of prompts: a string, a list of token ids, or a list of either."""
     p = body.get("prompt")
@@ -98,6 +115,16 @@ def chat_messages(body: dict) -> list[dict]:
     if kw is not None and not isinstance(kw, dict):
         raise RequestError(f"chat_template_kwargs must be an object, got {kw!r:.100}", param="chat_template_kwargs")
     return out
+
+
+def apply_chat_template(tokenizer, messages: list[dict], kwargs: dict | None) -> str:
+    """The conversation as a prompt string ending with the assistant's turn (as `LLM.apply_chat_template`)."""
+    if getattr(tokenizer, "chat_template", None) is None and hasattr(tokenizer, "vocab_size"):
+        raise RequestError("this model's tokenizer has no chat template; use /v1/completions", param="messages")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(kwargs or {}))
+    except Exception as e:            # template errors (jinja) as well as our ValueErrors
+        raise RequestError(f"cannot apply the chat template: {e}", param="messages") from None
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:

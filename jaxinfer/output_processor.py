@@ -1,0 +1,80 @@
+"""One request's output as it is generated: token ids in, text deltas out. Shared by `LLM` and the server.
+
+    proc = OutputProcessor(tokenizer, params.stop, stream=True)
+    for new_ids, reason in engine_outputs:           # reason: None until the engine finishes the request
+        delta = proc.update(new_ids, reason)         # TextDelta(text, token_ids, finish_reason)
+        if proc.stopped and reason is None:          # a stop string matched: end the request in the engine
+            abort(request)
+
+What it does:
+- detokenizes incrementally (jaxinfer.detokenizer: HF tokenizers' DecodeStream for fast tokenizers) when
+  the caller streams or the request has stop strings; otherwise it only collects ids and decodes once,
+  at the end (no per-token work at all);
+- applies stop strings: the text is cut before the first match and the request finishes with "stop";
+- holds back the last `len(longest stop) - 1` characters until they cannot start a stop string, so a
+  client is never sent text that a later match cuts off. The deltas' texts concatenate to `text`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxinfer.detokenizer import make_detokenizer
+
+
+@dataclass
+class TextDelta:
+    """What one request gained in one update."""
+    text: str                     # new text ('' while held back or while a character is unfinished)
+    token_ids: list[int]          # new token ids
+    finish_reason: str | None     # set on the request's last delta ("stop" when a stop string matched)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, stop: tuple[str, ...] | list[str] = (), *, stream: bool = True,
+                 skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = tuple(stop or ())
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.incremental = stream or bool(self.stop)
+        self._detok = make_detokenizer(tokenizer, skip_special_tokens) if self.incremental else None
+        self.token_ids: list[int] = []
+        self.text = ""                # output text so far, cut before a matched stop string
+        self.finish_reason: str | None = None
+        self.stopped = False          # a stop string matched (the caller ends the engine request)
+        self._sent_chars = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, new_token_ids, finish_reason: str | None = None) -> TextDelta:
+        """Consume new token ids (and the engine's finish reason, on its last output). After the request
+        finished (by the engine or by a stop string), further ids are ignored."""
+        if self.finished:
+            return TextDelta("", [], None)
+        new = list(new_token_ids)
+        self.token_ids += new
+        if not self.incremental:
+            if finish_reason is not None:
+                self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+                self.finish_reason = finish_reason
+                self._sent_chars = len(self.text)
+                return TextDelta(self.text, new, finish_reason)
+            return TextDelta("", new, None)
+        piece = self._detok.add(new) if new else ""
+        if finish_reason is not None:
+            piece += self._detok.flush()
+        if piece:
+            start = max(0, len(self.text) - self.holdback)     # a match may straddle the old end
+            self.text += piece
+            if self.stop:
+                hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+                if hits:
+                    self.text = self.text[:min(hits)]
+                    self.stopped = True
+                    finish_reason = "stop"
+        self.finish_reason = finish_reason
+        end = len(self.text) if self.finished else max(self._sent_chars, len(self.text) - self.holdback)
+        text, self._sent_chars = self.text[self._sent_chars:end], end
+        return TextDelta(text, new, finish_reason)

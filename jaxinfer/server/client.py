@@ -1,0 +1,306 @@
+"""The API side of the engine core: start the core process (`CoreProcess`) and talk to it (`CoreClient`).
+
+`CoreProcess` spawns `core.run_core` and waits for its readiness report: `CoreInfo` (picklable) then tells
+any API process how to reach the core. `CoreClient` lives on an API process's event loop:
+- `submit(items)` sends the prompts' token ids and sampling params (commands are batched: one message per
+  event-loop turn) and returns a `Collector` that the HTTP handler awaits;
+- a receiver thread reads the core's per-step messages (one per step, all updated requests) and hands each
+  to the event loop in one call; the loop appends new token ids to each request's collector;
+- the receiver also watches the core process: if it dies, every collector fails with `EngineDeadError`
+  and the `on_dead` callbacks run (the server reports 503 on /health and exits non-zero).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import msgpack
+import zmq
+
+log = logging.getLogger("jaxinfer.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process is gone: nothing can be served any more."""
+
+
+class RequestFailed(RuntimeError):
+    """The core refused (status 400) or failed (500) one request; the message says why."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    model: str                    # resolved: a checkpoint directory or a preset name (the tokenizer's source)
+    in_addr: str                  # the core's inbox (API processes push)
+    out_addrs: tuple[str, ...]    # one per API process (the core pushes)
+    pid: int
+    limits: dict                  # max_model_len, vocab_size, num_blocks, block_size
+
+
+class CoreProcess:
+    """Spawn the engine core, wait until it has loaded the model (or raise its load error)."""
+
+    def __init__(self, model: str, engine_kwargs: dict | None = None, api_count: int = 1):
+        import multiprocessing as mp
+
+        from jaxinfer.hub import resolve_model
+        from jaxinfer.server.core import run_core
+        resolved = resolve_model(model)           # once, here: every process then reads the same files
+        self._dir = tempfile.mkdtemp(prefix="jaxinfer-")
+        in_addr = f"ipc://{self._dir}/in"
+        outs = tuple(f"ipc://{self._dir}/out{i}" for i in range(api_count))
+        ctx = mp.get_context("spawn")             # JAX is not fork-safe
+        recv, send = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=run_core, name="jaxinfer-engine-core",
+                                args=(resolved, dict(engine_kwargs or {}), in_addr, list(outs), send, os.getpid()))
+        self.proc.start()
+        send.close()
+        try:
+            msg = self._wait_ready(recv)
+        except BaseException:                     # load error, or Ctrl-C while loading
+            self.kill()
+            raise
+        self.info = CoreInfo(resolved, in_addr, outs, self.proc.pid, msg["limits"])
+
+    def _wait_ready(self, recv) -> dict:
+        while not recv.poll(0.2):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the engine core exited with code {self.proc.exitcode} while loading the model")
+        try:
+            msg = recv.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise RuntimeError(f"the engine core exited with code {self.proc.exitcode} while loading the model") from None
+        if "error" in msg:
+            log.debug("engine core load error:\n%s", msg.get("traceback", ""))
+            err = msg["error"]
+            cls = ValueError if err.startswith("ValueError") else \
+                FileNotFoundError if err.startswith("FileNotFoundError") else RuntimeError
+            raise cls(f"the engine core could not load the model: {err.split(': ', 1)[-1]}")
+        return msg
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def shutdown(self, timeout: float = 30.0) -> int | None:
+        """Ask the core to exit (it aborts what is left), wait, kill it if it does not. Returns its exit code."""
+        if self.proc.is_alive():
+            ctx = zmq.Context.instance()
+            s = ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 1000)
+            s.connect(self.info.in_addr)
+            s.send(msgpack.packb([["shutdown"]]))
+            s.close()
+            self.proc.join(timeout)
+        self.kill()
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """For API processes that are not the core's parent (the parent reaps it at once)."""
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+class Collector:
+    """One HTTP request's engine requests (one per prompt): new token ids per prompt index, awaited by the
+    handler. `eager=False` (no streaming, no stop strings) wakes the handler only when a prompt finishes."""
+
+    def __init__(self, n: int, eager: bool):
+        self.rids: list[int] = []
+        self.eager = eager
+        self.pending: dict[int, list] = {}        # index -> [new ids, finish reason]
+        self.error: BaseException | None = None
+        self.event = asyncio.Event()
+        self.unfinished = set(range(n))
+
+    def put(self, index: int, ids: list[int], reason: str | None, message: str | None = None) -> None:
+        if reason in ("error", "rejected"):
+            self.error = RequestFailed(message or "the engine failed this request", 400 if reason == "rejected" else 500)
+            self.event.set()
+            return
+        p = self.pending.get(index)
+        if p is None:
+            self.pending[index] = [ids, reason]
+        else:                                     # the handler is behind: merge (one chunk for several tokens)
+            p[0] = p[0] + ids
+            p[1] = reason
+        if reason is not None:
+            self.unfinished.discard(index)
+        if self.eager or reason is not None:
+            self.event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.event.set()
+
+    async def get(self) -> list[tuple[int, list[int], str | None]]:
+        """Wait for news; returns [(prompt index, new token ids, finish reason or None)]."""
+        while not self.pending and self.error is None:
+            self.event.clear()
+            await self.event.wait()
+        if self.error is not None:
+            raise self.error
+        out = [(i, p[0], p[1]) for i, p in self.pending.items()]
+        self.pending = {}
+        return out
+
+
+class CoreClient:
+    def __init__(self, info: CoreInfo, api_index: int = 0, alive: Callable[[], bool] | None = None):
+        self.info, self.api_index, self.api_count = info, api_index, len(info.out_addrs)
+        self.alive = alive or (lambda: pid_alive(info.pid))
+        self.dead: str | None = None              # why the core is gone, once it is
+        self.on_dead: list[Callable[[str], None]] = []
+        self._requests: dict[int, tuple[Collector, int]] = {}     # rid -> (collector, prompt index)
+        self._ids = itertools.count()
+        self._cmds: list = []
+        self._stats: dict[int, asyncio.Future] = {}
+        self._closing = False
+        self.counters = dict(requests=0, aborts=0)    # prompts sent to the core; aborts sent (disconnects, stops)
+
+    def start(self) -> None:
+        self._packb, self._unpackb = msgpack.packb, msgpack.unpackb
+        self.loop = asyncio.get_running_loop()
+        self._ctx = zmq.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 1000)
+        self._push.connect(self.info.in_addr)
+        self._thread = threading.Thread(target=self._receive, name="jaxinfer-core-receiver", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closing = True
+        self._flush()
+        self._thread.join(timeout=5)
+        self._push.close()
+        self._ctx.term()
+
+    # -- requests (event loop) ----------------------------------------------------------------------
+    def submit(self, items: list[tuple[list[int], object]], eager: bool) -> Collector:
+        """Queue the prompts (token ids, SamplingParams); their outputs arrive in the returned Collector."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        coll = Collector(len(items), eager)
+        for index, (ids, params) in enumerate(items):
+            rid = next(self._ids) * self.api_count + self.api_index
+            self.counters["requests"] += 1
+            coll.rids.append(rid)
+            self._requests[rid] = (coll, index)
+            self._command(["add", rid, ids, {f.name: getattr(params, f.name) for f in fields(params)
+                                             if f.name != "stop"}])   # stop strings stay here
+        return coll
+
+    def abort(self, coll: Collector, indices=None) -> None:
+        """Stop the collector's unfinished prompts in the core (their KV blocks return to the pool)."""
+        for i in (coll.unfinished if indices is None else indices):
+            rid = coll.rids[i]
+            if self._requests.pop(rid, None) is not None and not self.dead:
+                self._command(["abort", rid])
+                self.counters["aborts"] += 1
+        coll.unfinished.difference_update(range(len(coll.rids)) if indices is None else indices)
+
+    async def stats(self) -> dict:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        token = next(self._ids)
+        fut = self._stats[token] = self.loop.create_future()
+        self._command(["stats", self.api_index, token])
+        return await asyncio.wait_for(fut, timeout=60)
+
+    def _command(self, cmd: list) -> None:
+        if not self._cmds:
+            self.loop.call_soon(self._flush)      # one message per event-loop turn, however many commands
+        self._cmds.append(cmd)
+
+    def _flush(self) -> None:
+        if self._cmds:
+            cmds, self._cmds = self._cmds, []
+            self._push.send(self._packb(cmds))
+
+    # -- outputs (event loop) -----------------------------------------------------------------------
+    def _dispatch(self, msgs: list) -> None:
+        for msg in msgs:
+            if msg[0] == "out":
+                for row in msg[1]:
+                    entry = self._requests.get(row[0])
+                    if entry is None:             # aborted here already
+                        continue
+                    if row[2] is not None:
+                        del self._requests[row[0]]
+                    entry[0].put(entry[1], row[1], row[2], row[3] if len(row) > 3 else None)
+            elif msg[0] == "stats":
+                fut = self._stats.pop(msg[1], None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg[2])
+
+    def _core_gone(self, why: str) -> None:
+        if self.dead:
+            return
+        self.dead = why
+        log.error("%s", why)
+        err = EngineDeadError(why)
+        for coll, _ in list(self._requests.values()):
+            coll.fail(err)
+        self._requests.clear()
+        for fut in self._stats.values():
+            if not fut.done():
+                fut.set_exception(err)
+        for cb in self.on_dead:
+            cb(why)
+
+    # -- receiver thread ----------------------------------------------------------------------------
+    def _receive(self) -> None:
+        sock = self._ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.info.out_addrs[self.api_index])
+        why = None
+        try:
+            while not self._closing:
+                if not sock.poll(100):
+                    if not self.alive() and not sock.poll(200):   # read what it sent before it went
+                        why = "the engine core process died"
+                        break
+                    continue
+                msgs = []
+                while True:
+                    try:
+                        msgs.append(self._unpackb(sock.recv(zmq.NOBLOCK)))
+                    except zmq.Again:
+                        break
+                self.loop.call_soon_threadsafe(self._dispatch, msgs)
+                if any(m[0] == "bye" for m in msgs):
+                    if not self._closing:
+                        why = "the engine core process exited"
+                    break
+        finally:
+            sock.close()
+        if why and not self._closing:
+            try:
+                self.loop.call_soon_threadsafe(self._core_gone, why)
+            except RuntimeError:                  # the event loop is closed
+                pass

@@ -1,0 +1,175 @@
+"""The engine-core process: the scheduler and the compiled steps, nothing per token beyond what a step needs.
+
+Started by `client.CoreProcess` with multiprocessing's 'spawn' (JAX is not fork-safe). It owns its process,
+so before JAX starts it turns on XLA's fast command-buffer mode where that applies (xla_options), loads the
+model itself (`LLM(model, **engine_kwargs)`), binds its ZMQ sockets and reports readiness (or the load
+error) through a pipe. Then it loops:
+
+    drain the inbox (blocking only when idle) -> engine.step() -> one message per API process
+
+Inbound (PULL, any API process may push): msgpack lists of commands
+    ["add", rid, prompt_token_ids, sampling_params_fields]   ["abort", rid]
+    ["stats", api_index, token]                               ["shutdown"]
+Outbound (one PUSH socket per API process; request ids are owned by API `rid % api_count`):
+    ["out", [[rid, new_token_ids, finish_reason | None], ...]]   once per step, only updated requests;
+                                      finish_reason "rejected" (add refused) or "error" rows add a message
+    ["stats", token, {...}]     ["bye"] (the last message before a clean exit)
+
+Stop strings are not the core's business: the API process matches them and sends "abort".
+SIGINT and SIGTERM are ignored here: the API process drains HTTP first and then sends "shutdown". If the
+parent process disappears (killed), the core exits by itself.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import traceback
+
+import msgpack
+import zmq
+
+log = logging.getLogger("jaxinfer.server.core")
+IDLE_POLL_MS = 500          # idle: wake this often to check that the parent process still exists
+
+
+def run_core(model: str, engine_kwargs: dict, in_addr: str, out_addrs: list[str], ready_conn, parent_pid: int) -> None:
+    """The spawn target. Sends {"limits": ...} or {"error": ...} on ready_conn, then serves until shutdown."""
+    from jaxinfer.xla_options import set_process_flags
+    set_process_flags()                    # before JAX starts its backend (LLM() below starts it)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        from jaxinfer.llm import LLM
+        llm = LLM(model, **engine_kwargs)
+        core = EngineCore(llm.engine, in_addr, out_addrs, parent_pid)
+    except BaseException as e:             # report it: the server must not start listening
+        ready_conn.send({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        ready_conn.close()
+        raise SystemExit(1) from None
+    bm = llm.engine.block_manager
+    ready_conn.send({"limits": dict(max_model_len=llm.engine.config.max_model_len,
+                                    vocab_size=llm.model_config.vocab_size, num_blocks=bm.num_blocks,
+                                    block_size=bm.block_size, pid=os.getpid(), zmq_version=zmq.zmq_version())})
+    ready_conn.close()
+    core.run()
+
+
+class EngineCore:
+    def __init__(self, engine, in_addr: str, out_addrs: list[str], parent_pid: int):
+        self.engine, self.parent_pid = engine, parent_pid
+        self.pack, self.unpackb = msgpack.Packer(), msgpack.unpackb
+        self.ctx = zmq.Context(1)
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.RCVHWM, 0)
+        self.inbox.bind(in_addr)
+        self.outs = []
+        for addr in out_addrs:
+            s = self.ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.SNDHWM, 0)          # never drop or block on outputs
+            s.setsockopt(zmq.LINGER, 5000)       # a clean exit delivers what was sent
+            s.bind(addr)
+            self.outs.append(s)
+        self.live: dict[int, list] = {}          # seq_id -> [rid, seq, tokens sent]
+        self.by_rid: dict[int, int] = {}         # rid -> seq_id
+        self.running = True
+
+    # -- loop ---------------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            while self.running:
+                self._drain(block=not self.engine.has_unfinished())
+                if not self.running or not self.engine.has_unfinished():
+                    continue
+                try:
+                    updated = self.engine.step()
+                except Exception as e:           # fail the requests in flight, free their blocks, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                    continue
+                if updated:
+                    self._send_outputs(updated)
+        finally:
+            for i in range(len(self.outs)):
+                self._send(i, ["bye"])
+            self.inbox.close(linger=0)
+            for s in self.outs:
+                s.close()
+            self.ctx.term()
+
+    def _drain(self, block: bool) -> None:
+        if block:
+            while not self.inbox.poll(IDLE_POLL_MS):
+                if os.getppid() != self.parent_pid:     # orphaned: the API process is gone
+                    log.warning("the server process is gone; the engine core exits")
+                    self.running = False
+                    return
+        while True:
+            try:
+                raw = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            for cmd in self.unpackb(raw):
+                self._command(cmd)
+
+    def _command(self, cmd: list) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            self._add(cmd[1], cmd[2], cmd[3])
+        elif kind == "abort":
+            seq_id = self.by_rid.pop(cmd[1], None)
+            if seq_id is not None:
+                seq = self.live.pop(seq_id)[1]
+                self.engine.abort(seq)
+        elif kind == "stats":
+            self._send(cmd[1], ["stats", cmd[2], self.engine.stats()])
+        elif kind == "shutdown":
+            for rid in list(self.by_rid):
+                self._command(["abort", rid])
+            self.running = False
+
+    def _add(self, rid: int, token_ids: list[int], fields: dict) -> None:
+        from jaxinfer.sampling_params import SamplingParams
+        try:
+            seq = self.engine.add_request(token_ids, SamplingParams(**fields))
+        except (ValueError, TypeError) as e:    # the API checked it already; this is the authoritative check
+            self._send(rid % len(self.outs), ["out", [[rid, [], "rejected", str(e)]]])
+            return
+        self.live[seq.seq_id] = [rid, seq, 0]
+        self.by_rid[rid] = seq.seq_id
+
+    # -- outputs ------------------------------------------------------------------------------------
+    def _send_outputs(self, updated) -> None:
+        rows: list[list] = [[] for _ in self.outs]
+        n_api = len(self.outs)
+        for seq in updated:
+            entry = self.live.get(seq.seq_id)
+            if entry is None:                    # aborted
+                continue
+            rid, _, sent = entry
+            end = len(seq.token_ids) - seq.num_pending
+            start = seq.num_prompt_tokens + sent
+            entry[2] = end - seq.num_prompt_tokens
+            reason = seq.finish_reason
+            if reason is not None:               # finished: forget it
+                del self.live[seq.seq_id], self.by_rid[rid]
+            rows[rid % n_api].append([rid, seq.token_ids[start:end], reason])
+        for i, r in enumerate(rows):
+            if r:
+                self._send(i, ["out", r])
+
+    def _fail_all(self, message: str) -> None:
+        rows: list[list] = [[] for _ in self.outs]
+        for rid in list(self.by_rid):
+            seq = self.live.pop(self.by_rid.pop(rid))[1]
+            self.engine.abort(seq)
+            rows[rid % len(self.outs)].append([rid, [], "error", message])
+        for i, r in enumerate(rows):
+            if r:
+                self._send(i, ["out", r])
+
+    def _send(self, api_index: int, msg) -> None:
+        try:     # never block: a bound PUSH socket whose API process is gone has no peer to queue for
+            self.outs[api_index].send(self.pack.pack(msg), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            log.warning("API process %d is not connected; dropped a message", api_index)

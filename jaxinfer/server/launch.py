@@ -1,0 +1,115 @@
+"""`serve(model, engine_kwargs, ...)`: start the engine core, then the HTTP side, and tear both down in order.
+
+Exit codes (`serve` returns them; `jaxinfer serve` and `python -m jaxinfer.server` exit with them):
+- 0: stopped by SIGTERM or SIGINT after draining (in-flight requests finish, then the core is shut down);
+- 1: the engine core died (in-flight requests got an error; /health answered 503 meanwhile), or an API
+  process died (api_server_count > 1).
+A model that fails to load raises (ValueError / FileNotFoundError / RuntimeError) before anything listens.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+from jaxinfer.server.app import build_app
+from jaxinfer.server.client import CoreInfo, CoreProcess
+
+log = logging.getLogger("jaxinfer.server")
+EXIT_GRACE_S = 1.0      # after the core died: time for error events to reach clients before the server exits
+
+
+def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1", port: int = 8000,
+          served_model_name: str | None = None, log_level: str = "info", api_server_count: int = 1) -> int:
+    """Serve `model` (directory, preset or hub id; engine options as for `LLM`) until SIGTERM / SIGINT or the
+    engine core dies; returns the exit code (see the module docstring)."""
+    if not isinstance(api_server_count, int) or api_server_count < 1:
+        raise ValueError(f"api_server_count={api_server_count!r} must be a positive integer")
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
+    name = served_model_name or model
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _interrupt) if main else None   # while loading: stop the load
+    try:
+        core = CoreProcess(model, engine_kwargs, api_server_count)
+        try:
+            if main:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)    # uvicorn's handler drains; re-raised after
+            if api_server_count == 1:
+                return run_api(core.info, name, host, port, log_level, alive=core.alive)
+            return _run_api_processes(core, name, host, port, log_level, api_server_count)
+        finally:
+            code = core.shutdown()
+            log.info("engine core exited with code %s", code)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _interrupt(sig, frame):
+    raise KeyboardInterrupt
+
+
+def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api_index: int = 0,
+            alive=None, sock=None) -> int:
+    """One API process: uvicorn on (host, port) or on an inherited listening socket. Returns 1 if the core
+    died, else 0."""
+    import asyncio
+
+    import uvicorn
+    dead: list[str] = []
+
+    def on_dead(why: str) -> None:
+        dead.append(why)
+        asyncio.get_running_loop().call_later(EXIT_GRACE_S, setattr, server, "should_exit", True)
+
+    app = build_app(info, name, api_index=api_index, alive=alive, on_dead=on_dead)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    server.run(sockets=[sock] if sock is not None else None)
+    if dead:
+        log.error("exiting: %s", dead[0])
+    return 1 if dead or not server.started else 0
+
+
+def _api_main(info: CoreInfo, name: str, host: str, port: int, log_level: str, api_index: int, sock) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)      # uvicorn installs its own while it runs
+    logging.basicConfig(level=log_level.upper(), format=f"%(levelname)s:     [api {api_index}] %(message)s")
+    raise SystemExit(run_api(info, name, host, port, log_level, api_index, sock=sock))
+
+
+def _run_api_processes(core: CoreProcess, name: str, host: str, port: int, log_level: str, n: int) -> int:
+    """n API processes share one listening socket (the kernel spreads connections); this process watches
+    them and the core. SIGTERM/SIGINT here are forwarded to the API processes, which drain."""
+    import multiprocessing as mp
+    import socket
+    from multiprocessing.connection import wait
+
+    sock = socket.create_server((host, port), reuse_port=False)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_api_main, name=f"jaxinfer-api-{i}",
+                         args=(core.info, name, host, port, log_level, i, sock)) for i in range(n)]
+    for p in procs:
+        p.start()
+    sock.close()
+    stopping = []
+
+    def forward(sig, frame):
+        stopping.append(sig)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()                             # SIGTERM: uvicorn drains
+    prev = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        rc = 0
+        while any(p.is_alive() for p in procs):
+            wait([p.sentinel for p in procs] + [core.proc.sentinel], timeout=1.0)
+            failed = [p for p in procs if p.exitcode not in (None, 0)] or ([] if core.alive() else [core.proc])
+            if failed and not stopping:
+                log.error("%s exited with code %s; stopping the server", failed[0].name, failed[0].exitcode)
+                rc = 1
+                forward(signal.SIGTERM, None)
+        for p in procs:
+            p.join()
+        return rc or max((p.exitcode or 0) != 0 for p in procs)
+    finally:
+        for s, h in prev.items():
+            signal.signal(s, h)
