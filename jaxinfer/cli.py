@@ -125,9 +125,9 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     from jaxinfer.server import serve
-    llm = build_llm(a)
-    serve(llm, a.served_model_name or a.model, host=a.host, port=a.port, log_level=a.log_level)
-    return 0
+    # The engine core loads the model in its own process; this one serves HTTP. Exit 1: the core died.
+    return serve(a.model, engine_kwargs(a), host=a.host, port=a.port, served_model_name=a.served_model_name,
+                 log_level=a.log_level, api_server_count=getattr(a, "api_server_count", 1))
 
 
 def bench_script() -> str:
