@@ -92,8 +92,9 @@ def sample_sharded(logits, temperature, top_k, top_p, min_p, seeds, counters, fi
         scaled = lg / jnp.where(sampled_row, temperature[:, None], 1.0)
         z = scaled + jnp.where(sampled_row, gumbel_noise(seeds, counters, n, start), 0.0)
         best = jnp.argmax(z, axis=-1)                                            # [B]
-        peaks = jax.lax.all_gather(jnp.max(z, axis=-1), "tp")                    # [tp, B]
-        ids = jax.lax.all_gather(best.astype(jnp.int32) + start, "tp")           # [tp, B]
+        # one collective for both: ids ride as fp32 (exact below 2^24, and vocabularies are far smaller)
+        mine = jnp.stack([jnp.max(z, axis=-1), (best + start).astype(jnp.float32)])  # [2, B]
+        peaks, ids = jnp.moveaxis(jax.lax.all_gather(mine, "tp"), 1, 0)          # [tp, B] each
         shard = jnp.argmax(peaks, axis=0)                                        # first shard with the maximum
         return jnp.take_along_axis(ids, shard[None, :], axis=0)[0].astype(jnp.int32)
     return shard_map(local, mesh, (P(None, "tp"), P(), P(), P()), P())(logits, temperature, seeds, counters)

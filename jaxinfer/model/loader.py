@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.qwen3 import layer_shapes
+from jaxinfer.model.qwen3 import init_params, layer_shapes
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "F64": np.float64, "I64": np.int64, "I32": np.int32}
@@ -103,9 +103,20 @@ def _open_checkpoint(path: str) -> dict[str, SafetensorsFile]:
     return table
 
 
-def load_params(path: str, config: ModelConfig | None = None, dtype=jnp.bfloat16) -> dict:
-    """Read a checkpoint directory into the params pytree of `Qwen3ForCausalLM`, cast to `dtype`."""
+def load_params(path: str, config: ModelConfig | None = None, dtype=jnp.bfloat16, placement=None) -> dict:
+    """Read a checkpoint directory into the params pytree of `Qwen3ForCausalLM`, cast to `dtype`.
+
+    placement (parallel.Placement): put the weights on its devices in the tensor-parallel layout, each device
+    receiving only its own slices; None: the default device, checkpoint layout."""
     config = config or ModelConfig.from_pretrained(path)
+    if placement is not None:
+        placement.check(config)           # a size that does not divide the heads fails before any reading
+        return placement.place_host_params(config, read_params(path, config, dtype))
+    return jax.tree.map(jax.device_put, read_params(path, config, dtype))
+
+
+def read_params(path: str, config: ModelConfig, dtype=jnp.bfloat16) -> dict:
+    """The params pytree as host numpy arrays (checkpoint layout; stacked [L, ...] layers)."""
     tensors = _open_checkpoint(path)
     np_dtype = np.dtype(jnp.dtype(dtype))
 
@@ -132,16 +143,23 @@ def load_params(path: str, config: ModelConfig | None = None, dtype=jnp.bfloat16
             parts = [fetch(f"model.layers.{l}.{n}", hf_shapes[n]) for n in hf_names]
             parts = [p.T if transposed else p for p in parts]
             stacked[l] = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-        layers[ours] = jax.device_put(stacked)
+        layers[ours] = stacked
     params = {
-        "embed_tokens": jax.device_put(fetch("model.embed_tokens.weight", (c.vocab_size, E)).astype(np_dtype)),
+        "embed_tokens": fetch("model.embed_tokens.weight", (c.vocab_size, E)).astype(np_dtype),
         "layers": layers,
-        "norm": jax.device_put(fetch("model.norm.weight", (E,)).astype(np_dtype)),
+        "norm": fetch("model.norm.weight", (E,)).astype(np_dtype),
     }
     if not c.tie_word_embeddings:
-        params["lm_head"] = jax.device_put(np.ascontiguousarray(
-            fetch("lm_head.weight", (c.vocab_size, E)).T.astype(np_dtype)))
+        params["lm_head"] = np.ascontiguousarray(fetch("lm_head.weight", (c.vocab_size, E)).T.astype(np_dtype))
     return params
+
+
+def random_params(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0, placement=None) -> dict:
+    """A preset's random weights (`init_params`), made on the device(s): with a placement, in its
+    tensor-parallel layout and already split (the whole model never sits on one device)."""
+    if placement is None:
+        return jax.jit(lambda: init_params(config, jnp.dtype(dtype), seed))()
+    return placement.random_params(config, init_params, jnp.dtype(dtype), seed)
 
 
 def save_checkpoint(params: dict, config: ModelConfig, path: str, dtype: str = "bfloat16") -> str:

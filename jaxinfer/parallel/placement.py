@@ -50,6 +50,11 @@ class Placement:
         return list(self.mesh.devices.flat)
 
     @property
+    def local_device(self):
+        """This process's first device of the replica: where its free memory is read."""
+        return next(d for d in self.devices if d.process_index == jax.process_index())
+
+    @property
     def key(self) -> tuple:
         """Identifies the devices (a compiled executable is bound to them)."""
         return tuple(d.id for d in self.devices)
