@@ -34,13 +34,11 @@ def bucket_for(config: EngineConfig, widths: tuple[int, ...], batch: ScheduledBa
 
 
 def _tables(seqs, B: int, W: int) -> np.ndarray:
-    """Block tables [B, W]; each sequence's numpy copy is cached until its table grows."""
+    """Block tables [B, W] (each sequence's numpy copy is cached by the sequence until its table changes)."""
     tables = np.zeros((B, W), np.int32)
     for i, seq in enumerate(seqs):
-        t = seq.block_table
-        if seq._np_table is None or len(seq._np_table) != len(t):
-            seq._np_table = np.asarray(t, np.int32)
-        tables[i, :len(t)] = seq._np_table
+        t = seq.block_table_array()
+        tables[i, :len(t)] = t
     return tables
 
 
@@ -68,8 +66,8 @@ def pack(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slo
     else:                                                         # one token per row: fully vectorised
         last = [s.token_ids[-1] for s in seqs]
         f["token_ids"][:n] = last
-        # a token still on the device is read from the previous step's output, row s._row
-        f["prev_row"][:n] = [s._row if t == PLACEHOLDER else -1 for s, t in zip(seqs, last)]
+        # a token still on the device is read from the previous step's output, row s.row
+        f["prev_row"][:n] = [s.row if t == PLACEHOLDER else -1 for s, t in zip(seqs, last)]
         row, pos = np.arange(n), start
     f["positions"][:used] = pos
     f["slot_mapping"][:used] = tables[row, pos // block_size] * block_size + pos % block_size
@@ -81,7 +79,7 @@ def pack(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slo
     f["attn_order"][:] = np.argsort(-f["seq_lens"], kind="stable")
     f["sample_idx"][:n] = ends - 1
     for i, s in enumerate(seqs):
-        s._row = i
+        s.row = i
     params = [s.params for s in seqs]
     f["top_k"][:n] = [p.top_k for p in params]
     f["seeds"][:n] = [s.seed for s in seqs]

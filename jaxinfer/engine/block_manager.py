@@ -137,6 +137,5 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[bid] = None
         seq.block_table = []
-        seq._np_table = None                    # the packer's cached copy is stale now
         seq.num_computed_tokens = seq.num_hashed_blocks = 0
         seq.last_hash = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 import itertools
 
+import numpy as np
+
 from jaxinfer.sampling_params import SamplingParams
 
 
@@ -26,8 +28,8 @@ class Sequence:
         self.seed = seed                  # per-request RNG seed (params.seed, or drawn by the engine)
         self.block_size = block_size
         self.block_table: list[int] = []
-        self._np_table = None             # numpy copy of block_table, cached by engine/batch.py
-        self._row = -1                    # this sequence's row in the last dispatched step
+        self._table_array = None          # (block_table list, its numpy copy): see block_table_array
+        self.row = -1                     # this sequence's row in the last dispatched step (set by the packer)
         self.num_pending = 0              # trailing PLACEHOLDER tokens (sampled, not yet read back)
         self.num_computed_tokens = 0      # tokens whose KV is in the cache
         self.num_cached_tokens = 0        # of those, tokens found in the prefix cache at admission
@@ -66,6 +68,15 @@ class Sequence:
     def is_prefilling(self) -> bool:
         # More than the last token lacks KV. (Computing just the last token is a decode step.)
         return self.num_computed_tokens < len(self.token_ids) - 1
+
+    def block_table_array(self):
+        """block_table as int32 numpy, cached until the table changes (the packer copies it every step)."""
+        # block_table only grows in place (append) or is replaced by a new list (allocate / free)
+        src, arr = self._table_array or (None, None)
+        if src is not self.block_table or len(arr) != len(src):
+            arr = np.asarray(self.block_table, np.int32)
+            self._table_array = (self.block_table, arr)
+        return arr
 
     def block_tokens(self, i: int) -> tuple[int, ...]:
         return tuple(self.token_ids[i * self.block_size:(i + 1) * self.block_size])
