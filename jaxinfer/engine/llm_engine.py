@@ -35,7 +35,7 @@ class LLMEngine:
         self.in_flight = None             # (batch, device ids) of the step dispatched but not read yet
         # the pool is sized from one device's memory and its share of the KV (K'/tp kv heads)
         kv_model = placement.kv_view(model) if placement is not None else model
-        device = placement.devices[0] if placement is not None else None
+        device = placement.local_device if placement is not None else None
         if engine.num_kvcache_blocks:
             num_blocks = engine.num_kvcache_blocks
         else:

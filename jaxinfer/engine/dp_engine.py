@@ -1,0 +1,176 @@
+"""Data parallelism: `data_parallel_size` engine replicas in one process, each on its own devices.
+
+`create_engine` is what `LLM` calls: one `LLMEngine` for dp = 1 (tensor-parallel or not), else a `DPEngine`
+over dp of them. `DPEngine` offers what `LLM`, the server and the benchmarks use of an `LLMEngine`
+(add_request, step, abort, has_unfinished, check_request, stats, warmup, and `scheduler` / `block_manager` /
+`runner` views), so nothing above it changes.
+
+- A request goes to the replica with the least outstanding work (tokens still to compute or to generate).
+- `step()` first dispatches a step on every replica, then reads them: each replica's step is queued on its
+  devices before the host waits for any result (JAX dispatch is asynchronous), so the devices run together
+  instead of taking turns.
+- `stats()` sums the replicas' counters and lists each replica's own under "replicas".
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.runner import num_blocks_for_memory
+from jaxinfer.engine.sequence import Sequence
+from jaxinfer.parallel import Placement, make_placements
+from jaxinfer.sampling_params import SamplingParams
+
+# stats that are the same for every replica (or process-wide), not summed
+_NOT_SUMMED = ("block_size", "compilations")
+
+
+def create_engine(model: ModelConfig, config: EngineConfig, load: Callable[[Placement], dict],
+                  eos_token_ids: tuple[int, ...] = (), cap_max_model_len: bool = False):
+    """The engine for `config.tensor_parallel_size` x `config.data_parallel_size` devices (the first ones).
+    load(placement) -> params placed on that placement's devices (e.g. `load_params(..., placement=p)`)."""
+    placements = make_placements(config.tensor_parallel_size, config.data_parallel_size)
+    placements[0].check(model)            # heads that do not divide: before any weight is read
+    if len(placements) == 1:
+        return LLMEngine(model, config, load(placements[0]), eos_token_ids, cap_max_model_len, placements[0])
+    return DPEngine(model, config, load, eos_token_ids, placements, cap_max_model_len)
+
+
+def outstanding_tokens(engine: LLMEngine) -> int:
+    """Tokens a replica still has to compute (prompts) or generate (up to max_tokens)."""
+    s = engine.scheduler
+    return sum(len(q) - q.num_computed_tokens + q.params.max_tokens - q.num_output_tokens
+               for q in (*s.waiting, *s.running))
+
+
+class DPEngine:
+    def __init__(self, model: ModelConfig, config: EngineConfig, load: Callable[[Placement], dict],
+                 eos_token_ids: tuple[int, ...], placements: list[Placement], cap_max_model_len: bool = False):
+        self.model_config = model
+        params = [load(p) for p in placements]
+        if not config.num_kvcache_blocks:
+            # size the pool once, from replica 0's device after every replica's weights are in but before any
+            # pool is: every replica gets the same pool (and the same max_model_len cap)
+            config = config.replace(num_kvcache_blocks=num_blocks_for_memory(
+                placements[0].kv_view(model), config, config.dtype, strict=not cap_max_model_len,
+                device=placements[0].local_device))
+        # distinct engine seeds: requests without a seed draw different seeds on different replicas
+        self.replicas = [LLMEngine(model, config.replace(seed=config.seed + r), p, eos_token_ids, cap_max_model_len,
+                                   placement) for r, (p, placement) in enumerate(zip(params, placements))]
+        del params
+        self.config = self.replicas[0].config.replace(seed=config.seed)
+        self._owner: dict[int, LLMEngine] = {}            # seq_id -> its replica, while unfinished
+        self.scheduler = _SchedulerView(self)
+        self.block_manager = _BlockManagerView(self.replicas)
+        self.runner = _RunnerView(self.replicas)
+
+    def warmup(self, progress=None) -> None:
+        """Every replica compiles its buckets at the same time (XLA compiles outside the GIL)."""
+        with ThreadPoolExecutor(len(self.replicas)) as pool:
+            list(pool.map(lambda r: r.warmup(progress), self.replicas))
+
+    # -- requests ---------------------------------------------------------------------------------
+    def check_request(self, token_ids: list[int], params: SamplingParams, where: str = "prompt") -> None:
+        self.replicas[0].check_request(token_ids, params, where)
+
+    def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
+        replica = min(self.replicas, key=outstanding_tokens)
+        seq = replica.add_request(token_ids, params)
+        self._owner[seq.seq_id] = replica
+        return seq
+
+    def owner(self, seq: Sequence) -> LLMEngine:
+        return self._owner[seq.seq_id]
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.seq_id in self._owner:
+            self._owner.pop(seq.seq_id).abort(seq)
+
+    def has_unfinished(self) -> bool:
+        return any(r.has_unfinished() for r in self.replicas)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Dispatch one step on every replica with work, then read them (see the module docstring)."""
+        reads = [r.dispatch() for r in self.replicas if r.has_unfinished() or r.in_flight is not None]
+        updated = [seq for read in reads for seq in read()]
+        for seq in updated:
+            if seq.finish_reason is not None:
+                self._owner.pop(seq.seq_id, None)
+        return updated
+
+    @property
+    def step_log(self) -> list | None:
+        logs = [r.step_log for r in self.replicas]
+        return None if logs[0] is None else [e for log in logs for e in log]
+
+    @step_log.setter
+    def step_log(self, value: list | None) -> None:
+        for r in self.replicas:
+            r.step_log = None if value is None else list(value)
+
+    def stats(self) -> dict:
+        per = [r.stats() for r in self.replicas]
+        total = {k: (max(s[k] for s in per) if k in _NOT_SUMMED else sum(s[k] for s in per)) for k in per[0]}
+        return {**total, "data_parallel_size": len(per), "replicas": per}
+
+
+class _SchedulerView:
+    """What callers use of `engine.scheduler`, routed to the sequence's replica."""
+
+    def __init__(self, dp: DPEngine):
+        self._dp = dp
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.seq_id in self._dp._owner:
+            self._dp.owner(seq).scheduler.finish(seq, reason)
+
+    def has_unfinished(self) -> bool:
+        return self._dp.has_unfinished()
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return [s for r in self._dp.replicas for s in r.scheduler.waiting]
+
+    @property
+    def running(self) -> list[Sequence]:
+        return [s for r in self._dp.replicas for s in r.scheduler.running]
+
+
+class _BlockManagerView:
+    def __init__(self, replicas: list[LLMEngine]):
+        self._replicas = replicas
+
+    def reset_prefix_cache(self) -> int:
+        return sum(r.block_manager.reset_prefix_cache() for r in self._replicas)
+
+    @property
+    def num_blocks(self) -> int:
+        return self._replicas[0].block_manager.num_blocks      # per replica: what one request can use
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(r.block_manager.num_free_blocks for r in self._replicas)
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self._replicas[0].block_manager.prefix_caching
+
+    @prefix_caching.setter
+    def prefix_caching(self, on: bool) -> None:
+        for r in self._replicas:
+            r.block_manager.prefix_caching = on
+
+
+class _RunnerView:
+    def __init__(self, replicas: list[LLMEngine]):
+        self._replicas = replicas
+
+    def buckets(self) -> list:
+        """Every replica's buckets (each replica compiles its own: executables are bound to devices)."""
+        return [k for r in self._replicas for k in r.runner.buckets()]
+
+    def __getattr__(self, name):         # params, widths, compiled, ...: replica 0's
+        return getattr(self._replicas[0].runner, name)

@@ -1,0 +1,185 @@
+"""Tensor / data parallelism on 8 CPU devices. Run by tests/test_parallel.py in its own process with
+XLA_FLAGS=--xla_force_host_platform_device_count=8 (the device count is fixed when JAX starts), so the rest of
+the suite keeps one device. Tiny fp32 checkpoints; reference = HF transformers."""
+import re
+
+import jax
+import numpy as np
+import pytest
+from helpers import hf_greedy, hf_model, make_tiny_model
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.loader import load_params, read_params
+from jaxinfer.parallel import make_placements
+from jaxinfer.parallel.layout import to_tp
+
+BASE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, prefill_buckets=(64,), max_model_len=64,
+            block_size=8, num_kvcache_blocks=64, warmup=False)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+# GQA with a prime vocabulary (no tp size divides it: padded), MQA (1 kv head: replicated for tp > 1), MHA
+CONFIGS = {
+    "gqa_v509": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64, vocab_size=509),
+    "mqa": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16, hidden_size=64),
+    "mha_tied": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16, hidden_size=64,
+                     tie_word_embeddings=True),
+}
+
+
+def test_sees_eight_devices():
+    assert len(jax.devices()) == 8, "run through tests/test_parallel.py (XLA_FLAGS device count)"
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("par")
+    return {name: make_tiny_model(str(root / name), **kw) for name, kw in CONFIGS.items()}
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 500, n).tolist() for n in (3, 13, 30)]
+
+
+def run(llm, ps, sp=GREEDY):
+    outs = llm.generate(ps, sp, use_tqdm=False)
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"], st        # every KV block returned
+    assert st["running"] == st["waiting"] == 0
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("tp", [2, 4])
+def test_greedy_equals_transformers(ckpts, prompts, name, tp):
+    ref = hf_model(ckpts[name])
+    want = [hf_greedy(ref, p, 8) for p in prompts]
+    assert run(LLM(ckpts[name], tensor_parallel_size=tp, **BASE), prompts) == want
+
+
+def test_pallas_interpret_tp2_equals_transformers(ckpts, prompts):
+    """The Pallas kernels (interpret mode) per device inside shard_map: prefill and the fused decode kernel."""
+    ref = hf_model(ckpts["mqa"])
+    want = [hf_greedy(ref, p, 4) for p in prompts[:2]]
+    llm = LLM(ckpts["mqa"], tensor_parallel_size=2, attn_backend="pallas", **BASE)
+    assert run(llm, prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)) == want
+
+
+@pytest.fixture(scope="session")
+def tp1(ckpts):
+    return LLM(ckpts["gqa_v509"], **BASE)
+
+
+@pytest.fixture(scope="session")
+def tp2(ckpts):
+    return LLM(ckpts["gqa_v509"], tensor_parallel_size=2, **BASE)
+
+
+def seeded(filtered: bool):
+    kw = dict(top_k=20, top_p=0.9) if filtered else {}
+    return [SamplingParams(temperature=t, max_tokens=10, ignore_eos=True, seed=s, **kw)
+            for t, s in ((0.8, 1), (1.5, 2), (1.0, 3))]
+
+
+@pytest.mark.parametrize("filtered", [False, True], ids=["plain", "top_k_top_p"])
+def test_seeded_sampling_tp2_equals_tp1(tp1, tp2, prompts, filtered):
+    sp = seeded(filtered)
+    a, b = run(tp1, prompts, sp), run(tp2, prompts, sp)
+    assert a == b
+    assert a != run(tp1, prompts, [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)] * 3)
+
+
+def test_weights_and_cache_really_split(tp2):
+    runner, tp = tp2.engine.runner, 2
+    assert {d.id for d in runner.placement.devices} == {0, 1}
+    layers = runner.params["layers"]
+    qkv = layers[0]["qkv_proj"] if isinstance(layers, tuple) else layers["qkv_proj"]
+    E, X = qkv.shape[-2:]
+    assert [s.data.shape[-2:] for s in qkv.addressable_shards] == [(E, X // tp)] * tp
+    assert len({s.device for s in qkv.addressable_shards}) == tp
+    o = layers[0]["o_proj"] if isinstance(layers, tuple) else layers["o_proj"]
+    assert [s.data.shape[-2] for s in o.addressable_shards] == [o.shape[-2] // tp] * tp
+    emb = runner.params["embed_tokens"]
+    assert emb.shape[0] == 510                                          # 509 padded to a multiple of 2
+    assert [s.data.shape for s in emb.addressable_shards] == [(255, emb.shape[1])] * tp
+    k_cache = runner.kv_caches[0][0]                                    # [P, bs, K', D], K' = 2
+    assert [s.data.shape[2] for s in k_cache.addressable_shards] == [1, 1]
+    assert not qkv.sharding.is_fully_replicated and not k_cache.sharding.is_fully_replicated
+
+
+def test_loader_gives_each_device_only_its_slices(ckpts):
+    path = ckpts["mqa"]
+    cfg = ModelConfig.from_pretrained(path)
+    (p4,) = make_placements(4, 1)
+    params = load_params(path, cfg, np.float32, placement=p4)
+    host = read_params(path, cfg, np.float32)
+    want = to_tp("qkv_proj", host["layers"]["qkv_proj"], cfg, 4, np)   # [L, E, 4 * (1 + 2) * D]: kv head x4
+    got = params["layers"]["qkv_proj"]
+    assert got.shape == want.shape == (2, 64, 4 * 3 * 16)
+    for s in got.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(s.data), want[s.index])
+        assert s.data.shape == (2, 64, 3 * 16)
+    # each device's slice holds [q heads | the shared kv head | its v]: the kv head is replicated to all 4
+    k_cols = [np.asarray(s.data)[..., 16:32] for s in got.addressable_shards]
+    for k in k_cols[1:]:
+        np.testing.assert_array_equal(k, k_cols[0])
+
+
+def test_step_collectives_are_small(tp2):
+    """The decode step of L layers: 2 all-reduces per layer + 1 for the embedding, and one all-gather (the
+    sampler's [tp, 2, B] maxima); no gather of logits, weights or KV cache."""
+    runner = tp2.engine.runner
+    exe = runner.compile(("decode", 8, 8, runner.widths[-1], False))
+    hlo = exe.as_text()
+    L = tp2.model_config.num_hidden_layers
+    assert len(re.findall(r"all-reduce(?:-start)?\(", hlo)) == 2 * L + 1
+    gathers = re.findall(r"(\S+) all-gather(?:-start)?\(", hlo)
+    assert len(gathers) == 1 and "[2,2,8]" in gathers[0], gathers
+
+
+def test_data_parallel_equals_one_replica(ckpts, tp1, prompts):
+    ps = prompts * 3                                         # enough requests for both replicas
+    sp = [SamplingParams(temperature=0.9, max_tokens=6, ignore_eos=True, seed=i) for i in range(len(ps))]
+    want = run(tp1, ps, sp)
+    dp = LLM(ckpts["gqa_v509"], data_parallel_size=2, **BASE)
+    assert run(dp, ps, sp) == want
+    st = dp.stats()
+    assert st["data_parallel_size"] == 2 and len(st["replicas"]) == 2
+    assert all(r["generated_tokens"] > 0 for r in st["replicas"]), "both replicas got requests"
+    assert st["generated_tokens"] == sum(r["generated_tokens"] for r in st["replicas"]) == 6 * len(ps)
+    devices = [{d.id for d in r.runner.placement.devices} for r in dp.engine.replicas]
+    assert devices == [{0}, {1}]
+    # stream and abort work through the same interface
+    first = next(iter(dp.stream(ps[:2], GREEDY)))
+    assert first.token_ids
+    assert dp.stats()["kv_blocks_free"] == dp.stats()["kv_blocks_total"]
+
+
+def test_data_and_tensor_parallel_together(ckpts, prompts):
+    ref = hf_model(ckpts["mha_tied"])
+    want = [hf_greedy(ref, p, 8) for p in prompts]
+    llm = LLM(ckpts["mha_tied"], data_parallel_size=2, tensor_parallel_size=2, **BASE)
+    assert run(llm, prompts, GREEDY) == want
+    devices = [{d.id for d in r.runner.placement.devices} for r in llm.engine.replicas]
+    assert devices == [{0, 1}, {2, 3}]
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(tensor_parallel_size=0), ["tensor_parallel_size=0"]),
+    (dict(data_parallel_size=-1), ["data_parallel_size=-1"]),
+    (dict(tensor_parallel_size=4, data_parallel_size=4), ["16", "8"]),
+    (dict(tensor_parallel_size=3), ["tensor_parallel_size=3", "num_attention_heads=4"]),
+    (dict(tensor_parallel_size=8), ["tensor_parallel_size=8", "num_attention_heads=4"]),
+])
+def test_bad_sizes_are_refused(ckpts, kw, words):
+    with pytest.raises(ValueError) as e:
+        LLM(ckpts["gqa_v509"], **{**BASE, **kw})
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_kv_heads_neither_dividing_is_refused(tmp_path):
+    path = make_tiny_model(str(tmp_path / "h6k3"), num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+                           hidden_size=96)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 and num_key_value_heads=3"):
+        LLM(path, tensor_parallel_size=2, **BASE)
