@@ -70,10 +70,14 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
     weight_bytes = mc.num_params() * dtype_bytes
     kv_per_token = kv_bytes_per_block(mc, 1, llm.config.dtype)
     need = weight_bytes * steps + kv_per_token * st["kv_tokens_read"]
+    # tp x dp devices each read their share at bw (steps are summed over data-parallel replicas)
+    devices = llm.config.tensor_parallel_size * llm.config.data_parallel_size
+    bw, ref_bw = bw * devices, args.reference_bw * devices
     floor = need / bw
     ttft = [o.metrics["ttft_s"] * 1e3 for o in outs if "ttft_s" in o.metrics]
     tpot = [o.metrics["tpot_s"] * 1e3 for o in outs if "tpot_s" in o.metrics]
     r = dict(model=args.model, attn_backend=llm.config.attn_backend, num_seqs=len(outs),
+             tensor_parallel_size=llm.config.tensor_parallel_size, data_parallel_size=llm.config.data_parallel_size,
              output_tokens=out_tokens, prompt_tokens=in_tokens, wall_s=wall,
              output_tok_s=out_tokens / wall, total_tok_s=(out_tokens + in_tokens) / wall,
              prefill_steps=st["prefill_steps"], decode_steps=st["decode_steps"],
@@ -83,8 +87,8 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
              tpot_ms_p50=pct(tpot, 50), tpot_ms_p90=pct(tpot, 90), tpot_ms_p99=pct(tpot, 99),
              bytes_needed=need, bandwidth_GBs=bw / 1e9, floor_s=floor, pct_of_floor=100 * floor / wall,
              achieved_GBs=need / wall / 1e9, warmup_s=args.warmup_s,
-             reference_bandwidth_GBs=args.reference_bw * 1e3, floor_s_at_reference=need / (args.reference_bw * 1e12),
-             pct_of_reference_floor=100 * need / (args.reference_bw * 1e12) / wall,
+             reference_bandwidth_GBs=ref_bw * 1e3, floor_s_at_reference=need / (ref_bw * 1e12),
+             pct_of_reference_floor=100 * need / (ref_bw * 1e12) / wall,
              host_ms_per_step={k[5:-2]: 1e3 * st[k] / steps for k in HOST_TIMES if k in st})
     print(f"\n== {args.model} | backend={r['attn_backend']} | {len(outs)} requests ==")
     print(f"output: {out_tokens} tok in {wall:.2f} s = {r['output_tok_s']:,.0f} tok/s "
@@ -100,7 +104,7 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
     print(f"roofline: {need / 1e12:.2f} TB must be read (weights once per step + KV of every context token); "
           f"at the measured {bw / 1e12:.2f} TB/s the floor is {floor:.2f} s -> achieved {r['pct_of_floor']:.1f}% "
           f"of the floor ({r['achieved_GBs']:,.0f} GB/s)")
-    print(f"  against the {args.reference_bw:.1f} TB/s of a raw device copy (--reference-bw; gpu-facts.md) the floor is "
+    print(f"  against the {ref_bw:.1f} TB/s of a raw device copy (--reference-bw; gpu-facts.md) the floor is "
           f"{r['floor_s_at_reference']:.2f} s -> {r['pct_of_reference_floor']:.1f}%")
     return r
 
@@ -205,6 +209,7 @@ def run_latency(args) -> dict:
         ttfts.append(o.metrics["ttft_s"] * 1e3)
         tpots.append(o.metrics["tpot_s"] * 1e3)
     r = dict(model=args.model, attn_backend=args.attn_backend, prompt_tokens=args.latency_prompt,
+             tensor_parallel_size=llm.config.tensor_parallel_size, data_parallel_size=llm.config.data_parallel_size,
              output_tokens=args.latency_output, ttft_ms=float(np.median(ttfts)), tpot_ms=float(np.median(tpots)),
              compilations_after_warmup=llm.stats()["compilations"])
     print(f"latency ({args.model}, {args.attn_backend}): TTFT {r['ttft_ms']:.1f} ms for {args.latency_prompt} "
