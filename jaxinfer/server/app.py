@@ -23,12 +23,18 @@ from jaxinfer.server.client import CoreClient, CoreInfo, EngineDeadError, Reques
 from jaxinfer.tokenizer import load_tokenizer
 
 
-def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0,
+def load_model_tokenizer(model: str):
+    """The tokenizer of a resolved model: its directory's, or the byte-level stand-in of a preset."""
+    return load_tokenizer(model if os.path.isdir(model) else None)
+
+
+def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tokenizer=None,
               alive: Callable[[], bool] | None = None, on_dead: Callable[[str], None] | None = None) -> FastAPI:
     """A FastAPI app serving the engine core described by `info` (from `CoreProcess(...).info`) under the
-    model id `served_model_name`. `alive` tells whether the core process still runs (default: by its pid);
-    `on_dead(reason)` runs on the event loop when the core is found dead (`serve` stops the server then)."""
-    tokenizer = load_tokenizer(info.model if os.path.isdir(info.model) else None)
+    model id `served_model_name`. `tokenizer`: default, the model's (`load_model_tokenizer(info.model)`).
+    `alive` tells whether the core process still runs (default: by its pid); `on_dead(reason)` runs on the
+    event loop when the core is found dead (`serve` stops the server then)."""
+    tokenizer = tokenizer if tokenizer is not None else load_model_tokenizer(info.model)
     limits = info.limits
     max_model_len = limits["max_model_len"]
 

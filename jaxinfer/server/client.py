@@ -49,7 +49,8 @@ class CoreInfo:
 
 
 class CoreProcess:
-    """Spawn the engine core, wait until it has loaded the model (or raise its load error)."""
+    """Spawn the engine core; `info` (or `wait_ready()`) waits until it has loaded the model, or raises its
+    load error. In between, the caller may do its own start-up work (load the tokenizer) in parallel."""
 
     def __init__(self, model: str, engine_kwargs: dict | None = None, api_count: int = 1):
         import multiprocessing as mp
@@ -66,12 +67,22 @@ class CoreProcess:
                                 args=(resolved, dict(engine_kwargs or {}), in_addr, list(outs), send, os.getpid()))
         self.proc.start()
         send.close()
-        try:
-            msg = self._wait_ready(recv)
-        except BaseException:                     # load error, or Ctrl-C while loading
-            self.kill()
-            raise
-        self.info = CoreInfo(resolved, in_addr, outs, self.proc.pid, msg["limits"])
+        self.model, self._recv, self._info = resolved, recv, None
+        self._addrs = (in_addr, outs)
+
+    @property
+    def info(self) -> CoreInfo:
+        return self.wait_ready()
+
+    def wait_ready(self) -> CoreInfo:
+        if self._info is None:
+            try:
+                msg = self._wait_ready(self._recv)
+            except BaseException:                 # load error, or Ctrl-C while loading
+                self.kill()
+                raise
+            self._info = CoreInfo(self.model, *self._addrs, self.proc.pid, msg["limits"])
+        return self._info
 
     def _wait_ready(self, recv) -> dict:
         while not recv.poll(0.2):
@@ -95,11 +106,11 @@ class CoreProcess:
 
     def shutdown(self, timeout: float = 30.0) -> int | None:
         """Ask the core to exit (it aborts what is left), wait, kill it if it does not. Returns its exit code."""
-        if self.proc.is_alive():
+        if self.proc.is_alive() and self._info is not None:     # still loading: nothing to drain, kill it
             ctx = zmq.Context.instance()
             s = ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 1000)
-            s.connect(self.info.in_addr)
+            s.connect(self._addrs[0])
             s.send(msgpack.packb([["shutdown"]]))
             s.close()
             self.proc.join(timeout)

@@ -12,7 +12,7 @@ import logging
 import signal
 import threading
 
-from jaxinfer.server.app import build_app
+from jaxinfer.server.app import build_app, load_model_tokenizer
 from jaxinfer.server.client import CoreInfo, CoreProcess
 
 log = logging.getLogger("jaxinfer.server")
@@ -32,10 +32,13 @@ def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1"
     try:
         core = CoreProcess(model, engine_kwargs, api_server_count)
         try:
+            # while the core loads the model: this process's own start-up (transformers' import: seconds)
+            tokenizer = load_model_tokenizer(core.model) if api_server_count == 1 else None
+            core.wait_ready()
             if main:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)    # uvicorn's handler drains; re-raised after
             if api_server_count == 1:
-                return run_api(core.info, name, host, port, log_level, alive=core.alive)
+                return run_api(core.info, name, host, port, log_level, alive=core.alive, tokenizer=tokenizer)
             return _run_api_processes(core, name, host, port, log_level, api_server_count)
         finally:
             code = core.shutdown()
@@ -50,7 +53,7 @@ def _interrupt(sig, frame):
 
 
 def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api_index: int = 0,
-            alive=None, sock=None) -> int:
+            alive=None, sock=None, tokenizer=None) -> int:
     """One API process: uvicorn on (host, port) or on an inherited listening socket. Returns 1 if the core
     died, else 0."""
     import asyncio
@@ -62,7 +65,7 @@ def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api
         dead.append(why)
         asyncio.get_running_loop().call_later(EXIT_GRACE_S, setattr, server, "should_exit", True)
 
-    app = build_app(info, name, api_index=api_index, alive=alive, on_dead=on_dead)
+    app = build_app(info, name, api_index=api_index, tokenizer=tokenizer, alive=alive, on_dead=on_dead)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     server.run(sockets=[sock] if sock is not None else None)
     if dead:

@@ -1,0 +1,138 @@
+"""Server faults, each against a real server process (`python -m jaxinfer.server`) with its engine core:
+the core killed mid-stream (error event, 503s, exit code 1), SIGTERM mid-stream (the stream completes, both
+processes exit 0), a load error (raised before anything listens), and two API processes sharing one port."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from jaxinfer.server import CoreProcess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE = dict(dtype="float32", attn_backend="xla", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
+              kvcache_block_size=4, num_kvcache_blocks=128, warmup=False)
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    """A persistent compilation cache shared by this module's server processes (each would compile the
+    same steps again: ~5 s a server on CPU)."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+def start_server(model_dir, cache_env, *extra):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, **cache_env, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.server", model_dir, "--engine", json.dumps(ENGINE),
+                             "--port", str(port), "--served-model-name", MODEL, "--log-level", "warning", *extra],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url, end = f"http://127.0.0.1:{port}", time.time() + 180
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        assert time.time() < end, "server did not come up"
+        time.sleep(0.2)
+
+
+def pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def stream_body(max_tokens):
+    return {"model": MODEL, "prompt": "Hello there", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
+@pytest.fixture
+def server(tiny_dir, jax_cache):
+    proc, url = start_server(tiny_dir, jax_cache)
+    yield proc, url
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=30)
+
+
+def test_core_killed_mid_stream(server):
+    proc, url = server
+    core_pid = httpx.get(url + "/stats").json()["engine_core_pid"]
+    events = []
+    with httpx.stream("POST", url + "/v1/completions", json=stream_body(110), timeout=60) as s:
+        for line in s.iter_lines():
+            if not line:
+                continue
+            events.append(line)
+            if len(events) == 3:
+                os.kill(core_pid, signal.SIGKILL)
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[-2].removeprefix("data: "))
+    assert err["error"]["type"] == "server_error" and "engine core" in err["error"]["message"]
+    assert not any('"finish_reason": "length"' in e for e in events), "the request cannot have finished"
+    # until the server exits (about a second later) it answers, and says it is unhealthy
+    assert httpx.get(url + "/health", timeout=5).status_code == 503
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=5)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+    assert proc.wait(timeout=30) == 1
+
+
+def test_sigterm_drains_both_processes(server):
+    proc, url = server
+    core_pid = httpx.get(url + "/stats").json()["engine_core_pid"]
+    text, usage, n = "", None, 0
+    with httpx.stream("POST", url + "/v1/completions", json=stream_body(60), timeout=60) as s:
+        for line in s.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            n += 1
+            if n == 2:
+                proc.send_signal(signal.SIGTERM)
+            chunk = json.loads(line.removeprefix("data: "))
+            usage = chunk.get("usage") or usage
+            text += "".join(c["text"] for c in chunk["choices"])
+    assert usage["completion_tokens"] == 60, "the in-flight stream must complete"
+    assert proc.wait(timeout=60) == 0
+    end = time.time() + 10
+    while pid_exists(core_pid):
+        assert time.time() < end, "the engine core outlived the server"
+        time.sleep(0.1)
+
+
+def test_load_error_is_raised_before_serving(tiny_dir):
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        CoreProcess(tiny_dir, {**ENGINE, "max_num_seqs": -1}).wait_ready()
+    with pytest.raises(FileNotFoundError):
+        CoreProcess(os.path.join(tiny_dir, "missing"), ENGINE)
+
+
+def test_two_api_processes(tiny_dir, jax_cache):
+    proc, url = start_server(tiny_dir, jax_cache, "--api-server-count", "2")
+    try:
+        bodies = [{"model": MODEL, "prompt": f"Request {i}", "max_tokens": 6, "temperature": 0} for i in range(6)]
+        with httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as c:
+            first = [c.post(url + "/v1/completions", json=b).json() for b in bodies]
+            again = [c.post(url + "/v1/completions", json=b).json() for b in bodies]
+        assert [r["choices"][0]["text"] for r in first] == [r["choices"][0]["text"] for r in again]
+        assert all(r["usage"]["completion_tokens"] == 6 for r in first)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
