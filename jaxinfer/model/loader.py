@@ -7,10 +7,12 @@ reported with the file and tensor it breaks.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
 import struct
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,8 @@ import ml_dtypes
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.qwen3 import init_params, layer_shapes
+from jaxinfer.model.qwen3 import INIT_STD, init_params, layer_shapes
+from jaxinfer.parallel.layout import map_params, spec, to_tp
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "F64": np.float64, "I64": np.int64, "I32": np.int32}
@@ -155,11 +158,43 @@ def read_params(path: str, config: ModelConfig, dtype=jnp.bfloat16) -> dict:
 
 
 def random_params(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0, placement=None) -> dict:
-    """A preset's random weights (`init_params`), made on the device(s): with a placement, in its
-    tensor-parallel layout and already split (the whole model never sits on one device)."""
-    if placement is None:
-        return jax.jit(lambda: init_params(config, jnp.dtype(dtype), seed))()
-    return placement.random_params(config, init_params, jnp.dtype(dtype), seed)
+    """A preset's random weights, made on the device(s). One device: `init_params`. With tp > 1 each weight is
+    drawn directly in the tensor-parallel layout, sharded, one layer at a time into a donated buffer, so a
+    device holds only its own slices plus one layer's temporaries (one jitted `init_params` kept ~5x the
+    model in temporaries when compiled for the CPU; at 32B that cannot fit a GPU). Same distribution as
+    tp = 1 (normal(INIT_STD), norms 1), other numbers."""
+    dtype = jnp.dtype(dtype)
+    if placement is None or placement.tp == 1:
+        out = None if placement is None else placement.replicated
+        return jax.jit(lambda: init_params(config, dtype, seed), out_shardings=out)()
+    placement.check(config)
+    tp = placement.tp
+    shapes = jax.eval_shape(lambda: map_params(lambda n, w: to_tp(n, w, config, tp, jnp), init_params(config, dtype)))
+    key = jax.random.PRNGKey(seed)
+
+    def one(name, s):
+        sharding = placement.sharding(spec(name, len(s.shape)))
+        std = 0.0 if name.endswith("norm") else INIT_STD
+        k = jax.random.fold_in(key, zlib.crc32(name.encode()))
+        if name in _LAYER_TABLE:      # stacked [L, ...]: layer by layer
+            buf = jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=sharding)()
+            for l in range(s.shape[0]):
+                buf = _draw_layer(buf, jnp.int32(l), jax.random.fold_in(k, l), std)
+            return buf
+        return jax.jit(lambda: _draw(k, s.shape, s.dtype, std), out_shardings=sharding)()
+    return map_params(one, shapes)
+
+
+def _draw(key, shape, dtype, std: float):
+    if std == 0.0:
+        return jnp.ones(shape, dtype)
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def _draw_layer(buf, l, key, std: float):
+    """buf [L, ...] (donated, sharded) with layer l drawn in place."""
+    return jax.lax.dynamic_update_index_in_dim(buf, _draw(key, buf.shape[1:], buf.dtype, std), l, 0)
 
 
 def save_checkpoint(params: dict, config: ModelConfig, path: str, dtype: str = "bfloat16") -> str:

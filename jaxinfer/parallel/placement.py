@@ -93,13 +93,6 @@ class Placement:
                      out_shardings=self.param_shardings(laid))
         return fn(params)
 
-    def random_params(self, model, init, dtype, seed: int) -> dict:
-        """`init(model, dtype, seed)` (checkpoint layout) generated inside the same jitted program as the
-        tp relayout, with sharded outputs: the whole model never sits on one device."""
-        self.check(model)
-        relayout = lambda: map_params(lambda n, w: to_tp(n, w, model, self.tp, jnp), init(model, dtype, seed))
-        return jax.jit(relayout, out_shardings=self.param_shardings(jax.eval_shape(relayout)))()
-
     # -- KV cache and per-step inputs -------------------------------------------------------------------
     def kv_view(self, model):
         """The model config as one device's KV cache sees it (num_key_value_heads = K' / tp): for sizing
