@@ -172,4 +172,5 @@ class EngineCore:
         try:     # never block: a bound PUSH socket whose API process is gone has no peer to queue for
             self.outs[api_index].send(self.pack.pack(msg), zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            log.warning("API process %d is not connected; dropped a message", api_index)
+            if msg[0] != "bye":               # at shutdown the API process may have gone first
+                log.warning("API process %d is not connected; dropped a message", api_index)

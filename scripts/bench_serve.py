@@ -1,0 +1,227 @@
+"""Serving benchmark, modelled on vLLM's: the HTTP server under load, then the same requests offline.
+
+    python scripts/bench_serve.py                          # qwen3-0.6b preset (random weights), engine defaults
+    python scripts/bench_serve.py qwen3-0.6b --concurrency 1,16,64,256 --request-rates 16,64 --client-procs 4
+    python scripts/bench_serve.py --url http://127.0.0.1:8000 --served-model-name M   # a running server
+    python scripts/bench_serve.py --quick                  # CPU smoke run on a tiny model (tests run it)
+
+Requests follow the W length distribution (nano-vllm's bench.py: random.seed(0), prompts of 100-1024 random
+token ids in [0, 10000], 100-1024 output tokens, ignore_eos, temperature 0.6), sent as token ids to
+/v1/completions with stream=true. Each level gets its own requests (no prefix-cache hits across levels).
+1. Start `python -m jaxinfer.server` (unless --url), wait for /health.
+2. Concurrency sweep: at most C streams in flight (C = 1, 16, 64, 256), min(--num-prompts, 4 C) requests
+   (at least --min-prompts); then request-rate sweep: Poisson arrivals at R req/s. Requests are spread over
+   --client-procs processes so that the client is never the bottleneck.
+3. Stop the server; in a fresh process, run each level's requests through offline `LLM.generate` (all at
+   once), and the 1-stream requests one at a time (batch-1 TTFT / TPOT). Print the ratios.
+Reports output tok/s, TTFT, TPOT, ITL and latency percentiles (ms); writes JSON to scripts/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE]
+from serve_load import percentiles, run_level, summarize  # noqa: E402
+
+# --quick: two buckets in all (prefill 64, decode 8), compiled by the warm-up requests
+QUICK_ENGINE = dict(dtype="float32", attn_backend="xla", max_num_seqs=8, max_num_batched_tokens=64,
+                    max_model_len=128, block_size=16, num_kvcache_blocks=64, warmup=False)
+
+
+def workload(n: int, max_input: int, max_output: int, min_input: int = 100, min_output: int = 100,
+             vocab: int = 151936, seed: int = 0) -> list[tuple[list[int], int]]:
+    """W's lengths (nano-vllm's random calls); token ids modulo the vocabulary so tiny models can run it."""
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) % vocab for _ in range(random.randint(min_input, max_input))]
+               for _ in range(n)]
+    return [(p, random.randint(min_output, max_output)) for p in prompts]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, env) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxinfer.server", args.model, "--engine", json.dumps(args.engine), "--port",
+           str(port), "--served-model-name", args.served_model_name, "--log-level", "warning",
+           "--api-server-count", str(args.api_server_count)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    url, end = f"http://127.0.0.1:{port}", time.time() + args.startup_timeout
+    import httpx
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode} while starting")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if time.time() > end:
+            proc.kill()
+            raise SystemExit(f"the server did not come up in {args.startup_timeout} s")
+        time.sleep(0.5)
+
+
+def offline(model: str, engine: dict, levels: list[dict]) -> list[dict]:
+    """In its own (spawned) process, as the server's core: LLM.generate on each level's requests."""
+    from jaxinfer.xla_options import set_process_flags
+    set_process_flags()                          # what the server's core and the jaxinfer commands do
+    from jaxinfer import LLM, SamplingParams
+    llm = LLM(model, **engine)
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)      # warm-up, as bench.py
+    out = []
+    for lv in levels:
+        reqs = lv["requests"]
+        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for _, m in reqs]
+        llm.reset_prefix_cache()
+        t = time.perf_counter()
+        outs = llm.generate([p for p, _ in reqs], params, use_tqdm=False)
+        wall = time.perf_counter() - t
+        n = sum(len(o.token_ids) for o in outs)
+        r = dict(name=lv["name"], output_tokens=n, wall_s=wall, output_tok_s=n / wall)
+        if lv.get("concurrency") == 1:           # batch 1: each request alone
+            llm.reset_prefix_cache()
+            single = [llm.generate([p], sp, use_tqdm=False)[0].metrics for (p, _), sp in zip(reqs, params)]
+            r["batch1_ttft_ms"] = percentiles([m["ttft_s"] for m in single])
+            r["batch1_tpot_ms"] = percentiles([m["tpot_s"] for m in single if "tpot_s" in m])
+        out.append(r)
+    return out
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", default="qwen3-0.6b", help="checkpoint dir, preset or hub id")
+    ap.add_argument("--engine", type=json.loads, default={}, help="engine options as JSON (LLM kwargs)")
+    ap.add_argument("--url", default=None, help="benchmark this running server (no start, no offline run)")
+    ap.add_argument("--served-model-name", default="bench")
+    ap.add_argument("--api-server-count", type=int, default=1)
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 16, 64, 256])
+    ap.add_argument("--request-rates", type=lambda s: [float(x) for x in s.split(",") if x], default=[16.0, 64.0])
+    ap.add_argument("--num-prompts", type=int, default=512, help="most requests of one level (default 512)")
+    ap.add_argument("--min-prompts", type=int, default=8)
+    ap.add_argument("--rate-prompts", type=int, default=256, help="requests of one request-rate level")
+    ap.add_argument("--max-input-len", type=int, default=1024)
+    ap.add_argument("--max-output-len", type=int, default=1024)
+    ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--no-offline", dest="offline", action="store_false")
+    ap.add_argument("--startup-timeout", type=float, default=900)
+    ap.add_argument("--json", default=None, help="default: scripts/results/serve_<model>_<time>.json")
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, few short requests")
+    a = ap.parse_args(argv)
+    if a.quick:
+        if a.model == "qwen3-0.6b":            # not given: a tiny random checkpoint (vocabulary 512)
+            from make_tiny_model import make_tiny_model
+            a.model = make_tiny_model(os.path.join(tempfile.mkdtemp(prefix="bench-serve-"), "tiny"))
+        a.engine = {**QUICK_ENGINE, **a.engine}
+        a.concurrency, a.request_rates, a.num_prompts, a.min_prompts, a.rate_prompts = [1, 4], [20.0], 8, 3, 6
+        a.max_input_len, a.max_output_len, a.client_procs = 40, 24, 2
+    return a
+
+
+def build_levels(a, vocab: int) -> list[dict]:
+    lo_in, lo_out = (10, 5) if a.quick else (100, 100)
+    sizes = [min(a.num_prompts, max(a.min_prompts, 4 * c)) for c in a.concurrency] + [a.rate_prompts] * len(a.request_rates)
+    reqs = workload(sum(sizes), a.max_input_len, a.max_output_len, lo_in, lo_out, vocab)
+    levels, i = [], 0
+    for k, n in enumerate(sizes):
+        conc = a.concurrency[k] if k < len(a.concurrency) else None
+        rate = None if conc else a.request_rates[k - len(a.concurrency)]
+        part = reqs[i:i + n]
+        i += n
+        levels.append(dict(name=f"concurrency {conc}" if conc else f"rate {rate:g}/s", concurrency=conc, rate=rate,
+                           requests=part))
+    return levels
+
+
+def main(argv=None) -> dict:
+    a = parse(argv)
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if not a.url:     # the offline process compiles the same steps: let it read them from a shared cache
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="bench-serve-jax-cache-"))
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    proc, url = (None, a.url) if a.url else start_server(a, env)
+    import httpx
+    try:
+        levels = build_levels(a, vocab=512 if a.quick else 151936)      # the tiny model's vocabulary: 512
+        ctx = mp.get_context("spawn")
+        results = []
+        with ctx.Pool(a.client_procs) as pool:
+            pool.map(int, range(a.client_procs))                  # start the client processes first
+            warm = workload(2, 64, 8, 16, 4, seed=1)              # one short request through every process
+            run_level(pool, url, a.served_model_name, [(p, m, None) for p, m in warm], 2, a.client_procs)
+            for lv in levels:
+                rng = random.Random(1)
+                reqs, t = [], 0.0
+                for ids, m in lv["requests"]:
+                    if lv["rate"]:
+                        t += rng.expovariate(lv["rate"])
+                    reqs.append((ids, m, t if lv["rate"] else None))
+                before = httpx.get(url + "/stats").json()
+                recs = run_level(pool, url, a.served_model_name, reqs, lv["concurrency"], a.client_procs)
+                after = httpx.get(url + "/stats", timeout=60).json()
+                s = dict(name=lv["name"], concurrency=lv["concurrency"], rate=lv["rate"], **summarize(recs),
+                         preemptions=after["preemptions"] - before["preemptions"],
+                         kv_blocks_free_after=after["kv_blocks_free"], kv_blocks_total=after["kv_blocks_total"])
+                print_level(s)
+                results.append(s)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            server_rc = proc.wait(timeout=120)
+    r = dict(model=a.model, engine=a.engine, url=a.url, client_procs=a.client_procs,
+             api_server_count=a.api_server_count, levels=results)
+    if proc is not None:
+        r["server_exit_code"] = server_rc
+    if a.offline and not a.url:
+        with mp.get_context("spawn").Pool(1) as pool:
+            r["offline"] = pool.apply(offline, (a.model, a.engine, levels))
+        compare(r)
+    path = a.json or os.path.join(HERE, "results", f"serve_{os.path.basename(a.model.rstrip('/'))}_"
+                                                   f"{time.strftime('%Y%m%d-%H%M%S')}.json")
+    if not a.quick or a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(r, f, indent=2)
+        print(f"wrote {path}")
+    return r
+
+
+def print_level(s: dict) -> None:
+    f = lambda d: f"{d.get('p50', float('nan')):7.1f} / {d.get('p99', float('nan')):7.1f}"  # noqa: E731
+    print(f"{s['name']:>16}: {s['output_tok_s']:9.0f} out tok/s  {s['requests']:4d} req  {s['errors']} err  "
+          f"{s['lost_tokens']} lost | TTFT p50/p99 {f(s['ttft_ms'])} ms | TPOT {f(s['tpot_ms'])} ms | "
+          f"ITL {f(s['itl_ms'])} ms", flush=True)
+
+
+def compare(r: dict) -> None:
+    """server / offline for each level; the targets' ratios."""
+    for s, o in zip(r["levels"], r["offline"]):
+        s["offline_output_tok_s"] = o["output_tok_s"]
+        s["server_over_offline"] = s["output_tok_s"] / o["output_tok_s"]
+        line = f"{s['name']:>16}: server {s['output_tok_s']:9.0f} / offline {o['output_tok_s']:9.0f} tok/s = " \
+               f"{s['server_over_offline']:.1%}"
+        if "batch1_tpot_ms" in o and s["tpot_ms"]:
+            s["offline_batch1_tpot_ms"], s["offline_batch1_ttft_ms"] = o["batch1_tpot_ms"], o["batch1_ttft_ms"]
+            s["tpot_over_offline_batch1"] = s["tpot_ms"]["p50"] / o["batch1_tpot_ms"]["p50"]
+            line += (f"; TPOT p50 {s['tpot_ms']['p50']:.2f} vs offline batch-1 {o['batch1_tpot_ms']['p50']:.2f} ms "
+                     f"({s['tpot_over_offline_batch1']:.2f}x)")
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

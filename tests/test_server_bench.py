@@ -1,0 +1,25 @@
+"""scripts/bench_serve.py cannot rot: its --quick mode runs the whole path on CPU (server process, client
+processes, concurrency and request-rate levels, the offline comparison) and every token is accounted for."""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import bench_serve  # noqa: E402
+
+
+def test_bench_serve_quick(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    r = bench_serve.main([tiny_dir, "--quick", "--json", str(out)])
+    assert r["server_exit_code"] == 0
+    names = [lv["name"] for lv in r["levels"]]
+    assert names == ["concurrency 1", "concurrency 4", "rate 20/s"]
+    for lv, off in zip(r["levels"], r["offline"]):
+        assert lv["errors"] == 0 and lv["lost_tokens"] == 0, lv
+        assert lv["kv_blocks_free_after"] == lv["kv_blocks_total"], "KV blocks must all come back"
+        assert lv["output_tokens"] == off["output_tokens"] > 0        # the same requests, offline
+        assert lv["ttft_ms"]["p50"] > 0 and lv["tpot_ms"]["p50"] > 0 and lv["itl_ms"]["p99"] >= lv["itl_ms"]["p50"]
+        assert lv["server_over_offline"] > 0
+    assert r["levels"][0]["tpot_over_offline_batch1"] > 0
+    assert json.loads(out.read_text())["levels"][0]["name"] == "concurrency 1"
+    assert "offline batch-1" in capsys.readouterr().out
