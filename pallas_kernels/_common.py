@@ -7,6 +7,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.quant import is_fp8
+
 # JAX >= 0.11 warns that the Pallas Triton backend is deprecated; it still works through 0.12.
 warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
 
@@ -48,9 +50,9 @@ def check_paged_inputs(name: str, q_heads: int, head_dim: int, q_dtype, k_cache,
         raise ValueError(f"{name}: k_cache must be [num_blocks, block_size, K, D], got shape {k_cache.shape}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"{name}: v_cache shape {v_cache.shape} != k_cache shape {k_cache.shape}")
-    if not (q_dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"{name}: q, k_cache and v_cache must share a dtype, got {q_dtype}, {k_cache.dtype}, "
-                         f"{v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or (k_cache.dtype != q_dtype and not is_fp8(k_cache.dtype)):
+        raise ValueError(f"{name}: k_cache and v_cache must share q's dtype or be float8_e4m3fn, got q {q_dtype}, "
+                         f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
     _, block_size, kv_heads, kd = k_cache.shape
     if kd != head_dim:
         raise ValueError(f"{name}: head_dim of q ({head_dim}) != head_dim of k_cache ({kd})")
@@ -70,15 +72,16 @@ def check_paged_inputs(name: str, q_heads: int, head_dim: int, q_dtype, k_cache,
         raise ValueError(f"{name}: seq_lens must be int32, got {seq_lens.dtype}")
 
 
-def load_kv_tile(k_ref, v_ref, bt_ref, b, kh, tok, block_size: int):
+def load_kv_tile(k_ref, v_ref, bt_ref, b, kh, tok, block_size: int, dtype):
     """Gathers K and V rows of context positions `tok` ([N] int32, all < seq_len) of sequence b, kv head kh.
 
-    Each row is read straight from its page through the block table: no gathered copy in HBM.
-    Returns k, v: [N, D].
+    Each row is read straight from its page through the block table: no gathered copy in HBM. fp8 pages are
+    converted to `dtype` in registers (their scales are applied by the caller, once per program).
+    Returns k, v: [N, D] in `dtype`.
     """
     page = bt_ref[b, tok // block_size]  # [N] physical block ids (each repeated block_size times)
     slot = tok % block_size  # [N]
-    return k_ref[page, slot, kh, :], v_ref[page, slot, kh, :]
+    return k_ref[page, slot, kh, :].astype(dtype), v_ref[page, slot, kh, :].astype(dtype)
 
 
 def dot_precision(dtype):

@@ -7,15 +7,23 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.quant import quantize_in_kernel
+
 
 def new_token(qkv_ref, k_out_ref, v_out_ref, kw_ref, rope, bt_ref, b, kh, heads, kv_heads, dcol, split, seq_len,
-              block_size):
+              block_size, scales=None):
     """The new token's k (normalised, rotated) and v [1, D] of kv head kh, stored into the cache at position
-    seq_len - 1 (split 0 of a real row only). The context loop never reads that position."""
+    seq_len - 1 (split 0 of a real row only). The context loop never reads that position.
+    scales = (k_scale, v_scale) for an fp8 cache: k/v are quantised before the store, and returned as stored
+    (fp8 values in fp32, scales not applied: the caller folds them in as it does for the cached tokens)."""
     kn = norm_rope(qkv_ref, b, jnp.full((1,), heads + kh, jnp.int32), kw_ref, *rope)  # [1, D]
     vn = qkv_ref[b, heads + kv_heads + kh, dcol[None, :]]  # [1, D]
     active = (split == 0) & (seq_len > 0)
+    if scales is not None:
+        kn, vn = quantize_in_kernel(kn, scales[0]), quantize_in_kernel(vn, scales[1])  # [1, D] fp8
     write_new_token(kn, vn, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, seq_len - 1, block_size, active)
+    if scales is not None:
+        kn, vn = kn.astype(jnp.float32), vn.astype(jnp.float32)
     return kn, vn, active
 
 

@@ -22,6 +22,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._common import (LOG2E, NEG_BIG, check_paged_inputs, dot_precision, load_kv_tile,
                                     online_softmax_update)
+from pallas_kernels.quant import compute_dtype, dequantize_cache, kv_scales, load_scales
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 64
@@ -56,8 +57,10 @@ def tile_metadata(cu_seqlens_q: jax.Array, seq_lens: jax.Array, num_tokens: int,
 
 
 def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, seq_lens_ref, bt_ref, q_ref, k_ref,
-                    v_ref, o_ref, *, scale: float, block_size: int, group: int, block_q: int, block_k: int,
+                    v_ref, *refs, scale: float, block_size: int, group: int, block_q: int, block_k: int,
                     batch: int):
+    # refs: [k_scale [L, C], v_scale [L, C], layer [1] for fp8 pages] o
+    scale_refs, (o_ref,) = (refs[:3], refs[3:]) if len(refs) == 4 else (None, refs)
     h, tile = pl.program_id(0), pl.program_id(1)
     head_dim = q_ref.shape[-1]
     seq, first, end = tile_seq_ref[tile], tile_first_ref[tile], tile_end_ref[tile]
@@ -78,14 +81,16 @@ def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, seq_lens
         ctx_start = length - (cu_ref[b + 1] - q_start)  # absolute position of the first new token
         pos = ctx_start + rows - q_start  # [BQ] absolute position of each query row
         first_pos = ctx_start + first - q_start
-        q = q_ref[rows[:, None], h, dcol[None, :]]  # [BQ, D]
-        prec = dot_precision(q.dtype)
-        qk_scale = scale * LOG2E
+        cdtype = compute_dtype(q_ref.dtype, k_ref.dtype)   # fp8 pages are converted to this in registers
+        q = q_ref[rows[:, None], h, dcol[None, :]].astype(cdtype)  # [BQ, D]
+        prec = dot_precision(cdtype)
+        k_scale, v_scale = load_scales(scale_refs, kh)   # fp8 dequantisation scales of this kv head (else 1)
+        qk_scale = scale * LOG2E * k_scale
 
         def body(j, carry, masked: bool):
             acc, m, l = carry
             t = j * block_k + jnp.arange(block_k)  # [BK] key positions
-            k, v = load_kv_tile(k_ref, v_ref, bt_ref, b, kh, jnp.minimum(t, length - 1), block_size)
+            k, v = load_kv_tile(k_ref, v_ref, bt_ref, b, kh, jnp.minimum(t, length - 1), block_size, cdtype)
             s = plt.dot(q, k, trans_b=True, precision=prec) * qk_scale  # [BQ, BK] fp32
             if masked:
                 s = jnp.where(t[None, :] <= pos[:, None], s, -jnp.inf)
@@ -98,14 +103,15 @@ def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, seq_lens
         num_all = pl.cdiv(jnp.minimum(length, last_pos + 1), block_k)
         carry = jax.lax.fori_loop(0, num_full, functools.partial(body, masked=False), carry)
         acc, m, l = jax.lax.fori_loop(num_full, num_all, functools.partial(body, masked=True), carry)
-        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        norm = jnp.where(l > 0, l, 1.0)
+        out = acc * (v_scale / norm)[:, None] if scale_refs is not None else acc / norm[:, None]
         o_ref[rows[:, None], h, dcol[None, :]] = out.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_q", "block_k", "num_warps",
                                              "num_stages"))
-def _flash_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, scale, interpret, block_q,
-                     block_k, num_warps, num_stages):
+def _flash_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scales=None, *, scale, interpret,
+                     block_q, block_k, num_warps, num_stages):
     num_tokens, heads, head_dim = q.shape  # [T, H, D]
     _, block_size, kv_heads, _ = k_cache.shape
     batch = seq_lens.shape[0]
@@ -120,19 +126,21 @@ def _flash_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="flash_attention_prefill",
-    )(tile_seq, tile_first, tile_end, cu_seqlens_q, seq_lens, block_tables, q, k_cache, v_cache)
+    )(tile_seq, tile_first, tile_end, cu_seqlens_q, seq_lens, block_tables, q, k_cache, v_cache, *(scales or ()))
 
 
 def flash_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
                     cu_seqlens_q: jax.Array, seq_lens: jax.Array, *, scale: float | None = None,
+                    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, layer: int | jax.Array = 0,
                     interpret: bool = False, block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K,
                     num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES) -> jax.Array:
     """Causal prefill attention of packed new tokens q [T, H, D] over the paged cache [P, block_size, K, D].
 
     Sequence b's new tokens are q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] (cu_seqlens_q[0] == 0) at absolute
     positions seq_lens[b] - n_new .. seq_lens[b] - 1; each sees its own sequence's keys up to its position.
-    Rows past cu_seqlens_q[-1] are padding and get zeros. Tile options: block_q, block_k (powers of two >= 16),
-    num_warps, num_stages. Returns [T, H, D] in q's dtype.
+    Rows past cu_seqlens_q[-1] are padding and get zeros. float8_e4m3fn caches need k_scale / v_scale
+    (pallas_kernels/quant.py: [] or [K], or [L, 1] / [L, K] with row `layer`). Tile options: block_q, block_k
+    (powers of two >= 16), num_warps, num_stages. Returns [T, H, D] in q's dtype.
     """
     if q.ndim != 3:
         raise ValueError(f"flash_attention: q must be [T, H, D], got shape {q.shape}")
@@ -147,19 +155,23 @@ def flash_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
         if size < 16 or size & (size - 1):
             raise ValueError(f"flash_attention: {name} must be a power of two >= 16, got {size}")
     scale = float(head_dim ** -0.5 if scale is None else scale)
-    return _flash_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale=scale,
+    scales = kv_scales("flash_attention", k_cache, k_scale, v_scale, layer)
+    return _flash_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scales, scale=scale,
                             interpret=interpret, block_q=block_q, block_k=block_k, num_warps=num_warps,
                             num_stages=num_stages)
 
 
 def flash_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
                               cu_seqlens_q: jax.Array, seq_lens: jax.Array, *, scale: float | None = None,
-                              q_chunk: int = 64) -> jax.Array:
+                              k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+                              layer: int | jax.Array = 0, q_chunk: int = 64) -> jax.Array:
     """Plain jnp causal varlen attention over the paged cache (gathering pages), same contract as the kernel.
 
     Tokens are taken in chunks of q_chunk consecutive rows of one sequence (the kernel's tiling), so memory
-    stays ~ (T + B * q_chunk) * H * S scores instead of a per-token copy of the whole context.
+    stays ~ (T + B * q_chunk) * H * S scores instead of a per-token copy of the whole context. fp8 caches are
+    dequantised to fp32 first.
     """
+    k_cache, v_cache = dequantize_cache(k_cache, v_cache, k_scale, v_scale, layer, "flash_attention_reference")
     num_tokens, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     batch = seq_lens.shape[0]

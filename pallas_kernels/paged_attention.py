@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels._common import (LOG2E, NEG_BIG, check_paged_inputs, dot_precision, load_kv_tile, next_pow2,
                                     online_softmax_update, prev_pow2)
 from pallas_kernels._qkv_prologue import attend_new_token, new_token, norm_rope
+from pallas_kernels.quant import compute_dtype, dequantize_cache, kv_scales, load_scales
 
 NUM_SMS = 132  # H200; only used to pick the number of context splits.
 DEFAULT_BLOCK_N = 64  # tokens per tile (4 pages of 16)
@@ -52,10 +53,14 @@ def choose_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int 
 
 def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
                    scale: float, block_size: int, group: int, rows: int, block_n: int, num_splits: int,
-                   fused: bool, ordered: bool, eps: float):
-    # refs: [5 prologue inputs if fused] [order if ordered] o, lse [k_out, v_out if fused]
+                   fused: bool, quantized: bool, ordered: bool, eps: float):
+    # refs: [5 prologue inputs if fused] [3 fp8 scale inputs if quantized] [order if ordered] o, lse
+    #       [k_out, v_out if fused]
     if fused:   # q_ref holds the raw qkv projection [B, H + 2K, D]; the caches are also (aliased) outputs
         (qw_ref, kw_ref, layer_ref, cos_ref, sin_ref), refs = refs[:5], refs[5:]
+    scale_refs = None
+    if quantized:   # fp8 pages: k_scale [L, C], v_scale [L, C], layer [1]
+        scale_refs, refs = refs[:3], refs[3:]
     kh, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if ordered:   # program slot b runs row order[b]
         b, refs = refs[0][b], refs[1:]
@@ -81,15 +86,18 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
         q = norm_rope(q_ref, b, head, qw_ref, *rope)  # [rows, D]
     else:
         q = q_ref[b, head[:, None], dcol[None, :]]  # [rows, D]
-    prec = dot_precision(q.dtype)
-    qk_scale = scale * LOG2E  # softmax in base 2
+    cdtype = compute_dtype(q.dtype, k_ref.dtype)   # fp8 pages are converted to this in registers
+    q = q.astype(cdtype)
+    prec = dot_precision(cdtype)
+    k_scale, v_scale = load_scales(scale_refs, kh)   # fp8 dequantisation scales of this kv head (else 1)
+    qk_scale = scale * LOG2E * k_scale  # softmax in base 2; k's scale folded in
 
     def body(i, carry):
         acc, m, l = carry
         tok = start + i * block_n + jnp.arange(block_n)  # [N]
         valid = tok < end
         # Positions past the end read the last real row (in bounds, finite) and are masked below.
-        k, v = load_kv_tile(k_ref, v_ref, bt_ref, b, kh, jnp.minimum(tok, length - 1), block_size)
+        k, v = load_kv_tile(k_ref, v_ref, bt_ref, b, kh, jnp.minimum(tok, length - 1), block_size, cdtype)
         s = plt.dot(q, k, trans_b=True, precision=prec) * qk_scale  # [rows, N] fp32
         s = jnp.where(valid[None, :], s, -jnp.inf)
         return online_softmax_update(acc, m, l, s, v, prec)
@@ -99,7 +107,7 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
         # the q prologue's instead of adding a second wait after the loop: on the H200 256 x 1024 took 295.8
         # instead of 322.6 us, and the whole benchmark ran 25,768 against 25,147 tok/s (same machine).
         kn, vn, active = new_token(q_ref, k_out_ref, v_out_ref, kw_ref, rope, bt_ref, b, kh, heads, kv_heads, dcol,
-                                   split, seq_len, block_size)
+                                   split, seq_len, block_size, (k_scale, v_scale) if quantized else None)
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), NEG_BIG, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
@@ -108,7 +116,8 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
         acc, m, l = attend_new_token(acc, m, l, q, kn, vn, qk_scale, active)
 
     nonempty = l > 0
-    out = acc / jnp.where(nonempty, l, 1.0)[:, None]  # empty split / padding row -> zeros
+    norm = jnp.where(nonempty, l, 1.0)  # empty split / padding row -> zeros
+    out = acc * (v_scale / norm)[:, None] if quantized else acc / norm[:, None]
     lse = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), NEG_BIG)  # base-2 log-sum-exp
     # Padding rows hold exact copies of the last real head's row, so their (duplicate) stores write the same
     # values to the same place: no mask needed.
@@ -118,10 +127,11 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_n", "num_splits", "num_warps",
                                              "num_stages", "eps"))
-def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None, order=None, *, scale, interpret,
-                     block_n, num_splits, num_warps, num_stages, eps=0.0):
+def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None, order=None, scales=None, *, scale,
+                     interpret, block_n, num_splits, num_warps, num_stages, eps=0.0):
     """q [B, H, D], or with `prologue` = (q_norm [L, D], k_norm [L, D], layer [1], cos, sin) the raw qkv
-    projection [B, H + 2K, D]. order [B] int32: the row each program index runs (None: row = index)."""
+    projection [B, H + 2K, D]. order [B] int32: the row each program index runs (None: row = index).
+    scales: (k_scale [L, C], v_scale [L, C], layer [1]) of fp8 caches (quant.kv_scales), else None."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     fused = prologue is not None
     batch = q.shape[0]
@@ -132,8 +142,8 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None,
     seq_lens = jnp.clip(seq_lens, 0, block_tables.shape[1] * block_size)
     part_dtype = q.dtype if num_splits == 1 else jnp.float32
     kernel = functools.partial(_decode_kernel, scale=scale, block_size=block_size, group=group, rows=rows,
-                               block_n=block_n, num_splits=num_splits, fused=fused, ordered=order is not None,
-                               eps=eps)
+                               block_n=block_n, num_splits=num_splits, fused=fused, quantized=scales is not None,
+                               ordered=order is not None, eps=eps)
     out_shape = (jax.ShapeDtypeStruct((batch, num_splits, heads, head_dim), part_dtype),  # [B, S, H, D]
                  jax.ShapeDtypeStruct((batch, num_splits, heads), jnp.float32))  # [B, S, H]
     args = (seq_lens, block_tables, q, k_cache, v_cache)
@@ -141,6 +151,8 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None,
         out_shape += (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                       jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
         args += tuple(prologue)
+    if scales is not None:
+        args += tuple(scales)
     if order is not None:
         args += (order,)
     res = pl.pallas_call(
@@ -164,13 +176,15 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None,
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
                     seq_lens: jax.Array, *, order: jax.Array | None = None, scale: float | None = None,
+                    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, layer: int | jax.Array = 0,
                     interpret: bool = False, block_n: int = DEFAULT_BLOCK_N, num_splits: int | None = None,
                     num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES) -> jax.Array:
     """Decode attention: q [B, H, D] (one token per sequence) over the paged cache [P, block_size, K, D].
 
     seq_lens[b] counts the context including the new token (already written); 0 marks a padding row (zeros out).
     order [B] int32, optional: a permutation of the rows, the order their programs start in (longest
-    context first shortens the tail; rows left out of it are not computed). Tile options: block_n (tokens
+    context first shortens the tail; rows left out of it are not computed). float8_e4m3fn caches need
+    k_scale / v_scale (see quant.py: [] or [K], or [L, 1] / [L, K] with row `layer`). Tile options: block_n (tokens
     per tile, power of two >= 16), num_splits (context splits, None = auto), num_warps, num_stages.
     Returns [B, H, D] in q's dtype.
     """
@@ -178,14 +192,17 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
         raise ValueError(f"paged_attention: q must be [B, H, D], got shape {q.shape}")
     tiles = _tiles("paged_attention", q, q.shape[1], k_cache, v_cache, block_tables, seq_lens, block_n, num_splits,
                    order)
-    return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, order=order, scale=_scale(scale, q),
-                            interpret=interpret, num_warps=num_warps, num_stages=num_stages, **tiles)
+    scales = kv_scales("paged_attention", k_cache, k_scale, v_scale, layer)
+    return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, order=order, scales=scales,
+                            scale=_scale(scale, q), interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+                            **tiles)
 
 
 def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: jax.Array, sin: jax.Array,
                         k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
                         eps: float, layer: int | jax.Array = 0, order: jax.Array | None = None,
-                        scale: float | None = None, interpret: bool = False,
+                        scale: float | None = None, k_scale: jax.Array | None = None,
+                        v_scale: jax.Array | None = None, interpret: bool = False,
                         block_n: int = DEFAULT_BLOCK_N, num_splits: int | None = None,
                         num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -197,8 +214,10 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
     kernel (two copy kernels a layer otherwise). cos, sin [B, D]: RoPE tables of each row's
     position (rotate-half convention, see jaxinfer/model/layers.py). The kernel normalises and rotates q and k,
     writes k and v at position seq_lens[b] - 1 (padding rows, seq_len 0, write nothing), and attends over the
-    cache plus the new token. `order`: as in paged_attention. Returns (out [B, H, D], k_cache, v_cache); donate
-    the caches to update in place.
+    cache plus the new token. `order`: as in paged_attention. fp8 caches: k_scale / v_scale as in paged_attention
+    (row `layer`); the new token's k/v are quantised in the kernel, and attended as stored (quantised), so this
+    step sees the token as every later step will. Returns (out [B, H, D], k_cache, v_cache); donate the caches
+    to update in place.
     """
     B, K, D = qkv.shape[0], k_cache.shape[2], qkv.shape[-1]
     if qkv.ndim != 3 or qkv.shape[1] <= 2 * K:
@@ -216,11 +235,13 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
     heads = qkv.shape[1] - 2 * K
     tiles = _tiles("paged_attention_qkv", qkv, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits,
                    order)
+    scales = kv_scales("paged_attention_qkv", k_cache, k_scale, v_scale, layer)
     q_norm, k_norm = (jnp.atleast_2d(w).astype(qkv.dtype) for w in (q_norm, k_norm))   # [L, D]
     layer = jnp.asarray(layer, jnp.int32).reshape(1)                              # a constant: no kernel
     norms = (q_norm, k_norm, layer, cos.astype(jnp.float32), sin.astype(jnp.float32))
-    return _paged_attention(qkv, k_cache, v_cache, block_tables, seq_lens, norms, order, scale=_scale(scale, qkv),
-                            interpret=interpret, num_warps=num_warps, num_stages=num_stages, eps=float(eps), **tiles)
+    return _paged_attention(qkv, k_cache, v_cache, block_tables, seq_lens, norms, order, scales,
+                            scale=_scale(scale, qkv), interpret=interpret, num_warps=num_warps,
+                            num_stages=num_stages, eps=float(eps), **tiles)
 
 
 def _scale(scale, q) -> float:
@@ -244,8 +265,11 @@ def _tiles(name, q, heads, k_cache, v_cache, block_tables, seq_lens, block_n, nu
 
 
 def paged_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
-                              seq_lens: jax.Array, *, scale: float | None = None) -> jax.Array:
-    """Plain jnp decode attention: gathers each sequence's pages, masks positions >= seq_len, fp32 softmax."""
+                              seq_lens: jax.Array, *, scale: float | None = None, k_scale: jax.Array | None = None,
+                              v_scale: jax.Array | None = None, layer: int | jax.Array = 0) -> jax.Array:
+    """Plain jnp decode attention: gathers each sequence's pages, masks positions >= seq_len, fp32 softmax.
+    fp8 caches are dequantised to fp32 first (scales as in paged_attention)."""
+    k_cache, v_cache = dequantize_cache(k_cache, v_cache, k_scale, v_scale, layer, "paged_attention_reference")
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     scale = head_dim ** -0.5 if scale is None else scale

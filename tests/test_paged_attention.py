@@ -10,6 +10,7 @@ from helpers import assert_lowers_to_triton, make_paged
 from jaxinfer.model.layers import apply_rope, rms_norm, rope_cos_sin
 from pallas_kernels.paged_attention import (choose_num_splits, paged_attention, paged_attention_qkv,
                                             paged_attention_reference)
+from pallas_kernels.quant import quantize
 
 TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -101,9 +102,10 @@ def test_qkv_kernel_takes_stacked_norm_weights(traced):
     check_qkv(fused, qkv, norms, k, v, tables, lens, TOL[jnp.float32])
 
 
-def check_qkv(fused, qkv, norms, k, v, tables, lens, tol, theta=10_000.0, eps=1e-6):
+def check_qkv(fused, qkv, norms, k, v, tables, lens, tol, theta=10_000.0, eps=1e-6, scales=None):
     """fused(qkv, q_norm, k_norm, cos, sin, k, v, tables, seq_lens) == norm + rope (model/layers.py), writing
-    k/v at position len-1, then the reference attention."""
+    k/v at position len-1, then the reference attention. scales = (k_scale, v_scale) of fp8 caches: the new
+    k/v are written quantised (tests/test_fp8_kernels.py)."""
     block_size, K = k.shape[1], k.shape[2]
     H = qkv.shape[1] - 2 * K
     pos = np.maximum(np.asarray(lens) - 1, 0)
@@ -113,14 +115,24 @@ def check_qkv(fused, qkv, norms, k, v, tables, lens, tol, theta=10_000.0, eps=1e
     vn = qkv[:, H + K:]
     pages = np.asarray(tables)[np.arange(len(lens)), pos // block_size]
     real = np.asarray(lens) > 0
+    if scales is not None:
+        kn, vn = quantize(kn, scales[0]), quantize(vn, scales[1])
     k_ref = k.at[pages[real], pos[real] % block_size].set(kn[real])
     v_ref = v.at[pages[real], pos[real] % block_size].set(vn[real])
     seq_lens = jnp.asarray(lens, jnp.int32)
     out, k2, v2 = fused(qkv, *norms, cos, sin, k, v, tables, seq_lens)
-    cache_tol = dict(atol=1e-6, rtol=1e-6) if qkv.dtype == jnp.float32 else dict(atol=1e-2, rtol=1e-2)
+    exact = qkv.dtype == jnp.float32 and jax.default_backend() == "cpu"
+    if scales is None:
+        cache_tol = dict(atol=1e-6, rtol=1e-6) if qkv.dtype == jnp.float32 else dict(atol=1e-2, rtol=1e-2)
+    else:   # fp8 values: exact on the CPU in fp32; else one fp8 step (bf16 norm/rope, Triton's fp32 division)
+        cache_tol = dict(atol=0, rtol=0) if exact else dict(atol=2.0 ** -9, rtol=2.0 ** -3)
     np.testing.assert_allclose(np.asarray(k2, np.float32), np.asarray(k_ref, np.float32), **cache_tol)
-    np.testing.assert_array_equal(np.asarray(v2, np.float32), np.asarray(v_ref, np.float32))
-    ref = paged_attention_reference(q, k_ref, v_ref, tables, seq_lens)
+    if scales is None or exact:
+        np.testing.assert_array_equal(np.asarray(v2, np.float32), np.asarray(v_ref, np.float32))
+    else:
+        np.testing.assert_allclose(np.asarray(v2, np.float32), np.asarray(v_ref, np.float32), **cache_tol)
+    fp8 = {} if scales is None else dict(k_scale=scales[0], v_scale=scales[1])
+    ref = paged_attention_reference(q, k_ref, v_ref, tables, seq_lens, **fp8)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tol)
     assert not np.asarray(out, np.float32)[~real].any(), "padding rows must be zeros"
 
