@@ -1,7 +1,8 @@
 """Attention kernel bench on Qwen3-0.6B shapes (H=16, K=8, D=128, bf16, page 16): XLA vs Pallas vs cuDNN.
 
 Decode: effective TB/s = bytes of K and V the batch really needs / time, next to the copy bandwidth measured in
-the same run. Prefill: causal TFLOP/s (only the visible half of each score matrix counted), next to the bf16
+the same run; the fp8 columns run both decode kernels on float8_e4m3fn pages (per-kv-head scales), whose TB/s
+counts the bytes actually read (half of bf16's). Prefill: causal TFLOP/s (only the visible half of each score matrix counted), next to the bf16
 matmul rate measured in the same run. Each time is the median of several timed runs of `n` back-to-back
 dispatches of the jitted kernel (each output fed back as the next query); dispatch is asynchronous, so it is
 hidden behind kernels longer than ~20-40 us (the batch-1 decode rows are dispatch-bound).
@@ -23,6 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference  # noqa: E402
 from pallas_kernels.paged_attention import (paged_attention, paged_attention_qkv,  # noqa: E402
                                             paged_attention_reference)
+from pallas_kernels.quant import quantize, scale_for_amax  # noqa: E402
 
 from bench import write_json  # noqa: E402
 from timing import copy_bandwidth, time_loop  # noqa: E402
@@ -62,18 +64,24 @@ def cudnn_paged_decode():
     return run
 
 
-def qkv_decode(opts, smoke):
+def qkv_decode(opts, smoke, **fp8):
     """The engine's decode kernel (paged_attention_qkv: q/k RMSNorm + RoPE, K/V write, attention) as a step
     carrying (k_cache, v_cache), donated so they are updated in place as in the engine. (Feeding the output
     back into qkv, as this harness once did, added a copy kernel per call: 349 vs 288 us at 256 x 1024.)"""
     def run(carry, qkv, norm, cos, tables, lens):
         _, k, v = paged_attention_qkv(qkv, norm, norm, cos, cos, *carry, tables, lens, eps=1e-6, interpret=smoke,
-                                      **opts)
+                                      **opts, **fp8)
         return k, v
     return run
 
 
-def bench_decode(batch, ctx, ceil, opts, smoke, impls=("xla", "pallas", "pallas_qkv", "cudnn")):
+def fp8_pages(k, v):
+    """k, v -> float8_e4m3fn pages and their per-kv-head dequantisation scales (from each head's amax)."""
+    ks, vs = (scale_for_amax(jnp.abs(x).max((0, 1, 3))) for x in (k, v))
+    return quantize(k, ks), quantize(v, vs), dict(k_scale=ks, v_scale=vs)
+
+
+def bench_decode(batch, ctx, ceil, opts, smoke, impls=("xla", "pallas", "pallas_qkv", "cudnn", "fp8", "fp8_qkv")):
     max_blocks = -(-ctx // PAGE)
     k, v, tables = paged_cache(jax.random.PRNGKey(batch * 7 + ctx), batch, max_blocks)
     q = jax.random.normal(jax.random.PRNGKey(1), (batch, H, D), DTYPE)
@@ -97,18 +105,26 @@ def bench_decode(batch, ctx, ceil, opts, smoke, impls=("xla", "pallas", "pallas_
         except Exception as err:  # noqa: BLE001
             row[name + "_s"] = None
             print(f"  decode {name} B={batch} ctx={ctx} failed: {type(err).__name__}: {str(err)[:300]}")
-    if "pallas_qkv" in impls:
-        qkv = jax.random.normal(jax.random.PRNGKey(3), (batch, H + 2 * K, D), DTYPE)
-        norm, cos = jnp.ones((D,), DTYPE), jnp.ones((batch, D), jnp.float32)
-        try:
-            row["pallas_qkv_s"] = time_loop(qkv_decode(opts, smoke), (k, v), qkv, norm, cos, tables, lens,
-                                            est_s=est, donate=True)
-        except Exception as err:  # noqa: BLE001
-            row["pallas_qkv_s"] = None
-            print(f"  decode pallas_qkv B={batch} ctx={ctx} failed: {type(err).__name__}: {str(err)[:300]}")
-    for name in ("pallas", "pallas_qkv"):
-        if row.get(name + "_s"):
-            row[name + "_tbps"] = nbytes / row[name + "_s"] / 1e12
+    qkv = jax.random.normal(jax.random.PRNGKey(3), (batch, H + 2 * K, D), DTYPE)
+    norm, cos = jnp.ones((D,), DTYPE), jnp.ones((batch, D), jnp.float32)
+    kq, vq, fp8 = fp8_pages(k, v) if {"fp8", "fp8_qkv"} & set(impls) else (None, None, {})
+    runs = {"pallas_qkv": lambda: time_loop(qkv_decode(opts, smoke), (k, v), qkv, norm, cos, tables, lens,
+                                            est_s=est, donate=True),
+            "fp8": lambda: time_loop(lambda q, k, v, t, l: paged_attention(q, k, v, t, l, interpret=smoke, **opts,
+                                                                           **fp8), q, kq, vq, tables, lens,
+                                     est_s=est / 2),
+            "fp8_qkv": lambda: time_loop(qkv_decode(opts, smoke, **fp8), (kq, vq), qkv, norm, cos, tables, lens,
+                                         est_s=est / 2, donate=True)}
+    for name, run in runs.items():
+        if name in impls:
+            try:
+                row[name + "_s"] = run()
+            except Exception as err:  # noqa: BLE001
+                row[name + "_s"] = None
+                print(f"  decode {name} B={batch} ctx={ctx} failed: {type(err).__name__}: {str(err)[:300]}")
+    for name, read in (("pallas", nbytes), ("pallas_qkv", nbytes), ("fp8", nbytes // 2), ("fp8_qkv", nbytes // 2)):
+        if row.get(name + "_s"):      # bytes actually read: fp8 pages are half of bf16's
+            row[name + "_tbps"] = read / row[name + "_s"] / 1e12
     if row.get("pallas_s"):
         row["pct_copy_bw"] = 100 * row["pallas_tbps"] / ceil["copy_tbps"]
     return row
@@ -169,14 +185,17 @@ def us(x):
 
 def print_decode(rows):
     print("\nDecode (paged, page 16): time in us; TB/s = K+V bytes needed / Pallas time; 'engine' = the engine's "
-          "kernel (paged_attention_qkv: + q/k norm, rope and the K/V write)")
+          "kernel (paged_attention_qkv: + q/k norm, rope and the K/V write); fp8: the same kernels on fp8 pages, "
+          "TB/s = bytes actually read")
     print(f"{'B':>4} {'ctx':>5} | {'XLA':>9} {'Pallas':>9} {'engine':>9} {'cuDNN':>9} | {'TB/s':>6} {'%copy':>6} | "
-          f"{'vs XLA':>7} {'vs cuDNN':>8}")
+          f"{'vs XLA':>7} {'vs cuDNN':>8} | {'fp8':>9} {'fp8 eng':>9} {'TB/s':>5} {'eng':>5}")
     for r in rows:
         print(f"{r['batch']:>4} {r['ctx']:>5} | {us(r.get('xla_s'))} {us(r.get('pallas_s'))} "
               f"{us(r.get('pallas_qkv_s'))} {us(r.get('cudnn_s'))} | "
               f"{r.get('pallas_tbps', 0):6.2f} {r.get('pct_copy_bw', 0):5.0f}% | "
-              f"{ratio(r.get('xla_s'), r.get('pallas_s'))} {ratio(r.get('cudnn_s'), r.get('pallas_s')):>8}")
+              f"{ratio(r.get('xla_s'), r.get('pallas_s'))} {ratio(r.get('cudnn_s'), r.get('pallas_s')):>8} | "
+              f"{us(r.get('fp8_s'))} {us(r.get('fp8_qkv_s'))} {r.get('fp8_tbps', 0):5.2f} "
+              f"{r.get('fp8_qkv_tbps', 0):5.2f}")
 
 
 def print_prefill(rows):
@@ -212,9 +231,11 @@ def sweep(ceil, smoke, prefill: bool = True):
         for opts in variants[:2] if smoke else variants:
             if smoke:
                 opts = {**opts, "block_n": 16}
-            r = bench_decode(b, ctx, ceil, opts, smoke, impls=("pallas",))
-            out["decode"].append({**opts, "batch": b, "ctx": ctx, "tbps": r.get("pallas_tbps")})
-            print(f"  sweep decode B={b} ctx={ctx} {opts}: {r.get('pallas_tbps') or 0:.2f} TB/s", flush=True)
+            r = bench_decode(b, ctx, ceil, opts, smoke, impls=("pallas", "fp8_qkv"))
+            out["decode"].append({**opts, "batch": b, "ctx": ctx, "tbps": r.get("pallas_tbps"),
+                                  "fp8_engine_tbps": r.get("fp8_qkv_tbps")})
+            print(f"  sweep decode B={b} ctx={ctx} {opts}: {r.get('pallas_tbps') or 0:.2f} TB/s, fp8 engine "
+                  f"{r.get('fp8_qkv_tbps') or 0:.2f} TB/s read", flush=True)
     if not prefill:
         return out
     for bq, bk, warps, stages in ((128, 64, 4, 3), (128, 64, 4, 2), (128, 128, 4, 2), (128, 32, 4, 3),
