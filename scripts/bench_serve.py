@@ -118,6 +118,7 @@ def parse(argv=None):
     ap.add_argument("--max-input-len", type=int, default=1024)
     ap.add_argument("--max-output-len", type=int, default=1024)
     ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--vocab-size", type=int, default=151936, help="prompt ids are taken modulo this (tiny models)")
     ap.add_argument("--no-offline", dest="offline", action="store_false")
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument("--json", default=None, help="default: scripts/results/serve_<model>_<time>.json")
@@ -129,7 +130,7 @@ def parse(argv=None):
             a.model = make_tiny_model(os.path.join(tempfile.mkdtemp(prefix="bench-serve-"), "tiny"))
         a.engine = {**QUICK_ENGINE, **a.engine}
         a.concurrency, a.request_rates, a.num_prompts, a.min_prompts, a.rate_prompts = [1, 4], [20.0], 8, 3, 6
-        a.max_input_len, a.max_output_len, a.client_procs = 40, 24, 2
+        a.max_input_len, a.max_output_len, a.client_procs, a.vocab_size = 40, 24, 2, 512
     return a
 
 
@@ -157,7 +158,7 @@ def main(argv=None) -> dict:
     proc, url = (None, a.url) if a.url else start_server(a, env)
     import httpx
     try:
-        levels = build_levels(a, vocab=512 if a.quick else 151936)      # the tiny model's vocabulary: 512
+        levels = build_levels(a, a.vocab_size)
         ctx = mp.get_context("spawn")
         results = []
         with ctx.Pool(a.client_procs) as pool:

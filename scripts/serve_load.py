@@ -47,8 +47,7 @@ async def _stream(client, model: str, ids: list[int], max_tokens: int) -> dict:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return rec
-            async for line in r.aiter_lines():
+            async for line in (r.aiter_lines() if r.status_code == 200 else _nothing()):
                 if not line.startswith("data: {"):
                     continue
                 now = time.monotonic()
@@ -62,6 +61,11 @@ async def _stream(client, model: str, ids: list[int], max_tokens: int) -> dict:
         rec["error"] = f"{type(e).__name__}: {e}"
     rec["end"] = time.monotonic()
     return rec
+
+
+async def _nothing():
+    return
+    yield
 
 
 def split(requests: list[Request], procs: int) -> list[list[Request]]:

@@ -194,3 +194,20 @@ def test_stop_string_cuts_text_and_aborts_in_the_core(url, client, stream):
     st = wait_idle(url)
     assert st["api_aborts"] == before + 1, "the stop string did not end the request in the core"
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("text", ["", "plain", 'quote " backslash \\ newline \n tab \t', "你好 😀 \u2028", "\x00\x1f"])
+@pytest.mark.parametrize("reason", [None, "stop", "length"])
+def test_chunk_encoder_equals_the_chunk_dicts(text, reason):
+    from jaxinfer.server import protocol as P
+    enc = P.ChunkEncoder("cmpl-1", 'model "x"', "text_completion")
+
+    def parse(event):
+        assert event.startswith("data: ") and event.endswith("\n\n")
+        d = json.loads(event[6:])
+        d.pop("created")
+        return d
+    want = P.completion_chunk("cmpl-1", 'model "x"', 3, text, reason)
+    assert parse(enc.completion(3, text, reason)) == parse(P.sse(want))
+    enc = P.ChunkEncoder("chat-1", "m", "chat.completion.chunk")
+    assert parse(enc.chat_content(text)) == parse(P.sse(P.chat_chunk("chat-1", "m", {"content": text}, None)))

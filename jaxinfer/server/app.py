@@ -128,12 +128,13 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         return [p.text for p in procs], [p.finish_reason for p in procs], use
 
     def sse(gen) -> StreamingResponse:
+        """`gen` yields server-sent events (text)."""
         async def body():
             try:
-                async for obj in gen:
-                    yield f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+                async for event in gen:
+                    yield event
             except Exception as e:        # headers are sent: report in-band, as OpenAI does
-                yield f"data: {json.dumps(P.error_body(str(e), type_='server_error'))}\n\n"
+                yield P.sse(P.error_body(str(e), type_="server_error"))
             yield "data: [DONE]\n\n"
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -172,13 +173,13 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         client()                                  # 503 now, not inside the stream, if the core is gone
 
         async def chunks():
-            procs = {}
+            procs, enc = {}, P.ChunkEncoder(rid, model, "text_completion")
             async for index, d, proc in run(items, stream=True):
                 procs[index] = proc
-                yield P.completion_chunk(rid, model, index, d.text, d.finish_reason)
+                yield enc.completion(index, d.text, d.finish_reason)
             if include_usage:
                 use = P.usage(sum(len(ids) for ids, _ in items), sum(len(p.token_ids) for p in procs.values()))
-                yield P.usage_chunk(rid, model, "text_completion", use)
+                yield P.sse(P.usage_chunk(rid, model, "text_completion", use))
         return sse(chunks())
 
     @app.post("/v1/chat/completions")
@@ -195,16 +196,17 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         client()
 
         async def chunks():
-            yield P.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None)
+            enc = P.ChunkEncoder(rid, model, "chat.completion.chunk")
+            yield P.sse(P.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None))
             n_out = 0
             async for _, d, proc in run(items, stream=True):
                 n_out = len(proc.token_ids)
                 if d.text:
-                    yield P.chat_chunk(rid, model, {"content": d.text}, None)
+                    yield enc.chat_content(d.text)
                 if d.finish_reason:
-                    yield P.chat_chunk(rid, model, {}, d.finish_reason)
+                    yield P.sse(P.chat_chunk(rid, model, {}, d.finish_reason))
             if include_usage:
-                yield P.usage_chunk(rid, model, "chat.completion.chunk", P.usage(len(items[0][0]), n_out))
+                yield P.sse(P.usage_chunk(rid, model, "chat.completion.chunk", P.usage(len(items[0][0]), n_out)))
         return sse(chunks())
 
     return app

@@ -5,6 +5,7 @@ Bodies are plain dicts parsed by hand (not pydantic models) so that every proble
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -171,3 +172,28 @@ def chat_chunk(rid: str, model: str, delta: dict, reason: str | None) -> dict:
 
 def usage_chunk(rid: str, model: str, object_: str, use: dict) -> dict:
     return {"id": rid, "object": object_, "created": int(time.time()), "model": model, "choices": [], "usage": use}
+
+
+# -- server-sent events -------------------------------------------------------------------------------------
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class ChunkEncoder:
+    """The SSE events of one streamed response, as text: equal (as JSON) to `sse(completion_chunk(...))` and
+    `sse(chat_chunk(rid, model, {"content": text}, None))`. What every event shares is rendered once and only
+    the text is encoded per event: json.dumps of each whole chunk dict took ~8% of the API process's time
+    at 64 streams (py-spy, CPU)."""
+
+    def __init__(self, rid: str, model: str, object_: str):
+        self.created = int(time.time())
+        self._head = (f'data: {{"id": {json.dumps(rid)}, "object": "{object_}", "created": {self.created}, '
+                      f'"model": {json.dumps(model, ensure_ascii=False)}, "choices": [{{"index": ')
+
+    def completion(self, index: int, text: str, reason: str | None) -> str:
+        return (f'{self._head}{index}, "text": {json.dumps(text, ensure_ascii=False)}, "logprobs": null, '
+                f'"finish_reason": {json.dumps(reason)}}}]}}\n\n')
+
+    def chat_content(self, text: str) -> str:
+        return (f'{self._head}0, "delta": {{"content": {json.dumps(text, ensure_ascii=False)}}}, "logprobs": null, '
+                f'"finish_reason": null}}]}}\n\n')
