@@ -183,3 +183,14 @@ def test_kv_heads_neither_dividing_is_refused(tmp_path):
                            hidden_size=96)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 and num_key_value_heads=3"):
         LLM(path, tensor_parallel_size=2, **BASE)
+
+
+def test_no_compilation_after_warmup_with_replicas(ckpts):
+    """Replicas warm up concurrently; a replica's compilations must not count as another's after warm-up."""
+    llm = LLM(ckpts["mqa"], **{**BASE, "max_model_len": 16, "warmup": True}, data_parallel_size=2)
+    ps = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 12, [10, 11]]
+    run(llm, ps, [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                  SamplingParams(temperature=0.7, top_k=5, max_tokens=3, ignore_eos=True, seed=1)] * 2)
+    st = llm.stats()
+    assert st["compilations"] == 0 and all(r["compilations"] == 0 for r in st["replicas"]), st
+    assert st["compiled_buckets"] == len(llm.engine.runner.buckets())

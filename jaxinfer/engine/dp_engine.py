@@ -69,7 +69,9 @@ class DPEngine:
     def warmup(self, progress=None) -> None:
         """Every replica compiles its buckets at the same time (XLA compiles outside the GIL)."""
         with ThreadPoolExecutor(len(self.replicas)) as pool:
-            list(pool.map(lambda r: r.warmup(progress), self.replicas))
+            list(pool.map(lambda r: r.runner.warmup(progress), self.replicas))
+        for r in self.replicas:      # compile counters are process-wide: count from the end of every warm-up
+            r.warmup()               # (nothing left to compile: the baseline, then gc.collect + gc.freeze)
 
     # -- requests ---------------------------------------------------------------------------------
     def check_request(self, token_ids: list[int], params: SamplingParams, where: str = "prompt") -> None:

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Tensor / data parallelism on nvidia-h200-x2 (issue 16), in one command that fits ~9 minutes:
+#   bash scripts/gpu_parallel_runs.sh            # writes $OUT/*.json, *.log (OUT defaults to ./out_parallel)
+#   ONLY="check 8b_tp1 8b_tp2" bash scripts/gpu_parallel_runs.sh     # a subset, by run name
+# Order: the correctness check first (tp=2 / dp=2 greedy tokens == tp=1, seeded tp=2 == tp=1, on a tiny fp32
+# checkpoint, pallas backend), then the W workload (nano-vllm's 256 requests) for Qwen3-8B TP1 / TP2, Qwen3-0.6B
+# on 1 GPU / DP2 / TP2 (with a profile), Qwen3-32B TP2, and batch-1 latency (TPOT) for 8B TP1 / TP2.
+# Every run has its own timeout and the whole script stops starting runs when BUDGET_S (default 530 s) is spent.
+# Shorter than the default workload: the latency runs decode 128 tokens (not 256); everything else is W as is.
+# The latency runs reuse the W runs' compiled steps through JAX's persistent cache ($OUT/jax_cache), so their
+# warm-up is not a cold one; the W runs' warmup_s are cold.
+set -u
+OUT=${OUT:-out_parallel}
+BUDGET_S=${BUDGET_S:-530}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
+T0=$(date +%s)
+
+run() {   # run NAME LIMIT_S CMD...
+  local name=$1 limit=$2; shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+  local left=$(( BUDGET_S - ($(date +%s) - T0) ))
+  if [ "$left" -lt 40 ]; then echo "== $name: skipped (${left} s of the budget left)"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== $name (limit ${limit} s): $*"
+  local t=$(date +%s)
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $(( $(date +%s) - t )) s"
+  grep -E "tok/s|TTFT|TPOT|compilations|roofline|floor is|host ms per step|latency|== |OK|MISMATCH|Error|error" \
+    "$OUT/$name.log" | grep -v Warning | tail -n 14
+}
+
+nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUT/gpus.txt" 2>&1
+nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
+
+run check        120 python scripts/check_parallel.py --backends pallas --json "$OUT/check.json"
+C="env JAX_COMPILATION_CACHE_DIR=$OUT/jax_cache"     # 8B: the latency runs reuse the W runs' compilations
+run 8b_tp1        85 $C python scripts/bench.py qwen3-8b --json "$OUT/8b_tp1.json" \
+                     --step-log "$OUT/8b_tp1_steps.json"
+run 8b_tp2        85 $C python scripts/bench.py qwen3-8b -tp 2 --json "$OUT/8b_tp2.json" \
+                     --step-log "$OUT/8b_tp2_steps.json"
+run 06b_1gpu      60 python scripts/bench.py qwen3-0.6b --json "$OUT/06b_1gpu.json"
+run 06b_dp2       75 python scripts/bench.py qwen3-0.6b -dp 2 --json "$OUT/06b_dp2.json" \
+                     --step-log "$OUT/06b_dp2_steps.json"
+run 32b_tp2      150 python scripts/bench.py qwen3-32b -tp 2 --json "$OUT/32b_tp2.json"
+run 8b_tp1_lat    55 $C python scripts/bench.py qwen3-8b --latency --latency-output 128 --json "$OUT/8b_tp1_lat.json"
+run 8b_tp2_lat    55 $C python scripts/bench.py qwen3-8b -tp 2 --latency --latency-output 128 \
+                     --json "$OUT/8b_tp2_lat.json"
+run 06b_tp2       75 python scripts/bench.py qwen3-0.6b -tp 2 --json "$OUT/06b_tp2.json" \
+                     --profile "$OUT/trace_06b_tp2"
+rm -rf "$OUT/jax_cache" "$OUT/trace_06b_tp2"     # large; the profile's summary is in 06b_tp2.json
+echo "total $(( $(date +%s) - T0 )) s"
