@@ -202,7 +202,8 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
                         k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
                         eps: float, layer: int | jax.Array = 0, order: jax.Array | None = None,
                         scale: float | None = None, k_scale: jax.Array | None = None,
-                        v_scale: jax.Array | None = None, interpret: bool = False,
+                        v_scale: jax.Array | None = None, scale_layer: int | jax.Array | None = None,
+                        interpret: bool = False,
                         block_n: int = DEFAULT_BLOCK_N, num_splits: int | None = None,
                         num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -215,7 +216,8 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
     position (rotate-half convention, see jaxinfer/model/layers.py). The kernel normalises and rotates q and k,
     writes k and v at position seq_lens[b] - 1 (padding rows, seq_len 0, write nothing), and attends over the
     cache plus the new token. `order`: as in paged_attention. fp8 caches: k_scale / v_scale as in paged_attention
-    (row `layer`); the new token's k/v are quantised in the kernel, and attended as stored (quantised), so this
+    (row `scale_layer`, default `layer`: per-layer norm weights may come one layer at a time while the scales
+    stay stacked); the new token's k/v are quantised in the kernel, and attended as stored (quantised), so this
     step sees the token as every later step will. Returns (out [B, H, D], k_cache, v_cache); donate the caches
     to update in place.
     """
@@ -235,7 +237,7 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
     heads = qkv.shape[1] - 2 * K
     tiles = _tiles("paged_attention_qkv", qkv, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits,
                    order)
-    scales = kv_scales("paged_attention_qkv", k_cache, k_scale, v_scale, layer)
+    scales = kv_scales("paged_attention_qkv", k_cache, k_scale, v_scale, layer if scale_layer is None else scale_layer)
     q_norm, k_norm = (jnp.atleast_2d(w).astype(qkv.dtype) for w in (q_norm, k_norm))   # [L, D]
     layer = jnp.asarray(layer, jnp.int32).reshape(1)                              # a constant: no kernel
     norms = (q_norm, k_norm, layer, cos.astype(jnp.float32), sin.astype(jnp.float32))

@@ -15,9 +15,9 @@ per element, only the fp8 -> fp16/fp32 conversion of each loaded tile.
 Pallas' Triton lowering loads float8_e4m3fn refs directly and converts with tt.fp_to_fp (Triton's cvt,
 sm_89+; the lowering refuses compute capabilities below 8.9), so pages need no uint8 bitcast: lowered for
 CUDA on jax 0.10.2 in tests/test_fp8_kernels.py; 0.11.2's lowering has the same rules (read in its source);
-the compiled kernels are checked by the gpu-marked test there. On the GPU the dot runs in float16 (one cvt.f16x2.e4m3x2 per two values; bf16 takes a
-second conversion): q and the softmax weights are fine in fp16's range, and its 10-bit mantissa holds the
-e4m3 values exactly.
+the compiled kernels are checked by the gpu-marked test there. On the GPU the dot runs in float16 (one
+cvt.f16x2.e4m3x2 per two values; bf16 takes a second conversion): q and the softmax weights are fine in
+fp16's range, and its 10-bit mantissa holds the e4m3 values exactly.
 """
 from __future__ import annotations
 
