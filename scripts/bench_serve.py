@@ -35,9 +35,10 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
 from serve_load import percentiles, run_level, summarize  # noqa: E402
 
-# --quick: two buckets in all (prefill 64, decode 8), compiled by the warm-up requests
+# --quick: two buckets in all (prefill 64, decode 8), compiled by the warm-up requests (tests/test_server.py's
+# engine options: its tests' engine cores leave these steps in a shared compilation cache)
 QUICK_ENGINE = dict(dtype="float32", attn_backend="xla", max_num_seqs=8, max_num_batched_tokens=64,
-                    max_model_len=128, block_size=16, num_kvcache_blocks=64, warmup=False)
+                    max_model_len=128, kvcache_block_size=4, num_kvcache_blocks=256, warmup=False)
 
 
 def workload(n: int, max_input: int, max_output: int, min_input: int = 100, min_output: int = 100,

@@ -12,10 +12,19 @@ import uvicorn
 
 from jaxinfer.server import CoreProcess, build_app
 
-# Small engine sizes for the tiny model (CPU, float32, xla backend).
+# Small engine sizes for the tiny model (CPU, float32, xla backend); the same in test_server_faults.py and
+# scripts/bench_serve.py --quick, so that their engine cores share compiled steps (jax_cache_env).
 BASE = dict(dtype="float32", attn_backend="xla", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
             kvcache_block_size=4, num_kvcache_blocks=256, warmup=False)
 MODEL = "tiny-qwen3"
+
+
+def jax_cache_env(tmp_path_factory) -> dict:
+    """A persistent compilation cache for this session's engine-core processes (each compiles the same steps
+    again otherwise: ~5 s a process on CPU)."""
+    path = tmp_path_factory.getbasetemp() / "serve_jax_cache"
+    path.mkdir(exist_ok=True)
+    return {"JAX_COMPILATION_CACHE_DIR": str(path), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
 def free_port() -> int:
@@ -25,9 +34,12 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def url(tiny_dir):
+def url(tiny_dir, tmp_path_factory):
     """The engine core in its own (spawned) process; the API app on uvicorn in a thread of this process."""
-    core = CoreProcess(tiny_dir, BASE)
+    with pytest.MonkeyPatch.context() as mp:      # the core's environment, copied when it is spawned
+        for k, v in jax_cache_env(tmp_path_factory).items():
+            mp.setenv(k, v)
+        core = CoreProcess(tiny_dir, BASE)
     server = uvicorn.Server(uvicorn.Config(build_app(core.info, MODEL, alive=core.alive), host="127.0.0.1",
                                            port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -6,9 +6,13 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import bench_serve  # noqa: E402
+from test_server import BASE, jax_cache_env  # noqa: E402
 
 
-def test_bench_serve_quick(tiny_dir, tmp_path, capsys):
+def test_bench_serve_quick(tiny_dir, tmp_path, tmp_path_factory, capsys, monkeypatch):
+    for k, v in jax_cache_env(tmp_path_factory).items():     # the steps test_server*.py compiled
+        monkeypatch.setenv(k, v)
+    assert bench_serve.QUICK_ENGINE == BASE, "the same engine options: the same compiled steps"
     out = tmp_path / "serve.json"
     r = bench_serve.main([tiny_dir, "--quick", "--json", str(out)])
     assert r["server_exit_code"] == 0

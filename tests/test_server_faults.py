@@ -12,20 +12,17 @@ import time
 import httpx
 import pytest
 
+from test_server import BASE as ENGINE, jax_cache_env
+
 from jaxinfer.server import CoreProcess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENGINE = dict(dtype="float32", attn_backend="xla", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
-              kvcache_block_size=4, num_kvcache_blocks=128, warmup=False)
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
 def jax_cache(tmp_path_factory):
-    """A persistent compilation cache shared by this module's server processes (each would compile the
-    same steps again: ~5 s a server on CPU)."""
-    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    return jax_cache_env(tmp_path_factory)
 
 
 def start_server(model_dir, cache_env, *extra):
