@@ -1,9 +1,13 @@
 """Runs tests/parallel_cases.py (tensor / data parallelism on 8 CPU devices) in a separate pytest process:
 the device count is fixed when JAX starts (XLA_FLAGS=--xla_force_host_platform_device_count=8), and the rest
 of the suite must keep one device."""
+import json
 import os
+import socket
 import subprocess
 import sys
+
+from helpers import hf_greedy, hf_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -18,3 +22,26 @@ def test_parallel_cases_on_eight_cpu_devices():
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
     assert " passed" in proc.stdout and "failed" not in proc.stdout, tail
+
+
+def test_two_processes_one_mesh(tmp_path, tiny_dir):
+    """Several hosts, on one machine: two processes joined by jax.distributed (gloo CPU collectives), a tp=2
+    mesh spanning both. Both read back the same tokens, equal to HF transformers; each holds half the vocab."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    prompts = [[1, 2, 3, 4, 5], list(range(7, 40))]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.path.dirname(HERE)}
+    env.pop("XLA_FLAGS", None)
+    worker = os.path.join(HERE, "parallel_multihost_worker.py")
+    procs = [subprocess.Popen([sys.executable, worker, str(i), str(port), tiny_dir, str(tmp_path / f"{i}.json"),
+                               json.dumps(prompts)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    got = [json.load(open(tmp_path / f"{i}.json")) for i in range(2)]
+    ref = hf_model(tiny_dir)
+    want = [hf_greedy(ref, p, 6) for p in prompts]
+    for g in got:
+        assert g["tokens"] == want
+        assert g["local_shards"] == [g["vocab"] // 2] and g["blocks_returned"]

@@ -1,0 +1,28 @@
+"""One of two processes of tests/test_parallel.py's multi-host case: jax.distributed over gloo (CPU
+collectives), one CPU device per process, a tp=2 mesh spanning both processes. Every process runs the same
+program on the same requests; each writes the tokens it read back.
+
+    python tests/parallel_multihost_worker.py PROCESS_ID PORT CHECKPOINT OUT_JSON
+"""
+import json
+import sys
+
+import jax
+
+pid, port, path, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid)
+
+from jaxinfer import LLM, SamplingParams  # noqa: E402  (after jax.distributed.initialize)
+
+assert len(jax.devices()) == 2 and len(jax.local_devices()) == 1
+llm = LLM(path, tensor_parallel_size=2, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
+          prefill_buckets=(64,), max_model_len=64, block_size=8, num_kvcache_blocks=64, warmup=False)
+shards = llm.engine.runner.params["embed_tokens"].addressable_shards
+prompts = json.loads(sys.argv[5])
+outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+st = llm.stats()
+with open(out, "w") as f:
+    json.dump(dict(tokens=[o.token_ids for o in outs], local_shards=[s.data.shape[0] for s in shards],
+                   vocab=llm.engine.runner.params["embed_tokens"].shape[0],
+                   blocks_returned=st["kv_blocks_free"] == st["kv_blocks_total"]), f)
