@@ -78,8 +78,10 @@ def start_server(args, env) -> tuple[subprocess.Popen, str]:
         time.sleep(0.5)
 
 
-def offline(model: str, engine: dict, levels: list[dict]) -> list[dict]:
-    """In its own (spawned) process, as the server's core: LLM.generate on each level's requests."""
+def offline(model: str, engine: dict, levels: list[dict], env: dict) -> list[dict]:
+    """In its own (spawned) process, as the server's core: LLM.generate on each level's requests. `env`: the
+    server's compilation cache (its steps compiled already)."""
+    os.environ.update(env)
     from jaxinfer.xla_options import set_process_flags
     set_process_flags()                          # what the server's core and the jaxinfer commands do
     from jaxinfer import LLM, SamplingParams
@@ -191,7 +193,8 @@ def main(argv=None) -> dict:
         r["server_exit_code"] = server_rc
     if a.offline and not a.url:
         with mp.get_context("spawn").Pool(1) as pool:
-            r["offline"] = pool.apply(offline, (a.model, a.engine, levels))
+            cache = {k: v for k, v in env.items() if k.startswith("JAX_")}
+            r["offline"] = pool.apply(offline, (a.model, a.engine, levels, cache))
         compare(r)
     path = a.json or os.path.join(HERE, "results", f"serve_{os.path.basename(a.model.rstrip('/'))}_"
                                                    f"{time.strftime('%Y%m%d-%H%M%S')}.json")
