@@ -133,3 +133,16 @@ def test_two_api_processes(tiny_dir, jax_cache):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_server_killed_the_core_exits_by_itself(server):
+    proc, url = server
+    core_pid = httpx.get(url + "/stats").json()["engine_core_pid"]
+    with httpx.stream("POST", url + "/v1/completions", json=stream_body(110), timeout=60) as s:
+        next(s.iter_lines())
+        proc.kill()                       # SIGKILL: no drain, no shutdown message; the core is orphaned
+    proc.wait(timeout=30)
+    end = time.time() + 15
+    while pid_exists(core_pid):
+        assert time.time() < end, "an orphaned engine core kept running"
+        time.sleep(0.1)

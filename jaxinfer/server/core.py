@@ -172,5 +172,7 @@ class EngineCore:
         try:     # never block: a bound PUSH socket whose API process is gone has no peer to queue for
             self.outs[api_index].send(self.pack.pack(msg), zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            if msg[0] != "bye":               # at shutdown the API process may have gone first
+            if os.getppid() != self.parent_pid:
+                self.running = False          # orphaned mid-run: stop generating for nobody
+            elif msg[0] != "bye":             # (at shutdown the API process may have gone first)
                 log.warning("API process %d is not connected; dropped a message", api_index)
