@@ -26,7 +26,8 @@ Process layout (as vLLM V1):
   SIGTERM drains: uvicorn stops accepting, in-flight requests finish, then the core is shut down; exit 0.
 """
 from jaxinfer.server.app import build_app
-from jaxinfer.server.client import CoreClient, CoreInfo, CoreProcess, EngineDeadError
+from jaxinfer.server.client import CoreClient, EngineDeadError
+from jaxinfer.server.process import CoreInfo, CoreProcess
 from jaxinfer.server.launch import run_api, serve
 
 __all__ = ["serve", "build_app", "run_api", "CoreProcess", "CoreInfo", "CoreClient", "EngineDeadError"]

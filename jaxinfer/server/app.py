@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from jaxinfer.output_processor import OutputProcessor, TextDelta
 from jaxinfer.server import protocol as P
-from jaxinfer.server.client import CoreClient, CoreInfo, EngineDeadError, RequestFailed
+from jaxinfer.server.client import CoreClient, EngineDeadError, RequestFailed
+from jaxinfer.server.process import CoreInfo
 from jaxinfer.tokenizer import load_tokenizer
 
 

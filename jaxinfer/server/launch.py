@@ -13,7 +13,7 @@ import signal
 import threading
 
 from jaxinfer.server.app import build_app, load_model_tokenizer
-from jaxinfer.server.client import CoreInfo, CoreProcess
+from jaxinfer.server.process import CoreInfo, CoreProcess
 
 log = logging.getLogger("jaxinfer.server")
 EXIT_GRACE_S = 1.0      # after the core died: time for error events to reach clients before the server exits
