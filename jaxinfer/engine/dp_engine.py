@@ -127,7 +127,7 @@ class _SchedulerView:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.seq_id in self._dp._owner:
-            self._dp.owner(seq).scheduler.finish(seq, reason)
+            self._dp._owner.pop(seq.seq_id).scheduler.finish(seq, reason)
 
     def has_unfinished(self) -> bool:
         return self._dp.has_unfinished()

@@ -20,8 +20,10 @@ Several hosts. Every host runs the same program (`jaxinfer serve ...` or a scrip
 so a tp group may span hosts (XLA uses NCCL across them; prefer tp within a host's NVLink and dp across
 hosts). Each process runs the same scheduler on the same requests, so every host packs the same batch and
 supplies it to its own devices (`Placement.put`); sampled ids are replicated, so each host reads its local
-copy. Requests must therefore reach every process in the same order (the server runs on process 0 and
-broadcasting requests is left to the launcher); the library does not hand-roll any RPC.
+copy. Requests must therefore reach every process in the same order (`LLM.generate` with the same prompts on
+every host does; the HTTP server does not broadcast requests between hosts); the library hand-rolls no RPC.
+On CPUs, `jax.config.update("jax_cpu_collectives_implementation", "gloo")` before `initialize` gives the
+collectives: tests/parallel_multihost_worker.py runs a tp=2 mesh over two processes that way.
 """
 from jaxinfer.parallel.compat import shard_map
 from jaxinfer.parallel.layout import check_tp, kv_heads, padded_vocab
