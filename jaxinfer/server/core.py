@@ -58,7 +58,9 @@ def run_core(model: str, engine_kwargs: dict, in_addr: str, out_addrs: list[str]
 class EngineCore:
     def __init__(self, engine, in_addr: str, out_addrs: list[str], parent_pid: int):
         self.engine, self.parent_pid = engine, parent_pid
-        self.pack, self.unpackb = msgpack.Packer(), msgpack.unpackb
+        # numpy scalars (in stats, say) as Python numbers: a message that cannot be packed must not kill the core
+        self.pack = msgpack.Packer(default=lambda o: o.item() if hasattr(o, "item") else repr(o))
+        self.unpackb = msgpack.unpackb
         self.ctx = zmq.Context(1)
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.RCVHWM, 0)
