@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from helpers import make_tiny_model  # noqa: F401  (puts the repo root on sys.path)
 
-from jaxinfer.detokenizer import FastDetokenizer, WindowDetokenizer, make_detokenizer
+from jaxinfer.detokenizer import ByteDetokenizer, FastDetokenizer, WindowDetokenizer, make_detokenizer
 from jaxinfer.output_processor import OutputProcessor
 from jaxinfer.tokenizer import ByteTokenizer
 from scripts.make_tiny_model import build_tokenizer
@@ -36,7 +36,7 @@ def stream_pieces(tok, ids, chunk=1, cls=WindowDetokenizer):
 
 def test_fast_decoder_is_chosen_for_fast_tokenizers(bpe):
     assert isinstance(make_detokenizer(bpe), FastDetokenizer)
-    assert isinstance(make_detokenizer(ByteTokenizer()), WindowDetokenizer)
+    assert isinstance(make_detokenizer(ByteTokenizer()), ByteDetokenizer)
 
 
 @pytest.mark.parametrize("cls", DECODERS)
@@ -50,14 +50,15 @@ def test_bpe_pieces_concatenate_to_the_text(bpe, text, chunk, cls):
     assert sum(bool(p) for p in pieces) > len(pieces) // 3       # and it really streams
 
 
+@pytest.mark.parametrize("cls", [ByteDetokenizer, WindowDetokenizer])
 @pytest.mark.parametrize("text", TEXTS)
-def test_byte_tokenizer_holds_partial_characters(text):
+def test_byte_tokenizer_holds_partial_characters(text, cls):
     tok = ByteTokenizer()
     ids = tok.encode(text)
-    pieces = stream_pieces(tok, ids)
+    pieces = stream_pieces(tok, ids, cls=cls)
     assert "".join(pieces) == text
     emoji = list("😀".encode())
-    d = WindowDetokenizer(tok)
+    d = cls(tok)
     assert [d.add([b]) for b in emoji] == ["", "", "", "😀"]
 
 
@@ -70,7 +71,9 @@ def test_random_ids_match_full_decode(bpe, seed):
     for cls in DECODERS:
         assert "".join(stream_pieces(bpe, ids, cls=cls)) == bpe.decode(ids, skip_special_tokens=True)
     tok = ByteTokenizer()
-    assert "".join(stream_pieces(tok, ids)) == tok.decode(ids, skip_special_tokens=True)
+    ids += rng.integers(0, 256, 40).tolist() + [0xE4, 0xB8]      # raw bytes, and an unfinished character
+    for cls in (ByteDetokenizer, WindowDetokenizer):
+        assert "".join(stream_pieces(tok, ids, cls=cls)) == tok.decode(ids, skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("cls", DECODERS)
