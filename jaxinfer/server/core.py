@@ -106,12 +106,8 @@ class EngineCore:
                     log.warning("the server process is gone; the engine core exits")
                     self.running = False
                     return
-        while True:
-            try:
-                raw = self.inbox.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            for cmd in self.unpackb(raw):
+        while self.inbox.poll(0):               # (cheaper per step than a raised zmq.Again)
+            for cmd in self.unpackb(self.inbox.recv()):
                 self._command(cmd)
 
     def _command(self, cmd: list) -> None:
