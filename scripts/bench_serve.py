@@ -162,6 +162,8 @@ def main(argv=None) -> dict:
     import httpx
     try:
         levels = build_levels(a, a.vocab_size)
+        xla_flags = httpx.get(url + "/stats").json().get("engine_core_xla_flags")
+        print(f"engine core XLA_FLAGS: {xla_flags!r}", flush=True)
         ctx = mp.get_context("spawn")
         results = []
         with ctx.Pool(a.client_procs) as pool:
@@ -188,7 +190,7 @@ def main(argv=None) -> dict:
             proc.send_signal(signal.SIGTERM)
             server_rc = proc.wait(timeout=120)
     r = dict(model=a.model, engine=a.engine, url=a.url, client_procs=a.client_procs,
-             api_server_count=a.api_server_count, levels=results)
+             api_server_count=a.api_server_count, engine_core_xla_flags=xla_flags, levels=results)
     if proc is not None:
         r["server_exit_code"] = server_rc
     if a.offline and not a.url:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, for real: uvicorn on 127.0.0.1, driven by the `openai` client and raw HTTP."""
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -31,6 +32,9 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+BASE_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +75,15 @@ def wait_idle(url, timeout=30.0) -> dict:
 def test_models_and_health(url, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_core_sets_its_own_xla_flags_only(url):
+    """The core owns its process: the fast command-buffer mode is set there where it applies (jaxlib 0.11),
+    never in this process (which spawned it)."""
+    from jaxinfer.xla_options import command_buffer_flags
+    st = httpx.get(url + "/stats").json()
+    assert st["engine_core_xla_flags"] == command_buffer_flags(dict(os.environ, XLA_FLAGS=BASE_XLA_FLAGS))
+    assert os.environ.get("XLA_FLAGS", "") == BASE_XLA_FLAGS
 
 
 def test_completion_stream_equals_non_stream(url, client):

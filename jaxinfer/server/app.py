@@ -151,9 +151,10 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
     @app.get("/stats")
     async def stats():
         c = client()
-        try:             # the core's engine stats, plus this API process's counters and the core's pid
+        try:             # the core's engine stats, plus this API process's counters and the core's pid / XLA_FLAGS
             st = await c.stats()
-            return {**st, **{f"api_{k}": v for k, v in c.counters.items()}, "engine_core_pid": info.pid}
+            return {**st, **{f"api_{k}": v for k, v in c.counters.items()}, "engine_core_pid": info.pid,
+                    "engine_core_xla_flags": limits.get("xla_flags", "")}
         except EngineDeadError as e:
             raise P.RequestError(str(e), status=503) from None
 

@@ -50,7 +50,8 @@ def run_core(model: str, engine_kwargs: dict, in_addr: str, out_addrs: list[str]
     bm = llm.engine.block_manager
     ready_conn.send({"limits": dict(max_model_len=llm.engine.config.max_model_len,
                                     vocab_size=llm.model_config.vocab_size, num_blocks=bm.num_blocks,
-                                    block_size=bm.block_size, pid=os.getpid(), zmq_version=zmq.zmq_version())})
+                                    block_size=bm.block_size, pid=os.getpid(),
+                                    xla_flags=os.environ.get("XLA_FLAGS", ""))})
     ready_conn.close()
     core.run()
 
