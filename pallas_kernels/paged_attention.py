@@ -27,10 +27,13 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels._common import (LOG2E, NEG_BIG, check_paged_inputs, dot_precision, load_kv_tile, next_pow2,
                                     online_softmax_update, prev_pow2)
 from pallas_kernels._qkv_prologue import attend_new_token, new_token, norm_rope
-from pallas_kernels.quant import compute_dtype, dequantize_cache, kv_scales, load_scales
+from pallas_kernels.quant import compute_dtype, dequantize_cache, is_fp8, kv_scales, load_scales
 
 NUM_SMS = 132  # H200; only used to pick the number of context splits.
 DEFAULT_BLOCK_N = 64  # tokens per tile (4 pages of 16)
+# fp8 pages: a tile of 64 tokens is half the bytes; untuned (the bench_kernels sweep times the fp8 engine kernel
+# at each tile choice: set this from it)
+DEFAULT_BLOCK_N_FP8 = 64
 # 2 warps, not 4: on the H200 the engine kernel took 9-12% less time on the benchmark's real lengths (tile
 # sweep, rows longest first) and the whole benchmark ran at 25,556 tok/s against 24,549 with 4 warps (one
 # machine, same run). 4 stages measured the same within noise (25,671) but needs 128 KiB of shared memory.
@@ -177,16 +180,16 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None,
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
                     seq_lens: jax.Array, *, order: jax.Array | None = None, scale: float | None = None,
                     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, layer: int | jax.Array = 0,
-                    interpret: bool = False, block_n: int = DEFAULT_BLOCK_N, num_splits: int | None = None,
+                    interpret: bool = False, block_n: int | None = None, num_splits: int | None = None,
                     num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES) -> jax.Array:
     """Decode attention: q [B, H, D] (one token per sequence) over the paged cache [P, block_size, K, D].
 
     seq_lens[b] counts the context including the new token (already written); 0 marks a padding row (zeros out).
     order [B] int32, optional: a permutation of the rows, the order their programs start in (longest
     context first shortens the tail; rows left out of it are not computed). float8_e4m3fn caches need
-    k_scale / v_scale (see quant.py: [] or [K], or [L, 1] / [L, K] with row `layer`). Tile options: block_n (tokens
-    per tile, power of two >= 16), num_splits (context splits, None = auto), num_warps, num_stages.
-    Returns [B, H, D] in q's dtype.
+    k_scale / v_scale (see quant.py: [] or [K], or [L, 1] / [L, K] with row `layer`). Tile options: block_n
+    (tokens per tile, power of two >= 16; None: the cache dtype's default), num_splits (context splits, None =
+    auto), num_warps, num_stages. Returns [B, H, D] in q's dtype.
     """
     if q.ndim != 3:
         raise ValueError(f"paged_attention: q must be [B, H, D], got shape {q.shape}")
@@ -204,7 +207,7 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
                         scale: float | None = None, k_scale: jax.Array | None = None,
                         v_scale: jax.Array | None = None, scale_layer: int | jax.Array | None = None,
                         interpret: bool = False,
-                        block_n: int = DEFAULT_BLOCK_N, num_splits: int | None = None,
+                        block_n: int | None = None, num_splits: int | None = None,
                         num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A Qwen3 decode layer's attention, from the qkv projection to the attention output, in ONE kernel.
@@ -256,6 +259,8 @@ def _tiles(name, q, heads, k_cache, v_cache, block_tables, seq_lens, block_n, nu
     if order is not None and (order.shape != seq_lens.shape or order.dtype != jnp.int32):
         raise ValueError(f"{name}: order must be int32 of shape {seq_lens.shape} like seq_lens, got "
                          f"{order.dtype} {order.shape}")
+    if block_n is None:
+        block_n = DEFAULT_BLOCK_N_FP8 if is_fp8(k_cache.dtype) else DEFAULT_BLOCK_N
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{name}: block_n must be a power of two >= 16, got {block_n}")
     if num_splits is None:

@@ -135,6 +135,23 @@ def test_decode_stacked_scales_take_the_layer_row(traced):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
 
 
+def test_qkv_kernel_scale_layer():
+    """The engine kernel with one layer's norm weights (row 0) and stacked scales picks row `scale_layer`."""
+    lens, block_size, heads, kv_heads, head_dim = CASES[0]
+    rng = np.random.default_rng(17)
+    k, v, tables, seq_lens = make_paged(rng, lens, block_size, kv_heads, head_dim, jnp.float32)
+    kq, vq, ks, vs = fp8_cache(k, v, per_head=False)
+    qkv = jnp.asarray(rng.standard_normal((len(lens), heads + 2 * kv_heads, head_dim)), jnp.float32)
+    norm, cos = jnp.ones((head_dim,), jnp.float32), jnp.ones((len(lens), head_dim), jnp.float32)
+    run = lambda **kw: paged_attention_qkv(qkv, norm, norm, cos, cos, kq, vq, tables, seq_lens, eps=1e-6,
+                                           interpret=True, block_n=16, **kw)
+    stack = lambda s: jnp.stack([s * 3, s]).reshape(2, 1)               # [L=2, 1]: row 1 is the right one
+    got = run(k_scale=stack(ks), v_scale=stack(vs), scale_layer=1)
+    want = run(k_scale=ks, v_scale=vs)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.mark.parametrize("dtype,case,num_splits", [(jnp.float32, 0, 1), (jnp.bfloat16, 2, 2), (jnp.float32, 3, 2)])
 def test_qkv_kernel_quantises_the_new_token(dtype, case, num_splits):
     """The engine kernel on fp8 pages writes quantise(norm/rope(k)) and quantise(v) into the new slot (the same
