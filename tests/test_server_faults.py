@@ -1,6 +1,7 @@
 """Server faults, each against a real server process (`python -m jaxinfer.server`) with its engine core:
 the core killed mid-stream (error event, 503s, exit code 1), SIGTERM mid-stream (the stream completes, both
-processes exit 0), a load error (raised before anything listens), and two API processes sharing one port."""
+processes exit 0), a load error (raised before anything listens), and two API processes sharing one port whose
+server is killed (nothing stays behind)."""
 import json
 import os
 import signal
@@ -118,31 +119,29 @@ def test_load_error_is_raised_before_serving(tiny_dir):
         CoreProcess(os.path.join(tiny_dir, "missing"), ENGINE)
 
 
-def test_two_api_processes(tiny_dir, jax_cache):
+def test_two_api_processes_and_a_killed_server(tiny_dir, jax_cache):
+    """Two API processes share the port; SIGKILL of the server (their supervisor) leaves nothing running:
+    the orphaned core exits by itself, and then the API processes, which see it gone."""
     proc, url = start_server(tiny_dir, jax_cache, "--api-server-count", "2")
     try:
-        bodies = [{"model": MODEL, "prompt": f"Request {i}", "max_tokens": 6, "temperature": 0} for i in range(6)]
+        core_pid = httpx.get(url + "/stats").json()["engine_core_pid"]
+        apis = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+                if int(p) != core_pid]
+        bodies = [{"model": MODEL, "prompt": f"Request {i}", "max_tokens": 6, "temperature": 0} for i in range(3)]
         with httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as c:
             first = [c.post(url + "/v1/completions", json=b).json() for b in bodies]
             again = [c.post(url + "/v1/completions", json=b).json() for b in bodies]
         assert [r["choices"][0]["text"] for r in first] == [r["choices"][0]["text"] for r in again]
         assert all(r["usage"]["completion_tokens"] == 6 for r in first)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        with httpx.stream("POST", url + "/v1/completions", json=stream_body(110), timeout=60) as s:
+            next(s.iter_lines())
+            proc.kill()                   # no drain, no shutdown message
+        proc.wait(timeout=30)
+        end = time.time() + 30
+        while any(pid_exists(p) for p in [core_pid, *apis]):
+            assert time.time() < end, "processes of a killed server kept running"
+            time.sleep(0.1)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
-
-
-def test_server_killed_the_core_exits_by_itself(server):
-    proc, url = server
-    core_pid = httpx.get(url + "/stats").json()["engine_core_pid"]
-    with httpx.stream("POST", url + "/v1/completions", json=stream_body(110), timeout=60) as s:
-        next(s.iter_lines())
-        proc.kill()                       # SIGKILL: no drain, no shutdown message; the core is orphaned
-    proc.wait(timeout=30)
-    end = time.time() + 15
-    while pid_exists(core_pid):
-        assert time.time() < end, "an orphaned engine core kept running"
-        time.sleep(0.1)
