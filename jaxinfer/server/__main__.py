@@ -2,6 +2,7 @@
 (the keyword arguments of `LLM`). `jaxinfer serve` is the same with one flag per engine option."""
 import argparse
 import json
+import logging
 import sys
 
 from jaxinfer.server.launch import serve
@@ -17,6 +18,7 @@ def main(argv=None) -> int:
     ap.add_argument("--api-server-count", type=int, default=1)
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     a = ap.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s:     %(message)s")
     try:
         return serve(a.model, a.engine, a.host, a.port, a.served_model_name, a.log_level, a.api_server_count)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

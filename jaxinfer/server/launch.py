@@ -25,7 +25,6 @@ def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1"
     engine core dies; returns the exit code (see the module docstring)."""
     if not isinstance(api_server_count, int) or api_server_count < 1:
         raise ValueError(f"api_server_count={api_server_count!r} must be a positive integer")
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
     name = served_model_name or model
     main = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGTERM, _interrupt) if main else None   # while loading: stop the load
