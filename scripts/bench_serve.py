@@ -1,7 +1,7 @@
 """Serving benchmark, modelled on vLLM's: the HTTP server under load, then the same requests offline.
 
     python scripts/bench_serve.py                          # qwen3-0.6b preset (random weights), engine defaults
-    python scripts/bench_serve.py qwen3-0.6b --concurrency 1,16,64,256 --request-rates 16,64 --client-procs 4
+    python scripts/bench_serve.py qwen3-0.6b --concurrency 1,16,64,256 --request-rates 8,32 --client-procs 4
     python scripts/bench_serve.py --url http://127.0.0.1:8000 --served-model-name M   # a running server
     python scripts/bench_serve.py --quick                  # CPU smoke run on a tiny model (tests run it)
 
@@ -114,10 +114,11 @@ def parse(argv=None):
     ap.add_argument("--served-model-name", default="bench")
     ap.add_argument("--api-server-count", type=int, default=1)
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 16, 64, 256])
-    ap.add_argument("--request-rates", type=lambda s: [float(x) for x in s.split(",") if x], default=[16.0, 64.0])
+    ap.add_argument("--request-rates", type=lambda s: [float(x) for x in s.split(",") if x], default=[8.0, 32.0],
+                    help="Poisson arrival rates, requests/s (default 8,32: about 20 and 100 streams on the H200)")
     ap.add_argument("--num-prompts", type=int, default=512, help="most requests of one level (default 512)")
     ap.add_argument("--min-prompts", type=int, default=8)
-    ap.add_argument("--rate-prompts", type=int, default=256, help="requests of one request-rate level")
+    ap.add_argument("--rate-prompts", type=int, default=128, help="requests of one request-rate level")
     ap.add_argument("--max-input-len", type=int, default=1024)
     ap.add_argument("--max-output-len", type=int, default=1024)
     ap.add_argument("--client-procs", type=int, default=4)
@@ -158,14 +159,18 @@ def main(argv=None) -> dict:
     if not a.url:     # the offline process compiles the same steps: let it read them from a shared cache
         env.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="bench-serve-jax-cache-"))
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    path = a.json or os.path.join(HERE, "results", f"serve_{os.path.basename(a.model.rstrip('/'))}_"
+                                                   f"{time.strftime('%Y%m%d-%H%M%S')}.json")
+    r = dict(model=a.model, engine=a.engine, url=a.url, client_procs=a.client_procs,
+             api_server_count=a.api_server_count, levels=[])
+    save = (lambda: write_json(path, r)) if not a.quick or a.json else (lambda: None)   # after every level
     proc, url = (None, a.url) if a.url else start_server(a, env)
     import httpx
     try:
         levels = build_levels(a, a.vocab_size)
-        xla_flags = httpx.get(url + "/stats").json().get("engine_core_xla_flags")
-        print(f"engine core XLA_FLAGS: {xla_flags!r}", flush=True)
+        r["engine_core_xla_flags"] = httpx.get(url + "/stats").json().get("engine_core_xla_flags")
+        print(f"engine core XLA_FLAGS: {r['engine_core_xla_flags']!r}", flush=True)
         ctx = mp.get_context("spawn")
-        results = []
         with ctx.Pool(a.client_procs) as pool:
             pool.map(int, range(a.client_procs))                  # start the client processes first
             warm = workload(2, 64, 8, 16, 4, seed=1)              # one short request through every process
@@ -184,28 +189,27 @@ def main(argv=None) -> dict:
                          preemptions=after["preemptions"] - before["preemptions"],
                          kv_blocks_free_after=after["kv_blocks_free"], kv_blocks_total=after["kv_blocks_total"])
                 print_level(s)
-                results.append(s)
+                r["levels"].append(s)
+                save()
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
-            server_rc = proc.wait(timeout=120)
-    r = dict(model=a.model, engine=a.engine, url=a.url, client_procs=a.client_procs,
-             api_server_count=a.api_server_count, engine_core_xla_flags=xla_flags, levels=results)
-    if proc is not None:
-        r["server_exit_code"] = server_rc
+            r["server_exit_code"] = proc.wait(timeout=120)
     if a.offline and not a.url:
         with mp.get_context("spawn").Pool(1) as pool:
             cache = {k: v for k, v in env.items() if k.startswith("JAX_")}
             r["offline"] = pool.apply(offline, (a.model, a.engine, levels, cache))
         compare(r)
-    path = a.json or os.path.join(HERE, "results", f"serve_{os.path.basename(a.model.rstrip('/'))}_"
-                                                   f"{time.strftime('%Y%m%d-%H%M%S')}.json")
+    save()
     if not a.quick or a.json:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(r, f, indent=2)
         print(f"wrote {path}")
     return r
+
+
+def write_json(path: str, r: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(r, f, indent=2)
 
 
 def print_level(s: dict) -> None:
