@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Wheels the server needs on the GPU machine (Python 3.12, x86-64, no package index there), into .whl/.
-# The machine already has httpx, aiohttp, uvloop, msgpack, anyio, h11, click, idna, typing-extensions (see
+# The machine already has httpx, aiohttp, uvloop, msgpack, anyio, h11, click, idna, typing-extensions, certifi (see
 # the device notes' package list); we still carry the versions tested here for everything the server
 # imports, so the run does not depend on what the image happens to hold. --no-deps: the list is the closure
 # (checked below against each wheel's Requires-Dist).
@@ -17,6 +17,7 @@ WHEELS=(
   typing-extensions==4.16.0
   uvicorn==0.54.0 h11==0.16.0 click==8.5.1 httptools==0.9.0
   anyio==4.16.0 idna==3.20 sniffio==1.3.1
+  httpx==0.28.1 httpcore==1.0.9                    # bench_serve's client (h11 above: httpcore's pin)
   pyzmq==27.3.0 msgpack==1.2.4
 )
 mkdir -p .whl
