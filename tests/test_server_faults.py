@@ -112,6 +112,16 @@ def test_sigterm_drains_both_processes(server):
         time.sleep(0.1)
 
 
+def test_port_in_use_fails_before_loading(tiny_dir):
+    from jaxinfer.server import serve
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        t = time.time()
+        with pytest.raises(ValueError, match=f"127.0.0.1:{port}"):
+            serve(tiny_dir, ENGINE, port=port)
+        assert time.time() - t < 5, "the port must be checked before the model loads"
+
+
 def test_load_error_is_raised_before_serving(tiny_dir):
     with pytest.raises(ValueError, match="max_num_seqs"):
         CoreProcess(tiny_dir, {**ENGINE, "max_num_seqs": -1}).wait_ready()

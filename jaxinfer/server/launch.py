@@ -26,6 +26,7 @@ def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1"
     if not isinstance(api_server_count, int) or api_server_count < 1:
         raise ValueError(f"api_server_count={api_server_count!r} must be a positive integer")
     name = served_model_name or model
+    sock = bind(host, port)                    # a port in use fails now, not after loading the model
     main = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGTERM, _interrupt) if main else None   # while loading: stop the load
     try:
@@ -37,14 +38,31 @@ def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1"
             if main:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)    # uvicorn's handler drains; re-raised after
             if api_server_count == 1:
-                return run_api(core.info, name, host, port, log_level, alive=core.alive, tokenizer=tokenizer)
-            return _run_api_processes(core, name, host, port, log_level, api_server_count)
+                return run_api(core.info, name, host, port, log_level, alive=core.alive, sock=sock,
+                               tokenizer=tokenizer)
+            return _run_api_processes(core, name, host, port, log_level, api_server_count, sock)
         finally:
             code = core.shutdown()
             log.info("engine core exited with code %s", code)
     finally:
+        sock.close()
         if main:
             signal.signal(signal.SIGTERM, old)
+
+
+def bind(host: str, port: int):
+    """The server's socket, bound but not listening: connections are refused until uvicorn listens, which it
+    does once the core is ready."""
+    import socket
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _interrupt(sig, frame):
@@ -78,20 +96,17 @@ def _api_main(info: CoreInfo, name: str, host: str, port: int, log_level: str, a
     raise SystemExit(run_api(info, name, host, port, log_level, api_index, sock=sock))
 
 
-def _run_api_processes(core: CoreProcess, name: str, host: str, port: int, log_level: str, n: int) -> int:
+def _run_api_processes(core: CoreProcess, name: str, host: str, port: int, log_level: str, n: int, sock) -> int:
     """n API processes share one listening socket (the kernel spreads connections); this process watches
     them and the core. SIGTERM/SIGINT here are forwarded to the API processes, which drain."""
     import multiprocessing as mp
-    import socket
     from multiprocessing.connection import wait
 
-    sock = socket.create_server((host, port), reuse_port=False)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_api_main, name=f"jaxinfer-api-{i}",
                          args=(core.info, name, host, port, log_level, i, sock)) for i in range(n)]
     for p in procs:
         p.start()
-    sock.close()
     stopping = []
 
     def forward(sig, frame):
