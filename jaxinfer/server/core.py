@@ -146,13 +146,12 @@ class EngineCore:
             if entry is None:                    # aborted
                 continue
             rid, _, sent = entry
-            end = len(seq.token_ids) - seq.num_pending
-            start = seq.num_prompt_tokens + sent
-            entry[2] = end - seq.num_prompt_tokens
+            n, p = seq.num_output_tokens, seq.num_prompt_tokens        # (tokens read back from the device)
+            entry[2] = n
             reason = seq.finish_reason
             if reason is not None:               # finished: forget it
                 del self.live[seq.seq_id], self.by_rid[rid]
-            rows[rid % n_api].append([rid, seq.token_ids[start:end], reason])
+            rows[rid % n_api].append([rid, seq.token_ids[p + sent:p + n], reason])
         for i, r in enumerate(rows):
             if r:
                 self._send(i, ["out", r])
