@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 from helpers import hf_greedy, hf_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,3 +46,14 @@ def test_two_processes_one_mesh(tmp_path, tiny_dir):
     for g in got:
         assert g["tokens"] == want
         assert g["local_shards"] == [g["vocab"] // 2] and g["blocks_returned"]
+
+
+@pytest.mark.gpu
+def test_two_gpus_tp2_and_dp2_tokens_equal_tp1():
+    """On a machine with 2+ GPUs: compiled Pallas kernels per device, NCCL collectives (scripts/check_parallel.py)."""
+    import jax
+    if len(jax.devices()) < 2:
+        pytest.skip(f"needs 2 GPUs, found {len(jax.devices())}")
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "scripts", "check_parallel.py"),
+                           "--backends", "pallas"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "ALL OK" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
