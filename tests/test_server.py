@@ -166,6 +166,22 @@ def test_disconnect_mid_stream_frees_blocks(url):
     assert st["generated_tokens"] - before["generated_tokens"] > 0
 
 
+def test_disconnect_before_a_plain_answer_aborts_it(url):
+    """No streaming: the handler is not cancelled by Starlette; the server notices the client left."""
+    # 24 prompts, 8 at a time (max_num_seqs): at least 3 x 115 steps, far longer than the client waits
+    body = {"model": MODEL, "prompt": [f"Leave {i}" for i in range(24)], "max_tokens": 115, "temperature": 0,
+            "ignore_eos": True}
+    before = wait_idle(url)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.1))
+    end = time.time() + 30
+    while (st := wait_idle(url))["api_aborts"] == before["api_aborts"]:
+        assert time.time() < end, "the disconnect did not abort the request in the core"
+        time.sleep(0.05)
+    assert st["generated_tokens"] - before["generated_tokens"] < 24 * 115, "it ran to the end"
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
 @pytest.mark.parametrize("bad, param", [
     (b"{not json", None),
     (b"[1, 2]", None),

@@ -8,6 +8,7 @@ are server-sent events; a handler that falls behind gets several tokens in one e
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -22,6 +23,8 @@ from jaxinfer.server import protocol as P
 from jaxinfer.server.client import CoreClient, EngineDeadError, RequestFailed
 from jaxinfer.server.process import CoreInfo
 from jaxinfer.tokenizer import load_tokenizer
+
+DISCONNECT_POLL_S = 0.25      # how often a plain (non-streaming) handler checks that its client is still there
 
 
 def load_model_tokenizer(model: str):
@@ -115,7 +118,21 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         finally:
             c.abort(coll)
 
-    async def collect(items) -> tuple[list[str], list[str], dict]:
+    async def collect(items, request: Request) -> tuple[list[str], list[str], dict]:
+        """The whole answer (no streaming). A client that disconnects first aborts it in the core: Starlette
+        does not cancel a plain handler, so the connection is checked every DISCONNECT_POLL_S."""
+        task = asyncio.ensure_future(collect_all(items))
+        try:
+            while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+                if await request.is_disconnected():
+                    task.cancel()                 # run()'s finally aborts the prompts in the core
+                    await asyncio.wait({task})
+                    raise P.RequestError("the client disconnected", status=499)
+            return task.result()
+        finally:
+            task.cancel()
+
+    async def collect_all(items) -> tuple[list[str], list[str], dict]:
         procs = {}
         try:
             async for index, _, proc in run(items, stream=False):
@@ -170,7 +187,7 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         items = prepare(body, P.completion_prompts(body), default_max_tokens=16)
         rid, model = P.new_id("cmpl"), served_model_name
         if not stream:
-            texts, reasons, use = await collect(items)
+            texts, reasons, use = await collect(items, request)
             return P.completion(rid, model, texts, reasons, use)
         client()                                  # 503 now, not inside the stream, if the core is gone
 
@@ -193,7 +210,7 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         items = prepare(body, [prompt], default_max_tokens=None)
         rid, model = P.new_id("chatcmpl"), served_model_name
         if not stream:
-            texts, reasons, use = await collect(items)
+            texts, reasons, use = await collect(items, request)
             return P.chat_completion(rid, model, texts[0], reasons[0], use)
         client()
 
