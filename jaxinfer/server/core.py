@@ -1,6 +1,6 @@
 """The engine-core process: the scheduler and the compiled steps, nothing per token beyond what a step needs.
 
-Started by `client.CoreProcess` with multiprocessing's 'spawn' (JAX is not fork-safe). It owns its process,
+Started by `process.CoreProcess` with multiprocessing's 'spawn' (JAX is not fork-safe). It owns its process,
 so before JAX starts it turns on XLA's fast command-buffer mode where that applies (xla_options), loads the
 model itself (`LLM(model, **engine_kwargs)`), binds its ZMQ sockets and reports readiness (or the load
 error) through a pipe. Then it loops:
