@@ -50,5 +50,9 @@ run 8b_tp2_lat    55 $C python scripts/bench.py qwen3-8b -tp 2 --latency --laten
                      --json "$OUT/8b_tp2_lat.json"
 run 06b_tp2       75 python scripts/bench.py qwen3-0.6b -tp 2 --json "$OUT/06b_tp2.json" \
                      --profile "$OUT/trace_06b_tp2"
+# extras, if the budget allows (or ONLY=...): W has 256 requests, so DP2 halves each GPU's batch; the same
+# per-GPU load (512 requests on 2 GPUs vs 256 on 1... and 512 on 1) shows how DP scales apart from batch size
+run 06b_1gpu_512  60 python scripts/bench.py qwen3-0.6b --num-seqs 512 --json "$OUT/06b_1gpu_512.json"
+run 06b_dp2_512   75 python scripts/bench.py qwen3-0.6b -dp 2 --num-seqs 512 --json "$OUT/06b_dp2_512.json"
 rm -rf "$OUT/jax_cache" "$OUT/trace_06b_tp2"     # large; the profile's summary is in 06b_tp2.json
 echo "total $(( $(date +%s) - T0 )) s"
