@@ -21,7 +21,7 @@ import os
 import sys
 import time
 
-DEFAULT_MODEL = "qwen3-0.6b"
+DEFAULT_MODEL = "qwen3-pydoc"     # the small trained model that ships in jaxinfer/assets/ (no download)
 DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is", "JAX compiles Python to",
                    "The future of AI is"]
 
@@ -46,8 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None
 
     from jaxinfer.config import EngineConfig
     if with_model:
-        p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                       help=f"checkpoint directory, preset name or Hugging Face hub id (default: {DEFAULT_MODEL})")
+        p.add_argument("model", nargs="?", default=None,
+                       help=f"checkpoint directory, preset name (random weights) or Hugging Face hub id (default: "
+                            f"{DEFAULT_MODEL}, the small trained demo model that ships with jaxinfer)")
     g = p.add_argument_group("engine options (jaxinfer.config.EngineConfig; unset: the platform's defaults)")
     for f in fields(EngineConfig):
         help_text = f.metadata.get("help", "")
@@ -58,6 +59,14 @@ def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None
             kw["choices"] = f.metadata["choices"]
         names = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         g.add_argument(*names, dest=f.name, default=None, help=help_text, **kw)
+
+
+def model_arg(a: argparse.Namespace) -> str:
+    """The model the user named, else the shipped demo model's directory."""
+    if getattr(a, "model", None):
+        return a.model
+    from jaxinfer.assets import demo_model_path
+    return demo_model_path()
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -71,6 +80,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
 def build_llm(a: argparse.Namespace):
     from jaxinfer import LLM
     kw = engine_kwargs(a)
+    a.model = model_arg(a)
     print(f"loading {a.model} ({', '.join(f'{k}={v}' for k, v in kw.items()) or 'engine defaults'})",
           file=sys.stderr, flush=True)
     llm = LLM(a.model, **kw)
@@ -126,7 +136,8 @@ def cmd_chat(a: argparse.Namespace) -> int:
 def cmd_serve(a: argparse.Namespace) -> int:
     from jaxinfer.server import serve
     # The engine core loads the model in its own process; this one serves HTTP. Exit 1: the core died.
-    return serve(a.model, engine_kwargs(a), host=a.host, port=a.port, served_model_name=a.served_model_name,
+    name = a.served_model_name or a.model or DEFAULT_MODEL
+    return serve(model_arg(a), engine_kwargs(a), host=a.host, port=a.port, served_model_name=name,
                  log_level=a.log_level, api_server_count=getattr(a, "api_server_count", 1))
 
 

@@ -118,3 +118,14 @@ def test_uncached_hub_id_offline_says_how_to_get_it(tmp_path, monkeypatch):
     assert "qwen3-0.6b" in str(e.value)                     # the preset is offered as an alternative
     with pytest.raises(FileNotFoundError, match="not a directory, an embedded preset"):
         resolve_model(str(tmp_path / "no" / "such" / "dir"))
+
+
+def test_generate_defaults_to_the_demo_model():
+    """The main job with no model named: the shipped trained model, readable text (no token placeholders)."""
+    r = jaxinfer("generate", "--max-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    outs = [line for line in r.stdout.splitlines() if line.startswith("Output: ")]
+    assert len(outs) == 4 and not any("<" in o and ">" in o for o in outs), r.stdout
+    words = sum(len([w for w in o[8:].split() if w.strip("'\".,:;()").isalpha()]) for o in outs)
+    assert words >= 8, r.stdout
+    assert "qwen3-pydoc" in r.stderr

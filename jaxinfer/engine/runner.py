@@ -89,6 +89,13 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype) -> int:
 
 _HEADROOM = 2 * 2**30   # activations / logits of the largest bucket
 
+def _nvml_index(device) -> int | str:
+    """NVML's name for a JAX GPU: NVML numbers every GPU of the host, CUDA only the visible ones."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    i = device.local_hardware_id or 0
+    return visible[i] if i < len(visible) else i
+
+
 def _nvml_memory(device) -> tuple[int, int] | None:
     """(bytes JAX may allocate, bytes in use) of a GPU from NVML (nvidia-ml-py), for allocators that keep no
     stats (XLA's VMM allocator under the SKIP_TEMP command-buffer mode). JAX may allocate
@@ -98,7 +105,10 @@ def _nvml_memory(device) -> tuple[int, int] | None:
         import pynvml
         pynvml.nvmlInit()
         try:
-            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(device.local_hardware_id or 0))
+            name = _nvml_index(device)
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(name)) if str(name).isdigit() else \
+                pynvml.nvmlDeviceGetHandleByUUID(str(name))
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
         finally:
             pynvml.nvmlShutdown()
     except Exception:           # no NVML library, no such device: the caller asks for num_kvcache_blocks
