@@ -162,6 +162,8 @@ class EngineConfig:
     unstack_weights: bool | None = _opt(None, "per-layer weight arrays instead of stacked [L, ...] ones "
                                               "(default: per-layer on CPU, stacked on GPU)")
     async_scheduling: bool = _opt(True, "schedule step N+1 while step N runs (sampled ids stay on the device)")
+    num_scheduler_steps: int | None = _opt(None, "decode steps per device call for small batches (default: the "
+                                                 "engine picks 4 or 16 per call when nothing waits; 1: one step)")
     warmup: bool | None = _opt(None, "compile every step bucket at start-up (GPU: yes; CPU: no, compile lazily)")
     tensor_parallel_size: int = _opt(1, "devices each replica's weights and KV cache are split over (tensor "
                                         "parallelism; must divide the attention heads)", aliases=("-tp",))
@@ -174,7 +176,7 @@ class EngineConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kvcache_blocks",
-                     "tensor_parallel_size", "data_parallel_size"):
+                     "tensor_parallel_size", "data_parallel_size", "num_scheduler_steps"):
             positive(name)
         bs = self.block_size
         if bs & (bs - 1):

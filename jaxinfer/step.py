@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.attention import paged_attention_layer
@@ -79,3 +80,16 @@ def jit_step(step, out_shardings=None):
     if out_shardings is None:
         return jax.jit(step, donate_argnums=(1,))
     return jax.jit(step, donate_argnums=(1,), out_shardings=out_shardings)
+
+
+def idle_batch(size: int, T: int, B: int, W: int, num_slots: int) -> np.ndarray:
+    """A packed batch of `size` int32 (>= the layout's: a K-step batch's extra fields stay 0) in which every
+    token and row is padding: it writes no KV and samples nothing that matters. Warm-up runs each compiled
+    step once on it (a step's first execution loads its kernels and builds its CUDA graphs)."""
+    buf = np.zeros(size, np.int32)
+    f = {name: buf[off:off + n] for name, (off, n) in batch_layout(T, B, W).items() if name != "_size"}
+    f["slot_mapping"][:] = num_slots
+    f["prev_row"][:] = -1
+    f["attn_order"][:] = np.arange(B)
+    f["top_p"].view(np.float32)[:] = 1.0
+    return buf

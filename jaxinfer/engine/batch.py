@@ -12,6 +12,7 @@ import numpy as np
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.scheduler import ScheduledBatch
 from jaxinfer.engine.sequence import PLACEHOLDER
+from jaxinfer.multistep import STOP_IDS, multistep_layout
 from jaxinfer.step import FLOAT_FIELDS, batch_layout
 
 
@@ -92,4 +93,22 @@ def pack(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slo
     fl["top_p"][:] = 1.0
     fl["top_p"][:n] = [p.top_p for p in params]
     fl["min_p"][:n] = [p.min_p for p in params]
+    return buf
+
+
+def pack_multistep(batch: ScheduledBatch, B: int, W: int, block_size: int, num_slots: int,
+                   stop_ids: list[list[int]], remaining: list[int]) -> np.ndarray:
+    """A K-step decode call's batch (multistep.py): step 0 as `pack`, then stop_ids [B, STOP_IDS] (-1 pads)
+    and remaining [B] (0 for padding rows). Block tables include the look-ahead blocks."""
+    layout = multistep_layout(B, W)
+    buf = np.zeros(layout["_size"][0], np.int32)
+    base = pack(batch, B, B, W, block_size, num_slots)
+    buf[:len(base)] = base
+    stop = np.full((B, STOP_IDS), -1, np.int32)
+    for i, ids in enumerate(stop_ids):
+        stop[i, :len(ids)] = ids
+    off, n = layout["stop_ids"]
+    buf[off:off + n] = stop.reshape(-1)
+    off, _ = layout["remaining"]
+    buf[off:off + len(remaining)] = remaining
     return buf

@@ -13,11 +13,12 @@ from typing import Callable
 import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine.batch import bucket_for, pack
+from jaxinfer.engine.batch import bucket_for, pack, pack_multistep
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.runner import CompileCounter, ModelRunner, check_pool_fits, num_blocks_for_memory
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence, Status
+from jaxinfer.multistep import STOP_IDS
 from jaxinfer.parallel import Placement
 from jaxinfer.sampling_params import SamplingParams
 
@@ -50,8 +51,9 @@ class LLMEngine:
         self.scheduler = Scheduler(engine, self.block_manager, eos_token_ids)
         self.rng = np.random.default_rng(engine.seed)
         # kv_tokens_read: context tokens whose K/V the steps' attention had to read (for the roofline)
+        # multistep_calls: K-step decode calls (their steps count in decode_steps)
         self.counters = dict(prompt_tokens=0, generated_tokens=0, prefill_steps=0, decode_steps=0,
-                             kv_tokens_read=0, padded_tokens=0)
+                             kv_tokens_read=0, padded_tokens=0, multistep_calls=0)
         # host seconds spent scheduling + packing, dispatching, waiting for sampled ids, applying them:
         # if wait is small against the rest, the host (not the GPU) sets the pace
         self.host_time = dict(schedule_s=0.0, dispatch_s=0.0, wait_s=0.0, apply_s=0.0)
@@ -63,6 +65,8 @@ class LLMEngine:
 
     def warmup(self, progress=None) -> None:
         self.runner.warmup(progress)
+        self.runner.run_idle()          # every compiled step runs once (first execution loads its kernels)
+        self._warm_requests()
         self.compilations_at_warmup = self.compile_counter.count
         # Compiling leaves ~300k long-lived Python objects (JAX's caches); every full (generation 2) garbage
         # collection walked them all: one took 137 ms in the middle of a 5.5 s benchmark run on the H200
@@ -70,6 +74,24 @@ class LLMEngine:
         # CUDA graphs); they are still freed by reference counting.
         gc.collect()
         gc.freeze()
+
+    def _warm_requests(self) -> None:
+        """Run two tiny requests through the whole path (pack, put, prefill, 1- and K-step decode, read back,
+        apply), so nothing is left lazy for the first real request (it took 137 ms against 7-9 ms on the
+        H200); then forget them (counters, host times, their prefix-cache blocks)."""
+        bs = self.config.block_size
+        n = max(1, min(bs + 1, self.config.max_model_len - 20))
+        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=min(18, self.config.max_model_len - n))
+        if sp.max_tokens < 1 or -(-(n + sp.max_tokens) // bs) * 2 > self.block_manager.num_free_blocks:
+            return
+        seqs = [self.add_request([i % self.model_config.vocab_size] * n, sp) for i in range(2)]
+        while not all(is_finished(s) for s in seqs):
+            self.step()
+        if self.in_flight is not None:
+            self._read_in_flight()
+        self.block_manager.reset_prefix_cache()
+        self.counters = dict.fromkeys(self.counters, 0)
+        self.host_time = dict.fromkeys(self.host_time, 0.0)
 
     # -- requests ---------------------------------------------------------------------------------
     def check_request(self, token_ids: list[int], params: SamplingParams, where: str = "prompt") -> None:
@@ -121,8 +143,9 @@ class LLMEngine:
         preempted sequence's recompute) the step in flight is read first, so prompts are never
         built from tokens still on the device.
         """
-        if self.in_flight is not None and (self.scheduler.waiting or not self.async_scheduling):
-            return self._read_in_flight
+        if self.in_flight is not None and (self.scheduler.waiting or not self.async_scheduling
+                                           or self.in_flight[0].num_steps > 1):
+            return self._read_in_flight         # a K-step call is read before the next is scheduled
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
@@ -130,16 +153,27 @@ class LLMEngine:
                 return self._read_in_flight
             raise RuntimeError("scheduler found no work although requests are pending (pool too small?)")
         key = bucket_for(self.config, self.runner.widths, batch)
-        packed = pack(batch, key[1], key[2], key[3], self.config.block_size, self.runner.num_slots)
+        K = self._plan_steps(batch, key)
+        if K > 1:
+            key = bucket_for(self.config, self.runner.widths, batch)     # the look-ahead blocks may widen W
+            s = self.scheduler
+            packed = pack_multistep(batch, key[2], key[3], self.config.block_size, self.runner.num_slots,
+                                    [s.stop_ids(q) for q in batch.seqs], [s.remaining(q) for q in batch.seqs])
+        else:
+            packed = pack(batch, key[1], key[2], key[3], self.config.block_size, self.runner.num_slots)
         self.counters["kv_tokens_read"] += sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens))
         self.counters["padded_tokens"] += key[1] - sum(batch.num_new_tokens)
-        self.counters["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
+        self.counters["prefill_steps" if batch.is_prefill else "decode_steps"] += K
         filtered = any(s.params.needs_filter for s in batch.seqs)
         t1 = time.perf_counter()
         packed = self.runner.put(packed)
         t_put = time.perf_counter() - t1
-        ids = self.runner.run(key + (filtered,), packed)
-        self.scheduler.on_dispatch(batch)
+        if K > 1:
+            self.counters["multistep_calls"] += 1
+            ids = self.runner.run(("multistep", *key[1:], False, K), packed)
+        else:
+            ids = self.runner.run(key + (filtered,), packed)
+            self.scheduler.on_dispatch(batch)
         self.host_time["schedule_s"] += t1 - t0
         self.host_time["dispatch_s"] += time.perf_counter() - t1
         entry = None
@@ -161,18 +195,29 @@ class LLMEngine:
         t0 = time.perf_counter()
         ids = np.asarray(ids)
         t1 = time.perf_counter()
-        updated = self.scheduler.postprocess(batch, ids[:len(batch.seqs)])
+        if batch.num_steps > 1:
+            updated, count = self.scheduler.postprocess_steps(batch, ids[:, :len(batch.seqs)])
+        else:
+            updated = self.scheduler.postprocess(batch, ids[:len(batch.seqs)])
+            count = len(updated)
         now = time.perf_counter()
         self.host_time["wait_s"] += t1 - t0
         self.host_time["apply_s"] += now - t1
         if entry is not None:
             entry[5:7] = t1 - t0, now - t1
         for seq in updated:
-            seq.token_times.append(now)
+            seq.token_times.extend([now] * (seq.num_output_tokens - len(seq.token_times)))
             if seq.first_token_time is None:
                 seq.first_token_time = now
-        self.counters["generated_tokens"] += len(updated)
+        self.counters["generated_tokens"] += count
         return updated
+
+    def _plan_steps(self, batch, key) -> int:
+        """Decode steps for this call (multistep.py): K > 1 only for a small batch (a bucket with a K-step
+        variant, where the host is the bottleneck) when nothing waits; see Scheduler.plan_steps."""
+        if batch.is_prefill or key[2] not in self.runner.multistep_buckets():
+            return 1
+        return self.scheduler.plan_steps(batch, self.runner.multistep_ks(), STOP_IDS)
 
     def stats(self) -> dict:
         bm = self.block_manager
@@ -182,6 +227,7 @@ class LLMEngine:
                     prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
                     compilations=self.compile_counter.count - self.compilations_at_warmup,
                     compiled_buckets=len(self.runner.compiled),
+                    compiled_multistep=sum(k[0] == "multistep" for k in self.runner.compiled),
                     running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                     **self.counters, **{f"host_{k}": v for k, v in self.host_time.items()})
 

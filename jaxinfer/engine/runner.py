@@ -21,10 +21,13 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model.qwen3 import unstack_layers
 from jaxinfer.parallel import Placement, kv_heads, make_placements
 from jaxinfer.parallel.layout import KV_SPEC
-from jaxinfer.step import batch_layout, jit_step, make_step
+from jaxinfer.multistep import make_multistep, multistep_layout
+from jaxinfer.step import batch_layout, idle_batch, jit_step, make_step
 from jaxinfer.xla_options import step_compiler_options
 
 log = logging.getLogger(__name__)
+MULTISTEP_KS = (4, 16)        # auto: steps per call compiled for small batches (the engine picks per call)
+MULTISTEP_MAX_ROWS = 32       # decode buckets up to this many rows get K-step variants (host-bound sizes)
 
 
 class ExecutableCache:
@@ -215,20 +218,37 @@ class ModelRunner:
         e = self.engine
         out = [("prefill", T, min(e.max_num_seqs, T), W) for T in e.prefill_buckets for W in self.widths]
         out += [("decode", B, B, W) for B in e.decode_buckets for W in self.widths]
-        return [k + (f,) for f in (False, True) for k in out]
+        out = [k + (f,) for f in (False, True) for k in out]
+        # K-step decode calls (multistep.py): small batches only (host-bound), unfiltered sampling only
+        return out + [("multistep", B, B, W, False, K) for B in self.multistep_buckets() for W in self.widths
+                      for K in self.multistep_ks()]
+
+    def multistep_ks(self) -> tuple[int, ...]:
+        """Steps per call that get a compiled variant: num_scheduler_steps, or MULTISTEP_KS (auto)."""
+        n = self.engine.num_scheduler_steps
+        return MULTISTEP_KS if n is None else (() if n == 1 else (n,))
+
+    def multistep_buckets(self) -> tuple[int, ...]:
+        return tuple(B for B in self.engine.decode_buckets if B <= MULTISTEP_MAX_ROWS) if self.multistep_ks() else ()
 
     def compile(self, key: tuple[str, int, int, int, bool], quiet: bool = False):
         if key not in self.compiled:
-            kind, T, B, W, filtered = key
+            kind, T, B, W, filtered, *K = key
             shared = (self.model, self.engine.attn_backend, str(self.dtype), self.num_blocks,
                       self.engine.block_size, self.interpret, self.max_rows,
                       isinstance(self.params["layers"], tuple), self.placement.key, key)
 
             def build():
-                step = make_step(self.model, kind, T, B, W, self.engine.attn_backend, self.interpret, self.max_rows,
-                                 filtered, self.mesh)
+                if kind == "multistep":
+                    step = make_multistep(self.model, B, W, K[0], self.engine.attn_backend, self.interpret, filtered,
+                                          self.mesh)
+                    size = multistep_layout(B, W)["_size"][0]
+                else:
+                    step = make_step(self.model, kind, T, B, W, self.engine.attn_backend, self.interpret,
+                                     self.max_rows, filtered, self.mesh)
+                    size = batch_layout(T, B, W)["_size"][0]
                 rep = self.placement.replicated
-                packed = jax.ShapeDtypeStruct((batch_layout(T, B, W)["_size"][0],), jnp.int32, sharding=rep)
+                packed = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=rep)
                 out = (rep, self.placement.sharding(KV_SPEC))      # the caches keep their split across steps
                 lowered = jit_step(step, out).lower(self.params, self.kv_caches, packed, self.last_ids)
                 return lowered.compile(compiler_options=step_compiler_options(self.placement.devices[0].platform))
@@ -247,6 +267,14 @@ class ModelRunner:
                 if progress is not None:
                     progress.update(1)
 
+    def run_idle(self) -> None:
+        """Run every compiled step once on an all-padding batch and read its ids back: the first execution of
+        an executable (kernel loading, CUDA graph capture) and the first transfers then happen here."""
+        for key in list(self.compiled):
+            kind, T, B, W = key[:4]
+            size = (multistep_layout(B, W) if kind == "multistep" else batch_layout(T, B, W))["_size"][0]
+            np.asarray(self.run(key, self.put(idle_batch(size, T, B, W, self.num_slots))))
+
     def put(self, packed: np.ndarray) -> jax.Array:
         """Send a step's packed batch to the device(s) (one host -> device copy; replicated over tp)."""
         return self.placement.put(packed)
@@ -254,6 +282,9 @@ class ModelRunner:
     def run(self, key: tuple[str, int, int, int, bool], packed: jax.Array) -> jax.Array:
         """Dispatch one step (asynchronous); returns the device array of sampled ids [max_rows]. `packed`: the
         step's batch, already sent with `put`."""
+        if key[0] == "multistep":      # ids [K, B]; last_ids stay (the host reads this call before the next)
+            ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, packed, self.last_ids)
+            return ids.addressable_data(0) if jax.process_count() > 1 else ids
         self.last_ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, packed, self.last_ids)
         if jax.process_count() > 1:     # ids are replicated over a mesh spanning hosts: read this host's copy
             return self.last_ids.addressable_data(0)

@@ -22,6 +22,7 @@ class ScheduledBatch:
     num_new_tokens: list[int]     # tokens each sequence computes this step
     is_prefill: bool
     sampled: list[bool] | None = None   # set at dispatch: which rows sample a token
+    num_steps: int = 1            # decode steps run on the device in this call (multistep.py)
 
 
 class Scheduler:
@@ -97,6 +98,69 @@ class Scheduler:
                 seq.token_ids.append(PLACEHOLDER)
                 seq.num_pending += 1
             batch.sampled.append(done)
+
+    # -- K-step decode calls (multistep.py) --------------------------------------------------------
+    def stop_ids(self, seq: Sequence) -> list[int]:
+        """The ids that end seq (EOS unless ignore_eos, and stop_token_ids), for the device."""
+        ids = [] if seq.params.ignore_eos else sorted(self.eos)
+        return ids + [t for t in seq.params.stop_token_ids if t not in ids]
+
+    def remaining(self, seq: Sequence) -> int:
+        """Tokens seq may still sample (max_tokens, max_model_len), counting those still on the device."""
+        return min(seq.params.max_tokens - seq.num_scheduled_outputs, self.config.max_model_len - len(seq))
+
+    def plan_steps(self, batch: ScheduledBatch, ks: tuple[int, ...], max_stop_ids: int) -> int:
+        """Steps for this decode batch: 1, or a K of `ks` (sorted) with look-ahead blocks reserved for it.
+        K = 1 while requests wait (they join at the next call), when a row samples with top-k / top-p / min-p
+        or has more than max_stop_ids stop ids, or when the pool lacks the look-ahead blocks. Otherwise the
+        smallest K that covers every row's remaining tokens (steps past them would be wasted), else the largest."""
+        if batch.is_prefill or not ks or self.waiting:
+            return 1
+        if any(s.params.needs_filter or len(self.stop_ids(s)) > max_stop_ids for s in batch.seqs):
+            return 1
+        rem = [self.remaining(s) for s in batch.seqs]
+        K = next((k for k in ks if k >= max(rem)), ks[-1])
+        if K <= 1:
+            return 1
+        bs = self.config.block_size
+        extra = sum(max(0, -(-(s.num_computed_tokens + min(K, r)) // bs) - len(s.block_table))
+                    for s, r in zip(batch.seqs, rem))
+        if extra > self.bm.num_free_blocks:
+            return 1
+        for s, r in zip(batch.seqs, rem):
+            self.bm.reserve(s, s.num_computed_tokens + min(K, r))
+        batch.num_steps = K
+        batch.sampled = [True] * len(batch.seqs)
+        return K
+
+    def postprocess_steps(self, batch: ScheduledBatch, ids) -> tuple[list[Sequence], int]:
+        """Apply a K-step call's ids [K, rows] (-1 after a row stopped); return (updated sequences, tokens).
+        The step before it was applied first, so no row has a pending token. The host checks every stop
+        condition again (the finish reason is set here); unused look-ahead blocks go back to the pool."""
+        updated, count = [], 0
+        for i, seq in enumerate(batch.seqs):
+            if seq.status is Status.FINISHED:             # finished (or aborted) while the call ran
+                continue
+            p, reason = seq.params, None
+            for tok in ids[:, i].tolist():
+                if tok < 0:
+                    break
+                seq.token_ids.append(tok)
+                seq.num_computed_tokens += 1
+                count += 1
+                if (not p.ignore_eos and tok in self.eos) or tok in p.stop_token_ids:
+                    reason = "stop"
+                elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
+                    reason = "length"
+                if reason:
+                    break
+            self.bm.cache_full_blocks(seq)
+            if reason:
+                self.finish(seq, reason)
+            else:
+                self.bm.trim(seq)
+            updated.append(seq)
+        return updated, count
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

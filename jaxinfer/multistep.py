@@ -1,0 +1,94 @@
+"""Several decode steps in one jitted call: `multistep(params, kv_caches, packed, prev_ids) -> (ids [K, B], kv_caches)`.
+
+A batch-1 decode step is bound by the host (dispatching one call costs ~1 ms on the H200 host, the GPU needs
+~0.3-0.5 ms), so small batches run K steps per call. Each step's sampled ids feed the next on the device; the
+host reserves KV blocks for all K steps beforehand (look-ahead blocks) and reads K tokens per row at the end.
+
+The packed batch is a decode batch (`step.batch_layout(B, B, W)`, step 0's positions / slots / seq_lens) plus
+- stop_ids [B, STOP_IDS]: ids that end the row (EOS unless ignore_eos, and stop_token_ids; -1 pads);
+- remaining [B]: how many tokens the row may still sample (max_tokens and max_model_len; 0 for padding rows).
+A row stops on the device after a stop id or `remaining` tokens: from then on it is masked (its seq_len is 0,
+so it writes no KV and attends to nothing) and returns -1, so no token past a stop ever reaches the host.
+Step k of row b samples with counter counters[b] + k: the index of the token it samples (seeded tokens do
+not depend on K). Positions / slots of step k come from the block table on the device.
+
+The loop over K is a static Python loop (LOOP = "unroll"): XLA sees one straight-line program, which the GPU
+runs as CUDA graphs (command buffers) like any step; a `lax.fori_loop` ("fori") compiles ~K x faster (see
+tests/test_multistep.py::test_compile_time) but its while loop is not captured in a command buffer by
+default, so each iteration pays the launches again. Rows cannot exit early without a host read (a device
+predicate makes XLA copy it to the host), so the host picks K from the rows' `remaining`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.attention import paged_attention_layer
+from jaxinfer.model.qwen3 import compute_logits, forward, tp_size
+from jaxinfer.sampling import sample, sample_sharded
+from jaxinfer.step import batch_layout, unpack
+
+STOP_IDS = 4          # stop ids per row carried on the device; a row with more runs one step per call
+LOOP = "unroll"       # "unroll" | "fori"
+
+
+def multistep_layout(B: int, W: int) -> dict[str, tuple[int, int]]:
+    """The decode layout plus stop_ids [B * STOP_IDS] and remaining [B] at its end."""
+    layout = dict(batch_layout(B, B, W))
+    off = layout.pop("_size")[0]
+    layout["stop_ids"] = (off, B * STOP_IDS)
+    layout["remaining"] = (off + B * STOP_IDS, B)
+    layout["_size"] = (off + B * STOP_IDS + B, 0)
+    return layout
+
+
+def make_multistep(config: ModelConfig, B: int, W: int, K: int, backend: str, interpret: bool = False,
+                   filtered: bool = False, mesh=None, loop: str | None = None):
+    """The K-step decode function for B rows and W-block tables (not yet jitted)."""
+    loop = loop or LOOP
+
+    def multistep(params, kv_caches, packed, prev_ids):
+        base = unpack(packed[:batch_layout(B, B, W)["_size"][0]], B, B, W)
+        lay = multistep_layout(B, W)
+        stop = packed[lay["stop_ids"][0]:lay["stop_ids"][0] + B * STOP_IDS].reshape(B, STOP_IDS)
+        remaining = packed[lay["remaining"][0]:lay["remaining"][0] + B]
+        prev = base["prev_row"]
+        tok0 = jnp.where(prev >= 0, prev_ids[jnp.maximum(prev, 0)], base["token_ids"])           # [B]
+        start, tables = base["positions"], base["block_tables"]                                 # [B], [B, W]
+        P, bs = kv_caches[0][0].shape[:2]
+        rows = jnp.arange(B)
+        # a row whose input token (sampled by the step before, still on the device) was a stop id is done
+        active0 = (base["seq_lens"] > 0) & (remaining > 0) & ~jnp.any(tok0[:, None] == stop, axis=-1)
+
+        def one(k, tok, active, caches):
+            pos = start + k
+            slot = tables[rows, jnp.minimum(pos // bs, W - 1)] * bs + pos % bs
+            meta = dict(base, positions=pos, slot_mapping=jnp.where(active, slot, P * bs),
+                        seq_lens=jnp.where(active, pos + 1, 0))
+            attn = paged_attention_layer("decode", backend, meta, interpret, mesh)
+            hidden, caches = forward(config, params, tok, pos, attn, caches, mesh)
+            logits = compute_logits(config, params, hidden)                                      # [B, V']
+            args = (logits, base["temperature"], base["top_k"], base["top_p"], base["min_p"], base["seeds"],
+                    base["counters"] + k, filtered)
+            ids = sample_sharded(*args, mesh, config.vocab_size) if tp_size(mesh) > 1 else sample(*args)
+            out = jnp.where(active, ids, -1)
+            active = active & ~jnp.any(ids[:, None] == stop, axis=-1) & (k + 1 < remaining)
+            return ids, active, caches, out
+
+        if loop == "unroll":
+            tok, active, caches, outs = tok0, active0, kv_caches, []
+            for k in range(K):
+                tok, active, caches, out = one(k, tok, active, caches)
+                outs.append(out)
+            return jnp.stack(outs), caches
+
+        def body(k, carry):
+            tok, active, caches, outs = carry
+            tok, active, caches, out = one(k, tok, active, caches)
+            return tok, active, caches, outs.at[k].set(out)
+        init = (tok0, active0, kv_caches, jnp.full((K, B), -1, jnp.int32))
+        _, _, caches, outs = jax.lax.fori_loop(0, K, body, init)
+        return outs, caches
+
+    return multistep
