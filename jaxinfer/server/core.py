@@ -47,10 +47,10 @@ def run_core(model: str, engine_kwargs: dict, in_addr: str, out_addrs: list[str]
         ready_conn.send({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
         ready_conn.close()
         raise SystemExit(1) from None
-    bm = llm.engine.block_manager
-    ready_conn.send({"limits": dict(max_model_len=llm.engine.config.max_model_len,
-                                    vocab_size=llm.model_config.vocab_size, num_blocks=bm.num_blocks,
-                                    block_size=bm.block_size, pid=os.getpid(),
+    cfg = llm.engine.config                # (a data-parallel engine: num_blocks is one replica's)
+    ready_conn.send({"limits": dict(max_model_len=cfg.max_model_len, vocab_size=llm.model_config.vocab_size,
+                                    num_blocks=llm.engine.block_manager.num_blocks, block_size=cfg.block_size,
+                                    pid=os.getpid(),
                                     xla_flags=os.environ.get("XLA_FLAGS", ""))})
     ready_conn.close()
     core.run()
