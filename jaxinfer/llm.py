@@ -149,7 +149,19 @@ class LLM:
         proc = procs.get(seq.seq_id)
         if proc is None:
             proc = procs[seq.seq_id] = OutputProcessor(self.tokenizer, seq.params.stop, stream=stream)
-        delta = proc.update(seq.output_token_ids[len(proc.token_ids):], seq.finish_reason)
+        new = seq.output_token_ids[len(proc.token_ids):]
+        if not (seq.params.stop and len(new) > 1):
+            delta = proc.update(new, seq.finish_reason)
+        else:   # a K-step call's tokens: one at a time, so a stop string ends at its token; drop those after it
+            parts = []
+            for i, t in enumerate(new):
+                parts.append(proc.update([t], seq.finish_reason if i == len(new) - 1 else None))
+                if proc.stopped:
+                    end = len(seq.token_ids) - seq.num_pending
+                    del seq.token_ids[end - (len(new) - i - 1):end]
+                    break
+            delta = TextDelta("".join(d.text for d in parts), [t for d in parts for t in d.token_ids],
+                              parts[-1].finish_reason)
         if proc.stopped and not is_finished(seq):
             self.engine.scheduler.finish(seq, "stop")
         return delta

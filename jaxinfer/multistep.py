@@ -12,11 +12,13 @@ so it writes no KV and attends to nothing) and returns -1, so no token past a st
 Step k of row b samples with counter counters[b] + k: the index of the token it samples (seeded tokens do
 not depend on K). Positions / slots of step k come from the block table on the device.
 
-The loop over K is a static Python loop (LOOP = "unroll"): XLA sees one straight-line program, which the GPU
-runs as CUDA graphs (command buffers) like any step; a `lax.fori_loop` ("fori") compiles ~K x faster (see
-tests/test_multistep.py::test_compile_time) but its while loop is not captured in a command buffer by
-default, so each iteration pays the launches again. Rows cannot exit early without a host read (a device
-predicate makes XLA copy it to the host), so the host picks K from the rows' `remaining`.
+The loop over K is a `lax.fori_loop` (LOOP = "fori"): one program per (bucket, K) whose compile time does not
+grow with K. Measured on CPU with a 28-layer tiny model (B = 8): a 1-step decode compiles in 5.7 s, the
+fori_loop in 5.4-5.6 s for K = 4 and 16, a static Python loop ("unroll") in 19.7 s for K = 4 and 163 s for
+K = 16 (superlinear): unrolled variants would break the 60 s warm-up. Its trip count is static, so XLA runs
+the loop without reading a predicate back to the host; the body's kernels are captured in command buffers
+(CUDA graphs), replayed once per iteration. Rows cannot exit early without a host read (a device-side
+predicate is copied to the host), so the host picks K from the rows' `remaining` instead.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from jaxinfer.sampling import sample, sample_sharded
 from jaxinfer.step import batch_layout, unpack
 
 STOP_IDS = 4          # stop ids per row carried on the device; a row with more runs one step per call
-LOOP = "unroll"       # "unroll" | "fori"
+LOOP = "fori"         # "fori" | "unroll" (see above)
 
 
 def multistep_layout(B: int, W: int) -> dict[str, tuple[int, int]]:

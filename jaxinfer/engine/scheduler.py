@@ -187,7 +187,9 @@ class Scheduler:
             p = seq.params
             if (not p.ignore_eos and tok in self.eos) or tok in p.stop_token_ids:
                 self.finish(seq, "stop")
-            elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
+            # len - num_pending: a token dispatched after this one is not part of the sequence yet (counting it
+            # ended async runs one token before max_model_len)
+            elif seq.num_output_tokens >= p.max_tokens or len(seq) - seq.num_pending >= self.config.max_model_len:
                 self.finish(seq, "length")
         return updated
 

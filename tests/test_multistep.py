@@ -1,0 +1,141 @@
+"""Multi-step decode (jaxinfer/multistep.py): K decode steps per device call give the same tokens as one step
+per call, for greedy and seeded rows, with rows stopping mid-call on EOS, stop ids, max_tokens and
+max_model_len; stop strings, aborts mid-call, streaming and warm-up (no compilation after it, for any K)."""
+import numpy as np
+import pytest
+
+from helpers import TINY_ENGINE
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.llm_engine import is_finished
+
+BASE = {**TINY_ENGINE, "max_model_len": 64}
+KS = (1, 3, 16, None)          # None: the engine picks (4 or 16 per call)
+
+
+def _requests(n=7, seed=3):
+    """Greedy and seeded rows; max_tokens from 1 to 40 (several end mid-call); one prompt near max_model_len."""
+    rng = np.random.default_rng(seed)
+    ps = [rng.integers(0, 400, int(rng.integers(3, 20))).tolist() for _ in range(n - 1)]
+    ps.append(rng.integers(0, 400, 50).tolist())            # 50 + 14 = max_model_len 64: ends by length
+    sps = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=10 + i, ignore_eos=True,
+                          max_tokens=[1, 5, 17, 40, 9, 23, 40][i % 7]) for i in range(n)]
+    return ps, sps
+
+
+def _generate(llm, ps, sps):
+    outs = llm.generate(ps, sps, use_tqdm=False)
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"], st       # look-ahead blocks all came back
+    return [(o.token_ids, o.finish_reason) for o in outs], st
+
+
+@pytest.fixture(scope="module")
+def llms(tiny_dir):
+    return {K: LLM(tiny_dir, **{**BASE, "num_scheduler_steps": K}) for K in KS}
+
+
+@pytest.fixture(scope="module")
+def reference(llms):
+    return _generate(llms[1], *_requests())[0]
+
+
+@pytest.mark.parametrize("K", KS)
+def test_same_tokens_for_every_k(llms, reference, K):
+    out, st = _generate(llms[K], *_requests())
+    assert out == reference
+    assert len(out[-1][0]) == 14 and out[-1][1] == "length"                       # max_model_len mid-call
+    assert (st["multistep_calls"] > 0) == (K != 1)
+    assert st["compiled_multistep"] in {1: (0,), 3: (1,), 16: (1,), None: (1, 2)}[K]   # lazily: the Ks used
+
+
+@pytest.mark.parametrize("K", KS)
+def test_stop_ids_and_eos_mid_call(llms, reference, K):
+    """Rows stop on a stop id / on EOS in the middle of a call: nothing after the stop comes back."""
+    ps, sps = _requests()
+    toks = [t for t, _ in reference]
+    i, j = 3, 4                                            # 40 and 9 tokens in the reference
+    stop_tok, eos_tok = toks[i][11], toks[j][6]
+    sps[i] = SamplingParams(**{**sps[i].__dict__, "stop_token_ids": [stop_tok]})
+    sps[j] = SamplingParams(**{**sps[j].__dict__, "ignore_eos": False})
+    llm = llms[K]
+    saved = llm.engine.scheduler.eos
+    llm.engine.scheduler.eos = frozenset({eos_tok})
+    try:
+        out, _ = _generate(llm, ps, sps)
+    finally:
+        llm.engine.scheduler.eos = saved
+    assert out[i] == (toks[i][:toks[i].index(stop_tok) + 1], "stop")
+    assert out[j] == (toks[j][:toks[j].index(eos_tok) + 1], "stop")
+    others = [k for k in range(len(ps)) if k not in (i, j)]
+    # rows that ignore EOS are unaffected (a row with ignore_eos=False among them would stop at eos_tok too)
+    assert [out[k] for k in others] == [reference[k] for k in others]
+
+
+def test_stop_strings(llms):
+    """Stop strings are checked on the host after a call: the text and the tokens end at the match."""
+    prompt = "def add(a, b):"
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    full = llms[1].generate([prompt], sp, use_tqdm=False)[0]
+    stop = full.text[8:11]
+    assert stop and full.text.find(stop) == 8
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])
+    outs = {K: llms[K].generate([prompt], sp, use_tqdm=False)[0] for K in (1, 16)}
+    assert outs[16].text == outs[1].text == full.text[:8]
+    assert outs[16].finish_reason == outs[1].finish_reason == "stop"
+    assert outs[16].token_ids == outs[1].token_ids and len(outs[16].token_ids) < 30
+    assert llms[16].stats()["kv_blocks_free"] == llms[16].stats()["kv_blocks_total"]
+
+
+def test_abort_mid_call_frees_all_blocks(llms):
+    eng = llms[16].engine
+    ps, sps = _requests()
+    seqs = [eng.add_request(p, sp) for p, sp in zip(ps, sps)]
+    for _ in range(20):
+        eng.step()
+        if eng.in_flight is not None and eng.in_flight[0].num_steps > 1:
+            break
+    assert eng.in_flight is not None and eng.in_flight[0].num_steps > 1, "no K-step call in flight"
+    for s in seqs:
+        eng.abort(s)
+    assert not eng.has_unfinished()
+    assert eng.step() == []                      # reads the call: its tokens go nowhere
+    assert eng.in_flight is None and all(is_finished(s) and s.finish_reason in ("abort", "length") for s in seqs)
+    st = eng.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_streaming_order(llms, reference):
+    """Each call's tokens stream as soon as it returns, in order; deltas concatenate to generate's output."""
+    ps, sps = _requests()
+    got = {i: [] for i in range(len(ps))}
+    reasons, sizes = {}, []
+    for d in llms[16].stream(ps, sps):
+        assert d.request_id not in reasons, "a delta after the request finished"
+        got[d.request_id] += d.token_ids
+        sizes.append(len(d.token_ids))
+        if d.finish_reason:
+            reasons[d.request_id] = d.finish_reason
+    assert [(got[i], reasons[i]) for i in range(len(ps))] == reference
+    assert max(sizes) > 1                        # several tokens per delta: one per call, not per step
+
+
+def test_bad_num_scheduler_steps(tiny_dir):
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        LLM(tiny_dir, **{**BASE, "num_scheduler_steps": 0})
+
+
+def test_no_compilation_after_warmup(tiny_dir):
+    """Warm-up compiles every variant (K = 1 and the K-step ones), runs each once and two tiny requests:
+    afterwards no K, sampling variant or batch size compiles anything."""
+    llm = LLM(tiny_dir, **{**BASE, "warmup": True, "num_kvcache_blocks": 64})
+    st = llm.stats()
+    assert st["compiled_multistep"] == 2 * len(llm.engine.runner.widths)
+    assert st["generated_tokens"] == 0 and st["kv_blocks_free"] == st["kv_blocks_total"]
+    ps, sps = _requests()
+    _generate(llm, ps, sps)                                                   # auto K (4 and 16)
+    _generate(llm, ps[:1], [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6)])   # filtered: K = 1
+    _generate(llm, [list(range(60))], [SamplingParams(max_tokens=4)])        # a wider block table
+    st = llm.stats()
+    assert st["multistep_calls"] > 0
+    assert st["compilations"] == 0, st
