@@ -60,13 +60,18 @@ def test_package_files_and_tokenizer(demo, tokenizer):
     assert tokenizer.encode(chat, add_special_tokens=False)[0] == ids["<|im_start|>"]
 
 
+@pytest.fixture(scope="module")
+def xla_llm(demo):
+    return LLM(demo, attn_backend="xla", **ENGINE)
+
+
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_greedy_equals_transformers(demo, backend, tokenizer, reference):
-    llm = LLM(demo, attn_backend=backend, **ENGINE)
+def test_greedy_equals_transformers(demo, backend, tokenizer, reference, xla_llm):
+    llm = xla_llm if backend == "xla" else LLM(demo, attn_backend=backend, **ENGINE)
     ps = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[:2]]
-    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     for p, o in zip(ps, outs):
-        assert o.token_ids == hf_greedy_no_eos(reference, p, 12), tokenizer.decode(p)
+        assert o.token_ids == hf_greedy_no_eos(reference, p, 10), tokenizer.decode(p)
 
 
 def hf_greedy_no_eos(model, ids: list[int], n: int) -> list[int]:
@@ -122,10 +127,9 @@ def english_score(text: str) -> tuple[float, float, int]:
     return ascii_share, letters, len(COMMON & {w.lower().strip(".,:;()") for w in words})
 
 
-def test_generated_text_reads_as_english(demo):
+def test_generated_text_reads_as_english(xla_llm):
     """Greedy continuations are words, mostly common English ones, not token placeholders or symbol soup."""
-    llm = LLM(demo, **ENGINE)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+    outs = xla_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     text = " ".join(o.text for o in outs)
     print(f"\ngreedy demo text: {text!r}")
     ascii_share, letters, common = english_score(text)
