@@ -199,22 +199,42 @@ def run_latency(args) -> dict:
     from jaxinfer import SamplingParams
     llm = build(args)
     rng = np.random.default_rng(0)
-    prompt = rng.integers(0, 10000, args.latency_prompt).tolist()
+    V = min(10000, llm.model_config.vocab_size)
+    prompt = rng.integers(0, V, args.latency_prompt).tolist()
     sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.latency_output)
-    llm.generate([prompt[:8]], sp, use_tqdm=False)
-    llm.engine.block_manager.prefix_caching = False       # measure a cold prompt
+    n = args.latency_batch
+    llm.engine.block_manager.prefix_caching = False       # measure cold prompts
+    # the first request after LLM(): warm-up must have left nothing lazy
+    first = llm.generate([[(t + 7) % V for t in prompt]], sp, use_tqdm=False)[0].metrics["ttft_s"] * 1e3
     ttfts, tpots = [], []
-    for i in range(3):
-        o = llm.generate([[(t + i) % 10000 for t in prompt]], sp, use_tqdm=False)[0]
-        ttfts.append(o.metrics["ttft_s"] * 1e3)
-        tpots.append(o.metrics["tpot_s"] * 1e3)
-    r = dict(model=args.model, attn_backend=args.attn_backend, prompt_tokens=args.latency_prompt,
+    for i in range(3):        # n fresh prompts at once: TTFT of the batch's prompts, TPOT of each request
+        outs = llm.generate([[(t + 100 * i + j) % V for t in prompt] for j in range(n)], sp, use_tqdm=False)
+        ttfts += [o.metrics["ttft_s"] * 1e3 for o in outs]
+        tpots += [o.metrics["tpot_s"] * 1e3 for o in outs]
+    st = llm.stats()
+    r = dict(model=args.model, attn_backend=args.attn_backend, prompt_tokens=args.latency_prompt, batch=n,
              tensor_parallel_size=llm.config.tensor_parallel_size, data_parallel_size=llm.config.data_parallel_size,
-             output_tokens=args.latency_output, ttft_ms=float(np.median(ttfts)), tpot_ms=float(np.median(tpots)),
-             compilations_after_warmup=llm.stats()["compilations"])
-    print(f"latency ({args.model}, {args.attn_backend}): TTFT {r['ttft_ms']:.1f} ms for {args.latency_prompt} "
-          f"prompt tokens; TPOT {r['tpot_ms']:.2f} ms over {args.latency_output} tokens (median of 3)")
+             num_scheduler_steps=llm.config.num_scheduler_steps, output_tokens=args.latency_output,
+             first_ttft_ms=first, ttft_ms=float(np.median(ttfts)), tpot_ms=float(np.median(tpots)),
+             warmup_s=args.warmup_s, compiled_buckets=st["compiled_buckets"],
+             compiled_multistep=st.get("compiled_multistep"), multistep_calls=st.get("multistep_calls"),
+             decode_steps=st["decode_steps"], compilations_after_warmup=st["compilations"], host=host_name())
+    print(f"latency ({args.model}, {args.attn_backend}, batch {n}, num_scheduler_steps="
+          f"{llm.config.num_scheduler_steps}, host {r['host']}): first request's TTFT {first:.1f} ms; TTFT "
+          f"{r['ttft_ms']:.1f} ms for {args.latency_prompt} prompt tokens; TPOT {r['tpot_ms']:.2f} ms over "
+          f"{args.latency_output} tokens (median of 3 x {n}); {st.get('multistep_calls')} K-step calls for "
+          f"{st['decode_steps']} decode steps; warm-up {args.warmup_s:.1f} s, {st['compiled_buckets']} compiled "
+          f"({st.get('compiled_multistep')} K-step)")
     return r
+
+
+def host_name() -> str:
+    """The machine and its CPU: host-bound figures (TPOT at small batch) depend on it."""
+    import platform
+    cpu = ""
+    with contextlib.suppress(OSError):
+        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
+    return f"{platform.node()} ({cpu or platform.processor()})"
 
 
 def parse(argv=None):
@@ -231,6 +251,7 @@ def parse(argv=None):
     ap.add_argument("--latency", action="store_true", help="one request: TTFT and TPOT")
     ap.add_argument("--latency-prompt", type=int, default=1024)
     ap.add_argument("--latency-output", type=int, default=256)
+    ap.add_argument("--latency-batch", type=int, default=1, help="--latency: requests decoded together (default 1)")
     ap.add_argument("--peer", choices=["hf"], default=None,
                     help="also run HF transformers' continuous batching on a subset (scripts/bench_peer.py)")
     ap.add_argument("--peer-num-seqs", type=int, default=64)

@@ -12,7 +12,8 @@ def test_bench_runs_and_counts(tiny_dir, tmp_path, capsys):
             "--max-input-len", "120", "--max-output-len", "110", "--max-num-seqs", "4",
             "--max-num-batched-tokens", "512", "--prefill-buckets", "512", "--decode-buckets", "4",
             "--max-model-len", "256", "--block-size", "64", "--warmup", "--json", str(tmp_path / "r.json"),
-            "--step-log", str(tmp_path / "log.json"), "--repeats", "2"]
+            "--step-log", str(tmp_path / "log.json"), "--repeats", "2",
+            "--num-scheduler-steps", "1"]     # one step per call: the step log has one entry per step
     r = bench.main(args)
     _, params = bench.workload(5, 120, 110, vocab=512)
     assert r["output_tokens"] == sum(p.max_tokens for p in params)
