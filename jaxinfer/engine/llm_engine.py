@@ -143,7 +143,8 @@ class LLMEngine:
         preempted sequence's recompute) the step in flight is read first, so prompts are never
         built from tokens still on the device.
         """
-        if self.in_flight is not None and (self.scheduler.waiting or not self.async_scheduling
+        # (a queue that cannot be admitted yet, e.g. more requests than max_num_seqs, does not force a read)
+        if self.in_flight is not None and (self.scheduler.can_admit() or not self.async_scheduling
                                            or self.in_flight[0].num_steps > 1):
             return self._read_in_flight         # a K-step call is read before the next is scheduled
         t0 = time.perf_counter()

@@ -38,6 +38,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def can_admit(self) -> bool:
+        """Whether the next prefill step would admit the first waiting sequence (a free row and blocks)."""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs and \
+            self.bm.can_allocate(self.waiting[0])
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
