@@ -138,7 +138,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     # The engine core loads the model in its own process; this one serves HTTP. Exit 1: the core died.
     name = a.served_model_name or a.model or DEFAULT_MODEL
     return serve(model_arg(a), engine_kwargs(a), host=a.host, port=a.port, served_model_name=name,
-                 log_level=a.log_level, api_server_count=getattr(a, "api_server_count", 1))
+                 log_level=a.log_level, api_server_count=a.api_server_count)
 
 
 def bench_script() -> str:
@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     s.add_argument("--served-model-name", help="the model id clients send (default: MODEL as given)")
+    s.add_argument("--api-server-count", type=int, default=1,
+                   help="API processes sharing the port (HTTP, tokenization, detokenization); the engine core is "
+                        "one process (default: 1)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default: info)")
     s.set_defaults(func=cmd_serve)
