@@ -79,6 +79,10 @@ class LLM:
             buckets = self.engine.runner.buckets()
             with tqdm(total=len(buckets), desc="Compiling steps", disable=None) as bar:
                 self.engine.warmup(bar)
+            # the tokenizer's and the detokenizer's first calls are slow too (lazy imports, caches)
+            ids = self._tokenize("Warm-up: nothing lazy is left for the first request.", 0)
+            OutputProcessor(self.tokenizer, ("\n\n",), stream=True).update(ids, "length")
+            self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def get_tokenizer(self):
         """The tokenizer (a Hugging Face tokenizer for checkpoints; a byte-level stand-in for presets)."""

@@ -33,6 +33,7 @@ class LLMEngine:
             raise ValueError(f"the engine needs a resolved EngineConfig (EngineConfig.resolve), got {engine}")
         self.model_config = model
         self.async_scheduling = engine.async_scheduling
+        self.multistep = True             # K-step decode calls allowed (False: one step per call, for A/B runs)
         self.in_flight = None             # (batch, device ids) of the step dispatched but not read yet
         # the pool is sized from one device's memory and its share of the KV (K'/tp kv heads)
         kv_model = placement.kv_view(model) if placement is not None else model
@@ -216,7 +217,7 @@ class LLMEngine:
     def _plan_steps(self, batch, key) -> int:
         """Decode steps for this call (multistep.py): K > 1 only for a small batch (a bucket with a K-step
         variant, where the host is the bottleneck) when nothing waits; see Scheduler.plan_steps."""
-        if batch.is_prefill or key[2] not in self.runner.multistep_buckets():
+        if batch.is_prefill or not self.multistep or key[2] not in self.runner.multistep_buckets():
             return 1
         return self.scheduler.plan_steps(batch, self.runner.multistep_ks(), STOP_IDS)
 

@@ -118,13 +118,13 @@ class Scheduler:
         """Steps for this decode batch: 1, or a K of `ks` (sorted) with look-ahead blocks reserved for it.
         K = 1 while requests wait (they join at the next call), when a row samples with top-k / top-p / min-p
         or has more than max_stop_ids stop ids, or when the pool lacks the look-ahead blocks. Otherwise the
-        smallest K that covers every row's remaining tokens (steps past them would be wasted), else the largest."""
+        largest K that no row's remaining tokens fall short of (steps past them would be wasted), else the smallest."""
         if batch.is_prefill or not ks or self.waiting:
             return 1
         if any(s.params.needs_filter or len(self.stop_ids(s)) > max_stop_ids for s in batch.seqs):
             return 1
         rem = [self.remaining(s) for s in batch.seqs]
-        K = next((k for k in ks if k >= max(rem)), ks[-1])
+        K = max((k for k in ks if k <= max(rem)), default=ks[0])
         if K <= 1:
             return 1
         bs = self.config.block_size

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Multi-step decode (issue 18) on one H200, in one command that fits ~6 minutes:
+#   bash scripts/gpu_multistep_runs.sh           # writes $OUT/*.json, *.log (OUT defaults to ./out_multistep)
+#   ONLY="ab lat_auto" bash scripts/gpu_multistep_runs.sh      # a subset, by run name
+# 1. ab: scripts/bench_multistep.py, ONE process and warm-up (cold: its warmup_s and the first request's TTFT are
+#    what a user gets): TPOT / TTFT at batch 1, 8, 32 with K-step calls (the engine's choice) and with one step
+#    per call, the TTFT of requests arriving while a K-step call runs (p50 / p99), multistep-vs-one-step token
+#    agreement (pallas kernels, bf16), W throughput twice each way (alternating), compilations after warm-up.
+# 2. the issue's commands: bench.py --latency with and without multi-step, batch 8 / 32, W A/B. They reuse the
+#    first run's compilations through JAX's persistent cache ($OUT/jax_cache): their warmup_s are not cold.
+# Every run has its own timeout; the script stops starting runs when BUDGET_S (default 350 s) is spent.
+set -u
+OUT=${OUT:-out_multistep}
+BUDGET_S=${BUDGET_S:-350}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
+export JAX_COMPILATION_CACHE_DIR="$OUT/jax_cache"
+T0=$(date +%s)
+
+run() {   # run NAME LIMIT_S CMD...
+  local name=$1 limit=$2; shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+  local left=$(( BUDGET_S - ($(date +%s) - T0) ))
+  if [ "$left" -lt 30 ]; then echo "== $name: skipped (${left} s of the budget left)"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== $name (limit ${limit} s): $*"
+  local t=$(date +%s)
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $(( $(date +%s) - t )) s"
+  grep -E "tok/s|TTFT|TPOT|compil|warm-up|host |tokens:|arriving|W |latency|Error|error" "$OUT/$name.log" \
+    | grep -v Warning | tail -n 20
+}
+
+nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUT/gpus.txt" 2>&1
+run ab          170 python scripts/bench_multistep.py --json "$OUT/ab.json"
+run lat_auto     45 python scripts/bench.py --latency --json "$OUT/lat_auto.json"
+run lat_k1       45 python scripts/bench.py --latency --num-scheduler-steps 1 --json "$OUT/lat_k1.json"
+run W_auto       50 python scripts/bench.py --json "$OUT/W_auto.json"
+run W_k1         50 python scripts/bench.py --num-scheduler-steps 1 --json "$OUT/W_k1.json"
+run lat_b8       40 python scripts/bench.py --latency --latency-batch 8 --json "$OUT/lat_b8.json"
+run lat_b32      40 python scripts/bench.py --latency --latency-batch 32 --json "$OUT/lat_b32.json"
+rm -rf "$OUT/jax_cache"
+echo "total $(( $(date +%s) - T0 )) s"
