@@ -22,8 +22,7 @@ import sys
 import time
 
 DEFAULT_MODEL = "qwen3-pydoc"     # the small trained model that ships in jaxinfer/assets/ (no download)
-DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is", "JAX compiles Python to",
-                   "The future of AI is"]
+DEFAULT_PROMPTS = ["The json module", "Return the number of", "A dictionary is", "This function raises"]
 
 
 def _flag_type(annotation: str):
