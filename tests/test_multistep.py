@@ -128,7 +128,7 @@ def test_bad_num_scheduler_steps(tiny_dir):
 def test_no_compilation_after_warmup(tiny_dir):
     """Warm-up compiles every variant (K = 1 and the K-step ones), runs each once and two tiny requests:
     afterwards no K, sampling variant or batch size compiles anything."""
-    llm = LLM(tiny_dir, **{**BASE, "warmup": True, "num_kvcache_blocks": 64})
+    llm = LLM(tiny_dir, **{**BASE, "warmup": True})
     st = llm.stats()
     assert st["compiled_multistep"] == 2 * len(llm.engine.runner.widths)
     assert st["generated_tokens"] == 0 and st["kv_blocks_free"] == st["kv_blocks_total"]

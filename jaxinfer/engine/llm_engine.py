@@ -82,7 +82,8 @@ class LLMEngine:
         H200); then forget them (counters, host times, their prefix-cache blocks)."""
         bs = self.config.block_size
         n = max(1, min(bs + 1, self.config.max_model_len - 20))
-        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=min(18, self.config.max_model_len - n))
+        # seeded: the engine's RNG (seeds of unseeded requests) is left as it was
+        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=min(18, self.config.max_model_len - n), seed=0)
         if sp.max_tokens < 1 or -(-(n + sp.max_tokens) // bs) * 2 > self.block_manager.num_free_blocks:
             return
         seqs = [self.add_request([i % self.model_config.vocab_size] * n, sp) for i in range(2)]
@@ -163,8 +164,10 @@ class LLMEngine:
                                     [s.stop_ids(q) for q in batch.seqs], [s.remaining(q) for q in batch.seqs])
         else:
             packed = pack(batch, key[1], key[2], key[3], self.config.block_size, self.runner.num_slots)
-        self.counters["kv_tokens_read"] += sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens))
-        self.counters["padded_tokens"] += key[1] - sum(batch.num_new_tokens)
+        # a K-step call: step k reads k more tokens per row (rows that stop early read less: an upper bound)
+        self.counters["kv_tokens_read"] += K * sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)) \
+            + len(batch.seqs) * K * (K - 1) // 2
+        self.counters["padded_tokens"] += K * (key[1] - sum(batch.num_new_tokens))
         self.counters["prefill_steps" if batch.is_prefill else "decode_steps"] += K
         filtered = any(s.params.needs_filter for s in batch.seqs)
         t1 = time.perf_counter()
