@@ -139,3 +139,13 @@ def test_no_compilation_after_warmup(tiny_dir):
     st = llm.stats()
     assert st["multistep_calls"] > 0
     assert st["compilations"] == 0, st
+
+
+def test_pallas_backend_same_tokens(tiny_dir):
+    """The Pallas decode kernel (interpret mode) inside the device loop: masked rows write nothing."""
+    cfg = {**BASE, "attn_backend": "pallas", "block_size": 16, "num_kvcache_blocks": 32, "max_num_seqs": 4}
+    ps, sps = _requests(4)
+    sps = [SamplingParams(**{**sp.__dict__, "max_tokens": m}) for sp, m in zip(sps, (3, 21, 9, 14))]
+    outs = {K: _generate(LLM(tiny_dir, **{**cfg, "num_scheduler_steps": K}), ps, sps) for K in (1, 16)}
+    assert outs[16][0] == outs[1][0]
+    assert outs[16][1]["multistep_calls"] > 0 and outs[1][1]["multistep_calls"] == 0
