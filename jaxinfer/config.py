@@ -123,6 +123,7 @@ class ModelConfig:
 
 
 ATTN_BACKENDS = ("xla", "pallas")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # vLLM's names; fp8 is e4m3 (model/kv_scales.py)
 KV_BLOCK_SIZE_ALIASES = {"kvcache_block_size": "block_size"}   # nano-vllm's name -> vLLM's
 
 
@@ -146,6 +147,9 @@ class EngineConfig:
     dtype: str | None = _opt(None, "weights and KV cache dtype: auto (GPU: the checkpoint's; CPU: float32), "
                                    "float32, bfloat16, float16", choices=("auto", "float32", "bfloat16", "float16"))
     attn_backend: str | None = _opt(None, "attention implementation (GPU: pallas; CPU: xla)", choices=ATTN_BACKENDS)
+    kv_cache_dtype: str = _opt("auto", "KV cache dtype: auto (the model dtype), fp8 / fp8_e4m3 (float8_e4m3fn with "
+                                       "per-layer scales: twice the blocks in the same memory)",
+                               choices=KV_CACHE_DTYPES)
     max_num_seqs: int | None = _opt(None, "most sequences in one step (GPU: 256; CPU: 8)")
     max_num_batched_tokens: int | None = _opt(None, "most prompt tokens in one prefill step (GPU: 16384; CPU: 512)")
     max_model_len: int | None = _opt(None, "longest prompt + output in tokens (default: the model's "
@@ -185,6 +189,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if self.attn_backend is not None and self.attn_backend not in ATTN_BACKENDS:
             raise ValueError(f"attn_backend={self.attn_backend!r} is not one of {ATTN_BACKENDS}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
         if self.dtype is not None and self.dtype != "auto":
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         for name in ("decode_buckets", "prefill_buckets"):

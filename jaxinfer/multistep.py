@@ -29,7 +29,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model.attention import paged_attention_layer
 from jaxinfer.model.qwen3 import compute_logits, forward, tp_size
 from jaxinfer.sampling import sample, sample_sharded
-from jaxinfer.step import batch_layout, unpack
+from jaxinfer.step import batch_layout, kv_scales, unpack
 
 STOP_IDS = 4          # stop ids per row carried on the device; a row with more runs one step per call
 LOOP = "fori"         # "fori" | "unroll" (see above)
@@ -68,7 +68,7 @@ def make_multistep(config: ModelConfig, B: int, W: int, K: int, backend: str, in
             slot = tables[rows, jnp.minimum(pos // bs, W - 1)] * bs + pos % bs
             meta = dict(base, positions=pos, slot_mapping=jnp.where(active, slot, P * bs),
                         seq_lens=jnp.where(active, pos + 1, 0))
-            attn = paged_attention_layer("decode", backend, meta, interpret, mesh)
+            attn = paged_attention_layer("decode", backend, meta, interpret, mesh, kv_scales(params))
             hidden, caches = forward(config, params, tok, pos, attn, caches, mesh)
             logits = compute_logits(config, params, hidden)                                      # [B, V']
             args = (logits, base["temperature"], base["top_k"], base["top_p"], base["min_p"], base["seeds"],

@@ -46,6 +46,11 @@ def unpack(packed: jax.Array, T: int, B: int, W: int) -> dict[str, jax.Array]:
     return out
 
 
+def kv_scales(params: dict):
+    """(k_scale, v_scale) [L, 1] of an fp8 KV cache (model/kv_scales.py), carried in params; None without."""
+    return (params["k_scale"], params["v_scale"]) if "k_scale" in params else None
+
+
 def make_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: str,
               interpret: bool = False, max_rows: int | None = None, filtered: bool = False, mesh=None):
     """The step function for one bucket (not yet jitted). kind: 'prefill' | 'decode'.
@@ -61,7 +66,7 @@ def make_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: s
         b = unpack(packed, T, B, W)
         prev = b["prev_row"]
         token_ids = jnp.where(prev >= 0, prev_ids[jnp.maximum(prev, 0)], b["token_ids"])
-        attn = paged_attention_layer(kind, backend, b, interpret, mesh)
+        attn = paged_attention_layer(kind, backend, b, interpret, mesh, kv_scales(params))
         hidden, kv_caches = forward(config, params, token_ids, b["positions"], attn, kv_caches, mesh)
         rows = hidden[b["sample_idx"]]                                             # [B, E]
         logits = compute_logits(config, params, rows)                              # [B, V'] fp32

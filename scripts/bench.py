@@ -62,13 +62,15 @@ def pct(xs, q):
 def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
     """st: the engine counters of the timed run only."""
     from jaxinfer.engine.runner import kv_bytes_per_block
+    from jaxinfer.model.kv_scales import kv_cache_dtype
     mc = llm.model_config
     out_tokens = sum(len(o.token_ids) for o in outs)
     in_tokens = sum(len(o.prompt_token_ids) for o in outs)
     steps = st["prefill_steps"] + st["decode_steps"]
     dtype_bytes = 2 if llm.config.dtype != "float32" else 4
     weight_bytes = mc.num_params() * dtype_bytes
-    kv_per_token = kv_bytes_per_block(mc, 1, llm.config.dtype)
+    kv_dtype = kv_cache_dtype(llm.config.kv_cache_dtype, llm.config.dtype)    # fp8: one byte a value
+    kv_per_token = kv_bytes_per_block(mc, 1, kv_dtype)
     need = weight_bytes * steps + kv_per_token * st["kv_tokens_read"]
     # tp x dp devices each read their share at bw (steps are summed over data-parallel replicas)
     devices = llm.config.tensor_parallel_size * llm.config.data_parallel_size
@@ -76,7 +78,7 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
     floor = need / bw
     ttft = [o.metrics["ttft_s"] * 1e3 for o in outs if "ttft_s" in o.metrics]
     tpot = [o.metrics["tpot_s"] * 1e3 for o in outs if "tpot_s" in o.metrics]
-    r = dict(model=args.model, attn_backend=llm.config.attn_backend, num_seqs=len(outs),
+    r = dict(model=args.model, attn_backend=llm.config.attn_backend, kv_cache_dtype=str(kv_dtype), num_seqs=len(outs),
              tensor_parallel_size=llm.config.tensor_parallel_size, data_parallel_size=llm.config.data_parallel_size,
              output_tokens=out_tokens, prompt_tokens=in_tokens, wall_s=wall,
              output_tok_s=out_tokens / wall, total_tok_s=(out_tokens + in_tokens) / wall,
@@ -90,7 +92,7 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
              reference_bandwidth_GBs=ref_bw * 1e3, floor_s_at_reference=need / (ref_bw * 1e12),
              pct_of_reference_floor=100 * need / (ref_bw * 1e12) / wall,
              host_ms_per_step={k[5:-2]: 1e3 * st[k] / steps for k in HOST_TIMES if k in st})
-    print(f"\n== {args.model} | backend={r['attn_backend']} | {len(outs)} requests ==")
+    print(f"\n== {args.model} | backend={r['attn_backend']} | kv cache {r['kv_cache_dtype']} | {len(outs)} requests ==")
     print(f"output: {out_tokens} tok in {wall:.2f} s = {r['output_tok_s']:,.0f} tok/s "
           f"(total {r['total_tok_s']:,.0f} tok/s incl. {in_tokens} prompt tokens)")
     print(f"steps: {r['prefill_steps']} prefill + {r['decode_steps']} decode; compilations after warm-up: "

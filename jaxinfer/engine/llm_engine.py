@@ -17,6 +17,7 @@ from jaxinfer.engine.batch import bucket_for, pack, pack_multistep
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.runner import CompileCounter, ModelRunner, check_pool_fits, num_blocks_for_memory
 from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.model.kv_scales import kv_cache_dtype
 from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.multistep import STOP_IDS
 from jaxinfer.parallel import Placement
@@ -41,8 +42,8 @@ class LLMEngine:
         if engine.num_kvcache_blocks:
             num_blocks = engine.num_kvcache_blocks
         else:
-            num_blocks = num_blocks_for_memory(kv_model, engine, engine.dtype, strict=not cap_max_model_len,
-                                               device=device)
+            kv_dtype = kv_cache_dtype(engine.kv_cache_dtype, engine.dtype)    # fp8: twice the blocks of bf16
+            num_blocks = num_blocks_for_memory(kv_model, engine, kv_dtype, strict=not cap_max_model_len, device=device)
         if cap_max_model_len:
             engine = engine.replace(max_model_len=min(engine.max_model_len, num_blocks * engine.block_size))
         self.config = engine
@@ -227,7 +228,7 @@ class LLMEngine:
     def stats(self) -> dict:
         bm = self.block_manager
         return dict(kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
-                    block_size=self.config.block_size,
+                    block_size=self.config.block_size, kv_cache_dtype=str(self.runner.kv_dtype),
                     preemptions=self.scheduler.num_preemptions,
                     prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
                     compilations=self.compile_counter.count - self.compilations_at_warmup,

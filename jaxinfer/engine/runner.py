@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.model.kv_scales import kv_cache_dtype, with_kv_scales
 from jaxinfer.model.qwen3 import unstack_layers
 from jaxinfer.parallel import Placement, kv_heads, make_placements
 from jaxinfer.parallel.layout import KV_SPEC
@@ -162,7 +163,8 @@ def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype, stric
 
 def check_pool_fits(model: ModelConfig, engine: EngineConfig, num_blocks: int, device=None) -> None:
     """A KV pool larger than free memory fails here, with the numbers, not deep inside XLA."""
-    need = num_blocks * kv_bytes_per_block(model, engine.block_size, engine.dtype)
+    kv_dtype = kv_cache_dtype(engine.kv_cache_dtype, engine.dtype)
+    need = num_blocks * kv_bytes_per_block(model, engine.block_size, kv_dtype)
     free = free_memory_bytes(device)
     if free is not None and need > free:        # None: a GPU that cannot tell; XLA will fail if it is too big
         raise ValueError(f"num_kvcache_blocks={num_blocks} needs {need / 2**30:.1f} GiB of KV cache but only "
@@ -187,14 +189,17 @@ class ModelRunner:
         # Per-layer weight arrays avoid XLA copying each layer out of the [L, ...] stack every step (3x
         # faster layers on CPU); on GPU stacked stays the default until benchmarked (few arguments).
         unstack = engine.unstack_weights if engine.unstack_weights is not None else self.interpret
+        # fp8 KV cache: per-layer k_scale / v_scale [L, 1] join the params (model/kv_scales.py)
+        self.kv_dtype = kv_cache_dtype(engine.kv_cache_dtype, self.dtype)
+        params = with_kv_scales(model, params, self.kv_dtype, tp)
         self.params = self._place(unstack_layers(params) if unstack else params)
         self.num_blocks = num_blocks
         self.num_slots = num_blocks * engine.block_size
         # [P, bs, K', D] per layer, split by kv head: each device holds K'/tp heads (parallel/layout.py)
         shape = (num_blocks, engine.block_size, kv_heads(model, tp) if tp > 1 else model.num_key_value_heads,
                  model.head_dim)
-        self.kv_caches = [(self.placement.zeros_kv(shape, self.dtype), self.placement.zeros_kv(shape, self.dtype))
-                          for _ in range(model.num_hidden_layers)]
+        zeros = lambda: self.placement.zeros_kv(shape, self.kv_dtype)      # noqa: E731
+        self.kv_caches = [(zeros(), zeros()) for _ in range(model.num_hidden_layers)]
         W = engine.max_blocks_per_seq
         # xla gathers W pages per row: offer narrower tables so short contexts gather less. The kernels read
         # only the pages a row needs, but a [B, W] table for a 40k-token model (W = 2560) would be sent and
@@ -234,7 +239,7 @@ class ModelRunner:
     def compile(self, key: tuple[str, int, int, int, bool], quiet: bool = False):
         if key not in self.compiled:
             kind, T, B, W, filtered, *K = key
-            shared = (self.model, self.engine.attn_backend, str(self.dtype), self.num_blocks,
+            shared = (self.model, self.engine.attn_backend, str(self.dtype), str(self.kv_dtype), self.num_blocks,
                       self.engine.block_size, self.interpret, self.max_rows,
                       isinstance(self.params["layers"], tuple), self.placement.key, key)
 

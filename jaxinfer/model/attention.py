@@ -10,6 +10,11 @@ Backends take the same arguments (the contracts of pallas_kernels/):
 - "pallas": the hand-written kernels (flash_attention for prefill, paged_attention for decode). In a decode
   step one kernel (paged_attention_qkv) takes the raw qkv projection, applies q/k RMSNorm and RoPE, writes the
   new token's K/V and attends: no norm, rope, slice or scatter kernels around it.
+
+FP8 cache (kv_cache_dtype="fp8"): the caches are float8_e4m3fn and `kv_scales` = (k_scale, v_scale) [L, 1]
+(model/kv_scales.py). Writes quantise (write_kv here; the decode kernel in its own body), reads dequantise:
+both backends take the stacked scales and the layer row (`k_scale=, v_scale=, layer=`) and fold them into the
+scores and the output instead of converting whole pages.
 """
 from __future__ import annotations
 
@@ -21,27 +26,46 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer.parallel import shard_map
 from jaxinfer.parallel.layout import KV_SPEC
+from pallas_kernels.quant import quantize
 
 _NEG = -1e30
 
 
-def write_kv(k_cache, v_cache, k, v, slot_mapping):
-    """k/v [T, K, D] into caches [P, bs, K, D] at flat slots [T]; out-of-range slots are dropped."""
+def write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
+    """k/v [T, K, D] into caches [P, bs, K, D] at flat slots [T]; out-of-range slots are dropped. fp8 caches:
+    k / k_scale and v / v_scale ([] or [1] or [K]) are quantised first."""
+    if k_scale is not None:
+        k, v = quantize(k, k_scale, k_cache.dtype), quantize(v, v_scale, v_cache.dtype)
     P, bs, K, D = k_cache.shape
     k_cache = k_cache.reshape(P * bs, K, D).at[slot_mapping].set(k, mode="drop", unique_indices=True)
     v_cache = v_cache.reshape(P * bs, K, D).at[slot_mapping].set(v, mode="drop", unique_indices=True)
     return k_cache.reshape(P, bs, K, D), v_cache.reshape(P, bs, K, D)
 
 
-def _attend(q, k, v, visible, scale):
-    """q [N, H, D]; k/v [N, S, K, D]; visible [N, S] -> [N, H, D]. GQA without repeating K/V."""
+def _attend(q, k, v, visible, scale, fp8=None):
+    """q [N, H, D]; k/v [N, S, K, D]; visible [N, S] -> [N, H, D]. GQA without repeating K/V.
+    fp8 = (k_scale, v_scale) [C] (C = 1, or K: per kv head) of fp8 k/v: converted to q's dtype (XLA fuses that
+    into the gather), the scales applied to the scores and the output."""
     N, H, D = q.shape
     K = k.shape[2]
+    ks = vs = 1.0
+    if fp8 is not None:
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+        ks, vs = (x[None, :, None, None] for x in fp8)                     # [1, C, 1, 1] against [N, K, G, *]
     qg = q.reshape(N, K, H // K, D)
-    s = jnp.einsum("nkgd,nskd->nkgs", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.einsum("nkgd,nskd->nkgs", qg, k, preferred_element_type=jnp.float32) * (scale * ks)
     s = jnp.where(visible[:, None, None, :], s, _NEG)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    return jnp.einsum("nkgs,nskd->nkgd", p, v).reshape(N, H, D)
+    out = jnp.einsum("nkgs,nskd->nkgd", p, v)
+    if fp8 is not None:
+        out = (out.astype(jnp.float32) * vs).astype(q.dtype)
+    return out.reshape(N, H, D)
+
+
+def _layer_scales(k_scale, v_scale, layer):
+    """(k, v) scales [C] of `layer` from stacked [L, C] ones (C = 1 per layer, or K per kv head); None for a
+    full-precision cache."""
+    return None if k_scale is None else (k_scale[layer], v_scale[layer])
 
 
 def _gather_pages(cache, block_tables):
@@ -50,17 +74,20 @@ def _gather_pages(cache, block_tables):
     return g.reshape(g.shape[0], -1, *g.shape[3:])
 
 
-def paged_decode_xla(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None):
-    """q [B, H, D], one new token per row; seq_lens [B] include it. -> [B, H, D]."""
+def paged_decode_xla(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, k_scale=None, v_scale=None,
+                     layer=0):
+    """q [B, H, D], one new token per row; seq_lens [B] include it. -> [B, H, D]. fp8 caches: stacked
+    k_scale / v_scale [L, 1] and the layer row, as the Pallas kernels take them."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     S = block_tables.shape[1] * k_cache.shape[1]
     visible = jnp.arange(S)[None, :] < seq_lens[:, None]
-    out = _attend(q, _gather_pages(k_cache, block_tables), _gather_pages(v_cache, block_tables), visible, scale)
+    out = _attend(q, _gather_pages(k_cache, block_tables), _gather_pages(v_cache, block_tables), visible, scale,
+                  _layer_scales(k_scale, v_scale, layer))
     return jnp.where((seq_lens > 0)[:, None, None], out, 0).astype(q.dtype)
 
 
-def prefill_xla(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, scale=None,
-                gather_budget_bytes: int = 16 * 2**30):
+def prefill_xla(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, scale=None, k_scale=None,
+                v_scale=None, layer=0, gather_budget_bytes: int = 16 * 2**30):
     """q [T, H, D] packed new tokens; each sees its own sequence's context up to its position.
 
     Each token gathers its own context ([T, S, K, D] for K and V): when that would exceed
@@ -77,7 +104,9 @@ def prefill_xla(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, sc
     def chunk(args):
         q, tables, pos = args
         visible = jnp.arange(S)[None, :] <= pos[:, None]
-        return _attend(q, _gather_pages(k_cache, tables), _gather_pages(v_cache, tables), visible, scale)
+        return _attend(q, _gather_pages(k_cache, tables), _gather_pages(v_cache, tables), visible, scale, fp8)
+
+    fp8 = _layer_scales(k_scale, v_scale, layer)
 
     per_token = 2 * S * k_cache.shape[2] * k_cache.shape[3] * k_cache.dtype.itemsize
     C = _chunk_size(T, max(1, gather_budget_bytes // per_token))
@@ -106,7 +135,7 @@ def attention_fns(backend: str, interpret: bool):
     raise ValueError(f"attn_backend={backend!r} is not one of ('xla', 'pallas')")
 
 
-def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool = False, mesh=None):
+def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool = False, mesh=None, kv_scales=None):
     """The `attn` callable the model calls per layer: write K/V, then prefill or decode attention.
 
     For a pallas decode step it also carries `from_qkv`, which the model prefers: one kernel takes the raw qkv
@@ -114,15 +143,24 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
 
     mesh (axis "tp" > 1): q / k / v and the caches are split by head. The Pallas kernels then run per device
     inside shard_map on the device's own heads (a kernel cannot be partitioned by XLA); the xla backend is plain
-    jnp and is partitioned by XLA like the rest of the step (every op is per head)."""
+    jnp and is partitioned by XLA like the rest of the step (every op is per head).
+
+    kv_scales: (k_scale, v_scale) [L, 1] of an fp8 cache, else None. They travel in `meta` (replicated)."""
     prefill_fn, decode_fn = attention_fns(backend, interpret)
+    if kv_scales is not None:
+        meta = {**meta, "k_scale": kv_scales[0], "v_scale": kv_scales[1]}
+
+    def fp8_kwargs(meta, l) -> dict:
+        return {} if "k_scale" not in meta else dict(k_scale=meta["k_scale"], v_scale=meta["v_scale"], layer=l)
 
     def attn_local(meta, l, q, k, v, cache):
-        k_cache, v_cache = write_kv(*cache, k, v, meta["slot_mapping"])
+        scales = fp8_kwargs(meta, l)
+        write_scales = _layer_scales(meta["k_scale"], meta["v_scale"], l) if scales else ()
+        k_cache, v_cache = write_kv(*cache, k, v, meta["slot_mapping"], *write_scales)
         if kind == "decode":
-            o = decode_fn(q, k_cache, v_cache, meta["block_tables"], meta["seq_lens"])
+            o = decode_fn(q, k_cache, v_cache, meta["block_tables"], meta["seq_lens"], **scales)
         else:
-            o = prefill_fn(q, k_cache, v_cache, meta["block_tables"], meta["cu_seqlens"], meta["seq_lens"])
+            o = prefill_fn(q, k_cache, v_cache, meta["block_tables"], meta["cu_seqlens"], meta["seq_lens"], **scales)
         return o, (k_cache, v_cache)
 
     per_device = mesh is not None and mesh.shape["tp"] > 1 and backend == "pallas"
@@ -137,17 +175,18 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
     if kind == "decode" and backend == "pallas":
         from pallas_kernels.paged_attention import paged_attention_qkv
 
-        def qkv_local(meta, row, qkv, q_norm, k_norm, cos, sin, eps, cache):   # row b's new token: seq_lens[b] - 1
+        def qkv_local(meta, l, row, qkv, q_norm, k_norm, cos, sin, eps, cache):   # row b's new token: seq_lens[b] - 1
+            scales = {k: v for k, v in fp8_kwargs(meta, l).items() if k != "layer"}     # stacked scales: their row is l
             o, k_cache, v_cache = paged_attention_qkv(qkv, q_norm, k_norm, cos, sin, *cache, meta["block_tables"],
                                                       meta["seq_lens"], eps=eps, layer=row, order=meta["attn_order"],
-                                                      interpret=interpret)
+                                                      interpret=interpret, scale_layer=l, **scales)
             return o, (k_cache, v_cache)
 
         def from_qkv(l, qkv, q_norm, k_norm, row, cos, sin, eps, cache):
             if not per_device:
-                return qkv_local(meta, row, qkv, q_norm, k_norm, cos, sin, eps, cache)
+                return qkv_local(meta, l, row, qkv, q_norm, k_norm, cos, sin, eps, cache)
             # qkv [B, tp (Hl + 2Kl), D]: a contiguous split gives each device its own [q | k | v] heads
-            f = lambda m, qkv, qn, kn, cos, sin, c: qkv_local(m, row, qkv, qn, kn, cos, sin, eps, c)
+            f = lambda m, qkv, qn, kn, cos, sin, c: qkv_local(m, l, row, qkv, qn, kn, cos, sin, eps, c)
             return shard_map(f, mesh, (P(), heads, P(), P(), P(), P(), kv), (heads, kv))(
                 meta, qkv, q_norm, k_norm, cos, sin, cache)
         attn.from_qkv = from_qkv

@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.config import KV_CACHE_DTYPES
 from pallas_kernels.quant import FP8_DTYPE, FP8_MAX, is_fp8
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 BOUND_MARGIN = 1.03
 _CHECKPOINT_NAMES = ("self_attn.{}", "self_attn.attn.{}")   # vLLM's; the second from some exporters
 
@@ -109,18 +109,21 @@ def with_kv_scales(config, params: dict, kv_dtype, tp: int = 1) -> dict:
     return {**params, "k_scale": ks, "v_scale": vs}
 
 
-def calibrated_amax(config, params: dict, token_ids) -> tuple[np.ndarray, np.ndarray]:
-    """(max |k| [L], max |v| [L]) over token_ids [B, S], from a full-precision dense forward (k after norm and
-    RoPE, as cached). For measuring how tight the bound is, or for calibrated scales (scripts/fp8_accuracy.py)."""
+def calibrated_amax(config, params: dict, token_ids, per_head: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(max |k|, max |v|) per layer [L] (per_head: per layer and kv head [L, K]) over token_ids [B, S], from a
+    full-precision dense forward (k after norm and RoPE, as cached). For measuring how tight the bound is, or
+    for calibrated scales (scripts/fp8_accuracy.py)."""
     from jaxinfer.model.qwen3 import dense_attention, forward
 
-    def record(l, q, k, v, cache):        # the "cache" slot carries this layer's amax out of the forward
+    def record(l, q, k, v, cache):        # the "cache" slot carries this layer's amax [K] out of the forward
         o, _ = dense_attention(l, q, k, v, None)
-        return o, (jnp.abs(k).max().astype(jnp.float32), jnp.abs(v).max().astype(jnp.float32))
+        return o, tuple(jnp.abs(x).max(axis=(0, 1, 3)).astype(jnp.float32) for x in (k, v))    # x [B, S, K, D]
 
     def run(params, ids):
         pos = jnp.broadcast_to(jnp.arange(ids.shape[-1]), ids.shape)
         _, amax = forward(config, params, ids, pos, record)
-        return jnp.stack([jnp.stack(a) for a in amax])                  # [L, 2]
+        return jnp.stack([jnp.stack(a) for a in amax])                  # [L, 2, K]
     out = np.asarray(jax.jit(run)(params, jnp.asarray(token_ids, jnp.int32)))
+    if not per_head:
+        out = out.max(axis=2)
     return out[:, 0], out[:, 1]

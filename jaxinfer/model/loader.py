@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.model.kv_scales import checkpoint_scales
 from jaxinfer.model.qwen3 import INIT_STD, init_params, layer_shapes
 from jaxinfer.parallel.layout import map_params, spec, to_tp
 
@@ -154,6 +155,9 @@ def read_params(path: str, config: ModelConfig, dtype=jnp.bfloat16) -> dict:
     }
     if not c.tie_word_embeddings:
         params["lm_head"] = np.ascontiguousarray(fetch("lm_head.weight", (c.vocab_size, E)).T.astype(np_dtype))
+    # fp8 KV cache scales of vLLM's checkpoints (model.layers.N.self_attn.k_scale / v_scale), float32 [L]; the
+    # engine keeps them only for an fp8 cache (model/kv_scales.py)
+    params.update(checkpoint_scales(tensors, c.num_hidden_layers) or {})
     return params
 
 
