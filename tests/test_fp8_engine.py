@@ -201,3 +201,9 @@ def test_fp8_cache_under_tensor_parallelism(tiny_dir):
     out = json.loads(proc.stdout.split("RESULT")[-1])
     assert out["xla_tp2"] == out["xla_tp1"] and out["pallas_tp2"] == out["pallas_tp1"], out
     assert out["pallas_tp1"] == out["xla_tp1"], out
+
+
+def test_multistep_decode_on_fp8_cache(tiny_dir, fp8_xla, full):
+    """K decode steps per call (multistep.py) read and write the fp8 cache as single steps do."""
+    llm = LLM(tiny_dir, **{**FP8, "num_scheduler_steps": 4})
+    assert tokens(llm, full[0]) == fp8_xla[1]
