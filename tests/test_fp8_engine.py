@@ -182,13 +182,17 @@ for backend, extra in (("xla", {}), ("pallas", dict(block_size=16, num_kvcache_b
         out[f"{backend}_tp{tp}"] = [o.token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
         st = llm.stats()
         assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["kv_cache_dtype"] == "float8_e4m3fn"
+llm = LLM(path, **TINY_ENGINE, kv_cache_dtype="fp8", data_parallel_size=2)
+out["xla_dp2"] = [o.token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+assert llm.stats()["kv_cache_dtype"] == "float8_e4m3fn"
 print("RESULT" + json.dumps(out))
 """
 
 
 def test_fp8_cache_under_tensor_parallelism(tiny_dir):
     """tp=2 on two CPU devices (own process): the per-layer scales are replicated (the Pallas kernels get them
-    inside shard_map with the step's metadata); tokens equal tp=1's on the fp8 cache, both backends."""
+    inside shard_map with the step's metadata); tokens equal tp=1's on the fp8 cache, both backends; and two
+    data-parallel replicas."""
     import json
     import subprocess
     import sys
@@ -200,7 +204,7 @@ def test_fp8_cache_under_tensor_parallelism(tiny_dir):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     out = json.loads(proc.stdout.split("RESULT")[-1])
     assert out["xla_tp2"] == out["xla_tp1"] and out["pallas_tp2"] == out["pallas_tp1"], out
-    assert out["pallas_tp1"] == out["xla_tp1"], out
+    assert out["pallas_tp1"] == out["xla_tp1"] == out["xla_dp2"], out
 
 
 def test_multistep_decode_on_fp8_cache(tiny_dir, fp8_xla, full):

@@ -24,7 +24,7 @@ from jaxinfer.parallel import Placement, make_placements
 from jaxinfer.sampling_params import SamplingParams
 
 # stats that are the same for every replica (or process-wide), not summed
-_NOT_SUMMED = ("block_size", "compilations")
+_NOT_SUMMED = ("block_size", "compilations", "kv_cache_dtype")
 
 
 def create_engine(model: ModelConfig, config: EngineConfig, load: Callable[[Placement], dict],
