@@ -31,7 +31,8 @@ def latency(llm, batch: int, prompt_len: int = 1024, out_len: int = 256, repeats
         ttft += [o.metrics["ttft_s"] * 1e3 for o in outs]
         tpot += [o.metrics["tpot_s"] * 1e3 for o in outs]
         toks.append([o.token_ids for o in outs])
-    return dict(ttft_ms=float(np.median(ttft)), tpot_ms=float(np.median(tpot)), tpot_p90_ms=float(np.percentile(tpot, 90))), toks
+    return dict(ttft_ms=float(np.median(ttft)), tpot_ms=float(np.median(tpot)),
+                tpot_p90_ms=float(np.percentile(tpot, 90))), toks
 
 
 def arrivals(llm, trials: int = 30, prompt_len: int = 1024):
@@ -95,7 +96,8 @@ def main():
           f"{st['compiled_multistep']} of them K-step", flush=True)
     llm.engine.block_manager.prefix_caching = False
     rng = np.random.default_rng(5)
-    o = llm.generate([rng.integers(0, min(10000, llm.model_config.vocab_size), args.prompt_len).tolist()], SamplingParams(max_tokens=8), use_tqdm=False)[0]
+    prompt = rng.integers(0, min(10000, llm.model_config.vocab_size), args.prompt_len).tolist()
+    o = llm.generate([prompt], SamplingParams(max_tokens=8), use_tqdm=False)[0]
     r["first_request_ttft_ms"] = o.metrics["ttft_s"] * 1e3
     print(f"first request after LLM(): TTFT {r['first_request_ttft_ms']:.1f} ms", flush=True)
     tokens = {}
