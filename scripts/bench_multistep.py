@@ -81,19 +81,28 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--out-len", type=int, default=256)
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--loop", choices=("fori", "unroll"), default=None,
+                    help="the device loop (jaxinfer.multistep.LOOP; default: the library's)")
+    ap.add_argument("--ks", default=None, help="K-step variants compiled, e.g. 4,16 (runner.MULTISTEP_KS)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     from jaxinfer.xla_options import set_process_flags
     set_process_flags()
     from bench import host_name
+    import jaxinfer.engine.runner as runner
+    import jaxinfer.multistep as multistep
+    multistep.LOOP = args.loop or multistep.LOOP
+    if args.ks:
+        runner.MULTISTEP_KS = tuple(sorted(int(k) for k in args.ks.split(",")))
     from jaxinfer import LLM, SamplingParams
     t = time.perf_counter()
     llm = LLM(args.model)
-    r = dict(host=host_name(), warmup_s=time.perf_counter() - t, config=str(llm.config))
+    r = dict(host=host_name(), warmup_s=time.perf_counter() - t, config=str(llm.config), loop=multistep.LOOP,
+             ks=runner.MULTISTEP_KS)
     st = llm.stats()
     r.update(compiled_buckets=st["compiled_buckets"], compiled_multistep=st["compiled_multistep"])
     print(f"host {r['host']}; warm-up {r['warmup_s']:.1f} s; {st['compiled_buckets']} compiled, "
-          f"{st['compiled_multistep']} of them K-step", flush=True)
+          f"{st['compiled_multistep']} of them K-step (K in {runner.MULTISTEP_KS}, loop {multistep.LOOP})", flush=True)
     llm.engine.block_manager.prefix_caching = False
     rng = np.random.default_rng(5)
     prompt = rng.integers(0, min(10000, llm.model_config.vocab_size), args.prompt_len).tolist()

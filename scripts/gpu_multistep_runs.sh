@@ -8,10 +8,10 @@
 #    agreement (pallas kernels, bf16), W throughput twice each way (alternating), compilations after warm-up.
 # 2. the issue's commands: bench.py --latency with and without multi-step, batch 8 / 32, W A/B. They reuse the
 #    first run's compilations through JAX's persistent cache ($OUT/jax_cache): their warmup_s are not cold.
-# Every run has its own timeout; the script stops starting runs when BUDGET_S (default 350 s) is spent.
+# Every run has its own timeout; the script stops starting runs when BUDGET_S (default 380 s) is spent.
 set -u
 OUT=${OUT:-out_multistep}
-BUDGET_S=${BUDGET_S:-350}
+BUDGET_S=${BUDGET_S:-380}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
@@ -39,6 +39,12 @@ run lat_auto     45 python scripts/bench.py --latency --json "$OUT/lat_auto.json
 run lat_k1       45 python scripts/bench.py --latency --num-scheduler-steps 1 --json "$OUT/lat_k1.json"
 run W_auto       50 python scripts/bench.py --json "$OUT/W_auto.json"
 run W_k1         50 python scripts/bench.py --num-scheduler-steps 1 --json "$OUT/W_k1.json"
+# extras while the budget lasts: the device loop as a static Python loop vs lax.fori_loop (K = 4 only: an unrolled
+# K = 16 compiles far longer), then the issue's batch 8 / 32 commands (ab above has them too)
+run fori4        60 python scripts/bench_multistep.py --loop fori --ks 4 --batches 1,8 --skip-throughput \
+                     --json "$OUT/fori4.json"
+run unroll4      90 python scripts/bench_multistep.py --loop unroll --ks 4 --batches 1,8 --skip-throughput \
+                     --json "$OUT/unroll4.json"
 run lat_b8       40 python scripts/bench.py --latency --latency-batch 8 --json "$OUT/lat_b8.json"
 run lat_b32      40 python scripts/bench.py --latency --latency-batch 32 --json "$OUT/lat_b32.json"
 rm -rf "$OUT/jax_cache"
