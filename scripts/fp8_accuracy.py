@@ -18,6 +18,7 @@ head (the kernels take [L, K] scales; the engine keeps per-layer ones); and the 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -31,6 +32,7 @@ import numpy as np  # noqa: E402
 from jaxinfer.model.attention import paged_attention_layer  # noqa: E402
 from jaxinfer.model.kv_scales import BOUND_MARGIN, bound_amax, calibrated_amax, with_kv_scales  # noqa: E402
 from jaxinfer.model.qwen3 import compute_logits, forward  # noqa: E402
+from jaxinfer.step import kv_scales  # noqa: E402
 from pallas_kernels.quant import FP8_DTYPE, FP8_MAX  # noqa: E402
 
 BLOCK = 16
@@ -38,27 +40,15 @@ BLOCK = 16
 
 def paged_logits(config, params, ids, kv_dtype, backend: str, chunk: int = 256, scales=None) -> np.ndarray:
     """Teacher-forced fp32 logits [S, V] of ids [S], prefilling `chunk` tokens at a time into a paged cache of
-    `kv_dtype`. scales: (k_scale, v_scale) [L, 1] for an fp8 cache (None: `with_kv_scales`' choice)."""
+    `kv_dtype`. scales: (k_scale, v_scale) [L, 1] or [L, K] for an fp8 cache (None: `with_kv_scales`' choice)."""
     S, L = len(ids), config.num_hidden_layers
     params = with_kv_scales(config, params, kv_dtype)
     if scales is not None:
         params = {**params, "k_scale": jnp.asarray(scales[0]), "v_scale": jnp.asarray(scales[1])}
-    kv_scales = (params["k_scale"], params["v_scale"]) if "k_scale" in params else None
     pages = -(-S // BLOCK) + 1
     shape = (pages, BLOCK, config.num_key_value_heads, config.head_dim)
     caches = [(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)) for _ in range(L)]
-    interpret = jax.devices()[0].platform != "gpu"
-
-    @jax.jit
-    def step(params, caches, tokens, start, n):
-        t = jnp.arange(chunk)
-        meta = dict(slot_mapping=jnp.where(t < n, start + t, pages * BLOCK).astype(jnp.int32),  # padding: dropped
-                    block_tables=jnp.arange(pages, dtype=jnp.int32)[None], seq_lens=(start + n)[None],
-                    cu_seqlens=jnp.stack([jnp.int32(0), n]))
-        attn = paged_attention_layer("prefill", backend, meta, interpret, None, kv_scales)
-        hidden, caches = forward(config, params, tokens, start + t, attn, caches)
-        return compute_logits(config, params, hidden), caches
-
+    step = _prefill_step(config, backend, chunk, pages, jax.devices()[0].platform != "gpu")
     out = []
     for start in range(0, S, chunk):
         n = min(chunk, S - start)
@@ -66,6 +56,21 @@ def paged_logits(config, params, ids, kv_dtype, backend: str, chunk: int = 256, 
         logits, caches = step(params, caches, tokens, jnp.int32(start), jnp.int32(n))
         out.append(np.asarray(logits[:n], np.float32))
     return np.concatenate(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_step(config, backend: str, chunk: int, pages: int, interpret: bool):
+    """One jitted prefill chunk over a one-sequence paged cache (compiled once per cache dtype and scale shape;
+    the scales travel in params, as in the engine)."""
+    def step(params, caches, tokens, start, n):
+        t = jnp.arange(chunk)
+        meta = dict(slot_mapping=jnp.where(t < n, start + t, pages * BLOCK).astype(jnp.int32),  # padding: dropped
+                    block_tables=jnp.arange(pages, dtype=jnp.int32)[None], seq_lens=(start + n)[None],
+                    cu_seqlens=jnp.stack([jnp.int32(0), n]))
+        attn = paged_attention_layer("prefill", backend, meta, interpret, None, kv_scales(params))
+        hidden, caches = forward(config, params, tokens, start + t, attn, caches)
+        return compute_logits(config, params, hidden), caches
+    return jax.jit(step, donate_argnums=1)
 
 
 def compare(ref, got, ids) -> dict:
