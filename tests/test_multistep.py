@@ -54,9 +54,11 @@ def test_stop_ids_and_eos_mid_call(llms, reference, K):
     """Rows stop on a stop id / on EOS in the middle of a call: nothing after the stop comes back."""
     ps, sps = _requests()
     toks = [t for t, _ in reference]
-    i, j = 3, 4                                            # 40 and 9 tokens in the reference
+    i, j, f = 3, 4, 5                                      # 40, 9 and 23 tokens in the reference
     stop_tok, eos_tok = toks[i][11], toks[j][6]
     sps[i] = SamplingParams(**{**sps[i].__dict__, "stop_token_ids": [stop_tok]})
+    # row f stops on its first token (the prefill's, still on the device when the first K-step call starts)
+    sps[f] = SamplingParams(**{**sps[f].__dict__, "stop_token_ids": [toks[f][0]]})
     sps[j] = SamplingParams(**{**sps[j].__dict__, "ignore_eos": False})
     llm = llms[K]
     saved = llm.engine.scheduler.eos
@@ -67,7 +69,8 @@ def test_stop_ids_and_eos_mid_call(llms, reference, K):
         llm.engine.scheduler.eos = saved
     assert out[i] == (toks[i][:toks[i].index(stop_tok) + 1], "stop")
     assert out[j] == (toks[j][:toks[j].index(eos_tok) + 1], "stop")
-    others = [k for k in range(len(ps)) if k not in (i, j)]
+    assert out[f] == (toks[f][:1], "stop")
+    others = [k for k in range(len(ps)) if k not in (i, j, f)]
     # rows that ignore EOS are unaffected (a row with ignore_eos=False among them would stop at eos_tok too)
     assert [out[k] for k in others] == [reference[k] for k in others]
 
@@ -149,3 +152,41 @@ def test_pallas_backend_same_tokens(tiny_dir):
     outs = {K: _generate(LLM(tiny_dir, **{**cfg, "num_scheduler_steps": K}), ps, sps) for K in (1, 16)}
     assert outs[16][0] == outs[1][0]
     assert outs[16][1]["multistep_calls"] > 0 and outs[1][1]["multistep_calls"] == 0
+
+
+def test_k_choice():
+    """K = 1 while requests wait, for filtered sampling, too many stop ids or too few free blocks; else the
+    largest compiled K that no row's remaining tokens fall short of, with look-ahead blocks reserved."""
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine.block_manager import BlockManager
+    from jaxinfer.engine.scheduler import Scheduler
+    from jaxinfer.engine.sequence import Sequence
+
+    def setup(max_tokens=(30, 10), blocks=64, **sp):
+        cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=4)
+        bm = BlockManager(blocks, 4)
+        sch = Scheduler(cfg, bm, eos_token_ids=(7,))
+        for i, m in enumerate(max_tokens):
+            sch.add(Sequence([1, 2, 3 + i], SamplingParams(max_tokens=m, **sp), 0, 4))
+        sch.on_dispatch(sch.schedule())                   # prefill: each row's first token is pending
+        return sch, bm, sch.schedule()
+
+    sch, bm, batch = setup()
+    free = bm.num_free_blocks
+    assert sch.plan_steps(batch, (4, 16), 4) == 16 and batch.num_steps == 16      # max remaining 29
+    # look-ahead: 3 computed tokens + K (or the row's remaining tokens, if fewer)
+    assert [len(s.block_table) for s in batch.seqs] == [-(-(3 + 16) // 4), -(-(3 + 9) // 4)]
+    assert bm.num_free_blocks < free
+    sch, _, batch = setup(max_tokens=(8, 3))
+    assert sch.plan_steps(batch, (4, 16), 4) == 4                                  # 7 left: 16 would waste 9
+    sch, _, batch = setup(max_tokens=(2, 2))
+    assert sch.plan_steps(batch, (4, 16), 4) == 4                                  # none fits: the smallest
+    sch, _, batch = setup(top_p=0.5)
+    assert sch.plan_steps(batch, (4, 16), 4) == 1                                  # filtered sampling
+    sch, _, batch = setup(stop_token_ids=[1, 2, 3, 4])                             # + EOS: 5 stop ids
+    assert sch.plan_steps(batch, (4, 16), 4) == 1
+    sch, _, batch = setup(blocks=4)
+    assert sch.plan_steps(batch, (4, 16), 4) == 1                                  # no look-ahead blocks
+    sch, _, batch = setup()
+    sch.add(Sequence([5, 6], SamplingParams(), 0, 4))
+    assert sch.plan_steps(batch, (4, 16), 4) == 1                                  # a request waits
