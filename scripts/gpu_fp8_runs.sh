@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FP8 KV cache on one H200 (issue 17), in one command that fits ~9.5 minutes:
-#   bash scripts/gpu_fp8_runs.sh             # writes $OUT/*.json, *.log (OUT defaults to ./out_fp8)
+#   bash scripts/gpu_fp8_runs.sh             # writes $OUT/fp8_runs.tgz (*.json, *.log; OUT defaults to ./out_fp8)
 #   ONLY="tests w_fp8" bash scripts/gpu_fp8_runs.sh      # a subset, by run name
 # Order: the compiled fp8 kernels against the reference (gpu-marked tests; they also show whether Triton
 # compiles float8_e4m3fn loads on this jax), the kernel bench with its fp8 columns (TB/s of the bytes actually
@@ -43,3 +43,9 @@ if python -c "from jaxinfer.assets import demo_model_path; demo_model_path()" 2>
 fi
 run sweep        150 python scripts/bench_kernels.py --only-sweep --decode-only --json "$OUT/sweep.json"
 echo "total $(( $(date +%s) - T0 )) s"
+# The device tool returns at most 8 files: everything goes back as one archive (PACK=0 keeps the loose files)
+if [ "${PACK:-1}" = 1 ]; then
+  pack=$(mktemp /tmp/fp8_runs.XXXXXX)
+  tar -czf "$pack" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "$pack" "$OUT/fp8_runs.tgz"
+  echo "results: $OUT/fp8_runs.tgz"
+fi
