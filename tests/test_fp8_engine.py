@@ -175,7 +175,7 @@ from jaxinfer import LLM, SamplingParams
 path, out = sys.argv[1], {}
 sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 ps = [[1, 2, 3, 4, 5], list(range(7, 40))]
-for backend, extra in (("xla", {}), ("pallas", dict(block_size=16, num_kvcache_blocks=64, unstack_weights=False))):
+for backend, extra in (("pallas", dict(block_size=16, num_kvcache_blocks=64, unstack_weights=False)),):
     for tp in (1, 2):
         llm = LLM(path, **{**TINY_ENGINE, **extra}, attn_backend=backend, kv_cache_dtype="fp8",
                   tensor_parallel_size=tp)
@@ -191,8 +191,8 @@ print("RESULT" + json.dumps(out))
 
 def test_fp8_cache_under_tensor_parallelism(tiny_dir):
     """tp=2 on two CPU devices (own process): the per-layer scales are replicated (the Pallas kernels get them
-    inside shard_map with the step's metadata); tokens equal tp=1's on the fp8 cache, both backends; and two
-    data-parallel replicas."""
+    inside shard_map with the step's metadata): tokens equal tp=1's on the fp8 cache; and two data-parallel
+    replicas (xla) give them too. (The xla backend under tp is plain jnp partitioned by XLA.)"""
     import json
     import subprocess
     import sys
@@ -203,8 +203,7 @@ def test_fp8_cache_under_tensor_parallelism(tiny_dir):
                           text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     out = json.loads(proc.stdout.split("RESULT")[-1])
-    assert out["xla_tp2"] == out["xla_tp1"] and out["pallas_tp2"] == out["pallas_tp1"], out
-    assert out["pallas_tp1"] == out["xla_tp1"] == out["xla_dp2"], out
+    assert out["pallas_tp2"] == out["pallas_tp1"] == out["xla_dp2"], out
 
 
 def test_multistep_decode_on_fp8_cache(tiny_dir, fp8_xla, full):
