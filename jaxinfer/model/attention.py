@@ -19,6 +19,8 @@ scores and the output instead of converting whole pages.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -135,11 +137,27 @@ def attention_fns(backend: str, interpret: bool):
     raise ValueError(f"attn_backend={backend!r} is not one of ('xla', 'pallas')")
 
 
-def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool = False, mesh=None, kv_scales=None):
-    """The `attn` callable the model calls per layer: write K/V, then prefill or decode attention.
+@dataclass(frozen=True)
+class LayerAttention:
+    """What the model calls for attention, per layer (qwen3.forward takes this or a plain `attend` function).
 
-    For a pallas decode step it also carries `from_qkv`, which the model prefers: one kernel takes the raw qkv
-    projection, applies q/k RMSNorm and RoPE, writes the new K/V and attends (paged_attention_qkv).
+    attend(l, q, k, v, cache) -> (out, cache): q/k already normed and rotated; writes k/v and attends.
+    from_qkv(l, qkv, q_norm, k_norm, row, cos, sin, eps, cache) -> (out, cache), optional: a fused path that
+    takes the raw qkv projection and does q/k RMSNorm, RoPE, the K/V write and attention in one kernel; the
+    model uses it when present (3 fewer kernels a layer)."""
+    attend: Callable
+    from_qkv: Callable | None = None
+
+    def __call__(self, l, q, k, v, cache):
+        return self.attend(l, q, k, v, cache)
+
+
+def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool = False, mesh=None,
+                          kv_scales=None) -> LayerAttention:
+    """The model's attention over the paged cache for one step: write K/V, then prefill or decode attention.
+
+    A pallas decode step also gets the fused `from_qkv` path: one kernel takes the raw qkv projection,
+    applies q/k RMSNorm and RoPE, writes the new K/V and attends (paged_attention_qkv).
 
     mesh (axis "tp" > 1): q / k / v and the caches are split by head. The Pallas kernels then run per device
     inside shard_map on the device's own heads (a kernel cannot be partitioned by XLA); the xla backend is plain
@@ -189,5 +207,5 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
             f = lambda m, qkv, qn, kn, cos, sin, c: qkv_local(m, l, row, qkv, qn, kn, cos, sin, eps, c)
             return shard_map(f, mesh, (P(), heads, P(), P(), P(), P(), kv), (heads, kv))(
                 meta, qkv, q_norm, k_norm, cos, sin, cache)
-        attn.from_qkv = from_qkv
-    return attn
+        return LayerAttention(attn, from_qkv)
+    return LayerAttention(attn)

@@ -7,9 +7,9 @@ takes ~12 arrays instead of ~300 (dispatch cost), and a Python loop over layers 
 
 The forward is pure: `hidden, kv_caches = model.apply({"params": p}, token_ids, positions, attn, kv_caches)`.
 `attn(layer, q, k, v, cache) -> (out, cache)` decides how attention sees the context: dense causal for the
-reference path (`dense_attention`), paged over the KV cache for the engine (model/attention.py). An `attn` that
-carries `attn.from_qkv(layer, qkv, q_norm, k_norm, row, cos, sin, eps, cache)` gets the raw qkv projection
-instead and applies the q/k RMSNorm and RoPE itself (the Pallas decode kernel does, in its prologue); it gets
+reference path (`dense_attention`), paged over the KV cache for the engine (model/attention.py). An `attn`
+that is a `LayerAttention` with a fused `from_qkv(layer, qkv, q_norm, k_norm, row, cos, sin, eps, cache)`
+path gets the raw qkv projection instead and applies the q/k RMSNorm and RoPE itself (the Pallas decode kernel does, in its prologue); it gets
 the stacked [L, D] norm weights and the row to use, so no per-layer slice has to be copied out for it.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.model.attention import LayerAttention
 from jaxinfer.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
 from jaxinfer.parallel import kv_heads, shard_map
 
@@ -157,7 +158,7 @@ def _decoder_layer(c: ModelConfig, w, x, cos, sin, attn, l, cache, qk_norms, tp:
     lead = x.shape[:-1]
     h = rms_norm(x, w["input_layernorm"], c.rms_norm_eps)
     qkv = h @ w["qkv_proj"]                                                       # [..., tp (Hl+2Kl) D]
-    from_qkv = getattr(attn, "from_qkv", None)
+    from_qkv = attn.from_qkv if isinstance(attn, LayerAttention) else None
     if from_qkv is not None:     # the kernel normalises and rotates q/k itself (3 fewer kernels a layer)
         qkv = qkv.reshape(*lead, tp * (Hl + 2 * Kl), D)
         o, cache = from_qkv(l, qkv, *qk_norms, cos, sin, c.rms_norm_eps, cache)
