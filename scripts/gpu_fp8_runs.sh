@@ -19,20 +19,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
 T0=$(date +%s)
 
-run() {   # run NAME LIMIT_S CMD...
-  local name=$1 limit=$2; shift 2
-  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
-  local left=$(( BUDGET_S - ($(date +%s) - T0) ))
-  if [ "$left" -lt 40 ]; then echo "== $name: skipped (${left} s of the budget left)"; return; fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  echo "== $name (limit ${limit} s): $*"
-  local t=$(date +%s)
-  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: rc=$rc in $(( $(date +%s) - t )) s"
-  grep -E "passed|failed|Error|tok/s|compilations|roofline|floor is|TB/s|fp8 \(|greedy|bound /|^ *[0-9]+ +[0-9]+ \|" \
-    "$OUT/$name.log" | grep -v Warning | tail -n 24
-}
+SHOW='passed|failed|Error|tok/s|compilations|roofline|floor is|TB/s|fp8 \(|greedy|bound /|^ *[0-9]+ +[0-9]+ \|'
+MIN_LEFT=40
+. "$(dirname "$0")/gpu_runs_lib.sh"
 
 run tests        180 python -m pytest -q -m gpu tests/test_fp8_kernels.py tests/test_paged_attention.py \
                      tests/test_flash_attention.py

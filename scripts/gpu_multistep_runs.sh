@@ -18,20 +18,9 @@ export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
 export JAX_COMPILATION_CACHE_DIR="$OUT/jax_cache"
 T0=$(date +%s)
 
-run() {   # run NAME LIMIT_S CMD...
-  local name=$1 limit=$2; shift 2
-  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
-  local left=$(( BUDGET_S - ($(date +%s) - T0) ))
-  if [ "$left" -lt 30 ]; then echo "== $name: skipped (${left} s of the budget left)"; return; fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  echo "== $name (limit ${limit} s): $*"
-  local t=$(date +%s)
-  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: rc=$rc in $(( $(date +%s) - t )) s"
-  grep -E "tok/s|TTFT|TPOT|compil|warm-up|host |tokens:|arriving|W |latency|Error|error" "$OUT/$name.log" \
-    | grep -v Warning | tail -n 20
-}
+SHOW='tok/s|TTFT|TPOT|compil|warm-up|host |tokens:|arriving|W |latency|Error|error'
+MIN_LEFT=30
+. "$(dirname "$0")/gpu_runs_lib.sh"
 
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUT/gpus.txt" 2>&1
 run ab          170 python scripts/bench_multistep.py --json "$OUT/ab.json"
