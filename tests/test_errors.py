@@ -86,3 +86,13 @@ def test_kv_pool_sizing_without_allocator_stats(monkeypatch):
     with pytest.raises(ValueError, match="give num_kvcache_blocks"):
         runner.num_blocks_for_memory(cfg, engine, "float32")
     runner.check_pool_fits(cfg, engine, 10)               # an explicit pool is not refused for want of numbers
+
+
+def test_engine_options_are_the_config_fields():
+    """LLM kwargs are EngineConfig's fields: an unknown one is refused by name (with a suggestion), and
+    nano-vllm's kvcache_block_size is vLLM's block_size."""
+    with pytest.raises(ValueError, match=r"max_num_seq=4.*did you mean max_num_seqs"):
+        EngineConfig.from_kwargs(max_num_seq=4)
+    assert EngineConfig.from_kwargs(kvcache_block_size=8).block_size == 8
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig.from_kwargs(kvcache_block_size=8, block_size=8)
