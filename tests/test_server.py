@@ -17,7 +17,8 @@ from jaxinfer.server import CoreProcess, build_app
 # Small engine sizes for the tiny model (CPU, float32, xla backend); the same in test_server_faults.py and
 # scripts/bench_serve.py --quick, so that their engine cores share compiled steps (jax_cache_env).
 BASE = dict(dtype="float32", attn_backend="xla", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
-            kvcache_block_size=4, num_kvcache_blocks=256, warmup=False)
+            kvcache_block_size=4, num_kvcache_blocks=256, warmup=False,
+            num_scheduler_steps=1)   # one token per engine call: the abort tests race a request's end otherwise
 MODEL = "tiny-qwen3"
 
 
