@@ -38,7 +38,8 @@ from serve_load import percentiles, run_level, summarize  # noqa: E402
 # --quick: two buckets in all (prefill 64, decode 8), compiled by the warm-up requests (tests/test_server.py's
 # engine options: its tests' engine cores leave these steps in a shared compilation cache)
 QUICK_ENGINE = dict(dtype="float32", attn_backend="xla", max_num_seqs=8, max_num_batched_tokens=64,
-                    max_model_len=128, kvcache_block_size=4, num_kvcache_blocks=256, warmup=False)
+                    max_model_len=128, kvcache_block_size=4, num_kvcache_blocks=256, warmup=False,
+                    num_scheduler_steps=1)
 
 
 def workload(n: int, max_input: int, max_output: int, min_input: int = 100, min_output: int = 100,
