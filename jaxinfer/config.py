@@ -163,8 +163,6 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] | None = _opt(None, "prefill token counts to compile (default: 64 x 4^k "
                                                          "up to max_num_batched_tokens)")
     seed: int = _opt(0, "engine seed: draws the seeds of requests that give none")
-    unstack_weights: bool | None = _opt(None, "per-layer weight arrays instead of stacked [L, ...] ones "
-                                              "(default: per-layer on CPU, stacked on GPU)")
     async_scheduling: bool = _opt(True, "schedule step N+1 while step N runs (sampled ids stay on the device)")
     num_scheduler_steps: int | None = _opt(None, "decode steps per device call for small batches (default: the "
                                                  "engine picks 4 or 16 per call when nothing waits; 1: one step)")

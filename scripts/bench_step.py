@@ -1,7 +1,7 @@
 """Anatomy of one decode step: where the time of the engine's compiled step goes.
 
     python scripts/bench_step.py [--model qwen3-0.6b] [--batch 256] [--context 1024] [--attn-backend pallas]
-                                 [--unstack-weights] [--json PATH]
+                                 [--json PATH]
 
 Each part is compiled alone and timed back to back on the device (median of --iters calls):
   step       the engine's whole decode step (KV write, all layers, LM head, sampling), as the runner runs it
@@ -131,7 +131,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--attn-backend", default="pallas", choices=["xla", "pallas"])
-    ap.add_argument("--unstack-weights", action="store_true")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None)
     ap.add_argument("--only-step", action="store_true", help="time the whole step only (no parts)")
@@ -151,12 +150,11 @@ def main(argv=None) -> dict:
     from jaxinfer.engine.runner import kv_bytes_per_block
     from jaxinfer.llm import load_model
     from jaxinfer.model.attention import attention_fns, write_kv
-    from jaxinfer.model.qwen3 import compute_logits, forward, unstack_layers
+    from jaxinfer.model.qwen3 import compute_logits, forward
     from jaxinfer.sampling import sample
     from jaxinfer.step import jit_step, make_step, unpack
 
     cfg, params, _ = load_model(a.model, a.dtype)
-    params = unstack_layers(params) if a.unstack_weights else params
     B, bs, L = a.batch, a.block_size, cfg.num_hidden_layers
     batch, num_blocks = decode_batch(B, a.context, bs)
     W = -(-a.context // bs)
@@ -220,7 +218,7 @@ def main(argv=None) -> dict:
     floors = {"step": (layer_bytes + head_bytes + kv_bytes) / bw, "layers": layer_bytes / bw,
               "attention": kv_bytes / bw, "head": head_bytes / bw}
     print(f"{a.model} decode step, batch {B} x context {a.context}, {a.attn_backend}, "
-          f"{'per-layer' if a.unstack_weights else 'stacked'} weights; bandwidth {bw / 1e12:.2f} TB/s")
+          f"stacked weights; bandwidth {bw / 1e12:.2f} TB/s")
     print(f"{'part':>10} | {'time ms':>8} | {'floor ms':>8} | {'% floor':>7}")
     for k in ("step", "pipelined", "layers", "attention", "head"):
         if k in times:
@@ -233,7 +231,7 @@ def main(argv=None) -> dict:
         other = times["step"] - times["layers"] - times["attention"] - times["head"]
         print(f"step - (layers + attention + head) = {other * 1e3:.3f} ms (fusion differences, launch gaps)")
     r = dict(model=a.model, batch=B, context=a.context, attn_backend=a.attn_backend,
-             unstack_weights=a.unstack_weights, bandwidth_GBs=bw / 1e9,
+             bandwidth_GBs=bw / 1e9,
              times_ms={k: v * 1e3 for k, v in times.items()}, floors_ms={k: v * 1e3 for k, v in floors.items()},
              profile=profile)
     write_json(a.json, r)

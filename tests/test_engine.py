@@ -133,14 +133,11 @@ def test_stop_strings_and_eos(tiny_dir):
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
-@pytest.mark.parametrize("unstack", [None, False])
-def test_pallas_backend_equals_xla(tiny_dir, alone, unstack):
-    """The Pallas kernels (interpret mode on CPU) give the same greedy tokens as the XLA path, with per-layer
-    weights (the CPU default) and stacked ones (the GPU default: the decode kernel then picks each layer's
-    q/k norm row out of the stacked weights)."""
+def test_pallas_backend_equals_xla(tiny_dir, alone):
+    """The Pallas kernels (interpret mode on CPU) give the same greedy tokens as the XLA path (the decode kernel
+    picks each layer's q/k norm row out of the stacked weights)."""
     ps, ref = alone
-    llm = LLM(tiny_dir, **{**BASE, "attn_backend": "pallas", "block_size": 16, "num_kvcache_blocks": 64,
-                           "unstack_weights": unstack})
+    llm = LLM(tiny_dir, **{**BASE, "attn_backend": "pallas", "block_size": 16, "num_kvcache_blocks": 64})
     assert tokens(llm, ps[:6]) == ref[:6]
 
 
@@ -148,14 +145,6 @@ def test_sync_scheduling_gives_same_tokens(tiny_dir, alone):
     """Async scheduling (step N+1 packed while N runs, tokens fed on device) changes nothing."""
     ps, ref = alone
     llm = LLM(tiny_dir, **{**BASE, "async_scheduling": False})
-    assert tokens(llm, ps) == ref
-
-
-def test_stacked_weights_give_same_tokens(tiny_dir, alone):
-    """Stacked [L, ...] weights (the GPU default) and per-layer arrays (the CPU default) agree."""
-    ps, ref = alone
-    llm = LLM(tiny_dir, **{**BASE, "unstack_weights": False})
-    assert isinstance(llm.engine.runner.params["layers"], dict)
     assert tokens(llm, ps) == ref
 
 

@@ -21,7 +21,7 @@ from scripts.fp8_accuracy import compare, paged_logits
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 FP8 = {**TINY_ENGINE, "kv_cache_dtype": "fp8"}
-PALLAS = {"attn_backend": "pallas", "block_size": 16, "num_kvcache_blocks": 64, "unstack_weights": False}
+PALLAS = {"attn_backend": "pallas", "block_size": 16, "num_kvcache_blocks": 64}
 
 
 def prompts(vocab, lengths, seed=3):
@@ -175,7 +175,7 @@ from jaxinfer import LLM, SamplingParams
 path, out = sys.argv[1], {}
 sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 ps = [[1, 2, 3, 4, 5], list(range(7, 40))]
-for backend, extra in (("pallas", dict(block_size=16, num_kvcache_blocks=64, unstack_weights=False)),):
+for backend, extra in (("pallas", dict(block_size=16, num_kvcache_blocks=64)),):
     for tp in (1, 2):
         llm = LLM(path, **{**TINY_ENGINE, **extra}, attn_backend=backend, kv_cache_dtype="fp8",
                   tensor_parallel_size=tp)

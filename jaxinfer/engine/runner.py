@@ -19,7 +19,6 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model.kv_scales import kv_cache_dtype, with_kv_scales
-from jaxinfer.model.qwen3 import unstack_layers
 from jaxinfer.parallel import Placement, kv_heads, make_placements
 from jaxinfer.parallel.layout import KV_SPEC
 from jaxinfer.multistep import make_multistep, multistep_layout
@@ -186,13 +185,10 @@ class ModelRunner:
         self.mesh = self.placement.mesh if tp > 1 else None
         self.dtype = jnp.dtype(engine.dtype)
         self.interpret = self.placement.devices[0].platform != "gpu"
-        # Per-layer weight arrays avoid XLA copying each layer out of the [L, ...] stack every step (3x
-        # faster layers on CPU); on GPU stacked stays the default until benchmarked (few arguments).
-        unstack = engine.unstack_weights if engine.unstack_weights is not None else self.interpret
         # fp8 KV cache: per-layer k_scale / v_scale [L, 1] join the params (model/kv_scales.py)
         self.kv_dtype = kv_cache_dtype(engine.kv_cache_dtype, self.dtype)
         params = with_kv_scales(model, params, self.kv_dtype, tp)
-        self.params = self._place(unstack_layers(params) if unstack else params)
+        self.params = self._place(params)
         self.num_blocks = num_blocks
         self.num_slots = num_blocks * engine.block_size
         # [P, bs, K', D] per layer, split by kv head: each device holds K'/tp heads (parallel/layout.py)

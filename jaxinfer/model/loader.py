@@ -218,10 +218,7 @@ def save_checkpoint(params: dict, config: ModelConfig, path: str, dtype: str = "
               "mlp.up_proj.weight": c.intermediate_size}
     layers = params["layers"]
     for ours, (hf_names, transposed) in _LAYER_TABLE.items():
-        if isinstance(layers, (tuple, list)):          # unstacked (see qwen3.unstack_layers)
-            stacked = np.stack([np.asarray(d[ours]) for d in layers]).astype(np_dtype)
-        else:
-            stacked = np.asarray(layers[ours]).astype(np_dtype)
+        stacked = np.asarray(layers[ours]).astype(np_dtype)
         for l in range(c.num_hidden_layers):
             w, start = stacked[l], 0
             for n in hf_names:
