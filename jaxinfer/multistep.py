@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.attention import paged_attention_layer
+from jaxinfer.model.layers import decode_matmul
 from jaxinfer.model.qwen3 import compute_logits, forward, tp_size
 from jaxinfer.sampling import sample, sample_sharded
 from jaxinfer.step import batch_layout, kv_scales, unpack
@@ -49,6 +50,7 @@ def make_multistep(config: ModelConfig, B: int, W: int, K: int, backend: str, in
                    filtered: bool = False, mesh=None, loop: str | None = None):
     """The K-step decode function for B rows and W-block tables (not yet jitted)."""
     loop = loop or LOOP
+    mm = decode_matmul(B, interpret, tp_size(mesh))          # small batches: the gemv kernel (None: XLA's dot)
 
     def multistep(params, kv_caches, packed, prev_ids):
         base = unpack(packed[:batch_layout(B, B, W)["_size"][0]], B, B, W)
@@ -69,8 +71,8 @@ def make_multistep(config: ModelConfig, B: int, W: int, K: int, backend: str, in
             meta = dict(base, positions=pos, slot_mapping=jnp.where(active, slot, P * bs),
                         seq_lens=jnp.where(active, pos + 1, 0))
             attn = paged_attention_layer("decode", backend, meta, interpret, mesh, kv_scales(params))
-            hidden, caches = forward(config, params, tok, pos, attn, caches, mesh)
-            logits = compute_logits(config, params, hidden)                                      # [B, V']
+            hidden, caches = forward(config, params, tok, pos, attn, caches, mesh, mm)
+            logits = compute_logits(config, params, hidden, mm)                                  # [B, V']
             args = (logits, base["temperature"], base["top_k"], base["top_p"], base["min_p"], base["seeds"],
                     base["counters"] + k, filtered)
             ids = sample_sharded(*args, mesh, config.vocab_size) if tp_size(mesh) > 1 else sample(*args)

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.attention import paged_attention_layer
+from jaxinfer.model.layers import decode_matmul
 from jaxinfer.model.qwen3 import compute_logits, forward, tp_size
 from jaxinfer.sampling import sample, sample_sharded
 
@@ -61,15 +62,16 @@ def make_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: s
     top-k / top-p / min-p (see sampling.py). `mesh`: a Mesh with axis "tp" when params and caches are split
     over several devices (parallel/); the step is still one program, partitioned by XLA."""
     max_rows = max_rows or B
+    mm = decode_matmul(B, interpret, tp_size(mesh)) if kind == "decode" else None    # small batches: gemv kernel
 
     def step(params, kv_caches, packed, prev_ids):
         b = unpack(packed, T, B, W)
         prev = b["prev_row"]
         token_ids = jnp.where(prev >= 0, prev_ids[jnp.maximum(prev, 0)], b["token_ids"])
         attn = paged_attention_layer(kind, backend, b, interpret, mesh, kv_scales(params))
-        hidden, kv_caches = forward(config, params, token_ids, b["positions"], attn, kv_caches, mesh)
+        hidden, kv_caches = forward(config, params, token_ids, b["positions"], attn, kv_caches, mesh, mm)
         rows = hidden[b["sample_idx"]]                                             # [B, E]
-        logits = compute_logits(config, params, rows)                              # [B, V'] fp32
+        logits = compute_logits(config, params, rows, mm)                          # [B, V'] fp32
         args = (logits, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["counters"], filtered)
         if tp_size(mesh) > 1:
             ids = sample_sharded(*args, mesh, config.vocab_size)

@@ -1,6 +1,8 @@
 """The small math pieces of a Qwen3 block, written to match HF transformers bit for bit in fp32."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -32,3 +34,31 @@ def swiglu(gate_up: jax.Array) -> jax.Array:
     """[..., 2I] (gate | up) -> silu(gate) * up  [..., I]."""
     gate, up = jnp.split(gate_up, 2, axis=-1)
     return jax.nn.silu(gate) * up
+
+
+# Decode steps of at most this many rows run their matmuls (and the LM head) through pallas_kernels/gemv.py,
+# which streams each weight once, instead of XLA's cuBLAS GEMMs (~1.7 TB/s at batch 2). 0 = off: set it from
+# the H200 A/B of scripts/bench_small_batch.py. Read when a step is built (make_step / make_multistep).
+GEMV_MAX_ROWS = 0
+
+
+def decode_matmul(rows: int, interpret: bool = False, tp: int = 1):
+    """The `matmul` for qwen3.forward / compute_logits in a decode step of `rows` rows: the gemv kernel when
+    rows <= GEMV_MAX_ROWS on one device, else None (XLA's dot). With tp > 1 XLA partitions the dots itself; the
+    kernel would need a shard_map per matmul (and the all-reduce after o_proj / down_proj)."""
+    if rows > GEMV_MAX_ROWS or tp > 1:
+        return None
+    return functools.partial(gemv_matmul, interpret=interpret)
+
+
+def gemv_matmul(x: jax.Array, w: jax.Array, row: int | None = None, transpose_w: bool = False, out_dtype=None, *,
+                interpret: bool = False) -> jax.Array:
+    """x [M, E] @ w[row] (w stacked [L, E, N]) or @ w (row None, w [E, N]); transpose_w: w is [.., N, E] and
+    x @ w^T is computed. Result [M, N] in out_dtype (default x's). Shapes the kernel does not take use XLA."""
+    from pallas_kernels.gemv import gemv, supported
+    N, E = w.shape[-2:] if transpose_w else w.shape[-2:][::-1]
+    if supported(x.shape[0], E, N):
+        return gemv(x, w, 0 if row is None else row, transpose_w=transpose_w, out_dtype=out_dtype, interpret=interpret)
+    w = w if row is None else w[row]
+    return jnp.einsum("me,ne->mn" if transpose_w else "me,en->mn", x, w,
+                      preferred_element_type=out_dtype or x.dtype)

@@ -14,6 +14,7 @@ the stacked [L, D] norm weights and the row to use, so no per-layer slice has to
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -95,7 +96,8 @@ def tp_size(mesh) -> int:
     return 1 if mesh is None else mesh.shape["tp"]
 
 
-def forward(c: ModelConfig, params: dict, token_ids, positions, attn: Callable, kv_caches=None, mesh=None):
+def forward(c: ModelConfig, params: dict, token_ids, positions, attn: Callable, kv_caches=None, mesh=None,
+            matmul: Callable | None = None):
     """Pure forward; `params["layers"]` holds stacked [L, ...] arrays (one weight layout: per-layer arrays
     were measured 1.2% slower on the H200 and compiled 50% longer, and no faster on CPU tests).
     `mesh` (axis "tp"): params are in the tensor-parallel layout of parallel/layout.py (None: one device)."""
@@ -105,8 +107,19 @@ def forward(c: ModelConfig, params: dict, token_ids, positions, attn: Callable, 
     caches = list(kv_caches) if kv_caches is not None else [None] * c.num_hidden_layers
     for l in range(c.num_hidden_layers):
         w, qk_norms = {k: v[l] for k, v in layers.items()}, (layers["q_norm"], layers["k_norm"], l)
-        x, caches[l] = _decoder_layer(c, w, x, cos, sin, attn, l, caches[l], qk_norms, tp)
+        mm = None if matmul is None else functools.partial(_project, matmul, layers, l)
+        x, caches[l] = _decoder_layer(c, w, x, cos, sin, attn, l, caches[l], qk_norms, tp, mm)
     return rms_norm(x, params["norm"], c.rms_norm_eps), caches
+
+
+def _project(matmul: Callable, layers, l: int, x: jax.Array, name: str) -> jax.Array:
+    """x [..., E] @ layer l's weight `name` through `matmul(x2d, w, row)` (model/layers.py: decode_matmul), which
+    gets the whole stacked [L, E, N] array and the row: a per-layer slice would be copied out before a kernel."""
+    if isinstance(layers, (tuple, list)):
+        w, row = layers[l][name], None
+    else:
+        w, row = layers[name], l
+    return matmul(x.reshape(-1, x.shape[-1]), w, row).reshape(*x.shape[:-1], -1)
 
 
 def embed(table: jax.Array, token_ids: jax.Array, mesh=None) -> jax.Array:
@@ -124,10 +137,15 @@ def embed(table: jax.Array, token_ids: jax.Array, mesh=None) -> jax.Array:
     return shard_map(local, mesh, (P("tp", None), P()), P())(table, token_ids)
 
 
-def compute_logits(c: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
+def compute_logits(c: ModelConfig, params: dict, hidden: jax.Array, matmul: Callable | None = None) -> jax.Array:
     """hidden [..., E] -> fp32 logits [..., V']. V' > V when the vocabulary was padded for tensor
-    parallelism: the padding is -inf, so it is never sampled. Split by vocabulary when the weights are."""
-    if c.tie_word_embeddings:
+    parallelism: the padding is -inf, so it is never sampled. Split by vocabulary when the weights are.
+    `matmul`: as in `forward` (small decode batches: the gemv kernel reads the embedding rows directly)."""
+    if matmul is not None:
+        tied = c.tie_word_embeddings
+        logits = matmul(hidden.reshape(-1, hidden.shape[-1]), params["embed_tokens" if tied else "lm_head"], None,
+                        transpose_w=tied, out_dtype=jnp.float32).reshape(*hidden.shape[:-1], -1)
+    elif c.tie_word_embeddings:
         logits = jnp.einsum("...e,ve->...v", hidden, params["embed_tokens"], preferred_element_type=jnp.float32)
     else:
         logits = jnp.einsum("...e,ev->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
@@ -136,7 +154,7 @@ def compute_logits(c: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array
     return logits
 
 
-def _decoder_layer(c: ModelConfig, w, x, cos, sin, attn, l, cache, qk_norms, tp: int = 1):
+def _decoder_layer(c: ModelConfig, w, x, cos, sin, attn, l, cache, qk_norms, tp: int = 1, mm=None):
     """qk_norms = (q_norm, k_norm, row): the q/k norm weights as given to `attn.from_qkv` ([D], row 0, or the
     stacked [L, D] and row l). tp > 1: the fused weights hold each device's heads adjacent (parallel/layout.py);
     the [..., tp, per device] reshapes below read them back, and are no-ops for tp = 1."""
@@ -144,8 +162,9 @@ def _decoder_layer(c: ModelConfig, w, x, cos, sin, attn, l, cache, qk_norms, tp:
     K = kv_heads(c, tp) if tp > 1 else c.num_key_value_heads                     # K' (replicated up to tp)
     Hl, Kl = H // tp, K // tp
     lead = x.shape[:-1]
+    mm = mm or (lambda x, name: x @ w[name])                  # mm(x, name) = x @ this layer's weight `name`
     h = rms_norm(x, w["input_layernorm"], c.rms_norm_eps)
-    qkv = h @ w["qkv_proj"]                                                       # [..., tp (Hl+2Kl) D]
+    qkv = mm(h, "qkv_proj")                                                       # [..., tp (Hl+2Kl) D]
     from_qkv = attn.from_qkv if isinstance(attn, LayerAttention) else None
     if from_qkv is not None:     # the kernel normalises and rotates q/k itself (3 fewer kernels a layer)
         qkv = qkv.reshape(*lead, tp * (Hl + 2 * Kl), D)
@@ -158,10 +177,10 @@ def _decoder_layer(c: ModelConfig, w, x, cos, sin, attn, l, cache, qk_norms, tp:
         q = apply_rope(rms_norm(q, w["q_norm"], c.rms_norm_eps), cos, sin)
         k = apply_rope(rms_norm(k, w["k_norm"], c.rms_norm_eps), cos, sin)
         o, cache = attn(l, q, k, v, cache)                                        # [..., H, D]
-    x = x + o.reshape(*lead, H * D) @ w["o_proj"]        # split by input for tp: XLA adds the all-reduce
+    x = x + mm(o.reshape(*lead, H * D), "o_proj")        # split by input for tp: XLA adds the all-reduce
     h = rms_norm(x, w["post_attention_layernorm"], c.rms_norm_eps)
-    gate_up = (h @ w["gate_up_proj"]).reshape(*lead, tp, -1)                      # [..., tp, 2I/tp]
-    return x + swiglu(gate_up).reshape(*lead, -1) @ w["down_proj"], cache
+    gate_up = mm(h, "gate_up_proj").reshape(*lead, tp, -1)                        # [..., tp, 2I/tp]
+    return x + mm(swiglu(gate_up).reshape(*lead, -1), "down_proj"), cache
 
 
 def dense_attention(l, q, k, v, cache):
