@@ -1,7 +1,9 @@
 """Per-request sampling parameters (vLLM names), validated on construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
 
 
 @dataclass(frozen=True)
@@ -15,6 +17,12 @@ class SamplingParams:
     seed: int | None = None           # makes this request's samples reproducible whatever the batch
     stop: tuple[str, ...] | list[str] | str | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
+    n: int = 1                        # completions per prompt (they differ; a seed repeats all of them)
+    logprobs: int | None = None       # per generated token: the sampled token's logprob + the top-N (N = logprobs)
+    prompt_logprobs: int | None = None   # per prompt token (the first is None): its logprob + the top-N
+    presence_penalty: float = 0.0     # subtract from tokens that appeared in the output (in [-2, 2])
+    frequency_penalty: float = 0.0    # subtract, times the token's count in the output (in [-2, 2])
+    repetition_penalty: float = 1.0   # > 0: divide positive / multiply negative logits of prompt + output tokens
 
     def __post_init__(self):
         def bad(name, why):
@@ -40,6 +48,22 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of non-negative integers")
         object.__setattr__(self, "stop_token_ids", ids)
         object.__setattr__(self, "temperature", float(self.temperature))
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}] (the top-N logprobs per token; "
+                          f"{MAX_LOGPROBS} is the most the engine returns, as vLLM's max_logprobs)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2 <= v <= 2:
+                bad(name, "must be a number in [-2, 2]")
+            object.__setattr__(self, name, float(v))
+        rp = self.repetition_penalty
+        if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not 0 < rp < float("inf"):
+            bad("repetition_penalty", "must be a number > 0 (1 = no penalty)")
+        object.__setattr__(self, "repetition_penalty", float(rp))
 
     @property
     def greedy(self) -> bool:
@@ -49,3 +73,20 @@ class SamplingParams:
     def needs_filter(self) -> bool:
         """Whether sampling must sort the vocabulary (top-k, top-p or min-p on a sampled row)."""
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The params of completion `index` of an n > 1 request, as one n = 1 request. Sample 0 keeps the
+        seed (so n = 1 and sample 0 of n draw the same tokens); sample i > 0 gets a seed derived from
+        (seed, i), so the same seed repeats all n samples and they differ from each other. Without a seed
+        each sample gets its own random seed from the engine. Prompt logprobs are asked of sample 0 only
+        (they are the same for every sample; the others may then reuse the prompt's cached KV)."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"sample index {index} is outside [0, n={self.n})")
+        seed = self.seed
+        if seed is not None and index > 0:
+            seed = (seed * 0x9E3779B1 + index * 0x85EBCA77 + 0x632BE5AB) % 0x7FFFFFFF
+        return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)

@@ -62,7 +62,7 @@ class BlockManager:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached chain for seq. The block holding the last token is never
         reused, so the last token is always computed (its logits give the next token)."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or not seq.reuses_prefix_cache:
             return []
         hits, h = [], None
         for i in range((len(seq) - 1) // self.block_size):

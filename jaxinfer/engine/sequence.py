@@ -41,6 +41,10 @@ class Sequence:
         self.first_token_time: float | None = None
         self.arrival_time: float | None = None
         self.token_times: list[float] = []
+        # logprobs (engine/extras.py): one row per output token read back, and per prompt position (None
+        # for the first token and for positions not computed yet); rows as outputs.logprob_dict reads them
+        self.logprob_rows: list[list[float]] = []
+        self.prompt_logprob_rows = [None] * len(token_ids) if params.prompt_logprobs is not None else None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -58,6 +62,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
+
+    @property
+    def reuses_prefix_cache(self) -> bool:
+        """Prompt logprobs and penalty counts are computed from every token that enters a step, so such a
+        request computes its whole prompt (as vLLM does for prompt logprobs) instead of skipping cached blocks."""
+        return self.params.prompt_logprobs is None and not self.params.has_penalties
 
     @property
     def num_blocks_needed(self) -> int:
