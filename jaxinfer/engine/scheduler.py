@@ -15,6 +15,8 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, Status
 
+PROMPT_LOGPROB_TOKENS = 256   # prompt tokens with logprobs per step: their [Tp, V] fp32 logits stay small
+
 
 @dataclass
 class ScheduledBatch:
@@ -51,25 +53,35 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.config.max_num_batched_tokens
+        plp = [PROMPT_LOGPROB_TOKENS]                   # prompt tokens with logprobs left in this step
         seqs, counts = [], []
         for seq in self.running:                        # chunked prompts first
-            if seq.is_prefilling and budget > 0:
-                n = min(len(seq) - seq.num_computed_tokens, budget)
+            if seq.is_prefilling and budget > 0 and self._chunk(seq, budget, plp):
+                n = self._chunk(seq, budget, plp, take=True)
                 seqs.append(seq), counts.append(n)
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self.bm.can_allocate(seq):
+            if not self.bm.can_allocate(seq) or not self._chunk(seq, budget, plp):
                 break
             self.waiting.popleft()
             self.bm.allocate(seq)
             self.num_prefix_hit_tokens += seq.num_cached_tokens
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = min(len(seq) - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, budget, plp, take=True)
             seqs.append(seq), counts.append(n)
             budget -= n
         return ScheduledBatch(seqs, counts, True) if seqs else None
+
+    def _chunk(self, seq: Sequence, budget: int, plp: list[int], take: bool = False) -> int:
+        """Tokens of seq's prompt to compute this step: what is left, within the token budget; a request with
+        prompt logprobs also within plp[0], the step's prompt-logprob rows left (taken when `take`)."""
+        n = min(len(seq) - seq.num_computed_tokens, budget)
+        if seq.params.prompt_logprobs is not None:
+            n = min(n, plp[0])
+            plp[0] -= n if take else 0
+        return n
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         seqs = []
@@ -121,7 +133,9 @@ class Scheduler:
         largest K that no row's remaining tokens fall short of (steps past them would be wasted), else the smallest."""
         if batch.is_prefill or not ks or self.waiting:
             return 1
-        if any(s.params.needs_filter or len(self.stop_ids(s)) > max_stop_ids for s in batch.seqs):
+        # penalties and logprobs run one step per call (their step variant has no K-step form)
+        if any(s.params.needs_filter or len(self.stop_ids(s)) > max_stop_ids or s.params.has_penalties
+               or s.params.logprobs is not None for s in batch.seqs):
             return 1
         rem = [self.remaining(s) for s in batch.seqs]
         K = max((k for k in ks if k <= max(rem)), default=ks[0])
