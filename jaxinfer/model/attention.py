@@ -5,8 +5,9 @@ Token t of a step goes to flat slot `slot_mapping[t]` = block_id * block_size + 
 point one past the last slot and their writes are dropped.
 
 Backends take the same arguments (the contracts of pallas_kernels/):
-- "xla": plain jnp. Pages are gathered through the block table and attended with einsum + softmax: the
-  readable reference, and the "XLA fusion" side of the kernel comparison.
+- "xla": plain jnp (model/xla_attention.py): decode as multiply + reduce over the gathered pages (XLA fuses
+  the gather in), prefill per query tile of one sequence with einsum and a causal offset mask: the readable
+  reference, and the "XLA fusion" side of the kernel comparison.
 - "pallas": the hand-written kernels (flash_attention for prefill, paged_attention for decode). In a decode
   step one kernel (paged_attention_qkv) takes the raw qkv projection, applies q/k RMSNorm and RoPE, writes the
   new token's K/V and attends: no norm, rope, slice or scatter kernels around it.
@@ -26,11 +27,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxinfer.model.xla_attention import layer_scales, paged_decode_xla, prefill_xla  # noqa: F401 (re-exported)
 from jaxinfer.parallel import shard_map
 from jaxinfer.parallel.layout import KV_SPEC
 from pallas_kernels.quant import quantize
-
-_NEG = -1e30
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
@@ -42,87 +42,6 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
     k_cache = k_cache.reshape(P * bs, K, D).at[slot_mapping].set(k, mode="drop", unique_indices=True)
     v_cache = v_cache.reshape(P * bs, K, D).at[slot_mapping].set(v, mode="drop", unique_indices=True)
     return k_cache.reshape(P, bs, K, D), v_cache.reshape(P, bs, K, D)
-
-
-def _attend(q, k, v, visible, scale, fp8=None):
-    """q [N, H, D]; k/v [N, S, K, D]; visible [N, S] -> [N, H, D]. GQA without repeating K/V.
-    fp8 = (k_scale, v_scale) [C] (C = 1, or K: per kv head) of fp8 k/v: converted to q's dtype (XLA fuses that
-    into the gather), the scales applied to the scores and the output."""
-    N, H, D = q.shape
-    K = k.shape[2]
-    ks = vs = 1.0
-    if fp8 is not None:
-        k, v = k.astype(q.dtype), v.astype(q.dtype)
-        ks, vs = (x[None, :, None, None] for x in fp8)                     # [1, C, 1, 1] against [N, K, G, *]
-    qg = q.reshape(N, K, H // K, D)
-    s = jnp.einsum("nkgd,nskd->nkgs", qg, k, preferred_element_type=jnp.float32) * (scale * ks)
-    s = jnp.where(visible[:, None, None, :], s, _NEG)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    out = jnp.einsum("nkgs,nskd->nkgd", p, v)
-    if fp8 is not None:
-        out = (out.astype(jnp.float32) * vs).astype(q.dtype)
-    return out.reshape(N, H, D)
-
-
-def _layer_scales(k_scale, v_scale, layer):
-    """(k, v) scales [C] of `layer` from stacked [L, C] ones (C = 1 per layer, or K per kv head); None for a
-    full-precision cache."""
-    return None if k_scale is None else (k_scale[layer], v_scale[layer])
-
-
-def _gather_pages(cache, block_tables):
-    """cache [P, bs, K, D], tables [N, W] -> [N, W*bs, K, D]."""
-    g = cache[block_tables]
-    return g.reshape(g.shape[0], -1, *g.shape[3:])
-
-
-def paged_decode_xla(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, k_scale=None, v_scale=None,
-                     layer=0):
-    """q [B, H, D], one new token per row; seq_lens [B] include it. -> [B, H, D]. fp8 caches: stacked
-    k_scale / v_scale [L, 1] and the layer row, as the Pallas kernels take them."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    S = block_tables.shape[1] * k_cache.shape[1]
-    visible = jnp.arange(S)[None, :] < seq_lens[:, None]
-    out = _attend(q, _gather_pages(k_cache, block_tables), _gather_pages(v_cache, block_tables), visible, scale,
-                  _layer_scales(k_scale, v_scale, layer))
-    return jnp.where((seq_lens > 0)[:, None, None], out, 0).astype(q.dtype)
-
-
-def prefill_xla(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, scale=None, k_scale=None,
-                v_scale=None, layer=0, gather_budget_bytes: int = 16 * 2**30):
-    """q [T, H, D] packed new tokens; each sees its own sequence's context up to its position.
-
-    Each token gathers its own context ([T, S, K, D] for K and V): when that would exceed
-    `gather_budget_bytes`, the tokens are processed in sequential chunks (lax.map) that fit it."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    T, B = q.shape[0], seq_lens.shape[0]
-    t = jnp.arange(T)
-    seq = jnp.clip(jnp.searchsorted(cu_seqlens_q[1:], t, side="right"), 0, B - 1)     # [T]
-    valid = t < cu_seqlens_q[-1]
-    pos = seq_lens[seq] - (cu_seqlens_q[seq + 1] - t)                                  # absolute position
-    tables = block_tables[seq]                                                         # [T, W]
-    S = tables.shape[1] * k_cache.shape[1]
-
-    def chunk(args):
-        q, tables, pos = args
-        visible = jnp.arange(S)[None, :] <= pos[:, None]
-        return _attend(q, _gather_pages(k_cache, tables), _gather_pages(v_cache, tables), visible, scale, fp8)
-
-    fp8 = _layer_scales(k_scale, v_scale, layer)
-
-    per_token = 2 * S * k_cache.shape[2] * k_cache.shape[3] * k_cache.dtype.itemsize
-    C = _chunk_size(T, max(1, gather_budget_bytes // per_token))
-    if C == T:
-        out = chunk((q, tables, pos))
-    else:
-        split = lambda x: x.reshape(T // C, C, *x.shape[1:])
-        out = jax.lax.map(chunk, (split(q), split(tables), split(pos))).reshape(q.shape)
-    return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
-
-
-def _chunk_size(T: int, limit: int) -> int:
-    """Largest divisor of T that is <= limit."""
-    return next(c for c in range(min(T, limit), 0, -1) if T % c == 0)
 
 
 def attention_fns(backend: str, interpret: bool):
@@ -173,7 +92,7 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
 
     def attn_local(meta, l, q, k, v, cache):
         scales = fp8_kwargs(meta, l)
-        write_scales = _layer_scales(meta["k_scale"], meta["v_scale"], l) if scales else ()
+        write_scales = layer_scales(meta["k_scale"], meta["v_scale"], l) if scales else ()
         k_cache, v_cache = write_kv(*cache, k, v, meta["slot_mapping"], *write_scales)
         if kind == "decode":
             o = decode_fn(q, k_cache, v_cache, meta["block_tables"], meta["seq_lens"], **scales)

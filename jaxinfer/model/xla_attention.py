@@ -1,0 +1,161 @@
+"""The "xla" attention backend: plain jnp over the paged KV cache, written so that XLA can do its best.
+
+It is the XLA-fusion side of the backend comparison, so it must be the best plain XLA can do, not a straw
+man. What costs time here is memory traffic, and two choices decide it (docs/kernels.md, "What XLA fuses"):
+
+- Decode (`paged_decode_xla`, one query per row) is written as multiply + reduce, not einsum. A dot becomes
+  a library GEMM (cuBLAS) whose operands must exist in memory, so `einsum(q, k_cache[tables])` first copies
+  every gathered page out ([B, S, K, D] written, then read back: 3x the bytes). A reduction is an XLA fusion,
+  and XLA fuses the page gather into it: each page is read once, straight from the cache. Padding entries
+  of a block table all point at block 0, so the pages a row does not need are re-reads of one block (L2).
+  DECODE_FORM = "einsum" keeps the GEMM form (scripts/xla_fusion_report.py --time times both).
+- Prefill (`prefill_xla`) gathers pages per query TILE, not per token: each sequence's new tokens are laid
+  out in tiles of QUERY_TILE consecutive tokens of that one sequence, a tile gathers its sequence's pages
+  once ([N, S, K, D]) and attends with einsum (tensor cores) under a causal offset mask. Gathering per token
+  ([T, S, K, D]) read each page ~T times; per tile it is ~T / QUERY_TILE + rows times.
+
+Shapes: T new tokens, B rows (sequences), W block-table width, S = W * block_size keys, H q heads, K kv heads
+(G = H // K per kv head), D head dim, N query tiles of Q tokens. Block tables index the cache [P, bs, K, D].
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30
+QUERY_TILE = 32        # prefill queries per tile: balances the pages a tile gathers (S * 4 KiB a tile, bf16
+                       # Qwen3-0.6B) against its fp32 score rows (Q * H * S * 4 bytes); see prefill_xla
+DECODE_FORM = "reduce"  # "reduce" (XLA fuses the gather into the reductions) | "einsum" (gathered pages copied)
+
+
+def layer_scales(k_scale, v_scale, layer):
+    """(k, v) scales [C] of `layer` from stacked [L, C] ones (C = 1 per layer, or K per kv head); None for a
+    full-precision cache."""
+    return None if k_scale is None else (k_scale[layer], v_scale[layer])
+
+
+def gather_pages(cache, block_tables):
+    """cache [P, bs, K, D], tables [N, W] -> [N, W*bs, K, D]."""
+    g = cache[block_tables]
+    return g.reshape(g.shape[0], -1, *g.shape[3:])
+
+
+def _scales(fp8, shape):
+    """fp8 (k_scale, v_scale) [C] -> two [K, G] arrays (`shape`) for the scores and the outputs; ones without."""
+    ones = jnp.ones(shape, jnp.float32)                      # XLA folds a multiply by ones away
+    if fp8 is None:
+        return ones, ones
+    return tuple(s.astype(jnp.float32).reshape(-1, 1) * ones for s in fp8)     # [C, 1] * [K, G]
+
+
+def attend_reduce(q, k, v, visible, scale, fp8=None):
+    """One query per row as multiply + reduce: q [N, H, D]; k/v [N, S, K, D] (gathered, still lazy: XLA fuses
+    the gather into both reductions); visible [N, S] -> [N, H, D]. Math in fp32 (memory-bound: free)."""
+    N, H, D = q.shape
+    K = k.shape[2]
+    qg = q.reshape(N, 1, K, H // K, D).astype(jnp.float32)                      # [N, 1, K, G, D]
+    ks, vs = _scales(fp8, (K, H // K))
+    s = jnp.sum(qg * k[:, :, :, None, :].astype(jnp.float32), axis=-1)        # [N, S, K, G]: reduce over D
+    s = jnp.where(visible[:, :, None, None], s * (scale * ks), _NEG)
+    p = jax.nn.softmax(s, axis=1)                                              # over S
+    out = jnp.sum(p[..., None] * v[:, :, :, None, :].astype(jnp.float32), axis=1)  # [N, K, G, D]: reduce over S
+    return (out * vs[..., None]).reshape(N, H, D).astype(q.dtype)
+
+
+def attend_einsum(q, k, v, visible, scale, fp8=None):
+    """Q queries per row as two batched GEMMs: q [N, Q, H, D]; k/v [N, S, K, D]; visible [N, Q, S] ->
+    [N, Q, H, D]. GQA without repeating K/V: q is viewed as [N, Q, K, G, D]. fp8 k/v are converted to q's
+    dtype (fused into the gather) and the scales applied to the scores and the output."""
+    N, Q, H, D = q.shape
+    K = k.shape[2]
+    ks, vs = _scales(fp8, (K, H // K))
+    if fp8 is not None:
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+    qg = q.reshape(N, Q, K, H // K, D)
+    s = jnp.einsum("nqkgd,nskd->nqkgs", qg, k, preferred_element_type=jnp.float32)   # [N, Q, K, G, S]
+    s = jnp.where(visible[:, :, None, None, :], s * (scale * ks)[..., None], _NEG)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    out = jnp.einsum("nqkgs,nskd->nqkgd", p, v, preferred_element_type=jnp.float32)  # [N, Q, K, G, D]
+    return (out * vs[..., None]).reshape(N, Q, H, D).astype(q.dtype)
+
+
+def paged_decode_xla(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, k_scale=None, v_scale=None,
+                     layer=0, form: str | None = None):
+    """q [B, H, D], one new token per row; seq_lens [B] include it (0: a padding row, zeros out) -> [B, H, D].
+    Reads the W pages of each row's table (the engine picks the narrowest width bucket that holds the
+    batch). fp8 caches: stacked k_scale / v_scale [L, C] and the layer row, as the Pallas kernels take them."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    S = block_tables.shape[1] * k_cache.shape[1]
+    visible = jnp.arange(S)[None, :] < seq_lens[:, None]                          # [B, S]
+    k, v = gather_pages(k_cache, block_tables), gather_pages(v_cache, block_tables)
+    fp8 = layer_scales(k_scale, v_scale, layer)
+    if (form or DECODE_FORM) == "reduce":
+        out = attend_reduce(q, k, v, visible, scale, fp8)
+    else:
+        out = attend_einsum(q[:, None], k, v, visible[:, None], scale, fp8)[:, 0]
+    return jnp.where((seq_lens > 0)[:, None, None], out, 0).astype(q.dtype)
+
+
+def query_tiles(cu_seqlens, seq_lens, T: int, Q: int):
+    """Lay each row's new tokens out in tiles of Q consecutive tokens of that row alone.
+
+    cu_seqlens [B+1] (padding rows repeat the end), seq_lens [B] (context incl. the new tokens). Rows need
+    sum(ceil(c / Q)) <= (T + B (Q-1)) // Q = N tiles. Returns
+      slot [T]     each token's place in the flat [N*Q] tile layout (N*Q for padding tokens: dropped)
+      row [N]      each tile's row (clipped; unused tiles are masked by `pos` < 0)
+      pos [N, Q]   each query's absolute position in its sequence, -1 for an empty place."""
+    B = seq_lens.shape[0]
+    N = (T + B * (Q - 1)) // Q
+    count = cu_seqlens[1:] - cu_seqlens[:-1]                                     # [B] new tokens per row
+    tiles = (count + Q - 1) // Q                                                 # [B]
+    first = jnp.cumsum(tiles) - tiles                                            # [B] a row's first tile
+    t = jnp.arange(T)
+    tok_row = jnp.clip(jnp.searchsorted(cu_seqlens[1:], t, side="right"), 0, B - 1)
+    j = t - cu_seqlens[tok_row]                                                  # index in its row's chunk
+    slot = jnp.where(t < cu_seqlens[-1], (first[tok_row] + j // Q) * Q + j % Q, N * Q)
+    row = jnp.searchsorted(jnp.cumsum(tiles), jnp.arange(N), side="right")      # [N]; B: an unused tile
+    used = row < B
+    row = jnp.minimum(row, B - 1)
+    i = (jnp.arange(N) - first[row])[:, None] * Q + jnp.arange(Q)[None, :]      # [N, Q] index in the chunk
+    pos = seq_lens[row][:, None] - count[row][:, None] + i                      # causal offset: prefix + i
+    return slot, row, jnp.where(used[:, None] & (i < count[row][:, None]), pos, -1)
+
+
+def prefill_xla(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, scale=None, k_scale=None,
+                v_scale=None, layer=0, gather_budget_bytes: int = 4 * 2**30, tile: int = QUERY_TILE):
+    """q [T, H, D] packed new tokens (row b's are q[cu[b]:cu[b+1]], its last at position seq_lens[b] - 1);
+    each sees its own sequence's context up to its position (prefix-cache hits and earlier chunks included:
+    they are in the cache, and this step's K/V were written before). -> [T, H, D], zeros for padding.
+
+    Tokens go into query tiles (`query_tiles`); a tile gathers its row's W pages once and attends with a
+    causal offset mask. Padding tiles (the layout's room for ragged rows) gather block 0's pages. When the
+    gathered pages and scores of all tiles would exceed `gather_budget_bytes`, tiles run in sequential
+    groups (lax.map) that fit it."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    T, H, D = q.shape
+    Q = min(tile, T)
+    slot, row, pos = query_tiles(cu_seqlens_q, seq_lens, T, Q)
+    N = row.shape[0]
+    S = block_tables.shape[1] * k_cache.shape[1]
+    fp8 = layer_scales(k_scale, v_scale, layer)
+    qt = jnp.zeros((N * Q, H, D), q.dtype).at[slot].set(q, mode="drop").reshape(N, Q, H, D)
+
+    def group(args):
+        qt, tables, pos = args                                                   # [n, Q, H, D], [n, W], [n, Q]
+        visible = jnp.arange(S)[None, None, :] <= pos[:, :, None]               # [n, Q, S]; pos -1: none
+        k, v = gather_pages(k_cache, tables), gather_pages(v_cache, tables)     # [n, S, K, D]
+        return attend_einsum(qt, k, v, visible, scale, fp8)
+
+    per_tile = 2 * S * k_cache.shape[2] * D * k_cache.dtype.itemsize + Q * H * S * 4
+    n = min(N, max(1, gather_budget_bytes // per_tile))
+    groups = -(-N // n)
+    tables = block_tables[row]                                                   # [N, W]
+    if groups == 1:
+        out = group((qt, tables, pos))
+    else:   # pad to whole groups with empty tiles (pos -1)
+        pad = lambda x, v: jnp.concatenate([x, jnp.full((groups * n - N, *x.shape[1:]), v, x.dtype)])  # noqa: E731
+        split = lambda x: x.reshape(groups, n, *x.shape[1:])  # noqa: E731
+        out = jax.lax.map(group, (split(pad(qt, 0)), split(pad(tables, 0)), split(pad(pos, -1))))
+        out = out.reshape(groups * n, Q, H, D)[:N]
+    out = jnp.take(out.reshape(N * Q, H, D), slot, axis=0, mode="fill", fill_value=0)   # back to [T, H, D]
+    return out.astype(q.dtype)
