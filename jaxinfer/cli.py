@@ -136,8 +136,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from jaxinfer.server import serve
     # The engine core loads the model in its own process; this one serves HTTP. Exit 1: the core died.
     name = a.served_model_name or a.model or DEFAULT_MODEL
+    from jaxinfer.server.options import server_options
     return serve(model_arg(a), engine_kwargs(a), host=a.host, port=a.port, served_model_name=name,
-                 log_level=a.log_level, api_server_count=a.api_server_count)
+                 log_level=a.log_level, api_server_count=a.api_server_count, options=server_options(a))
 
 
 def bench_script() -> str:
@@ -198,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "one process (default: 1)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default: info)")
+    from jaxinfer.server.options import add_server_args
+    add_server_args(s)                    # --api-key, --max-waiting-requests, --shutdown-timeout, ...
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="throughput benchmark (scripts/bench.py; its own --help)", add_help=False,

@@ -1,0 +1,76 @@
+"""Server options (not the engine's): the API key, the waiting-queue bound, the drain timeout, the body size
+limit. One frozen dataclass; `jaxinfer serve` and `python -m jaxinfer.server` derive their flags from its fields
+(`add_server_args`), as the engine flags come from EngineConfig.
+
+What guards memory, per request and in all:
+- `max_request_body_bytes`: a larger body gets 413 before it is read to the end (JSON is parsed whole);
+- the prompt: at most max_model_len - 1 tokens (400), and it must fit the KV pool with its max_tokens (400);
+- `n`: at most 128 (OpenAI's bound), and prompts x n engine requests must fit the admission bound below;
+- `max_waiting_requests`: engine requests in flight are bounded by max_num_seqs + max_waiting_requests (split
+  evenly over the API processes); past it a request gets 503 with Retry-After at once, before anything is
+  queued. Unset: no bound (requests wait in the scheduler's queue, which only holds token ids).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import MISSING, dataclass, field, fields, replace
+
+API_KEY_ENV = "JAXINFER_API_KEY"
+
+
+def _opt(default, help: str, **meta):
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    api_key: str | None = _opt(None, f"clients must send 'Authorization: Bearer KEY' on /v1/* (401 otherwise); "
+                                     f"default: ${API_KEY_ENV} if set")
+    max_waiting_requests: int | None = _opt(None, "bound the waiting queue: past max_num_seqs + this many engine "
+                                                  "requests in flight, answer 503 with Retry-After (default: no bound)")
+    shutdown_timeout: float = _opt(30.0, "on SIGTERM: seconds in-flight requests may take to finish before they "
+                                         "end with finish_reason 'abort' (new requests get 503 meanwhile)")
+    max_request_body_bytes: int = _opt(32 << 20, "larger request bodies get 413")
+    retry_after_s: int = _opt(1, "the Retry-After header of a 503 (seconds)")
+
+    def __post_init__(self):
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError(f"api_key={self.api_key!r} must be a non-empty string")
+        for name in ("max_waiting_requests", "max_request_body_bytes", "retry_after_s"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{name}={v!r} must be an integer >= 0")
+        if not isinstance(self.shutdown_timeout, (int, float)) or self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout={self.shutdown_timeout!r} must be a number >= 0")
+
+    @classmethod
+    def create(cls, env: dict | None = None, **kw) -> "ServerOptions":
+        """Options from keyword arguments (None = default), the API key from the environment if not given."""
+        env = os.environ if env is None else env
+        kw = {k: v for k, v in kw.items() if v is not None}
+        unknown = set(kw) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown server option(s) {sorted(unknown)}; known: {[f.name for f in fields(cls)]}")
+        if "api_key" not in kw and env.get(API_KEY_ENV):
+            kw["api_key"] = env[API_KEY_ENV]
+        return cls(**kw)
+
+    def replace(self, **kw) -> "ServerOptions":
+        return replace(self, **kw)
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """One flag per ServerOptions field (`--api-key`, `--max-waiting-requests`, ...); unset = the default."""
+    g = p.add_argument_group("server options (jaxinfer.server.options.ServerOptions)")
+    for f in fields(ServerOptions):
+        t = str(f.type)
+        typ = int if t.startswith("int") else float if t.startswith("float") else str
+        h = f.metadata["help"]
+        if f.default is not MISSING and f.default is not None:
+            h += f" (default: {f.default})"
+        g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=None, help=h)
+
+
+def server_options(a: argparse.Namespace) -> ServerOptions:
+    return ServerOptions.create(**{f.name: getattr(a, f.name, None) for f in fields(ServerOptions)})
