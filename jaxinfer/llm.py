@@ -22,8 +22,8 @@ from jaxinfer.hub import resolve_model
 from jaxinfer.model.loader import load_params, random_params
 from jaxinfer.model.presets import is_preset, preset
 from jaxinfer.model.qwen3 import init_params
-from jaxinfer.output_processor import OutputProcessor, TextDelta
-from jaxinfer.outputs import RequestOutput
+from jaxinfer.output_processor import OutputProcessor, TextDelta, TokenTexts, logprobs_of, prompt_logprobs_of
+from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import load_tokenizer
 from jaxinfer.xla_options import warn_if_slow_command_buffers
@@ -84,6 +84,19 @@ class LLM:
             OutputProcessor(self.tokenizer, ("\n\n",), stream=True).update(ids, "length")
             self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    @property
+    def llm_engine(self):
+        """The engine (vLLM's name): add_request / step / abort / stats (engine/llm_engine.py)."""
+        return self.engine
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request of the `stream` in progress (its request_id: the prompt's index), from the loop's
+        body or another thread: its samples end with finish_reason "abort" and free their KV blocks before
+        the next step. Unknown or finished ids are ignored (as vLLM)."""
+        if not isinstance(request_id, int) or isinstance(request_id, bool):
+            raise ValueError(f"request_id must be an int (a RequestOutput.request_id of LLM.stream), got {request_id!r}")
+        self.__dict__.setdefault("_aborts", set()).add(request_id)
+
     def get_tokenizer(self):
         """The tokenizer (a Hugging Face tokenizer for checkpoints; a byte-level stand-in for presets)."""
         return self.tokenizer
@@ -120,12 +133,19 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order."""
         reqs = self._prepare(prompts, sampling_params)
-        seqs = [self.engine.add_request(ids, sp) for _, ids, sp in reqs]
+        groups = self._add(reqs)
+        seqs = [s for g in groups for s in g]
         with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm or None) as bar:
             for _, seq in self._run(seqs):
                 self._check_stop_strings(seq)
                 bar.update(is_finished(seq))
-        return [self._output(i, p, s) for i, ((p, _, _), s) in enumerate(zip(reqs, seqs))]
+        texts = TokenTexts(self.tokenizer)
+        return [self._output(p, g, texts) for (p, _, _), g in zip(reqs, groups)]
+
+    def _add(self, reqs) -> list[list[Sequence]]:
+        """One sequence per sample: n of them per request (SamplingParams.for_sample)."""
+        return [[self.engine.add_request(ids, sp if sp.n == 1 else sp.for_sample(j)) for j in range(sp.n)]
+                for _, ids, sp in reqs]
 
     def _run(self, seqs: list[Sequence]) -> Iterator[tuple[int, Sequence]]:
         """Step the engine until every seq finishes, yielding (index in seqs, seq) for each new token.
@@ -170,22 +190,29 @@ class LLM:
             self.engine.scheduler.finish(seq, "stop")
         return delta
 
-    def _output(self, i: int, prompt: Prompt, seq: Sequence) -> RequestOutput:
-        proc = self.__dict__.get("_stop_texts", {}).pop(seq.seq_id, None)
-        if proc is not None:      # stop strings: the processor's text (cut before a match) and its reason
-            text, reason = proc.text, proc.finish_reason or seq.finish_reason
-        else:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            reason = seq.finish_reason
+    def _output(self, prompt: Prompt, group: list[Sequence], texts: TokenTexts) -> RequestOutput:
+        outs = [self._completion(j, seq, texts) for j, seq in enumerate(group)]
+        seq = group[0]
         m = {}
         if seq.first_token_time is not None:
             m["ttft_s"] = seq.first_token_time - seq.arrival_time
             if seq.num_output_tokens > 1:
                 m["tpot_s"] = (seq.token_times[-1] - seq.first_token_time) / (seq.num_output_tokens - 1)
         return RequestOutput(request_id=seq.seq_id, prompt=prompt if isinstance(prompt, str) else None,
-                             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-                             token_ids=seq.output_token_ids, text=text, finish_reason=reason,
+                             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], outputs=outs,
+                             prompt_logprobs=prompt_logprobs_of(seq, texts),
                              num_cached_tokens=seq.num_cached_tokens, metrics=m)
+
+    def _completion(self, index: int, seq: Sequence, texts: TokenTexts) -> CompletionOutput:
+        proc = self.__dict__.get("_stop_texts", {}).pop(seq.seq_id, None)
+        if proc is not None:      # stop strings: the processor's text (cut before a match) and its reason
+            text, reason = proc.text, proc.finish_reason or seq.finish_reason
+        else:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            reason = seq.finish_reason
+        ids = seq.output_token_ids
+        lps, cum = logprobs_of(seq, 0, ids, texts)
+        return CompletionOutput(index, text, ids, cum, lps, reason)
 
     def reset_prefix_cache(self) -> int:
         """Forget the cached KV of prompts no request holds (as vLLM's `reset_prefix_cache`): the next
@@ -206,15 +233,35 @@ class LLM:
         Leaving the loop early (break / close) aborts the unfinished requests and frees their KV blocks.
         """
         reqs = self._prepare(prompts, sampling_params)
-        seqs = [self.engine.add_request(ids, sp) for _, ids, sp in reqs]
+        groups = self._add(reqs)
+        seqs, where = [s for g in groups for s in g], [(i, j) for i, g in enumerate(groups) for j in range(len(g))]
         procs: dict[int, OutputProcessor] = {}
-        for i, seq in self._run(seqs):
+        sent: dict[int, int] = {}                 # seq_id -> output tokens yielded
+        texts = TokenTexts(self.tokenizer)
+        aborts = self.__dict__.setdefault("_aborts", set())
+        aborts.clear()
+
+        def delta(k: int, seq: Sequence, d: TextDelta) -> RequestOutput:
+            (i, j), start = where[k], sent.get(seq.seq_id)
+            sent[seq.seq_id] = (start or 0) + len(d.token_ids)
+            lps, cum = logprobs_of(seq, start or 0, d.token_ids, texts)
+            prompt = reqs[i][0]
+            return RequestOutput(request_id=i, prompt=prompt if isinstance(prompt, str) else None,
+                                 prompt_token_ids=reqs[i][1],
+                                 outputs=[CompletionOutput(j, d.text, d.token_ids, cum, lps, d.finish_reason)],
+                                 prompt_logprobs=prompt_logprobs_of(seq, texts) if start is None else None,
+                                 num_cached_tokens=seq.num_cached_tokens)
+
+        for k, seq in self._run(seqs):
             d = self._process_text(seq, procs, stream=True)
             if d.text or d.token_ids or d.finish_reason:
-                prompt = reqs[i][0]
-                yield RequestOutput(request_id=i, prompt=prompt if isinstance(prompt, str) else None,
-                                    prompt_token_ids=reqs[i][1], token_ids=d.token_ids, text=d.text,
-                                    finish_reason=d.finish_reason, num_cached_tokens=seq.num_cached_tokens)
+                yield delta(k, seq, d)
+            while aborts:                         # LLM.abort: end those prompts' samples now
+                i = aborts.pop()
+                for k2, s in enumerate(seqs):
+                    if where[k2][0] == i and not is_finished(s):
+                        self.engine.abort(s)
+                        yield delta(k2, s, TextDelta("", [], "abort"))
 
     def apply_chat_template(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> str:
         """Render one conversation ([{"role": ..., "content": ...}, ...]) into a prompt string, ending with

@@ -1,7 +1,34 @@
-"""What `LLM.generate` returns per prompt (vLLM-style names)."""
+"""What `LLM.generate` returns per prompt (vLLM's shapes and names): RequestOutput, CompletionOutput, Logprob.
+
+Logprobs travel from the engine as compact rows (one per token, fp32 from the step, see
+sampling.logprob_stats): [the token's logprob, its rank, top ids x W, top logprobs x W] for a static width
+W >= the N asked for. `logprob_dict` turns a row into vLLM's `{token_id: Logprob}`: the token itself plus
+the top N (N + 1 entries when the token is not among the top N).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None               # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int                            # which of the request's n samples
+    text: str                             # generated text (truncated before a matched stop string)
+    token_ids: list[int]                  # generated tokens
+    cumulative_logprob: float | None = None    # sum of the tokens' logprobs (when logprobs were asked)
+    logprobs: list[dict[int, Logprob]] | None = None   # per generated token (when logprobs were asked)
+    finish_reason: str | None = None      # "stop" | "length" | "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -9,12 +36,43 @@ class RequestOutput:
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]                  # generated tokens
-    text: str                             # generated text (truncated before a matched stop string)
-    finish_reason: str | None             # "stop" | "length" | "abort"
+    outputs: list[CompletionOutput]       # one per sample (n); a streamed delta holds the samples that moved
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # per prompt token; the first is None
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
-    metrics: dict = field(default_factory=dict)   # ttft_s, tpot_s
+    metrics: dict = field(default_factory=dict)   # ttft_s, tpot_s (of the first sample)
+
+    # the first completion's fields, as before n existed
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return all(o.finished for o in self.outputs)
+
+
+def logprob_dict(row: list[float], token_id: int, n: int, decode=None) -> dict[int, Logprob]:
+    """vLLM's per-token logprobs from an engine row (see the module docstring): token_id with its own
+    logprob and rank, then the top n. decode(token_id) -> str fills decoded_token (None: left empty)."""
+    width = (len(row) - 2) // 2
+    out = {int(token_id): Logprob(float(row[0]), int(row[1]))}
+    for r in range(min(n, width)):
+        t = int(row[2 + r])
+        if t not in out:
+            out[t] = Logprob(float(row[2 + width + r]), r + 1)
+    if decode is not None:
+        for t, lp in out.items():
+            lp.decoded_token = decode(t)
+    return out
+
+
+def cumulative_logprob(rows: list[list[float]]) -> float:
+    return float(sum(r[0] for r in rows))

@@ -98,3 +98,32 @@ def sample_sharded(logits, temperature, top_k, top_p, min_p, seeds, counters, fi
         shard = jnp.argmax(peaks, axis=0)                                        # first shard with the maximum
         return jnp.take_along_axis(ids, shard[None, :], axis=0)[0].astype(jnp.int32)
     return shard_map(local, mesh, (P(None, "tp"), P(), P(), P()), P())(logits, temperature, seeds, counters)
+
+
+# -- penalties and logprobs (the step's "extras" variant: step.py; only batches that ask for them pay) -----
+
+def apply_penalties(logits, prompt_seen, output_counts, repetition, frequency, presence):
+    """vLLM's penalties on logits [B, V] fp32, before temperature: repetition over prompt + output tokens
+    (a positive logit is divided by it, a negative one multiplied), then frequency (times the token's count
+    in the output) and presence (once if it occurred) subtracted. prompt_seen [B, V] bool, output_counts
+    [B, V] int32, the penalties [B]; a row with 1 / 0 / 0 is unchanged."""
+    seen = prompt_seen | (output_counts > 0)
+    rep = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    counts = output_counts.astype(jnp.float32)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+def logprob_stats(logits, token_ids, top_n: int):
+    """Raw logprobs (log_softmax of the model's fp32 logits, as vLLM's default) of `token_ids` [R] under
+    logits [R, V], packed for one device->host copy as fp32 [R, 2 + 2 * top_n]: the token's logprob, its
+    rank (1 + how many tokens have a larger logprob), then the top_n ids (exact in fp32 below 2^24) and
+    their logprobs, best first."""
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)                         # [R, 1]
+    own = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)                  # [R, 1]
+    rank = 1 + jnp.sum(logits > own, axis=-1, keepdims=True)                        # [R, 1]
+    cols = [own - lse, rank.astype(jnp.float32)]
+    if top_n > 0:
+        vals, ids = jax.lax.top_k(logits, top_n)                                    # [R, N] each
+        cols += [ids.astype(jnp.float32), vals - lse]
+    return jnp.concatenate(cols, axis=-1)

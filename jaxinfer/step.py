@@ -8,6 +8,8 @@ Shapes are static per bucket: T tokens, B rows (sequences), W block-table width.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,12 +18,28 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model.attention import paged_attention_layer
 from jaxinfer.model.layers import decode_matmul
 from jaxinfer.model.qwen3 import compute_logits, forward, tp_size
-from jaxinfer.sampling import sample, sample_sharded
+from jaxinfer.sampling import apply_penalties, logprob_stats, sample, sample_sharded
 
 _INT_FIELDS = ("token_ids", "positions", "slot_mapping", "prev_row")           # [T]
 _ROW_FIELDS = ("seq_lens", "attn_order", "sample_idx", "top_k", "seeds", "counters",
                "temperature", "top_p", "min_p")                                 # [B]
 FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+# the extras variant's fields, after the base layout: per row, then per prompt-logprob token [Tp]
+_EXTRA_ROW_FIELDS = ("pen_slot", "num_prompt", "repetition", "frequency", "presence")   # [B]
+_EXTRA_TOKEN_FIELDS = ("plp_idx", "plp_target")                                          # [Tp]
+_ALL_FLOATS = FLOAT_FIELDS + ("repetition", "frequency", "presence")
+
+
+class Extras(NamedTuple):
+    """What a step computes beyond sampling (a static variant, compiled only when a batch needs it, so
+    batches without penalties or logprobs run the plain step and pay nothing).
+    penalties: presence / frequency / repetition penalties from the per-slot token counts (a device state
+    updated in the step). logprobs: the sampled tokens' logprobs and ranks. top_n: top logprobs per token
+    (a width of LOGPROB_WIDTHS). prompt_rows: prefill only: prompt tokens whose logprobs are computed."""
+    penalties: bool = False
+    logprobs: bool = False
+    top_n: int = 0
+    prompt_rows: int = 0
 
 
 def batch_layout(T: int, B: int, W: int) -> dict[str, tuple[int, int]]:
@@ -35,13 +53,25 @@ def batch_layout(T: int, B: int, W: int) -> dict[str, tuple[int, int]]:
     return layout
 
 
-def unpack(packed: jax.Array, T: int, B: int, W: int) -> dict[str, jax.Array]:
+def extras_layout(T: int, B: int, W: int, extras: Extras) -> dict[str, tuple[int, int]]:
+    """batch_layout plus the extras fields at its end (the plain step's layout is unchanged)."""
+    layout = dict(batch_layout(T, B, W))
+    off = layout.pop("_size")[0]
+    for name, n in [*((f, B) for f in _EXTRA_ROW_FIELDS), *((f, extras.prompt_rows) for f in _EXTRA_TOKEN_FIELDS)]:
+        layout[name] = (off, n)
+        off += n
+    layout["_size"] = (off, 0)
+    return layout
+
+
+def unpack(packed: jax.Array, T: int, B: int, W: int, extras: Extras | None = None) -> dict[str, jax.Array]:
     out = {}
-    for name, (off, n) in batch_layout(T, B, W).items():
+    layout = batch_layout(T, B, W) if extras is None else extras_layout(T, B, W, extras)
+    for name, (off, n) in layout.items():
         if name == "_size":
             continue
         x = packed[off:off + n]
-        if name in FLOAT_FIELDS:
+        if name in _ALL_FLOATS:
             x = jax.lax.bitcast_convert_type(x, jnp.float32)
         out[name] = x.reshape(B, W) if name == "block_tables" else x
     return out
@@ -53,24 +83,24 @@ def kv_scales(params: dict):
 
 
 def make_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: str,
-              interpret: bool = False, max_rows: int | None = None, filtered: bool = False, mesh=None):
+              interpret: bool = False, max_rows: int | None = None, filtered: bool = False, mesh=None,
+              extras: Extras | None = None):
     """The step function for one bucket (not yet jitted). kind: 'prefill' | 'decode'.
 
     `prev_ids` [max_rows] are the previous step's sampled ids, still on the device: a token whose
     `prev_row` >= 0 is taken from there (async scheduling: the host never waited for it). The result is
     padded to [max_rows] so it can feed any next step. `filtered`: the variant whose sampling applies
     top-k / top-p / min-p (see sampling.py). `mesh`: a Mesh with axis "tp" when params and caches are split
-    over several devices (parallel/); the step is still one program, partitioned by XLA."""
+    over several devices (parallel/); the step is still one program, partitioned by XLA.
+    `extras`: the variant with penalties / logprobs (`make_extras_step`)."""
     max_rows = max_rows or B
     mm = decode_matmul(B, interpret, tp_size(mesh)) if kind == "decode" else None    # small batches: gemv kernel
+    if extras is not None:
+        return make_extras_step(config, kind, T, B, W, backend, interpret, max_rows, filtered, mesh, extras)
 
     def step(params, kv_caches, packed, prev_ids):
         b = unpack(packed, T, B, W)
-        prev = b["prev_row"]
-        token_ids = jnp.where(prev >= 0, prev_ids[jnp.maximum(prev, 0)], b["token_ids"])
-        attn = paged_attention_layer(kind, backend, b, interpret, mesh, kv_scales(params))
-        hidden, kv_caches = forward(config, params, token_ids, b["positions"], attn, kv_caches, mesh, mm)
-        rows = hidden[b["sample_idx"]]                                             # [B, E]
+        _, rows, kv_caches = _forward(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_ids)
         logits = compute_logits(config, params, rows, mm)                          # [B, V'] fp32
         args = (logits, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["counters"], filtered)
         if tp_size(mesh) > 1:
@@ -80,6 +110,84 @@ def make_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: s
         return jnp.pad(ids, (0, max_rows - B)), kv_caches
 
     return step
+
+
+def _forward(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_ids):
+    """(token ids [T], the hidden states of the sampled rows [B, E], kv_caches) of one step."""
+    prev = b["prev_row"]
+    token_ids = jnp.where(prev >= 0, prev_ids[jnp.maximum(prev, 0)], b["token_ids"])
+    attn = paged_attention_layer(kind, backend, b, interpret, mesh, kv_scales(params))
+    mm = decode_matmul(token_ids.shape[0], interpret, tp_size(mesh)) if kind == "decode" else None
+    hidden, kv_caches = forward(config, params, token_ids, b["positions"], attn, kv_caches, mesh, mm)
+    b["hidden"] = hidden                                                           # [T, E]
+    return token_ids, hidden[b["sample_idx"]], kv_caches
+
+
+def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: str, interpret: bool,
+                     max_rows: int, filtered: bool, mesh, extras: Extras):
+    """`step(params, kv_caches, packed, prev_ids, counts) -> (ids, kv_caches, counts, logprobs)`.
+
+    counts (penalties only, else None): (prompt_seen [S, V] bool, output_counts [S, V] int32), one row per
+    penalty slot (`pen_slot`; S = a padding slot: dropped). Every token that enters the step is counted in its
+    row's slot as it goes in (prompt tokens as seen, later ones as outputs), so a row samples with the counts
+    of every token before it; a row whose chunk starts at position 0 clears its slot first (a new or
+    recomputed sequence: such requests never reuse the prefix cache, so they always start at 0).
+    logprobs: fp32 [B (if extras.logprobs) + Tp, 2 + 2 * top_n] (sampling.logprob_stats); only it leaves
+    the device, never [B, V]."""
+    V = config.vocab_size
+
+    def step(params, kv_caches, packed, prev_ids, counts):
+        b = unpack(packed, T, B, W, extras)
+        token_ids, rows, kv_caches = _forward(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_ids)
+        logits = _full_vocab(compute_logits(config, params, rows), V, mesh)       # [B, V] fp32
+        raw = logits
+        if extras.penalties:
+            counts = _count_tokens(counts, token_ids, b)
+            slot = b["pen_slot"]
+            seen, outs = (jnp.take(c, slot, axis=0, mode="fill", fill_value=0) for c in counts)   # [B, V] each
+            logits = apply_penalties(logits, seen, outs, b["repetition"], b["frequency"], b["presence"])
+        ids = sample(logits, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["counters"],
+                     filtered)
+        stats = []
+        if extras.logprobs:
+            stats.append(logprob_stats(raw, ids, extras.top_n))
+        if extras.prompt_rows:
+            plogits = _full_vocab(compute_logits(config, params, b["hidden"][b["plp_idx"]]), V, mesh)  # [Tp, V]
+            stats.append(logprob_stats(plogits, b["plp_target"], extras.top_n))
+        out = jnp.concatenate(stats) if stats else None
+        return jnp.pad(ids, (0, max_rows - B)), kv_caches, counts, out
+
+    return step
+
+
+def _full_vocab(logits, V: int, mesh):
+    """Logits split by vocabulary over "tp" gathered whole (the extras variant's penalties and logprobs
+    work on full rows), without the padding columns."""
+    if tp_size(mesh) > 1:
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
+    return logits[:, :V]
+
+
+def _count_tokens(counts, token_ids, b):
+    """Add this step's tokens [T] to their rows' slots (see make_extras_step)."""
+    seen, outs = counts
+    S = seen.shape[0]
+    T, B = token_ids.shape[0], b["pen_slot"].shape[0]
+    cu = b["cu_seqlens"]                                                           # [B + 1]
+    row = jnp.minimum(jnp.searchsorted(cu[1:], jnp.arange(T), side="right"), B)  # [T]; padding tokens -> B
+    slot_of_row = jnp.concatenate([b["pen_slot"], jnp.full((1,), S, jnp.int32)])  # [B + 1]
+    first = b["positions"][jnp.minimum(cu[:-1], T - 1)]                           # [B] first token's position
+    fresh = (first == 0) & (cu[1:] > cu[:-1])
+    clear = jnp.where(fresh, b["pen_slot"], S)
+    seen = seen.at[clear].set(False, mode="drop")
+    outs = outs.at[clear].set(0, mode="drop")
+    slot = slot_of_row[row]
+    in_prompt = b["positions"] < jnp.concatenate([b["num_prompt"], jnp.zeros((1,), jnp.int32)])[row]
+    seen = seen.at[jnp.where(in_prompt, slot, S), token_ids].set(True, mode="drop")
+    outs = outs.at[jnp.where(in_prompt, S, slot), token_ids].add(1, mode="drop")
+    return seen, outs
 
 
 def jit_step(step, out_shardings=None):

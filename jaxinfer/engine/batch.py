@@ -13,7 +13,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine.scheduler import ScheduledBatch
 from jaxinfer.engine.sequence import PLACEHOLDER
 from jaxinfer.multistep import STOP_IDS, multistep_layout
-from jaxinfer.step import FLOAT_FIELDS, batch_layout
+from jaxinfer.step import FLOAT_FIELDS, Extras, batch_layout, extras_layout
 
 
 def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -112,3 +112,40 @@ def pack_multistep(batch: ScheduledBatch, B: int, W: int, block_size: int, num_s
     off, _ = layout["remaining"]
     buf[off:off + len(remaining)] = remaining
     return buf
+
+
+def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slots: int, extras: Extras,
+                pen_slots: list[int], num_pen_slots: int) -> tuple[np.ndarray, list[tuple]]:
+    """The extras variant's batch (step.make_extras_step): `pack`'s fields, then per row its penalty slot
+    (pen_slots; num_pen_slots = none), prompt length and penalties, then the prompt tokens whose logprobs
+    this step computes: their index in the step's tokens and the prompt token that follows each. Returns
+    (packed, [(seq, position of the token whose logprob it is), ...] per prompt-logprob entry)."""
+    layout = extras_layout(T, B, W, extras)
+    buf = np.zeros(layout["_size"][0], np.int32)
+    base = pack(batch, T, B, W, block_size, num_slots)
+    buf[:len(base)] = base
+    f = {name: buf[off:off + n] for name, (off, n) in layout.items() if name != "_size"}
+    seqs, n = batch.seqs, len(batch.seqs)
+    f["pen_slot"][:] = num_pen_slots
+    f["pen_slot"][:n] = pen_slots
+    f["num_prompt"][:n] = [s.num_prompt_tokens for s in seqs]
+    rep = f["repetition"].view(np.float32)
+    rep[:] = 1.0
+    rep[:n] = [s.params.repetition_penalty for s in seqs]
+    f["frequency"].view(np.float32)[:n] = [s.params.frequency_penalty for s in seqs]
+    f["presence"].view(np.float32)[:n] = [s.params.presence_penalty for s in seqs]
+    where: list[tuple] = []
+    if extras.prompt_rows:
+        t = 0
+        for seq, c in zip(seqs, batch.num_new_tokens):
+            s0 = seq.num_computed_tokens
+            if seq.params.prompt_logprobs is not None:
+                # the token at position p predicts prompt token p + 1 (the last prompt token predicts the
+                # first output: that one is a sampled token's logprob, not a prompt logprob)
+                for p in range(s0, min(s0 + c, seq.num_prompt_tokens - 1)):
+                    f["plp_idx"][len(where)] = t + p - s0
+                    f["plp_target"][len(where)] = seq.token_ids[p + 1]
+                    where.append((seq, p + 1))
+            t += c
+        assert len(where) <= extras.prompt_rows, (len(where), extras.prompt_rows)   # the scheduler's limit
+    return buf, where

@@ -15,6 +15,7 @@ import numpy as np
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.batch import bucket_for, pack, pack_multistep
 from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine import extras as extras_mod
 from jaxinfer.engine.runner import CompileCounter, ModelRunner, check_pool_fits, num_blocks_for_memory
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.model.kv_scales import kv_cache_dtype
@@ -51,6 +52,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, engine, params, num_blocks, placement)
         self.block_manager = BlockManager(num_blocks, engine.block_size, engine.enable_prefix_caching)
         self.scheduler = Scheduler(engine, self.block_manager, eos_token_ids)
+        self.extras = extras_mod.ExtrasRunner(self.runner, engine.max_num_seqs)   # penalties / logprobs
         self.rng = np.random.default_rng(engine.seed)
         # kv_tokens_read: context tokens whose K/V the steps' attention had to read (for the roofline)
         # multistep_calls: K-step decode calls (their steps count in decode_steps)
@@ -116,7 +118,11 @@ class LLMEngine:
                              f"but the pool has only {self.block_manager.num_blocks} (num_kvcache_blocks)")
 
     def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
+        """One sequence. An n > 1 request is n of them: add `params.for_sample(i)` for i in range(n)."""
         self.check_request(token_ids, params)
+        if params.n != 1:
+            raise ValueError(f"LLMEngine.add_request runs one sample, got n={params.n}: add "
+                             f"params.for_sample(i) for each i in range(n) (LLM.generate does)")
         seed = params.seed if params.seed is not None else int(self.rng.integers(0, 2**31 - 1))
         seq = Sequence([int(t) for t in token_ids], params, seed & 0x7FFFFFFF, self.config.block_size)
         seq.arrival_time = time.perf_counter()
@@ -158,7 +164,11 @@ class LLMEngine:
             raise RuntimeError("scheduler found no work although requests are pending (pool too small?)")
         key = bucket_for(self.config, self.runner.widths, batch)
         K = self._plan_steps(batch, key)
-        if K > 1:
+        filtered = any(s.params.needs_filter for s in batch.seqs)
+        extras = extras_mod.choose(batch) if K == 1 else None       # penalties / logprobs: K = 1 (scheduler)
+        if extras is not None:
+            packed = None                                            # packed and sent by ExtrasRunner
+        elif K > 1:
             key = bucket_for(self.config, self.runner.widths, batch)     # the look-ahead blocks may widen W
             s = self.scheduler
             packed = pack_multistep(batch, key[2], key[3], self.config.block_size, self.runner.num_slots,
@@ -170,11 +180,15 @@ class LLMEngine:
         self.counters["kv_tokens_read"] += K * ctx + len(batch.seqs) * K * (K - 1) // 2
         self.counters["padded_tokens"] += K * (key[1] - sum(batch.num_new_tokens))
         self.counters["prefill_steps" if batch.is_prefill else "decode_steps"] += K
-        filtered = any(s.params.needs_filter for s in batch.seqs)
         t1 = time.perf_counter()
-        packed = self.runner.put(packed)
+        packed = self.runner.put(packed) if packed is not None else None
         t_put = time.perf_counter() - t1
-        if K > 1:
+        pending = None
+        if extras is not None:
+            pending = self.extras.dispatch(batch, self.extras.key_for(key + (filtered,), extras), self.config.block_size)
+            ids = self.runner.last_ids
+            self.scheduler.on_dispatch(batch)
+        elif K > 1:
             self.counters["multistep_calls"] += 1
             ids = self.runner.run(("multistep", *key[1:], False, K), packed)
         else:
@@ -187,7 +201,7 @@ class LLMEngine:
             entry = ["prefill" if batch.is_prefill else "decode", len(batch.seqs), key[1], t1 - t0,
                      time.perf_counter() - t1, 0.0, 0.0, t_put]
             self.step_log.append(entry)
-        prev, self.in_flight = self.in_flight, (batch, ids, entry)
+        prev, self.in_flight = self.in_flight, (batch, ids, entry, pending)
         if prev is not None:
             return functools.partial(self._apply, *prev)
         return list if self.async_scheduling else self._read_in_flight
@@ -196,7 +210,7 @@ class LLMEngine:
         prev, self.in_flight = self.in_flight, None
         return self._apply(*prev)
 
-    def _apply(self, batch, ids, entry=None) -> list[Sequence]:
+    def _apply(self, batch, ids, entry=None, pending=None) -> list[Sequence]:
         """Read a dispatched step's sampled ids (blocks until it ran) and apply them."""
         t0 = time.perf_counter()
         ids = np.asarray(ids)
@@ -206,6 +220,8 @@ class LLMEngine:
         else:
             updated = self.scheduler.postprocess(batch, ids[:len(batch.seqs)])
             count = len(updated)
+            if pending is not None:
+                extras_mod.apply(batch, updated, pending)
         now = time.perf_counter()
         self.host_time["wait_s"] += t1 - t0
         self.host_time["apply_s"] += now - t1
@@ -217,6 +233,23 @@ class LLMEngine:
                 seq.first_token_time = now
         self.counters["generated_tokens"] += count
         return updated
+
+    def warmup_extras(self, params: SamplingParams) -> int:
+        """Compile (and run once) the penalty / logprob step variants that requests like `params` need, for
+        every bucket, so they are not compiled mid-run (e.g. before a benchmark). Returns how many."""
+        e = extras_mod.Extras(params.has_penalties, params.logprobs is not None,
+                              next(w for w in extras_mod.LOGPROB_WIDTHS
+                                   if w >= max(params.logprobs or 0, params.prompt_logprobs or 0)), 0)
+        if not (e.penalties or e.logprobs or params.prompt_logprobs is not None):
+            return 0
+        cfg, f = self.config, params.needs_filter
+        keys = [("decode", B, B, W, f, e) for B in cfg.decode_buckets for W in self.runner.widths]
+        pre = e._replace(prompt_rows=-1) if params.prompt_logprobs is not None else e
+        keys += [self.extras.key_for(("prefill", T, min(cfg.max_num_seqs, T), W, f), pre)
+                 for T in cfg.prefill_buckets for W in self.runner.widths]
+        self.extras.warmup(keys)
+        self.compilations_at_warmup = self.compile_counter.count
+        return len(keys)
 
     def _plan_steps(self, batch, key) -> int:
         """Decode steps for this call (multistep.py): K > 1 only for a small batch (a bucket with a K-step
@@ -234,6 +267,7 @@ class LLMEngine:
                     compilations=self.compile_counter.count - self.compilations_at_warmup,
                     compiled_buckets=len(self.runner.compiled),
                     compiled_multistep=sum(k[0] == "multistep" for k in self.runner.compiled),
+                    compiled_extras=len(self.extras.compiled),
                     running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                     **self.counters, **{f"host_{k}": v for k, v in self.host_time.items()})
 

@@ -1,0 +1,164 @@
+"""Penalties and logprobs on the host side: which step variant a batch needs, the penalty slots, the
+variants' executables and the device state, and the logprob rows read back into the sequences.
+
+A batch in which no request asks for penalties or logprobs runs the plain compiled step (nothing here is
+touched, nothing is compiled). Otherwise it runs the "extras" variant of its bucket (step.make_extras_step),
+compiled on first use and counted in stats (`compiled_extras`); `LLMEngine.warmup_extras(params)` compiles
+them ahead of time (benchmarks, servers that expect them).
+
+Penalty counts live on the device, one row per slot: prompt_seen [S, V] bool and output_counts [S, V]
+int32 (S = max_num_seqs). A running request with penalties holds a slot; slots of requests that stopped
+running (finished, or preempted: they restart at position 0 and clear their slot) are taken back when
+needed. Only [B, 2 + 2W] fp32 logprob rows come back per step, never [B, V].
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.engine.batch import pack_extras
+from jaxinfer.engine.scheduler import PROMPT_LOGPROB_TOKENS
+from jaxinfer.engine.sequence import Sequence, Status
+from jaxinfer.parallel.layout import KV_SPEC
+from jaxinfer.step import Extras, extras_layout, idle_batch, make_step
+from jaxinfer.xla_options import step_compiler_options
+
+LOGPROB_WIDTHS = (5, 20)        # static top-N widths: a batch asking N logprobs computes the smallest >= N
+
+
+def choose(batch) -> Extras | None:
+    """The extras variant this batch needs, or None (the plain step)."""
+    ps = [s.params for s in batch.seqs]
+    penalties = any(p.has_penalties for p in ps)
+    asks = [p.logprobs for p in ps if p.logprobs is not None]
+    prompt = batch.is_prefill and any(p.prompt_logprobs is not None for p in ps)
+    if not (penalties or asks or prompt):
+        return None
+    n = max(asks + [p.prompt_logprobs for p in ps if prompt and p.prompt_logprobs is not None], default=0)
+    top_n = next(w for w in LOGPROB_WIDTHS if w >= n)
+    return Extras(penalties, bool(asks), top_n, -1 if prompt else 0)   # -1: from the bucket (`key_for`)
+
+
+class ExtrasRunner:
+    """One engine's extras variants and penalty state (on its runner's devices)."""
+
+    def __init__(self, runner, num_slots: int):
+        self.runner = runner
+        self.num_slots = num_slots                   # S; slot S is the padding slot (writes dropped)
+        self.owner: list[Sequence | None] = [None] * num_slots
+        self.slot_of: dict[int, int] = {}            # seq_id -> slot
+        self.counts = None                           # (prompt_seen, output_counts), made on first use
+        self.compiled: dict[tuple, object] = {}
+
+    # -- slots ----------------------------------------------------------------------------------------
+    def slots(self, seqs: list[Sequence]) -> list[int]:
+        out = []
+        for seq in seqs:
+            if not seq.params.has_penalties:
+                out.append(self.num_slots)
+                continue
+            slot = self.slot_of.get(seq.seq_id)
+            if slot is None:
+                slot = self._free_slot()
+                self.owner[slot], self.slot_of[seq.seq_id] = seq, slot
+            out.append(slot)
+        return out
+
+    def _free_slot(self) -> int:
+        for i, o in enumerate(self.owner):
+            if o is None or o.status is not Status.RUNNING:
+                if o is not None:
+                    del self.slot_of[o.seq_id]
+                    self.owner[i] = None
+                return i
+        raise RuntimeError("no free penalty slot: more running sequences than max_num_seqs")
+
+    # -- compile and run -------------------------------------------------------------------------------
+    def key_for(self, key: tuple, extras: Extras) -> tuple:
+        """(kind, T, B, W, filtered, extras) with prompt_rows fixed from the bucket's T."""
+        if extras.prompt_rows < 0:
+            extras = extras._replace(prompt_rows=min(key[1], PROMPT_LOGPROB_TOKENS))
+        return (*key, extras)
+
+    def compile(self, key: tuple):
+        exe = self.compiled.get(key)
+        if exe is not None:
+            return exe
+        r = self.runner
+        kind, T, B, W, filtered, extras = key
+        shared = ("extras", r.model, r.engine.attn_backend, str(r.dtype), str(r.kv_dtype), r.num_blocks,
+                  r.engine.block_size, r.interpret, r.max_rows, isinstance(r.params["layers"], tuple),
+                  r.placement.key, self.num_slots, key)
+
+        def build():
+            step = make_step(r.model, kind, T, B, W, r.engine.attn_backend, r.interpret, r.max_rows, filtered,
+                             r.mesh, extras)
+            rep = r.placement.replicated
+            packed = jax.ShapeDtypeStruct((extras_layout(T, B, W, extras)["_size"][0],), jnp.int32, sharding=rep)
+            counts = self._counts() if extras.penalties else None
+            out = (rep, r.placement.sharding(KV_SPEC), rep, rep)
+            jitted = jax.jit(step, donate_argnums=(1, 4), out_shardings=out)
+            lowered = jitted.lower(r.params, r.kv_caches, packed, r.last_ids, counts)
+            return lowered.compile(compiler_options=step_compiler_options(r.placement.devices[0].platform))
+        exe = self.compiled[key] = r.executables.get(shared, build)
+        return exe
+
+    def _counts(self):
+        if self.counts is None:
+            V, S = self.runner.model.vocab_size, self.num_slots
+            self.counts = (self.runner.put(np.zeros((S, V), bool)), self.runner.put(np.zeros((S, V), np.int32)))
+        return self.counts
+
+    def dispatch(self, batch, key: tuple, block_size: int):
+        """Pack, send and run one extras step (asynchronous). Returns (key, device logprob rows or None,
+        [(seq, prompt position)] of its prompt-logprob rows), for `apply`."""
+        r = self.runner
+        kind, T, B, W, filtered, extras = key
+        packed, where = pack_extras(batch, T, B, W, block_size, r.num_slots, extras,
+                                    self.slots(batch.seqs), self.num_slots)
+        exe = self.compile(key)
+        counts = self._counts() if extras.penalties else None
+        r.last_ids, r.kv_caches, counts, out = exe(r.params, r.kv_caches, r.put(packed), r.last_ids, counts)
+        if extras.penalties:
+            self.counts = counts
+        return key, out, where
+
+    def warmup(self, keys: list[tuple]) -> None:
+        """Compile the given extras keys and run each once on an all-padding batch."""
+        r = self.runner
+        for key in keys:
+            kind, T, B, W, filtered, extras = key
+            exe = self.compile(key)
+            size = extras_layout(T, B, W, extras)["_size"][0]
+            buf = idle_batch(size, T, B, W, r.num_slots)
+            lay = extras_layout(T, B, W, extras)
+            off, n = lay["pen_slot"]
+            buf[off:off + n] = self.num_slots                       # padding rows: the dropped slot
+            off, n = lay["repetition"]
+            buf[off:off + n].view(np.float32)[:] = 1.0
+            counts = self._counts() if extras.penalties else None
+            r.last_ids, r.kv_caches, counts, out = exe(r.params, r.kv_caches, r.put(buf), r.last_ids, counts)
+            if extras.penalties:
+                self.counts = counts
+            np.asarray(r.last_ids)
+
+
+def apply(batch, updated: list[Sequence], pending) -> None:
+    """Give the sequences their logprob rows of a read step (pending: what `ExtrasRunner.dispatch` returned).
+    A row that got no token this step (finished meanwhile, or a prompt chunk that stops mid-prompt) gets
+    no logprobs; prompt logprobs land at their prompt position."""
+    key, out, where = pending
+    if out is None:
+        return
+    extras = key[-1]
+    rows = np.asarray(out).tolist()
+    if extras.logprobs:
+        got = {s.seq_id for s in updated}
+        for i, seq in enumerate(batch.seqs):
+            if batch.sampled[i] and seq.seq_id in got and seq.params.logprobs is not None:
+                seq.logprob_rows.append(rows[i])
+        rows = rows[key[2]:]
+    for (seq, pos), row in zip(where, rows):
+        if seq.prompt_logprob_rows is not None:
+            seq.prompt_logprob_rows[pos] = row
