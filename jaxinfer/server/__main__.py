@@ -6,6 +6,7 @@ import logging
 import sys
 
 from jaxinfer.server.launch import serve
+from jaxinfer.server.options import add_server_args, server_options
 
 
 def main(argv=None) -> int:
@@ -17,10 +18,12 @@ def main(argv=None) -> int:
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--api-server-count", type=int, default=1)
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_server_args(ap)
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s:     %(message)s")
     try:
-        return serve(a.model, a.engine, a.host, a.port, a.served_model_name, a.log_level, a.api_server_count)
+        return serve(a.model, a.engine, a.host, a.port, a.served_model_name, a.log_level, a.api_server_count,
+                     server_options(a))
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"jaxinfer.server: error: {e}", file=sys.stderr)
         return 2

@@ -1,30 +1,38 @@
 """The OpenAI-compatible HTTP API of one API process (FastAPI): /v1/models, /v1/completions,
-/v1/chat/completions, /health, /stats.
+/v1/chat/completions; vLLM's /tokenize, /detokenize, /version; /health, /stats, /metrics; /docs (offline).
 
-Handlers validate and tokenize on the event loop, submit token ids to the engine core (`CoreClient`), and
-turn the core's token ids into text with one `OutputProcessor` per prompt (incremental detokenization only
-when streaming or when stop strings need it; a stop string match aborts the request in the core). Streams
-are server-sent events; a handler that falls behind gets several tokens in one event.
+Handlers validate (pydantic models, protocol.py; errors are OpenAI-shaped 400s, not 422) and tokenize on the
+event loop, submit token ids to the engine core (`CoreClient`; choices.py follows each engine request), and
+build OpenAI-shaped answers (responses.py) or server-sent events (streams.py).
 """
 from __future__ import annotations
 
 import asyncio
-import json
+import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
-from jaxinfer.output_processor import OutputProcessor, TextDelta
+from jaxinfer.server import choices as C
 from jaxinfer.server import protocol as P
+from jaxinfer.server import responses as R
+from jaxinfer.server import streams
 from jaxinfer.server.client import CoreClient, EngineDeadError, RequestFailed
+from jaxinfer.server.docs import add_docs
+from jaxinfer.server.gate import Gate
+from jaxinfer.server.metrics import ServerMetrics
+from jaxinfer.server.options import ServerOptions
 from jaxinfer.server.process import CoreInfo
 from jaxinfer.tokenizer import load_tokenizer
 
 DISCONNECT_POLL_S = 0.25      # how often a plain (non-streaming) handler checks that its client is still there
+ERRORS = {400: {"model": P.ErrorResponse}, 401: {"model": P.ErrorResponse}, 404: {"model": P.ErrorResponse},
+          503: {"model": P.ErrorResponse}}
 
 
 def load_model_tokenizer(model: str):
@@ -33,50 +41,71 @@ def load_model_tokenizer(model: str):
 
 
 def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tokenizer=None,
-              alive: Callable[[], bool] | None = None, on_dead: Callable[[str], None] | None = None) -> FastAPI:
+              alive: Callable[[], bool] | None = None, on_dead: Callable[[str], None] | None = None,
+              options: ServerOptions | None = None) -> FastAPI:
     """A FastAPI app serving the engine core described by `info` (from `CoreProcess(...).info`) under the
-    model id `served_model_name`. `tokenizer`: default, the model's (`load_model_tokenizer(info.model)`).
-    `alive` tells whether the core process still runs (default: by its pid); `on_dead(reason)` runs on the
-    event loop when the core is found dead (`serve` stops the server then)."""
+    model id `served_model_name`. `tokenizer`: default, the model's. `alive` tells whether the core process
+    still runs (default: by its pid); `on_dead(reason)` runs on the event loop when the core is found dead.
+    `options`: ServerOptions (API key, queue bound, drain timeout, body limit)."""
     tokenizer = tokenizer if tokenizer is not None else load_model_tokenizer(info.model)
+    options = options or ServerOptions()
     limits = info.limits
     max_model_len = limits["max_model_len"]
+    # the admission bound of this API process: its share of max_num_seqs + max_waiting_requests
+    capacity = None if options.max_waiting_requests is None else math.ceil(
+        (limits.get("max_num_seqs", 0) + options.max_waiting_requests) / len(info.out_addrs))
+    metrics = ServerMetrics(served_model_name)
+    text_of = R.TokenText(tokenizer)
 
-    @asynccontextmanager
     async def lifespan(app):
         client = CoreClient(info, api_index, alive)
         if on_dead is not None:
             client.on_dead.append(on_dead)
         client.start()
-        app.state.client = client
+        app.state.client, app.state.loop = client, asyncio.get_running_loop()
         yield
         client.close()
 
-    app = FastAPI(title="jaxinfer", lifespan=lifespan)
-    app.state.client = None
+    from contextlib import asynccontextmanager
+    app = FastAPI(title="jaxinfer", version=_version(), lifespan=asynccontextmanager(lifespan), docs_url=None,
+                  redoc_url=None, description="OpenAI-compatible API of jaxinfer (see docs/serving.md).")
+    app.state.client, app.state.options, app.state.draining, app.state.active = None, options, False, 0
+    app.add_middleware(Gate, state=app.state)
+    add_docs(app)
 
+    # -- errors: OpenAI's shape for all of them ----------------------------------------------------------
     @app.exception_handler(P.RequestError)
     async def _request_error(request: Request, e: P.RequestError):
-        return JSONResponse(P.error_body(str(e), e.param, e.code, e.type), status_code=e.status)
+        return JSONResponse(P.error_body(str(e), e.param, e.code, e.type), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        err = e.errors()[0]
+        loc = [x for x in err.get("loc", ()) if x != "body"]
+        param = loc[0] if loc and isinstance(loc[0], str) and err.get("type") != "json_invalid" else None
+        where = ".".join(str(x) for x in loc if not isinstance(x, str) or not x[:1].isupper() and "[" not in x)
+        msg = f"{where}: {err.get('msg')}" if param else f"the request body is invalid: {err.get('msg')}"
+        if err.get("type") == "json_invalid":
+            msg = f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
+        return JSONResponse(P.error_body(msg, param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
+        return JSONResponse(P.error_body(f"{e.detail}: {request.method} {request.url.path}" if e.status_code in (404, 405)
+                                         else str(e.detail), code=code), status_code=e.status_code, headers=e.headers)
 
     def client() -> CoreClient:
         c = app.state.client
         if c is None or c.dead:
+            metrics.observe_rejected("engine_dead")
             raise P.RequestError(f"the engine is not running: {c.dead if c else 'not started'}", status=503)
         return c
 
-    async def read_body(request: Request) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise P.RequestError(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise P.RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
-        model = body.get("model", served_model_name)
-        if model != served_model_name:
-            raise P.RequestError(f"The model {model!r} does not exist; this server serves "
-                                 f"{served_model_name!r}", param="model", code="model_not_found")
-        return body
+    def check_model(model: str | None) -> None:
+        if model is not None and model != served_model_name:
+            raise P.RequestError(f"The model `{model}` does not exist; this server serves `{served_model_name}`",
+                                 param="model", code="model_not_found", status=404)
 
     def tokenize(prompt) -> list[int]:
         ids = list(tokenizer.encode(prompt, add_special_tokens=False)) if isinstance(prompt, str) else list(prompt)
@@ -88,40 +117,50 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
                                  code="context_length_exceeded")
         return ids
 
-    def prepare(body: dict, prompts: list, default_max_tokens: int | None) -> list:
-        items = []
+    def prepare(req, prompts: list, default_max_tokens: int | None, logprobs: int | None,
+                prompt_logprobs: int | None, stream: bool) -> tuple[list, list]:
+        """Validate, tokenize and admit: (prompt ids per prompt, (ids, params) per choice)."""
+        P.check_unsupported(req)
+        check_model(req.model)
+        ids_list, params = [], []
         for p in prompts:
             ids = tokenize(p)
-            params = P.sampling_params(body, len(ids), max_model_len, default_max_tokens)
-            P.check_request(ids, params, limits)
-            items.append((ids, params))
-        return items
+            sp = P.sampling_params(req, len(ids), max_model_len, default_max_tokens, logprobs, prompt_logprobs)
+            P.check_request(ids, sp, limits)
+            ids_list.append(ids)
+            params.append(sp)
+        items = C.expand(ids_list, params, req.n or 1, stream_prompt_logprobs=stream)
+        admit(len(items))
+        return ids_list, items
 
-    async def run(items, stream: bool) -> AsyncIterator[tuple[int, TextDelta, OutputProcessor]]:
-        """Submit the prompts; yield (prompt index, delta, its processor) as outputs arrive, until all finish.
-        Leaving early (client gone, error) aborts what is still running in the core."""
+    def admit(need: int) -> None:
+        """The waiting-queue bound: 503 + Retry-After now, before anything is queued, when full."""
         c = client()
-        procs = [OutputProcessor(tokenizer, params.stop, stream=stream) for _, params in items]
-        coll = c.submit(items, eager=stream or any(params.stop for _, params in items))
-        left = len(items)
-        try:
-            while left:
-                for index, ids, reason in await coll.get():
-                    proc = procs[index]
-                    if proc.finished:
-                        continue
-                    d = proc.update(ids, reason)
-                    if proc.stopped and reason is None:       # a stop string matched: end it in the core
-                        c.abort(coll, [index])
-                    left -= d.finish_reason is not None
-                    yield index, d, proc
-        finally:
-            c.abort(coll)
+        if capacity is None:
+            return
+        if need > capacity:
+            raise P.RequestError(f"the request needs {need} engine requests (prompts x n) but the server admits at "
+                                 f"most {capacity} at a time", param="n")
+        if c.inflight + need > capacity:
+            metrics.observe_rejected("queue_full")
+            raise P.RequestError(f"the server is overloaded ({c.inflight} requests in flight, --max-waiting-requests "
+                                 f"{options.max_waiting_requests}); retry later", status=503, code="overloaded",
+                                 headers={"Retry-After": str(options.retry_after_s)})
 
-    async def collect(items, request: Request) -> tuple[list[str], list[str], dict]:
-        """The whole answer (no streaming). A client that disconnects first aborts it in the core: Starlette
-        does not cancel a plain handler, so the connection is checked every DISCONNECT_POLL_S."""
-        task = asyncio.ensure_future(collect_all(items))
+    async def collect(items, request: Request, t0: float) -> list[C.Choice]:
+        """All choices to their end (no streaming). A client that disconnects first aborts them in the core:
+        Starlette does not cancel a plain handler, so the connection is checked every DISCONNECT_POLL_S."""
+        async def collect_all():
+            done = {}
+            try:
+                async for ch, _ in C.run(client(), tokenizer, items, False, metrics, t0):
+                    done[ch.index] = ch
+            except EngineDeadError as e:
+                raise P.RequestError(str(e), status=500) from None
+            except RequestFailed as e:
+                raise P.RequestError(str(e), param="prompt" if e.status == 400 else None, status=e.status) from None
+            return [done[i] for i in range(len(items))]
+        task = asyncio.ensure_future(collect_all())
         try:
             while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
                 if await request.is_disconnected():
@@ -132,31 +171,6 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         finally:
             task.cancel()
 
-    async def collect_all(items) -> tuple[list[str], list[str], dict]:
-        procs = {}
-        try:
-            async for index, _, proc in run(items, stream=False):
-                procs[index] = proc
-        except EngineDeadError as e:
-            raise P.RequestError(str(e), status=500) from None
-        except RequestFailed as e:
-            raise P.RequestError(str(e), param="prompt" if e.status == 400 else None, status=e.status) from None
-        procs = [procs[i] for i in range(len(items))]
-        use = P.usage(sum(len(ids) for ids, _ in items), sum(len(p.token_ids) for p in procs))
-        return [p.text for p in procs], [p.finish_reason for p in procs], use
-
-    def sse(gen) -> StreamingResponse:
-        """`gen` yields server-sent events (text)."""
-        async def body():
-            try:
-                async for event in gen:
-                    yield event
-            except Exception as e:        # headers are sent: report in-band, as OpenAI does
-                yield P.sse(P.error_body(str(e), type_="server_error"))
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
     # -- routes -------------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
@@ -165,67 +179,117 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
             return JSONResponse({"status": "error", "message": c.dead if c else "starting"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/stats")
-    async def stats():
-        c = client()
-        try:             # the core's engine stats, plus this API process's counters and the core's pid / XLA_FLAGS
-            st = await c.stats()
-            return {**st, **{f"api_{k}": v for k, v in c.counters.items()}, "engine_core_pid": info.pid,
-                    "engine_core_xla_flags": limits.get("xla_flags", "")}
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    async def core_stats() -> dict:
+        try:
+            return await client().stats()
         except EngineDeadError as e:
             raise P.RequestError(str(e), status=503) from None
+
+    @app.get("/stats")
+    async def stats():
+        """The core's engine stats, plus this API process's counters and the core's pid / XLA_FLAGS."""
+        st = await core_stats()
+        c = app.state.client
+        return {**st, **{f"api_{k}": v for k, v in c.counters.items()}, "api_inflight": c.inflight,
+                "engine_core_pid": info.pid, "engine_core_xla_flags": limits.get("xla_flags", "")}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        if not metrics.enabled:
+            raise P.RequestError("/metrics needs the prometheus_client package (pip install prometheus_client)",
+                                 status=501)
+        body, ctype = metrics.render(await core_stats())
+        return Response(body, media_type=ctype)
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "jaxinfer", "max_model_len": max_model_len}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await read_body(request)
-        stream, include_usage = P.stream_flags(body)
-        items = prepare(body, P.completion_prompts(body), default_max_tokens=16)
-        rid, model = P.new_id("cmpl"), served_model_name
-        if not stream:
-            texts, reasons, use = await collect(items, request)
-            return P.completion(rid, model, texts, reasons, use)
-        client()                                  # 503 now, not inside the stream, if the core is gone
+    @app.post("/tokenize")
+    async def tokenize_route(req: P.TokenizeRequest):
+        """vLLM's /tokenize: `prompt`, or `messages` rendered with the chat template."""
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise P.RequestError("give exactly one of prompt and messages", param="prompt")
+        text = req.prompt if req.messages is None else P.apply_chat_template(
+            tokenizer, P.chat_messages(req.messages), req.chat_template_kwargs, req.add_generation_prompt)
+        ids = list(tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+                "token_strs": [text_of(t) for t in ids] if req.return_token_strs else None}
 
-        async def chunks():
-            procs, enc = {}, P.ChunkEncoder(rid, model, "text_completion")
-            async for index, d, proc in run(items, stream=True):
-                procs[index] = proc
-                yield enc.completion(index, d.text, d.finish_reason)
-            if include_usage:
-                use = P.usage(sum(len(ids) for ids, _ in items), sum(len(p.token_ids) for p in procs.values()))
-                yield P.sse(P.usage_chunk(rid, model, "text_completion", use))
-        return sse(chunks())
+    @app.post("/detokenize")
+    async def detokenize_route(req: P.DetokenizeRequest):
+        check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < limits["vocab_size"]]
+        if bad:
+            raise P.RequestError(f"token id {bad[0]} is outside the vocabulary [0, {limits['vocab_size']})",
+                                 param="tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await read_body(request)
-        stream, include_usage = P.stream_flags(body)
-        messages = P.chat_messages(body)
-        prompt = P.apply_chat_template(tokenizer, messages, body.get("chat_template_kwargs"))
-        items = prepare(body, [prompt], default_max_tokens=None)
-        rid, model = P.new_id("chatcmpl"), served_model_name
-        if not stream:
-            texts, reasons, use = await collect(items, request)
-            return P.chat_completion(rid, model, texts[0], reasons[0], use)
-        client()
+    @app.post("/v1/completions", responses={200: {"model": R.CompletionResponse}, **ERRORS})
+    async def completions(req: P.CompletionRequest, request: Request):
+        t0 = time.perf_counter()
+        k = req.logprobs
+        prompts, items = prepare(req, P.completion_prompts(req), 16, k, k if req.echo and k is not None else None,
+                                 bool(req.stream))
+        rid, model, n = R.new_id("cmpl"), served_model_name, req.n or 1
+        if req.stream:
+            return streams.completion_stream(C.run(client(), tokenizer, items, True, metrics, t0), rid, model,
+                                             prompts, n, req, text_of, tokenizer)
+        done = await collect(items, request, t0)
+        return R.completion(rid, model, [streams.completion_choice(ch, prompts[ch.index // n], req, text_of, tokenizer)
+                                         for ch in done], streams.total_usage(prompts, done))
 
-        async def chunks():
-            enc = P.ChunkEncoder(rid, model, "chat.completion.chunk")
-            yield P.sse(P.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None))
-            n_out = 0
-            async for _, d, proc in run(items, stream=True):
-                n_out = len(proc.token_ids)
-                if d.text:
-                    yield enc.chat_content(d.text)
-                if d.finish_reason:
-                    yield P.sse(P.chat_chunk(rid, model, {}, d.finish_reason))
-            if include_usage:
-                yield P.sse(P.usage_chunk(rid, model, "chat.completion.chunk", P.usage(len(items[0][0]), n_out)))
-        return sse(chunks())
+    @app.post("/v1/chat/completions", responses={200: {"model": R.ChatCompletionResponse}, **ERRORS})
+    async def chat_completions(req: P.ChatCompletionRequest, request: Request):
+        t0 = time.perf_counter()
+        P.check_unsupported(req)
+        prompt = P.apply_chat_template(tokenizer, P.chat_messages(req.messages), req.chat_template_kwargs)
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        if req.top_logprobs and not req.logprobs:
+            raise P.RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        prompts, items = prepare(req, [prompt], None, k, None, bool(req.stream))
+        rid, model = R.new_id("chatcmpl"), served_model_name
+        if req.stream:
+            return streams.chat_stream(C.run(client(), tokenizer, items, True, metrics, t0), rid, model, prompts,
+                                       len(items), req, text_of)
+        done = await collect(items, request, t0)
+        return R.chat_completion(rid, model, [streams.chat_choice(ch, k, text_of) for ch in done],
+                                 streams.total_usage(prompts, done))
 
+    # -- SIGTERM: drain ---------------------------------------------------------------------------------
+    async def drain(then: Callable[[], None]) -> None:
+        """New requests get 503 (Gate); in-flight ones finish, or end with finish_reason "abort" after
+        options.shutdown_timeout; then `then()` (uvicorn exits)."""
+        app.state.draining = True
+        c, end = app.state.client, time.monotonic() + options.shutdown_timeout
+        while c is not None and c.inflight and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        if c is not None and c.inflight:
+            c.finish_all("abort")
+        end = time.monotonic() + 5.0          # the handlers write their last chunks
+        while app.state.active and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        then()
+
+    def start_drain(then: Callable[[], None]) -> None:
+        """From a signal handler (any thread): start draining on the event loop."""
+        loop = getattr(app.state, "loop", None)
+        if loop is None or loop.is_closed():
+            return then()
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(drain(then)))
+    app.state.start_drain = start_drain
     return app
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("jaxinfer")
+    except Exception:
+        return "0+unknown"

@@ -44,22 +44,27 @@ class Collector:
     def __init__(self, n: int, eager: bool):
         self.rids: list[int] = []
         self.eager = eager
-        self.pending: dict[int, list] = {}        # index -> [new ids, finish reason]
+        self.pending: dict[int, list] = {}        # index -> [new ids, finish reason, logprobs, prompt logprobs]
         self.error: BaseException | None = None
         self.event = asyncio.Event()
         self.unfinished = set(range(n))
 
-    def put(self, index: int, ids: list[int], reason: str | None, message: str | None = None) -> None:
+    def put(self, index: int, ids: list[int], reason: str | None, message: str | None = None,
+            logprobs: list | None = None, prompt_logprobs: list | None = None) -> None:
+        """New ids of prompt `index` (with their logprobs, and the prompt's on its first output, if asked)."""
         if reason in ("error", "rejected"):
             self.error = RequestFailed(message or "the engine failed this request", 400 if reason == "rejected" else 500)
             self.event.set()
             return
         p = self.pending.get(index)
         if p is None:
-            self.pending[index] = [ids, reason]
+            self.pending[index] = [ids, reason, logprobs, prompt_logprobs]
         else:                                     # the handler is behind: merge (one chunk for several tokens)
             p[0] = p[0] + ids
             p[1] = reason
+            if logprobs is not None:
+                p[2] = (p[2] or []) + logprobs
+            p[3] = p[3] or prompt_logprobs
         if reason is not None:
             self.unfinished.discard(index)
         if self.eager or reason is not None:
@@ -69,14 +74,15 @@ class Collector:
         self.error = error
         self.event.set()
 
-    async def get(self) -> list[tuple[int, list[int], str | None]]:
-        """Wait for news; returns [(prompt index, new token ids, finish reason or None)]."""
+    async def get(self) -> list[tuple[int, list[int], str | None, list | None, list | None]]:
+        """Wait for news; returns [(prompt index, new token ids, finish reason or None, their logprobs,
+        the prompt's logprobs)] (logprobs None unless asked)."""
         while not self.pending and self.error is None:
             self.event.clear()
             await self.event.wait()
         if self.error is not None:
             raise self.error
-        out = [(i, p[0], p[1]) for i, p in self.pending.items()]
+        out = [(i, *p) for i, p in self.pending.items()]
         self.pending = {}
         return out
 
@@ -136,6 +142,22 @@ class CoreClient:
                 self.counters["aborts"] += 1
         coll.unfinished.difference_update(range(len(coll.rids)) if indices is None else indices)
 
+    @property
+    def inflight(self) -> int:
+        """Engine requests of this API process not finished yet."""
+        return len(self._requests)
+
+    def finish_all(self, reason: str = "abort") -> int:
+        """End every engine request in flight here with `reason` (the drain's timeout): aborted in the core,
+        their handlers see a normal end. Returns how many."""
+        n = 0
+        for rid, (coll, index) in list(self._requests.items()):
+            del self._requests[rid]
+            self._command(["abort", rid])
+            coll.put(index, [], reason)
+            n += 1
+        return n
+
     async def stats(self) -> dict:
         if self.dead:
             raise EngineDeadError(self.dead)
@@ -164,7 +186,7 @@ class CoreClient:
                         continue
                     if row[2] is not None:
                         del self._requests[row[0]]
-                    entry[0].put(entry[1], row[1], row[2], row[3] if len(row) > 3 else None)
+                    entry[0].put(entry[1], row[1], row[2], *row[3:])
             elif msg[0] == "stats":
                 fut = self._stats.pop(msg[1], None)
                 if fut is not None and not fut.done():

@@ -1,7 +1,8 @@
 """`serve(model, engine_kwargs, ...)`: start the engine core, then the HTTP side, and tear both down in order.
 
 Exit codes (`serve` returns them; `jaxinfer serve` and `python -m jaxinfer.server` exit with them):
-- 0: stopped by SIGTERM or SIGINT after draining (in-flight requests finish, then the core is shut down);
+- 0: stopped by SIGTERM or SIGINT after draining: new requests get 503, in-flight ones finish (or end with
+  finish_reason "abort" after `shutdown_timeout`), then the core is shut down; a second signal stops at once;
 - 1: the engine core died (in-flight requests got an error; /health answered 503 meanwhile), or an API
   process died (api_server_count > 1).
 A model that fails to load raises (ValueError / FileNotFoundError / RuntimeError) before anything listens.
@@ -9,10 +10,14 @@ A model that fails to load raises (ValueError / FileNotFoundError / RuntimeError
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import signal
+import tempfile
 import threading
 
 from jaxinfer.server.app import build_app, load_model_tokenizer
+from jaxinfer.server.options import ServerOptions
 from jaxinfer.server.process import CoreInfo, CoreProcess
 
 log = logging.getLogger("jaxinfer.server")
@@ -20,11 +25,14 @@ EXIT_GRACE_S = 1.0      # after the core died: time for error events to reach cl
 
 
 def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1", port: int = 8000,
-          served_model_name: str | None = None, log_level: str = "info", api_server_count: int = 1) -> int:
+          served_model_name: str | None = None, log_level: str = "info", api_server_count: int = 1,
+          options: ServerOptions | None = None) -> int:
     """Serve `model` (directory, preset or hub id; engine options as for `LLM`) until SIGTERM / SIGINT or the
-    engine core dies; returns the exit code (see the module docstring)."""
+    engine core dies; returns the exit code (see the module docstring). `options`: ServerOptions (default:
+    `ServerOptions.create()`, the API key from $JAXINFER_API_KEY)."""
     if not isinstance(api_server_count, int) or api_server_count < 1:
         raise ValueError(f"api_server_count={api_server_count!r} must be a positive integer")
+    options = options if options is not None else ServerOptions.create()
     name = served_model_name or model
     sock = bind(host, port)                    # a port in use fails now, not after loading the model
     main = threading.current_thread() is threading.main_thread()
@@ -39,8 +47,8 @@ def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1"
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)    # uvicorn's handler drains; re-raised after
             if api_server_count == 1:
                 return run_api(core.info, name, host, port, log_level, alive=core.alive, sock=sock,
-                               tokenizer=tokenizer)
-            return _run_api_processes(core, name, host, port, log_level, api_server_count, sock)
+                               tokenizer=tokenizer, options=options)
+            return _run_api_processes(core, name, host, port, log_level, api_server_count, sock, options)
         finally:
             code = core.shutdown()
             log.info("engine core exited with code %s", code)
@@ -70,7 +78,7 @@ def _interrupt(sig, frame):
 
 
 def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api_index: int = 0,
-            alive=None, sock=None, tokenizer=None) -> int:
+            alive=None, sock=None, tokenizer=None, options: ServerOptions | None = None) -> int:
     """One API process: uvicorn on (host, port) or on an inherited listening socket. Returns 1 if the core
     died, else 0."""
     import asyncio
@@ -82,29 +90,47 @@ def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api
         dead.append(why)
         asyncio.get_running_loop().call_later(EXIT_GRACE_S, setattr, server, "should_exit", True)
 
-    app = build_app(info, name, api_index=api_index, tokenizer=tokenizer, alive=alive, on_dead=on_dead)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    class DrainingServer(uvicorn.Server):
+        """The first SIGTERM / SIGINT drains (app.py); a second one stops at once (uvicorn's own)."""
+        draining = False
+
+        def handle_exit(self, sig, frame):
+            if self.draining or not self.started:
+                return super().handle_exit(sig, frame)
+            self.draining = True
+            app.state.start_drain(lambda: setattr(self, "should_exit", True))
+
+    app = build_app(info, name, api_index=api_index, tokenizer=tokenizer, alive=alive, on_dead=on_dead,
+                    options=options)
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
     server.run(sockets=[sock] if sock is not None else None)
     if dead:
         log.error("exiting: %s", dead[0])
     return 1 if dead or not server.started else 0
 
 
-def _api_main(info: CoreInfo, name: str, host: str, port: int, log_level: str, api_index: int, sock) -> None:
+def _api_main(info: CoreInfo, name: str, host: str, port: int, log_level: str, api_index: int, sock,
+              options: ServerOptions, metrics_dir: str) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)      # uvicorn installs its own while it runs
+    # this process is ours: prometheus_client's multiprocess mode (metrics.py), set before it is imported
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     logging.basicConfig(level=log_level.upper(), format=f"%(levelname)s:     [api {api_index}] %(message)s")
-    raise SystemExit(run_api(info, name, host, port, log_level, api_index, sock=sock))
+    raise SystemExit(run_api(info, name, host, port, log_level, api_index, sock=sock, options=options))
 
 
-def _run_api_processes(core: CoreProcess, name: str, host: str, port: int, log_level: str, n: int, sock) -> int:
+def _run_api_processes(core: CoreProcess, name: str, host: str, port: int, log_level: str, n: int, sock,
+                       options: ServerOptions) -> int:
     """n API processes share one listening socket (the kernel spreads connections); this process watches
     them and the core. SIGTERM/SIGINT here are forwarded to the API processes, which drain."""
     import multiprocessing as mp
     from multiprocessing.connection import wait
 
     ctx = mp.get_context("spawn")
+    metrics_dir = tempfile.mkdtemp(prefix="jaxinfer-metrics-")
     procs = [ctx.Process(target=_api_main, name=f"jaxinfer-api-{i}",
-                         args=(core.info, name, host, port, log_level, i, sock)) for i in range(n)]
+                         args=(core.info, name, host, port, log_level, i, sock, options, metrics_dir))
+             for i in range(n)]
     for p in procs:
         p.start()
     stopping = []
@@ -130,3 +156,4 @@ def _run_api_processes(core: CoreProcess, name: str, host: str, port: int, log_l
     finally:
         for s, h in prev.items():
             signal.signal(s, h)
+        shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -1,0 +1,95 @@
+"""One HTTP request's engine requests ("choices": one per prompt and n) as they run: submit, follow the core's
+outputs through one `OutputProcessor` each, keep logprobs, time them for /metrics, abort what is left.
+
+Choice index = prompt index * n + sample index (OpenAI's order). Sample i runs as its own engine request with
+`SamplingParams.for_sample(i)` (a seed is derived per sample, as LLM.generate does with n).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from jaxinfer.output_processor import OutputProcessor, TextDelta
+from jaxinfer.server.client import CoreClient
+from jaxinfer.server.responses import TokenLogprobs
+
+
+def to_entry(raw) -> TokenLogprobs | None:
+    """One token's logprobs as the core sends them -> {token id: (logprob, rank)}. The core sends, per token,
+    [[token id, logprob, rank], ...] (the sampled token first, then the top N), or a dict id -> Logprob-like."""
+    if raw is None:
+        return None
+    if isinstance(raw, dict):
+        return {int(t): (v[0], v[1]) if isinstance(v, (list, tuple)) else (v.logprob, v.rank) for t, v in raw.items()}
+    return {int(t): (lp, r) for t, lp, r in raw}
+
+
+class Choice:
+    """One engine request's state in the API process."""
+    __slots__ = ("index", "prompt_ids", "params", "proc", "logprobs", "prompt_logprobs", "t_first", "t_end", "sent")
+
+    def __init__(self, index: int, prompt_ids: list[int], params, proc: OutputProcessor):
+        self.index, self.prompt_ids, self.params, self.proc = index, prompt_ids, params, proc
+        self.logprobs: list[TokenLogprobs] = []                  # one per generated token (if asked)
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        self.t_first: float | None = None
+        self.t_end: float | None = None
+        self.sent = 0                                            # generated tokens whose logprobs were streamed
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.proc.token_ids
+
+
+def expand(prompts: list[list[int]], params: list, n: int, stream_prompt_logprobs: bool = False) -> list[tuple]:
+    """(prompt ids, params) per choice. Prompt logprobs are asked of sample 0 only (the same for every sample),
+    except when streaming (each choice's first chunk carries its prompt's)."""
+    items = []
+    for ids, sp in zip(prompts, params):
+        for i in range(n):
+            s = sp.for_sample(i) if n > 1 else sp
+            if stream_prompt_logprobs and i > 0:
+                s = replace(s, prompt_logprobs=sp.prompt_logprobs)
+            items.append((ids, s))
+    return items
+
+
+def run(client: CoreClient, tokenizer, items: list[tuple], stream: bool, metrics=None,
+        t_start: float | None = None) -> AsyncIterator[tuple[Choice, TextDelta]]:
+    """Submit the choices now (so that they count against the admission bound at once, before a stream's
+    first event); the returned iterator yields (choice, delta) as outputs arrive, until all finish. Leaving it
+    early (client gone, error) aborts what is still running in the core."""
+    t_start = time.perf_counter() if t_start is None else t_start
+    choices = [Choice(i, ids, sp, OutputProcessor(tokenizer, sp.stop, stream=stream))
+               for i, (ids, sp) in enumerate(items)]
+    coll = client.submit(items, eager=stream or any(sp.stop for _, sp in items))
+    return _follow(client, coll, choices, metrics, t_start)
+
+
+async def _follow(client: CoreClient, coll, choices: list[Choice], metrics, t_start: float):
+    left = len(choices)
+    try:
+        while left:
+            for index, ids, reason, lps, plps in await coll.get():
+                ch = choices[index]
+                if ch.proc.finished:
+                    continue
+                if plps is not None and ch.prompt_logprobs is None:
+                    ch.prompt_logprobs = [to_entry(e) for e in plps]
+                if lps:
+                    ch.logprobs += [to_entry(e) for e in lps]
+                now = time.perf_counter()
+                if ids and ch.t_first is None:
+                    ch.t_first = now
+                d = ch.proc.update(ids, reason)
+                if ch.proc.stopped and reason is None:      # a stop string matched: end it in the core
+                    client.abort(coll, [index])
+                if d.finish_reason is not None:
+                    left -= 1
+                    ch.t_end = now
+                    if metrics is not None:
+                        metrics.observe_request(t_start, ch.t_first, now, len(ch.token_ids), d.finish_reason)
+                yield ch, d
+    finally:
+        client.abort(coll)

@@ -1,0 +1,82 @@
+"""What every HTTP request passes before a handler: the API key, the drain, the body size limit. A plain ASGI
+middleware (Starlette's BaseHTTPMiddleware would wrap every streamed event of every response).
+
+- API key (`--api-key` / JAXINFER_API_KEY): paths under /v1/ need `Authorization: Bearer KEY`, else 401 in
+  OpenAI's error shape (the openai client raises AuthenticationError). /health, /metrics, /version, /docs
+  and the rest stay open, as in vLLM.
+- Draining (after SIGTERM): new requests get 503 with Retry-After (/health too, so a load balancer moves on);
+  requests already inside run to their end.
+- Body size: a Content-Length over the limit is refused (413) before the body is read; a chunked body is
+  counted as it arrives and cut off the same way (an HTTPException(413) from the body read).
+"""
+from __future__ import annotations
+
+import hmac
+import json
+
+OPEN_WHILE_DRAINING = ("/metrics", "/stats", "/version")
+
+
+def _json_response(status: int, message: str, type_: str, code: str | None, headers: tuple = ()):
+    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+    start = {"type": "http.response.start", "status": status,
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         *headers]}
+    return start, {"type": "http.response.body", "body": body}
+
+
+class Gate:
+    def __init__(self, app, state):
+        """`state`: the FastAPI app's state: .options (ServerOptions), .draining (bool), .active (int)."""
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        opts, path = self.state.options, scope["path"]
+        refused = None
+        if opts.api_key is not None and path.startswith("/v1/") and not self._authorized(scope, opts.api_key):
+            refused = _json_response(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                     "invalid_request_error", "invalid_api_key")
+        elif self.state.draining and path not in OPEN_WHILE_DRAINING:
+            refused = _json_response(503, "the server is shutting down", "server_error", "shutting_down",
+                                     ((b"retry-after", str(opts.retry_after_s).encode()),))
+        else:
+            length = dict(scope["headers"]).get(b"content-length")
+            if length is not None and length.isdigit() and int(length) > opts.max_request_body_bytes:
+                refused = self._too_large(opts)
+        if refused is not None:
+            for msg in refused:
+                await send(msg)
+            return
+        limit, seen = opts.max_request_body_bytes, 0
+
+        async def counted_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:         # FastAPI re-raises an HTTPException from reading the body
+                    from starlette.exceptions import HTTPException
+                    raise HTTPException(413, self._too_large_message(opts))
+            return msg
+        self.state.active += 1
+        try:
+            await self.app(scope, counted_receive, send)
+        finally:
+            self.state.active -= 1
+
+    @staticmethod
+    def _too_large_message(opts) -> str:
+        return f"the request body is larger than {opts.max_request_body_bytes} bytes (--max-request-body-bytes)"
+
+    def _too_large(self, opts):
+        return _json_response(413, self._too_large_message(opts), "invalid_request_error", "request_too_large")
+
+    @staticmethod
+    def _authorized(scope, key: str) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+        return False

@@ -1,0 +1,117 @@
+"""/metrics in Prometheus' text format (prometheus_client), names as vLLM's with a `jaxinfer:` prefix.
+
+Where each number comes from:
+- engine gauges and counters (running / waiting requests, KV cache usage, prompt and generation tokens,
+  preemptions, prefix-cache hits) are the engine core's `stats()`, fetched at scrape time: one core, so every
+  API process reports the same values;
+- latency histograms (time to first token, time per output token, end-to-end latency) and the request
+  counters (finished by reason, rejected 503s) are measured in the API process, as the client sees them.
+  With several API processes (--api-server-count) these go through prometheus_client's multiprocess mode:
+  each API process writes its values to files in one directory (PROMETHEUS_MULTIPROC_DIR, set by `serve`
+  before the API processes start) and any of them sums them all for a scrape, so one scrape of the shared
+  port sees the whole server.
+Without prometheus_client installed the server runs and /metrics answers 501.
+"""
+from __future__ import annotations
+
+import os
+
+# bucket bounds (seconds), as vLLM's
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0)
+P = "jaxinfer:"
+
+
+def available() -> bool:
+    try:
+        import prometheus_client  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+class ServerMetrics:
+    """One API process's metrics. `observe_*` are cheap (a lock and an add); `render(stats)` builds the
+    text of a scrape, with the engine core's `stats` dict."""
+
+    def __init__(self, model_name: str):
+        self.enabled = available()
+        self.model_name = model_name
+        if not self.enabled:
+            return
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+        self.registry = CollectorRegistry(auto_describe=True)
+        lb = ["model_name"]
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token (API process: request "
+                              "received to first token out)", lb, buckets=TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram(P + "time_per_output_token_seconds", "Mean time per output token after the first, "
+                              "per request", lb, buckets=TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Request received to last token out", lb,
+                             buckets=E2E_BUCKETS, registry=self.registry)
+        self.success = Counter(P + "request_success", "Finished engine requests (one per prompt and n)",
+                               lb + ["finished_reason"], registry=self.registry)
+        self.rejected = Counter(P + "requests_rejected", "Requests refused with 503 (queue bound, draining, "
+                                "engine gone)", lb + ["reason"], registry=self.registry)
+        self._stats: dict = {}
+
+    def observe_request(self, t_start: float, t_first: float | None, t_end: float, n_tokens: int,
+                        reason: str | None) -> None:
+        """One engine request (one choice) finished: its latencies; reason is its finish_reason."""
+        if not self.enabled:
+            return
+        name = self.model_name
+        if t_first is not None:
+            self.ttft.labels(name).observe(t_first - t_start)
+            if n_tokens > 1:
+                self.tpot.labels(name).observe((t_end - t_first) / (n_tokens - 1))
+        self.e2e.labels(name).observe(t_end - t_start)
+        self.success.labels(name, reason or "abort").inc()
+
+    def observe_rejected(self, reason: str) -> None:
+        if self.enabled:
+            self.rejected.labels(self.model_name, reason).inc()
+
+    def render(self, stats: dict) -> tuple[bytes, str]:
+        """(body, content type) of a scrape; `stats`: the engine core's stats() now."""
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+        registry = self.registry
+        mp_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if mp_dir:                   # every API process's histograms and counters, summed
+            from prometheus_client.multiprocess import MultiProcessCollector
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=mp_dir)
+        return generate_latest(registry) + engine_text(stats, self.model_name), CONTENT_TYPE_LATEST
+
+
+def engine_text(st: dict, model_name: str) -> bytes:
+    """The engine core's gauges and counters in the exposition format."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    total = st.get("kv_blocks_total") or 0
+    usage = 1.0 - st.get("kv_blocks_free", total) / total if total else 0.0
+    families = [
+        (GaugeMetricFamily, "num_requests_running", "Requests in the engine's running batch", st.get("running", 0)),
+        (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled", st.get("waiting", 0)),
+        (GaugeMetricFamily, "kv_cache_usage_perc", "KV cache usage (1 = all blocks in use)", usage),
+        (CounterMetricFamily, "prompt_tokens", "Prompt tokens processed (prefill)", st.get("prompt_tokens", 0)),
+        (CounterMetricFamily, "generation_tokens", "Tokens generated", st.get("generated_tokens", 0)),
+        (CounterMetricFamily, "num_preemptions", "Preemptions (a running sequence's blocks were taken back)",
+         st.get("preemptions", 0)),
+        (CounterMetricFamily, "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+         st.get("prefix_cache_hit_tokens", 0)),
+    ]
+
+    class Engine:
+        def collect(self):
+            for cls, name, doc, value in families:
+                m = cls(P + name, doc, labels=["model_name"])
+                m.add_metric([model_name], float(value))
+                yield m
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(Engine())
+    return generate_latest(reg)

@@ -1,0 +1,122 @@
+"""Finished choices -> OpenAI choice dicts, and running choices -> server-sent events (streaming).
+
+Completions: with `echo`, a choice's text starts with its prompt (decoded), and with `logprobs` its logprobs
+start with the prompt's tokens (the first with null: nothing precedes it). Streaming sends the echo in each
+choice's first chunk. Chat: logprobs per generated token, `top_logprobs` of them.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from jaxinfer.server import responses as R
+from jaxinfer.server.choices import Choice
+
+
+def total_usage(prompts: list[list[int]], done) -> dict:
+    """Prompt tokens once per prompt (whatever n), completion tokens of every choice."""
+    return R.usage(sum(len(p) for p in prompts), sum(len(ch.token_ids) for ch in done))
+
+
+def _prompt_part(ch: Choice, prompt_ids: list[int], req, text_of, tokenizer, offset: int = 0):
+    """(echoed text, its logprobs dict or None) of a completion choice."""
+    text = tokenizer.decode(prompt_ids)
+    if req.logprobs is None:
+        return text, None
+    entries = ch.prompt_logprobs or [None] * len(prompt_ids)
+    return text, R.completion_logprobs(text_of, prompt_ids, [None, *entries[1:]], req.logprobs, offset)
+
+
+def _merge(a: dict | None, b: dict) -> dict:
+    return b if a is None else {k: a[k] + b[k] for k in a}
+
+
+def completion_choice(ch: Choice, prompt_ids: list[int], req, text_of, tokenizer) -> dict:
+    text, lp = ch.proc.text, None
+    if req.echo:
+        head, lp = _prompt_part(ch, prompt_ids, req, text_of, tokenizer)
+        text = head + text
+    if req.logprobs is not None:
+        offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"] else 0
+        lp = _merge(lp, R.completion_logprobs(text_of, ch.token_ids, ch.logprobs, req.logprobs, offset))
+    return {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": ch.proc.finish_reason}
+
+
+def chat_choice(ch: Choice, k: int | None, text_of) -> dict:
+    lp = None if k is None else R.chat_logprobs(text_of, ch.token_ids, ch.logprobs, k)
+    return {"index": ch.index, "message": {"role": "assistant", "content": ch.proc.text}, "logprobs": lp,
+            "finish_reason": ch.proc.finish_reason}
+
+
+def _new_logprobs(ch: Choice) -> tuple[list[int], list]:
+    """The generated tokens whose logprobs were not streamed yet (and mark them sent)."""
+    start, ch.sent = ch.sent, len(ch.logprobs)
+    return ch.token_ids[start:ch.sent], ch.logprobs[start:ch.sent]
+
+
+def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, text_of, tokenizer):
+    enc = R.ChunkEncoder(rid, model, "text_completion")
+    k = req.logprobs
+
+    async def events():
+        done, offsets = {}, {}
+        async for ch, d in run:
+            done[ch.index] = ch
+            text, lp = d.text, None
+            if ch.index not in offsets:                  # this choice's first chunk
+                offsets[ch.index] = 0
+                if req.echo:
+                    head, lp = _prompt_part(ch, prompts[ch.index // n], req, text_of, tokenizer)
+                    text = head + text
+                    offsets[ch.index] = len(head) if lp is None else sum(len(t) for t in lp["tokens"])
+            if k is not None:
+                ids, entries = _new_logprobs(ch)
+                new = R.completion_logprobs(text_of, ids, entries, k, offsets[ch.index])
+                offsets[ch.index] += sum(len(t) for t in new["tokens"])
+                lp = _merge(lp, new)
+                if text or d.finish_reason or new["tokens"]:
+                    yield R.sse(R.completion_chunk(rid, model, ch.index, text, d.finish_reason, lp))
+            elif text or d.finish_reason:
+                yield enc.completion(ch.index, text, d.finish_reason)
+        if (req.stream_options or {}).get("include_usage"):
+            yield R.sse(R.usage_chunk(rid, model, "text_completion", total_usage(prompts, done.values())))
+    return sse_response(events())
+
+
+def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, text_of):
+    enc = R.ChunkEncoder(rid, model, "chat.completion.chunk")
+    k = (req.top_logprobs or 0) if req.logprobs else None
+
+    async def events():
+        for i in range(n):
+            yield R.sse(R.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, i))
+        done = {}
+        async for ch, d in run:
+            done[ch.index] = ch
+            if k is not None:
+                ids, entries = _new_logprobs(ch)
+                if d.text or ids:
+                    yield R.sse(R.chat_chunk(rid, model, {"content": d.text}, None, ch.index,
+                                             R.chat_logprobs(text_of, ids, entries, k)))
+            elif d.text:
+                yield enc.chat_content(d.text, ch.index)
+            if d.finish_reason:
+                yield R.sse(R.chat_chunk(rid, model, {}, d.finish_reason, ch.index))
+        if (req.stream_options or {}).get("include_usage"):
+            yield R.sse(R.usage_chunk(rid, model, "chat.completion.chunk", total_usage(prompts, done.values())))
+    return sse_response(events())
+
+
+def sse_response(gen) -> StreamingResponse:
+    """`gen` yields server-sent events (text); an error after the headers went out is reported in-band, as
+    OpenAI does, and the stream always ends with [DONE]."""
+    async def body():
+        try:
+            async for event in gen:
+                yield event
+        except Exception as e:
+            yield R.sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
