@@ -12,10 +12,14 @@ Inbound (PULL, any API process may push): msgpack lists of commands
     ["stats", api_index, token]                               ["shutdown"]
 Outbound (one PUSH socket per API process; request ids are owned by API `rid % api_count`):
     ["out", [[rid, new_token_ids, finish_reason | None], ...]]   once per step, only updated requests;
-                                      finish_reason "rejected" (add refused) or "error" rows add a message
+                                      finish_reason "rejected" (add refused) or "error" rows add a message;
+                                      a request with logprobs / prompt_logprobs adds [None, {"logprobs": one
+                                      row per new token, "prompt_logprobs": rows (first output only)}]: rows as
+                                      jaxinfer.outputs.logprob_dict reads them (None for the first prompt token)
     ["stats", token, {...}]     ["bye"] (the last message before a clean exit)
 
-Stop strings are not the core's business: the API process matches them and sends "abort".
+A request is one sample: the API process expands n > 1 into `params.for_sample(i)`, one rid each (the core
+refuses n > 1). Stop strings are not the core's business: the API process matches them and sends "abort".
 SIGINT and SIGTERM are ignored here: the API process drains HTTP first and then sends "shutdown". If the
 parent process disappears (killed), the core exits by itself.
 """
@@ -152,7 +156,13 @@ class EngineCore:
             reason = seq.finish_reason
             if reason is not None:               # finished: forget it
                 del self.live[seq.seq_id], self.by_rid[rid]
-            rows[rid % n_api].append([rid, seq.token_ids[p + sent:p + n], reason])
+            row = [rid, seq.token_ids[p + sent:p + n], reason]
+            if seq.params.logprobs is not None or (sent == 0 and seq.prompt_logprob_rows is not None):
+                extra = {"logprobs": seq.logprob_rows[sent:n]} if seq.params.logprobs is not None else {}
+                if sent == 0 and seq.prompt_logprob_rows is not None:
+                    extra["prompt_logprobs"] = seq.prompt_logprob_rows
+                row += [None, extra]
+            rows[rid % n_api].append(row)
         for i, r in enumerate(rows):
             if r:
                 self._send(i, ["out", r])
