@@ -242,6 +242,8 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
             return streams.completion_stream(C.run(client(), tokenizer, items, True, metrics, t0), rid, model,
                                              prompts, n, req, text_of, tokenizer)
         done = await collect(items, request, t0)
+        for ch in done:                           # prompt logprobs are computed for sample 0 of each prompt
+            ch.prompt_logprobs = done[ch.index - ch.index % n].prompt_logprobs
         return R.completion(rid, model, [streams.completion_choice(ch, prompts[ch.index // n], req, text_of, tokenizer)
                                          for ch in done], streams.total_usage(prompts, done))
 

@@ -11,18 +11,15 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from jaxinfer.output_processor import OutputProcessor, TextDelta
+from jaxinfer.outputs import logprob_dict
 from jaxinfer.server.client import CoreClient
 from jaxinfer.server.responses import TokenLogprobs
 
 
-def to_entry(raw) -> TokenLogprobs | None:
-    """One token's logprobs as the core sends them -> {token id: (logprob, rank)}. The core sends, per token,
-    [[token id, logprob, rank], ...] (the sampled token first, then the top N), or a dict id -> Logprob-like."""
-    if raw is None:
-        return None
-    if isinstance(raw, dict):
-        return {int(t): (v[0], v[1]) if isinstance(v, (list, tuple)) else (v.logprob, v.rank) for t, v in raw.items()}
-    return {int(t): (lp, r) for t, lp, r in raw}
+def to_entries(rows: list, token_ids: list[int], n: int) -> list[TokenLogprobs | None]:
+    """The core's logprob rows (outputs.py: [logprob, rank, top ids x W, top logprobs x W]) of `token_ids`
+    as vLLM's {token id: Logprob}: the token and the top n. A None row (the first prompt token) stays None."""
+    return [None if r is None else logprob_dict(r, t, n) for r, t in zip(rows, token_ids)]
 
 
 class Choice:
@@ -76,9 +73,9 @@ async def _follow(client: CoreClient, coll, choices: list[Choice], metrics, t_st
                 if ch.proc.finished:
                     continue
                 if plps is not None and ch.prompt_logprobs is None:
-                    ch.prompt_logprobs = [to_entry(e) for e in plps]
+                    ch.prompt_logprobs = to_entries(plps, ch.prompt_ids, ch.params.prompt_logprobs)
                 if lps:
-                    ch.logprobs += [to_entry(e) for e in lps]
+                    ch.logprobs += to_entries(lps, ids, ch.params.logprobs)
                 now = time.perf_counter()
                 if ids and ch.t_first is None:
                     ch.t_first = now

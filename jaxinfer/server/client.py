@@ -186,7 +186,9 @@ class CoreClient:
                         continue
                     if row[2] is not None:
                         del self._requests[row[0]]
-                    entry[0].put(entry[1], row[1], row[2], *row[3:])
+                    extra = row[4] if len(row) > 4 else None      # logprobs (core.py), when asked
+                    entry[0].put(entry[1], row[1], row[2], row[3] if len(row) > 3 else None,
+                                 *((extra.get("logprobs"), extra.get("prompt_logprobs")) if extra else ()))
             elif msg[0] == "stats":
                 fut = self._stats.pop(msg[1], None)
                 if fut is not None and not fut.done():

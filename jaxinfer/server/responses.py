@@ -2,7 +2,7 @@
 (built directly: validating every response through pydantic would cost time per streamed event), logprobs in
 OpenAI's two shapes, and the server-sent events of a stream.
 
-Logprobs arrive per token as vLLM's `{token_id: (logprob, rank)}` (the sampled token plus the top k):
+Logprobs arrive per token as vLLM's `{token_id: Logprob(logprob, rank)}` (the sampled token plus the top k):
 - completions (legacy shape): {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"};
   with echo the prompt's tokens come first, the very first one with null logprobs (nothing precedes it);
 - chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}.
@@ -16,7 +16,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-TokenLogprobs = dict[int, tuple[float, int]]         # token id -> (logprob, rank); one generated/prompt token
+from jaxinfer.outputs import Logprob
+
+TokenLogprobs = dict[int, Logprob]          # token id -> Logprob(logprob, rank); one generated / prompt token
 
 
 class Usage(BaseModel):
@@ -125,7 +127,7 @@ class TokenText:
 
 def _top(entry: TokenLogprobs, k: int) -> list[tuple[int, float]]:
     """The k most likely tokens of one position, by rank."""
-    return [(t, lp) for t, (lp, r) in sorted(entry.items(), key=lambda kv: kv[1][1]) if r <= k][:k]
+    return [(t, e.logprob) for t, e in sorted(entry.items(), key=lambda kv: kv[1].rank) if e.rank <= k][:k]
 
 
 def completion_logprobs(text_of: TokenText, ids: list[int], entries: list[TokenLogprobs | None], k: int,
@@ -143,9 +145,9 @@ def completion_logprobs(text_of: TokenText, ids: list[int], entries: list[TokenL
             lps.append(None)
             tops.append(None)
             continue
-        lps.append(e[tid][0])
+        lps.append(e[tid].logprob)
         top = {text_of(t): lp for t, lp in _top(e, k)}
-        top.setdefault(s, e[tid][0])
+        top.setdefault(s, e[tid].logprob)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
@@ -154,7 +156,7 @@ def chat_logprobs(text_of: TokenText, ids: list[int], entries: list[TokenLogprob
     def one(tid, lp):
         s = text_of(tid)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
-    return {"content": [{**one(tid, e[tid][0]), "top_logprobs": [one(t, lp) for t, lp in _top(e, k)]}
+    return {"content": [{**one(tid, e[tid].logprob), "top_logprobs": [one(t, lp) for t, lp in _top(e, k)]}
                         for tid, e in zip(ids, entries)]}
 
 
