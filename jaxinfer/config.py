@@ -138,6 +138,16 @@ PLATFORM_DEFAULTS = {
     "gpu": dict(dtype="auto", attn_backend="pallas", max_num_seqs=256, max_num_batched_tokens=16384, warmup=True),
     "cpu": dict(dtype="float32", attn_backend="xla", max_num_seqs=8, max_num_batched_tokens=512, warmup=False),
 }
+# Defaults that depend on the attention backend. context_buckets: context lengths (tokens) that get their own
+# block-table width beside max_model_len's. The kernels read only the pages a row has, so one narrow width
+# (a table to pack and send that is not 2560 wide) is enough; the xla backend reads every page of the width,
+# so it gets a ladder. prefill_ladder (first, ratio): prefill token buckets first * ratio^k. An xla prefill
+# step's cost is mostly its rows' query tiles (model/xla_attention.py), not its token count, so it takes
+# fewer, wider steps. Each bucket is compiled twice per width (sampling variants): warm-up is their count.
+BACKEND_DEFAULTS = {
+    "pallas": dict(context_buckets=(4096,), prefill_ladder=(64, 4)),
+    "xla": dict(context_buckets=(2048, 8192), prefill_ladder=(256, 8)),
+}
 
 
 @dataclass(frozen=True)
@@ -160,8 +170,11 @@ class EngineConfig:
     enable_prefix_caching: bool = _opt(True, "reuse the KV of cached prompt prefixes")
     decode_buckets: tuple[int, ...] | None = _opt(None, "decode batch sizes to compile, e.g. 8,32,64 "
                                                         "(default: 8, 32, then powers of two to max_num_seqs)")
-    prefill_buckets: tuple[int, ...] | None = _opt(None, "prefill token counts to compile (default: 64 x 4^k "
-                                                         "up to max_num_batched_tokens)")
+    prefill_buckets: tuple[int, ...] | None = _opt(None, "prefill token counts to compile (default: 64 x 4^k, "
+                                                         "xla 256 x 8^k, up to max_num_batched_tokens)")
+    context_buckets: tuple[int, ...] | None = _opt(None, "context lengths (tokens) that get a narrower block-table "
+                                                         "width beside max_model_len's (default: pallas 4096; xla "
+                                                         "2048, 8192)")
     seed: int = _opt(0, "engine seed: draws the seeds of requests that give none")
     async_scheduling: bool = _opt(True, "schedule step N+1 while step N runs (sampled ids stay on the device)")
     num_scheduler_steps: int | None = _opt(None, "decode steps per device call for small batches (default: the "
@@ -191,7 +204,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
         if self.dtype is not None and self.dtype != "auto":
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        for name in ("decode_buckets", "prefill_buckets"):
+        for name in ("decode_buckets", "prefill_buckets", "context_buckets"):
             v = getattr(self, name)
             if v is not None:
                 if isinstance(v, int) or not all(isinstance(x, int) and x >= 1 for x in v) or not v:
@@ -241,12 +254,22 @@ class EngineConfig:
         seqs = self.max_num_seqs or kw["max_num_seqs"]
         tokens = self.max_num_batched_tokens or kw["max_num_batched_tokens"]
         kw["decode_buckets"] = self.decode_buckets or tuple(_decode_buckets(seqs))
-        kw["prefill_buckets"] = self.prefill_buckets or tuple(_prefill_buckets(tokens))
+        backend = BACKEND_DEFAULTS.get(self.attn_backend or kw["attn_backend"], BACKEND_DEFAULTS["pallas"])
+        kw["prefill_buckets"] = self.prefill_buckets or tuple(_prefill_buckets(tokens, *backend["prefill_ladder"]))
+        kw["context_buckets"] = self.context_buckets or backend["context_buckets"]
         return dataclasses.replace(self, **kw)
 
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+    def block_table_widths(self) -> tuple[int, ...]:
+        """Block-table widths (blocks) that get compiled steps: each context bucket below max_model_len, and
+        max_model_len's. A step takes the narrowest that holds its longest table (engine/batch.py)."""
+        ctx = self.context_buckets or BACKEND_DEFAULTS.get(self.attn_backend, BACKEND_DEFAULTS["pallas"])[
+            "context_buckets"]
+        W = self.max_blocks_per_seq
+        return tuple(sorted({min(W, -(-c // self.block_size)) for c in ctx} | {W}))
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)
@@ -265,10 +288,10 @@ def _decode_buckets(n: int) -> list[int]:
     return sorted(set(out + ([n] if n > 8 else [])))
 
 
-def _prefill_buckets(n: int) -> list[int]:
-    # Few buckets keep start-up compilation short: 4x steps from 64 tokens.
-    out, b = [], 64
+def _prefill_buckets(n: int, first: int = 64, ratio: int = 4) -> list[int]:
+    # Few buckets keep start-up compilation short: ratio-x steps from `first` tokens (BACKEND_DEFAULTS).
+    out, b = [], first
     while b < n:
         out.append(b)
-        b *= 4
+        b *= ratio
     return out + [n]

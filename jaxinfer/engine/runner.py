@@ -196,12 +196,10 @@ class ModelRunner:
                  model.head_dim)
         zeros = lambda: self.placement.zeros_kv(shape, self.kv_dtype)      # noqa: E731
         self.kv_caches = [(zeros(), zeros()) for _ in range(model.num_hidden_layers)]
-        W = engine.max_blocks_per_seq
-        # xla gathers W pages per row: offer narrower tables so short contexts gather less. The kernels read
-        # only the pages a row needs, but a [B, W] table for a 40k-token model (W = 2560) would be sent and
-        # packed every step: they get one narrow width (4096 tokens) beside the full one.
-        narrow = {max(1, W // 16), max(1, W // 4)} if engine.attn_backend == "xla" else {min(W, -(-4096 // engine.block_size))}
-        self.widths = tuple(sorted(narrow | {W}))
+        # xla reads all W pages of a row: a ladder of narrower tables lets short contexts read less. The kernels
+        # read only the pages a row needs, but a [B, W] table for a 40k-token model (W = 2560) would be sent and
+        # packed every step: they get one narrow width beside the full one (config.BACKEND_DEFAULTS).
+        self.widths = engine.block_table_widths()
         self.compiled: dict[tuple[str, int, int, int, bool], object] = {}
         self.max_rows = max(engine.max_num_seqs, *engine.decode_buckets)   # a bucket may exceed max_num_seqs
         self.last_ids = self.placement.put(np.zeros((self.max_rows,), np.int32))   # previous step's sampled ids

@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 
 _NEG = -1e30
-QUERY_TILE = 32        # prefill queries per tile: balances the pages a tile gathers (S * 4 KiB a tile, bf16
-                       # Qwen3-0.6B) against its fp32 score rows (Q * H * S * 4 bytes); see prefill_xla
+QUERY_TILE = 64        # most prefill queries per tile (see prefill_xla)
 DECODE_FORM = "reduce"  # "reduce" (XLA fuses the gather into the reductions) | "einsum" (gathered pages copied)
 
 
@@ -122,7 +121,7 @@ def query_tiles(cu_seqlens, seq_lens, T: int, Q: int):
 
 
 def prefill_xla(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, scale=None, k_scale=None,
-                v_scale=None, layer=0, gather_budget_bytes: int = 4 * 2**30, tile: int = QUERY_TILE):
+                v_scale=None, layer=0, gather_budget_bytes: int = 4 * 2**30, tile: int | None = None):
     """q [T, H, D] packed new tokens (row b's are q[cu[b]:cu[b+1]], its last at position seq_lens[b] - 1);
     each sees its own sequence's context up to its position (prefix-cache hits and earlier chunks included:
     they are in the cache, and this step's K/V were written before). -> [T, H, D], zeros for padding.
@@ -130,10 +129,16 @@ def prefill_xla(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, sc
     Tokens go into query tiles (`query_tiles`); a tile gathers its row's W pages once and attends with a
     causal offset mask. Padding tiles (the layout's room for ragged rows) gather block 0's pages. When the
     gathered pages and scores of all tiles would exceed `gather_budget_bytes`, tiles run in sequential
-    groups (lax.map) that fit it."""
+    groups (lax.map) that fit it.
+
+    Tile size Q (`tile`, default: the rows' mean chunk T / B as a power of two, at most QUERY_TILE): the
+    layout has N = (T + B (Q-1)) // Q tiles; each gathers S keys (4 KiB a key for bf16 Qwen3-0.6B) and
+    computes Q * H fp32 score rows of S. Q = T / B balances the two: Q = 1 is the per-token gather (right
+    when rows have a token or two), Q = 64 at 16384 tokens / 256 rows gathers ~1/30 of what it would."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     T, H, D = q.shape
-    Q = min(tile, T)
+    B = seq_lens.shape[0]
+    Q = min(T, tile or min(QUERY_TILE, 1 << (-(-T // B) - 1).bit_length()))
     slot, row, pos = query_tiles(cu_seqlens_q, seq_lens, T, Q)
     N = row.shape[0]
     S = block_tables.shape[1] * k_cache.shape[1]
