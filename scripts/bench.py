@@ -165,6 +165,7 @@ def run_throughput(args) -> dict:
     from jaxinfer import SamplingParams
     llm = build(args)
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, llm.model_config.vocab_size)
+    params = with_extras(llm, params, args)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)            # warm-up, as nano-vllm
     walls = []
     for _ in range(args.repeats):     # the counters, step log and profile are of the last repeat
@@ -182,6 +183,7 @@ def run_throughput(args) -> dict:
                                            "preemptions", "prefix_cache_hit_tokens", *HOST_TIMES)}
     st["compilations"] = after["compilations"]
     r = report(llm, st, outs, wall, measure_bandwidth(), args)
+    r.update(logprobs=args.logprobs, presence_penalty=args.presence_penalty, compiled_extras=after.get("compiled_extras"))
     if args.repeats > 1:
         r["walls_s"] = walls
         print(f"wall of each of the {args.repeats} repeats: " + ", ".join(f"{w:.2f} s" for w in walls) +
@@ -195,6 +197,19 @@ def run_throughput(args) -> dict:
         from bench_peer import compare
         r["peer"] = compare(llm, args.model, prompts, args.peer_num_seqs, args.peer_max_tokens)
     return r
+
+
+def with_extras(llm, params, args):
+    """--logprobs / --presence-penalty: every request asks for them (issue 19's A/B on W); their step variants
+    are compiled before the timed run (LLMEngine.warmup_extras), as the plain steps are by LLM()."""
+    from dataclasses import replace
+    if args.logprobs is None and not args.presence_penalty:
+        return params
+    params = [replace(p, logprobs=args.logprobs, presence_penalty=args.presence_penalty) for p in params]
+    t = time.perf_counter()
+    n = sum(r.warmup_extras(params[0]) for r in getattr(llm.engine, "replicas", [llm.engine]))
+    print(f"compiled {n} penalty / logprob step variants in {time.perf_counter() - t:.1f} s", flush=True)
+    return params
 
 
 def run_latency(args) -> dict:
@@ -262,6 +277,10 @@ def parse(argv=None):
     ap.add_argument("--reference-bw", type=float, default=4.3,
                     help="TB/s for a second floor: XLA's own pass reaches less than the HBM can (default 4.3, "
                          "a torch device copy on the H200)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="every request asks for N logprobs per token (cost of logprobs; default: none)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
+                   help="every request has presence_penalty=X (cost of penalties; default: 0)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="time the workload this many times; report the median wall (A/B runs: less noise)")
     ap.add_argument("--step-log", default=None, metavar="PATH",
