@@ -103,3 +103,16 @@ def test_engine_decode_through_gemv_equals_transformers(tiny_dirs, monkeypatch):
     ref = hf_model(path)
     for p, o in zip(ps, outs):
         assert o.token_ids == hf_greedy(ref, p, 10), f"prompt of {len(p)} tokens"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E,N", SHAPES_06B)
+@pytest.mark.parametrize("M", [1, 8, 32])
+def test_compiled_kernel_on_gpu(E, N, M):
+    """Compiled (Triton) on the GPU, Qwen3-0.6B's shapes: stacked layers, and the transposed LM head."""
+    lm_head = N > 100_000
+    x, w = _inputs(M, E, N, 0 if lm_head else 2, jnp.bfloat16, lm_head, seed=4)
+    kw = dict(transpose_w=True, out_dtype=jnp.float32) if lm_head else {}
+    out = gemv(x, w, 0 if lm_head else 1, **kw)
+    ref = gemv_reference(x, w, 0 if lm_head else 1, **kw)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=3e-2, rtol=2e-2)

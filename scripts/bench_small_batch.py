@@ -1,0 +1,392 @@
+"""Small-batch decode on the GPU: the engine's step at batch 1 / 8 / 32 and its pieces, to cut its GPU time.
+
+    python scripts/bench_small_batch.py [--json PATH] [--profile DIR]       # H200: < 4 minutes with compiles
+    python scripts/bench_small_batch.py --quick                              # CPU: a tiny model, interpret mode
+
+Sections (each a table, all in the JSON):
+  steps      the engine's decode step for each batch in its bucket (8 rows for batch 1-8, 32 for 32), context
+             `--context` tokens per row, with XLA's dots ("xla") or the gemv kernel ("gemv", layers.GEMV_MAX_ROWS):
+             - one-step call: `pipelined` = calls back to back, ids fed on the device (GPU time per step);
+               `engine` = as the engine runs it (batch sent each step, the previous step's ids read after the
+               next dispatch)
+             - K-step call (multistep.py, K = --k): `pipelined` = per step, calls back to back with no host read;
+               `serial` = per step when each call's ids are read before the next call is sent (what the engine
+               does today: it reads a K-step call before scheduling the next). pipelined ~ one-step pipelined but
+               serial > one-step engine means the loss is the host gap between K-step calls, not the device loop.
+             plus the compiled step's kernel launches (and pad ops) counted from its optimised HLO
+  gemv       each decode matmul of the model (qkv, o_proj, gate_up, down, LM head) for M = bucket rows: XLA's dot
+             on the stacked weights (as the model runs it) against pallas_kernels/gemv.py (auto tiles + a sweep):
+             us per matmul, GB/s and % of 4.3 TB/s
+  attention  the engine's decode attention kernel (paged_attention_qkv) chained over L layers as in a step, for
+             each batch and context split count (auto = choose_num_splits): us per layer
+--profile DIR: also traces each one-step variant (DIR/<batch>_<variant>) and prints its top kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+HBM = 4.3e12          # H200 device copy, bytes/s (docs/gpu-facts.md)
+
+
+def timed(fn, args, iters: int, carry=None, read=False) -> float:
+    """Median over 3 rounds of seconds per call, `iters` calls dispatched back to back. carry {arg: out}: feed
+    outputs back (donated caches, ids). read: read output 0 to the host after every call (serialised)."""
+    import jax
+    args = list(args)
+    rounds = []
+    for r in range(4):                                  # round 0 warms up
+        t = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+            if read:
+                np.asarray(out[0] if isinstance(out, (tuple, list)) else out)
+            for i, o in (carry or {}).items():
+                args[i] = out[o]
+        jax.block_until_ready(out)
+        if r:
+            rounds.append((time.perf_counter() - t) / iters)
+    return float(np.median(rounds))
+
+
+def engine_like(step, args, packed_np, iters: int) -> float:
+    """Seconds per one-step call as the engine runs it: numpy batch -> device, dispatch, then read the previous
+    step's ids (the host never waits for the step it just sent)."""
+    import jax
+    params, kv, _, ids = args
+    rounds = []
+    for r in range(4):
+        t = time.perf_counter()
+        for _ in range(iters):
+            new, kv = step(params, kv, jax.device_put(packed_np), ids)
+            np.asarray(ids)
+            ids = new
+        jax.block_until_ready(ids)
+        if r:
+            rounds.append((time.perf_counter() - t) / iters)
+    return float(np.median(rounds))
+
+
+def decode_batch(n: int, ctx: int, bs: int, extra: int):
+    """n sequences of ctx tokens (ctx - 1 cached), each with its own blocks for ctx + extra tokens."""
+    from jaxinfer.engine.scheduler import ScheduledBatch
+    from jaxinfer.engine.sequence import Sequence
+    from jaxinfer.sampling_params import SamplingParams
+    per = -(-(ctx + extra) // bs)
+    seqs = []
+    for b in range(n):
+        s = Sequence([1 + b % 7] * ctx, SamplingParams(temperature=0.0, ignore_eos=True), b, bs)
+        s.block_table = list(range(b * per, (b + 1) * per))
+        s.num_computed_tokens = ctx - 1
+        seqs.append(s)
+    return ScheduledBatch(seqs, [1] * n, False), n * per + 1
+
+
+def count_kernels(hlo: str) -> dict:
+    """Kernel launches of a compiled step from its optimised HLO: top-level fusions / custom calls / pads."""
+    import re
+    out, fused = {"launches": 0, "pads": 0, "gemv": 0, "gemm": 0, "attention": 0}, False
+    for line in hlo.splitlines():
+        if line and not line.startswith(" "):
+            fused = line.lstrip("%").startswith(("fused", "wrapped", "triton", "horizontally", "command_buffer"))
+            continue
+        if fused or " = " not in line:
+            continue
+        name = line.split(" = ")[0].strip().lstrip("%")
+        if re.search(r"\b(fusion|custom-call|pad)\(", line):
+            out["launches"] += 1
+            out["pads"] += "pad" in name or bool(re.search(r"\bpad\(", line))
+            out["gemv"] += "gemv" in line
+            out["gemm"] += "gemm" in line.lower() or "cublas" in line.lower()
+            out["attention"] += "paged_attention" in line
+    return out
+
+
+def bench_steps(a, cfg, params, out: dict) -> None:
+    import jax
+    import jax.numpy as jnp
+    from jaxinfer.engine.batch import pack, pack_multistep
+    from jaxinfer.model import layers
+    from jaxinfer.multistep import make_multistep
+    from jaxinfer.step import jit_step, make_step
+    from jaxinfer.xla_options import step_compiler_options
+    interpret = jax.devices()[0].platform != "gpu"
+    bs, W, L = a.block_size, a.width, cfg.num_hidden_layers
+    variants = []                                       # (batch, bucket, kind, mm)
+    for n in a.batches:
+        B = next(b for b in a.buckets if b >= n)
+        for mm in ("xla", "gemv"):
+            variants += [(n, B, "one", mm), (n, B, "K", mm)]
+    built, shapes = {}, {}
+    for n, B, kind, mm in variants:
+        if (B, kind, mm) in built:
+            continue
+        layers.GEMV_MAX_ROWS = B if mm == "gemv" else 0     # read when the step is built
+        f = (make_step(cfg, "decode", B, B, W, "pallas", interpret, B) if kind == "one" else
+             make_multistep(cfg, B, W, a.k, "pallas", interpret))
+        built[(B, kind, mm)] = jit_step(f)
+    layers.GEMV_MAX_ROWS = 0
+    n_max = max(a.batches)
+    batch, blocks = decode_batch(n_max, a.context, bs, a.k)
+    kv_shape = (blocks, bs, cfg.num_key_value_heads, cfg.head_dim)
+    fresh = lambda: [(jnp.zeros(kv_shape, a.dtype), jnp.zeros(kv_shape, a.dtype)) for _ in range(L)]  # noqa: E731
+
+    def packed_for(n, B, kind):
+        from jaxinfer.engine.scheduler import ScheduledBatch
+        sub = ScheduledBatch(batch.seqs[:n], [1] * n, False)
+        if kind == "one":
+            return pack(sub, B, B, W, bs, blocks * bs)
+        return pack_multistep(sub, B, W, bs, blocks * bs, [[] for _ in range(n)], [a.k] * n)
+
+    # compile every variant in parallel threads (XLA compiles outside the GIL), as the engine's warm-up does
+    from concurrent.futures import ThreadPoolExecutor
+    kv0 = fresh()
+    opts = step_compiler_options(jax.devices()[0].platform)
+
+    def compile_one(key):
+        B, kind, mm = key
+        p = jnp.asarray(packed_for(min(B, n_max), B, kind))
+        t = time.perf_counter()
+        exe = built[key].lower(params, kv0, p, jnp.zeros((B,), jnp.int32)).compile(compiler_options=opts or None)
+        return key, exe, time.perf_counter() - t
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(min(8, len(built))) as pool:
+        compiled = {k: (e, s) for k, e, s in pool.map(compile_one, list(built))}
+    print(f"compiled {len(compiled)} step variants in {time.perf_counter() - t0:.1f} s", flush=True)
+    del kv0
+    rows = []
+    for n, B, kind, mm in variants:
+        exe, compile_s = compiled[(B, kind, mm)]
+        pk = packed_for(n, B, kind)
+        ids = jnp.zeros((B,), jnp.int32)
+        r = dict(batch=n, bucket=B, call="one-step" if kind == "one" else f"K={a.k}", matmul=mm,
+                 compile_s=round(compile_s, 1), kernels=count_kernels(exe.as_text()))
+        kv = fresh()
+        if kind == "one":
+            r["pipelined_ms"] = timed(exe, (params, kv, jnp.asarray(pk), ids), a.iters, {1: 1, 3: 0}) * 1e3
+            kv = fresh()
+            r["engine_ms"] = engine_like(exe, (params, kv, None, ids), pk, a.iters) * 1e3
+        else:
+            # the ids come back [K, B]; the next call is fed nothing from them (its batch is the same)
+            iters = max(2, a.iters // a.k)
+            r["pipelined_ms"] = timed(exe, (params, kv, jnp.asarray(pk), ids), iters, {1: 1}) * 1e3 / a.k
+            kv = fresh()
+            r["serial_ms"] = timed(lambda *x: exe(*x[:2], jax.device_put(pk), x[3]), (params, kv, None, ids),
+                                   iters, {1: 1}, read=True) * 1e3 / a.k
+        if a.profile and kind == "one":
+            from bench import profiled, summarize_profile
+            d = os.path.join(a.profile, f"b{n}_{mm}")
+            kv = fresh()
+            with profiled(d):
+                timed(exe, (params, kv, jnp.asarray(pk), ids), a.iters, {1: 1, 3: 0})
+            s = summarize_profile(d, 4 * a.iters)
+            r["profile_top"] = s.get("top", [])[:12]
+        del kv
+        rows.append(r)
+        k = r["kernels"]
+        print(f"  batch {n:3d} (bucket {B:3d}) {r['call']:>8} {mm:>4}: pipelined {r['pipelined_ms']:.3f} ms/step"
+              + (f", engine-like {r['engine_ms']:.3f}" if "engine_ms" in r else f", serial {r['serial_ms']:.3f}")
+              + f"  [{k['launches']} launches/call: {k['gemm']} gemm, {k['gemv']} gemv, {k['pads']} pad]", flush=True)
+    out["steps"] = rows
+
+
+def matmul_shapes(cfg) -> dict[str, tuple[int, int, bool]]:
+    """name -> (E, N, stacked) of the decode matmuls."""
+    E, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D
+    return {"qkv": (E, qkv, True), "o_proj": (cfg.num_attention_heads * D, E, True), "gate_up": (E, 2 * I, True),
+            "down": (I, E, True), "lm_head": (E, cfg.vocab_size, False)}
+
+
+def sweep_tiles(M, E, N, full: bool) -> list[dict]:
+    """The automatic tiles, then (full) other warps / stages and other column-block x split-K shapes: <= 9."""
+    from pallas_kernels.gemv import choose_tiles
+    auto = dict(choose_tiles(M, E, N), num_warps=4, num_stages=3)
+    if not full:
+        return [auto]
+    out = [auto] + [dict(auto, num_warps=w, num_stages=st) for w, st in ((2, 3), (8, 3), (4, 5))]
+    shapes = []
+    for bn in (32, 64, 128):
+        for sk in (1, 2, 4, 8):
+            bk = 128 if E % (sk * 128) == 0 else 64
+            t = dict(block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=3)
+            if N % bn == 0 and E % (sk * bk) == 0 and t not in out:
+                shapes.append((abs(np.log2(N // bn * sk / 264)), t))    # closest to 2 programs per SM first
+    return out + [t for _, t in sorted(shapes, key=lambda x: x[0])][:5]
+
+
+def bench_gemv(a, cfg, out: dict) -> None:
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.gemv import gemv
+    interpret = jax.devices()[0].platform != "gpu"
+    L, rows = cfg.num_hidden_layers, []
+    for M in sorted({next(b for b in a.buckets if b >= n) for n in a.batches}):
+        for name, (E, N, stacked) in matmul_shapes(cfg).items():
+            reps = L if stacked else 4
+            key = jax.random.PRNGKey(0)
+            w = (jax.random.normal(key, (L, E, N) if stacked else (N, E), jnp.float32) * 0.02).astype(a.dtype)
+            x = jnp.ones((M, E), a.dtype)
+            nbytes = reps * E * N * jnp.dtype(a.dtype).itemsize
+
+            def xla(x, w):
+                if stacked:
+                    return [x @ w[l] for l in range(L)]
+                return [jnp.einsum("me,ne->mn", x + i, w, preferred_element_type=jnp.float32) for i in range(reps)]
+
+            def kern(x, w, t):
+                if stacked:
+                    return [gemv(x, w, l, interpret=interpret, **t) for l in range(L)]
+                return [gemv(x + i, w, transpose_w=True, out_dtype=jnp.float32, interpret=interpret, **t)
+                        for i in range(reps)]
+            cands = [("xla", jax.jit(xla))]
+            for t in sweep_tiles(M, E, N, a.sweep and M <= 16 and time.perf_counter() - a.t0 < a.budget):
+                cands.append((t, jax.jit(lambda x, w, t=t: kern(x, w, t))))
+            ref = None
+            for t, f in cands:
+                try:
+                    got = np.asarray(f(x, w)[-1], np.float32)        # the last layer's / repeat's result
+                    ref = got if ref is None else ref
+                    err = float(np.abs(got - ref).max() / (np.abs(ref).max() + 1e-30))
+                    s = timed(f, (x, w), a.iters) / reps
+                except Exception as err:      # a tile the GPU compiler refuses: report it, keep going
+                    rows.append(dict(M=M, matmul=name, E=E, N=N, impl=str(t), error=str(err)[:300]))
+                    print(f"  M={M} {name} {t}: FAILED {str(err)[:200]}", flush=True)
+                    continue
+                gbs = nbytes / reps / s / 1e9
+                rows.append(dict(M=M, matmul=name, E=E, N=N, impl="xla" if t == "xla" else "gemv", tiles=t,
+                                 us=s * 1e6, GBs=gbs, pct_hbm=100 * gbs * 1e9 / HBM, rel_err_vs_xla=err))
+                print(f"  M={M:3d} {name:>8} [{E}x{N}] {'xla' if t == 'xla' else _short(t)}: {s * 1e6:8.2f} us "
+                      f"{gbs:7.0f} GB/s ({100 * gbs * 1e9 / HBM:4.1f}% of 4.3 TB/s)  err {err:.1e}", flush=True)
+            del w
+    out["gemv"] = rows
+
+
+def _short(t: dict) -> str:
+    return "gemv n{block_n} k{block_k} s{split_k} w{num_warps} st{num_stages}".format(**t)
+
+
+def bench_attention(a, cfg, out: dict) -> None:
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.paged_attention import choose_num_splits, paged_attention_qkv
+    interpret = jax.devices()[0].platform != "gpu"
+    H, K, D, L, bs = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers, a.block_size
+    per = -(-a.context // bs)
+    rows = []
+    for n in a.batches:
+        B = next(b for b in a.buckets if b >= n)
+        blocks = B * per + 1
+        tables = jnp.asarray(np.pad(np.arange(n * per).reshape(n, per), ((0, B - n), (0, a.width - per))), jnp.int32)
+        lens = jnp.asarray([a.context] * n + [0] * (B - n), jnp.int32)
+        order = jnp.arange(B, dtype=jnp.int32)
+        qkv = jnp.ones((B, H + 2 * K, D), a.dtype)
+        norms, cos = jnp.ones((L, D), a.dtype), jnp.ones((B, D), jnp.float32)
+        auto = choose_num_splits(B, K, a.width * bs)
+        for S in sorted({1, 2, 4, 8, 16, auto} if not a.quick else {1, 2, auto}):
+            if S not in (1, auto) and time.perf_counter() - a.t0 > a.budget:
+                continue                                    # over the time budget: the auto choice and 1 only
+            def chain(carry, S=S):
+                caches, acc = carry
+                new = []
+                for l in range(L):
+                    o, kc, vc = paged_attention_qkv(qkv, norms, norms, cos, cos, *caches[l], tables, lens, eps=1e-6,
+                                                    layer=l, order=order, num_splits=S, interpret=interpret)
+                    new.append((kc, vc))
+                    acc = acc + o
+                return new, acc
+            caches = [(jnp.zeros((blocks, bs, K, D), a.dtype), jnp.zeros((blocks, bs, K, D), a.dtype))
+                      for _ in range(L)]
+            f = jax.jit(chain, donate_argnums=0)
+            try:
+                s = _timed_carry(f, (caches, jnp.zeros((B, H, D), a.dtype)), a.iters)
+            except Exception as err:
+                rows.append(dict(batch=n, bucket=B, splits=S, error=str(err)[:300]))
+                continue
+            kv_bytes = n * a.context * 2 * K * D * jnp.dtype(a.dtype).itemsize
+            rows.append(dict(batch=n, bucket=B, splits=S, auto=S == auto, us_per_layer=s / L * 1e6,
+                             GBs=kv_bytes / (s / L) / 1e9))
+            print(f"  attention batch {n:3d} (bucket {B}) splits {S:2d}{' (auto)' if S == auto else '       '}: "
+                  f"{s / L * 1e6:7.2f} us/layer, {kv_bytes / (s / L) / 1e9:6.0f} GB/s of K/V", flush=True)
+            del caches
+    out["attention"] = rows
+
+
+def _timed_carry(f, x, iters: int) -> float:
+    """Seconds per call of f(x) -> x (donated), back to back."""
+    import jax
+    x = jax.block_until_ready(f(x))
+    rounds = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(iters):
+            x = f(x)
+        jax.block_until_ready(x)
+        rounds.append((time.perf_counter() - t) / iters)
+    return float(np.median(rounds))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--buckets", default="8,32,64", help="the engine's decode buckets (its GPU default starts 8, 32)")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=256, help="block-table width (the engine's: 4096 tokens / 16)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--k", type=int, default=16, help="steps per K-step call")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="gemv: automatic tiles only")
+    ap.add_argument("--only", default="steps,gemv,attention", help="sections to run")
+    ap.add_argument("--quick", action="store_true", help="tiny model, few iterations (CPU check of this script)")
+    ap.add_argument("--profile", default=None, metavar="DIR")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--budget", type=float, default=170.0,
+                    help="seconds after which the gemv tile sweep and extra attention splits are skipped")
+    a = ap.parse_args(argv)
+    a.t0 = time.perf_counter()
+    from jaxinfer.xla_options import set_process_flags
+    set_process_flags()                     # this script owns its process: the engine's command-buffer mode
+    import jax
+    import jax.numpy as jnp
+    from bench import write_json
+    a.batches = [int(x) for x in a.batches.split(",")]
+    a.buckets = sorted(int(x) for x in a.buckets.split(","))
+    a.dtype = jnp.bfloat16
+    if a.quick:
+        from jaxinfer.config import ModelConfig
+        from jaxinfer.model.qwen3 import init_params
+        cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                          rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=512,
+                          torch_dtype="bfloat16", eos_token_id=(1,), name="tiny")
+        params = init_params(cfg, a.dtype)
+        a.batches, a.context, a.width, a.k, a.iters, a.sweep = [1, 8], 48, 4, 2, 2, False
+    else:
+        from jaxinfer.llm import load_model
+        cfg, params, _ = load_model(a.model, "bfloat16")
+    out = dict(model=cfg.name, device=str(jax.devices()[0].device_kind), jax=jax.__version__, context=a.context,
+               width=a.width, k=a.k, xla_flags=os.environ.get("XLA_FLAGS", ""))
+    t0 = time.perf_counter()
+    sections = a.only.split(",")
+    for name, fn in (("steps", lambda: bench_steps(a, cfg, params, out)), ("gemv", lambda: bench_gemv(a, cfg, out)),
+                     ("attention", lambda: bench_attention(a, cfg, out))):
+        if name in sections:
+            print(f"== {name} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
+            fn()
+            write_json(a.json, out)         # after each section: a later failure keeps what was measured
+    out["wall_s"] = time.perf_counter() - t0
+    print(f"done in {out['wall_s']:.0f} s")
+    write_json(a.json, out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
