@@ -122,7 +122,8 @@ class ModelConfig:
             raise ValueError(f"{cfg!r} lacks the field {e.args[0]!r}") from None
 
 
-ATTN_BACKENDS = ("xla", "pallas")
+ATTN_BACKENDS = ("xla", "pallas", "cudnn", "triton")
+GPU_ONLY_BACKENDS = {"cudnn": "cuDNN attention", "triton": "Triton kernels (jax-triton)"}   # no CPU/interpret path
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # vLLM's names; fp8 is e4m3 (model/kv_scales.py)
 KV_BLOCK_SIZE_ALIASES = {"kvcache_block_size": "block_size"}   # nano-vllm's name -> vLLM's
 
@@ -242,6 +243,14 @@ class EngineConfig:
     def resolve(self, platform: str, model: "ModelConfig") -> "EngineConfig":
         """Fill every None field for `platform` ("gpu" or "cpu") and `model`. max_model_len left None becomes the
         model's max_position_embeddings here; the engine caps it by the KV pool once the pool is sized."""
+        if self.attn_backend in GPU_ONLY_BACKENDS:
+            what = GPU_ONLY_BACKENDS[self.attn_backend]
+            if platform != "gpu":
+                raise ValueError(f"attn_backend={self.attn_backend!r} needs a CUDA GPU ({what} has no CPU or "
+                                 f"interpret mode); JAX's platform here is {platform!r}: use 'xla' or 'pallas'")
+            if self.kv_cache_dtype != "auto":
+                raise ValueError(f"attn_backend={self.attn_backend!r} does not read an fp8 KV cache "
+                                 f"(kv_cache_dtype={self.kv_cache_dtype!r}): use 'pallas' or 'xla' for fp8")
         kw = {k: v for k, v in PLATFORM_DEFAULTS["gpu" if platform == "gpu" else "cpu"].items()
               if getattr(self, k) is None}
         if (self.dtype or kw.get("dtype")) == "auto":

@@ -53,7 +53,14 @@ def attention_fns(backend: str, interpret: bool):
         from pallas_kernels.paged_attention import paged_attention
         return (functools.partial(flash_attention, interpret=interpret),
                 functools.partial(paged_attention, interpret=interpret))
-    raise ValueError(f"attn_backend={backend!r} is not one of ('xla', 'pallas')")
+    if backend == "cudnn":   # GPU only (config.GPU_ONLY_BACKENDS): JAX's cuDNN attention over the same cache
+        from pallas_kernels.cudnn_attention import cudnn_paged_decode, cudnn_prefill
+        return cudnn_prefill, cudnn_paged_decode
+    if backend == "triton":  # GPU only: raw Triton decode through jax-triton; prefill is the Pallas flash kernel
+        from pallas_kernels.flash_attention import flash_attention
+        from pallas_kernels.triton_decode import triton_paged_decode
+        return functools.partial(flash_attention, interpret=interpret), triton_paged_decode
+    raise ValueError(f"attn_backend={backend!r} is not one of ('xla', 'pallas', 'cudnn', 'triton')")
 
 
 @dataclass(frozen=True)
@@ -100,7 +107,7 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
             o = prefill_fn(q, k_cache, v_cache, meta["block_tables"], meta["cu_seqlens"], meta["seq_lens"], **scales)
         return o, (k_cache, v_cache)
 
-    per_device = mesh is not None and mesh.shape["tp"] > 1 and backend == "pallas"
+    per_device = mesh is not None and mesh.shape["tp"] > 1 and backend != "xla"    # kernels / custom calls
     heads, kv = P(None, "tp", None), (KV_SPEC, KV_SPEC)          # [T, H, D] by head; caches by kv head
 
     def attn(l, q, k, v, cache):
