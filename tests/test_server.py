@@ -39,24 +39,30 @@ def free_port() -> int:
 BASE_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 
 
-@pytest.fixture(scope="module")
-def url(tiny_dir, tmp_path_factory):
-    """The engine core in its own (spawned) process; the API app on uvicorn in a thread of this process."""
+def run_server(model_dir, tmp_path_factory, **app_kw):
+    """The engine core in its own (spawned) process; the API app on uvicorn in a thread of this process.
+    A generator (for fixtures): yields (url, app)."""
     with pytest.MonkeyPatch.context() as mp:      # the core's environment, copied when it is spawned
         for k, v in jax_cache_env(tmp_path_factory).items():
             mp.setenv(k, v)
-        core = CoreProcess(tiny_dir, BASE)
-    server = uvicorn.Server(uvicorn.Config(build_app(core.info, MODEL, alive=core.alive), host="127.0.0.1",
-                                           port=free_port(), log_level="warning"))
+        core = CoreProcess(model_dir, BASE)
+    app = build_app(core.info, MODEL, alive=core.alive, **app_kw)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         assert thread.is_alive(), "server failed to start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{server.config.port}"
+    yield f"http://127.0.0.1:{server.config.port}", app
     server.should_exit = True
     thread.join(timeout=30)
     assert core.shutdown() == 0, "the engine core did not exit cleanly"
+
+
+@pytest.fixture(scope="module")
+def url(tiny_dir, tmp_path_factory):
+    for u, _ in run_server(tiny_dir, tmp_path_factory):
+        yield u
 
 
 @pytest.fixture(scope="module")
@@ -187,18 +193,25 @@ def test_disconnect_before_a_plain_answer_aborts_it(url):
 @pytest.mark.parametrize("bad, param", [
     (b"{not json", None),
     (b"[1, 2]", None),
-    ({"model": "gpt-4", "prompt": "hi"}, "model"),
+    ({"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "no_such_field": 1}, "no_such_field"),
     ({"prompt": "hi", "temperature": -1}, "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "hi", "stop": 5}, "stop"),
-    ({"prompt": "hi", "n": 3}, "n"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": 42}, "prompt"),
     ({"prompt": [1, 10**9]}, "prompt"),
     ({"prompt": "x" * 400}, "prompt"),
     ({"prompt": "hi", "max_tokens": 500}, "max_tokens"),
     ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
 ])
 def test_invalid_requests_get_400_and_server_keeps_serving(url, bad, param):
     route = "/v1/chat/completions" if isinstance(bad, dict) and "messages" in bad else "/v1/completions"
@@ -214,10 +227,19 @@ def test_invalid_requests_get_400_and_server_keeps_serving(url, bad, param):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
-def test_openai_client_raises_bad_request(client):
-    with pytest.raises(openai.BadRequestError) as e:
+def test_openai_client_errors(url, client):
+    """An unknown model is 404 (NotFoundError), an unimplemented field a 400 naming it; unknown routes and
+    methods answer in OpenAI's error shape."""
+    with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="no-such-model", prompt="hi")
     assert "no-such-model" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tool_choice="auto",
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert e.value.body["param"] == "tools"
+    for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)]:
+        r = httpx.request(method, url + path)
+        assert r.status_code == status and r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -245,7 +267,7 @@ def test_stop_string_cuts_text_and_aborts_in_the_core(url, client, stream):
 @pytest.mark.parametrize("text", ["", "plain", 'quote " backslash \\ newline \n tab \t', "你好 😀 \u2028", "\x00\x1f"])
 @pytest.mark.parametrize("reason", [None, "stop", "length"])
 def test_chunk_encoder_equals_the_chunk_dicts(text, reason):
-    from jaxinfer.server import protocol as P
+    from jaxinfer.server import responses as P
     enc = P.ChunkEncoder("cmpl-1", 'model "x"', "text_completion")
 
     def parse(event):
@@ -257,3 +279,4 @@ def test_chunk_encoder_equals_the_chunk_dicts(text, reason):
     assert parse(enc.completion(3, text, reason)) == parse(P.sse(want))
     enc = P.ChunkEncoder("chat-1", "m", "chat.completion.chunk")
     assert parse(enc.chat_content(text)) == parse(P.sse(P.chat_chunk("chat-1", "m", {"content": text}, None)))
+    assert parse(enc.chat_content(text, 2)) == parse(P.sse(P.chat_chunk("chat-1", "m", {"content": text}, None, 2)))

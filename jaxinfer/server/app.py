@@ -51,9 +51,6 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
     options = options or ServerOptions()
     limits = info.limits
     max_model_len = limits["max_model_len"]
-    # the admission bound of this API process: its share of max_num_seqs + max_waiting_requests
-    capacity = None if options.max_waiting_requests is None else math.ceil(
-        (limits.get("max_num_seqs", 0) + options.max_waiting_requests) / len(info.out_addrs))
     metrics = ServerMetrics(served_model_name)
     text_of = R.TokenText(tokenizer)
 
@@ -135,17 +132,19 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
 
     def admit(need: int) -> None:
         """The waiting-queue bound: 503 + Retry-After now, before anything is queued, when full."""
-        c = client()
-        if capacity is None:
+        c, opts = client(), app.state.options
+        if opts.max_waiting_requests is None:
             return
+        # this API process's share of max_num_seqs + max_waiting_requests
+        capacity = math.ceil((limits.get("max_num_seqs", 0) + opts.max_waiting_requests) / len(info.out_addrs))
         if need > capacity:
             raise P.RequestError(f"the request needs {need} engine requests (prompts x n) but the server admits at "
                                  f"most {capacity} at a time", param="n")
         if c.inflight + need > capacity:
             metrics.observe_rejected("queue_full")
             raise P.RequestError(f"the server is overloaded ({c.inflight} requests in flight, --max-waiting-requests "
-                                 f"{options.max_waiting_requests}); retry later", status=503, code="overloaded",
-                                 headers={"Retry-After": str(options.retry_after_s)})
+                                 f"{opts.max_waiting_requests}); retry later", status=503, code="overloaded",
+                                 headers={"Retry-After": str(opts.retry_after_s)})
 
     async def collect(items, request: Request, t0: float) -> list[C.Choice]:
         """All choices to their end (no streaming). A client that disconnects first aborts them in the core:
@@ -222,6 +221,13 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
                 "token_strs": [text_of(t) for t in ids] if req.return_token_strs else None}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: what a client needs to tokenize as the server does (lm-evaluation-harness' remote tokenizer
+        backend uses it with /tokenize and /detokenize)."""
+        return {"tokenizer_class": type(tokenizer).__name__, "model_max_length": max_model_len,
+                **{k: getattr(tokenizer, k, None) for k in ("eos_token", "bos_token", "pad_token", "chat_template")}}
+
     @app.post("/detokenize")
     async def detokenize_route(req: P.DetokenizeRequest):
         check_model(req.model)
@@ -269,7 +275,7 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         """New requests get 503 (Gate); in-flight ones finish, or end with finish_reason "abort" after
         options.shutdown_timeout; then `then()` (uvicorn exits)."""
         app.state.draining = True
-        c, end = app.state.client, time.monotonic() + options.shutdown_timeout
+        c, end = app.state.client, time.monotonic() + app.state.options.shutdown_timeout
         while c is not None and c.inflight and time.monotonic() < end:
             await asyncio.sleep(0.05)
         if c is not None and c.inflight:

@@ -53,15 +53,14 @@ IGNORED = ("user", "store", "metadata", "service_tier")      # bookkeeping field
 
 def check_unsupported(req: BaseModel) -> None:
     """400 naming the first field that is unsupported (UNSUPPORTED) or unknown; no-op values pass."""
-    for name, value in (req.model_extra or {}).items():
-        if value is None or name in IGNORED:
-            continue
-        if name in UNSUPPORTED:
-            if value in UNSUPPORTED[name]:
-                continue
-            raise RequestError(f"{name}={value!r:.200} is not supported by this server (see docs/serving.md)",
+    extra = {k: v for k, v in (req.model_extra or {}).items() if v is not None and k not in IGNORED}
+    for name, ok in UNSUPPORTED.items():          # in this table's order: `tools` before `tool_choice`
+        if name in extra and extra[name] not in ok:
+            raise RequestError(f"{name}={extra[name]!r:.200} is not supported by this server (see docs/serving.md)",
                                param=name, code="unsupported_parameter")
-        raise RequestError(f"Unrecognized request argument supplied: {name}", param=name,
+    unknown = [k for k in extra if k not in UNSUPPORTED]
+    if unknown:
+        raise RequestError(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0],
                            code="unrecognized_parameter")
 
 
@@ -89,7 +88,7 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+    prompt: str | list[int] | list[str | list[int]] = Field(
         ..., description="a string, token ids, or a list of either (one choice per prompt and n)")
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="default 16")
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(

@@ -1,0 +1,220 @@
+"""The server's OpenAI semantics beyond text, with the official `openai` client against a real engine core:
+logprobs (completion and chat shapes) against transformers' fp32 log_softmax, echo + prompt logprobs (what
+lm-evaluation-harness' loglikelihood sends), n, seeds, penalties; the API key, the waiting-queue bound, /metrics,
+vLLM's /tokenize, /detokenize, /tokenizer_info, /version, the offline /docs and the body size limit."""
+import asyncio
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from helpers import hf_logits, hf_model  # noqa: E402
+from test_server import MODEL, run_server, wait_idle  # noqa: E402
+
+PROMPT = [5, 7, 9, 11, 300, 2, 3, 17, 40, 41, 8]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    yield from run_server(tiny_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return server[0]
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_dir):
+    """token ids -> fp32 log_softmax [len, V] of the HF model."""
+    import torch
+    model = hf_model(tiny_dir)
+    return lambda ids: torch.log_softmax(torch.tensor(hf_logits(model, ids)), -1).numpy()
+
+
+@pytest.fixture(scope="module")
+def tok(url):
+    """token id -> its text, as the server decodes it (/detokenize)."""
+    cache = {}
+
+    def text(t):
+        if t not in cache:
+            cache[t] = httpx.post(url + "/detokenize", json={"tokens": [t]}).json()["prompt"]
+        return cache[t]
+    return text
+
+
+def test_completion_echo_logprobs_match_transformers(client, ref, tok):
+    """lm-evaluation-harness' loglikelihood request: echo + logprobs, the prompt as token ids."""
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True,
+                                  extra_body={"ignore_eos": True})
+    c = r.choices[0]
+    lp = c.logprobs
+    n = len(PROMPT)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ids = list(PROMPT)                    # + the generated ids: greedy under the reference
+    for _ in range(3):
+        ids.append(int(np.argmax(ref(ids)[-1])))
+    want = ref(ids)
+    for k in range(1, n + 3):
+        np.testing.assert_allclose(lp.token_logprobs[k], want[k - 1, ids[k]], atol=2e-3)
+        top = lp.top_logprobs[k]
+        best = np.argsort(want[k - 1])[::-1][:2]
+        assert set(top) >= {tok(int(t)) for t in best} and len(top) <= 3
+        assert lp.tokens[k] == tok(ids[k])
+    assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+    assert c.text.startswith(httpx.post(str(client.base_url).replace("/v1/", "/detokenize"),
+                                        json={"tokens": PROMPT}).json()["prompt"])
+
+
+def test_chat_logprobs_and_stream_agree(client, ref):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=4, temperature=0,
+              logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    content = full.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in content)
+    assert all(t.bytes == list(t.token.encode()) for t in content)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
+
+
+def test_n_samples_differ_and_seed_repeats(client):
+    kw = dict(model=MODEL, prompt="Once upon", max_tokens=8, temperature=1.0, n=3, seed=7,
+              extra_body={"ignore_eos": True})
+    a = client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    texts = [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1, "n samples must differ"
+    b = client.completions.create(**kw)
+    assert [c.text for c in sorted(b.choices, key=lambda c: c.index)] == texts, "the same seed repeats them"
+    assert a.usage.completion_tokens == 24
+    one = client.completions.create(**{**kw, "n": 1})
+    assert one.choices[0].text == texts[0], "sample 0 of n is the n=1 sample"
+    got = {}
+    for ch in client.completions.create(**kw, stream=True):
+        for c in ch.choices:
+            got[c.index] = got.get(c.index, "") + c.text
+    assert [got[i] for i in range(3)] == texts
+
+
+def test_penalties_change_greedy_output(client):
+    kw = dict(model=MODEL, prompt=[3, 3, 3, 3], max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    tokens = client.completions.create(**kw, logprobs=0).choices[0].logprobs.tokens
+    assert len(set(tokens)) < len(tokens), "the test needs a greedy output that repeats a token"
+    for extra in [dict(frequency_penalty=2.0), dict(presence_penalty=2.0),
+                  dict(extra_body={"ignore_eos": True, "repetition_penalty": 3.0})]:
+        pen = client.completions.create(**{**kw, **extra}).choices[0].logprobs
+        assert pen is None
+        pen = client.completions.create(**{**kw, **extra}, logprobs=0).choices[0].logprobs.tokens
+        assert pen != tokens, extra
+        assert len(set(pen)) > len(set(tokens)), "penalties discourage repeats"
+
+
+def test_api_key(server, url):
+    app = server[1]
+    before = app.state.options
+    app.state.options = before.replace(api_key="sekret")
+    try:
+        bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/models").json()["error"]["code"] == "invalid_api_key"
+        good = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+        assert [m.id for m in good.models.list().data] == [MODEL]
+        assert httpx.get(url + "/health").status_code == 200          # open, as in vLLM
+    finally:
+        app.state.options = before
+
+
+def test_queue_bound_answers_503_at_once(server, url):
+    """max_num_seqs 8 + 0 waiting: 8 engine requests are admitted; the next gets 503 + Retry-After at once; a
+    request that could never fit is a 400; the admitted ones complete."""
+    app = server[1]
+    before = app.state.options
+    app.state.options = before.replace(max_waiting_requests=0)
+    body = {"model": MODEL, "prompt": [f"Busy {i}" for i in range(8)], "max_tokens": 60, "ignore_eos": True}
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            busy = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            while (await c.get("/stats")).json()["api_inflight"] < 8:
+                assert not busy.done(), busy.result().text
+                await asyncio.sleep(0.01)
+            t = time.perf_counter()
+            over = await c.post("/v1/completions", json={"model": MODEL, "prompt": "one more", "max_tokens": 2})
+            dt = time.perf_counter() - t
+            too_big = await c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 9, "max_tokens": 2})
+            return over, dt, too_big, await busy
+    try:
+        over, dt, too_big, busy = asyncio.run(go())
+    finally:
+        app.state.options = before
+    assert over.status_code == 503 and over.headers["retry-after"] == "1" and dt < 1.0
+    assert over.json()["error"]["code"] == "overloaded"
+    assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "n"
+    assert busy.status_code == 200 and busy.json()["usage"]["completion_tokens"] == 8 * 60
+    metrics = httpx.get(url + "/metrics").text
+    assert 'jaxinfer:requests_rejected_total{model_name="tiny-qwen3",reason="queue_full"} 1.0' in metrics
+
+
+def test_metrics(url, client):
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=5, extra_body={"ignore_eos": True})
+    st = wait_idle(url)
+    r = httpx.get(url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    m = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in r.text.splitlines() if ln and not ln.startswith("#")}
+    lab = '{model_name="tiny-qwen3"}'
+    assert m["jaxinfer:num_requests_running" + lab] == 0 and m["jaxinfer:num_requests_waiting" + lab] == 0
+    assert m["jaxinfer:kv_cache_usage_perc" + lab] == 0.0
+    assert m["jaxinfer:generation_tokens_total" + lab] == st["generated_tokens"]
+    assert m["jaxinfer:prompt_tokens_total" + lab] == st["prompt_tokens"]
+    assert m["jaxinfer:num_preemptions_total" + lab] == st["preemptions"]
+    for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert m[f"jaxinfer:{h}_count" + lab] >= 1
+    assert m['jaxinfer:request_success_total{finished_reason="length",model_name="tiny-qwen3"}'] >= 1
+
+
+def test_tokenize_detokenize_version_docs(url):
+    t = httpx.post(url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert t["count"] == len(t["tokens"]) > 0 and t["max_model_len"] == 128 and len(t["token_strs"]) == t["count"]
+    assert httpx.post(url + "/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == "Hello world"
+    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > t["count"] - 2
+    assert httpx.post(url + "/detokenize", json={"tokens": [10**9]}).status_code == 400
+    assert "eos_token" in httpx.get(url + "/tokenizer_info").json()
+    assert httpx.get(url + "/version").json()["version"]
+    schema = httpx.get(url + "/openapi.json").json()
+    props = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "logprobs", "echo", "n", "presence_penalty"} <= set(props)
+    docs = httpx.get(url + "/docs").text
+    assert "cdn" not in docs and "/docs-static/swagger-ui-bundle.js" in docs      # no network needed
+    assert httpx.get(url + "/docs-static/swagger-ui-bundle.js").status_code == 200
+
+
+def test_body_size_limit(server, url):
+    app = server[1]
+    before = app.state.options
+    app.state.options = before.replace(max_request_body_bytes=1000)
+    try:
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 2000})
+        def chunks():
+            yield b'{"model": "tiny-qwen3", "prompt": "'
+            yield b"y" * 2000
+            yield b'"}'
+        r2 = httpx.post(url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    finally:
+        app.state.options = before
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert r2.status_code == 413
