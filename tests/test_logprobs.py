@@ -1,0 +1,186 @@
+"""Logprobs, prompt logprobs and n samples (vLLM semantics) against transformers' fp32 log_softmax; the
+engine-core output path carries them through msgpack; LLM.abort ends a streamed request."""
+import os
+import time
+
+import numpy as np
+import pytest
+from helpers import TINY_ENGINE, hf_logits, hf_model
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.outputs import logprob_dict
+
+PROMPTS = [[5, 7, 9, 11, 300, 2, 3, 17, 40, 41, 8], [100, 200, 300], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(tiny_dir, **TINY_ENGINE)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_dir):
+    """prompt + output ids -> fp32 log_softmax [len, V] of the HF model."""
+    import torch
+    model = hf_model(tiny_dir)
+    return lambda ids: torch.log_softmax(torch.tensor(hf_logits(model, ids)), -1).numpy()
+
+
+def _free(llm):
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"], st
+
+
+def _check_entries(entries, lp_row, token, n):
+    """One token's {id: Logprob} against a reference log_softmax row: values, ranks, the top n."""
+    assert token in entries and len(entries) in (n, n + 1)
+    np.testing.assert_allclose(entries[token].logprob, lp_row[token], atol=2e-3)
+    assert entries[token].rank == 1 + int(np.sum(lp_row > lp_row[token] + 1e-5))
+    top = sorted((e for t, e in entries.items() if e.rank <= n), key=lambda e: e.rank)
+    assert [e.rank for e in top] == list(range(1, n + 1))
+    assert all(a.logprob >= b.logprob for a, b in zip(top, top[1:]))             # best first
+    np.testing.assert_allclose([e.logprob for e in top], np.sort(lp_row)[::-1][:n], atol=2e-3)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_match_transformers(llm, ref, temperature):
+    sp = SamplingParams(temperature=temperature, max_tokens=6, logprobs=3, prompt_logprobs=2, seed=3, ignore_eos=True)
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    for p, o in zip(PROMPTS, outs):
+        c = o.outputs[0]
+        lp = ref(p + c.token_ids)
+        assert len(c.logprobs) == len(c.token_ids) == 6
+        for k, t in enumerate(c.token_ids):
+            _check_entries(c.logprobs[k], lp[len(p) - 1 + k], t, 3)
+            assert all(d.decoded_token is not None for d in c.logprobs[k].values())
+        np.testing.assert_allclose(c.cumulative_logprob, sum(lp[len(p) - 1 + k, t] for k, t in enumerate(c.token_ids)),
+                                   atol=1e-2)
+        assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(p)
+        for k in range(1, len(p)):
+            _check_entries(o.prompt_logprobs[k], lp[k - 1], p[k], 2)
+    _free(llm)
+
+
+def test_without_logprobs_nothing_is_computed(llm):
+    before = llm.stats()["compiled_extras"]
+    o = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3), use_tqdm=False)[0]
+    assert o.outputs[0].logprobs is None and o.outputs[0].cumulative_logprob is None and o.prompt_logprobs is None
+    assert llm.stats()["compiled_extras"] == before          # the plain step ran: no variant compiled
+    assert llm.llm_engine is llm.engine
+
+
+def test_neighbours_asking_logprobs_do_not_change_tokens(llm):
+    """A seeded request draws the same tokens in a batch that runs the logprobs variant."""
+    plain = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=5, seed=11, ignore_eos=True)
+    alone = llm.generate(PROMPTS[:1], plain, use_tqdm=False)[0].token_ids
+    mixed = llm.generate(PROMPTS[:2], [plain, SamplingParams(max_tokens=5, logprobs=1)], use_tqdm=False)
+    assert mixed[0].token_ids == alone and mixed[0].outputs[0].logprobs is None
+    assert len(mixed[1].outputs[0].logprobs) == 5
+
+
+def test_prompt_logprobs_chunked_and_after_a_prefix_cache_hit(tiny_dir, ref):
+    """Chunked prefill (8-token budget) computes every prompt token's logprob; a prompt cached by an earlier
+    request is computed again (no prefix reuse) so none is missing."""
+    llm = LLM(tiny_dir, **{**TINY_ENGINE, "max_num_batched_tokens": 8, "prefill_buckets": (8,)})
+    p = PROMPTS[2]
+    llm.generate([p], SamplingParams(max_tokens=2), use_tqdm=False)                    # caches p's blocks
+    o = llm.generate([p], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
+    assert o.num_cached_tokens == 0
+    lp = ref(p)
+    assert o.prompt_logprobs[0] is None
+    for k in range(1, len(p)):
+        _check_entries(o.prompt_logprobs[k], lp[k - 1], p[k], 1)
+    assert llm.stats()["prefill_steps"] > 2
+    _free(llm)
+
+
+def test_n_samples_differ_and_repeat_with_the_seed(llm):
+    sp = SamplingParams(temperature=1.0, max_tokens=8, n=3, seed=5, ignore_eos=True, logprobs=0)
+    a = llm.generate(PROMPTS[:2], sp, use_tqdm=False)
+    b = llm.generate(PROMPTS[:2], sp, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert [c.index for c in x.outputs] == [0, 1, 2]
+        ids = [tuple(c.token_ids) for c in x.outputs]
+        assert len(set(ids)) == 3, ids                                            # they differ
+        assert ids == [tuple(c.token_ids) for c in y.outputs]                     # and repeat
+        assert x.token_ids == x.outputs[0].token_ids and x.text == x.outputs[0].text
+        assert all(len(c.logprobs[0]) == 1 for c in x.outputs)                    # logprobs=0: the token only
+    one = llm.generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_tokens=8, seed=5, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert one.token_ids == a[0].outputs[0].token_ids                            # sample 0 = the n=1 request
+    _free(llm)
+
+
+def test_stream_carries_logprobs_and_samples(llm):
+    sp = SamplingParams(temperature=0.7, max_tokens=5, n=2, seed=9, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    full = llm.generate(PROMPTS[:1], sp, use_tqdm=False)[0]
+    got = {0: [], 1: []}
+    prompt_lps = []
+    for d in llm.stream(PROMPTS[:1], sp):
+        (c,) = d.outputs
+        got[c.index] += c.logprobs
+        if d.prompt_logprobs is not None:
+            prompt_lps.append(d.prompt_logprobs)
+    for j in (0, 1):
+        want = full.outputs[j].logprobs
+        assert [sorted(x) for x in got[j]] == [sorted(x) for x in want]
+        assert [x[t].logprob for x, t in zip(got[j], full.outputs[j].token_ids)] == \
+            [x[t].logprob for x, t in zip(want, full.outputs[j].token_ids)]
+    assert len(prompt_lps) == 1 and len(prompt_lps[0]) == len(PROMPTS[0])
+    _free(llm)
+
+
+def test_abort_ends_a_streamed_request(llm):
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    reasons, counts = {}, {0: 0, 1: 0}
+    for d in llm.stream(PROMPTS[:2], sp):
+        counts[d.request_id] += len(d.token_ids)
+        if d.finish_reason:
+            reasons[d.request_id] = d.finish_reason
+        if counts[1] >= 2 and 1 not in reasons:
+            llm.abort(1)
+    assert reasons == {0: "length", 1: "abort"} and counts[0] == 20 and counts[1] < 20
+    _free(llm)
+    with pytest.raises(ValueError, match="request_id"):
+        llm.abort("x")
+
+
+def test_engine_core_rows_survive_msgpack(llm, tmp_path):
+    """The server core's output rows carry logprobs that rebuild the same {id: Logprob} as generate."""
+    zmq = pytest.importorskip("zmq")
+    import msgpack
+
+    from jaxinfer.server.core import EngineCore
+    sp = SamplingParams(max_tokens=4, logprobs=2, prompt_logprobs=1, ignore_eos=True, seed=4)
+    want = llm.generate(PROMPTS[:1], sp, use_tqdm=False)[0]
+    core = EngineCore(llm.engine, f"ipc://{tmp_path}/in", [f"ipc://{tmp_path}/out0"], os.getppid())
+    sink = core.ctx.socket(zmq.PULL)
+    sink.connect(f"ipc://{tmp_path}/out0")
+    time.sleep(0.2)                   # the PUSH socket drops what it sends before the peer is connected
+    try:
+        core._command(["add", 7, PROMPTS[0], {"max_tokens": 4, "logprobs": 2, "prompt_logprobs": 1, "ignore_eos": True,
+                                             "seed": 4}])
+        rows = []
+        while llm.engine.has_unfinished():
+            core._send_outputs(llm.engine.step())
+        core._command(["add", 8, PROMPTS[0], {"max_tokens": 4, "n": 2}])            # n > 1: refused (API expands)
+        while sink.poll(200):
+            rows += msgpack.unpackb(sink.recv())[1]
+    finally:
+        sink.close(linger=0)
+        core.inbox.close(linger=0)
+        for s in core.outs:
+            s.close(linger=0)
+        core.ctx.term()
+    refused = [r for r in rows if r[0] == 8]
+    assert refused[0][2] == "rejected" and "n=2" in refused[0][3]
+    mine = [r for r in rows if r[0] == 7]
+    ids = [t for r in mine for t in r[1]]
+    lps = [logprob_dict(row, t, 2) for r in mine for row, t in zip(r[4]["logprobs"], r[1])]
+    assert ids == want.token_ids
+    assert [{t: e.logprob for t, e in d.items()} for d in lps] == \
+        [{t: e.logprob for t, e in d.items()} for d in want.outputs[0].logprobs]
+    plp = mine[0][4]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(PROMPTS[0])
+    assert all("prompt_logprobs" not in r[4] for r in mine[1:])
+    _free(llm)
