@@ -47,8 +47,10 @@ def multistep_layout(B: int, W: int) -> dict[str, tuple[int, int]]:
 
 
 def make_multistep(config: ModelConfig, B: int, W: int, K: int, backend: str, interpret: bool = False,
-                   filtered: bool = False, mesh=None, loop: str | None = None):
-    """The K-step decode function for B rows and W-block tables (not yet jitted)."""
+                   filtered: bool = False, mesh=None, loop: str | None = None, unroll: int = 1):
+    """The K-step decode function for B rows and W-block tables (not yet jitted). `unroll`: steps per iteration
+    of the fori_loop (K / unroll iterations; scripts/bench_small_batch.py measures whether the per-iteration
+    cost of the device loop matters)."""
     loop = loop or LOOP
     mm = decode_matmul(B, interpret, tp_size(mesh))          # small batches: the gemv kernel (None: XLA's dot)
 
@@ -92,7 +94,7 @@ def make_multistep(config: ModelConfig, B: int, W: int, K: int, backend: str, in
             tok, active, caches, out = one(k, tok, active, caches)
             return tok, active, caches, outs.at[k].set(out)
         init = (tok0, active0, kv_caches, jnp.full((K, B), -1, jnp.int32))
-        _, _, caches, outs = jax.lax.fori_loop(0, K, body, init)
+        _, _, caches, outs = jax.lax.fori_loop(0, K, body, init, unroll=unroll)
         return outs, caches
 
     return multistep
