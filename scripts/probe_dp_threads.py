@@ -21,6 +21,8 @@ def main():
     ap.add_argument("-dp", type=int, default=2)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    from jaxinfer.xla_options import set_process_flags
+    set_process_flags()               # this script owns its process, as the jaxinfer commands and bench.py do
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.engine import dp_engine
     from bench import workload
