@@ -112,47 +112,45 @@ def count_kernels(hlo: str) -> dict:
 def bench_steps(a, cfg, params, out: dict) -> None:
     import jax
     import jax.numpy as jnp
+    from concurrent.futures import ThreadPoolExecutor
     from jaxinfer.engine.batch import pack, pack_multistep
+    from jaxinfer.engine.scheduler import ScheduledBatch
     from jaxinfer.model import layers
     from jaxinfer.multistep import make_multistep
     from jaxinfer.step import jit_step, make_step
     from jaxinfer.xla_options import step_compiler_options
     interpret = jax.devices()[0].platform != "gpu"
-    bs, W, L = a.block_size, a.width, cfg.num_hidden_layers
-    variants = []                                       # (batch, bucket, kind, mm)
+    bs, W, L, K = a.block_size, a.width, cfg.num_hidden_layers, a.k
+    variants = []                          # (batch, bucket, call, matmul, unroll); call "one" | "K"
     for n in a.batches:
         B = next(b for b in a.buckets if b >= n)
-        for mm in ("xla", "gemv"):
-            variants += [(n, B, "one", mm), (n, B, "K", mm)]
-    built, shapes = {}, {}
-    for n, B, kind, mm in variants:
-        if (B, kind, mm) in built:
-            continue
-        layers.GEMV_MAX_ROWS = B if mm == "gemv" else 0     # read when the step is built
-        f = (make_step(cfg, "decode", B, B, W, "pallas", interpret, B) if kind == "one" else
-             make_multistep(cfg, B, W, a.k, "pallas", interpret))
-        built[(B, kind, mm)] = jit_step(f)
-    layers.GEMV_MAX_ROWS = 0
+        variants += [(n, B, c, mm, 1) for mm in ("xla", "gemv") for c in ("one", "K")]
     n_max = max(a.batches)
-    batch, blocks = decode_batch(n_max, a.context, bs, a.k)
+    if a.unroll > 1:                       # the device loop's per-iteration cost, at the largest batch
+        variants.append((n_max, next(b for b in a.buckets if b >= n_max), "K", "xla", a.unroll))
+    built = {}
+    for _, B, call, mm, unroll in variants:
+        layers.GEMV_MAX_ROWS = B if mm == "gemv" else 0     # read when the step is built
+        f = (make_step(cfg, "decode", B, B, W, "pallas", interpret, B) if call == "one" else
+             make_multistep(cfg, B, W, K, "pallas", interpret, unroll=unroll))
+        built.setdefault((B, call, mm, unroll), jit_step(f))
+    layers.GEMV_MAX_ROWS = 0
+    batch, blocks = decode_batch(n_max, a.context, bs, K)
     kv_shape = (blocks, bs, cfg.num_key_value_heads, cfg.head_dim)
     fresh = lambda: [(jnp.zeros(kv_shape, a.dtype), jnp.zeros(kv_shape, a.dtype)) for _ in range(L)]  # noqa: E731
 
-    def packed_for(n, B, kind):
-        from jaxinfer.engine.scheduler import ScheduledBatch
+    def packed_for(n, B, call):
         sub = ScheduledBatch(batch.seqs[:n], [1] * n, False)
-        if kind == "one":
+        if call == "one":
             return pack(sub, B, B, W, bs, blocks * bs)
-        return pack_multistep(sub, B, W, bs, blocks * bs, [[] for _ in range(n)], [a.k] * n)
+        return pack_multistep(sub, B, W, bs, blocks * bs, [[] for _ in range(n)], [K] * n)
 
     # compile every variant in parallel threads (XLA compiles outside the GIL), as the engine's warm-up does
-    from concurrent.futures import ThreadPoolExecutor
-    kv0 = fresh()
-    opts = step_compiler_options(jax.devices()[0].platform)
+    kv0, opts = fresh(), step_compiler_options(jax.devices()[0].platform)
 
     def compile_one(key):
-        B, kind, mm = key
-        p = jnp.asarray(packed_for(min(B, n_max), B, kind))
+        B, call = key[:2]
+        p = jnp.asarray(packed_for(min(B, n_max), B, call))
         t = time.perf_counter()
         exe = built[key].lower(params, kv0, p, jnp.zeros((B,), jnp.int32)).compile(compiler_options=opts or None)
         return key, exe, time.perf_counter() - t
@@ -162,36 +160,31 @@ def bench_steps(a, cfg, params, out: dict) -> None:
     print(f"compiled {len(compiled)} step variants in {time.perf_counter() - t0:.1f} s", flush=True)
     del kv0
     rows = []
-    for n, B, kind, mm in variants:
-        exe, compile_s = compiled[(B, kind, mm)]
-        pk = packed_for(n, B, kind)
-        ids = jnp.zeros((B,), jnp.int32)
-        r = dict(batch=n, bucket=B, call="one-step" if kind == "one" else f"K={a.k}", matmul=mm,
-                 compile_s=round(compile_s, 1), kernels=count_kernels(exe.as_text()))
-        kv = fresh()
-        if kind == "one":
-            r["pipelined_ms"] = timed(exe, (params, kv, jnp.asarray(pk), ids), a.iters, {1: 1, 3: 0}) * 1e3
-            kv = fresh()
-            r["engine_ms"] = engine_like(exe, (params, kv, None, ids), pk, a.iters) * 1e3
-        else:
-            # the ids come back [K, B]; the next call is fed nothing from them (its batch is the same)
-            iters = max(2, a.iters // a.k)
-            r["pipelined_ms"] = timed(exe, (params, kv, jnp.asarray(pk), ids), iters, {1: 1}) * 1e3 / a.k
-            kv = fresh()
-            r["serial_ms"] = timed(lambda *x: exe(*x[:2], jax.device_put(pk), x[3]), (params, kv, None, ids),
-                                   iters, {1: 1}, read=True) * 1e3 / a.k
-        if a.profile and kind == "one":
+    for n, B, call, mm, unroll in variants:
+        exe, compile_s = compiled[(B, call, mm, unroll)]
+        pk, ids = packed_for(n, B, call), jnp.zeros((B,), jnp.int32)
+        r = dict(batch=n, bucket=B, call="one-step" if call == "one" else f"K={K}" + (f"/unroll {unroll}" if unroll > 1
+                 else ""), matmul=mm, compile_s=round(compile_s, 1), kernels=count_kernels(exe.as_text()))
+        per = 1 if call == "one" else K               # steps per call
+        iters = a.iters if call == "one" else max(2, a.iters // K)
+        carry = {1: 1, 3: 0} if call == "one" else {1: 1}          # K-step calls: same batch every call
+        r["pipelined_ms"] = timed(exe, (params, fresh(), jnp.asarray(pk), ids), iters, carry) * 1e3 / per
+        if call == "one":
+            r["engine_ms"] = engine_like(exe, (params, fresh(), None, ids), pk, iters) * 1e3
+        else:     # what the engine does: send the batch, run the call, read its ids, only then the next call
+            r["serial_ms"] = timed(lambda *x: exe(*x[:2], jax.device_put(pk), x[3]), (params, fresh(), None, ids),
+                                   iters, {1: 1}, read=True) * 1e3 / per
+        if a.profile:
             from bench import profiled, summarize_profile
-            d = os.path.join(a.profile, f"b{n}_{mm}")
-            kv = fresh()
+            d = os.path.join(a.profile, f"b{n}_{call}_{mm}_u{unroll}")
             with profiled(d):
-                timed(exe, (params, kv, jnp.asarray(pk), ids), a.iters, {1: 1, 3: 0})
-            s = summarize_profile(d, 4 * a.iters)
-            r["profile_top"] = s.get("top", [])[:12]
-        del kv
+                timed(exe, (params, fresh(), jnp.asarray(pk), ids), iters, carry)
+            s = summarize_profile(d, 4 * iters * per)
+            # busy / span: how much of the time some kernel ran (gaps = launch / loop / host overhead)
+            r["profile"] = dict(span_ms=s.get("span_ms"), busy_ms=s.get("busy_ms"), top=s.get("top", [])[:15])
         rows.append(r)
         k = r["kernels"]
-        print(f"  batch {n:3d} (bucket {B:3d}) {r['call']:>8} {mm:>4}: pipelined {r['pipelined_ms']:.3f} ms/step"
+        print(f"  batch {n:3d} (bucket {B:3d}) {r['call']:>16} {mm:>4}: pipelined {r['pipelined_ms']:.3f} ms/step"
               + (f", engine-like {r['engine_ms']:.3f}" if "engine_ms" in r else f", serial {r['serial_ms']:.3f}")
               + f"  [{k['launches']} launches/call: {k['gemm']} gemm, {k['gemv']} gemv, {k['pads']} pad]", flush=True)
     out["steps"] = rows
@@ -212,6 +205,8 @@ def sweep_tiles(M, E, N, full: bool) -> list[dict]:
     if not full:
         return [auto]
     out = [auto] + [dict(auto, num_warps=w, num_stages=st) for w, st in ((2, 3), (8, 3), (4, 5))]
+    if E % (auto["split_k"] * 256) == 0:
+        out.append(dict(auto, block_k=256))                 # 2x the bytes in flight per stage
     shapes = []
     for bn in (32, 64, 128):
         for sk in (1, 2, 4, 8):
@@ -290,15 +285,20 @@ def bench_attention(a, cfg, out: dict) -> None:
         qkv = jnp.ones((B, H + 2 * K, D), a.dtype)
         norms, cos = jnp.ones((L, D), a.dtype), jnp.ones((B, D), jnp.float32)
         auto = choose_num_splits(B, K, a.width * bs)
-        for S in sorted({1, 2, 4, 8, 16, auto} if not a.quick else {1, 2, auto}):
+        configs = [(S, None) for S in sorted({1, 2, 4, 8, 16, auto} if not a.quick else {1, 2, auto})]
+        if B == a.buckets[0] and not a.quick:              # the smallest bucket: shorter tiles, more splits
+            configs += [(16, 32), (32, 32)]
+        for S, bn in configs:
             if S not in (1, auto) and time.perf_counter() - a.t0 > a.budget:
                 continue                                    # over the time budget: the auto choice and 1 only
-            def chain(carry, S=S):
+
+            def chain(carry, S=S, bn=bn):
                 caches, acc = carry
                 new = []
                 for l in range(L):
                     o, kc, vc = paged_attention_qkv(qkv, norms, norms, cos, cos, *caches[l], tables, lens, eps=1e-6,
-                                                    layer=l, order=order, num_splits=S, interpret=interpret)
+                                                    layer=l, order=order, num_splits=S, block_n=bn,
+                                                    interpret=interpret)
                     new.append((kc, vc))
                     acc = acc + o
                 return new, acc
@@ -308,12 +308,15 @@ def bench_attention(a, cfg, out: dict) -> None:
             try:
                 s = _timed_carry(f, (caches, jnp.zeros((B, H, D), a.dtype)), a.iters)
             except Exception as err:
-                rows.append(dict(batch=n, bucket=B, splits=S, error=str(err)[:300]))
+                rows.append(dict(batch=n, bucket=B, splits=S, block_n=bn, error=str(err)[:300]))
+                print(f"  attention batch {n} splits {S} block_n {bn}: FAILED {str(err)[:200]}", flush=True)
                 continue
             kv_bytes = n * a.context * 2 * K * D * jnp.dtype(a.dtype).itemsize
-            rows.append(dict(batch=n, bucket=B, splits=S, auto=S == auto, us_per_layer=s / L * 1e6,
+            auto_cfg = S == auto and bn is None
+            rows.append(dict(batch=n, bucket=B, splits=S, block_n=bn or 64, auto=auto_cfg, us_per_layer=s / L * 1e6,
                              GBs=kv_bytes / (s / L) / 1e9))
-            print(f"  attention batch {n:3d} (bucket {B}) splits {S:2d}{' (auto)' if S == auto else '       '}: "
+            print(f"  attention batch {n:3d} (bucket {B}) splits {S:2d} block_n {bn or 64:3d}"
+                  f"{' (auto)' if auto_cfg else '       '}: "
                   f"{s / L * 1e6:7.2f} us/layer, {kv_bytes / (s / L) / 1e9:6.0f} GB/s of K/V", flush=True)
             del caches
     out["attention"] = rows
@@ -342,6 +345,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--width", type=int, default=256, help="block-table width (the engine's: 4096 tokens / 16)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--k", type=int, default=16, help="steps per K-step call")
+    ap.add_argument("--unroll", type=int, default=4, help="also a K-step call with this many steps per loop "
+                                                         "iteration, at the largest batch (1: none)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="gemv: automatic tiles only")
     ap.add_argument("--only", default="steps,gemv,attention", help="sections to run")
@@ -368,7 +373,7 @@ def main(argv=None) -> dict:
                           rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=512,
                           torch_dtype="bfloat16", eos_token_id=(1,), name="tiny")
         params = init_params(cfg, a.dtype)
-        a.batches, a.context, a.width, a.k, a.iters, a.sweep = [1, 8], 48, 4, 2, 2, False
+        a.batches, a.context, a.width, a.k, a.iters, a.sweep, a.unroll = [1, 8], 48, 4, 2, 2, False, 2
     else:
         from jaxinfer.llm import load_model
         cfg, params, _ = load_model(a.model, "bfloat16")
