@@ -49,6 +49,21 @@ def test_transposed_weights_fp32_out(split_k):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("stacked_norm,swiglu", [(True, False), (False, True), (True, True)])
+def test_fused_norm_and_swiglu(dtype, stacked_norm, swiglu):
+    """RMSNorm folded into the dot, and silu(gate) * up on the [gate | up] columns, against jnp."""
+    M, E, N, L = 5, 64, 96, 3
+    x, w = _inputs(M, E, N, L, dtype, False, seed=5)
+    rng = np.random.default_rng(6)
+    g = jnp.asarray(1 + 0.1 * rng.standard_normal((L, E) if stacked_norm else (E,)), dtype)
+    x = x * 3.0                                             # rms far from 1: the scaling matters
+    out = gemv(x, w, 2, norm_weight=g, eps=1e-6, swiglu=swiglu, block_k=16, interpret=True)
+    assert out.shape == (M, N // 2 if swiglu else N)
+    ref = gemv_reference(x, w, 2, norm_weight=g, eps=1e-6, swiglu=swiglu)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **TOL[dtype])
+
+
 def test_traced_layer_index():
     """The layer may be a traced value (one kernel serves every layer)."""
     x, w = _inputs(2, 32, 32, 4, jnp.float32, False, seed=2)
@@ -75,6 +90,10 @@ def test_bad_input_names_the_value():
         gemv(x, w.T, interpret=True)
     with pytest.raises(ValueError, match="layer=2"):
         gemv(x, w[None], 2, interpret=True)
+    with pytest.raises(ValueError, match="split_k=2"):
+        gemv(x, w, norm_weight=jnp.ones((64,)), split_k=2, interpret=True)
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv(x, w, norm_weight=jnp.ones((32,)), interpret=True)
 
 
 def test_lowers_to_triton():
@@ -83,23 +102,30 @@ def test_lowers_to_triton():
     assert_lowers_to_triton(lambda x, w: gemv(x, w, 5), o_proj)
     assert_lowers_to_triton(lambda x, w: gemv(x, w, transpose_w=True, out_dtype=jnp.float32),
                             (x, jnp.zeros((4096, 1024), jnp.bfloat16)))
+    g = jnp.ones((28, 1024), jnp.bfloat16)
+    assert_lowers_to_triton(lambda x, w: gemv(x, w, 3, norm_weight=g, swiglu=True),          # fused gate_up
+                            (x, jnp.zeros((28, 1024, 6144), jnp.bfloat16)))
 
 
-def test_engine_decode_through_gemv_equals_transformers(tiny_dirs, monkeypatch):
-    """Decode steps (one per call, and K per call) with every matmul and the LM head in the kernel give HF's
-    greedy tokens; the kernel really ran (counted when traced)."""
+@pytest.mark.parametrize("fuse", [True, False])
+def test_engine_decode_through_gemv_equals_transformers(tiny_dirs, monkeypatch, fuse):
+    """Decode steps (one per call, and K per call) with every matmul and the LM head in the kernel (the RMSNorms
+    and swiglu folded in, or not) give HF's greedy tokens; the kernel really ran (counted when traced)."""
     from jaxinfer import LLM, SamplingParams
     calls = []
     real = gemv_mod.gemv
-    monkeypatch.setattr(gemv_mod, "gemv", lambda *a, **k: calls.append(k.get("transpose_w")) or real(*a, **k))
+    monkeypatch.setattr(gemv_mod, "gemv", lambda *a, **k: calls.append(k) or real(*a, **k))
     monkeypatch.setattr(layers, "GEMV_MAX_ROWS", 16)
+    monkeypatch.setattr(layers, "GEMV_FUSE", fuse)
     path = tiny_dirs["gqa1_tied"]
-    # block_size 8: an engine setting no other test file uses, so no step compiled without the kernel is reused
-    llm = LLM(path, **{**TINY_ENGINE, "block_size": 8, "num_kvcache_blocks": 128})
+    # an engine setting no other test uses (block_size 8, pool size per case): no step compiled without the
+    # kernel, or with the other `fuse`, is reused from the shared executable cache
+    llm = LLM(path, **{**TINY_ENGINE, "block_size": 8, "num_kvcache_blocks": 128 if fuse else 120})
     rng = np.random.default_rng(3)
     ps = [rng.integers(0, 512, n).tolist() for n in (4, 19)]
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    assert calls and True in calls, "the decode step did not use the gemv kernel"
+    assert any(k.get("transpose_w") for k in calls), "the LM head did not use the gemv kernel"
+    assert any(k.get("swiglu") for k in calls) == fuse and any(k.get("norm_weight") is not None for k in calls) == fuse
     ref = hf_model(path)
     for p, o in zip(ps, outs):
         assert o.token_ids == hf_greedy(ref, p, 10), f"prompt of {len(p)} tokens"

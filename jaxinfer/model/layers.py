@@ -40,6 +40,9 @@ def swiglu(gate_up: jax.Array) -> jax.Array:
 # which streams each weight once, instead of XLA's cuBLAS GEMMs (~1.7 TB/s at batch 2). 0 = off: set it from
 # the H200 A/B of scripts/bench_small_batch.py. Read when a step is built (make_step / make_multistep).
 GEMV_MAX_ROWS = 0
+# With the kernel, fold the RMSNorms into the qkv / gate_up kernels and silu(gate) * up into gate_up's: 2-3 fewer
+# kernels a layer (set from the same A/B: "gemv" against "gemv-unfused").
+GEMV_FUSE = True
 
 
 def decode_matmul(rows: int, interpret: bool = False, tp: int = 1):
@@ -51,14 +54,23 @@ def decode_matmul(rows: int, interpret: bool = False, tp: int = 1):
     return functools.partial(gemv_matmul, interpret=interpret)
 
 
-def gemv_matmul(x: jax.Array, w: jax.Array, row: int | None = None, transpose_w: bool = False, out_dtype=None, *,
-                interpret: bool = False) -> jax.Array:
+def gemv_matmul(x: jax.Array, w: jax.Array, row: int | None = None, transpose_w: bool = False, out_dtype=None,
+                norm=None, gated: bool = False, *, interpret: bool = False) -> jax.Array:
     """x [M, E] @ w[row] (w stacked [L, E, N]) or @ w (row None, w [E, N]); transpose_w: w is [.., N, E] and
-    x @ w^T is computed. Result [M, N] in out_dtype (default x's). Shapes the kernel does not take use XLA."""
+    x @ w^T is computed. Result [M, N] in out_dtype (default x's). norm = (weight [E] or stacked [L, E], eps):
+    RMSNorm x first; gated: w's columns are [gate | up] and the result silu(gate) * up [M, N / 2]. With
+    GEMV_FUSE both happen inside the kernel. Shapes the kernel does not take use XLA."""
     from pallas_kernels.gemv import gemv, supported
     N, E = w.shape[-2:] if transpose_w else w.shape[-2:][::-1]
-    if supported(x.shape[0], E, N):
-        return gemv(x, w, 0 if row is None else row, transpose_w=transpose_w, out_dtype=out_dtype, interpret=interpret)
-    w = w if row is None else w[row]
-    return jnp.einsum("me,ne->mn" if transpose_w else "me,en->mn", x, w,
-                      preferred_element_type=out_dtype or x.dtype)
+    kernel = supported(x.shape[0], E, N) and not (gated and N % 32)
+    fuse = kernel and GEMV_FUSE
+    g, eps = norm if norm is not None else (None, 1e-6)
+    if g is not None and not fuse:                          # the RMSNorm as its own op
+        x, g = rms_norm(x, g if row is None or g.ndim == 1 else g[row], eps), None
+    if kernel:
+        y = gemv(x, w, 0 if row is None else row, norm_weight=g, eps=eps, swiglu=gated and fuse,
+                 transpose_w=transpose_w, out_dtype=out_dtype, interpret=interpret)
+    else:
+        w = w if row is None else w[row]
+        y = jnp.einsum("me,ne->mn" if transpose_w else "me,en->mn", x, w, preferred_element_type=out_dtype or x.dtype)
+    return swiglu(y) if gated and not fuse else y

@@ -107,19 +107,19 @@ def forward(c: ModelConfig, params: dict, token_ids, positions, attn: Callable, 
     caches = list(kv_caches) if kv_caches is not None else [None] * c.num_hidden_layers
     for l in range(c.num_hidden_layers):
         w, qk_norms = {k: v[l] for k, v in layers.items()}, (layers["q_norm"], layers["k_norm"], l)
-        mm = None if matmul is None else functools.partial(_project, matmul, layers, l)
+        mm = None if matmul is None else functools.partial(_project, matmul, layers, l, c.rms_norm_eps)
         x, caches[l] = _decoder_layer(c, w, x, cos, sin, attn, l, caches[l], qk_norms, tp, mm)
     return rms_norm(x, params["norm"], c.rms_norm_eps), caches
 
 
-def _project(matmul: Callable, layers, l: int, x: jax.Array, name: str) -> jax.Array:
-    """x [..., E] @ layer l's weight `name` through `matmul(x2d, w, row)` (model/layers.py: decode_matmul), which
-    gets the whole stacked [L, E, N] array and the row: a per-layer slice would be copied out before a kernel."""
-    if isinstance(layers, (tuple, list)):
-        w, row = layers[l][name], None
-    else:
-        w, row = layers[name], l
-    return matmul(x.reshape(-1, x.shape[-1]), w, row).reshape(*x.shape[:-1], -1)
+def _project(matmul: Callable, layers: dict, l: int, eps: float, x: jax.Array, name: str, norm: str | None = None,
+             gated: bool = False) -> jax.Array:
+    """[RMSNorm `norm`](x [..., E]) @ layer l's weight `name` [, then silu(gate) * up] through `matmul(x2d, w, row,
+    norm=(weight, eps), gated=...)` (model/layers.py: decode_matmul), which gets the whole stacked [L, E, N] arrays
+    and the row: a per-layer slice would be copied out before a kernel."""
+    y = matmul(x.reshape(-1, x.shape[-1]), layers[name], l, norm=None if norm is None else (layers[norm], eps),
+               gated=gated)
+    return y.reshape(*x.shape[:-1], -1)
 
 
 def embed(table: jax.Array, token_ids: jax.Array, mesh=None) -> jax.Array:
@@ -162,9 +162,11 @@ def _decoder_layer(c: ModelConfig, w, x, cos, sin, attn, l, cache, qk_norms, tp:
     K = kv_heads(c, tp) if tp > 1 else c.num_key_value_heads                     # K' (replicated up to tp)
     Hl, Kl = H // tp, K // tp
     lead = x.shape[:-1]
-    mm = mm or (lambda x, name: x @ w[name])                  # mm(x, name) = x @ this layer's weight `name`
-    h = rms_norm(x, w["input_layernorm"], c.rms_norm_eps)
-    qkv = mm(h, "qkv_proj")                                                       # [..., tp (Hl+2Kl) D]
+    if mm is None:   # mm(x, name, norm, gated) = [RMSNorm `norm`](x) @ this layer's `name` [then swiglu]
+        def mm(x, name, norm=None, gated=False):
+            y = (rms_norm(x, w[norm], c.rms_norm_eps) if norm else x) @ w[name]
+            return swiglu(y.reshape(*y.shape[:-1], tp, -1)).reshape(*y.shape[:-1], -1) if gated else y
+    qkv = mm(x, "qkv_proj", "input_layernorm")                                    # [..., tp (Hl+2Kl) D]
     from_qkv = attn.from_qkv if isinstance(attn, LayerAttention) else None
     if from_qkv is not None:     # the kernel normalises and rotates q/k itself (3 fewer kernels a layer)
         qkv = qkv.reshape(*lead, tp * (Hl + 2 * Kl), D)
@@ -178,9 +180,8 @@ def _decoder_layer(c: ModelConfig, w, x, cos, sin, attn, l, cache, qk_norms, tp:
         k = apply_rope(rms_norm(k, w["k_norm"], c.rms_norm_eps), cos, sin)
         o, cache = attn(l, q, k, v, cache)                                        # [..., H, D]
     x = x + mm(o.reshape(*lead, H * D), "o_proj")        # split by input for tp: XLA adds the all-reduce
-    h = rms_norm(x, w["post_attention_layernorm"], c.rms_norm_eps)
-    gate_up = mm(h, "gate_up_proj").reshape(*lead, tp, -1)                        # [..., tp, 2I/tp]
-    return x + mm(swiglu(gate_up).reshape(*lead, -1), "down_proj"), cache
+    act = mm(x, "gate_up_proj", "post_attention_layernorm", gated=True)         # [..., I]: silu(gate) * up
+    return x + mm(act, "down_proj"), cache
 
 
 def dense_attention(l, q, k, v, cache):

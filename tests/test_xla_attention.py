@@ -1,0 +1,96 @@
+"""The xla backend (model/xla_attention.py) against the kernels' jnp references: prefill per query tile with
+a causal offset mask (ragged rows, cached prefixes, padding rows and tokens), decode in both forms, fp8."""
+import numpy as np
+import jax.numpy as jnp
+import pytest
+from helpers import make_paged
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.model.presets import preset
+from jaxinfer.model.xla_attention import paged_decode_xla, prefill_xla, query_tiles
+from pallas_kernels.flash_attention import flash_attention_reference
+from pallas_kernels.paged_attention import paged_attention_reference
+from pallas_kernels.quant import quantize
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def prefill_case(rng, dtype=jnp.float32):
+    """4 rows (a cached prefix, a whole prompt, a 1-token chunk, a prompt at a block boundary) + 2 padding
+    rows, 41 tokens in a 48-token bucket; block size 4, 4 q heads over 2 kv heads."""
+    lens, counts = [9, 33, 5, 8], [5, 27, 1, 8]
+    k, v, tables, _ = make_paged(rng, lens, 4, 2, 8, dtype)
+    tables = jnp.concatenate([tables, jnp.zeros((2, tables.shape[1]), jnp.int32)])
+    cu = np.concatenate([[0], np.cumsum(counts)])
+    cu = jnp.asarray(np.concatenate([cu, [cu[-1]] * 2]), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((48, 4, 8)), dtype)
+    return q, k, v, tables, cu, jnp.asarray(lens + [0, 0], jnp.int32)
+
+
+@pytest.mark.parametrize("tile,budget", [(None, 2**30), (3, 2**30), (4, 9000)])
+def test_prefill_equals_reference(tile, budget):
+    """Any tile size, in one group or several (lax.map under a small budget), gives the reference; padding
+    tokens give zeros."""
+    q, k, v, tables, cu, lens = prefill_case(np.random.default_rng(0))
+    got = prefill_xla(q, k, v, tables, cu, lens, tile=tile, gather_budget_bytes=budget)
+    ref = flash_attention_reference(q, k, v, tables, cu, lens)
+    np.testing.assert_allclose(np.asarray(got[:41]), np.asarray(ref[:41]), **TOL)
+    assert float(jnp.abs(got[41:]).max()) == 0.0
+
+
+def test_query_tiles_layout():
+    """Each token lands in a tile of its own row, at its chunk index; tiles hold consecutive positions."""
+    _, _, _, _, cu, lens = prefill_case(np.random.default_rng(0))
+    slot, row, pos = (np.asarray(x) for x in query_tiles(cu, lens, 48, 4))
+    assert pos.shape == ((48 + 6 * 3) // 4, 4) and slot[41:].tolist() == [pos.size] * 7
+    for t in range(41):
+        b = int(np.searchsorted(np.asarray(cu)[1:], t, side="right"))
+        tile, place = divmod(int(slot[t]), 4)
+        assert row[tile] == b and pos[tile, place] == int(lens[b]) - int(cu[b + 1]) + t
+    assert len(set(slot[:41].tolist())) == 41 and (pos >= 0).sum() == 41
+
+
+@pytest.mark.parametrize("form", ["reduce", "einsum"])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, TOL), (jnp.bfloat16, dict(atol=2e-2, rtol=2e-2))])
+def test_decode_forms_equal_reference(form, dtype, tol):
+    rng = np.random.default_rng(1)
+    lens = [1, 8, 13, 0, 31]                                  # a row of 1, a block boundary, a padding row
+    k, v, tables, seq_lens = make_paged(rng, lens, 4, 2, 16, dtype)
+    q = jnp.asarray(rng.standard_normal((5, 4, 16)), dtype)
+    got = paged_decode_xla(q, k, v, tables, seq_lens, form=form)
+    ref = paged_attention_reference(q, k, v, tables, seq_lens)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), **tol)
+    assert float(jnp.abs(got[3]).max()) == 0.0
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fp8_cache_equals_reference(per_head):
+    """fp8 pages with stacked [L, 1] or [L, K] scales (layer row 1): both paths equal the references, which
+    dequantise the whole cache first."""
+    rng = np.random.default_rng(2)
+    q, k, v, tables, cu, lens = prefill_case(rng)
+    C = 2 if per_head else 1
+    ks = jnp.asarray(rng.uniform(0.5, 2.0, (3, C)), jnp.float32) / 100
+    vs = jnp.asarray(rng.uniform(0.5, 2.0, (3, C)), jnp.float32) / 100
+    k8, v8 = quantize(k, ks[1], jnp.float8_e4m3fn), quantize(v, vs[1], jnp.float8_e4m3fn)
+    scales = dict(k_scale=ks, v_scale=vs, layer=1)
+    got = prefill_xla(q, k8, v8, tables, cu, lens, **scales)
+    ref = flash_attention_reference(q, k8, v8, tables, cu, lens, **scales)
+    np.testing.assert_allclose(np.asarray(got[:41]), np.asarray(ref[:41]), atol=1e-4, rtol=1e-4)
+    qd, dl = q[:6], jnp.asarray([9, 33, 5, 8, 0, 1], jnp.int32)
+    for form in ("reduce", "einsum"):
+        got = paged_decode_xla(qd, k8, v8, tables, dl, form=form, **scales)
+        ref = paged_attention_reference(qd, k8, v8, tables, dl, **scales)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=1e-4)
+
+
+def test_block_table_widths_per_backend():
+    """xla: a ladder of widths below max_model_len and fewer prefill buckets; pallas: one narrow width; an
+    explicit context_buckets wins."""
+    m = preset("qwen3-0.6b")
+    xla = EngineConfig(attn_backend="xla").resolve("gpu", m)
+    assert xla.block_table_widths() == (128, 512, 2560) and xla.prefill_buckets == (256, 2048, 16384)
+    pallas = EngineConfig(attn_backend="pallas", max_model_len=4096).resolve("gpu", m)
+    assert pallas.block_table_widths() == (256,) and pallas.prefill_buckets[0] == 64
+    own = EngineConfig(attn_backend="xla", max_model_len=4096, context_buckets=(1000,)).resolve("gpu", m)
+    assert own.block_table_widths() == (63, 256)
