@@ -64,6 +64,9 @@ class SamplingParams:
         if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not 0 < rp < float("inf"):
             bad("repetition_penalty", "must be a number > 0 (1 = no penalty)")
         object.__setattr__(self, "repetition_penalty", float(rp))
+        # (not a field) read by the engine for every row of every step: one attribute, not three tests
+        object.__setattr__(self, "_extras", self.has_penalties or self.logprobs is not None
+                           or self.prompt_logprobs is not None)
 
     @property
     def greedy(self) -> bool:
@@ -73,6 +76,11 @@ class SamplingParams:
     def needs_filter(self) -> bool:
         """Whether sampling must sort the vocabulary (top-k, top-p or min-p on a sampled row)."""
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+    @property
+    def needs_extras(self) -> bool:
+        """Penalties or logprobs: the request runs the step's extras variant (step.Extras)."""
+        return self._extras
 
     @property
     def has_penalties(self) -> bool:

@@ -142,7 +142,7 @@ def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, bac
         logits = _full_vocab(compute_logits(config, params, rows), V, mesh)       # [B, V] fp32
         raw = logits
         if extras.penalties:
-            counts = _count_tokens(counts, token_ids, b)
+            counts = _count_tokens(counts, token_ids, b, kind == "prefill")
             slot = b["pen_slot"]
             seen, outs = (jnp.take(c, slot, axis=0, mode="fill", fill_value=0) for c in counts)   # [B, V] each
             logits = apply_penalties(logits, seen, outs, b["repetition"], b["frequency"], b["presence"])
@@ -170,19 +170,20 @@ def _full_vocab(logits, V: int, mesh):
     return logits[:, :V]
 
 
-def _count_tokens(counts, token_ids, b):
-    """Add this step's tokens [T] to their rows' slots (see make_extras_step)."""
+def _count_tokens(counts, token_ids, b, prefill: bool):
+    """Add this step's tokens [T] to their rows' slots (see make_extras_step). Only a prefill step can start a
+    sequence at position 0 (clearing [B, V] of slots costs a pass over them: decode steps skip it)."""
     seen, outs = counts
     S = seen.shape[0]
     T, B = token_ids.shape[0], b["pen_slot"].shape[0]
     cu = b["cu_seqlens"]                                                           # [B + 1]
     row = jnp.minimum(jnp.searchsorted(cu[1:], jnp.arange(T), side="right"), B)  # [T]; padding tokens -> B
     slot_of_row = jnp.concatenate([b["pen_slot"], jnp.full((1,), S, jnp.int32)])  # [B + 1]
-    first = b["positions"][jnp.minimum(cu[:-1], T - 1)]                           # [B] first token's position
-    fresh = (first == 0) & (cu[1:] > cu[:-1])
-    clear = jnp.where(fresh, b["pen_slot"], S)
-    seen = seen.at[clear].set(False, mode="drop")
-    outs = outs.at[clear].set(0, mode="drop")
+    if prefill:
+        first = b["positions"][jnp.minimum(cu[:-1], T - 1)]                       # [B] first token's position
+        clear = jnp.where((first == 0) & (cu[1:] > cu[:-1]), b["pen_slot"], S)
+        seen = seen.at[clear].set(False, mode="drop")
+        outs = outs.at[clear].set(0, mode="drop")
     slot = slot_of_row[row]
     in_prompt = b["positions"] < jnp.concatenate([b["num_prompt"], jnp.zeros((1,), jnp.int32)])[row]
     seen = seen.at[jnp.where(in_prompt, slot, S), token_ids].set(True, mode="drop")
