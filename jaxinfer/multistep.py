@@ -19,6 +19,10 @@ K = 16 (superlinear): unrolled variants would break the 60 s warm-up. Its trip c
 the loop without reading a predicate back to the host; the body's kernels are captured in command buffers
 (CUDA graphs), replayed once per iteration. Rows cannot exit early without a host read (a device-side
 predicate is copied to the host), so the host picks K from the rows' `remaining` instead.
+
+A batch with a request asking for penalties or logprobs runs one step per call (Scheduler.plan_steps): the
+step's extras variant (step.Extras: penalty counts, logprob rows) has no K-step form. Their tokens are the
+same either way; only the host-bound small-batch speed-up is lost for them.
 """
 from __future__ import annotations
 
