@@ -112,6 +112,32 @@ def test_sigterm_drains_both_processes(server):
         time.sleep(0.1)
 
 
+def test_sigterm_drain_timeout_aborts_and_refuses_new_requests(tiny_dir, jax_cache):
+    """--shutdown-timeout 0.5: during the drain a new request gets 503 (with Retry-After); the long stream in
+    flight ends with finish_reason "abort" after the timeout; both processes exit 0."""
+    proc, url = start_server(tiny_dir, jax_cache, "--shutdown-timeout", "0.5")
+    try:
+        reasons, n, refused = [], 0, None
+        with httpx.stream("POST", url + "/v1/completions", json=stream_body(110), timeout=60) as s:
+            for line in s.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                n += 1
+                if n == 2:
+                    proc.send_signal(signal.SIGTERM)
+                    time.sleep(0.1)
+                    refused = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5)
+                reasons += [c["finish_reason"] for c in json.loads(line.removeprefix("data: "))["choices"]]
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "shutting_down"
+        assert reasons[-1] == "abort", "the stream must end by the drain's timeout"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 def test_port_in_use_fails_before_loading(tiny_dir):
     from jaxinfer.server import serve
     with socket.create_server(("127.0.0.1", 0)) as busy:
@@ -143,6 +169,11 @@ def test_two_api_processes_and_a_killed_server(tiny_dir, jax_cache):
             again = [c.post(url + "/v1/completions", json=b).json() for b in bodies]
         assert [r["choices"][0]["text"] for r in first] == [r["choices"][0]["text"] for r in again]
         assert all(r["usage"]["completion_tokens"] == 6 for r in first)
+        # /metrics sums both API processes' histograms (prometheus_client's multiprocess mode): 6 requests
+        with httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as c:
+            for _ in range(4):            # whichever process answers
+                m = c.get(url + "/metrics").text
+                assert 'jaxinfer:e2e_request_latency_seconds_count{model_name="tiny"} 6.0' in m, m[-2000:]
         with httpx.stream("POST", url + "/v1/completions", json=stream_body(110), timeout=60) as s:
             next(s.iter_lines())
             proc.kill()                   # no drain, no shutdown message

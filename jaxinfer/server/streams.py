@@ -75,9 +75,8 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
                 new = R.completion_logprobs(text_of, ids, entries, k, offsets[ch.index])
                 offsets[ch.index] += sum(len(t) for t in new["tokens"])
                 lp = _merge(lp, new)
-                if text or d.finish_reason or new["tokens"]:
-                    yield R.sse(R.completion_chunk(rid, model, ch.index, text, d.finish_reason, lp))
-            elif text or d.finish_reason:
+                yield R.sse(R.completion_chunk(rid, model, ch.index, text, d.finish_reason, lp))
+            else:               # (an event per update, even when the text is held back: a client sees progress)
                 yield enc.completion(ch.index, text, d.finish_reason)
         if (req.stream_options or {}).get("include_usage"):
             yield R.sse(R.usage_chunk(rid, model, "text_completion", total_usage(prompts, done.values())))
