@@ -51,19 +51,19 @@ def decode_matmul(rows: int, interpret: bool = False, tp: int = 1):
     kernel would need a shard_map per matmul (and the all-reduce after o_proj / down_proj)."""
     if rows > GEMV_MAX_ROWS or tp > 1:
         return None
-    return functools.partial(gemv_matmul, interpret=interpret)
+    return functools.partial(gemv_matmul, interpret=interpret, fuse=GEMV_FUSE)
 
 
 def gemv_matmul(x: jax.Array, w: jax.Array, row: int | None = None, transpose_w: bool = False, out_dtype=None,
-                norm=None, gated: bool = False, *, interpret: bool = False) -> jax.Array:
+                norm=None, gated: bool = False, *, interpret: bool = False, fuse: bool = True) -> jax.Array:
     """x [M, E] @ w[row] (w stacked [L, E, N]) or @ w (row None, w [E, N]); transpose_w: w is [.., N, E] and
     x @ w^T is computed. Result [M, N] in out_dtype (default x's). norm = (weight [E] or stacked [L, E], eps):
-    RMSNorm x first; gated: w's columns are [gate | up] and the result silu(gate) * up [M, N / 2]. With
-    GEMV_FUSE both happen inside the kernel. Shapes the kernel does not take use XLA."""
+    RMSNorm x first; gated: w's columns are [gate | up] and the result silu(gate) * up [M, N / 2]. `fuse`
+    (GEMV_FUSE when the step was built): both happen inside the kernel. Shapes the kernel does not take use XLA."""
     from pallas_kernels.gemv import gemv, supported
     N, E = w.shape[-2:] if transpose_w else w.shape[-2:][::-1]
     kernel = supported(x.shape[0], E, N) and not (gated and N % 32)
-    fuse = kernel and GEMV_FUSE
+    fuse = kernel and fuse
     g, eps = norm if norm is not None else (None, 1e-6)
     if g is not None and not fuse:                          # the RMSNorm as its own op
         x, g = rms_norm(x, g if row is None or g.ndim == 1 else g[row], eps), None
