@@ -90,6 +90,19 @@ def test_seeded_sampling_tp2_equals_tp1(tp1, tp2, prompts, filtered):
     assert a != run(tp1, prompts, [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)] * 3)
 
 
+def test_penalties_and_logprobs_tp2_equal_tp1(tp1, tp2, prompts):
+    """The extras step variant (engine/extras.py) on vocabulary-split logits: same tokens and logprobs."""
+    sp = [SamplingParams(temperature=0.8, seed=1, max_tokens=6, logprobs=3, prompt_logprobs=2, presence_penalty=1.0,
+                         ignore_eos=True), SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.5)]
+    a, b = (tp.generate(prompts[:2], sp, use_tqdm=False) for tp in (tp1, tp2))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    flat = lambda lps: [(t, e.rank, e.logprob) for d in lps[1:] for t, e in d.items()]   # noqa: E731
+    for x, y in ((a[0].outputs[0].logprobs, b[0].outputs[0].logprobs), (a[0].prompt_logprobs, b[0].prompt_logprobs)):
+        fx, fy = flat(x), flat(y)
+        assert [f[:2] for f in fx] == [f[:2] for f in fy]
+        np.testing.assert_allclose([f[2] for f in fx], [f[2] for f in fy], atol=1e-4)
+
+
 def test_weights_and_cache_really_split(tp2):
     runner, tp = tp2.engine.runner, 2
     assert {d.id for d in runner.placement.devices} == {0, 1}
