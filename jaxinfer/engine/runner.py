@@ -85,7 +85,10 @@ class CompileCounter:
                 pass
 
     def __del__(self):
-        self.close()
+        try:
+            self.close()
+        except Exception:       # at interpreter exit jax.monitoring may already be torn down
+            pass
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype) -> int:
