@@ -125,16 +125,19 @@ def bench_steps(a, cfg, params, out: dict) -> None:
     for n in a.batches:
         B = next(b for b in a.buckets if b >= n)
         variants += [(n, B, c, mm, 1) for mm in ("xla", "gemv") for c in ("one", "K")]
+        if B == a.buckets[0]:
+            variants.append((n, B, "one", "gemv-unfused", 1))
     n_max = max(a.batches)
     if a.unroll > 1:                       # the device loop's per-iteration cost, at the largest batch
         variants.append((n_max, next(b for b in a.buckets if b >= n_max), "K", "xla", a.unroll))
     built = {}
     for _, B, call, mm, unroll in variants:
-        layers.GEMV_MAX_ROWS = B if mm == "gemv" else 0     # read when the step is built
+        layers.GEMV_MAX_ROWS = 0 if mm == "xla" else B     # both read when the step is built
+        layers.GEMV_FUSE = mm != "gemv-unfused"
         f = (make_step(cfg, "decode", B, B, W, "pallas", interpret, B) if call == "one" else
              make_multistep(cfg, B, W, K, "pallas", interpret, unroll=unroll))
         built.setdefault((B, call, mm, unroll), jit_step(f))
-    layers.GEMV_MAX_ROWS = 0
+    layers.GEMV_MAX_ROWS, layers.GEMV_FUSE = 0, True
     batch, blocks = decode_batch(n_max, a.context, bs, K)
     kv_shape = (blocks, bs, cfg.num_key_value_heads, cfg.head_dim)
     fresh = lambda: [(jnp.zeros(kv_shape, a.dtype), jnp.zeros(kv_shape, a.dtype)) for _ in range(L)]  # noqa: E731
@@ -184,24 +187,28 @@ def bench_steps(a, cfg, params, out: dict) -> None:
             r["profile"] = dict(span_ms=s.get("span_ms"), busy_ms=s.get("busy_ms"), top=s.get("top", [])[:15])
         rows.append(r)
         k = r["kernels"]
-        print(f"  batch {n:3d} (bucket {B:3d}) {r['call']:>16} {mm:>4}: pipelined {r['pipelined_ms']:.3f} ms/step"
+        print(f"  batch {n:3d} (bucket {B:3d}) {r['call']:>16} {mm:>12}: pipelined {r['pipelined_ms']:.3f} ms/step"
               + (f", engine-like {r['engine_ms']:.3f}" if "engine_ms" in r else f", serial {r['serial_ms']:.3f}")
               + f"  [{k['launches']} launches/call: {k['gemm']} gemm, {k['gemv']} gemv, {k['pads']} pad]", flush=True)
     out["steps"] = rows
 
 
-def matmul_shapes(cfg) -> dict[str, tuple[int, int, bool]]:
-    """name -> (E, N, stacked) of the decode matmuls."""
+def matmul_shapes(cfg) -> dict[str, tuple[int, int, bool, bool, bool]]:
+    """name -> (E, N, stacked, norm, gated) of the decode matmuls; "+norm" / "+swiglu": the fused forms the model
+    uses with layers.GEMV_FUSE (XLA's side: the RMSNorm and swiglu ops around its dot)."""
     E, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D
-    return {"qkv": (E, qkv, True), "o_proj": (cfg.num_attention_heads * D, E, True), "gate_up": (E, 2 * I, True),
-            "down": (I, E, True), "lm_head": (E, cfg.vocab_size, False)}
+    return {"qkv": (E, qkv, True, False, False), "o_proj": (cfg.num_attention_heads * D, E, True, False, False),
+            "gate_up": (E, 2 * I, True, False, False), "down": (I, E, True, False, False),
+            "lm_head": (E, cfg.vocab_size, False, False, False), "qkv+norm": (E, qkv, True, True, False),
+            "gate_up+norm+swiglu": (E, 2 * I, True, True, True)}
 
 
-def sweep_tiles(M, E, N, full: bool) -> list[dict]:
-    """The automatic tiles, then (full) other warps / stages and other column-block x split-K shapes: <= 9."""
+def sweep_tiles(M, E, N, full: bool, split: bool = True) -> list[dict]:
+    """The automatic tiles, then (full) other warps / stages and other column-block x split-K shapes: <= 8.
+    N: output columns; split=False: E is never split (the fused forms)."""
     from pallas_kernels.gemv import choose_tiles
-    auto = dict(choose_tiles(M, E, N), num_warps=4, num_stages=3)
+    auto = dict(choose_tiles(M, E, N, split=split), num_warps=4, num_stages=3)
     if not full:
         return [auto]
     out = [auto] + [dict(auto, num_warps=w, num_stages=st) for w, st in ((2, 3), (8, 3), (4, 5))]
@@ -209,48 +216,52 @@ def sweep_tiles(M, E, N, full: bool) -> list[dict]:
         out.append(dict(auto, block_k=256))                 # 2x the bytes in flight per stage
     shapes = []
     for bn in (32, 64, 128):
-        for sk in (1, 2, 4, 8):
+        for sk in (1, 2, 4, 8) if split else (1,):
             bk = 128 if E % (sk * 128) == 0 else 64
             t = dict(block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=3)
             if N % bn == 0 and E % (sk * bk) == 0 and t not in out:
                 shapes.append((abs(np.log2(N // bn * sk / 264)), t))    # closest to 2 programs per SM first
-    return out + [t for _, t in sorted(shapes, key=lambda x: x[0])][:5]
+    return out + [t for _, t in sorted(shapes, key=lambda x: x[0])][:3]
 
 
 def bench_gemv(a, cfg, out: dict) -> None:
     import jax
     import jax.numpy as jnp
+    from jaxinfer.model.layers import rms_norm, swiglu
     from pallas_kernels.gemv import gemv
     interpret = jax.devices()[0].platform != "gpu"
     L, rows = cfg.num_hidden_layers, []
     for M in sorted({next(b for b in a.buckets if b >= n) for n in a.batches}):
-        for name, (E, N, stacked) in matmul_shapes(cfg).items():
+        for name, (E, N, stacked, norm, gated) in matmul_shapes(cfg).items():
             reps = L if stacked else 4
             key = jax.random.PRNGKey(0)
             w = (jax.random.normal(key, (L, E, N) if stacked else (N, E), jnp.float32) * 0.02).astype(a.dtype)
+            g = jnp.ones((L, E), a.dtype) if norm else None
             x = jnp.ones((M, E), a.dtype)
             nbytes = reps * E * N * jnp.dtype(a.dtype).itemsize
 
-            def xla(x, w):
-                if stacked:
-                    return [x @ w[l] for l in range(L)]
-                return [jnp.einsum("me,ne->mn", x + i, w, preferred_element_type=jnp.float32) for i in range(reps)]
+            def xla(x, w, g):
+                if not stacked:
+                    return [jnp.einsum("me,ne->mn", x + i, w, preferred_element_type=jnp.float32) for i in range(reps)]
+                ys = [(rms_norm(x, g[l], 1e-6) if norm else x) @ w[l] for l in range(L)]
+                return [swiglu(y) for y in ys] if gated else ys
 
-            def kern(x, w, t):
+            def kern(x, w, g, t):
                 if stacked:
-                    return [gemv(x, w, l, interpret=interpret, **t) for l in range(L)]
+                    return [gemv(x, w, l, norm_weight=g, swiglu=gated, interpret=interpret, **t) for l in range(L)]
                 return [gemv(x + i, w, transpose_w=True, out_dtype=jnp.float32, interpret=interpret, **t)
                         for i in range(reps)]
             cands = [("xla", jax.jit(xla))]
-            for t in sweep_tiles(M, E, N, a.sweep and M <= 16 and time.perf_counter() - a.t0 < a.budget):
-                cands.append((t, jax.jit(lambda x, w, t=t: kern(x, w, t))))
+            full = a.sweep and M <= 16 and time.perf_counter() - a.t0 < a.budget
+            for t in sweep_tiles(M, E, N // 2 if gated else N, full, split=not norm):
+                cands.append((t, jax.jit(lambda x, w, g, t=t: kern(x, w, g, t))))
             ref = None
             for t, f in cands:
                 try:
-                    got = np.asarray(f(x, w)[-1], np.float32)        # the last layer's / repeat's result
+                    got = np.asarray(f(x, w, g)[-1], np.float32)     # the last layer's / repeat's result
                     ref = got if ref is None else ref
                     err = float(np.abs(got - ref).max() / (np.abs(ref).max() + 1e-30))
-                    s = timed(f, (x, w), a.iters) / reps
+                    s = timed(f, (x, w, g), a.iters) / reps
                 except Exception as err:      # a tile the GPU compiler refuses: report it, keep going
                     rows.append(dict(M=M, matmul=name, E=E, N=N, impl=str(t), error=str(err)[:300]))
                     print(f"  M={M} {name} {t}: FAILED {str(err)[:200]}", flush=True)
@@ -258,7 +269,7 @@ def bench_gemv(a, cfg, out: dict) -> None:
                 gbs = nbytes / reps / s / 1e9
                 rows.append(dict(M=M, matmul=name, E=E, N=N, impl="xla" if t == "xla" else "gemv", tiles=t,
                                  us=s * 1e6, GBs=gbs, pct_hbm=100 * gbs * 1e9 / HBM, rel_err_vs_xla=err))
-                print(f"  M={M:3d} {name:>8} [{E}x{N}] {'xla' if t == 'xla' else _short(t)}: {s * 1e6:8.2f} us "
+                print(f"  M={M:3d} {name:>19} [{E}x{N}] {'xla' if t == 'xla' else _short(t)}: {s * 1e6:8.2f} us "
                       f"{gbs:7.0f} GB/s ({100 * gbs * 1e9 / HBM:4.1f}% of 4.3 TB/s)  err {err:.1e}", flush=True)
             del w
     out["gemv"] = rows
@@ -347,7 +358,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--k", type=int, default=16, help="steps per K-step call")
     ap.add_argument("--unroll", type=int, default=4, help="also a K-step call with this many steps per loop "
                                                          "iteration, at the largest batch (1: none)")
-    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--iters", type=int, default=32)
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="gemv: automatic tiles only")
     ap.add_argument("--only", default="steps,gemv,attention", help="sections to run")
     ap.add_argument("--quick", action="store_true", help="tiny model, few iterations (CPU check of this script)")
