@@ -14,6 +14,10 @@ Design:
     stacked array into its own buffer before a custom call, which would double the bytes of every matmul.
   * `transpose_w`: W is [N, E] (a tied embedding used as the LM head: logits = x @ embed^T); its rows are read
     whole along E, which coalesces as well as the [E, N] case's column strips.
+  * Fused forms, so a decode layer runs fewer kernels: `norm_weight` folds the RMSNorm in front of the matmul
+    into it (RMSNorm(x) @ W = diag(1/rms(x)) (x * g) @ W: the dot takes x * g and each row is scaled by its
+    1/rms at the end, one pass over x), and `swiglu` reads the gate and up column blocks of a [gate | up] W in
+    the same program and writes silu(gate) * up. Both need whole sums over E: no split-K with them.
 """
 from __future__ import annotations
 
