@@ -71,7 +71,7 @@ def test_without_logprobs_nothing_is_computed(llm):
 
 def test_neighbours_asking_logprobs_do_not_change_tokens(llm):
     """A seeded request draws the same tokens in a batch that runs the logprobs variant."""
-    plain = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=5, seed=11, ignore_eos=True)
+    plain = SamplingParams(temperature=0.9, max_tokens=5, seed=11, ignore_eos=True)
     alone = llm.generate(PROMPTS[:1], plain, use_tqdm=False)[0].token_ids
     mixed = llm.generate(PROMPTS[:2], [plain, SamplingParams(max_tokens=5, logprobs=1)], use_tqdm=False)
     assert mixed[0].token_ids == alone and mixed[0].outputs[0].logprobs is None

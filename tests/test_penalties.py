@@ -78,8 +78,8 @@ def test_greedy_with_penalty_picks_the_reference(llm, reference, case):
 @pytest.mark.parametrize("backend", ["pallas"])
 def test_penalties_other_backend(tiny_dir, reference, backend):
     llm = LLM(tiny_dir, **{**TINY_ENGINE, "attn_backend": backend})
-    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, **CASES["all"])
-    assert llm.generate(PROMPTS[:1], sp, use_tqdm=False)[0].token_ids == reference(PROMPTS[0], 5, **CASES["all"])
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, **CASES["all"])
+    assert llm.generate(PROMPTS[:1], sp, use_tqdm=False)[0].token_ids == reference(PROMPTS[0], 3, **CASES["all"])
 
 
 def test_penalty_counts_survive_chunking_preemption_and_slot_reuse(tiny_dir, llm):
@@ -100,8 +100,8 @@ def test_penalty_counts_survive_chunking_preemption_and_slot_reuse(tiny_dir, llm
 
 
 def test_warmup_extras_compiles_ahead(tiny_dir):
-    llm = LLM(tiny_dir, **{**TINY_ENGINE, "max_num_seqs": 2, "decode_buckets": (1, 2), "prefill_buckets": (32,),
-                           "max_num_batched_tokens": 32, "max_model_len": 32})
+    llm = LLM(tiny_dir, **{**TINY_ENGINE, "max_num_seqs": 2, "decode_buckets": (2,), "prefill_buckets": (32,),
+                           "max_num_batched_tokens": 32, "max_model_len": 16, "block_size": 8})
     sp = SamplingParams(temperature=0.0, max_tokens=4, presence_penalty=1.0, logprobs=1)
     n = llm.engine.warmup_extras(sp)
     assert n == llm.stats()["compiled_extras"] > 0
@@ -119,16 +119,19 @@ def test_bad_values_are_refused(kw, name):
         SamplingParams(**kw)
 
 
-def test_bench_options_compile_nothing_mid_run(tiny_dir):
-    """bench.py --logprobs / --presence-penalty (the lead's A/B on the GPU) runs its variants compiled ahead."""
+def test_bench_options_ask_every_request_and_compile_ahead():
+    """bench.py --logprobs / --presence-penalty (the lead's A/B on the GPU): every request asks, and the variants
+    are compiled before the timed run (warmup_extras, tested above)."""
     import os
     import sys
+    from types import SimpleNamespace
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     import bench
-    r = bench.main(["--model", tiny_dir, "--dtype", "float32", "--attn-backend", "xla", "--num-seqs", "3",
-                    "--max-input-len", "100", "--max-output-len", "100", "--max-num-seqs", "4",
-                    "--max-num-batched-tokens", "512", "--prefill-buckets", "512", "--decode-buckets", "4",
-                    "--max-model-len", "256", "--block-size", "64", "--num-scheduler-steps", "1", "--warmup",
-                    "--logprobs", "5", "--presence-penalty", "0.5"])
-    assert r["compilations_after_warmup"] == 0 and r["compiled_extras"] > 0
-    assert r["logprobs"] == 5 and r["presence_penalty"] == 0.5
+    args = bench.parse(["--num-seqs", "3", "--logprobs", "5", "--presence-penalty", "0.5"])
+    asked = []
+    llm = SimpleNamespace(engine=SimpleNamespace(warmup_extras=lambda sp: asked.append(sp) or 7))
+    _, params = bench.workload(3, 120, 110, vocab=512)
+    out = bench.with_extras(llm, params, args)
+    assert [(p.logprobs, p.presence_penalty, p.max_tokens) for p in out] == [(5, 0.5, p.max_tokens) for p in params]
+    assert asked == [out[0]]
+    assert bench.with_extras(llm, params, bench.parse([])) is params
