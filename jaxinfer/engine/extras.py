@@ -13,6 +13,10 @@ needed. Only [B, 2 + 2W] fp32 logprob rows come back per step, never [B, V].
 """
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +56,7 @@ class ExtrasRunner:
         self.slot_of: dict[int, int] = {}            # seq_id -> slot
         self.counts = None                           # (prompt_seen, output_counts), made on first use
         self.compiled: dict[tuple, object] = {}
+        self._lock = threading.Lock()
 
     # -- slots ----------------------------------------------------------------------------------------
     def slots(self, seqs: list[Sequence]) -> list[int]:
@@ -87,6 +92,9 @@ class ExtrasRunner:
         exe = self.compiled.get(key)
         if exe is not None:
             return exe
+        if key[-1].penalties:
+            with self._lock:                     # the counts state is made once, whichever thread lowers first
+                self._counts()
         r = self.runner
         kind, T, B, W, filtered, extras = key
         shared = ("extras", r.model, r.engine.attn_backend, str(r.dtype), str(r.kv_dtype), r.num_blocks,
@@ -129,6 +137,8 @@ class ExtrasRunner:
     def warmup(self, keys: list[tuple]) -> None:
         """Compile the given extras keys and run each once on an all-padding batch."""
         r = self.runner
+        with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:   # XLA compiles outside the GIL
+            list(pool.map(self.compile, keys))
         for key in keys:
             kind, T, B, W, filtered, extras = key
             exe = self.compile(key)
