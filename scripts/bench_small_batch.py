@@ -333,6 +333,38 @@ def bench_attention(a, cfg, out: dict) -> None:
     out["attention"] = rows
 
 
+def bench_host(a, out: dict) -> None:
+    """TPOT through LLM.generate of a tiny model (its GPU step is ~0.1-0.2 ms), K-step calls against one step per
+    call, with the engine's host seconds per call: the host's own cost per token. A K-step call is read, applied,
+    scheduled and packed before the next is sent, so that cost adds to the GPU's; one-step calls overlap it."""
+    import tempfile
+    import jaxinfer.engine.runner as runner
+    from bench_multistep import latency
+    from jaxinfer import LLM
+    from make_tiny_model import make_tiny_model
+    saved, runner.MULTISTEP_MAX_ROWS = runner.MULTISTEP_MAX_ROWS, max(a.batches)   # K-step up to the largest batch
+    path = make_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"), vocab_size=4096, hidden_size=256,
+                           intermediate_size=768, num_hidden_layers=4, head_dim=64, dtype="bfloat16",
+                           max_position_embeddings=4096)
+    rows = []
+    for steps in (a.k, 1):
+        llm = LLM(path, max_num_seqs=max(a.batches), decode_buckets=tuple(a.buckets), prefill_buckets=(4096,),
+                  max_model_len=2048, max_num_batched_tokens=4096, num_scheduler_steps=steps)
+        eng = llm.llm_engine
+        for n in a.batches:
+            eng.host_time = dict.fromkeys(eng.host_time, 0.0)
+            calls0, steps0 = eng.counters["multistep_calls"], eng.counters["decode_steps"]
+            r, _ = latency(llm, n, prompt_len=128, out_len=8 * a.k + 1, repeats=2)
+            calls = eng.counters["multistep_calls"] - calls0 or eng.counters["decode_steps"] - steps0
+            host = {k.removesuffix("_s") + "_ms": v * 1e3 / max(calls, 1) for k, v in eng.host_time.items()}
+            rows.append(dict(batch=n, steps_per_call=steps, calls=calls, **r, host_per_call=host))
+            print(f"  tiny model, batch {n:3d}, {steps:2d} steps/call: TPOT {r['tpot_ms']:.3f} ms; host per call "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in host.items()), flush=True)
+        del llm, eng
+    runner.MULTISTEP_MAX_ROWS = saved
+    out["host"] = rows
+
+
 def _timed_carry(f, x, iters: int) -> float:
     """Seconds per call of f(x) -> x (donated), back to back."""
     import jax
@@ -360,7 +392,7 @@ def main(argv=None) -> dict:
                                                          "iteration, at the largest batch (1: none)")
     ap.add_argument("--iters", type=int, default=32)
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="gemv: automatic tiles only")
-    ap.add_argument("--only", default="steps,gemv,attention", help="sections to run")
+    ap.add_argument("--only", default="steps,host,gemv,attention", help="sections to run")
     ap.add_argument("--quick", action="store_true", help="tiny model, few iterations (CPU check of this script)")
     ap.add_argument("--profile", default=None, metavar="DIR")
     ap.add_argument("--json", default=None)
@@ -392,8 +424,8 @@ def main(argv=None) -> dict:
                width=a.width, k=a.k, xla_flags=os.environ.get("XLA_FLAGS", ""))
     t0 = time.perf_counter()
     sections = a.only.split(",")
-    for name, fn in (("steps", lambda: bench_steps(a, cfg, params, out)), ("gemv", lambda: bench_gemv(a, cfg, out)),
-                     ("attention", lambda: bench_attention(a, cfg, out))):
+    for name, fn in (("steps", lambda: bench_steps(a, cfg, params, out)), ("host", lambda: bench_host(a, out)),
+                     ("gemv", lambda: bench_gemv(a, cfg, out)), ("attention", lambda: bench_attention(a, cfg, out))):
         if name in sections:
             print(f"== {name} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
             fn()
