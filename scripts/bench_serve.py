@@ -4,6 +4,9 @@
     python scripts/bench_serve.py qwen3-0.6b --concurrency 1,16,64,256 --request-rates 8,32 --client-procs 4
     python scripts/bench_serve.py --url http://127.0.0.1:8000 --served-model-name M   # a running server
     python scripts/bench_serve.py --quick                  # CPU smoke run on a tiny model (tests run it)
+    python scripts/bench_serve.py --concurrency 256 --request-rates "" --overload 512 --max-waiting-requests 64
+                                   # 2x the 256-stream load against the queue bound: every request completes
+                                   # or gets an immediate 503 (counts and 503 latencies reported)
 
 Requests follow the W length distribution (nano-vllm's bench.py: random.seed(0), prompts of 100-1024 random
 token ids in [0, 10000], 100-1024 output tokens, ignore_eos, temperature 0.6), sent as token ids to
@@ -62,6 +65,8 @@ def start_server(args, env) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "jaxinfer.server", args.model, "--engine", json.dumps(args.engine), "--port",
            str(port), "--served-model-name", args.served_model_name, "--log-level", "warning",
            "--api-server-count", str(args.api_server_count)]
+    if args.max_waiting_requests is not None:
+        cmd += ["--max-waiting-requests", str(args.max_waiting_requests)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     url, end = f"http://127.0.0.1:{port}", time.time() + args.startup_timeout
     import httpx
@@ -128,6 +133,14 @@ def parse(argv=None):
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument("--json", default=None, help="default: scripts/results/serve_<model>_<time>.json")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, few short requests")
+    ap.add_argument("--max-waiting-requests", type=int, default=None, help="the server's queue bound")
+    ap.add_argument("--extra-body", type=json.loads, default={},
+                    help='more fields for every request, e.g. \'{"logprobs": 5}\' or \'{"frequency_penalty": 0.5}\' '
+                         '(the offline comparison does not use them)')
+    ap.add_argument("--overload", type=int, default=None, metavar="C",
+                    help="last, an overload level: C streams in flight (e.g. 512 = 2x 256) against the queue bound; "
+                         "each request must complete or get a 503 at once (no errors, no lost tokens)")
+    ap.add_argument("--overload-prompts", type=int, default=None, help="requests of the overload level (default 2 C)")
     a = ap.parse_args(argv)
     if a.quick:
         if a.model == "qwen3-0.6b":            # not given: a tiny random checkpoint (vocabulary 512)
@@ -162,7 +175,7 @@ def main(argv=None) -> dict:
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     path = a.json or os.path.join(HERE, "results", f"serve_{os.path.basename(a.model.rstrip('/'))}_"
                                                    f"{time.strftime('%Y%m%d-%H%M%S')}.json")
-    r = dict(model=a.model, engine=a.engine, url=a.url, client_procs=a.client_procs,
+    r = dict(model=a.model, engine=a.engine, url=a.url, client_procs=a.client_procs, extra_body=a.extra_body,
              api_server_count=a.api_server_count, levels=[])
     save = (lambda: write_json(path, r)) if not a.quick or a.json else (lambda: None)   # after every level
     proc, url = (None, a.url) if a.url else start_server(a, env)
@@ -184,13 +197,16 @@ def main(argv=None) -> dict:
                         t += rng.expovariate(lv["rate"])
                     reqs.append((ids, m, t if lv["rate"] else None))
                 before = httpx.get(url + "/stats").json()
-                recs = run_level(pool, url, a.served_model_name, reqs, lv["concurrency"], a.client_procs)
+                recs = run_level(pool, url, a.served_model_name, reqs, lv["concurrency"], a.client_procs, a.extra_body)
                 after = httpx.get(url + "/stats", timeout=60).json()
                 s = dict(name=lv["name"], concurrency=lv["concurrency"], rate=lv["rate"], **summarize(recs),
                          preemptions=after["preemptions"] - before["preemptions"],
                          kv_blocks_free_after=after["kv_blocks_free"], kv_blocks_total=after["kv_blocks_total"])
                 print_level(s)
                 r["levels"].append(s)
+                save()
+            if a.overload:
+                r["overload"] = overload_level(a, pool, url)
                 save()
     finally:
         if proc is not None:
@@ -205,6 +221,28 @@ def main(argv=None) -> dict:
     if not a.quick or a.json:
         print(f"wrote {path}")
     return r
+
+
+def overload_level(a, pool, url: str) -> dict:
+    """C streams in flight (closed loop: a refused client sends its next request at once) against the queue
+    bound; the target: completed + rejected_503 == requests, 0 errors, 0 lost tokens, 503s in well under 1 s."""
+    import httpx
+    n = a.overload_prompts or 2 * a.overload
+    reqs = [(ids, m, None) for ids, m in workload(n, a.max_input_len, a.max_output_len, *((10, 5) if a.quick else
+                                                  (100, 100)), a.vocab_size, seed=2)]
+    before = httpx.get(url + "/stats").json()
+    recs = run_level(pool, url, a.served_model_name, reqs, a.overload, a.client_procs, a.extra_body)
+    after = httpx.get(url + "/stats", timeout=60).json()
+    s = dict(name=f"overload {a.overload}", concurrency=a.overload, max_waiting_requests=a.max_waiting_requests,
+             **summarize(recs), preemptions=after["preemptions"] - before["preemptions"],
+             kv_blocks_free_after=after["kv_blocks_free"], kv_blocks_total=after["kv_blocks_total"])
+    s["ok"] = (s["errors"] == 0 and s["lost_tokens"] == 0 and s["completed"] + s["rejected_503"] == s["requests"]
+               and s["rejected_ms"].get("max", 0.0) < 1000.0)
+    print_level(s)
+    print(f"{s['name']:>16}: {s['requests']} requests = {s['completed']} completed + {s['rejected_503']} refused "
+          f"(503, max {s['rejected_ms'].get('max', 0.0):.1f} ms, p99 {s['rejected_ms'].get('p99', 0.0):.1f} ms) "
+          f"+ {s['errors']} errors; {s['lost_tokens']} lost tokens -> {'OK' if s['ok'] else 'FAIL'}", flush=True)
+    return s
 
 
 def write_json(path: str, r: dict) -> None:

@@ -17,12 +17,14 @@ import numpy as np
 Request = tuple[list[int], int, float | None]
 
 
-def run_client(url: str, model: str, requests: list[Request], concurrency: int, t0: float) -> list[dict]:
-    """Entry point of one client process: returns one record per request."""
-    return asyncio.run(_run(url, model, requests, concurrency, t0))
+def run_client(url: str, model: str, requests: list[Request], concurrency: int, t0: float,
+               extra: dict | None = None) -> list[dict]:
+    """Entry point of one client process: returns one record per request. `extra`: more request body fields
+    (e.g. {"logprobs": 5} or {"frequency_penalty": 0.5})."""
+    return asyncio.run(_run(url, model, requests, concurrency, t0, extra or {}))
 
 
-async def _run(url, model, requests, concurrency, t0) -> list[dict]:
+async def _run(url, model, requests, concurrency, t0, extra) -> list[dict]:
     import httpx
     limits = httpx.Limits(max_connections=max(concurrency, 1), max_keepalive_connections=max(concurrency, 1))
     sem = asyncio.Semaphore(max(concurrency, 1))
@@ -34,18 +36,21 @@ async def _run(url, model, requests, concurrency, t0) -> list[dict]:
             if arrival is not None:
                 await asyncio.sleep(max(0.0, t0 + arrival - time.monotonic()))
             async with sem:
-                return await _stream(client, model, ids, max_tokens)
+                return await _stream(client, model, ids, max_tokens, extra)
         return await asyncio.gather(*(one(r) for r in requests))
 
 
-async def _stream(client, model: str, ids: list[int], max_tokens: int) -> dict:
+async def _stream(client, model: str, ids: list[int], max_tokens: int, extra: dict) -> dict:
     body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.6, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **extra}
     rec = dict(prompt_tokens=len(ids), max_tokens=max_tokens, start=time.monotonic(), events=[], output_tokens=0,
-               error=None)
+               error=None, rejected=False)
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
+            if r.status_code == 503 and "retry-after" in r.headers:     # the queue bound: refused, not failed
+                rec["rejected"] = True
+                await r.aread()
+            elif r.status_code != 200:
                 rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
             async for line in (r.aiter_lines() if r.status_code == 200 else _nothing()):
                 if not line.startswith("data: {"):
@@ -72,12 +77,14 @@ def split(requests: list[Request], procs: int) -> list[list[Request]]:
     return [requests[i::procs] for i in range(procs)]
 
 
-def run_level(pool, url: str, model: str, requests: list[Request], concurrency: int | None, procs: int) -> list[dict]:
+def run_level(pool, url: str, model: str, requests: list[Request], concurrency: int | None, procs: int,
+              extra: dict | None = None) -> list[dict]:
     """Run the requests from `procs` client processes (of `pool`); concurrency None = unlimited (rate runs)."""
     procs = max(1, min(procs, len(requests), concurrency or procs))
     per = [max(1, (concurrency or 10**6) // procs + (i < (concurrency or 0) % procs)) for i in range(procs)]
     t0 = time.monotonic() + 0.3
-    parts = pool.starmap(run_client, [(url, model, part, per[i], t0) for i, part in enumerate(split(requests, procs))])
+    parts = pool.starmap(run_client, [(url, model, part, per[i], t0, extra)
+                                      for i, part in enumerate(split(requests, procs))])
     return [r for part in parts for r in part]
 
 
@@ -91,7 +98,8 @@ def percentiles(xs, scale: float = 1e3) -> dict:
 
 def summarize(records: list[dict]) -> dict:
     """Output tok/s over the level's wall time; TTFT, TPOT, ITL and end-to-end latency percentiles (ms)."""
-    ok = [r for r in records if r["error"] is None]
+    rejected = [r for r in records if r.get("rejected")]
+    ok = [r for r in records if r["error"] is None and not r.get("rejected")]
     errors = [r["error"] for r in records if r["error"] is not None]
     lost = sum(r["max_tokens"] - r["output_tokens"] for r in ok)       # ignore_eos: every token is owed
     wall = max(r["end"] for r in records) - min(r["start"] for r in records)
@@ -99,7 +107,10 @@ def summarize(records: list[dict]) -> dict:
     ttft = [r["events"][0] - r["start"] for r in ok if r["events"]]
     tpot = [(r["end"] - r["events"][0]) / (r["output_tokens"] - 1) for r in ok if r["events"] and r["output_tokens"] > 1]
     itl = [b - a for r in ok for a, b in zip(r["events"], r["events"][1:])]
-    return dict(requests=len(records), errors=len(errors), first_errors=errors[:3], lost_tokens=lost,
+    return dict(requests=len(records), completed=len(ok), rejected_503=len(rejected),
+                rejected_ms=percentiles([r["end"] - r["start"] for r in rejected]) |
+                ({"max": 1e3 * max(r["end"] - r["start"] for r in rejected)} if rejected else {}),
+                errors=len(errors), first_errors=errors[:3], lost_tokens=lost,
                 output_tokens=out, prompt_tokens=sum(r["prompt_tokens"] for r in records), wall_s=wall,
                 output_tok_s=out / wall if wall > 0 else 0.0, request_s=len(ok) / wall if wall > 0 else 0.0,
                 ttft_ms=percentiles(ttft), tpot_ms=percentiles(tpot), itl_ms=percentiles(itl),

@@ -14,7 +14,7 @@ def test_bench_serve_quick(tiny_dir, tmp_path, tmp_path_factory, capsys, monkeyp
         monkeypatch.setenv(k, v)
     assert bench_serve.QUICK_ENGINE == BASE, "the same engine options: the same compiled steps"
     out = tmp_path / "serve.json"
-    r = bench_serve.main([tiny_dir, "--quick", "--json", str(out)])
+    r = bench_serve.main([tiny_dir, "--quick", "--json", str(out), "--max-waiting-requests", "4", "--overload", "16"])
     assert r["server_exit_code"] == 0
     names = [lv["name"] for lv in r["levels"]]
     assert names == ["concurrency 1", "concurrency 4", "rate 20/s"]
@@ -25,5 +25,8 @@ def test_bench_serve_quick(tiny_dir, tmp_path, tmp_path_factory, capsys, monkeyp
         assert lv["ttft_ms"]["p50"] > 0 and lv["tpot_ms"]["p50"] > 0 and lv["itl_ms"]["p99"] >= lv["itl_ms"]["p50"]
         assert lv["server_over_offline"] > 0
     assert r["levels"][0]["tpot_over_offline_batch1"] > 0
+    ov = r["overload"]                    # 16 streams against 8 running + 4 waiting: some refused, none lost
+    assert ov["ok"] and ov["completed"] > 0 and ov["rejected_503"] > 0, ov
+    assert ov["kv_blocks_free_after"] == ov["kv_blocks_total"]
     assert json.loads(out.read_text())["levels"][0]["name"] == "concurrency 1"
     assert "offline batch-1" in capsys.readouterr().out
