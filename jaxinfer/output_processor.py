@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxinfer.detokenizer import make_detokenizer
-from jaxinfer.outputs import cumulative_logprob, logprob_dict
+from jaxinfer.outputs import LogprobsList, cumulative_logprob
 
 
 @dataclass
@@ -84,28 +84,16 @@ class OutputProcessor:
 # -- logprobs: engine rows (outputs.py) into vLLM's {token_id: Logprob} ---------------------------------
 
 class TokenTexts:
-    """decoded_token of logprob entries: each token id decoded once (a W run with logprobs=5 names
-    ~1.5M entries but far fewer distinct ids), in one batch call per new set of ids."""
+    """decoded_token of logprob entries: each token id decoded once, when an entry is first read."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.cache = tokenizer, {}
 
-    def fill(self, ids) -> None:
-        new = sorted({int(t) for t in ids} - self.cache.keys())
-        if not new:
-            return
-        batch = getattr(self.tokenizer, "batch_decode", None)
-        texts = batch([[t] for t in new]) if batch else [self.tokenizer.decode([t]) for t in new]
-        self.cache.update(zip(new, texts))
-
     def __call__(self, token_id: int) -> str:
-        return self.cache[token_id]
-
-
-def _dicts(rows, token_ids, n: int, texts: TokenTexts) -> list:
-    texts.fill([t for r in rows if r is not None for t in r[2:2 + min(n, (len(r) - 2) // 2)]] +
-               [t for r, t in zip(rows, token_ids) if r is not None])
-    return [None if r is None else logprob_dict(r, t, n, texts) for r, t in zip(rows, token_ids)]
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id])
+        return text
 
 
 def logprobs_of(seq, start: int, token_ids: list[int], texts: TokenTexts):
@@ -115,7 +103,7 @@ def logprobs_of(seq, start: int, token_ids: list[int], texts: TokenTexts):
     if n is None:
         return None, None
     rows = seq.logprob_rows[start:start + len(token_ids)]
-    return _dicts(rows, token_ids, n, texts), cumulative_logprob(seq.logprob_rows[:start + len(token_ids)])
+    return LogprobsList(rows, list(token_ids), n, texts), cumulative_logprob(seq.logprob_rows[:start + len(token_ids)])
 
 
 def prompt_logprobs_of(seq, texts: TokenTexts):
@@ -123,4 +111,4 @@ def prompt_logprobs_of(seq, texts: TokenTexts):
     rows = seq.prompt_logprob_rows
     if rows is None:
         return None
-    return _dicts(rows, seq.token_ids[:seq.num_prompt_tokens], seq.params.prompt_logprobs, texts)
+    return LogprobsList(rows, seq.token_ids[:seq.num_prompt_tokens], seq.params.prompt_logprobs, texts)

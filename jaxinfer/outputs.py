@@ -3,10 +3,12 @@
 Logprobs travel from the engine as compact rows (one per token, fp32 from the step, see
 sampling.logprob_stats): [the token's logprob, its rank, top ids x W, top logprobs x W] for a static width
 W >= the N asked for. `logprob_dict` turns a row into vLLM's `{token_id: Logprob}`: the token itself plus
-the top N (N + 1 entries when the token is not among the top N).
+the top N (N + 1 entries when the token is not among the top N). `LogprobsList` does so on access: a
+benchmark run with logprobs=5 names ~1M entries, and making them all up front took ~2 s of host time (CPU).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -23,7 +25,7 @@ class CompletionOutput:
     text: str                             # generated text (truncated before a matched stop string)
     token_ids: list[int]                  # generated tokens
     cumulative_logprob: float | None = None    # sum of the tokens' logprobs (when logprobs were asked)
-    logprobs: list[dict[int, Logprob]] | None = None   # per generated token (when logprobs were asked)
+    logprobs: Sequence[dict[int, Logprob]] | None = None   # per generated token (when logprobs were asked)
     finish_reason: str | None = None      # "stop" | "length" | "abort"
 
     @property
@@ -37,7 +39,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]       # one per sample (n); a streamed delta holds the samples that moved
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # per prompt token; the first is None
+    prompt_logprobs: Sequence[dict[int, Logprob] | None] | None = None   # per prompt token; the first is None
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
     metrics: dict = field(default_factory=dict)   # ttft_s, tpot_s (of the first sample)
 
@@ -76,3 +78,32 @@ def logprob_dict(row: list[float], token_id: int, n: int, decode=None) -> dict[i
 
 def cumulative_logprob(rows: list[list[float]]) -> float:
     return float(sum(r[0] for r in rows))
+
+
+class LogprobsList(Sequence):
+    """A list of `{token_id: Logprob}` (None where a row is None) made from engine rows as it is read."""
+
+    def __init__(self, rows: list, token_ids: list[int], n: int, decode=None):
+        self._rows, self._ids, self._n, self._decode = rows, token_ids, n, decode
+        self._made: dict[int, dict] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self))[i]                          # negative indices; IndexError past the end
+        if i not in self._made:
+            row = self._rows[i]
+            self._made[i] = None if row is None else logprob_dict(row, self._ids[i], self._n, self._decode)
+        return self._made[i]
+
+    def __add__(self, other) -> list:
+        return list(self) + list(other)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and not isinstance(other, str) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(list(self))

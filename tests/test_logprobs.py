@@ -8,7 +8,7 @@ import pytest
 from helpers import TINY_ENGINE, hf_logits, hf_model
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.outputs import logprob_dict
+from jaxinfer.outputs import Logprob, LogprobsList, logprob_dict
 
 PROMPTS = [[5, 7, 9, 11, 300, 2, 3, 17, 40, 41, 8], [100, 200, 300], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
 
@@ -184,3 +184,16 @@ def test_engine_core_rows_survive_msgpack(llm, tmp_path):
     assert plp[0] is None and len(plp) == len(PROMPTS[0])
     assert all("prompt_logprobs" not in r[4] for r in mine[1:])
     _free(llm)
+
+
+def test_logprobs_list_reads_like_a_list():
+    """Rows [logprob, rank, top ids x W, top logprobs x W] -> {id: Logprob}: the token itself + the top n."""
+    rows = [None, [-0.5, 1, 3, 4, -0.5, -1.0], [-3.0, 5, 3, 4, -0.2, -1.5]]
+    lst = LogprobsList(rows, [7, 3, 9], 2, decode=str)
+    assert len(lst) == 3 and lst[0] is None
+    assert lst[1] == {3: Logprob(-0.5, 1, "3"), 4: Logprob(-1.0, 2, "4")}                # in the top n: n entries
+    assert lst[-1] == {9: Logprob(-3.0, 5, "9"), 3: Logprob(-0.2, 1, "3"), 4: Logprob(-1.5, 2, "4")}   # n + 1
+    assert lst[1:] == [lst[1], lst[2]] and lst == [None, lst[1], lst[2]] and [None] + list(lst[1:]) == list(lst)
+    assert LogprobsList(rows, [7, 3, 9], 1)[2] == {9: Logprob(-3.0, 5), 3: Logprob(-0.2, 1)}
+    with pytest.raises(IndexError):
+        lst[3]
