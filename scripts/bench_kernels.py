@@ -1,4 +1,10 @@
-"""Attention kernel bench on Qwen3-0.6B shapes (H=16, K=8, D=128, bf16, page 16): XLA vs Pallas vs cuDNN.
+"""Attention kernel bench on Qwen3-0.6B shapes (H=16, K=8, D=128, bf16, page 16): every attention backend.
+
+Columns are the engine's backends, called as the engine calls them (jaxinfer.model.attention.attention_fns):
+xla (plain jnp), pallas (our kernels; "engine" = the fused decode kernel), cudnn (JAX's cuDNN attention over
+the paged cache), triton (raw Triton decode; its prefill is pallas's); "triton jt" is the same Triton kernel
+through jax-triton's own triton_call, "cuDNN dense" cuDNN on contiguous equal-length inputs (no pages). A
+backend this machine cannot run (cudnn, triton on a CPU; triton without jax-triton) is skipped with the reason.
 
 Decode: effective TB/s = bytes of K and V the batch really needs / time, next to the copy bandwidth measured in
 the same run; the fp8 columns run both decode kernels on float8_e4m3fn pages (per-kv-head scales), whose TB/s
@@ -21,9 +27,9 @@ warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels.flash_attention import flash_attention, flash_attention_reference  # noqa: E402
-from pallas_kernels.paged_attention import (paged_attention, paged_attention_qkv,  # noqa: E402
-                                            paged_attention_reference)
+from jaxinfer.model.attention import attention_fns  # noqa: E402
+from pallas_kernels.flash_attention import flash_attention  # noqa: E402
+from pallas_kernels.paged_attention import paged_attention, paged_attention_qkv  # noqa: E402
 from pallas_kernels.quant import quantize, scale_for_amax  # noqa: E402
 
 from bench import write_json  # noqa: E402
@@ -42,26 +48,44 @@ def machine_ceilings(smoke: bool) -> dict:
 
 
 def paged_cache(key, batch, max_blocks):
-    """Cache of exactly batch * max_blocks pages (cuDNN's paged API wants that), scattered by a permutation."""
+    """A pool of batch * max_blocks + 16 pages (more than the tables use, as in the engine: cuDNN then reads
+    the shared pool, not a private set per row), each row's pages scattered by a permutation."""
     kk, kv, kp = jax.random.split(key, 3)
-    pages = batch * max_blocks
+    pages = batch * max_blocks + 16
     k = jax.random.normal(kk, (pages, PAGE, K, D), DTYPE)
     v = jax.random.normal(kv, (pages, PAGE, K, D), DTYPE)
-    tables = jax.random.permutation(kp, pages).astype(jnp.int32).reshape(batch, max_blocks)
+    tables = jax.random.permutation(kp, pages)[:batch * max_blocks].astype(jnp.int32).reshape(batch, max_blocks)
     return k, v, tables
 
 
-def cudnn_paged_decode():
-    """cuDNN paged attention is only reachable through JAX's private cuDNN module (not jax.nn)."""
-    from jax._src.cudnn import fused_attention_stablehlo as fa
+def unavailable(backend: str, smoke: bool = False) -> str | None:
+    """Why this machine cannot time `backend` (None: it can)."""
+    if backend in ("cudnn", "triton") and jax.default_backend() != "gpu":
+        return f"{backend} needs a CUDA GPU (JAX backend here: {jax.default_backend()})"
+    if backend == "triton":
+        from pallas_kernels._triton_ffi import load_triton
+        try:
+            load_triton()
+        except ValueError as e:
+            return str(e)
+    return None
 
-    def run(q, k, v, tables, lens, scale):
-        b = q.shape[0]
-        pt = tables.reshape(b, 1, -1, 1)
-        out = fa.paged_attention(q[:, None], k, v, jnp.ones((b,), jnp.int32), lens, pt, pt, scale=scale,
-                                 mask_type=fa.MaskType.PADDING)
-        return out[:, 0]
-    return run
+
+_SAID: set[str] = set()
+
+
+def backend_fns(smoke: bool, names=("xla", "pallas", "cudnn", "triton")) -> dict:
+    """name -> (prefill_fn, decode_fn) for the backends this machine runs; prints why the others are skipped."""
+    out = {}
+    for name in names:
+        why = unavailable(name, smoke)
+        if why and why not in _SAID:
+            _SAID.add(why)
+            print(f"  skipping {name}: {why}")
+        if why:
+            continue
+        out[name] = attention_fns(name, interpret=smoke)
+    return out
 
 
 def qkv_decode(opts, smoke, **fp8):
@@ -81,21 +105,22 @@ def fp8_pages(k, v):
     return quantize(k, ks), quantize(v, vs), dict(k_scale=ks, v_scale=vs)
 
 
-def bench_decode(batch, ctx, ceil, opts, smoke, impls=("xla", "pallas", "pallas_qkv", "cudnn", "fp8", "fp8_qkv")):
+DECODE_IMPLS = ("xla", "pallas", "pallas_qkv", "cudnn", "triton", "triton_jt", "fp8", "fp8_qkv")
+
+
+def bench_decode(batch, ctx, ceil, opts, smoke, impls=DECODE_IMPLS):
     max_blocks = -(-ctx // PAGE)
     k, v, tables = paged_cache(jax.random.PRNGKey(batch * 7 + ctx), batch, max_blocks)
     q = jax.random.normal(jax.random.PRNGKey(1), (batch, H, D), DTYPE)
     lens = jnp.full((batch,), ctx, jnp.int32)
     nbytes = batch * ctx * K * D * 2 * 2  # K and V rows really needed
     est = nbytes / 2e12 + 5e-6
-    scale = D ** -0.5
-    fns = {"xla": lambda q, k, v, t, l: paged_attention_reference(q, k, v, t, l),
-           "pallas": lambda q, k, v, t, l: paged_attention(q, k, v, t, l, interpret=smoke, **opts)}
-    if "cudnn" in impls and not smoke:
-        try:
-            fns["cudnn"] = functools.partial(cudnn_paged_decode(), scale=scale)
-        except Exception as err:  # noqa: BLE001
-            print(f"  cudnn paged unavailable: {type(err).__name__}: {err}")
+    backends = backend_fns(smoke, [b for b in ("xla", "cudnn", "triton") if b in impls or b + "_jt" in impls])
+    fns = {name: fs[1] for name, fs in backends.items()}
+    fns["pallas"] = lambda q, k, v, t, l: paged_attention(q, k, v, t, l, interpret=smoke, **opts)
+    if "triton" in fns and "triton_jt" in impls:
+        from pallas_kernels.triton_decode import triton_paged_decode
+        fns["triton_jt"] = functools.partial(triton_paged_decode, path="jax_triton")
     row = {"batch": batch, "ctx": ctx, "bytes": nbytes}
     for name, fn in fns.items():
         if name not in impls:
@@ -122,7 +147,8 @@ def bench_decode(batch, ctx, ceil, opts, smoke, impls=("xla", "pallas", "pallas_
             except Exception as err:  # noqa: BLE001
                 row[name + "_s"] = None
                 print(f"  decode {name} B={batch} ctx={ctx} failed: {type(err).__name__}: {str(err)[:300]}")
-    for name, read in (("pallas", nbytes), ("pallas_qkv", nbytes), ("fp8", nbytes // 2), ("fp8_qkv", nbytes // 2)):
+    reads = {name: nbytes for name in ("xla", "pallas", "pallas_qkv", "cudnn", "triton", "triton_jt")}
+    for name, read in {**reads, "fp8": nbytes // 2, "fp8_qkv": nbytes // 2}.items():
         if row.get(name + "_s"):      # bytes actually read: fp8 pages are half of bf16's
             row[name + "_tbps"] = read / row[name + "_s"] / 1e12
     if row.get("pallas_s"):
@@ -140,11 +166,12 @@ def prefill_case(n_new, prefix, key):
     return q, k, v, tables, cu, jnp.asarray(ctx, jnp.int32), flops
 
 
-def bench_prefill(name, n_new, prefix, ceil, opts, smoke, impls=("xla", "pallas", "cudnn")):
+def bench_prefill(name, n_new, prefix, ceil, opts, smoke, impls=("xla", "pallas", "cudnn", "cudnn_dense")):
     q, k, v, tables, cu, lens, flops = prefill_case(n_new, prefix, jax.random.PRNGKey(len(n_new)))
     est = flops / 2e14 + 1e-5
-    fns = {"xla": lambda q, k, v, t, c, l: flash_attention_reference(q, k, v, t, c, l),
-           "pallas": lambda q, k, v, t, c, l: flash_attention(q, k, v, t, c, l, interpret=smoke, **opts)}
+    backends = backend_fns(smoke, [b for b in ("xla", "cudnn") if b in impls])
+    fns = {name: fs[0] for name, fs in backends.items()}
+    fns["pallas"] = lambda q, k, v, t, c, l: flash_attention(q, k, v, t, c, l, interpret=smoke, **opts)
     row = {"case": name, "tokens": sum(n_new), "flops": flops}
     for impl, fn in fns.items():
         if impl not in impls:
@@ -155,7 +182,7 @@ def bench_prefill(name, n_new, prefix, ceil, opts, smoke, impls=("xla", "pallas"
             row[impl + "_s"] = None
             print(f"  prefill {impl} {name} failed: {type(err).__name__}: {str(err)[:300]}")
     uniform = len(set(n_new)) == 1 and not any(prefix)
-    if "cudnn" in impls and not smoke and uniform:  # dense equivalent: [B, n, heads, D], contiguous K/V
+    if "cudnn_dense" in impls and "cudnn" in backends and uniform:  # [B, n, heads, D], contiguous K/V
         b, n = len(n_new), n_new[0]
         kd = jax.random.normal(jax.random.PRNGKey(5), (b, n, K, D), DTYPE)
         vd = jax.random.normal(jax.random.PRNGKey(6), (b, n, K, D), DTYPE)
@@ -165,47 +192,52 @@ def bench_prefill(name, n_new, prefix, ceil, opts, smoke, impls=("xla", "pallas"
                                                implementation="cudnn")
             return out.reshape(q.shape)
         try:
-            row["cudnn_s"] = time_loop(dense, q, kd, vd, est_s=est)
+            row["cudnn_dense_s"] = time_loop(dense, q, kd, vd, est_s=est)
         except Exception as err:  # noqa: BLE001
-            row["cudnn_s"] = None
-            print(f"  prefill cudnn {name} failed: {type(err).__name__}: {str(err)[:300]}")
+            row["cudnn_dense_s"] = None
+            print(f"  prefill cudnn dense {name} failed: {type(err).__name__}: {str(err)[:300]}")
+    for impl in ("xla", "pallas", "cudnn", "cudnn_dense"):
+        if row.get(impl + "_s"):
+            row[impl + "_tflops"] = flops / row[impl + "_s"] / 1e12
     if row.get("pallas_s"):
-        row["pallas_tflops"] = flops / row["pallas_s"] / 1e12
         row["pct_matmul_peak"] = 100 * row["pallas_tflops"] / ceil["matmul_tflops"]
     return row
-
-
-def ratio(a, b):
-    return f"{a / b:6.2f}x" if a and b else "    n/a"
 
 
 def us(x):
     return f"{x * 1e6:9.1f}" if x else "      n/a"
 
 
+DECODE_COLUMNS = (("xla", "XLA"), ("pallas", "Pallas"), ("pallas_qkv", "engine"), ("cudnn", "cuDNN"),
+                  ("triton", "Triton"), ("triton_jt", "Triton jt"))
+PREFILL_COLUMNS = (("xla", "XLA"), ("pallas", "Pallas"), ("cudnn", "cuDNN"), ("cudnn_dense", "cuDNN dense"))
+
+
 def print_decode(rows):
-    print("\nDecode (paged, page 16): time in us; TB/s = K+V bytes needed / Pallas time; 'engine' = the engine's "
-          "kernel (paged_attention_qkv: + q/k norm, rope and the K/V write); fp8: the same kernels on fp8 pages, "
-          "TB/s = bytes actually read")
-    print(f"{'B':>4} {'ctx':>5} | {'XLA':>9} {'Pallas':>9} {'engine':>9} {'cuDNN':>9} | {'TB/s':>6} {'%copy':>6} | "
-          f"{'vs XLA':>7} {'vs cuDNN':>8} | {'fp8':>9} {'fp8 eng':>9} {'TB/s':>5} {'eng':>5}")
+    print("\nDecode (paged, page 16): time in us, then TB/s = K+V bytes needed / time; 'engine' = the engine's "
+          "Pallas kernel (paged_attention_qkv: + q/k norm, rope and the K/V write); 'Triton jt' = the Triton kernel "
+          "through jax-triton's triton_call; fp8: the Pallas kernels on fp8 pages, TB/s = bytes actually read")
+    names = [c for c, _ in DECODE_COLUMNS if any(r.get(c + "_s") for r in rows)]
+    labels = dict(DECODE_COLUMNS)
+    print(f"{'B':>4} {'ctx':>5} | " + " ".join(f"{labels[c]:>9}" for c in names) + " | "
+          + " ".join(f"{labels[c][:6]:>6}" for c in names) + f" | {'%copy':>5} | {'fp8':>9} {'fp8 eng':>9}")
     for r in rows:
-        print(f"{r['batch']:>4} {r['ctx']:>5} | {us(r.get('xla_s'))} {us(r.get('pallas_s'))} "
-              f"{us(r.get('pallas_qkv_s'))} {us(r.get('cudnn_s'))} | "
-              f"{r.get('pallas_tbps', 0):6.2f} {r.get('pct_copy_bw', 0):5.0f}% | "
-              f"{ratio(r.get('xla_s'), r.get('pallas_s'))} {ratio(r.get('cudnn_s'), r.get('pallas_s')):>8} | "
-              f"{us(r.get('fp8_s'))} {us(r.get('fp8_qkv_s'))} {r.get('fp8_tbps', 0):5.2f} "
-              f"{r.get('fp8_qkv_tbps', 0):5.2f}")
+        print(f"{r['batch']:>4} {r['ctx']:>5} | " + " ".join(us(r.get(c + "_s")) for c in names) + " | "
+              + " ".join(f"{r.get(c + '_tbps') or 0:6.2f}" for c in names)
+              + f" | {r.get('pct_copy_bw', 0):4.0f}% | {us(r.get('fp8_s'))} {us(r.get('fp8_qkv_s'))}")
 
 
 def print_prefill(rows):
-    print("\nPrefill (causal varlen over the paged cache): time in us; TFLOP/s counts visible scores only")
-    print(f"{'case':>14} {'tokens':>6} | {'XLA':>9} {'Pallas':>9} {'cuDNN':>9} | {'TFLOP/s':>7} {'%mm':>5} | "
-          f"{'vs XLA':>7} {'vs cuDNN':>8}")
+    print("\nPrefill (causal varlen over the paged cache): time in us, then TFLOP/s (visible scores only); "
+          "'cuDNN dense' = contiguous equal-length inputs, no pages (uniform cases only)")
+    names = [c for c, _ in PREFILL_COLUMNS if any(r.get(c + "_s") for r in rows)]
+    labels = dict(PREFILL_COLUMNS)
+    print(f"{'case':>14} {'tokens':>6} | " + " ".join(f"{labels[c]:>11}" for c in names) + " | "
+          + " ".join(f"{labels[c][:7]:>7}" for c in names) + f" | {'%mm':>5}")
     for r in rows:
-        print(f"{r['case']:>14} {r['tokens']:>6} | {us(r.get('xla_s'))} {us(r.get('pallas_s'))} "
-              f"{us(r.get('cudnn_s'))} | {r.get('pallas_tflops', 0):7.1f} {r.get('pct_matmul_peak', 0):4.0f}% | "
-              f"{ratio(r.get('xla_s'), r.get('pallas_s'))} {ratio(r.get('cudnn_s'), r.get('pallas_s')):>8}")
+        print(f"{r['case']:>14} {r['tokens']:>6} | " + " ".join(f"{us(r.get(c + '_s')):>11}" for c in names)
+              + " | " + " ".join(f"{r.get(c + '_tflops') or 0:7.1f}" for c in names)
+              + f" | {r.get('pct_matmul_peak', 0):4.0f}%")
 
 
 PREFILL_CASES = {  # name: (new tokens per sequence, cached prefix per sequence)
