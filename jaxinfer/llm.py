@@ -236,15 +236,15 @@ class LLM:
         groups = self._add(reqs)
         seqs, where = [s for g in groups for s in g], [(i, j) for i, g in enumerate(groups) for j in range(len(g))]
         procs: dict[int, OutputProcessor] = {}
-        sent: dict[int, int] = {}                 # seq_id -> output tokens yielded
+        sent: dict[int, tuple[int, float]] = {}   # seq_id -> (output tokens yielded, their cumulative logprob)
         texts = TokenTexts(self.tokenizer)
         aborts = self.__dict__.setdefault("_aborts", set())
         aborts.clear()
 
         def delta(k: int, seq: Sequence, d: TextDelta) -> RequestOutput:
-            (i, j), start = where[k], sent.get(seq.seq_id)
-            sent[seq.seq_id] = (start or 0) + len(d.token_ids)
-            lps, cum = logprobs_of(seq, start or 0, d.token_ids, texts)
+            (i, j), (start, before) = where[k], sent.get(seq.seq_id, (None, 0.0))
+            lps, cum = logprobs_of(seq, start or 0, d.token_ids, texts, before)
+            sent[seq.seq_id] = ((start or 0) + len(d.token_ids), cum or 0.0)
             prompt = reqs[i][0]
             return RequestOutput(request_id=i, prompt=prompt if isinstance(prompt, str) else None,
                                  prompt_token_ids=reqs[i][1],

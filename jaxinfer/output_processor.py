@@ -96,14 +96,15 @@ class TokenTexts:
         return text
 
 
-def logprobs_of(seq, start: int, token_ids: list[int], texts: TokenTexts):
+def logprobs_of(seq, start: int, token_ids: list[int], texts: TokenTexts, cum_before: float = 0.0):
     """(logprobs, cumulative_logprob) of seq's output tokens start .. start + len(token_ids), or
-    (None, None) when the request did not ask for logprobs."""
+    (None, None) when the request did not ask for logprobs. cum_before: the cumulative logprob of the
+    tokens before start (a stream carries it, instead of summing every row again for each delta)."""
     n = seq.params.logprobs
     if n is None:
         return None, None
     rows = seq.logprob_rows[start:start + len(token_ids)]
-    return LogprobsList(rows, list(token_ids), n, texts), cumulative_logprob(seq.logprob_rows[:start + len(token_ids)])
+    return LogprobsList(rows, list(token_ids), n, texts), cum_before + cumulative_logprob(rows)
 
 
 def prompt_logprobs_of(seq, texts: TokenTexts):

@@ -114,11 +114,12 @@ def test_n_samples_differ_and_repeat_with_the_seed(llm):
 def test_stream_carries_logprobs_and_samples(llm):
     sp = SamplingParams(temperature=0.7, max_tokens=5, n=2, seed=9, logprobs=2, prompt_logprobs=1, ignore_eos=True)
     full = llm.generate(PROMPTS[:1], sp, use_tqdm=False)[0]
-    got = {0: [], 1: []}
+    got, cum = {0: [], 1: []}, {}
     prompt_lps = []
     for d in llm.stream(PROMPTS[:1], sp):
         (c,) = d.outputs
         got[c.index] += c.logprobs
+        cum[c.index] = c.cumulative_logprob
         if d.prompt_logprobs is not None:
             prompt_lps.append(d.prompt_logprobs)
     for j in (0, 1):
@@ -126,6 +127,7 @@ def test_stream_carries_logprobs_and_samples(llm):
         assert [sorted(x) for x in got[j]] == [sorted(x) for x in want]
         assert [x[t].logprob for x, t in zip(got[j], full.outputs[j].token_ids)] == \
             [x[t].logprob for x, t in zip(want, full.outputs[j].token_ids)]
+        np.testing.assert_allclose(cum[j], full.outputs[j].cumulative_logprob, rtol=1e-6)    # summed over deltas
     assert len(prompt_lps) == 1 and len(prompt_lps[0]) == len(PROMPTS[0])
     _free(llm)
 
