@@ -6,7 +6,9 @@
 Process layout (as vLLM V1):
 
     HTTP clients ──> API process(es): uvicorn + FastAPI, tokenizer, OpenAI protocol, detokenization,
-                     stop strings (app.py, client.py; jaxinfer.output_processor)
+                     stop strings, logprobs' OpenAI shapes (app.py: routes; gate.py: API key, drain, body
+                     limit; protocol.py / responses.py: pydantic models; choices.py / streams.py: one
+                     engine request per prompt and n; client.py: the ZMQ side; metrics.py: /metrics)
                         │  ZMQ PUSH: msgpack [add / abort / stats], batched per event-loop turn
                         ▼
                      engine core process (core.py): LLMEngine = scheduler + compiled steps; its own
@@ -23,7 +25,9 @@ Process layout (as vLLM V1):
   the core; so does a client disconnect. Every request finishes or fails explicitly; all KV blocks return.
 - Faults: if the core dies, in-flight requests get an error (an SSE error event, or a 500 JSON body), new
   ones a 503, /health answers 503, and the server exits with code 1 about a second later (no restart).
-  SIGTERM drains: uvicorn stops accepting, in-flight requests finish, then the core is shut down; exit 0.
+  SIGTERM drains: new requests get 503, in-flight ones finish (or end with finish_reason "abort" after
+  ServerOptions.shutdown_timeout), then the core is shut down; exit 0. Operating options: options.py;
+  the whole API surface: docs/serving.md.
 """
 from jaxinfer.server.app import build_app
 from jaxinfer.server.client import CoreClient, EngineDeadError
