@@ -36,39 +36,25 @@ import numpy as np  # noqa: E402
 HBM = 4.3e12          # H200 device copy, bytes/s (docs/gpu-facts.md)
 
 
-def timed(fn, args, iters: int, carry=None, read=False) -> float:
-    """Median over 3 rounds of seconds per call, `iters` calls dispatched back to back. carry {arg: out}: feed
-    outputs back (donated caches, ids). read: read output 0 to the host after every call (serialised)."""
+def timed(fn, args, iters: int, carry=None, read: str | None = None) -> float:
+    """Median over 3 rounds of seconds per call, `iters` calls dispatched back to back (round 0 warms up).
+    carry {arg: out index, or None for the whole output}: feed outputs back (donated caches, ids). read="each":
+    read output 0 to the host after every call (serialised); "previous": after each dispatch read the previous
+    call's output 0 (the engine's one-step loop: the host never waits for the step it just sent)."""
     import jax
-    args = list(args)
-    rounds = []
-    for r in range(4):                                  # round 0 warms up
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-            if read:
-                np.asarray(out[0] if isinstance(out, (tuple, list)) else out)
-            for i, o in (carry or {}).items():
-                args[i] = out[o]
-        jax.block_until_ready(out)
-        if r:
-            rounds.append((time.perf_counter() - t) / iters)
-    return float(np.median(rounds))
-
-
-def engine_like(step, args, packed_np, iters: int) -> float:
-    """Seconds per one-step call as the engine runs it: numpy batch -> device, dispatch, then read the previous
-    step's ids (the host never waits for the step it just sent)."""
-    import jax
-    params, kv, _, ids = args
-    rounds = []
+    args, rounds, prev = list(args), [], None
     for r in range(4):
         t = time.perf_counter()
         for _ in range(iters):
-            new, kv = step(params, kv, jax.device_put(packed_np), ids)
-            np.asarray(ids)
-            ids = new
-        jax.block_until_ready(ids)
+            out = fn(*args)
+            if read == "each":
+                np.asarray(out[0])
+            elif read == "previous" and prev is not None:
+                np.asarray(prev)
+            prev = out[0] if read else None
+            for i, o in (carry or {}).items():
+                args[i] = out if o is None else out[o]
+        jax.block_until_ready(out)
         if r:
             rounds.append((time.perf_counter() - t) / iters)
     return float(np.median(rounds))
@@ -173,10 +159,11 @@ def bench_steps(a, cfg, params, out: dict) -> None:
         carry = {1: 1, 3: 0} if call == "one" else {1: 1}          # K-step calls: same batch every call
         r["pipelined_ms"] = timed(exe, (params, fresh(), jnp.asarray(pk), ids), iters, carry) * 1e3 / per
         if call == "one":
-            r["engine_ms"] = engine_like(exe, (params, fresh(), None, ids), pk, iters) * 1e3
+            r["engine_ms"] = timed(lambda p, kv, _, i: exe(p, kv, jax.device_put(pk), i), (params, fresh(), None, ids),
+                                   iters, {1: 1, 3: 0}, read="previous") * 1e3
         else:     # what the engine does: send the batch, run the call, read its ids, only then the next call
             r["serial_ms"] = timed(lambda *x: exe(*x[:2], jax.device_put(pk), x[3]), (params, fresh(), None, ids),
-                                   iters, {1: 1}, read=True) * 1e3 / per
+                                   iters, {1: 1}, read="each") * 1e3 / per
         if a.profile:
             from bench import profiled, summarize_profile
             d = os.path.join(a.profile, f"b{n}_{call}_{mm}_u{unroll}")
@@ -317,7 +304,7 @@ def bench_attention(a, cfg, out: dict) -> None:
                       for _ in range(L)]
             f = jax.jit(chain, donate_argnums=0)
             try:
-                s = _timed_carry(f, (caches, jnp.zeros((B, H, D), a.dtype)), a.iters)
+                s = timed(f, ((caches, jnp.zeros((B, H, D), a.dtype)),), a.iters, {0: None})
             except Exception as err:
                 rows.append(dict(batch=n, bucket=B, splits=S, block_n=bn, error=str(err)[:300]))
                 print(f"  attention batch {n} splits {S} block_n {bn}: FAILED {str(err)[:200]}", flush=True)
@@ -363,20 +350,6 @@ def bench_host(a, out: dict) -> None:
         del llm, eng
     runner.MULTISTEP_MAX_ROWS = saved
     out["host"] = rows
-
-
-def _timed_carry(f, x, iters: int) -> float:
-    """Seconds per call of f(x) -> x (donated), back to back."""
-    import jax
-    x = jax.block_until_ready(f(x))
-    rounds = []
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(iters):
-            x = f(x)
-        jax.block_until_ready(x)
-        rounds.append((time.perf_counter() - t) / iters)
-    return float(np.median(rounds))
 
 
 def main(argv=None) -> dict:
