@@ -143,9 +143,14 @@ class LLM:
         return [self._output(p, g, texts) for (p, _, _), g in zip(reqs, groups)]
 
     def _add(self, reqs) -> list[list[Sequence]]:
-        """One sequence per sample: n of them per request (SamplingParams.for_sample)."""
-        return [[self.engine.add_request(ids, sp if sp.n == 1 else sp.for_sample(j)) for j in range(sp.n)]
-                for _, ids, sp in reqs]
+        """One sequence per sample: n of them per request (SamplingParams.for_sample); samples 1.. reuse
+        sample 0's prompt KV from the prefix cache (Sequence.waits_for_prompt), so it is computed once."""
+        groups = [[self.engine.add_request(ids, sp if sp.n == 1 else sp.for_sample(j)) for j in range(sp.n)]
+                  for _, ids, sp in reqs]
+        for g in groups:
+            for seq in g[1:]:
+                seq.prompt_source = g[0]
+        return groups
 
     def _run(self, seqs: list[Sequence]) -> Iterator[tuple[int, Sequence]]:
         """Step the engine until every seq finishes, yielding (index in seqs, seq) for each new token.

@@ -64,9 +64,6 @@ class SamplingParams:
         if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not 0 < rp < float("inf"):
             bad("repetition_penalty", "must be a number > 0 (1 = no penalty)")
         object.__setattr__(self, "repetition_penalty", float(rp))
-        # (not a field) read by the engine for every row of every step: one attribute, not three tests
-        object.__setattr__(self, "_extras", self.has_penalties or self.logprobs is not None
-                           or self.prompt_logprobs is not None)
 
     @property
     def greedy(self) -> bool:
@@ -80,7 +77,7 @@ class SamplingParams:
     @property
     def needs_extras(self) -> bool:
         """Penalties or logprobs: the request runs the step's extras variant (step.Extras)."""
-        return self._extras
+        return self.has_penalties or self.logprobs is not None or self.prompt_logprobs is not None
 
     @property
     def has_penalties(self) -> bool:

@@ -33,7 +33,7 @@ LOGPROB_WIDTHS = (5, 20)        # static top-N widths: a batch asking N logprobs
 
 def choose(batch) -> Extras | None:
     """The extras variant this batch needs, or None (the plain step)."""
-    if not any(s.params.needs_extras for s in batch.seqs):       # the default path: one cheap pass
+    if not any(s.needs_extras for s in batch.seqs):       # the default path: one cheap pass
         return None
     ps = [s.params for s in batch.seqs]
     penalties = any(p.has_penalties for p in ps)

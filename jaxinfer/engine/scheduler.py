@@ -43,7 +43,7 @@ class Scheduler:
     def can_admit(self) -> bool:
         """Whether the next prefill step would admit the first waiting sequence (a free row and blocks)."""
         return bool(self.waiting) and len(self.running) < self.config.max_num_seqs and \
-            self.bm.can_allocate(self.waiting[0])
+            self.bm.can_allocate(self.waiting[0]) and not self._waits(self.waiting[0])
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -62,7 +62,7 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self.bm.can_allocate(seq) or not self._chunk(seq, budget, plp):
+            if not self.bm.can_allocate(seq) or not self._chunk(seq, budget, plp) or self._waits(seq):
                 break
             self.waiting.popleft()
             self.bm.allocate(seq)
@@ -73,6 +73,10 @@ class Scheduler:
             seqs.append(seq), counts.append(n)
             budget -= n
         return ScheduledBatch(seqs, counts, True) if seqs else None
+
+    def _waits(self, seq: Sequence) -> bool:
+        """An n > 1 sample waiting for sample 0's prompt to be cached (Sequence.waits_for_prompt)."""
+        return self.bm.prefix_caching and seq.waits_for_prompt()
 
     def _chunk(self, seq: Sequence, budget: int, plp: list[int], take: bool = False) -> int:
         """Tokens of seq's prompt to compute this step: what is left, within the token budget; a request with

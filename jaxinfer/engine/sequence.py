@@ -45,6 +45,8 @@ class Sequence:
         # for the first token and for positions not computed yet); rows as outputs.logprob_dict reads them
         self.logprob_rows: list[list[float]] = []
         self.prompt_logprob_rows = [None] * len(token_ids) if params.prompt_logprobs is not None else None
+        self.needs_extras = params.needs_extras     # read for every row of every step: computed once
+        self.prompt_source: Sequence | None = None   # sample 0 of an n > 1 request (see waits_for_prompt)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -68,6 +70,16 @@ class Sequence:
         """Prompt logprobs and penalty counts are computed from every token that enters a step, so such a
         request computes its whole prompt (as vLLM does for prompt logprobs) instead of skipping cached blocks."""
         return self.params.prompt_logprobs is None and not self.params.has_penalties
+
+    def waits_for_prompt(self) -> bool:
+        """A later sample of an n > 1 request waits to be admitted until sample 0's prompt blocks are in the
+        prefix cache, then reuses them instead of computing the same prompt again. It stops waiting for good
+        once they are there, once sample 0 finished, or when this one cannot reuse the cache anyway."""
+        src = self.prompt_source
+        if src is not None and (src.status is Status.FINISHED or not self.reuses_prefix_cache or
+                                src.num_hashed_blocks >= (self.num_prompt_tokens - 1) // self.block_size):
+            self.prompt_source = src = None
+        return src is not None
 
     @property
     def num_blocks_needed(self) -> int:
