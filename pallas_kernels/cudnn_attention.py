@@ -7,8 +7,8 @@ Not a hand kernel: the vendor library, as JAX exposes it, for the comparison (do
   `jax._src.cudnn.fused_attention_stablehlo.paged_attention` has, but its shape check wants a pool of exactly
   B x W pages (one private set per row), while the engine's pool is shared. cuDNN itself takes any pool (its
   K container is `[num_blocks, K, block_size, D]`, independent of the batch), so `mode="pool"` calls the
-  function underneath that check (`_dot_product_attention`) with the engine's whole cache. `mode="gather"`
-  is the public-API fallback: gather each row's pages into a dense [B, S, K, D] copy and run
+  function underneath that check (`_dot_product_attention`) with the engine's whole cache (a JAX whose private
+  signature differs gets a warning and the gather path). `mode="gather"` is the public-API fallback: gather each row's pages into a dense [B, S, K, D] copy and run
   `jax.nn.dot_product_attention(..., implementation="cudnn")` with the rows' lengths (one copy of the pages).
 - Prefill (`cudnn_prefill`): JAX exposes only top-left-aligned causal masks, and a chunk after a cached prefix
   needs bottom-right alignment. So the new tokens are cut into query tiles of one sequence (the Pallas
@@ -23,6 +23,7 @@ Shapes: T tokens, B rows, W table width, S = W * block_size, H q heads, K kv hea
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ from pallas_kernels.flash_attention import tile_metadata
 
 DEFAULT_DECODE_MODE = "pool"      # "pool": cuDNN reads the engine's pool; "gather": dense copy of the pages
 DEFAULT_BLOCK_Q = 128             # prefill query tile (tensor-core rows)
-GATHER_BUDGET_BYTES = 2 * 2**30   # prefill tiles whose gathered pages exceed this run in sequential groups
+GATHER_BUDGET_BYTES = 2**30       # prefill tiles whose gathered pages exceed this run in sequential groups
 # jax.nn.dot_product_attention's implementation: tests set "xla" to check this file's tiling and masks on a CPU
 # (mode="gather" and prefill; the pool path is cuDNN's alone)
 IMPLEMENTATION = "cudnn"
@@ -75,9 +76,10 @@ def _paged_pool(q4, k_cache, v_cache, tables, q_lens, kv_lens, scale):
         return fa.paged_attention(q4, k_cache, v_cache, q_lens, kv_lens, pt, pt, scale=scale,
                                   mask_type=fa.MaskType.PADDING)
     params = tuple(inspect.signature(fa._dot_product_attention).parameters)
-    if params != _PRIVATE_ARGS:
-        raise ValueError(f"cudnn_paged_decode(mode='pool'): JAX {jax.__version__}'s private cuDNN API changed "
-                         f"({params}); use mode='gather'")
+    if params != _PRIVATE_ARGS:   # another JAX: take the public route rather than guess its arguments
+        warnings.warn(f"cudnn_paged_decode: JAX {jax.__version__}'s private cuDNN call takes {params}, not the "
+                      f"arguments this file knows; decoding with mode='gather' (a dense copy of the pages)")
+        return None
     none = jnp.zeros(0, q4.dtype)
     return fa._dot_product_attention(q4, k_cache, v_cache, none, q_lens, kv_lens, none, none, pt, pt, scale, 42,
                                      0.0, (False, False), fa.MaskType.PADDING, fa.AttentionLayout.BTNH.value, None,
@@ -97,14 +99,15 @@ def cudnn_paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, blo
     kv_lens = jnp.maximum(seq_lens, 1)            # a padding row reads one key, and is zeroed below
     ones = jnp.ones((B,), jnp.int32)
     mode = mode or DEFAULT_DECODE_MODE
-    if mode == "pool":
-        out = _paged_pool(q[:, None], k_cache, v_cache, block_tables, ones, kv_lens, scale)[:, 0]
-    elif mode == "gather":
+    if mode not in ("pool", "gather"):
+        raise ValueError(f"cudnn_paged_decode: mode={mode!r} is not 'pool' or 'gather'")
+    out = _paged_pool(q[:, None], k_cache, v_cache, block_tables, ones, kv_lens, scale) if mode == "pool" else None
+    if out is not None:
+        out = out[:, 0]
+    else:
         k, v = (c[block_tables].reshape(B, -1, *c.shape[2:]) for c in (k_cache, v_cache))   # [B, S, K, D]
         out = jax.nn.dot_product_attention(q[:, None], k, v, scale=scale, query_seq_lengths=ones,
                                            key_value_seq_lengths=kv_lens, implementation=IMPLEMENTATION)[:, 0]
-    else:
-        raise ValueError(f"cudnn_paged_decode: mode={mode!r} is not 'pool' or 'gather'")
     return jnp.where((seq_lens > 0)[:, None, None], out, 0).astype(q.dtype)
 
 
