@@ -257,6 +257,7 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
         t0 = time.perf_counter()
         P.check_unsupported(req)
+        check_model(req.model)
         prompt = P.apply_chat_template(tokenizer, P.chat_messages(req.messages), req.chat_template_kwargs)
         k = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
