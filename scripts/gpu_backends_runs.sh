@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The cuDNN and Triton attention backends on one H200 (issue 20, items 2-6), by run name:
+#   ONLY="setup tests probe" bash scripts/gpu_backends_runs.sh          # ~5 min
+#   ONLY="setup kernels" bash scripts/gpu_backends_runs.sh              # ~5 min
+#   ONLY="setup w_cudnn w_triton" bash scripts/gpu_backends_runs.sh     # ~5 min
+#   ONLY="setup notebook" bash scripts/gpu_backends_runs.sh             # ~6 min; executes the notebook in place
+# (the device machine takes 10-minute commands: run them one by one). Results: $OUT (default out_backends)
+# *.json and *.log; the W runs and the kernel table also go to scripts/results/, the executed notebook to
+# notebooks/xla_vs_pallas.ipynb. Needs .whl/ carried along: jax-triton 0.3.1 and matplotlib's wheels are
+# installed (--no-deps) into $DEPS, which is put on PYTHONPATH.
+set -u
+OUT=${OUT:-out_backends}
+DEPS=${DEPS:-/tmp/jaxinfer_deps}
+BUDGET_S=${BUDGET_S:-570}
+mkdir -p "$OUT"
+export PYTHONPATH="$DEPS:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
+T0=$(date +%s)
+SHOW='passed|failed|Error|error|tok/s|warm-up|TB/s|TFLOP/s|us a program|FAILED|skipping|trace:|^ *[0-9]+ +[0-9]+ \||run_notebook'
+MIN_LEFT=30
+. "$(dirname "$0")/gpu_runs_lib.sh"
+
+run setup     60 python -m pip install -q --no-deps --target "$DEPS" .whl/jax_triton-0.3.1-py3-none-any.whl \
+                  .whl/notebook/*.whl
+run tests    300 python -m pytest -q -rs -m gpu tests/test_backends.py
+run probe    240 python scripts/probe_triton_call.py --json "$OUT/probe_triton_call.json" --trace "$OUT/traces"
+run kernels  480 python scripts/bench_kernels.py --quick --json scripts/results/h200_kernels_four_backends.json
+run w_cudnn  280 python scripts/bench.py --attn-backend cudnn --json scripts/results/h200_w_backend_cudnn.json
+run w_triton 280 python scripts/bench.py --attn-backend triton --json scripts/results/h200_w_backend_triton.json
+run notebook 560 python scripts/run_notebook.py notebooks/xla_vs_pallas.ipynb
+cp -f scripts/results/h200_kernels_four_backends.json scripts/results/h200_w_backend_*.json "$OUT"/ 2>/dev/null
+echo "== done in $(( $(date +%s) - T0 )) s; logs in $OUT"
