@@ -94,3 +94,24 @@ def test_block_table_widths_per_backend():
     assert pallas.block_table_widths() == (256,) and pallas.prefill_buckets[0] == 64
     own = EngineConfig(attn_backend="xla", max_model_len=4096, context_buckets=(1000,)).resolve("gpu", m)
     assert own.block_table_widths() == (63, 256)
+
+
+def test_engine_with_narrow_widths_equals_transformers(tiny_dir):
+    """The engine moves rows between block-table widths as contexts grow (16 / 48 tokens, then the full
+    128; block size 4): greedy tokens still equal transformers', for a prompt crossing a width while it
+    decodes, one filling a width exactly, and a repeated prompt (a prefix-cache hit)."""
+    from helpers import TINY_ENGINE, hf_greedy, hf_model
+
+    from jaxinfer import LLM, SamplingParams
+    llm = LLM(tiny_dir, **{**TINY_ENGINE, "context_buckets": (16, 48)})
+    assert llm.engine.runner.widths == (4, 12, 32)
+    rng = np.random.default_rng(3)
+    ps = [rng.integers(0, 512, n).tolist() for n in (10, 16, 45)]
+    ps.append(ps[2])
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    ref = hf_model(tiny_dir)
+    for p, o in zip(ps, outs):
+        assert o.token_ids == hf_greedy(ref, p, 12), f"prompt of {len(p)} tokens"
+    assert outs[3].num_cached_tokens > 0
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
