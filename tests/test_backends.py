@@ -22,9 +22,9 @@ from pallas_kernels.paged_attention import paged_attention_reference
 
 TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 # (lens, block_size, heads, kv_heads, head_dim): ragged lengths incl. 1, block multiples, a padding row (0)
-DECODE_CASES = [([1, 8, 13, 0], 4, 4, 2, 16), ([16, 47, 1, 33], 16, 8, 2, 32), ([130, 5, 64], 16, 4, 1, 32)]
+DECODE_CASES = [([1, 8, 13, 0], 8, 4, 2, 16), ([16, 47, 1, 33], 16, 8, 2, 32), ([130, 5, 64], 16, 4, 1, 32)]
 # (new tokens per row, cached prefix per row, block_size): chunks after prefixes, one-token rows, padding
-PREFILL_CASES = [([5, 30, 1], [0, 20, 95], 16), ([9, 3, 17], [4, 0, 11], 4)]
+PREFILL_CASES = [([5, 30, 1], [0, 20, 95], 16), ([9, 3, 17], [4, 0, 11], 8)]
 
 
 def decode_case(case, dtype, seed=0):
@@ -154,7 +154,7 @@ def test_gpu_backend_generates_like_pallas(tiny_dir, backend):
     agreement is counted up to each output's first difference)."""
     prompts = [[1 + i, 7, 30 + i, 2, 9] * (1 + i) for i in range(6)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    opts = {**TINY_ENGINE, "dtype": "bfloat16"}
+    opts = {**TINY_ENGINE, "dtype": "bfloat16", "block_size": 16, "num_kvcache_blocks": 64}   # the engine's page
     outs = {b: [o.token_ids for o in LLM(tiny_dir, attn_backend=b, **opts).generate(prompts, sp, use_tqdm=False)]
             for b in ("pallas", backend)}
     agree = [next((i for i, (a, c) in enumerate(zip(x, y)) if a != c), len(x)) for x, y in zip(*outs.values())]
