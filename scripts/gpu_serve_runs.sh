@@ -7,7 +7,8 @@
 #    ("... -> OK": 0 errors, 0 lost tokens, completed + refused = requests, every 503 in < 1 s).
 # 2. extras: one server; 256 streams of W plain, then with logprobs=5, then with penalties (each extra run twice:
 #    the first compiles the step variants, the second is the number). Targets: logprobs <= 10% and penalties
-#    <= 5% below plain (output tok/s of the second runs).
+#    <= 5% below plain (output tok/s of the second runs). API_COUNT=2: two API processes (logprobs are ~25 us of
+#    Python per streamed token in the API process).
 # Needs the server wheels: bash scripts/fetch_server_wheels.sh here first (.whl/ travels with the tree).
 # A CPU smoke run of this script (tiny model, bench_serve --quick loads): MODEL=DIR CONC=8 OVER=16 \
 #   ENGINE='{"max_num_seqs": 8, "max_model_len": 128}' BENCH_ARGS=--quick bash scripts/gpu_serve_runs.sh
@@ -32,7 +33,8 @@ run overload 300 python scripts/bench_serve.py "$MODEL" --engine "$ENGINE" --con
 
 extras() {      # one server, several loads against it
   local port=8011 url=http://127.0.0.1:8011
-  python -m jaxinfer.server "$MODEL" --engine "$ENGINE" --port $port --served-model-name bench --log-level warning &
+  python -m jaxinfer.server "$MODEL" --engine "$ENGINE" --port $port --served-model-name bench --log-level warning \
+    --api-server-count ${API_COUNT:-1} &
   local pid=$!
   python3 -c "
 import time, urllib.request
@@ -56,7 +58,8 @@ for ln in urllib.request.urlopen('$url/metrics').read().decode().splitlines():
         print(ln)"
   kill -TERM $pid; wait $pid; echo "server exit $?"
 }
-export OUT MODEL ENGINE CONC NPROMPTS BENCH_ARGS
+API_COUNT=${API_COUNT:-1}
+export OUT MODEL ENGINE CONC NPROMPTS BENCH_ARGS API_COUNT
 export -f extras
 run extras 330 bash -c extras
 python3 - "$OUT" <<'EOF' || true

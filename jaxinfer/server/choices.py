@@ -11,15 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from jaxinfer.output_processor import OutputProcessor, TextDelta
-from jaxinfer.outputs import logprob_dict
 from jaxinfer.server.client import CoreClient
-from jaxinfer.server.responses import TokenLogprobs
-
-
-def to_entries(rows: list, token_ids: list[int], n: int) -> list[TokenLogprobs | None]:
-    """The core's logprob rows (outputs.py: [logprob, rank, top ids x W, top logprobs x W]) of `token_ids`
-    as vLLM's {token id: Logprob}: the token and the top n. A None row (the first prompt token) stays None."""
-    return [None if r is None else logprob_dict(r, t, n) for r, t in zip(rows, token_ids)]
 
 
 class Choice:
@@ -28,8 +20,8 @@ class Choice:
 
     def __init__(self, index: int, prompt_ids: list[int], params, proc: OutputProcessor):
         self.index, self.prompt_ids, self.params, self.proc = index, prompt_ids, params, proc
-        self.logprobs: list[TokenLogprobs] = []                  # one per generated token (if asked)
-        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        self.logprobs: list[list] = []              # engine rows (outputs.py), one per generated token (if asked)
+        self.prompt_logprobs: list[list | None] | None = None       # one per prompt token, the first None
         self.t_first: float | None = None
         self.t_end: float | None = None
         self.sent = 0                                            # generated tokens whose logprobs were streamed
@@ -73,9 +65,9 @@ async def _follow(client: CoreClient, coll, choices: list[Choice], metrics, t_st
                 if ch.proc.finished:
                     continue
                 if plps is not None and ch.prompt_logprobs is None:
-                    ch.prompt_logprobs = to_entries(plps, ch.prompt_ids, ch.params.prompt_logprobs)
+                    ch.prompt_logprobs = plps
                 if lps:
-                    ch.logprobs += to_entries(lps, ids, ch.params.logprobs)
+                    ch.logprobs += lps
                 now = time.perf_counter()
                 if ids and ch.t_first is None:
                     ch.t_first = now

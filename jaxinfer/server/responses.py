@@ -2,7 +2,9 @@
 (built directly: validating every response through pydantic would cost time per streamed event), logprobs in
 OpenAI's two shapes, and the server-sent events of a stream.
 
-Logprobs arrive per token as vLLM's `{token_id: Logprob(logprob, rank)}` (the sampled token plus the top k):
+Logprobs arrive per token as the engine's rows (jaxinfer/outputs.py: [logprob, rank, top ids x W, top logprobs
+x W], best first; the same numbers as vLLM's `{token_id: Logprob}`), formatted straight from them (building
+Logprob objects per token cost ~2x the API process's time per streamed token):
 - completions (legacy shape): {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"};
   with echo the prompt's tokens come first, the very first one with null logprobs (nothing precedes it);
 - chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}.
@@ -16,9 +18,6 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from jaxinfer.outputs import Logprob
-
-TokenLogprobs = dict[int, Logprob]          # token id -> Logprob(logprob, rank); one generated / prompt token
 
 
 class Usage(BaseModel):
@@ -125,39 +124,39 @@ class TokenText:
         return s
 
 
-def _top(entry: TokenLogprobs, k: int) -> list[tuple[int, float]]:
-    """The k most likely tokens of one position, by rank."""
-    return [(t, e.logprob) for t, e in sorted(entry.items(), key=lambda kv: kv[1].rank) if e.rank <= k][:k]
+def _top(row: list, k: int) -> list[tuple[int, float]]:
+    """The k most likely (token id, logprob) of one position, best first, from its engine row."""
+    w = (len(row) - 2) // 2
+    return [(int(row[2 + r]), row[2 + w + r]) for r in range(min(k, w))]
 
 
-def completion_logprobs(text_of: TokenText, ids: list[int], entries: list[TokenLogprobs | None], k: int,
-                        offset: int = 0) -> dict:
-    """The legacy shape for tokens `ids` (entries[i] None: no logprob, e.g. the first prompt token). `offset`:
-    the character offset of the first token (the text already sent, when streaming). top_logprobs holds the
-    k most likely tokens and the sampled one (as vLLM)."""
+def completion_logprobs(text_of: TokenText, ids: list[int], rows: list, k: int, offset: int = 0) -> dict:
+    """The legacy shape for tokens `ids` and their engine rows (a None row: no logprob, e.g. the first prompt
+    token). `offset`: the character offset of the first token (the text already sent, when streaming).
+    top_logprobs holds the k most likely tokens and the sampled one (as vLLM)."""
     tokens, lps, tops, offs = [], [], [], []
-    for tid, e in zip(ids, entries):
+    for tid, row in zip(ids, rows):
         s = text_of(tid)
         tokens.append(s)
         offs.append(offset)
         offset += len(s)
-        if e is None:
+        if row is None:
             lps.append(None)
             tops.append(None)
             continue
-        lps.append(e[tid].logprob)
-        top = {text_of(t): lp for t, lp in _top(e, k)}
-        top.setdefault(s, e[tid].logprob)
+        lps.append(row[0])
+        top = {text_of(t): lp for t, lp in _top(row, k)}
+        top.setdefault(s, row[0])
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
 
-def chat_logprobs(text_of: TokenText, ids: list[int], entries: list[TokenLogprobs], k: int) -> dict:
+def chat_logprobs(text_of: TokenText, ids: list[int], rows: list, k: int) -> dict:
     def one(tid, lp):
         s = text_of(tid)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
-    return {"content": [{**one(tid, e[tid].logprob), "top_logprobs": [one(t, lp) for t, lp in _top(e, k)]}
-                        for tid, e in zip(ids, entries)]}
+    return {"content": [{**one(tid, row[0]), "top_logprobs": [one(t, lp) for t, lp in _top(row, k)]}
+                        for tid, row in zip(ids, rows)]}
 
 
 # -- server-sent events -------------------------------------------------------------------------------------
@@ -169,8 +168,7 @@ class ChunkEncoder:
     """The SSE events of one streamed response, as text: equal (as JSON) to `sse(completion_chunk(...))` and
     `sse(chat_chunk(rid, model, {"content": text}, None, index))`. What every event shares is rendered once
     and only the text is encoded per event: json.dumps of each whole chunk dict took ~8% of the API
-    process's time at 64 streams (py-spy, CPU). Events with logprobs go through `sse` (rarer, and slower
-    anyway)."""
+    process's time at 64 streams (py-spy, CPU). Completion events with logprobs: `completion_lp`."""
 
     def __init__(self, rid: str, model: str, object_: str):
         self.created = int(time.time())
@@ -180,6 +178,10 @@ class ChunkEncoder:
     def completion(self, index: int, text: str, reason: str | None) -> str:
         return (f'{self._head}{index}, "text": {json.dumps(text, ensure_ascii=False)}, "logprobs": null, '
                 f'"finish_reason": {json.dumps(reason)}}}]}}\n\n')
+
+    def completion_lp(self, index: int, text: str, reason: str | None, logprobs: dict) -> str:
+        return (f'{self._head}{index}, "text": {json.dumps(text, ensure_ascii=False)}, "logprobs": '
+                f'{json.dumps(logprobs, ensure_ascii=False)}, "finish_reason": {json.dumps(reason)}}}]}}\n\n')
 
     def chat_content(self, text: str, index: int = 0) -> str:
         return (f'{self._head}{index}, "delta": {{"content": {json.dumps(text, ensure_ascii=False)}}}, '

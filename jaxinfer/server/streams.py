@@ -75,7 +75,7 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
                 new = R.completion_logprobs(text_of, ids, entries, k, offsets[ch.index])
                 offsets[ch.index] += sum(len(t) for t in new["tokens"])
                 lp = _merge(lp, new)
-                yield R.sse(R.completion_chunk(rid, model, ch.index, text, d.finish_reason, lp))
+                yield enc.completion_lp(ch.index, text, d.finish_reason, lp)
             else:               # (an event per update, even when the text is held back: a client sees progress)
                 yield enc.completion(ch.index, text, d.finish_reason)
         if (req.stream_options or {}).get("include_usage"):
