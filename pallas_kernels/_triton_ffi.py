@@ -43,7 +43,7 @@ def load_triton():
 def _ffi_primitive():
     """A primitive like jax-triton's, lowered to XLA's typed-FFI Triton call (what Pallas-Triton emits)."""
     import jax.extend as jex
-    from jax._src import core
+    from jax._src import core, dispatch
     from jax._src.interpreters import mlir
     from jax._src.lib import gpu_triton as lib
     from jax._src.lib.mlir import ir
@@ -51,6 +51,7 @@ def _ffi_primitive():
 
     p = jex.core.Primitive("triton_ffi_call")
     p.multiple_results = True
+    p.def_impl(functools.partial(dispatch.apply_primitive, p))       # an un-jitted call compiles it alone
     p.def_abstract_eval(lambda *_, out_shapes, **__: [core.ShapedArray(s.shape, s.dtype) for s in out_shapes])
 
     def lowering(ctx, *operands, fn, out_shapes, grid, num_warps, num_stages, metaparams, aliases, name):
