@@ -5,9 +5,9 @@
 #   ONLY="setup w_cudnn w_triton" bash scripts/gpu_backends_runs.sh     # ~5 min
 #   ONLY="setup notebook" bash scripts/gpu_backends_runs.sh             # ~6 min; executes the notebook in place
 # (the device machine takes 10-minute commands: run them one by one). Results: $OUT (default out_backends)
-# *.json and *.log; the W runs and the kernel table also go to scripts/results/, the executed notebook to
-# notebooks/xla_vs_pallas.ipynb. Needs .whl/ carried along: jax-triton 0.3.1 and matplotlib's wheels are
-# installed (--no-deps) into $DEPS, which is put on PYTHONPATH.
+# *.json, *.log and the executed notebook (copy them to scripts/results/ and notebooks/ here). Run the W runs
+# first and commit their JSON, so the notebook's W section finds them. Needs .whl/ carried along: jax-triton
+# 0.3.1 and matplotlib's wheels are installed (--no-deps) into $DEPS, which is put on PYTHONPATH.
 set -u
 OUT=${OUT:-out_backends}
 DEPS=${DEPS:-/tmp/jaxinfer_deps}
@@ -27,6 +27,6 @@ run probe    240 python scripts/probe_triton_call.py --json "$OUT/probe_triton_c
 run kernels  480 python scripts/bench_kernels.py --quick --json scripts/results/h200_kernels_four_backends.json
 run w_cudnn  280 python scripts/bench.py --attn-backend cudnn --json scripts/results/h200_w_backend_cudnn.json
 run w_triton 280 python scripts/bench.py --attn-backend triton --json scripts/results/h200_w_backend_triton.json
-run notebook 560 python scripts/run_notebook.py notebooks/xla_vs_pallas.ipynb
+run notebook 560 python scripts/run_notebook.py notebooks/xla_vs_pallas.ipynb -o "$OUT/xla_vs_pallas.ipynb"
 cp -f scripts/results/h200_kernels_four_backends.json scripts/results/h200_w_backend_*.json "$OUT"/ 2>/dev/null
 echo "== done in $(( $(date +%s) - T0 )) s; logs in $OUT"
