@@ -331,6 +331,7 @@ def bench_host(a, out: dict) -> None:
     """TPOT through LLM.generate of a tiny model (its GPU step is ~0.1-0.2 ms), K-step calls against one step per
     call, with the engine's host seconds per call: the host's own cost per token. A K-step call is read, applied,
     scheduled and packed before the next is sent, so that cost adds to the GPU's; one-step calls overlap it."""
+    import gc
     import tempfile
     import jaxinfer.engine.runner as runner
     from bench_multistep import latency
@@ -342,8 +343,9 @@ def bench_host(a, out: dict) -> None:
                            max_position_embeddings=4096)
     rows = []
     for steps in (a.k, 1):
-        llm = LLM(path, max_num_seqs=max(a.batches), decode_buckets=tuple(a.buckets), prefill_buckets=(4096,),
-                  max_model_len=2048, max_num_batched_tokens=4096, num_scheduler_steps=steps)
+        buckets = tuple(sorted({next(b for b in a.buckets if b >= n) for n in a.batches}))
+        llm = LLM(path, max_num_seqs=max(a.batches), decode_buckets=buckets, prefill_buckets=(4096,),
+                  max_model_len=2048, max_num_batched_tokens=4096, num_kvcache_blocks=8192, num_scheduler_steps=steps)
         eng = llm.llm_engine
         for n in a.batches:
             eng.host_time = dict.fromkeys(eng.host_time, 0.0)
@@ -355,6 +357,7 @@ def bench_host(a, out: dict) -> None:
             print(f"  tiny model, batch {n:3d}, {steps:2d} steps/call: TPOT {r['tpot_ms']:.3f} ms; host per call "
                   + ", ".join(f"{k} {v:.2f}" for k, v in host.items()), flush=True)
         del llm, eng
+        gc.collect()                        # the first engine's KV pool goes before the second is made
     runner.MULTISTEP_MAX_ROWS = saved
     out["host"] = rows
 
