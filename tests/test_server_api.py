@@ -215,3 +215,13 @@ def test_body_size_limit(server, url):
         app.state.options = before
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert r2.status_code == 413
+
+
+def test_server_options():
+    from jaxinfer.server.options import ServerOptions
+    assert ServerOptions.create(env={"JAXINFER_API_KEY": "k"}).api_key == "k"
+    assert ServerOptions.create(env={"JAXINFER_API_KEY": "k"}, api_key="flag").api_key == "flag"
+    assert ServerOptions.create(env={}).api_key is None
+    for bad in [dict(max_waiting_requests=-1), dict(shutdown_timeout=-2), dict(api_key=""), dict(nope=1)]:
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ServerOptions.create(env={}, **bad)
