@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.model import layers
 from jaxinfer.model.kv_scales import kv_cache_dtype, with_kv_scales
 from jaxinfer.parallel import Placement, kv_heads, make_placements
 from jaxinfer.parallel.layout import KV_SPEC
@@ -241,7 +242,8 @@ class ModelRunner:
             kind, T, B, W, filtered, *K = key
             shared = (self.model, self.engine.attn_backend, str(self.dtype), str(self.kv_dtype), self.num_blocks,
                       self.engine.block_size, self.interpret, self.max_rows,
-                      isinstance(self.params["layers"], tuple), self.placement.key, key)
+                      isinstance(self.params["layers"], tuple), self.placement.key, key,
+                      layers.GEMV_MAX_ROWS, layers.GEMV_FUSE)      # the small-batch matmul choice shapes the program
 
             def build():
                 if kind == "multistep":
