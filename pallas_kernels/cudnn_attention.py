@@ -8,8 +8,9 @@ Not a hand kernel: the vendor library, as JAX exposes it, for the comparison (do
   B x W pages (one private set per row), while the engine's pool is shared. cuDNN itself takes any pool (its
   K container is `[num_blocks, K, block_size, D]`, independent of the batch), so `mode="pool"` calls the
   function underneath that check (`_dot_product_attention`) with the engine's whole cache (a JAX whose private
-  signature differs gets a warning and the gather path). `mode="gather"` is the public-API fallback: gather each row's pages into a dense [B, S, K, D] copy and run
-  `jax.nn.dot_product_attention(..., implementation="cudnn")` with the rows' lengths (one copy of the pages).
+  signature differs gets a warning and the gather path). `mode="gather"` is the public-API fallback: gather
+  each row's pages into a dense [B, S, K, D] copy and run `jax.nn.dot_product_attention(...,
+  implementation="cudnn")` with the rows' lengths (one copy of the pages).
 - Prefill (`cudnn_prefill`): JAX exposes only top-left-aligned causal masks, and a chunk after a cached prefix
   needs bottom-right alignment. So the new tokens are cut into query tiles of one sequence (the Pallas
   kernel's `tile_metadata`), each tile gathers its row's pages and attends with

@@ -8,8 +8,8 @@ backend this machine cannot run (cudnn, triton on a CPU; triton without jax-trit
 
 Decode: effective TB/s = bytes of K and V the batch really needs / time, next to the copy bandwidth measured in
 the same run; the fp8 columns run both decode kernels on float8_e4m3fn pages (per-kv-head scales), whose TB/s
-counts the bytes actually read (half of bf16's). Prefill: causal TFLOP/s (only the visible half of each score matrix counted), next to the bf16
-matmul rate measured in the same run. Each time is the median of several timed runs of `n` back-to-back
+counts the bytes actually read (half of bf16's). Prefill: causal TFLOP/s (only the visible half of each score
+matrix counted), next to the bf16 matmul rate measured in the same run. Each time is the median of several timed runs of `n` back-to-back
 dispatches of the jitted kernel (each output fed back as the next query); dispatch is asynchronous, so it is
 hidden behind kernels longer than ~20-40 us (the batch-1 decode rows are dispatch-bound).
 

@@ -132,7 +132,7 @@ def test_cudnn_refuses_what_cudnn_cannot_take(monkeypatch):
 def test_triton_missing_packages_is_a_clear_error():
     from pallas_kernels._triton_ffi import load_triton
     try:
-        import jax_triton  # noqa: F401
+        import jax_triton  # noqa: F401  (only whether it imports)
         import triton  # noqa: F401
     except ImportError:
         with pytest.raises(ValueError, match=r"needs the triton and jax-triton packages.*\.\[triton\]"):
