@@ -1,25 +1,25 @@
 """Small-batch decode on the GPU: the engine's step at batch 1 / 8 / 32 and its pieces, to cut its GPU time.
 
-    python scripts/bench_small_batch.py [--json PATH] [--profile DIR]       # H200: < 4 minutes with compiles
+    python scripts/bench_small_batch.py [--json PATH] [--profile DIR]       # H200: ~4 minutes with compiles
     python scripts/bench_small_batch.py --quick                              # CPU: a tiny model, interpret mode
 
-Sections (each a table, all in the JSON):
-  steps      the engine's decode step for each batch in its bucket (8 rows for batch 1-8, 32 for 32), context
-             `--context` tokens per row, with XLA's dots ("xla") or the gemv kernel ("gemv", layers.GEMV_MAX_ROWS):
-             - one-step call: `pipelined` = calls back to back, ids fed on the device (GPU time per step);
-               `engine` = as the engine runs it (batch sent each step, the previous step's ids read after the
-               next dispatch)
-             - K-step call (multistep.py, K = --k): `pipelined` = per step, calls back to back with no host read;
-               `serial` = per step when each call's ids are read before the next call is sent (what the engine
-               does today: it reads a K-step call before scheduling the next). pipelined ~ one-step pipelined but
-               serial > one-step engine means the loss is the host gap between K-step calls, not the device loop.
-             plus the compiled step's kernel launches (and pad ops) counted from its optimised HLO
-  gemv       each decode matmul of the model (qkv, o_proj, gate_up, down, LM head) for M = bucket rows: XLA's dot
-             on the stacked weights (as the model runs it) against pallas_kernels/gemv.py (auto tiles + a sweep):
-             us per matmul, GB/s and % of 4.3 TB/s
-  attention  the engine's decode attention kernel (paged_attention_qkv) chained over L layers as in a step, for
-             each batch and context split count (auto = choose_num_splits): us per layer
---profile DIR: also traces each one-step variant (DIR/<batch>_<variant>) and prints its top kernels.
+Sections (printed as they run, all in the JSON; `--only steps,host,gemv,attention` picks some):
+  steps      the engine's decode step per batch in its bucket (8 rows for batch 1-8, 32 for 32), `--context` tokens
+             per row, with XLA's dots ("xla"), the gemv kernel with the RMSNorms / swiglu folded in ("gemv", i.e.
+             layers.GEMV_MAX_ROWS = bucket), or without folding ("gemv-unfused", GEMV_FUSE = False):
+             - one-step call: `pipelined` = calls back to back, ids fed on the device (the GPU time of a step);
+               `engine-like` = the batch sent each step, the previous step's ids read after the next dispatch
+             - K-step call (multistep.py, K = --k; "/unroll 4": 4 steps per loop iteration): `pipelined` = per step,
+               calls back to back; `serial` = per step when each call's ids are read before the next is sent
+             plus kernel launches per call from the optimised HLO (gemm / gemv / pad ops); --profile: a trace of
+             each variant (busy vs span, top kernels)
+  host       TPOT of a tiny model through LLM.generate, K-step calls vs one step per call, and the engine's host
+             ms per call: the host cost that a K-step call (read before the next is scheduled) does not overlap
+  gemv       each decode matmul (the fused forms first) for M = bucket rows: XLA's dot (with its norm / swiglu ops)
+             on the stacked weights as the model runs it, against pallas_kernels/gemv.py (auto tiles + a sweep
+             while under --budget seconds): us per matmul, GB/s and % of 4.3 TB/s, error against XLA
+  attention  the engine's decode attention kernel (paged_attention_qkv) chained over L layers as in a step, per
+             batch and context split count / tile (auto = choose_num_splits): us per layer
 """
 from __future__ import annotations
 
