@@ -207,7 +207,7 @@ def with_extras(llm, params, args):
         return params
     params = [replace(p, logprobs=args.logprobs, presence_penalty=args.presence_penalty) for p in params]
     t = time.perf_counter()
-    n = sum(r.warmup_extras(params[0]) for r in getattr(llm.engine, "replicas", [llm.engine]))
+    n = llm.engine.warmup_extras(params[0])          # (a data-parallel engine: every replica's)
     print(f"compiled {n} penalty / logprob step variants in {time.perf_counter() - t:.1f} s", flush=True)
     return params
 

@@ -95,6 +95,13 @@ class DPEngine:
     def has_unfinished(self) -> bool:
         return any(r.has_unfinished() for r in self.replicas)
 
+    def warmup_extras(self, params: SamplingParams) -> int:
+        """LLMEngine.warmup_extras on every replica; compilations are counted from the end of the last."""
+        n = sum(r.warmup_extras(params) for r in self.replicas)
+        for r in self.replicas:
+            r.compilations_at_warmup = r.compile_counter.count
+        return n
+
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Dispatch one step on every replica with work, then read them (see the module docstring)."""
