@@ -61,6 +61,9 @@ def test_decode_forms_equal_reference(form, dtype, tol):
     ref = paged_attention_reference(q, k, v, tables, seq_lens)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), **tol)
     assert float(jnp.abs(got[3]).max()) == 0.0
+    per_row = 2 * tables.shape[1] * 4 * 2 * 16 * 4                     # rows in groups of 2 (lax.map): same
+    grouped = paged_decode_xla(q, k, v, tables, seq_lens, form=form, gather_budget_bytes=2 * per_row)
+    np.testing.assert_allclose(np.asarray(grouped, np.float32), np.asarray(got, np.float32), **tol)
 
 
 @pytest.mark.parametrize("per_head", [False, True])

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 _NEG = -1e30
 QUERY_TILE = 64        # most prefill queries per tile (see prefill_xla)
 DECODE_FORM = "reduce"  # "reduce" (XLA fuses the gather into the reductions) | "einsum" (gathered pages copied)
+GATHER_BUDGET = 6 * 2**30   # bytes of gathered pages (+ prefill scores) one group of rows / tiles may take
 
 
 def layer_scales(k_scale, v_scale, layer):
@@ -78,20 +79,40 @@ def attend_einsum(q, k, v, visible, scale, fp8=None):
     return (out * vs[..., None]).reshape(N, Q, H, D).astype(q.dtype)
 
 
+def in_groups(fn, args: tuple, fills: tuple, per_item: int, budget: int):
+    """fn(*args) over the leading axis of args, in sequential groups (lax.map) of as many items as `budget`
+    bytes hold at `per_item` bytes each; one call when all fit. The last group is padded with `fills`."""
+    N = args[0].shape[0]
+    n = min(N, max(1, budget // per_item))
+    if n == N:
+        return fn(*args)
+    groups = -(-N // n)
+    pad = lambda x, v: jnp.concatenate([x, jnp.full((groups * n - N, *x.shape[1:]), v, x.dtype)])  # noqa: E731
+    out = jax.lax.map(lambda a: fn(*a), tuple(pad(x, v).reshape(groups, n, *x.shape[1:]) for x, v in zip(args, fills)))
+    return out.reshape(groups * n, *out.shape[2:])[:N]
+
+
 def paged_decode_xla(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, k_scale=None, v_scale=None,
-                     layer=0, form: str | None = None):
+                     layer=0, form: str | None = None, gather_budget_bytes: int = GATHER_BUDGET):
     """q [B, H, D], one new token per row; seq_lens [B] include it (0: a padding row, zeros out) -> [B, H, D].
     Reads the W pages of each row's table (the engine picks the narrowest width bucket that holds the
-    batch). fp8 caches: stacked k_scale / v_scale [L, C] and the layer row, as the Pallas kernels take them."""
+    batch). fp8 caches: stacked k_scale / v_scale [L, C] and the layer row, as the Pallas kernels take them.
+
+    XLA writes the gathered pages out when it cannot fuse the gather (its output larger than the cache, e.g.
+    256 rows x a 40k-token width): rows then run in groups whose fp32 copy fits `gather_budget_bytes`."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     S = block_tables.shape[1] * k_cache.shape[1]
-    visible = jnp.arange(S)[None, :] < seq_lens[:, None]                          # [B, S]
-    k, v = gather_pages(k_cache, block_tables), gather_pages(v_cache, block_tables)
     fp8 = layer_scales(k_scale, v_scale, layer)
-    if (form or DECODE_FORM) == "reduce":
-        out = attend_reduce(q, k, v, visible, scale, fp8)
-    else:
-        out = attend_einsum(q[:, None], k, v, visible[:, None], scale, fp8)[:, 0]
+
+    def rows(q, tables, lens):
+        visible = jnp.arange(S)[None, :] < lens[:, None]                          # [B, S]
+        k, v = gather_pages(k_cache, tables), gather_pages(v_cache, tables)      # [B, S, K, D]
+        if (form or DECODE_FORM) == "reduce":
+            return attend_reduce(q, k, v, visible, scale, fp8)
+        return attend_einsum(q[:, None], k, v, visible[:, None], scale, fp8)[:, 0]
+
+    per_row = 2 * S * k_cache.shape[2] * k_cache.shape[3] * 4
+    out = in_groups(rows, (q, block_tables, seq_lens), (0, 0, 0), per_row, gather_budget_bytes)
     return jnp.where((seq_lens > 0)[:, None, None], out, 0).astype(q.dtype)
 
 
@@ -121,7 +142,7 @@ def query_tiles(cu_seqlens, seq_lens, T: int, Q: int):
 
 
 def prefill_xla(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, scale=None, k_scale=None,
-                v_scale=None, layer=0, gather_budget_bytes: int = 4 * 2**30, tile: int | None = None):
+                v_scale=None, layer=0, gather_budget_bytes: int = GATHER_BUDGET, tile: int | None = None):
     """q [T, H, D] packed new tokens (row b's are q[cu[b]:cu[b+1]], its last at position seq_lens[b] - 1);
     each sees its own sequence's context up to its position (prefix-cache hits and earlier chunks included:
     they are in the cache, and this step's K/V were written before). -> [T, H, D], zeros for padding.
@@ -133,7 +154,7 @@ def prefill_xla(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, sc
 
     Tile size Q (`tile`, default: the rows' mean chunk T / B as a power of two, at most QUERY_TILE): the
     layout has N = (T + B (Q-1)) // Q tiles; each gathers S keys (4 KiB a key for bf16 Qwen3-0.6B) and
-    computes Q * H fp32 score rows of S. Q = T / B balances the two: Q = 1 is the per-token gather (right
+    computes Q * H fp32 score rows of S (written, then read by the softmax). Q = T / B balances the two: Q = 1 is the per-token gather (right
     when rows have a token or two), Q = 64 at 16384 tokens / 256 rows gathers ~1/30 of what it would."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     T, H, D = q.shape
@@ -145,22 +166,12 @@ def prefill_xla(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, sc
     fp8 = layer_scales(k_scale, v_scale, layer)
     qt = jnp.zeros((N * Q, H, D), q.dtype).at[slot].set(q, mode="drop").reshape(N, Q, H, D)
 
-    def group(args):
-        qt, tables, pos = args                                                   # [n, Q, H, D], [n, W], [n, Q]
+    def tiles(qt, tables, pos):                                                  # [n, Q, H, D], [n, W], [n, Q]
         visible = jnp.arange(S)[None, None, :] <= pos[:, :, None]               # [n, Q, S]; pos -1: none
         k, v = gather_pages(k_cache, tables), gather_pages(v_cache, tables)     # [n, S, K, D]
         return attend_einsum(qt, k, v, visible, scale, fp8)
 
-    per_tile = 2 * S * k_cache.shape[2] * D * k_cache.dtype.itemsize + Q * H * S * 4
-    n = min(N, max(1, gather_budget_bytes // per_tile))
-    groups = -(-N // n)
-    tables = block_tables[row]                                                   # [N, W]
-    if groups == 1:
-        out = group((qt, tables, pos))
-    else:   # pad to whole groups with empty tiles (pos -1)
-        pad = lambda x, v: jnp.concatenate([x, jnp.full((groups * n - N, *x.shape[1:]), v, x.dtype)])  # noqa: E731
-        split = lambda x: x.reshape(groups, n, *x.shape[1:])  # noqa: E731
-        out = jax.lax.map(group, (split(pad(qt, 0)), split(pad(tables, 0)), split(pad(pos, -1))))
-        out = out.reshape(groups * n, Q, H, D)[:N]
+    per_tile = 2 * S * k_cache.shape[2] * D * k_cache.dtype.itemsize + Q * H * S * 8    # pages; scores + exp
+    out = in_groups(tiles, (qt, block_tables[row], pos), (0, 0, -1), per_tile, gather_budget_bytes)   # [N, Q, H, D]
     out = jnp.take(out.reshape(N * Q, H, D), slot, axis=0, mode="fill", fill_value=0)   # back to [T, H, D]
     return out.astype(q.dtype)
