@@ -135,11 +135,12 @@ def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, bac
     logprobs: fp32 [B (if extras.logprobs) + Tp, 2 + 2 * top_n] (sampling.logprob_stats); only it leaves
     the device, never [B, V]."""
     V = config.vocab_size
+    mm = decode_matmul(B, interpret, tp_size(mesh)) if kind == "decode" else None    # as the plain step's logits
 
     def step(params, kv_caches, packed, prev_ids, counts):
         b = unpack(packed, T, B, W, extras)
         token_ids, rows, kv_caches = _forward(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_ids)
-        logits = _full_vocab(compute_logits(config, params, rows), V, mesh)       # [B, V] fp32
+        logits = _full_vocab(compute_logits(config, params, rows, mm), V, mesh)   # [B, V] fp32
         raw = logits
         if extras.penalties:
             counts = _count_tokens(counts, token_ids, b, kind == "prefill")
