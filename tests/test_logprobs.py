@@ -154,7 +154,7 @@ def test_abort_ends_a_streamed_request(llm):
 def test_engine_core_rows_survive_msgpack(llm, tmp_path):
     """The server core's output rows carry logprobs that rebuild the same {id: Logprob} as generate."""
     zmq = pytest.importorskip("zmq")
-    import msgpack
+    msgpack = pytest.importorskip("msgpack")
 
     from jaxinfer.server.core import EngineCore
     sp = SamplingParams(max_tokens=4, logprobs=2, prompt_logprobs=1, ignore_eos=True, seed=4)
