@@ -1,6 +1,6 @@
 """The "triton" attention backend's decode: raw Triton (`@triton.jit`), called from JAX through jax-triton's
 compiler and XLA's Triton FFI call (pallas_kernels/_triton_ffi.py). Prefill of this backend is the Pallas
-flash kernel (flash_attention.py): a raw Triton prefill was left for later.
+flash kernel (flash_attention.py) until the raw Triton one (triton_prefill.py) has run on a GPU.
 
 The kernel is the Pallas decode kernel's design written by hand (paged_attention.py):
   * grid (B rows, K kv heads, S context splits); one program takes the G q heads of its kv head (padded to

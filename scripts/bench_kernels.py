@@ -9,9 +9,10 @@ backend this machine cannot run (cudnn, triton on a CPU; triton without jax-trit
 Decode: effective TB/s = bytes of K and V the batch really needs / time, next to the copy bandwidth measured in
 the same run; the fp8 columns run both decode kernels on float8_e4m3fn pages (per-kv-head scales), whose TB/s
 counts the bytes actually read (half of bf16's). Prefill: causal TFLOP/s (only the visible half of each score
-matrix counted), next to the bf16 matmul rate measured in the same run. Each time is the median of several timed runs of `n` back-to-back
-dispatches of the jitted kernel (each output fed back as the next query); dispatch is asynchronous, so it is
-hidden behind kernels longer than ~20-40 us (the batch-1 decode rows are dispatch-bound).
+matrix counted), next to the bf16 matmul rate measured in the same run. Each time is the median of several
+timed runs of `n` back-to-back dispatches of the jitted kernel (each output fed back as the next query);
+dispatch is asynchronous, so it is hidden behind kernels longer than ~20-40 us (the batch-1 decode rows are
+dispatch-bound).
 
   PYTHONPATH=. python scripts/bench_kernels.py [--quick] [--sweep] [--json PATH]
   PYTHONPATH=. python scripts/bench_kernels.py --smoke   # CPU, interpret mode, tiny shapes: checks the script
@@ -166,12 +167,18 @@ def prefill_case(n_new, prefix, key):
     return q, k, v, tables, cu, jnp.asarray(ctx, jnp.int32), flops
 
 
-def bench_prefill(name, n_new, prefix, ceil, opts, smoke, impls=("xla", "pallas", "cudnn", "cudnn_dense")):
+PREFILL_IMPLS = ("xla", "pallas", "cudnn", "triton", "cudnn_dense")
+
+
+def bench_prefill(name, n_new, prefix, ceil, opts, smoke, impls=PREFILL_IMPLS):
     q, k, v, tables, cu, lens, flops = prefill_case(n_new, prefix, jax.random.PRNGKey(len(n_new)))
     est = flops / 2e14 + 1e-5
-    backends = backend_fns(smoke, [b for b in ("xla", "cudnn") if b in impls])
+    backends = backend_fns(smoke, [b for b in ("xla", "cudnn", "triton") if b in impls])
     fns = {name: fs[0] for name, fs in backends.items()}
     fns["pallas"] = lambda q, k, v, t, c, l: flash_attention(q, k, v, t, c, l, interpret=smoke, **opts)
+    if "triton" in fns:   # the raw Triton prefill kernel (the triton backend itself prefills with Pallas)
+        from pallas_kernels.triton_prefill import triton_prefill
+        fns["triton"] = triton_prefill
     row = {"case": name, "tokens": sum(n_new), "flops": flops}
     for impl, fn in fns.items():
         if impl not in impls:
@@ -196,7 +203,7 @@ def bench_prefill(name, n_new, prefix, ceil, opts, smoke, impls=("xla", "pallas"
         except Exception as err:  # noqa: BLE001
             row["cudnn_dense_s"] = None
             print(f"  prefill cudnn dense {name} failed: {type(err).__name__}: {str(err)[:300]}")
-    for impl in ("xla", "pallas", "cudnn", "cudnn_dense"):
+    for impl in ("xla", "pallas", "cudnn", "triton", "cudnn_dense"):
         if row.get(impl + "_s"):
             row[impl + "_tflops"] = flops / row[impl + "_s"] / 1e12
     if row.get("pallas_s"):
@@ -210,7 +217,8 @@ def us(x):
 
 DECODE_COLUMNS = (("xla", "XLA"), ("pallas", "Pallas"), ("pallas_qkv", "engine"), ("cudnn", "cuDNN"),
                   ("triton", "Triton"), ("triton_jt", "Triton jt"))
-PREFILL_COLUMNS = (("xla", "XLA"), ("pallas", "Pallas"), ("cudnn", "cuDNN"), ("cudnn_dense", "cuDNN dense"))
+PREFILL_COLUMNS = (("xla", "XLA"), ("pallas", "Pallas"), ("cudnn", "cuDNN"), ("triton", "Triton"),
+                   ("cudnn_dense", "cuDNN dense"))
 
 
 def print_decode(rows):
@@ -229,7 +237,8 @@ def print_decode(rows):
 
 def print_prefill(rows):
     print("\nPrefill (causal varlen over the paged cache): time in us, then TFLOP/s (visible scores only); "
-          "'cuDNN dense' = contiguous equal-length inputs, no pages (uniform cases only)")
+          "'Triton' = the raw Triton prefill kernel (pallas_kernels/triton_prefill.py); 'cuDNN dense' = contiguous "
+          "equal-length inputs, no pages (uniform cases only)")
     names = [c for c, _ in PREFILL_COLUMNS if any(r.get(c + "_s") for r in rows)]
     labels = dict(PREFILL_COLUMNS)
     print(f"{'case':>14} {'tokens':>6} | " + " ".join(f"{labels[c]:>11}" for c in names) + " | "

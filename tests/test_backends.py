@@ -111,6 +111,14 @@ def test_gpu_only_backend_on_cpu_is_a_clear_error(tiny_dir, backend):
         decode_fn(q, k, v, tables, lens)
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's error: this machine has a GPU")
+def test_triton_prefill_on_cpu_is_a_clear_error():
+    from pallas_kernels.triton_prefill import triton_prefill
+    q, k, v, tables, cu, lens = prefill_case(PREFILL_CASES[0], jnp.bfloat16)
+    with pytest.raises(ValueError, match="attn_backend='triton' needs a CUDA GPU"):
+        triton_prefill(q, k, v, tables, cu, lens)
+
+
 @pytest.mark.parametrize("backend", ["cudnn", "triton"])
 def test_gpu_only_backend_refuses_fp8_cache(tiny_dir, backend):
     model = ModelConfig.from_pretrained(tiny_dir)
@@ -151,6 +159,8 @@ GPU_BACKENDS = {
     "triton": lambda: attention_fns("triton", False),
     "triton_jax_triton": lambda: (None, functools.partial(__import__(
         "pallas_kernels.triton_decode", fromlist=["x"]).triton_paged_decode, path="jax_triton")),
+    # the raw Triton prefill kernel (the triton backend's prefill is still the Pallas kernel: docs/kernels.md)
+    "triton_prefill": lambda: (__import__("pallas_kernels.triton_prefill", fromlist=["x"]).triton_prefill, None),
 }
 
 
@@ -158,7 +168,8 @@ GPU_BACKENDS = {
 @pytest.mark.parametrize("backend", list(GPU_BACKENDS))
 def test_gpu_backend_meets_the_contract(backend):
     prefill_fn, decode_fn = GPU_BACKENDS[backend]()
-    check_decode(decode_fn, jnp.bfloat16)
+    if decode_fn is not None:
+        check_decode(decode_fn, jnp.bfloat16)
     if prefill_fn is not None:
         check_prefill(prefill_fn, jnp.bfloat16)
 
