@@ -16,12 +16,11 @@ from tqdm.auto import tqdm
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.dp_engine import create_engine
-from jaxinfer.engine.llm_engine import LLMEngine, is_finished
+from jaxinfer.engine.llm_engine import is_finished
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.hub import resolve_model
 from jaxinfer.model.loader import load_params, random_params
 from jaxinfer.model.presets import is_preset, preset
-from jaxinfer.model.qwen3 import init_params
 from jaxinfer.output_processor import OutputProcessor, TextDelta, TokenTexts, logprobs_of, prompt_logprobs_of
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
@@ -94,7 +93,8 @@ class LLM:
         body or another thread: its samples end with finish_reason "abort" and free their KV blocks before
         the next step. Unknown or finished ids are ignored (as vLLM)."""
         if not isinstance(request_id, int) or isinstance(request_id, bool):
-            raise ValueError(f"request_id must be an int (a RequestOutput.request_id of LLM.stream), got {request_id!r}")
+            raise ValueError(f"request_id must be an int (a RequestOutput.request_id of LLM.stream), "
+                             f"got {request_id!r}")
         self.__dict__.setdefault("_aborts", set()).add(request_id)
 
     def get_tokenizer(self):

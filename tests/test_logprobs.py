@@ -10,7 +10,7 @@ from helpers import TINY_ENGINE, hf_logits, hf_model
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.outputs import Logprob, LogprobsList, logprob_dict
 
-PROMPTS = [[5, 7, 9, 11, 300, 2, 3, 17, 40, 41, 8], [100, 200, 300], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
+PROMPTS = [[5, 7, 9, 11, 300, 2, 3, 17, 40, 41, 8], [100, 200, 300], list(range(1, 16))]
 
 
 @pytest.fixture(scope="module")

@@ -185,7 +185,8 @@ class LLMEngine:
         t_put = time.perf_counter() - t1
         pending = None
         if extras is not None:
-            pending = self.extras.dispatch(batch, self.extras.key_for(key + (filtered,), extras), self.config.block_size)
+            xkey = self.extras.key_for(key + (filtered,), extras)
+            pending = self.extras.dispatch(batch, xkey, self.config.block_size)
             ids = self.runner.last_ids
             self.scheduler.on_dispatch(batch)
         elif K > 1:
