@@ -118,3 +118,20 @@ def test_engine_with_narrow_widths_equals_transformers(tiny_dir):
     assert outs[3].num_cached_tokens > 0
     st = llm.stats()
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_fusion_report_counts_kernels():
+    """scripts/xla_fusion_report.py's HLO reading: the compiled decode call has launches, one of them reads
+    pages through a gather, and fused bodies / reducers are not counted as launches."""
+    import os
+    import sys
+
+    import jax
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    from xla_fusion_report import kernels, table
+    k, v, tables, lens = make_paged(np.random.default_rng(4), [5, 9], 4, 2, 16, jnp.float32)
+    q = jnp.ones((2, 4, 16), jnp.float32)
+    ks = kernels(jax.jit(paged_decode_xla).lower(q, k, v, tables, lens).compile().as_text())
+    assert ks and any("gather" in x["ops"] for x in ks) and any("reduce" in x["ops"] for x in ks)
+    assert not any(x["kind"] in ("add", "maximum") for x in ks)       # the softmax's reducer bodies
+    assert sum(n for _, n in table(ks)) == len(ks)
