@@ -133,7 +133,14 @@ class ExtrasRunner:
         r.last_ids, r.kv_caches, counts, out = exe(r.params, r.kv_caches, r.put(packed), r.last_ids, counts)
         if extras.penalties:
             self.counts = counts
+        if jax.process_count() > 1 and out is not None:   # replicated over hosts: read this host's copy
+            out = out.addressable_data(0)
         return key, out, where
+
+    def sampled_ids(self):
+        """The step's sampled ids as the host reads them (runner.run's rule for a mesh spanning hosts)."""
+        ids = self.runner.last_ids
+        return ids.addressable_data(0) if jax.process_count() > 1 else ids
 
     def warmup(self, keys: list[tuple]) -> None:
         """Compile the given extras keys and run each once on an all-padding batch."""

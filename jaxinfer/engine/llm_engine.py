@@ -187,7 +187,7 @@ class LLMEngine:
         if extras is not None:
             xkey = self.extras.key_for(key + (filtered,), extras)
             pending = self.extras.dispatch(batch, xkey, self.config.block_size)
-            ids = self.runner.last_ids
+            ids = self.extras.sampled_ids()
             self.scheduler.on_dispatch(batch)
         elif K > 1:
             self.counters["multistep_calls"] += 1
