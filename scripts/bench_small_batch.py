@@ -172,18 +172,23 @@ def bench_steps(a, cfg, params, out: dict) -> None:
             r["serial_ms"] = timed(lambda *x: exe(*x[:2], jax.device_put(pk), x[3]), (params, fresh(), None, ids),
                                    iters, {1: 1}, read="each") * 1e3 / per
         if a.profile:
-            from bench import profiled, summarize_profile
+            from bench import profiled
+            from trace_summary import summarize
             d = os.path.join(a.profile, f"b{n}_{call}_{mm}_u{unroll}")
             with profiled(d):
                 timed(exe, (params, fresh(), jnp.asarray(pk), ids), iters, carry)
-            s = summarize_profile(d, 4 * iters * per)
-            # busy / span: how much of the time some kernel ran (gaps = launch / loop / host overhead)
-            r["profile"] = dict(span_ms=s.get("span_ms"), busy_ms=s.get("busy_ms"), top=s.get("top", [])[:15])
+            # per step; busy / span: how much of the time some kernel ran (the rest: launch / loop / host gaps)
+            s = summarize(d, top=20, steps=4 * iters * per)
+            r["profile"] = dict(span_ms=s["span_ms"], busy_ms=s["busy_ms"], kernels=s["kernels"], top=s["top"])
+            trace = (f"    trace: busy {100 * s['busy_ms'] / max(s['span_ms'], 1e-9):.1f}% of the span; per step: "
+                     + ", ".join(f"{t['name'][:28]} {t['ms'] * 1e3:.0f} us x{t['calls']:.0f}" for t in s["top"][:5]))
         rows.append(r)
         k = r["kernels"]
         print(f"  batch {n:3d} (bucket {B:3d}) {r['call']:>16} {mm:>12}: pipelined {r['pipelined_ms']:.3f} ms/step"
               + (f", engine-like {r['engine_ms']:.3f}" if "engine_ms" in r else f", serial {r['serial_ms']:.3f}")
               + f"  [{k['launches']} launches/call: {k['gemm']} gemm, {k['gemv']} gemv, {k['pads']} pad]", flush=True)
+        if a.profile:
+            print(trace, flush=True)
     out["steps"] = rows
 
 
