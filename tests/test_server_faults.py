@@ -113,12 +113,14 @@ def test_sigterm_drains_both_processes(server):
 
 
 def test_sigterm_drain_timeout_aborts_and_refuses_new_requests(tiny_dir, jax_cache):
-    """--shutdown-timeout 0.5: during the drain a new request gets 503 (with Retry-After); the long stream in
-    flight ends with finish_reason "abort" after the timeout; both processes exit 0."""
+    """--shutdown-timeout 0.5: during the drain a new request gets 503 (with Retry-After); the stream in flight
+    (200 prompts, 8 at a time: at least 2,750 steps, seconds even at 1 ms a step) ends with finish_reason "abort" for the prompts still running
+    after the timeout, and every prompt gets a finish reason; both processes exit 0."""
     proc, url = start_server(tiny_dir, jax_cache, "--shutdown-timeout", "0.5")
     try:
-        reasons, n, refused = [], 0, None
-        with httpx.stream("POST", url + "/v1/completions", json=stream_body(110), timeout=60) as s:
+        reasons, n, refused = {}, 0, None
+        body = {**stream_body(110), "prompt": [f"Drain {i}" for i in range(200)]}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
             for line in s.iter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -127,10 +129,13 @@ def test_sigterm_drain_timeout_aborts_and_refuses_new_requests(tiny_dir, jax_cac
                     proc.send_signal(signal.SIGTERM)
                     time.sleep(0.1)
                     refused = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5)
-                reasons += [c["finish_reason"] for c in json.loads(line.removeprefix("data: "))["choices"]]
+                for c in json.loads(line.removeprefix("data: "))["choices"]:
+                    if c["finish_reason"]:
+                        reasons[c["index"]] = c["finish_reason"]
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "shutting_down"
-        assert reasons[-1] == "abort", "the stream must end by the drain's timeout"
+        assert sorted(reasons) == list(range(200)), "every prompt must end"
+        assert "abort" in reasons.values(), "the drain's timeout must end the prompts still running"
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:

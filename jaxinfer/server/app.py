@@ -149,10 +149,12 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
     async def collect(items, request: Request, t0: float) -> list[C.Choice]:
         """All choices to their end (no streaming). A client that disconnects first aborts them in the core:
         Starlette does not cancel a plain handler, so the connection is checked every DISCONNECT_POLL_S."""
+        run = C.run(client(), tokenizer, items, False, metrics, t0)    # submitted now: counted by admit() at once
+
         async def collect_all():
             done = {}
             try:
-                async for ch, _ in C.run(client(), tokenizer, items, False, metrics, t0):
+                async for ch, _ in run:
                     done[ch.index] = ch
             except EngineDeadError as e:
                 raise P.RequestError(str(e), status=500) from None
