@@ -33,5 +33,7 @@ from jaxinfer.server.app import build_app
 from jaxinfer.server.client import CoreClient, EngineDeadError
 from jaxinfer.server.process import CoreInfo, CoreProcess
 from jaxinfer.server.launch import run_api, serve
+from jaxinfer.server.options import ServerOptions
 
-__all__ = ["serve", "build_app", "run_api", "CoreProcess", "CoreInfo", "CoreClient", "EngineDeadError"]
+__all__ = ["serve", "build_app", "run_api", "ServerOptions", "CoreProcess", "CoreInfo", "CoreClient",
+           "EngineDeadError"]
