@@ -89,6 +89,15 @@ def test_chat_logprobs_and_stream_agree(client, ref):
     assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
 
 
+def test_n_samples_share_the_prompt(url, client):
+    """Samples 1.. of n wait for sample 0's prompt KV and reuse it from the prefix cache (computed once)."""
+    prompt = list(range(100, 141))                       # 41 tokens: 10 full blocks of 4 to reuse
+    before = wait_idle(url)["prefix_cache_hit_tokens"]
+    r = client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=2, temperature=1.0)
+    assert len(r.choices) == 3
+    assert wait_idle(url)["prefix_cache_hit_tokens"] - before == 2 * 40
+
+
 def test_n_samples_differ_and_seed_repeats(client):
     kw = dict(model=MODEL, prompt="Once upon", max_tokens=8, temperature=1.0, n=3, seed=7,
               extra_body={"ignore_eos": True})

@@ -114,8 +114,9 @@ def test_sigterm_drains_both_processes(server):
 
 def test_sigterm_drain_timeout_aborts_and_refuses_new_requests(tiny_dir, jax_cache):
     """--shutdown-timeout 0.5: during the drain a new request gets 503 (with Retry-After); the stream in flight
-    (200 prompts, 8 at a time: at least 2,750 steps, seconds even at 1 ms a step) ends with finish_reason "abort" for the prompts still running
-    after the timeout, and every prompt gets a finish reason; both processes exit 0."""
+    (200 prompts, 8 at a time: at least 2,750 steps, seconds even at 1 ms a step) ends with finish_reason
+    "abort" for the prompts still running after the timeout, every prompt gets a finish reason; both processes
+    exit 0."""
     proc, url = start_server(tiny_dir, jax_cache, "--shutdown-timeout", "0.5")
     try:
         reasons, n, refused = {}, 0, None

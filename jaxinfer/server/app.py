@@ -89,8 +89,9 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
-        return JSONResponse(P.error_body(f"{e.detail}: {request.method} {request.url.path}" if e.status_code in (404, 405)
-                                         else str(e.detail), code=code), status_code=e.status_code, headers=e.headers)
+        where = f": {request.method} {request.url.path}" if e.status_code in (404, 405) else ""
+        return JSONResponse(P.error_body(f"{e.detail}{where}", code=code), status_code=e.status_code,
+                            headers=e.headers)
 
     def client() -> CoreClient:
         c = app.state.client
@@ -146,10 +147,10 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
                                  f"{opts.max_waiting_requests}); retry later", status=503, code="overloaded",
                                  headers={"Retry-After": str(opts.retry_after_s)})
 
-    async def collect(items, request: Request, t0: float) -> list[C.Choice]:
+    async def collect(items, request: Request, t0: float, n: int) -> list[C.Choice]:
         """All choices to their end (no streaming). A client that disconnects first aborts them in the core:
         Starlette does not cancel a plain handler, so the connection is checked every DISCONNECT_POLL_S."""
-        run = C.run(client(), tokenizer, items, False, metrics, t0)    # submitted now: counted by admit() at once
+        run = C.run(client(), tokenizer, items, False, metrics, t0, n)    # submitted now: admit() counts them
 
         async def collect_all():
             done = {}
@@ -247,9 +248,9 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
                                  bool(req.stream))
         rid, model, n = R.new_id("cmpl"), served_model_name, req.n or 1
         if req.stream:
-            return streams.completion_stream(C.run(client(), tokenizer, items, True, metrics, t0), rid, model,
+            return streams.completion_stream(C.run(client(), tokenizer, items, True, metrics, t0, n), rid, model,
                                              prompts, n, req, text_of, tokenizer)
-        done = await collect(items, request, t0)
+        done = await collect(items, request, t0, n)
         for ch in done:                           # prompt logprobs are computed for sample 0 of each prompt
             ch.prompt_logprobs = done[ch.index - ch.index % n].prompt_logprobs
         return R.completion(rid, model, [streams.completion_choice(ch, prompts[ch.index // n], req, text_of, tokenizer)
@@ -267,9 +268,9 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         prompts, items = prepare(req, [prompt], None, k, None, bool(req.stream))
         rid, model = R.new_id("chatcmpl"), served_model_name
         if req.stream:
-            return streams.chat_stream(C.run(client(), tokenizer, items, True, metrics, t0), rid, model, prompts,
-                                       len(items), req, text_of)
-        done = await collect(items, request, t0)
+            run = C.run(client(), tokenizer, items, True, metrics, t0, len(items))
+            return streams.chat_stream(run, rid, model, prompts, len(items), req, text_of)
+        done = await collect(items, request, t0, len(items))
         return R.chat_completion(rid, model, [streams.chat_choice(ch, k, text_of) for ch in done],
                                  streams.total_usage(prompts, done))
 

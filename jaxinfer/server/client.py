@@ -119,8 +119,9 @@ class CoreClient:
         self._ctx.term()
 
     # -- requests (event loop) ----------------------------------------------------------------------
-    def submit(self, items: list[tuple[list[int], object]], eager: bool) -> Collector:
-        """Queue the prompts (token ids, SamplingParams); their outputs arrive in the returned Collector."""
+    def submit(self, items: list[tuple[list[int], object]], eager: bool, sources: list | None = None) -> Collector:
+        """Queue the prompts (token ids, SamplingParams); their outputs arrive in the returned Collector.
+        sources[i]: the index of the item whose prompt KV item i waits for and reuses (sample 0 of n), or None."""
         if self.dead:
             raise EngineDeadError(self.dead)
         coll = Collector(len(items), eager)
@@ -129,8 +130,11 @@ class CoreClient:
             self.counters["requests"] += 1
             coll.rids.append(rid)
             self._requests[rid] = (coll, index)
-            self._command(["add", rid, ids, {f.name: getattr(params, f.name) for f in fields(params)
-                                             if f.name != "stop"}])   # stop strings stay here
+            cmd = ["add", rid, ids, {f.name: getattr(params, f.name) for f in fields(params)
+                                     if f.name != "stop"}]            # stop strings stay here
+            if sources is not None and sources[index] is not None:
+                cmd.append(coll.rids[sources[index]])
+            self._command(cmd)
         return coll
 
     def abort(self, coll: Collector, indices=None) -> None:

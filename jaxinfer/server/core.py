@@ -8,7 +8,9 @@ error) through a pipe. Then it loops:
     drain the inbox (blocking only when idle) -> engine.step() -> one message per API process
 
 Inbound (PULL, any API process may push): msgpack lists of commands
-    ["add", rid, prompt_token_ids, sampling_params_fields]   ["abort", rid]
+    ["add", rid, prompt_token_ids, sampling_params_fields, (source rid)]   ["abort", rid]
+                                      (source rid: sample 0 of the same n > 1 request, whose prompt KV this
+                                      sample waits for and reuses, as LLM.generate: Sequence.prompt_source)
     ["stats", api_index, token]                               ["shutdown"]
 Outbound (one PUSH socket per API process; request ids are owned by API `rid % api_count`):
     ["out", [[rid, new_token_ids, finish_reason | None], ...]]   once per step, only updated requests;
@@ -119,7 +121,7 @@ class EngineCore:
     def _command(self, cmd: list) -> None:
         kind = cmd[0]
         if kind == "add":
-            self._add(cmd[1], cmd[2], cmd[3])
+            self._add(cmd[1], cmd[2], cmd[3], cmd[4] if len(cmd) > 4 else None)
         elif kind == "abort":
             seq_id = self.by_rid.pop(cmd[1], None)
             if seq_id is not None:
@@ -132,7 +134,7 @@ class EngineCore:
                 self._command(["abort", rid])
             self.running = False
 
-    def _add(self, rid: int, token_ids: list[int], fields: dict) -> None:
+    def _add(self, rid: int, token_ids: list[int], fields: dict, source: int | None = None) -> None:
         from jaxinfer.sampling_params import SamplingParams
         try:
             seq = self.engine.add_request(token_ids, SamplingParams(**fields))
@@ -141,6 +143,8 @@ class EngineCore:
             return
         self.live[seq.seq_id] = [rid, seq, 0]
         self.by_rid[rid] = seq.seq_id
+        if source in self.by_rid:
+            seq.prompt_source = self.live[self.by_rid[source]][1]
 
     # -- outputs ------------------------------------------------------------------------------------
     def _send_outputs(self, updated) -> None:

@@ -212,7 +212,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def apply_chat_template(tokenizer, messages: list[dict], kwargs: dict | None, add_generation_prompt: bool = True) -> str:
+def apply_chat_template(tokenizer, messages: list[dict], kwargs: dict | None,
+                        add_generation_prompt: bool = True) -> str:
     """The conversation as a prompt string ending with the assistant's turn (as `LLM.apply_chat_template`)."""
     if getattr(tokenizer, "chat_template", None) is None and hasattr(tokenizer, "vocab_size"):
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions", param="messages")
