@@ -145,11 +145,11 @@ class LLM:
     def _add(self, reqs) -> list[list[Sequence]]:
         """One sequence per sample: n of them per request (SamplingParams.for_sample); samples 1.. reuse
         sample 0's prompt KV from the prefix cache (Sequence.waits_for_prompt), so it is computed once."""
-        groups = [[self.engine.add_request(ids, sp if sp.n == 1 else sp.for_sample(j)) for j in range(sp.n)]
-                  for _, ids, sp in reqs]
-        for g in groups:
-            for seq in g[1:]:
-                seq.prompt_source = g[0]
+        groups = []
+        for _, ids, sp in reqs:
+            g = [self.engine.add_request(ids, sp if sp.n == 1 else sp.for_sample(0))]
+            g += [self.engine.add_request(ids, sp.for_sample(j), prompt_source=g[0]) for j in range(1, sp.n)]
+            groups.append(g)
         return groups
 
     def _run(self, seqs: list[Sequence]) -> Iterator[tuple[int, Sequence]]:

@@ -167,6 +167,16 @@ def test_data_parallel_equals_one_replica(ckpts, tp1, prompts):
     first = next(iter(dp.stream(ps[:2], GREEDY)))
     assert first.token_ids
     assert dp.stats()["kv_blocks_free"] == dp.stats()["kv_blocks_total"]
+    # n samples: the same tokens, and a request's samples stay on one replica (they reuse sample 0's cached
+    # prompt there: as many prefix-cache hits as on one engine)
+    nsp = SamplingParams(n=3, temperature=0.9, max_tokens=4, ignore_eos=True, seed=7)
+    hits = []
+    for llm in (tp1, dp):
+        llm.reset_prefix_cache()                     # the hits counted are then the samples' own
+        before = llm.stats()["prefix_cache_hit_tokens"]
+        outs = llm.generate(ps[1:3], nsp, use_tqdm=False)
+        hits.append((llm.stats()["prefix_cache_hit_tokens"] - before, [[c.token_ids for c in o.outputs] for o in outs]))
+    assert hits[0] == hits[1] and hits[0][0] > 0
 
 
 def test_data_and_tensor_parallel_together(ckpts, prompts):

@@ -117,8 +117,10 @@ class LLMEngine:
             raise ValueError(f"{where} needs {need} KV blocks for {n} prompt + {params.max_tokens} output tokens "
                              f"but the pool has only {self.block_manager.num_blocks} (num_kvcache_blocks)")
 
-    def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
-        """One sequence. An n > 1 request is n of them: add `params.for_sample(i)` for i in range(n)."""
+    def add_request(self, token_ids: list[int], params: SamplingParams,
+                    prompt_source: Sequence | None = None) -> Sequence:
+        """One sequence. An n > 1 request is n of them: add `params.for_sample(i)` for i in range(n), passing
+        sample 0 as `prompt_source` of the others (they wait for its prompt KV and reuse it from the cache)."""
         self.check_request(token_ids, params)
         if params.n != 1:
             raise ValueError(f"LLMEngine.add_request runs one sample, got n={params.n}: add "
@@ -126,6 +128,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(self.rng.integers(0, 2**31 - 1))
         seq = Sequence([int(t) for t in token_ids], params, seed & 0x7FFFFFFF, self.config.block_size)
         seq.arrival_time = time.perf_counter()
+        seq.prompt_source = prompt_source
         self.counters["prompt_tokens"] += len(seq)
         self.scheduler.add(seq)
         return seq

@@ -136,15 +136,14 @@ class EngineCore:
 
     def _add(self, rid: int, token_ids: list[int], fields: dict, source: int | None = None) -> None:
         from jaxinfer.sampling_params import SamplingParams
+        src = self.live[self.by_rid[source]][1] if source in self.by_rid else None
         try:
-            seq = self.engine.add_request(token_ids, SamplingParams(**fields))
+            seq = self.engine.add_request(token_ids, SamplingParams(**fields), prompt_source=src)
         except (ValueError, TypeError) as e:    # the API checked it already; this is the authoritative check
             self._send(rid % len(self.outs), ["out", [[rid, [], "rejected", str(e)]]])
             return
         self.live[seq.seq_id] = [rid, seq, 0]
         self.by_rid[rid] = seq.seq_id
-        if source in self.by_rid:
-            seq.prompt_source = self.live[self.by_rid[source]][1]
 
     # -- outputs ------------------------------------------------------------------------------------
     def _send_outputs(self, updated) -> None:
