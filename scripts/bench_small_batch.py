@@ -61,18 +61,9 @@ def timed(fn, args, iters: int, carry=None, read: str | None = None) -> float:
 
 
 def decode_batch(n: int, ctx: int, bs: int, extra: int):
-    """n sequences of ctx tokens (ctx - 1 cached), each with its own blocks for ctx + extra tokens."""
-    from jaxinfer.engine.scheduler import ScheduledBatch
-    from jaxinfer.engine.sequence import Sequence
-    from jaxinfer.sampling_params import SamplingParams
-    per = -(-(ctx + extra) // bs)
-    seqs = []
-    for b in range(n):
-        s = Sequence([1 + b % 7] * ctx, SamplingParams(temperature=0.0, ignore_eos=True), b, bs)
-        s.block_table = list(range(b * per, (b + 1) * per))
-        s.num_computed_tokens = ctx - 1
-        seqs.append(s)
-    return ScheduledBatch(seqs, [1] * n, False), n * per + 1
+    """n sequences of ctx tokens (ctx - 1 cached), each with its own blocks for ctx + extra tokens; greedy."""
+    from bench_step import decode_batch as make
+    return make(n, ctx, bs, extra, temperature=0.0)
 
 
 def count_kernels(hlo: str) -> dict:

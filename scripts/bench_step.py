@@ -108,15 +108,16 @@ def _option_value(v: str):
     return int(v) if v.lstrip("-").isdigit() else v
 
 
-def decode_batch(B: int, ctx: int, block_size: int):
-    """B sequences of ctx tokens (ctx - 1 cached), each with its own contiguous run of blocks."""
+def decode_batch(B: int, ctx: int, block_size: int, extra: int = 0, temperature: float = 0.6):
+    """B sequences of ctx tokens (ctx - 1 cached), each with its own contiguous run of blocks (room for `extra`
+    more tokens). -> (ScheduledBatch, number of blocks used + 1)."""
     from jaxinfer.engine.scheduler import ScheduledBatch
     from jaxinfer.engine.sequence import Sequence
     from jaxinfer.sampling_params import SamplingParams
-    n = -(-ctx // block_size)
+    n = -(-(ctx + extra) // block_size)
     seqs = []
     for b in range(B):
-        s = Sequence([1 + b % 7] * ctx, SamplingParams(temperature=0.6, ignore_eos=True), b, block_size)
+        s = Sequence([1 + b % 7] * ctx, SamplingParams(temperature=temperature, ignore_eos=True), b, block_size)
         s.block_table = list(range(b * n, (b + 1) * n))
         s.num_computed_tokens = ctx - 1
         seqs.append(s)
