@@ -100,7 +100,7 @@ def make_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: s
 
     def step(params, kv_caches, packed, prev_ids):
         b = unpack(packed, T, B, W)
-        _, rows, kv_caches = _forward(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_ids)
+        _, rows, kv_caches = _forward(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_ids, mm)
         logits = compute_logits(config, params, rows, mm)                          # [B, V'] fp32
         args = (logits, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["counters"], filtered)
         if tp_size(mesh) > 1:
@@ -112,12 +112,12 @@ def make_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: s
     return step
 
 
-def _forward(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_ids):
-    """(token ids [T], the hidden states of the sampled rows [B, E], kv_caches) of one step."""
+def _forward(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_ids, mm):
+    """(token ids [T], the hidden states of the sampled rows [B, E], kv_caches) of one step. `mm`: the decode
+    matmul chosen when the step was built (layers.decode_matmul; None: XLA's dot), not while it is traced."""
     prev = b["prev_row"]
     token_ids = jnp.where(prev >= 0, prev_ids[jnp.maximum(prev, 0)], b["token_ids"])
     attn = paged_attention_layer(kind, backend, b, interpret, mesh, kv_scales(params))
-    mm = decode_matmul(token_ids.shape[0], interpret, tp_size(mesh)) if kind == "decode" else None
     hidden, kv_caches = forward(config, params, token_ids, b["positions"], attn, kv_caches, mesh, mm)
     b["hidden"] = hidden                                                           # [T, E]
     return token_ids, hidden[b["sample_idx"]], kv_caches
@@ -139,7 +139,8 @@ def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, bac
 
     def step(params, kv_caches, packed, prev_ids, counts):
         b = unpack(packed, T, B, W, extras)
-        token_ids, rows, kv_caches = _forward(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_ids)
+        token_ids, rows, kv_caches = _forward(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_ids,
+                                              mm)
         logits = _full_vocab(compute_logits(config, params, rows, mm), V, mesh)   # [B, V] fp32
         raw = logits
         if extras.penalties:
