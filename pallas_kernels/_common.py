@@ -41,6 +41,13 @@ def is_pow2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
 
+def check_cu_seqlens(name: str, cu_seqlens_q, batch: int) -> None:
+    """cu_seqlens_q of a varlen prefill: int32 [batch + 1]."""
+    if cu_seqlens_q.shape != (batch + 1,) or cu_seqlens_q.dtype != jnp.int32:
+        raise ValueError(f"{name}: cu_seqlens_q must be int32 of shape ({batch + 1},), got "
+                         f"{cu_seqlens_q.dtype}{list(cu_seqlens_q.shape)}")
+
+
 def check_paged_inputs(name: str, q_heads: int, head_dim: int, q_dtype, k_cache, v_cache,
                        block_tables, seq_lens, batch: int) -> None:
     """Validates the paged-cache arguments shared by decode and prefill; raises ValueError naming the bad value."""

@@ -29,7 +29,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import check_paged_inputs
+from pallas_kernels._common import check_cu_seqlens, check_paged_inputs
 from pallas_kernels.flash_attention import tile_metadata
 
 DEFAULT_DECODE_MODE = "pool"      # "pool": cuDNN reads the engine's pool; "gather": dense copy of the pages
@@ -123,9 +123,7 @@ def cudnn_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_ta
     T, H, D = q.shape
     B = seq_lens.shape[0]
     check_paged_inputs("cudnn_prefill", H, D, q.dtype, k_cache, v_cache, block_tables, seq_lens, B)
-    if cu_seqlens_q.shape != (B + 1,) or cu_seqlens_q.dtype != jnp.int32:
-        raise ValueError(f"cudnn_prefill: cu_seqlens_q must be int32 of shape ({B + 1},), got "
-                         f"{cu_seqlens_q.dtype}{list(cu_seqlens_q.shape)}")
+    check_cu_seqlens("cudnn_prefill", cu_seqlens_q, B)
     scale = float(D ** -0.5 if scale is None else scale)
     C = min(block_q, 1 << max(T - 1, 0).bit_length())
     _, bs, K, _ = k_cache.shape

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._common import (LOG2E, NEG_BIG, check_paged_inputs, dot_precision, load_kv_tile,
+from pallas_kernels._common import (LOG2E, NEG_BIG, check_cu_seqlens, check_paged_inputs, dot_precision, load_kv_tile,
                                     online_softmax_update)
 from pallas_kernels.quant import compute_dtype, dequantize_cache, kv_scales, load_scales
 
@@ -148,9 +148,7 @@ def flash_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
     batch = seq_lens.shape[0] if seq_lens.ndim == 1 else -1
     check_paged_inputs("flash_attention", heads, head_dim, q.dtype, k_cache, v_cache, block_tables, seq_lens,
                        batch)
-    if cu_seqlens_q.shape != (batch + 1,) or cu_seqlens_q.dtype != jnp.int32:
-        raise ValueError(f"flash_attention: cu_seqlens_q must be int32 of shape ({batch + 1},), got "
-                         f"{cu_seqlens_q.dtype}{list(cu_seqlens_q.shape)}")
+    check_cu_seqlens("flash_attention", cu_seqlens_q, batch)
     for name, size in (("block_q", block_q), ("block_k", block_k)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"flash_attention: {name} must be a power of two >= 16, got {size}")

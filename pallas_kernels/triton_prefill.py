@@ -12,7 +12,7 @@ Needs a CUDA GPU with triton and jax-triton; otherwise a ValueError says so.
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import check_paged_inputs
+from pallas_kernels._common import check_cu_seqlens, check_paged_inputs
 from pallas_kernels._triton_ffi import load_triton, triton_call
 from pallas_kernels.flash_attention import tile_metadata
 
@@ -92,9 +92,7 @@ def triton_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_t
     T, H, D = q.shape
     B = seq_lens.shape[0]
     check_paged_inputs("triton_prefill", H, D, q.dtype, k_cache, v_cache, block_tables, seq_lens, B)
-    if cu_seqlens_q.shape != (B + 1,) or cu_seqlens_q.dtype != jnp.int32:
-        raise ValueError(f"triton_prefill: cu_seqlens_q must be int32 of shape ({B + 1},), got "
-                         f"{cu_seqlens_q.dtype}{list(cu_seqlens_q.shape)}")
+    check_cu_seqlens("triton_prefill", cu_seqlens_q, B)
     _, bs, K, _ = k_cache.shape
     seq, first, end = tile_metadata(cu_seqlens_q, seq_lens, T, block_m)            # [NT] each
     (o,) = triton_call(

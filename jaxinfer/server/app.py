@@ -52,7 +52,7 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
     limits = info.limits
     max_model_len = limits["max_model_len"]
     metrics = ServerMetrics(served_model_name)
-    text_of = R.TokenText(tokenizer)
+    text_of = R.TokenTexts(tokenizer)
 
     async def lifespan(app):
         client = CoreClient(info, api_index, alive)

@@ -18,6 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from jaxinfer.output_processor import TokenTexts     # each token id decoded once (vLLM's decoded_token)
+
 
 
 class Usage(BaseModel):
@@ -111,26 +113,13 @@ def usage_chunk(rid: str, model: str, object_: str, use: dict) -> dict:
 
 
 # -- logprobs -----------------------------------------------------------------------------------------------
-class TokenText:
-    """Each token id's own text (vLLM's decoded_token), cached: the same ids recur across requests."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.cache = tokenizer, {}
-
-    def __call__(self, tid: int) -> str:
-        s = self.cache.get(tid)
-        if s is None:
-            s = self.cache[tid] = self.tokenizer.decode([tid])
-        return s
-
-
 def _top(row: list, k: int) -> list[tuple[int, float]]:
     """The k most likely (token id, logprob) of one position, best first, from its engine row."""
     w = (len(row) - 2) // 2
     return [(int(row[2 + r]), row[2 + w + r]) for r in range(min(k, w))]
 
 
-def completion_logprobs(text_of: TokenText, ids: list[int], rows: list, k: int, offset: int = 0) -> dict:
+def completion_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int, offset: int = 0) -> dict:
     """The legacy shape for tokens `ids` and their engine rows (a None row: no logprob, e.g. the first prompt
     token). `offset`: the character offset of the first token (the text already sent, when streaming).
     top_logprobs holds the k most likely tokens and the sampled one (as vLLM)."""
@@ -151,7 +140,7 @@ def completion_logprobs(text_of: TokenText, ids: list[int], rows: list, k: int, 
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
 
-def chat_logprobs(text_of: TokenText, ids: list[int], rows: list, k: int) -> dict:
+def chat_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int) -> dict:
     def one(tid, lp):
         s = text_of(tid)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
