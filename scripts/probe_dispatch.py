@@ -1,0 +1,154 @@
+"""Where a decode step's host time goes, for one GPU, data-parallel replicas and a tensor-parallel mesh.
+
+    python scripts/probe_dispatch.py --tp 1 --dp 2 --json out.json [--profile DIR]
+
+Builds the engine as `LLM` does (random weights of a preset), with one decode bucket of B rows per replica
+and few other buckets so that it starts quickly; fills every replica with B sequences (prompt 512 tokens,
+then decoding), and measures:
+- engine steps: host ms per step (schedule / dispatch / wait / apply) and wall ms per step, over N steps;
+- raw calls: the compiled decode step called again and again on the last packed batch (no Python
+  scheduling): host ms per call, and wall ms per call, first back to back, then with the device idle before
+  each call (if a call blocks until the previous step has run, its host time is the step's GPU time);
+- with --profile: a jax.profiler trace of a few engine steps, summarised for the device (kernels, gaps) and
+  for the host threads (the events that took the most time).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+
+def engine_steps(engine, n: int) -> dict:
+    engine.step_log = []
+    t = time.perf_counter()
+    for _ in range(n):
+        engine.step()
+    wall = time.perf_counter() - t
+    log = np.array([e[3:8] for e in engine.step_log]) * 1e3
+    engine.step_log = None
+    cols = ("schedule", "dispatch", "wait", "apply", "transfer")
+    return dict(steps=n, wall_ms_per_step=wall * 1e3 / n, replica_steps=len(log),
+                host_ms_per_replica_step={c: float(log[:, i].mean()) for i, c in enumerate(cols)})
+
+
+def raw_calls(runners, n: int) -> dict:
+    """Call each runner's decode step n times (round robin), on the batch its last step sent."""
+    import jax
+    keys = [max((k for k in r.compiled if k[0] == "decode"), key=lambda k: k[2]) for r in runners]
+    packed = [r.put(r.last_packed) for r in runners]
+    for r in runners:
+        jax.block_until_ready(r.last_ids)
+    host = []
+    t = time.perf_counter()
+    for _ in range(n):
+        for r, k, p in zip(runners, keys, packed):
+            t0 = time.perf_counter()
+            r.run(k, p)
+            host.append(time.perf_counter() - t0)
+    for r in runners:
+        jax.block_until_ready(r.last_ids)
+    wall = time.perf_counter() - t
+    idle_host, gpu = [], []
+    for _ in range(max(5, n // 10)):
+        for r, k, p in zip(runners, keys, packed):
+            t0 = time.perf_counter()
+            r.run(k, p)
+            t1 = time.perf_counter()
+            jax.block_until_ready(r.last_ids)
+            idle_host.append(t1 - t0)
+            gpu.append(time.perf_counter() - t0)
+    return dict(calls_per_runner=n, wall_ms_per_round=wall * 1e3 / n,
+                host_ms_per_call_back_to_back=float(np.median(host) * 1e3),
+                host_ms_per_call_p90=float(np.percentile(host, 90) * 1e3),
+                host_ms_per_call_device_idle=float(np.median(idle_host) * 1e3),
+                call_plus_sync_ms=float(np.median(gpu) * 1e3), key=str(keys[0]))
+
+
+def host_events(trace_dir: str, top: int = 60) -> list[dict]:
+    """The host-side trace events that took the most time (summed by name; nested events count twice)."""
+    from collections import defaultdict
+
+    from jax._src.profiler import ProfileData
+
+    from trace_summary import _newest_xplane
+    data = ProfileData.from_file(_newest_xplane(trace_dir))
+    total, count = defaultdict(float), defaultdict(int)
+    for p in data.planes:
+        if p.name.startswith("/device:"):
+            continue
+        for line in p.lines:
+            for e in line.events:
+                name = f"{line.name[:24]} | {e.name[:90]}"
+                total[name] += e.duration_ns / 1e6
+                count[name] += 1
+    rows = sorted(total.items(), key=lambda kv: -kv[1])[:top]
+    return [dict(event=n, ms=round(ms, 3), count=count[n]) for n, ms in rows]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--rows", type=int, default=128, help="sequences per replica (its decode bucket)")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--profile", default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+
+    from jaxinfer.xla_options import set_process_flags
+    set_process_flags()
+    import jax
+
+    from jaxinfer import LLM, SamplingParams
+    t = time.perf_counter()
+    llm = LLM(a.model, tensor_parallel_size=a.tp, data_parallel_size=a.dp, max_num_seqs=a.rows,
+              decode_buckets=(a.rows,), prefill_buckets=(4096,), max_num_batched_tokens=4096,
+              max_model_len=2048, num_scheduler_steps=1)
+    warm = time.perf_counter() - t
+    engine = llm.engine
+    replicas = getattr(engine, "replicas", [engine])
+    runners = [r.runner for r in replicas]
+    for r in runners:                    # keep the last packed batch of each runner (raw calls reuse it)
+        put = r.put
+        r.put = (lambda put, r: lambda x: (setattr(r, "last_packed", x), put(x))[1])(put, r)
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1000)
+    for _ in range(a.rows * a.dp):
+        engine.add_request([int(x) for x in rng.integers(0, min(10000, llm.model_config.vocab_size), 512)], sp)
+    while any(r.scheduler.waiting for r in replicas) or any(
+            s.num_computed_tokens < s.num_prompt_tokens for r in replicas for s in r.scheduler.running):
+        engine.step()
+    for _ in range(20):
+        engine.step()
+    out = dict(model=a.model, tp=a.tp, dp=a.dp, rows=a.rows, warmup_s=warm, devices=str(jax.devices()),
+               xla_flags=os.environ.get("XLA_FLAGS", ""))
+    out["engine"] = engine_steps(engine, a.steps)
+    out["raw"] = raw_calls(runners, a.steps)
+    if a.dp > 1:
+        out["raw_one_replica"] = raw_calls(runners[:1], a.steps)
+    out["engine_again"] = engine_steps(engine, a.steps)
+    if a.profile:
+        from trace_summary import summarize
+        with jax.profiler.trace(a.profile):
+            engine_steps(engine, 20)
+        out["profile_device"] = summarize(a.profile, top=15, steps=20)
+        out["profile_host"] = host_events(a.profile)
+    out["compilations_after_warmup"] = llm.stats()["compilations"]
+    print(json.dumps(out, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
