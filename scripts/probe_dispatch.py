@@ -72,6 +72,61 @@ def raw_calls(runners, n: int) -> dict:
                 call_plus_sync_ms=float(np.median(gpu) * 1e3), key=str(keys[0]))
 
 
+def gil_check(runner, n: int = 20) -> dict:
+    """Python progress of another thread while this one launches steps (device idle before each launch),
+    against its progress while this thread sleeps as long: ~1 means the launch releases the GIL."""
+    import threading
+
+    import jax
+    key = max((k for k in runner.compiled if k[0] == "decode" and not k[4]), key=lambda k: k[2])
+    packed = runner.put(runner.last_packed)
+    count, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            count[0] += 1
+    th = threading.Thread(target=spin)
+    th.start()
+    launch_s, launch_n, sleep_n = 0.0, 0, 0
+    for _ in range(n):
+        jax.block_until_ready(runner.last_ids)
+        c0, t0 = count[0], time.perf_counter()
+        runner.run(key, packed)
+        dt = time.perf_counter() - t0
+        launch_s, launch_n = launch_s + dt, launch_n + count[0] - c0
+        c0 = count[0]
+        time.sleep(dt)
+        sleep_n += count[0] - c0
+    stop.set()
+    th.join()
+    jax.block_until_ready(runner.last_ids)
+    return dict(launch_ms=launch_s * 1e3 / n, spins_during_launch=launch_n, spins_during_sleep=sleep_n,
+                ratio=launch_n / max(sleep_n, 1))
+
+
+def threaded_steps(engine, n: int, switch_interval: float | None = None) -> dict:
+    """engine_steps with each replica's step in its own thread, a barrier per round (as DPEngine could)."""
+    from concurrent.futures import ThreadPoolExecutor
+    old = sys.getswitchinterval()
+    if switch_interval:
+        sys.setswitchinterval(switch_interval)
+    pool = ThreadPoolExecutor(len(engine.replicas))
+    step = type(engine).step
+
+    def threaded(self):
+        active = [r for r in self.replicas if r.has_unfinished() or r.in_flight is not None]
+        futures = [pool.submit(r.step) for r in active]
+        return [s for f in futures for s in f.result()]
+    type(engine).step = threaded
+    try:
+        out = engine_steps(engine, n)
+    finally:
+        type(engine).step = step
+        sys.setswitchinterval(old)
+        pool.shutdown()
+    return out
+
+
 def host_events(trace_dir: str, top: int = 60) -> list[dict]:
     """The host-side trace events that took the most time (summed by name; nested events count twice)."""
     from collections import defaultdict
@@ -135,6 +190,10 @@ def main(argv=None) -> dict:
     out["raw"] = raw_calls(runners, a.steps)
     if a.dp > 1:
         out["raw_one_replica"] = raw_calls(runners[:1], a.steps)
+    out["gil"] = gil_check(runners[0])
+    if a.dp > 1:
+        out["engine_threaded"] = threaded_steps(engine, a.steps)
+        out["engine_threaded_switch_0.2ms"] = threaded_steps(engine, a.steps, 2e-4)
     out["engine_again"] = engine_steps(engine, a.steps)
     if a.profile:
         from trace_summary import summarize
