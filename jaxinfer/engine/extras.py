@@ -111,7 +111,8 @@ class ExtrasRunner:
             out = (rep, r.placement.sharding(KV_SPEC), rep, rep)
             jitted = jax.jit(step, donate_argnums=(1, 4), out_shardings=out)
             lowered = jitted.lower(r.params, r.kv_caches, packed, r.last_ids, counts)
-            return lowered.compile(compiler_options=step_compiler_options(r.placement.devices[0].platform))
+            return lowered.compile(compiler_options=step_compiler_options(r.placement.devices[0].platform,
+                                                                             len(r.placement.devices)))
         exe = self.compiled[key] = r.executables.get(shared, build)
         return exe
 

@@ -258,7 +258,8 @@ class ModelRunner:
                 packed = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=rep)
                 out = (rep, self.placement.sharding(KV_SPEC))      # the caches keep their split across steps
                 lowered = jit_step(step, out).lower(self.params, self.kv_caches, packed, self.last_ids)
-                return lowered.compile(compiler_options=step_compiler_options(self.placement.devices[0].platform))
+                return lowered.compile(compiler_options=step_compiler_options(self.placement.devices[0].platform,
+                                                                             len(self.placement.devices)))
             t0 = time.perf_counter()
             self.compiled[key] = self.executables.get(shared, build)
             if not quiet and time.perf_counter() - t0 > 0.5:       # a step compiled lazily, mid-run
