@@ -232,7 +232,12 @@ class LLMEngine:
         if entry is not None:
             entry[5:7] = t1 - t0, now - t1
         for seq in updated:
-            seq.token_times.extend([now] * (seq.num_output_tokens - len(seq.token_times)))
+            times = seq.token_times
+            new = len(seq.token_ids) - seq.num_prompt_tokens - seq.num_pending - len(times)   # output tokens
+            if new == 1:
+                times.append(now)
+            elif new > 1:
+                times.extend([now] * new)
             if seq.first_token_time is None:
                 seq.first_token_time = now
         self.counters["generated_tokens"] += count

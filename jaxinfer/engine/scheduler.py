@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, Status
@@ -88,25 +90,28 @@ class Scheduler:
         return n
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        seqs = []
+        # The hot loop of every decode step (hundreds of rows, on the host between GPU steps): the checks of
+        # is_prefilling, "its last token is sampled already" and BlockManager.can_append are inlined for the common row.
+        seqs, bs, max_len = [], self.config.block_size, self.config.max_model_len
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or seq.is_prefilling or self._awaiting_last_token(seq):
-                continue
-            while not self.bm.can_append(seq):
-                victim = self.running[-1]
-                self.preempt(victim)
-                if victim is seq:
-                    break
+            n = len(seq.token_ids)
+            if seq.status is not Status.RUNNING or seq.num_computed_tokens < n - 1 or \
+                    n - seq.num_prompt_tokens >= seq.params.max_tokens or n >= max_len:
+                continue                        # not running, prefilling, or its last token is sampled already
+            if -(-n // bs) > len(seq.block_table):      # a new block (or preemption when the pool is empty)
+                while not self.bm.can_append(seq):
+                    victim = self.running[-1]
+                    self.preempt(victim)
+                    if victim is seq:
+                        break
+                else:
+                    self.bm.append(seq)
+                    seqs.append(seq)
             else:
-                self.bm.append(seq)
                 seqs.append(seq)
-                if len(seqs) == self.config.max_num_seqs:
-                    break
+            if len(seqs) == self.config.max_num_seqs:
+                break
         return ScheduledBatch(seqs, [1] * len(seqs), False) if seqs else None
-
-    def _awaiting_last_token(self, seq: Sequence) -> bool:
-        """Its final token is already sampled (still on the device): schedule nothing more."""
-        return seq.num_scheduled_outputs >= seq.params.max_tokens or len(seq) >= self.config.max_model_len
 
     def on_dispatch(self, batch: ScheduledBatch) -> None:
         """The step is on its way: count its tokens as computed and give each sampling row a
@@ -195,24 +200,29 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, token_ids) -> list[Sequence]:
         """Record computed tokens and sampled ids; finish sequences that hit a stop condition.
         Returns the sequences that received a new token this step."""
-        updated = []
-        for seq, sampled, tok in zip(batch.seqs, batch.sampled, token_ids):
+        updated, eos, max_len = [], self.eos, self.config.max_model_len
+        bs, caching = self.bm.block_size, self.bm.prefix_caching
+        ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else [int(t) for t in token_ids]
+        for seq, sampled, tok in zip(batch.seqs, batch.sampled, ids):
             if seq.status is Status.FINISHED:             # finished (or aborted) while this step ran
                 continue
+            toks = seq.token_ids
             if sampled:                                   # not a prompt chunk that stops mid-prompt
-                tok = int(tok)
-                seq.token_ids[len(seq) - seq.num_pending] = tok
+                toks[len(toks) - seq.num_pending] = tok
                 seq.num_pending -= 1
-            self.bm.cache_full_blocks(seq)
+            # a block became full (its KV written and its tokens known): register it in the prefix cache
+            if caching and min(seq.num_computed_tokens, len(toks) - seq.num_pending) // bs > seq.num_hashed_blocks:
+                self.bm.cache_full_blocks(seq)
             if not sampled:
                 continue
             updated.append(seq)
             p = seq.params
-            if (not p.ignore_eos and tok in self.eos) or tok in p.stop_token_ids:
+            if (not p.ignore_eos and tok in eos) or tok in p.stop_token_ids:
                 self.finish(seq, "stop")
             # len - num_pending: a token dispatched after this one is not part of the sequence yet (counting it
             # ended async runs one token before max_model_len)
-            elif seq.num_output_tokens >= p.max_tokens or len(seq) - seq.num_pending >= self.config.max_model_len:
+            elif len(toks) - seq.num_prompt_tokens - seq.num_pending >= p.max_tokens or \
+                    len(toks) - seq.num_pending >= max_len:
                 self.finish(seq, "length")
         return updated
 
