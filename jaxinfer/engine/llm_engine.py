@@ -167,7 +167,7 @@ class LLMEngine:
             raise RuntimeError("scheduler found no work although requests are pending (pool too small?)")
         key = bucket_for(self.config, self.runner.widths, batch)
         K = self._plan_steps(batch, key)
-        filtered = any(s.params.needs_filter for s in batch.seqs)
+        filtered = any(s.needs_filter for s in batch.seqs)
         extras = extras_mod.choose(batch) if K == 1 else None       # penalties / logprobs: K = 1 (scheduler)
         if extras is not None:
             packed = None                                            # packed and sent by ExtrasRunner

@@ -143,7 +143,7 @@ class Scheduler:
         if batch.is_prefill or not ks or self.waiting:
             return 1
         # penalties and logprobs run one step per call (their step variant has no K-step form)
-        if any(s.params.needs_filter or len(self.stop_ids(s)) > max_stop_ids or s.params.has_penalties
+        if any(s.needs_filter or len(self.stop_ids(s)) > max_stop_ids or s.params.has_penalties
                or s.params.logprobs is not None for s in batch.seqs):
             return 1
         rem = [self.remaining(s) for s in batch.seqs]
