@@ -17,7 +17,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
 T0=$(date +%s)
 
-SHOW='tok/s|TTFT|TPOT|compilations|roofline|floor is|host ms per step|latency|== |OK|MISMATCH|Error|error'
+SHOW='us_per_all_reduce|tok/s|TTFT|TPOT|compilations|roofline|floor is|host ms per step|latency|== |OK|MISMATCH|Error|error'
 MIN_LEFT=40
 . "$(dirname "$0")/gpu_runs_lib.sh"
 
@@ -43,5 +43,11 @@ run 06b_tp2      110 python scripts/bench.py qwen3-0.6b -tp 2 --json "$OUT/06b_t
 # per-GPU load (512 requests on 2 GPUs vs 256 on 1... and 512 on 1) shows how DP scales apart from batch size
 run 06b_1gpu_512  60 python scripts/bench.py qwen3-0.6b --num-seqs 512 --json "$OUT/06b_1gpu_512.json"
 run 06b_dp2_512   75 python scripts/bench.py qwen3-0.6b -dp 2 --num-seqs 512 --json "$OUT/06b_dp2_512.json"
+# the all-reduce cost of an 8B tp=2 step (72 x 2 MiB) and NCCL's protocol knobs (read when its comms start)
+AR="python scripts/probe_allreduce.py --rows 256 --hidden 4096 --layers 36"
+run ar_default    40 $AR --json "$OUT/ar_default.json"
+run ar_ll128      40 env NCCL_PROTO=LL128 $AR --json "$OUT/ar_ll128.json"
+run ar_ll         40 env NCCL_PROTO=LL $AR --json "$OUT/ar_ll.json"
+run ar_oneshot    40 $AR --one-shot --json "$OUT/ar_oneshot.json"
 rm -rf "$OUT/jax_cache" "$OUT/trace_06b_tp2"     # large; the profile's summary is in 06b_tp2.json
 echo "total $(( $(date +%s) - T0 )) s"
