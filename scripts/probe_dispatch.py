@@ -157,11 +157,26 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--profile", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-process-flags", action="store_true",
+                    help="leave XLA_FLAGS as they are (no SKIP_TEMP mode), e.g. to try --compile-option instead")
+    ap.add_argument("--compile-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more XLA option for every compiled step (e.g. "
+                         "xla_gpu_command_buffer_update_mode=SKIP_TEMP)")
     a = ap.parse_args(argv)
 
     from jaxinfer.xla_options import set_process_flags
-    set_process_flags()
+    if not a.no_process_flags:
+        set_process_flags()
     import jax
+
+    if a.compile_option:
+        from jaxinfer.engine import extras, runner
+        def value(v: str):
+            return {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
+        extra = {k: value(v) for k, v in (kv.split("=", 1) for kv in a.compile_option)}
+        for mod in (runner, extras):
+            base = mod.step_compiler_options
+            mod.step_compiler_options = (lambda base: lambda *args: {**base(*args), **extra})(base)
 
     from jaxinfer import LLM, SamplingParams
     t = time.perf_counter()
@@ -185,7 +200,7 @@ def main(argv=None) -> dict:
     for _ in range(20):
         engine.step()
     out = dict(model=a.model, tp=a.tp, dp=a.dp, rows=a.rows, warmup_s=warm, devices=str(jax.devices()),
-               xla_flags=os.environ.get("XLA_FLAGS", ""))
+               xla_flags=os.environ.get("XLA_FLAGS", ""), compile_options=a.compile_option)
     out["engine"] = engine_steps(engine, a.steps)
     out["raw"] = raw_calls(runners, a.steps)
     if a.dp > 1:
