@@ -19,7 +19,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
 T0=$(date +%s)
 
-SHOW='passed|failed|Error|tok/s|compilations|roofline|floor is|TB/s|fp8 \(|greedy|bound /|^ *[0-9]+ +[0-9]+ \|'
+SHOW='wall_ms_per_step|passed|failed|Error|tok/s|compilations|roofline|floor is|TB/s|fp8 \(|greedy|bound /|^ *[0-9]+ +[0-9]+ \|'
 MIN_LEFT=40
 . "$(dirname "$0")/gpu_runs_lib.sh"
 
@@ -32,6 +32,12 @@ run accuracy     150 python scripts/fp8_accuracy.py qwen3-0.6b --tokens 2048 --j
 if python -c "from jaxinfer.assets import demo_model_path; demo_model_path()" 2>/dev/null; then
   run accuracy_demo 90 python scripts/fp8_accuracy.py --tokens 4096 --json "$OUT/accuracy_demo.json"
 fi
+# item 4 (LLM() = the benchmarked configuration): the SKIP_TEMP command-buffer mode given per compile instead of
+# through XLA_FLAGS (if it works, `LLM()` can run it without touching the process); 128-row steps, engine wall ms
+PD="python scripts/probe_dispatch.py --steps 60 --no-process-flags"
+run cb_env        60 env XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP $PD --json "$OUT/cb_env.json"
+run cb_none       60 $PD --json "$OUT/cb_none.json"
+run cb_compile    60 $PD --compile-option xla_gpu_command_buffer_update_mode=SKIP_TEMP --json "$OUT/cb_compile.json"
 run sweep        150 python scripts/bench_kernels.py --only-sweep --decode-only --json "$OUT/sweep.json"
 echo "total $(( $(date +%s) - T0 )) s"
 # The device tool returns at most 8 files: everything goes back as one archive (PACK=0 keeps the loose files)
