@@ -1,0 +1,250 @@
+"""Decode attention over a paged KV cache on Pallas' Mosaic GPU backend (Hopper: TMA, mbarriers, wgmma).
+
+The contract is pallas_kernels/paged_attention.py's `paged_attention` (q [B, H, D], caches [P, block_size, K, D],
+block tables, seq_lens counting the new token, optional `order`), for bf16/fp16 caches. GPU only: Mosaic GPU has
+no interpreter here, so `interpret=True` is refused, and so are fp8 pages (not written yet: use paged_attention).
+
+Design (flash-decoding, one warpgroup = 128 threads per program, no warp specialisation):
+  * grid = (K kv heads, S context splits, B sequences). A program computes the GQA group of its kv head, so each
+    K/V byte is read from HBM once. wgmma's M is 64 rows, a group is G (2 for Qwen3): the program copies the 64
+    rows of q viewed as [B*H, D] that START at its group's first head (TMA zero-fills rows past the end). Rows
+    past G belong to other heads: computed, never stored. That costs a 16 KiB q read per program (D=128), ~3%
+    of a 1024-token program's K/V bytes and mostly L2 hits; the padded math is free in a memory-bound kernel.
+  * K/V: the split's context in tiles of `block_n` tokens. A tile is block_n / block_size TMA copies, one per
+    page (the page id read from the block table in GMEM), into a 128-byte-swizzled SMEM ring of `num_stages`
+    slots; all copies of a tile arrive on one mbarrier. Tiles i+1 .. i+stages-1 are in flight while tile i is
+    computed; slot i is refilled with tile i+stages as soon as tile i's wgmmas are done.
+  * Scores and P.V on wgmma (fp32 accumulators in registers), online softmax in base 2. Tokens past the split's
+    end are masked with -inf; pages past the sequence's last one are clamped to it (real, finite data).
+  * Each split writes its normalised rows [G, D] and a base-2 log-sum-exp per row; the same small jnp combine as
+    the Triton kernel merges splits (S = 1 skips it).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # a jaxlib without Mosaic GPU
+    plgpu = None
+
+from pallas_kernels._common import LOG2E, NEG_BIG, check_paged_inputs
+from pallas_kernels.paged_attention import choose_num_splits, paged_attention_reference
+from pallas_kernels.quant import is_fp8
+
+ROWS = 64  # wgmma's M (one warpgroup); a GQA group is padded to it with neighbouring q rows
+SWIZZLE = 128  # bytes; K/V/q tiles are 8 rows x 128 bytes, the layout wgmma reads from SMEM
+DEFAULT_BLOCK_N = 64  # tokens per tile (4 pages of 16); untuned
+# 2 slots: 64 KiB of K/V + 16 KiB q + 32 KiB fp32 output rows keeps 2 programs per SM (228 KiB); untuned
+DEFAULT_NUM_STAGES = 2
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_SMEM = 232448  # bytes a Hopper block may use (227 KiB); Mosaic also reserves 2 KiB of reduction scratch
+__all__ = ["paged_decode_attention", "paged_decode_attention_reference", "available"]
+
+
+def available() -> bool:
+    """Whether this JAX has Pallas' Mosaic GPU backend (the kernel still needs a Hopper GPU to run)."""
+    return plgpu is not None
+
+
+def smem_bytes(head_dim: int, block_n: int, num_stages: int, num_splits: int) -> int:
+    """Shared memory of one program (bf16/fp16): q, the K and V rings, the output rows, lse, Mosaic's scratch."""
+    out = 2 if num_splits == 1 else 4
+    return ROWS * head_dim * (2 + out) + 2 * num_stages * block_n * head_dim * 2 + ROWS * 4 + 3072
+
+
+def _row_layout():
+    """Layout of a per-row vector of a wgmma accumulator (m, l): WGMMA_ROW in newer JAX, WGMMA.reduce(1) in 0.10."""
+    row = getattr(plgpu.Layout, "WGMMA_ROW", None)
+    return row if row is not None else plgpu.Layout.WGMMA.reduce(1)
+
+
+def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_size: int, group: int,
+                   heads: int, block_n: int, num_stages: int, num_splits: int, ordered: bool):
+    # refs: [order if ordered] o [B, S, H, D], lse [B, S, K, ROWS], then the scratch: q_smem [ROWS, D],
+    # k_smem / v_smem [stages, N, D], o_smem [ROWS, D], lse_smem [ROWS], barriers q, k [stages], v [stages]
+    if ordered:
+        order_ref, refs = refs[0], refs[1:]
+    o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar = refs
+    kh, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if ordered:  # program slot b runs row order[b]
+        b = order_ref[b]
+    head_dim = q_smem.shape[-1]
+    length = lens_ref[b]
+    # This split's token range (as in the Triton kernel: splits follow the real length, tiles of block_n).
+    chunk = pl.cdiv(pl.cdiv(length, num_splits), block_n) * block_n
+    start = split * chunk
+    end = jnp.minimum(start + chunk, length)
+    num_tiles = jnp.maximum(pl.cdiv(end - start, block_n), 0)
+    last_page = jnp.maximum(pl.cdiv(length, block_size) - 1, 0)
+    copies = max(1, block_n // block_size)  # TMA copies per tile (one per page, or one slice of a big page)
+    rows = min(block_n, block_size)  # tokens per copy
+
+    def issue(i, slot):
+        """Starts the copies of tile i (K and V) into ring slot `slot`."""
+        tok0 = start + i * block_n
+        page0 = lax.div(tok0, block_size)
+        src_rows = pl.ds(lax.rem(tok0, block_size), rows) if block_size > block_n else pl.ds(0, rows)
+        for j in range(copies):
+            page = bt_ref[b, jnp.minimum(page0 + j, last_page)]
+            dst = pl.ds(j * rows, rows)
+            plgpu.copy_gmem_to_smem(k_ref.at[page, src_rows, kh], k_smem.at[slot, dst], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[page, src_rows, kh], v_smem.at[slot, dst], v_bar.at[slot])
+
+    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(b * heads + kh * group, ROWS)], q_smem, q_bar)
+    for s in range(num_stages):
+        pl.when(s < num_tiles)(functools.partial(issue, s, s))
+    plgpu.barrier_wait(q_bar)
+
+    row = _row_layout()
+    acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
+    m = plgpu.layout_cast(jnp.full((ROWS,), NEG_BIG, jnp.float32), row)
+    l = plgpu.layout_cast(jnp.full((ROWS,), 0, jnp.float32), row)
+    qk_scale = scale * LOG2E  # softmax in base 2
+
+    def body(i, carry):
+        acc, m, l = carry
+        slot = lax.rem(i, num_stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        def qk(acc_ref):  # [ROWS, N] = q [ROWS, D] @ k^T [D, N]
+            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            return acc_ref[...]
+        s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_n), jnp.float32)) * qk_scale
+        col = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_n), 1, layout=plgpu.Layout.WGMMA)
+        s = jnp.where(col < end - start - i * block_n, s, -jnp.inf)  # every tile holds >= 1 valid token
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p = p.astype(q_smem.dtype)
+        plgpu.barrier_wait(v_bar.at[slot])
+
+        def pv(acc_ref):  # acc += p [ROWS, N] @ v [N, D]
+            plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # reading it back waits for the wgmma: the slot is free
+        pl.when(i + num_stages < num_tiles)(functools.partial(issue, i + num_stages, slot))
+        return acc, m_new, l
+
+    acc, m, l = lax.fori_loop(0, num_tiles, body, (acc, m, l))
+    nonempty = l > 0
+    norm = jnp.where(nonempty, l, 1.0)  # an empty split (or a padding row, seq_len 0) gives zeros
+    o_smem[...] = (acc / lax.broadcast_in_dim(norm, acc.shape, [0])).astype(o_smem.dtype)
+    lse_smem[...] = jnp.where(nonempty, m + jnp.log(norm) * (1 / math.log(2)), NEG_BIG)  # base-2 log-sum-exp
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[b, split, pl.ds(kh * group, group)])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, kh])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_n", "num_splits", "num_stages"))
+def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, order=None, *, scale, block_n, num_splits,
+                  num_stages):
+    batch, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    # Lengths past the block table are impossible; clamping keeps every page id read inside the table.
+    seq_lens = jnp.clip(seq_lens, 0, block_tables.shape[1] * block_size)
+    q_rows = q.reshape(batch * heads, head_dim)  # [B*H, D]: a program reads ROWS rows from its group's first
+    if batch * heads < ROWS:  # a copy of ROWS rows needs that many in the array (bigger ones zero-fill the end)
+        q_rows = jnp.pad(q_rows, ((0, ROWS - batch * heads), (0, 0)))
+    part_dtype = q.dtype if num_splits == 1 else jnp.float32
+    tiled = (plgpu.TilingTransform((8, SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE))
+    copies = max(1, block_n // block_size)
+    scratch = [plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=tiled),  # q_smem
+               plgpu.SMEM((num_stages, block_n, head_dim), q.dtype, transforms=tiled),  # k ring
+               plgpu.SMEM((num_stages, block_n, head_dim), q.dtype, transforms=tiled),  # v ring
+               plgpu.SMEM((ROWS, head_dim), part_dtype),  # o_smem
+               plgpu.SMEM((ROWS,), jnp.float32),  # lse_smem
+               plgpu.Barrier(num_arrivals=1),
+               plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+               plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages)]
+    kernel = functools.partial(_decode_kernel, scale=scale, block_size=block_size, group=group, heads=heads,
+                               block_n=block_n, num_stages=num_stages, num_splits=num_splits,
+                               ordered=order is not None)
+    args = (seq_lens, block_tables, q_rows, k_cache, v_cache) + (() if order is None else (order,))
+    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(kv_heads, num_splits, batch),
+        in_specs=[gmem] * len(args),
+        out_specs=[gmem, gmem],
+        out_shape=(jax.ShapeDtypeStruct((batch, num_splits, heads, head_dim), part_dtype),  # [B, S, H, D]
+                   jax.ShapeDtypeStruct((batch, num_splits, kv_heads, ROWS), jnp.float32)),  # [B, S, K, 64]
+        scratch_shapes=scratch,
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        name="mosaic_paged_decode",
+    )(*args)
+    if num_splits == 1:
+        return out[:, 0].astype(q.dtype)
+    lse = lse[..., :group].reshape(batch, num_splits, heads)  # row r of kv head k is q head k*G + r
+    # Combine the splits: weights 2^(lse_s - max lse); empty splits carry NEG_BIG and weigh 0.
+    w = jnp.exp2(lse - lse.max(axis=1, keepdims=True))  # [B, S, H]
+    return ((w[..., None] * out).sum(axis=1) / w.sum(axis=1)[..., None]).astype(q.dtype)
+
+
+def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
+                           seq_lens: jax.Array, *, order: jax.Array | None = None, scale: float | None = None,
+                           k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+                           layer: int | jax.Array = 0, interpret: bool = False, block_n: int | None = None,
+                           num_splits: int | None = None, num_stages: int = DEFAULT_NUM_STAGES) -> jax.Array:
+    """Decode attention (paged_attention's contract) on Mosaic GPU: q [B, H, D], caches [P, block_size, K, D].
+
+    seq_lens[b] counts the context including the new token; 0 marks a padding row (zeros out). order: as in
+    paged_attention. Needs bf16/fp16 q and caches, head_dim a multiple of 64 (<= 256) and block_size >= 8.
+    block_n: tokens per tile (64, 128 or 256); num_splits: context splits (None: paged_attention's choice);
+    num_stages: tiles in flight. k_scale / v_scale / layer exist for the contract: fp8 caches are refused.
+    Returns [B, H, D] in q's dtype.
+    """
+    name = "paged_decode_attention"
+    if plgpu is None:
+        raise ValueError(f"{name}: this JAX has no Pallas Mosaic GPU backend (jax.experimental.pallas.mosaic_gpu)")
+    if interpret:
+        raise ValueError(f"{name}: interpret=True is not supported (Mosaic GPU has no interpreter); use "
+                         "paged_decode_attention_reference or pallas_kernels.paged_attention on the CPU")
+    if q.ndim != 3:
+        raise ValueError(f"{name}: q must be [B, H, D], got shape {q.shape}")
+    if is_fp8(k_cache.dtype) or k_scale is not None or v_scale is not None:
+        raise ValueError(f"{name}: fp8 KV caches (k_scale/v_scale) are not supported by the Mosaic kernel yet, got "
+                         f"k_cache {k_cache.dtype}: use pallas_kernels.paged_attention")
+    check_paged_inputs(name, q.shape[1], q.shape[-1], q.dtype, k_cache, v_cache, block_tables, seq_lens,
+                       q.shape[0])
+    if q.dtype not in DTYPES:
+        raise ValueError(f"{name}: q and the caches must be bfloat16 or float16 (wgmma), got {q.dtype}")
+    head_dim, block_size = q.shape[-1], k_cache.shape[1]
+    if head_dim % 64 or head_dim > 256:
+        raise ValueError(f"{name}: head_dim must be 64, 128 or 256 (128-byte swizzled tiles), got {head_dim}")
+    if block_size < 8:
+        raise ValueError(f"{name}: block_size must be >= 8 (a page is whole 8-row SMEM tiles), got {block_size}")
+    block_n = DEFAULT_BLOCK_N if block_n is None else block_n
+    if block_n not in (64, 128, 256):
+        raise ValueError(f"{name}: block_n must be 64, 128 or 256, got {block_n}")
+    if num_stages < 1:
+        raise ValueError(f"{name}: num_stages must be >= 1, got {num_stages}")
+    if order is not None and (order.shape != seq_lens.shape or order.dtype != jnp.int32):
+        raise ValueError(f"{name}: order must be int32 of shape {seq_lens.shape} like seq_lens, got "
+                         f"{order.dtype} {order.shape}")
+    if num_splits is None:
+        num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * block_size, block_n)
+    if num_splits < 1:
+        raise ValueError(f"{name}: num_splits must be >= 1, got {num_splits}")
+    if (need := smem_bytes(head_dim, block_n, num_stages, num_splits)) > MAX_SMEM:
+        raise ValueError(f"{name}: block_n={block_n} x num_stages={num_stages} at head_dim {head_dim} needs {need} "
+                         f"bytes of shared memory, more than {MAX_SMEM}: use fewer stages or a smaller block_n")
+    scale = float(head_dim ** -0.5 if scale is None else scale)
+    return _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, order, scale=scale, block_n=block_n,
+                         num_splits=num_splits, num_stages=num_stages)
+
+
+def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, k_scale=None,
+                                     v_scale=None, layer=0) -> jax.Array:
+    """Plain jnp decode attention (pallas_kernels.paged_attention.paged_attention_reference)."""
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, k_scale=k_scale,
+                                     v_scale=v_scale, layer=layer)

@@ -1,0 +1,129 @@
+"""Mosaic GPU paged decode (pallas_kernels/mosaic/paged_decode.py).
+
+Mosaic GPU has no interpreter, so on the CPU the kernel is only LOWERED for CUDA (Pallas' Mosaic lowering runs
+in Python and catches API, layout, transform and shared-memory errors); the gpu-marked test runs it on the device
+against the jnp reference (PYTHONPATH=. python -m pytest -q -m gpu tests/test_mosaic_kernels.py).
+"""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import make_paged
+
+from pallas_kernels.mosaic import paged_decode
+from pallas_kernels.mosaic.paged_decode import paged_decode_attention, paged_decode_attention_reference
+
+needs_mosaic = pytest.mark.skipif(not paged_decode.available(), reason="this JAX has no Pallas Mosaic GPU backend")
+sd = jax.ShapeDtypeStruct
+
+
+def lowered_text(fn, args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# (batch, heads, kv_heads, head_dim, block_size, table width, dtype, tile options)
+LOWER_CASES = [
+    (8, 16, 8, 128, 16, 8, jnp.bfloat16, {}),  # Qwen3-0.6B: GQA group 2, one split
+    (2, 16, 8, 128, 16, 64, jnp.bfloat16, dict(num_splits=4)),  # long context, split-K combine
+    (3, 4, 1, 128, 16, 5, jnp.bfloat16, {}),  # MQA: one kv head, group 4
+    (5, 6, 2, 64, 16, 7, jnp.float16, dict(num_splits=2)),  # odd group (3), head_dim 64, fp16
+    (2, 5, 5, 128, 8, 20, jnp.bfloat16, dict(num_stages=3)),  # no GQA, 8-token pages (8 copies a tile)
+    (4, 16, 8, 128, 128, 2, jnp.bfloat16, dict(num_splits=2)),  # pages bigger than a tile
+    (4, 32, 4, 256, 32, 4, jnp.bfloat16, dict(block_n=128, num_stages=1)),  # group 8, head_dim 256
+]
+
+
+@needs_mosaic
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,block_size,width,dtype,opts", LOWER_CASES)
+def test_lowers_for_cuda(batch, heads, kv_heads, head_dim, block_size, width, dtype, opts):
+    cache = sd((40, block_size, kv_heads, head_dim), dtype)
+    args = (sd((batch, heads, head_dim), dtype), cache, cache, sd((batch, width), jnp.int32),
+            sd((batch,), jnp.int32))
+    text = lowered_text(lambda *a: paged_decode_attention(*a, **opts), args)
+    assert "mosaic_gpu" in text and "triton" not in text
+
+
+@needs_mosaic
+def test_lowers_with_order_inside_a_jit():
+    """`order` (rows longest first) and traced lengths, as the engine calls it."""
+    cache = sd((64, 16, 8, 128), jnp.bfloat16)
+    args = (sd((6, 16, 128), jnp.bfloat16), cache, cache, sd((6, 9), jnp.int32), sd((6,), jnp.int32),
+            sd((6,), jnp.int32))
+    fn = lambda q, k, v, t, lens, order: paged_decode_attention(q, k, v, t, lens, order=order, scale=0.1)
+    assert "mosaic_gpu" in lowered_text(fn, args)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(interpret=True), "interpret=True"),
+    (dict(q=jnp.zeros((2, 4, 64), jnp.float32), k_cache=jnp.zeros((6, 16, 2, 64), jnp.float32),
+          v_cache=jnp.zeros((6, 16, 2, 64), jnp.float32)), "bfloat16 or float16"),
+    (dict(k_cache=jnp.zeros((6, 16, 2, 64), jnp.float8_e4m3fn), v_cache=jnp.zeros((6, 16, 2, 64), jnp.float8_e4m3fn),
+          k_scale=jnp.float32(1), v_scale=jnp.float32(1)), "fp8"),
+    (dict(q=jnp.zeros((2, 4, 32), jnp.bfloat16), k_cache=jnp.zeros((6, 16, 2, 32), jnp.bfloat16),
+          v_cache=jnp.zeros((6, 16, 2, 32), jnp.bfloat16)), "head_dim"),
+    (dict(k_cache=jnp.zeros((6, 4, 2, 64), jnp.bfloat16), v_cache=jnp.zeros((6, 4, 2, 64), jnp.bfloat16)),
+     "block_size must be >= 8"),
+    (dict(block_n=32), "block_n"),
+    (dict(num_stages=0), "num_stages"),
+    (dict(num_splits=0), "num_splits"),
+    (dict(order=jnp.zeros((3,), jnp.int32)), "order"),
+    (dict(q=jnp.zeros((2, 8, 256), jnp.bfloat16), k_cache=jnp.zeros((6, 16, 2, 256), jnp.bfloat16),
+          v_cache=jnp.zeros((6, 16, 2, 256), jnp.bfloat16), block_n=256, num_stages=2), "shared memory"),
+    (dict(seq_lens=jnp.zeros((3,), jnp.int32)), "seq_lens"),
+])
+def test_validation(bad, match):
+    if not paged_decode.available():
+        pytest.skip("this JAX has no Pallas Mosaic GPU backend")
+    args = dict(q=jnp.zeros((2, 4, 64), jnp.bfloat16), k_cache=jnp.zeros((6, 16, 2, 64), jnp.bfloat16),
+                v_cache=jnp.zeros((6, 16, 2, 64), jnp.bfloat16), block_tables=jnp.zeros((2, 3), jnp.int32),
+                seq_lens=jnp.zeros((2,), jnp.int32))
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        paged_decode_attention(**args)
+
+
+def test_smem_estimate_matches_the_limit_mosaic_reports():
+    """Qwen3's shape fits with room for 2 programs per SM at one split; the 256-wide case above does not fit."""
+    assert 2 * paged_decode.smem_bytes(128, 64, 2, 1) < 228 * 1024
+    assert paged_decode.smem_bytes(256, 128, 2, 1) > paged_decode.MAX_SMEM
+
+
+def test_reference_is_the_triton_files_reference():
+    rng = np.random.default_rng(0)
+    k, v, tables, lens = make_paged(rng, [5, 17, 0], 8, 2, 64, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((3, 4, 64)), jnp.float32)
+    from pallas_kernels.paged_attention import paged_attention_reference
+    out = paged_decode_attention_reference(q, k, v, tables, lens, scale=0.2)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(paged_attention_reference(q, k, v, tables, lens,
+                                                                                        scale=0.2)))
+    assert np.asarray(out)[:2].any() and not np.asarray(out)[2].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,max_len,heads,kv_heads,block_size,opts", [
+    (64, 2048, 16, 8, 16, {}),  # Qwen3-0.6B heads, one split
+    (3, 4096, 16, 8, 16, {}),  # few rows, long context: auto split-K
+    (17, 300, 16, 8, 32, dict(num_splits=3, num_stages=3)),  # ragged splits, 2 pages a tile
+    (9, 700, 8, 1, 16, dict(block_n=128)),  # MQA, group 8
+    (6, 520, 6, 2, 128, dict(num_splits=2)),  # odd group, pages bigger than a tile
+    (5, 200, 4, 4, 8, {}),  # no GQA, 8-token pages
+])
+def test_gpu_matches_reference(batch, max_len, heads, kv_heads, block_size, opts):
+    """Random paged caches with permuted block tables, ragged lengths, lengths 1 and at block boundaries,
+    padding rows (0), rows run longest first."""
+    rng = np.random.default_rng(4)
+    lens = rng.integers(1, max_len + 1, batch)
+    lens[0], lens[-1] = 1, max_len
+    if batch > 4:
+        lens[1], lens[2], lens[3] = 0, 2 * block_size, block_size + 1
+    k, v, tables, seq_lens = make_paged(rng, lens, block_size, kv_heads, 128, jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((batch, heads, 128)), jnp.bfloat16)
+    ref = np.asarray(paged_decode_attention_reference(q, k, v, tables, seq_lens), np.float32)
+    out = jax.jit(lambda *a: paged_decode_attention(*a, **opts))(q, k, v, tables, seq_lens)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=2e-2, rtol=2e-2)
+    assert not np.asarray(out, np.float32)[lens == 0].any(), "padding rows must be zeros"
+    order = jnp.asarray(np.argsort(-lens, kind="stable"), jnp.int32)
+    ordered = jax.jit(lambda *a: paged_decode_attention(*a[:5], order=a[5], **opts))(q, k, v, tables, seq_lens,
+                                                                                      order)
+    np.testing.assert_array_equal(np.asarray(ordered, np.float32), np.asarray(out, np.float32))
