@@ -17,6 +17,12 @@ needs_mosaic = pytest.mark.skipif(not paged_decode.available(), reason="this JAX
 sd = jax.ShapeDtypeStruct
 
 
+@pytest.fixture
+def lowering_only(monkeypatch):
+    """Lets the entry point trace on the CPU: the tests lower for CUDA, they never run the kernel here."""
+    monkeypatch.setattr(paged_decode, "_on_gpu", lambda: True)
+
+
 def lowered_text(fn, args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -35,7 +41,7 @@ LOWER_CASES = [
 
 @needs_mosaic
 @pytest.mark.parametrize("batch,heads,kv_heads,head_dim,block_size,width,dtype,opts", LOWER_CASES)
-def test_lowers_for_cuda(batch, heads, kv_heads, head_dim, block_size, width, dtype, opts):
+def test_lowers_for_cuda(lowering_only, batch, heads, kv_heads, head_dim, block_size, width, dtype, opts):
     cache = sd((40, block_size, kv_heads, head_dim), dtype)
     args = (sd((batch, heads, head_dim), dtype), cache, cache, sd((batch, width), jnp.int32),
             sd((batch,), jnp.int32))
@@ -44,7 +50,7 @@ def test_lowers_for_cuda(batch, heads, kv_heads, head_dim, block_size, width, dt
 
 
 @needs_mosaic
-def test_lowers_with_order_inside_a_jit():
+def test_lowers_with_order_inside_a_jit(lowering_only):
     """`order` (rows longest first) and traced lengths, as the engine calls it."""
     cache = sd((64, 16, 8, 128), jnp.bfloat16)
     args = (sd((6, 16, 128), jnp.bfloat16), cache, cache, sd((6, 9), jnp.int32), sd((6,), jnp.int32),
@@ -71,15 +77,23 @@ def test_lowers_with_order_inside_a_jit():
           v_cache=jnp.zeros((6, 16, 2, 256), jnp.bfloat16), block_n=256, num_stages=2), "shared memory"),
     (dict(seq_lens=jnp.zeros((3,), jnp.int32)), "seq_lens"),
 ])
-def test_validation(bad, match):
-    if not paged_decode.available():
-        pytest.skip("this JAX has no Pallas Mosaic GPU backend")
+@needs_mosaic
+def test_validation(lowering_only, bad, match):
     args = dict(q=jnp.zeros((2, 4, 64), jnp.bfloat16), k_cache=jnp.zeros((6, 16, 2, 64), jnp.bfloat16),
                 v_cache=jnp.zeros((6, 16, 2, 64), jnp.bfloat16), block_tables=jnp.zeros((2, 3), jnp.int32),
                 seq_lens=jnp.zeros((2,), jnp.int32))
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         paged_decode_attention(**args)
+
+
+@needs_mosaic
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's error: this machine has a GPU")
+def test_cpu_call_is_a_clear_error():
+    z = jnp.zeros
+    with pytest.raises(ValueError, match="attn_backend='mosaic' needs a CUDA GPU.*'xla' or 'pallas'"):
+        paged_decode_attention(z((2, 4, 64), jnp.bfloat16), z((6, 16, 2, 64), jnp.bfloat16),
+                               z((6, 16, 2, 64), jnp.bfloat16), z((2, 3), jnp.int32), z((2,), jnp.int32))
 
 
 def test_smem_estimate_matches_the_limit_mosaic_reports():

@@ -59,6 +59,11 @@ def smem_bytes(head_dim: int, block_n: int, num_stages: int, num_splits: int) ->
     return ROWS * head_dim * (2 + out) + 2 * num_stages * block_n * head_dim * 2 + ROWS * 4 + 3072
 
 
+def _on_gpu() -> bool:
+    """Where the kernel can run (the CPU tests replace this to lower it for CUDA on a machine without a GPU)."""
+    return jax.default_backend() == "gpu"
+
+
 def _row_layout():
     """Layout of a per-row vector of a wgmma accumulator (m, l): WGMMA_ROW in newer JAX, WGMMA.reduce(1) in 0.10."""
     row = getattr(plgpu.Layout, "WGMMA_ROW", None)
@@ -209,6 +214,9 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     if interpret:
         raise ValueError(f"{name}: interpret=True is not supported (Mosaic GPU has no interpreter); use "
                          "paged_decode_attention_reference or pallas_kernels.paged_attention on the CPU")
+    if not _on_gpu():
+        raise ValueError(f"{name}: attn_backend='mosaic' needs a CUDA GPU (Mosaic GPU has no CPU or interpret mode); "
+                         f"JAX's backend here is {jax.default_backend()!r}: use 'xla' or 'pallas'")
     if q.ndim != 3:
         raise ValueError(f"{name}: q must be [B, H, D], got shape {q.shape}")
     if is_fp8(k_cache.dtype) or k_scale is not None or v_scale is not None:
