@@ -122,8 +122,9 @@ class ModelConfig:
             raise ValueError(f"{cfg!r} lacks the field {e.args[0]!r}") from None
 
 
-ATTN_BACKENDS = ("xla", "pallas", "cudnn", "triton")
-GPU_ONLY_BACKENDS = {"cudnn": "cuDNN attention", "triton": "Triton kernels (jax-triton)"}   # no CPU/interpret path
+ATTN_BACKENDS = ("xla", "pallas", "cudnn", "triton", "mosaic")
+GPU_ONLY_BACKENDS = {"cudnn": "cuDNN attention", "triton": "Triton kernels (jax-triton)",   # no CPU/interpret path
+                     "mosaic": "Pallas Mosaic GPU decode kernel (Hopper)"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # vLLM's names; fp8 is e4m3 (model/kv_scales.py)
 KV_BLOCK_SIZE_ALIASES = {"kvcache_block_size": "block_size"}   # nano-vllm's name -> vLLM's
 

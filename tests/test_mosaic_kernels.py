@@ -141,3 +141,24 @@ def test_gpu_matches_reference(batch, max_len, heads, kv_heads, block_size, opts
     ordered = jax.jit(lambda *a: paged_decode_attention(*a[:5], order=a[5], **opts))(q, k, v, tables, seq_lens,
                                                                                       order)
     np.testing.assert_array_equal(np.asarray(ordered, np.float32), np.asarray(out, np.float32))
+
+
+# ---- attn_backend="mosaic" in the engine: GPU only, decode through this kernel, prefill through the flash kernel ----
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's error: this machine has a GPU")
+def test_mosaic_backend_on_cpu_is_a_clear_error(tiny_dir):
+    from helpers import TINY_ENGINE
+    from jaxinfer import LLM
+    with pytest.raises(ValueError, match=r"attn_backend='mosaic' needs a CUDA GPU.*'xla' or 'pallas'"):
+        LLM(tiny_dir, attn_backend="mosaic", **TINY_ENGINE)
+
+
+def test_mosaic_backend_dispatch_and_fp8_refusal(tiny_dir):
+    from jaxinfer.config import EngineConfig, ModelConfig
+    from jaxinfer.model.attention import attention_fns
+    prefill_fn, decode_fn = attention_fns("mosaic", interpret=False)
+    assert decode_fn is paged_decode_attention and prefill_fn.func.__name__ == "flash_attention"
+    model = ModelConfig.from_pretrained(tiny_dir)
+    assert EngineConfig(attn_backend="mosaic").resolve("gpu", model).attn_backend == "mosaic"
+    with pytest.raises(ValueError, match=r"attn_backend='mosaic' does not read an fp8 KV cache"):
+        EngineConfig(attn_backend="mosaic", kv_cache_dtype="fp8").resolve("gpu", model)

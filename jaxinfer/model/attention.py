@@ -60,7 +60,11 @@ def attention_fns(backend: str, interpret: bool):
         from pallas_kernels.flash_attention import flash_attention
         from pallas_kernels.triton_decode import triton_paged_decode
         return functools.partial(flash_attention, interpret=interpret), triton_paged_decode
-    raise ValueError(f"attn_backend={backend!r} is not one of ('xla', 'pallas', 'cudnn', 'triton')")
+    if backend == "mosaic":  # GPU only (Hopper): Mosaic GPU paged decode; prefill is the Pallas flash kernel
+        from pallas_kernels.flash_attention import flash_attention
+        from pallas_kernels.mosaic.paged_decode import paged_decode_attention
+        return functools.partial(flash_attention, interpret=interpret), paged_decode_attention
+    raise ValueError(f"attn_backend={backend!r} is not one of ('xla', 'pallas', 'cudnn', 'triton', 'mosaic')")
 
 
 @dataclass(frozen=True)
