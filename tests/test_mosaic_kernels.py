@@ -162,3 +162,22 @@ def test_mosaic_backend_dispatch_and_fp8_refusal(tiny_dir):
     assert EngineConfig(attn_backend="mosaic").resolve("gpu", model).attn_backend == "mosaic"
     with pytest.raises(ValueError, match=r"attn_backend='mosaic' does not read an fp8 KV cache"):
         EngineConfig(attn_backend="mosaic", kv_cache_dtype="fp8").resolve("gpu", model)
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_backend_generates_like_pallas(tmp_path):
+    """LLM(attn_backend="mosaic") in bf16 on a tiny model with head_dim 128 (the kernel's minimum is 64) gives the
+    pallas backend's greedy tokens, counted up to each output's first difference (bf16 near-ties may split)."""
+    from helpers import TINY_ENGINE, make_tiny_model
+    from jaxinfer import LLM, SamplingParams
+    path = make_tiny_model(str(tmp_path / "d128"), num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                           hidden_size=128)
+    prompts = [[1 + i, 7, 30 + i, 2, 9] * (1 + i) for i in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    opts = {**TINY_ENGINE, "dtype": "bfloat16", "block_size": 16, "num_kvcache_blocks": 64}
+    outs = {b: [o.token_ids for o in LLM(path, attn_backend=b, **opts).generate(prompts, sp, use_tqdm=False)]
+            for b in ("pallas", "mosaic")}
+    agree = [next((i for i, (a, c) in enumerate(zip(x, y)) if a != c), len(x)) for x, y in zip(*outs.values())]
+    print(f"\nmosaic vs pallas: {sum(agree)}/{24 * len(prompts)} tokens agree, first differences at {agree}")
+    assert all(len(o) == 24 for o in outs["mosaic"])
+    assert sum(a >= 2 for a in agree) >= len(prompts) - 1 and sum(agree) >= 0.4 * 24 * len(prompts)
