@@ -49,6 +49,23 @@ def test_lowers_for_cuda(lowering_only, batch, heads, kv_heads, head_dim, block_
     assert "mosaic_gpu" in text and "triton" not in text
 
 
+FP8 = jnp.float8_e4m3fn
+
+
+@needs_mosaic
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,block_size,scales,opts", [
+    (8, 16, 8, 128, 16, dict(k_scale=jnp.ones((28, 8)), v_scale=jnp.ones((28, 8)), layer=27), {}),  # per kv head
+    (2, 16, 8, 128, 16, dict(k_scale=jnp.ones((28, 1)), v_scale=jnp.ones((28, 1)), layer=3), dict(num_splits=4)),
+    (3, 4, 1, 64, 32, dict(k_scale=jnp.ones(()), v_scale=jnp.ones(())), dict(num_stages=3)),  # 64-byte fp8 rows
+])
+def test_lowers_for_cuda_fp8(lowering_only, batch, heads, kv_heads, head_dim, block_size, scales, opts):
+    """float8_e4m3fn pages with per-layer / per-kv-head scales (converted to f16 tiles in the kernel)."""
+    cache = sd((40, block_size, kv_heads, head_dim), FP8)
+    args = (sd((batch, heads, head_dim), jnp.bfloat16), cache, cache, sd((batch, 8), jnp.int32),
+            sd((batch,), jnp.int32))
+    assert "mosaic_gpu" in lowered_text(lambda *a: paged_decode_attention(*a, **scales, **opts), args)
+
+
 @needs_mosaic
 def test_lowers_with_order_inside_a_jit(lowering_only):
     """`order` (rows longest first) and traced lengths, as the engine calls it."""
@@ -63,8 +80,9 @@ def test_lowers_with_order_inside_a_jit(lowering_only):
     (dict(interpret=True), "interpret=True"),
     (dict(q=jnp.zeros((2, 4, 64), jnp.float32), k_cache=jnp.zeros((6, 16, 2, 64), jnp.float32),
           v_cache=jnp.zeros((6, 16, 2, 64), jnp.float32)), "bfloat16 or float16"),
-    (dict(k_cache=jnp.zeros((6, 16, 2, 64), jnp.float8_e4m3fn), v_cache=jnp.zeros((6, 16, 2, 64), jnp.float8_e4m3fn),
-          k_scale=jnp.float32(1), v_scale=jnp.float32(1)), "fp8"),
+    (dict(k_cache=jnp.zeros((6, 16, 2, 64), jnp.float8_e4m3fn), v_cache=jnp.zeros((6, 16, 2, 64), jnp.float8_e4m3fn)),
+     "needs k_scale and v_scale"),
+    (dict(k_scale=jnp.float32(1), v_scale=jnp.float32(1)), "for float8_e4m3fn caches"),
     (dict(q=jnp.zeros((2, 4, 32), jnp.bfloat16), k_cache=jnp.zeros((6, 16, 2, 32), jnp.bfloat16),
           v_cache=jnp.zeros((6, 16, 2, 32), jnp.bfloat16)), "head_dim"),
     (dict(k_cache=jnp.zeros((6, 4, 2, 64), jnp.bfloat16), v_cache=jnp.zeros((6, 4, 2, 64), jnp.bfloat16)),
@@ -99,6 +117,7 @@ def test_cpu_call_is_a_clear_error():
 def test_smem_estimate_matches_the_limit_mosaic_reports():
     """Qwen3's shape fits with room for 2 programs per SM at one split; the 256-wide case above does not fit."""
     assert 2 * paged_decode.smem_bytes(128, 64, 2, 1) < 228 * 1024
+    assert 2 * paged_decode.smem_bytes(128, 64, 2, 1, fp8=True) < 228 * 1024
     assert paged_decode.smem_bytes(256, 128, 2, 1) > paged_decode.MAX_SMEM
 
 
@@ -162,6 +181,27 @@ def test_mosaic_backend_dispatch_and_fp8_refusal(tiny_dir):
     assert EngineConfig(attn_backend="mosaic").resolve("gpu", model).attn_backend == "mosaic"
     with pytest.raises(ValueError, match=r"attn_backend='mosaic' does not read an fp8 KV cache"):
         EngineConfig(attn_backend="mosaic", kv_cache_dtype="fp8").resolve("gpu", model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,max_len,per_head,opts", [(64, 2048, True, {}), (3, 4096, False, {}),
+                                                        (17, 300, True, dict(num_splits=3, num_stages=3))])
+def test_gpu_fp8_matches_reference(batch, max_len, per_head, opts):
+    """fp8 pages (scales per kv head or one per layer, stacked [L, C] with a layer row) against the reference on
+    the same pages."""
+    from pallas_kernels.quant import quantize, scale_for_amax
+    rng = np.random.default_rng(16)
+    lens = rng.integers(1, max_len + 1, batch)
+    lens[0], lens[-1] = 1, max_len
+    k, v, tables, seq_lens = make_paged(rng, lens, 16, 8, 128, jnp.float32)
+    ks, vs = (scale_for_amax(jnp.abs(x).max((0, 1, 3)) if per_head else jnp.abs(x).max()) * 1.5 for x in (k, v))
+    kq, vq = quantize(k, ks), quantize(v, vs)
+    stack = lambda s: jnp.stack([s * 0.5, s]).reshape(2, -1)  # [L=2, C]: row 1 is this layer's
+    fp8 = dict(k_scale=stack(ks), v_scale=stack(vs), layer=1)
+    q = jnp.asarray(rng.standard_normal((batch, 16, 128)), jnp.bfloat16)
+    out = jax.jit(lambda *a: paged_decode_attention(*a, **fp8, **opts))(q, kq, vq, tables, seq_lens)
+    ref = paged_decode_attention_reference(q, kq, vq, tables, seq_lens, **fp8)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -1,8 +1,8 @@
 """Decode attention over a paged KV cache on Pallas' Mosaic GPU backend (Hopper: TMA, mbarriers, wgmma).
 
 The contract is pallas_kernels/paged_attention.py's `paged_attention` (q [B, H, D], caches [P, block_size, K, D],
-block tables, seq_lens counting the new token, optional `order`), for bf16/fp16 caches. GPU only: Mosaic GPU has
-no interpreter here, so `interpret=True` is refused, and so are fp8 pages (not written yet: use paged_attention).
+block tables, seq_lens counting the new token, optional `order`, float8_e4m3fn pages with their k_scale / v_scale).
+GPU only: Mosaic GPU has no interpreter here, so `interpret=True` is refused.
 
 Design (flash-decoding, one warpgroup = 128 threads per program, no warp specialisation):
   * grid = (K kv heads, S context splits, B sequences). A program computes the GQA group of its kv head, so each
@@ -16,6 +16,9 @@ Design (flash-decoding, one warpgroup = 128 threads per program, no warp special
     computed; slot i is refilled with tile i+stages as soon as tile i's wgmmas are done.
   * Scores and P.V on wgmma (fp32 accumulators in registers), online softmax in base 2. Tokens past the split's
     end are masked with -inf; pages past the sequence's last one are clamped to it (real, finite data).
+  * fp8 pages: Hopper's wgmma has no fp8 x f16 form, so each fp8 tile is converted in registers to f16 (exact for
+    e4m3; Mosaic has no e4m3 -> bf16 cast) into an f16 SMEM tile that the wgmma reads; q is f16 then (as in the
+    Triton kernel). The kv head's scales fold into the softmax scale (k) and the final normalisation (v).
   * Each split writes its normalised rows [G, D] and a base-2 log-sum-exp per row; the same small jnp combine as
     the Triton kernel merges splits (S = 1 skips it).
 """
@@ -36,7 +39,7 @@ except ImportError:  # a jaxlib without Mosaic GPU
 
 from pallas_kernels._common import LOG2E, NEG_BIG, check_paged_inputs
 from pallas_kernels.paged_attention import choose_num_splits, paged_attention_reference
-from pallas_kernels.quant import is_fp8
+from pallas_kernels.quant import is_fp8, kv_scales, load_scales
 
 ROWS = 64  # wgmma's M (one warpgroup); a GQA group is padded to it with neighbouring q rows
 SWIZZLE = 128  # bytes; K/V/q tiles are 8 rows x 128 bytes, the layout wgmma reads from SMEM
@@ -53,10 +56,25 @@ def available() -> bool:
     return plgpu is not None
 
 
-def smem_bytes(head_dim: int, block_n: int, num_stages: int, num_splits: int) -> int:
-    """Shared memory of one program (bf16/fp16): q, the K and V rings, the output rows, lse, Mosaic's scratch."""
+def smem_bytes(head_dim: int, block_n: int, num_stages: int, num_splits: int, fp8: bool = False) -> int:
+    """Shared memory of one program: q, the K and V rings (+ their f16 tiles for fp8 pages), the output rows,
+    lse, Mosaic's scratch."""
     out = 2 if num_splits == 1 else 4
-    return ROWS * head_dim * (2 + out) + 2 * num_stages * block_n * head_dim * 2 + ROWS * 4 + 3072
+    kv = 2 * num_stages * block_n * head_dim * (1 if fp8 else 2) + (2 * block_n * head_dim * 2 if fp8 else 0)
+    return ROWS * head_dim * (2 + out) + kv + ROWS * 4 + 3072
+
+
+def _tiled(dtype, head_dim: int) -> tuple:
+    """SMEM transforms of a [rows, head_dim] tile: 8-row tiles as wide as the swizzle (<= 128 bytes of a row)."""
+    swizzle = min(SWIZZLE, head_dim * jnp.dtype(dtype).itemsize)
+    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _to_f16_tile(src, dst):
+    """An fp8 tile in SMEM -> f16 in `dst` (SMEM) through registers, visible to the wgmma of every thread."""
+    dst[...] = src[...].astype(dst.dtype)
+    plgpu.commit_smem()
+    return dst
 
 
 def _on_gpu() -> bool:
@@ -71,12 +89,16 @@ def _row_layout():
 
 
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_size: int, group: int,
-                   heads: int, block_n: int, num_stages: int, num_splits: int, ordered: bool):
-    # refs: [order if ordered] o [B, S, H, D], lse [B, S, K, ROWS], then the scratch: q_smem [ROWS, D],
-    # k_smem / v_smem [stages, N, D], o_smem [ROWS, D], lse_smem [ROWS], barriers q, k [stages], v [stages]
+                   heads: int, block_n: int, num_stages: int, num_splits: int, ordered: bool, quantized: bool):
+    # refs: [k_scale [L, C], v_scale [L, C], layer [1] if quantized] [order if ordered] o [B, S, H, D],
+    # lse [B, S, K, ROWS], then the scratch: q_smem [ROWS, D], k_smem / v_smem [stages, N, D], o_smem [ROWS, D],
+    # lse_smem [ROWS], barriers q, k [stages], v [stages], [f16 tiles k16 / v16 [N, D] if quantized]
+    scale_refs = None
+    if quantized:
+        scale_refs, refs = refs[:3], refs[3:]
     if ordered:
         order_ref, refs = refs[0], refs[1:]
-    o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar = refs
+    o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, *f16_tiles = refs
     kh, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if ordered:  # program slot b runs row order[b]
         b = order_ref[b]
@@ -111,15 +133,17 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, b
     acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
     m = plgpu.layout_cast(jnp.full((ROWS,), NEG_BIG, jnp.float32), row)
     l = plgpu.layout_cast(jnp.full((ROWS,), 0, jnp.float32), row)
-    qk_scale = scale * LOG2E  # softmax in base 2
+    k_scale, v_scale = load_scales(scale_refs, kh)  # fp8 dequantisation scales of this kv head (else 1.0)
+    qk_scale = scale * LOG2E * k_scale  # softmax in base 2; k's scale folded in
 
     def body(i, carry):
         acc, m, l = carry
         slot = lax.rem(i, num_stages)
         plgpu.barrier_wait(k_bar.at[slot])
+        k_tile = _to_f16_tile(k_smem.at[slot], f16_tiles[0]) if quantized else k_smem.at[slot]
 
         def qk(acc_ref):  # [ROWS, N] = q [ROWS, D] @ k^T [D, N]
-            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
             return acc_ref[...]
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_n), jnp.float32)) * qk_scale
         col = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_n), 1, layout=plgpu.Layout.WGMMA)
@@ -131,9 +155,10 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, b
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         p = p.astype(q_smem.dtype)
         plgpu.barrier_wait(v_bar.at[slot])
+        v_tile = _to_f16_tile(v_smem.at[slot], f16_tiles[1]) if quantized else v_smem.at[slot]
 
         def pv(acc_ref):  # acc += p [ROWS, N] @ v [N, D]
-            plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+            plgpu.wgmma(acc_ref, p, v_tile)
         acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # reading it back waits for the wgmma: the slot is free
         pl.when(i + num_stages < num_tiles)(functools.partial(issue, i + num_stages, slot))
         return acc, m_new, l
@@ -141,7 +166,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, b
     acc, m, l = lax.fori_loop(0, num_tiles, body, (acc, m, l))
     nonempty = l > 0
     norm = jnp.where(nonempty, l, 1.0)  # an empty split (or a padding row, seq_len 0) gives zeros
-    o_smem[...] = (acc / lax.broadcast_in_dim(norm, acc.shape, [0])).astype(o_smem.dtype)
+    out = acc / lax.broadcast_in_dim(norm, acc.shape, [0])
+    o_smem[...] = (out * v_scale if quantized else out).astype(o_smem.dtype)
     lse_smem[...] = jnp.where(nonempty, m + jnp.log(norm) * (1 / math.log(2)), NEG_BIG)  # base-2 log-sum-exp
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[b, split, pl.ds(kh * group, group)])
@@ -150,31 +176,37 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, b
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_n", "num_splits", "num_stages"))
-def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, order=None, *, scale, block_n, num_splits,
-                  num_stages):
+def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, order=None, scales=None, *, scale, block_n,
+                  num_splits, num_stages):
+    """scales: (k_scale [L, C], v_scale [L, C], layer [1]) of fp8 caches (quant.kv_scales), else None."""
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
     # Lengths past the block table are impossible; clamping keeps every page id read inside the table.
     seq_lens = jnp.clip(seq_lens, 0, block_tables.shape[1] * block_size)
-    q_rows = q.reshape(batch * heads, head_dim)  # [B*H, D]: a program reads ROWS rows from its group's first
+    quantized = scales is not None
+    cdtype = jnp.dtype(jnp.float16) if quantized else q.dtype  # what the wgmmas read
+    q_rows = q.reshape(batch * heads, head_dim).astype(cdtype)  # [B*H, D]: a program reads ROWS rows from its
     if batch * heads < ROWS:  # a copy of ROWS rows needs that many in the array (bigger ones zero-fill the end)
         q_rows = jnp.pad(q_rows, ((0, ROWS - batch * heads), (0, 0)))
     part_dtype = q.dtype if num_splits == 1 else jnp.float32
-    tiled = (plgpu.TilingTransform((8, SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE))
+    tiled, ring = _tiled(cdtype, head_dim), _tiled(k_cache.dtype, head_dim)
     copies = max(1, block_n // block_size)
-    scratch = [plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=tiled),  # q_smem
-               plgpu.SMEM((num_stages, block_n, head_dim), q.dtype, transforms=tiled),  # k ring
-               plgpu.SMEM((num_stages, block_n, head_dim), q.dtype, transforms=tiled),  # v ring
+    scratch = [plgpu.SMEM((ROWS, head_dim), cdtype, transforms=tiled),  # q_smem
+               plgpu.SMEM((num_stages, block_n, head_dim), k_cache.dtype, transforms=ring),  # k ring
+               plgpu.SMEM((num_stages, block_n, head_dim), k_cache.dtype, transforms=ring),  # v ring
                plgpu.SMEM((ROWS, head_dim), part_dtype),  # o_smem
                plgpu.SMEM((ROWS,), jnp.float32),  # lse_smem
                plgpu.Barrier(num_arrivals=1),
                plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
                plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages)]
+    if quantized:  # the f16 tiles the wgmmas read
+        scratch += [plgpu.SMEM((block_n, head_dim), cdtype, transforms=tiled)] * 2
     kernel = functools.partial(_decode_kernel, scale=scale, block_size=block_size, group=group, heads=heads,
                                block_n=block_n, num_stages=num_stages, num_splits=num_splits,
-                               ordered=order is not None)
-    args = (seq_lens, block_tables, q_rows, k_cache, v_cache) + (() if order is None else (order,))
+                               ordered=order is not None, quantized=quantized)
+    args = (seq_lens, block_tables, q_rows, k_cache, v_cache) + (tuple(scales) if quantized else ())
+    args += () if order is None else (order,)
     gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
     out, lse = pl.pallas_call(
         kernel,
@@ -205,7 +237,8 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     seq_lens[b] counts the context including the new token; 0 marks a padding row (zeros out). order: as in
     paged_attention. Needs bf16/fp16 q and caches, head_dim a multiple of 64 (<= 256) and block_size >= 8.
     block_n: tokens per tile (64, 128 or 256); num_splits: context splits (None: paged_attention's choice);
-    num_stages: tiles in flight. k_scale / v_scale / layer exist for the contract: fp8 caches are refused.
+    num_stages: tiles in flight. float8_e4m3fn caches need k_scale / v_scale (quant.py: [] or [K], or [L, 1] /
+    [L, K] with row `layer`), as in paged_attention.
     Returns [B, H, D] in q's dtype.
     """
     name = "paged_decode_attention"
@@ -219,13 +252,11 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                          f"JAX's backend here is {jax.default_backend()!r}: use 'xla' or 'pallas'")
     if q.ndim != 3:
         raise ValueError(f"{name}: q must be [B, H, D], got shape {q.shape}")
-    if is_fp8(k_cache.dtype) or k_scale is not None or v_scale is not None:
-        raise ValueError(f"{name}: fp8 KV caches (k_scale/v_scale) are not supported by the Mosaic kernel yet, got "
-                         f"k_cache {k_cache.dtype}: use pallas_kernels.paged_attention")
     check_paged_inputs(name, q.shape[1], q.shape[-1], q.dtype, k_cache, v_cache, block_tables, seq_lens,
                        q.shape[0])
+    scales = kv_scales(name, k_cache, k_scale, v_scale, layer)
     if q.dtype not in DTYPES:
-        raise ValueError(f"{name}: q and the caches must be bfloat16 or float16 (wgmma), got {q.dtype}")
+        raise ValueError(f"{name}: q must be bfloat16 or float16 (wgmma), got {q.dtype}")
     head_dim, block_size = q.shape[-1], k_cache.shape[1]
     if head_dim % 64 or head_dim > 256:
         raise ValueError(f"{name}: head_dim must be 64, 128 or 256 (128-byte swizzled tiles), got {head_dim}")
@@ -243,11 +274,11 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * block_size, block_n)
     if num_splits < 1:
         raise ValueError(f"{name}: num_splits must be >= 1, got {num_splits}")
-    if (need := smem_bytes(head_dim, block_n, num_stages, num_splits)) > MAX_SMEM:
+    if (need := smem_bytes(head_dim, block_n, num_stages, num_splits, is_fp8(k_cache.dtype))) > MAX_SMEM:
         raise ValueError(f"{name}: block_n={block_n} x num_stages={num_stages} at head_dim {head_dim} needs {need} "
                          f"bytes of shared memory, more than {MAX_SMEM}: use fewer stages or a smaller block_n")
     scale = float(head_dim ** -0.5 if scale is None else scale)
-    return _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, order, scale=scale, block_n=block_n,
+    return _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, order, scales, scale=scale, block_n=block_n,
                          num_splits=num_splits, num_stages=num_stages)
 
 
