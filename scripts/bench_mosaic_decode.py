@@ -3,7 +3,8 @@ Qwen3-0.6B shapes (H=16, K=8, D=128, bf16, page 16), GPU only.
 
 For each batch x context: first the error of each kernel against the jnp reference (max |diff|), then the time
 per call (scripts/timing.time_loop: back-to-back dispatches, median of 7) and effective TB/s = K+V bytes the
-batch needs / time, next to the copy bandwidth measured in the same run. A Mosaic tile choice that fails to
+batch needs / time, next to the copy bandwidth measured in the same run. The fp8 rows run both kernels on
+float8_e4m3fn pages (per-kv-head scales); their TB/s counts the bytes actually read (half of bf16's). A Mosaic tile choice that fails to
 compile or run is recorded with its error and the run goes on (the first runs on a new JAX are the test).
 
   PYTHONPATH=. python scripts/bench_mosaic_decode.py [--quick] [--json scripts/results/h200_mosaic_decode.json]
@@ -21,6 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels.mosaic.paged_decode import paged_decode_attention, smem_bytes, MAX_SMEM  # noqa: E402
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
+from pallas_kernels.quant import quantize, scale_for_amax  # noqa: E402
 
 from bench import write_json  # noqa: E402
 from timing import copy_bandwidth, time_loop  # noqa: E402
@@ -77,6 +79,12 @@ def main():
                 continue
             fn = lambda *a, bn=block_n, st=stages: paged_decode_attention(*a, block_n=bn, num_stages=st)
             res.append(measure(f"mosaic n{block_n} s{stages}", fn, q, k, v, tables, lens, ref, nbytes, copy_tbps))
+        ks, vs = (scale_for_amax(jnp.abs(x.astype(jnp.float32)).max((0, 1, 3))) for x in (k, v))
+        kq, vq, fp8 = quantize(k, ks), quantize(v, vs), dict(k_scale=ks, v_scale=vs)
+        ref8 = paged_attention_reference(q, kq, vq, tables, lens, **fp8).astype(jnp.float32)
+        for name, kernel in (("pallas fp8", paged_attention), ("mosaic fp8 n64 s2", paged_decode_attention)):
+            fn = lambda *a, kernel=kernel: kernel(*a, **fp8)
+            res.append(measure(name, fn, q, kq, vq, tables, lens, ref8, nbytes // 2, copy_tbps))
         rows.append({"batch": batch, "ctx": ctx, "results": res})
     if args.json:
         write_json(args.json, {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
