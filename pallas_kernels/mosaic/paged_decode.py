@@ -11,7 +11,7 @@ Design (flash-decoding, one warpgroup = 128 threads per program, no warp special
     past G belong to other heads: computed, never stored. That costs a 16 KiB q read per program (D=128), ~3%
     of a 1024-token program's K/V bytes and mostly L2 hits; the padded math is free in a memory-bound kernel.
   * K/V: the split's context in tiles of `block_n` tokens. A tile is block_n / block_size TMA copies, one per
-    page (the page id read from the block table in GMEM), into a 128-byte-swizzled SMEM ring of `num_stages`
+    page (the page id read from the block table in GMEM), into a swizzled SMEM ring of `num_stages`
     slots; all copies of a tile arrive on one mbarrier. Tiles i+1 .. i+stages-1 are in flight while tile i is
     computed; slot i is refilled with tile i+stages as soon as tile i's wgmmas are done.
   * Scores and P.V on wgmma (fp32 accumulators in registers), online softmax in base 2. Tokens past the split's
@@ -42,9 +42,10 @@ from pallas_kernels.paged_attention import choose_num_splits, paged_attention_re
 from pallas_kernels.quant import is_fp8, kv_scales, load_scales
 
 ROWS = 64  # wgmma's M (one warpgroup); a GQA group is padded to it with neighbouring q rows
-SWIZZLE = 128  # bytes; K/V/q tiles are 8 rows x 128 bytes, the layout wgmma reads from SMEM
+SWIZZLE = 128  # bytes; K/V/q tiles are 8 rows x 128 bytes (64 for fp8 rows of 64), the layout wgmma reads
 DEFAULT_BLOCK_N = 64  # tokens per tile (4 pages of 16); untuned
-# 2 slots: 64 KiB of K/V + 16 KiB q + 32 KiB fp32 output rows keeps 2 programs per SM (228 KiB); untuned
+# 2 slots: 64 KiB of K/V + 16 KiB q + 16 KiB bf16 output rows (one split) keeps 2 programs per SM (228 KiB);
+# with splits the output rows are fp32 (32 KiB) and one fits. Untuned.
 DEFAULT_NUM_STAGES = 2
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_SMEM = 232448  # bytes a Hopper block may use (227 KiB); Mosaic also reserves 2 KiB of reduction scratch
@@ -186,7 +187,7 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, order=None, scale
     seq_lens = jnp.clip(seq_lens, 0, block_tables.shape[1] * block_size)
     quantized = scales is not None
     cdtype = jnp.dtype(jnp.float16) if quantized else q.dtype  # what the wgmmas read
-    q_rows = q.reshape(batch * heads, head_dim).astype(cdtype)  # [B*H, D]: a program reads ROWS rows from its
+    q_rows = q.reshape(batch * heads, head_dim).astype(cdtype)  # [B*H, D]: ROWS rows from each group's first
     if batch * heads < ROWS:  # a copy of ROWS rows needs that many in the array (bigger ones zero-fill the end)
         q_rows = jnp.pad(q_rows, ((0, ROWS - batch * heads), (0, 0)))
     part_dtype = q.dtype if num_splits == 1 else jnp.float32
