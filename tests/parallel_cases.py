@@ -179,6 +179,22 @@ def test_data_parallel_equals_one_replica(ckpts, tp1, prompts):
     assert hits[0] == hits[1] and hits[0][0] > 0
 
 
+def test_preemption_chunking_and_queueing_on_parallel_replicas(ckpts, tp1):
+    """More requests than rows, prompts longer than a prefill chunk, and a KV pool that cannot hold two of them
+    at once: replicas that are themselves tensor-parallel (vocabulary 509: padded) preempt, chunk and queue, and
+    still give the plain engine's greedy tokens; every block returns (run() checks)."""
+    rng = np.random.default_rng(1)
+    ps = [rng.integers(0, 500, n).tolist() for n in (40, 9, 33, 20, 5, 27, 12, 38)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = run(tp1, ps, sp)
+    tight = {**BASE, "max_num_seqs": 2, "max_num_batched_tokens": 16, "prefill_buckets": (16,),
+             "num_kvcache_blocks": 10}         # 80 tokens a replica; the longest request needs 52
+    llm = LLM(ckpts["gqa_v509"], data_parallel_size=2, tensor_parallel_size=2, **tight)
+    assert run(llm, ps, sp) == want
+    st = llm.stats()
+    assert st["preemptions"] > 0 and all(r["prefill_steps"] > 4 for r in st["replicas"]), st
+
+
 def test_data_and_tensor_parallel_together(ckpts, prompts):
     ref = hf_model(ckpts["mha_tied"])
     want = [hf_greedy(ref, p, 8) for p in prompts]
