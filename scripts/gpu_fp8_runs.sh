@@ -36,7 +36,7 @@ fi
 # through XLA_FLAGS (if it works, `LLM()` can run it without touching the process); 128-row steps, engine wall ms
 PD="python scripts/probe_dispatch.py --steps 60 --no-process-flags"
 run cb_env        60 env XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP $PD --json "$OUT/cb_env.json"
-run cb_none       60 $PD --json "$OUT/cb_none.json"
+run cb_none       60 $PD --double-exe --json "$OUT/cb_none.json"
 run cb_compile    60 $PD --compile-option xla_gpu_command_buffer_update_mode=SKIP_TEMP --json "$OUT/cb_compile.json"
 run sweep        150 python scripts/bench_kernels.py --only-sweep --decode-only --json "$OUT/sweep.json"
 echo "total $(( $(date +%s) - T0 )) s"

@@ -72,6 +72,33 @@ def raw_calls(runners, n: int) -> dict:
                 call_plus_sync_ms=float(np.median(gpu) * 1e3), key=str(keys[0]))
 
 
+def double_exe(runner, n: int) -> dict:
+    """Raw calls alternating between two loaded copies of the decode step (one compile, serialized and loaded
+    twice) against calls of one copy: without the SKIP_TEMP mode a launch waits while its own CUDA graph is
+    updated; if that wait is per copy, two copies taking turns would not wait (the lever for running the fast
+    mode without touching XLA_FLAGS)."""
+    import jax
+    from jax.experimental.serialize_executable import deserialize_and_load, serialize
+    key = max((k for k in runner.compiled if k[0] == "decode" and not k[4]), key=lambda k: k[2])
+    exe = runner.compile(key)
+    exes = [exe, deserialize_and_load(*serialize(exe))]
+    packed = runner.put(runner.last_packed)
+    out = {}
+    for name, pool in (("one_copy", exes[:1]), ("two_copies", exes)):
+        jax.block_until_ready(runner.last_ids)
+        host = []
+        t = time.perf_counter()
+        for i in range(n):
+            t0 = time.perf_counter()
+            runner.last_ids, runner.kv_caches = pool[i % len(pool)](runner.params, runner.kv_caches, packed,
+                                                                    runner.last_ids)
+            host.append(time.perf_counter() - t0)
+        jax.block_until_ready(runner.last_ids)
+        out[name] = dict(wall_ms_per_call=(time.perf_counter() - t) * 1e3 / n,
+                         host_ms_per_call=float(np.median(host) * 1e3))
+    return out
+
+
 def gil_check(runner, n: int = 20) -> dict:
     """Python progress of another thread while this one launches steps (device idle before each launch),
     against its progress while this thread sleeps as long: ~1 means the launch releases the GIL."""
@@ -159,6 +186,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-process-flags", action="store_true",
                     help="leave XLA_FLAGS as they are (no SKIP_TEMP mode), e.g. to try --compile-option instead")
+    ap.add_argument("--double-exe", action="store_true", help="also time two loaded copies of the step taking turns")
     ap.add_argument("--compile-option", action="append", default=[], metavar="KEY=VALUE",
                     help="one more XLA option for every compiled step (e.g. "
                          "xla_gpu_command_buffer_update_mode=SKIP_TEMP)")
@@ -205,6 +233,8 @@ def main(argv=None) -> dict:
     out["raw"] = raw_calls(runners, a.steps)
     if a.dp > 1:
         out["raw_one_replica"] = raw_calls(runners[:1], a.steps)
+    if a.double_exe:
+        out["double_exe"] = double_exe(runners[0], a.steps)
     out["gil"] = gil_check(runners[0])
     if a.dp > 1:
         out["engine_threaded"] = threaded_steps(engine, a.steps)
