@@ -204,6 +204,47 @@ def test_data_and_tensor_parallel_together(ckpts, prompts):
     assert devices == [{0, 1}, {2, 3}]
 
 
+def test_server_over_tensor_parallel_replicas(ckpts, tp1):
+    """`jaxinfer serve -tp 2 -dp 2`'s path: the engine core (a spawned process, which sees the same 8 devices)
+    runs two tensor-parallel replicas; concurrent completions get the plain engine's greedy text."""
+    uvicorn = pytest.importorskip("uvicorn")
+    import socket
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from jaxinfer.server import CoreProcess, build_app
+    core = CoreProcess(ckpts["gqa_v509"], {**BASE, "data_parallel_size": 2, "tensor_parallel_size": 2})
+    app = build_app(core.info, "tiny", alive=core.alive)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "server failed to start"
+            time.sleep(0.05)
+        rng = np.random.default_rng(2)
+        ps = [rng.integers(0, 500, n).tolist() for n in (7, 19, 4, 26, 11, 15)]
+        want = [o.outputs[0].text for o in tp1.generate(ps, GREEDY, use_tqdm=False)]
+
+        def complete(p):
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                           json=dict(model="tiny", prompt=p, max_tokens=8, temperature=0, ignore_eos=True))
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        with ThreadPoolExecutor(len(ps)) as pool:
+            assert list(pool.map(complete, ps)) == want
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        assert core.shutdown() == 0, "the engine core did not exit cleanly"
+
+
 @pytest.mark.parametrize("kw, words", [
     (dict(tensor_parallel_size=0), ["tensor_parallel_size=0"]),
     (dict(data_parallel_size=-1), ["data_parallel_size=-1"]),
