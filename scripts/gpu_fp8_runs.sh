@@ -38,6 +38,13 @@ PD="python scripts/probe_dispatch.py --steps 60 --no-process-flags"
 run cb_env        60 env XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP $PD --json "$OUT/cb_env.json"
 run cb_none       60 $PD --double-exe --json "$OUT/cb_none.json"
 run cb_compile    60 $PD --compile-option xla_gpu_command_buffer_update_mode=SKIP_TEMP --json "$OUT/cb_compile.json"
+# item 5 (bf16 speed): XLA's Triton GEMM fusion (off by default: its autotuning made warm-up slow) folds the
+# per-layer elementwise kernels into the GEMMs; a 256-row and an 8-row decode step, engine wall ms per step
+PT="python scripts/probe_dispatch.py --steps 60"
+run tg_off        60 $PT --rows 256 --json "$OUT/tg_off.json"
+run tg_on         90 $PT --rows 256 --compile-option xla_gpu_enable_triton_gemm=true --json "$OUT/tg_on.json"
+run tg_on_r8      90 $PT --rows 8 --compile-option xla_gpu_enable_triton_gemm=true --json "$OUT/tg_on_r8.json"
+run tg_off_r8     60 $PT --rows 8 --json "$OUT/tg_off_r8.json"
 run sweep        150 python scripts/bench_kernels.py --only-sweep --decode-only --json "$OUT/sweep.json"
 echo "total $(( $(date +%s) - T0 )) s"
 # The device tool returns at most 8 files: everything goes back as one archive (PACK=0 keeps the loose files)
