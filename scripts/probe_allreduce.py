@@ -17,6 +17,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench import write_json  # noqa: E402
 
 
 def build(rows: int, hidden: int, layers: int, reduce: bool, mesh, options: dict):
@@ -90,9 +93,7 @@ def main(argv=None) -> dict:
                nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
                xla_flags=os.environ.get("XLA_FLAGS", ""))
     print(json.dumps(out, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(a.json, out)
     return out
 
 

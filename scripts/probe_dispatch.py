@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
+from bench import write_json  # noqa: E402
 
 
 def engine_steps(engine, n: int) -> dict:
@@ -248,9 +249,7 @@ def main(argv=None) -> dict:
         out["profile_host"] = host_events(a.profile)
     out["compilations_after_warmup"] = llm.stats()["compilations"]
     print(json.dumps(out, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(a.json, out)
     return out
 
 
