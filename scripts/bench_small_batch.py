@@ -69,7 +69,8 @@ def decode_batch(n: int, ctx: int, bs: int, extra: int):
 def count_kernels(hlo: str) -> dict:
     """Kernel launches of a compiled step from its optimised HLO: top-level fusions / custom calls / pads."""
     import re
-    out, fused = {"launches": 0, "pads": 0, "gemv": 0, "gemm": 0, "attention": 0}, False
+    from collections import Counter
+    out, fused, others = {"launches": 0, "pads": 0, "gemv": 0, "gemm": 0, "attention": 0}, False, Counter()
     for line in hlo.splitlines():
         if line and not line.startswith(" "):
             # fusion bodies hold no launches; command-buffer computations (CUDA graphs) and loop bodies do
@@ -84,6 +85,9 @@ def count_kernels(hlo: str) -> dict:
             out["gemv"] += "gemv" in line
             out["gemm"] += "gemm" in line.lower() or "cublas" in line.lower()
             out["attention"] += "paged_attention" in line
+            if not any(w in line.lower() for w in ("gemv", "gemm", "cublas", "paged_attention")):
+                others[re.sub(r"([._]\d+)+$", "", name)] += 1        # the rest by XLA's fusion name
+    out["others"] = dict(others.most_common(20))     # what the per-layer elementwise launches are
     return out
 
 
@@ -178,7 +182,8 @@ def bench_steps(a, cfg, params, out: dict) -> None:
         k = r["kernels"]
         print(f"  batch {n:3d} (bucket {B:3d}) {r['call']:>16} {mm:>12}: pipelined {r['pipelined_ms']:.3f} ms/step"
               + (f", engine-like {r['engine_ms']:.3f}" if "engine_ms" in r else f", serial {r['serial_ms']:.3f}")
-              + f"  [{k['launches']} launches/call: {k['gemm']} gemm, {k['gemv']} gemv, {k['pads']} pad]", flush=True)
+              + f"  [{k['launches']} launches/call: {k['gemm']} gemm, {k['gemv']} gemv, {k['pads']} pad; others: "
+              + ", ".join(f"{n} {c}" for n, c in list(k["others"].items())[:6]) + "]", flush=True)
         if a.profile:
             print(trace, flush=True)
     out["steps"] = rows
