@@ -1,8 +1,10 @@
 """Mosaic GPU paged decode (pallas_kernels/mosaic/paged_decode.py).
 
-Mosaic GPU has no interpreter, so on the CPU the kernel is only LOWERED for CUDA (Pallas' Mosaic lowering runs
-in Python and catches API, layout, transform and shared-memory errors); the gpu-marked test runs it on the device
-against the jnp reference (PYTHONPATH=. python -m pytest -q -m gpu tests/test_mosaic_kernels.py).
+On the CPU the kernel is checked two ways: LOWERED for CUDA (Pallas' Mosaic lowering runs in Python and catches
+API, register-layout, SMEM-transform and shared-memory-size errors), and RUN in Mosaic GPU's interpreter (JAX's
+private GPU interpret mode: simulated SMEM, TMA copies and mbarriers, against the jnp reference; there the
+wgmmas are dots of the loaded tiles). The gpu-marked tests run the compiled kernel on the device
+(PYTHONPATH=. python -m pytest -q -m gpu tests/test_mosaic_kernels.py).
 """
 import numpy as np
 import jax
@@ -14,6 +16,8 @@ from pallas_kernels.mosaic import paged_decode
 from pallas_kernels.mosaic.paged_decode import paged_decode_attention, paged_decode_attention_reference
 
 needs_mosaic = pytest.mark.skipif(not paged_decode.available(), reason="this JAX has no Pallas Mosaic GPU backend")
+needs_interpreter = pytest.mark.skipif(not paged_decode.available() or paged_decode._interpreter() is None,
+                                       reason="this JAX has no Mosaic GPU interpreter")
 sd = jax.ShapeDtypeStruct
 
 
@@ -76,8 +80,51 @@ def test_lowers_with_order_inside_a_jit(lowering_only):
     assert "mosaic_gpu" in lowered_text(fn, args)
 
 
+# (lens, block_size, heads, kv_heads, head_dim, fp8 scales, options): ragged lengths with 1, a block boundary and
+# a padding row (0); each case a few seconds in the interpreter
+INTERPRET_CASES = [
+    ([1, 17, 64, 0, 100], 16, 4, 2, 64, None, dict(num_splits=3)),  # GQA 2, 3 splits of 64-token tiles
+    ([5, 130, 33], 8, 3, 1, 64, None, dict(num_stages=3)),  # MQA, group 3, 8-token pages (8 copies a tile)
+    ([40, 1, 0, 200], 128, 2, 2, 64, None, dict(num_splits=2)),  # no GQA, pages bigger than a tile
+    ([1, 17, 64, 0, 100], 16, 4, 2, 64, "head", dict(num_splits=2)),  # fp8 pages, per-kv-head scales
+    ([3, 90], 32, 8, 1, 64, "layer", {}),  # fp8 pages, one scale per layer, group 8
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("lens,block_size,heads,kv_heads,head_dim,fp8,opts", INTERPRET_CASES)
+def test_interpreter_matches_reference(lens, block_size, heads, kv_heads, head_dim, fp8, opts):
+    """The kernel run in Mosaic GPU's interpreter (permuted block tables, garbage past each row's pages; rows run
+    longest first) against the jnp reference, in bf16."""
+    from pallas_kernels.quant import quantize, scale_for_amax
+    rng = np.random.default_rng(2)
+    k, v, tables, seq_lens = make_paged(rng, lens, block_size, kv_heads, head_dim,
+                                        jnp.float32 if fp8 else jnp.bfloat16)
+    scales = {}
+    if fp8:  # stacked [L=2, C] scales, row 1 this layer's
+        ks, vs = (scale_for_amax(jnp.abs(x).max((0, 1, 3)) if fp8 == "head" else jnp.abs(x).max()) for x in (k, v))
+        k, v = quantize(k, ks), quantize(v, vs)
+        scales = dict(k_scale=jnp.stack([ks * 0.5, ks]).reshape(2, -1),
+                      v_scale=jnp.stack([vs * 0.5, vs]).reshape(2, -1), layer=1)
+    q = jnp.asarray(rng.standard_normal((len(lens), heads, head_dim)), jnp.bfloat16)
+    order = jnp.asarray(np.argsort(-np.asarray(lens), kind="stable"), jnp.int32)
+    out = paged_decode_attention(q, k, v, tables, seq_lens, order=order, interpret=True, **scales, **opts)
+    ref = paged_decode_attention_reference(q, k, v, tables, seq_lens, **scales)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=1e-2, rtol=1e-2)
+    assert not np.asarray(out, np.float32)[np.asarray(lens) == 0].any(), "padding rows must be zeros"
+
+
+def test_interpret_without_the_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(paged_decode, "_interpreter", lambda: None)
+    z = jnp.zeros
+    with pytest.raises(ValueError, match="interpret=True needs Mosaic GPU's interpreter"):
+        paged_decode_attention(z((2, 4, 64), jnp.bfloat16), z((6, 16, 2, 64), jnp.bfloat16),
+                               z((6, 16, 2, 64), jnp.bfloat16), z((2, 3), jnp.int32), z((2,), jnp.int32),
+                               interpret=True)
+
+
 @pytest.mark.parametrize("bad,match", [
-    (dict(interpret=True), "interpret=True"),
     (dict(q=jnp.zeros((2, 4, 64), jnp.float32), k_cache=jnp.zeros((6, 16, 2, 64), jnp.float32),
           v_cache=jnp.zeros((6, 16, 2, 64), jnp.float32)), "bfloat16 or float16"),
     (dict(k_cache=jnp.zeros((6, 16, 2, 64), jnp.float8_e4m3fn), v_cache=jnp.zeros((6, 16, 2, 64), jnp.float8_e4m3fn)),

@@ -2,7 +2,8 @@
 
 The contract is pallas_kernels/paged_attention.py's `paged_attention` (q [B, H, D], caches [P, block_size, K, D],
 block tables, seq_lens counting the new token, optional `order`, float8_e4m3fn pages with their k_scale / v_scale).
-GPU only: Mosaic GPU has no interpreter here, so `interpret=True` is refused.
+`interpret=True` runs it in Mosaic GPU's interpreter on the CPU (simulated SMEM, TMA and mbarriers; the wgmmas
+become dots of the loaded tiles there, and register layouts are not modelled).
 
 Design (flash-decoding, one warpgroup = 128 threads per program, no warp specialisation):
   * grid = (K kv heads, S context splits, B sequences). A program computes the GQA group of its kv head, so each
@@ -14,13 +15,13 @@ Design (flash-decoding, one warpgroup = 128 threads per program, no warp special
     page (the page id read from the block table in GMEM), into a swizzled SMEM ring of `num_stages`
     slots; all copies of a tile arrive on one mbarrier. Tiles i+1 .. i+stages-1 are in flight while tile i is
     computed; slot i is refilled with tile i+stages as soon as tile i's wgmmas are done.
-  * Scores and P.V on wgmma (fp32 accumulators in registers), online softmax in base 2. Tokens past the split's
-    end are masked with -inf; pages past the sequence's last one are clamped to it (real, finite data).
+  * Scores and P.V on wgmma (fp32 accumulators), online softmax in base 2. Tokens past the split's end are
+    masked with -inf; pages past the sequence's last one are clamped to it (real, finite data).
   * fp8 pages: Hopper's wgmma has no fp8 x f16 form, so each fp8 tile is converted in registers to f16 (exact for
     e4m3; Mosaic has no e4m3 -> bf16 cast) into an f16 SMEM tile that the wgmma reads; q is f16 then (as in the
     Triton kernel). The kv head's scales fold into the softmax scale (k) and the final normalisation (v).
-  * Each split writes its normalised rows [G, D] and a base-2 log-sum-exp per row; the same small jnp combine as
-    the Triton kernel merges splits (S = 1 skips it).
+  * Each split writes its normalised rows [G, D] and a base-2 log-sum-exp per row; the Triton kernel's jnp
+    combine merges splits.
 """
 from __future__ import annotations
 
@@ -49,7 +50,6 @@ DEFAULT_BLOCK_N = 64  # tokens per tile (4 pages of 16); untuned
 DEFAULT_NUM_STAGES = 2
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_SMEM = 232448  # bytes a Hopper block may use (227 KiB); Mosaic also reserves 2 KiB of reduction scratch
-__all__ = ["paged_decode_attention", "paged_decode_attention_reference", "available"]
 
 
 def available() -> bool:
@@ -58,8 +58,7 @@ def available() -> bool:
 
 
 def smem_bytes(head_dim: int, block_n: int, num_stages: int, num_splits: int, fp8: bool = False) -> int:
-    """Shared memory of one program: q, the K and V rings (+ their f16 tiles for fp8 pages), the output rows,
-    lse, Mosaic's scratch."""
+    """SMEM of a program: q, the K/V rings (+ f16 tiles for fp8 pages), output rows, lse, Mosaic's scratch."""
     out = 2 if num_splits == 1 else 4
     kv = 2 * num_stages * block_n * head_dim * (1 if fp8 else 2) + (2 * block_n * head_dim * 2 if fp8 else 0)
     return ROWS * head_dim * (2 + out) + kv + ROWS * 4 + 3072
@@ -78,19 +77,44 @@ def _to_f16_tile(src, dst):
     return dst
 
 
+def _matmul(a, b_ref, shape, interpret: bool, transpose_b: bool = False):
+    """a @ b (or b^T) -> fp32 [M, N] on wgmma; a: q's SMEM ref (with transpose_b) or p in registers, b: a SMEM
+    ref. Reading the fresh accumulator back waits for the wgmma. (A fresh accumulator, added in registers, not
+    run_state on the running one, and in interpret mode a dot of the loaded values: Mosaic GPU's interpreter has
+    no run_state and its wgmma takes neither a transposed nor a register operand.)"""
+    if interpret:
+        a = a[...] if transpose_b else a
+        dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
+        return lax.dot_general(a, b_ref[...], dims, preferred_element_type=jnp.float32)
+
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref)
+        return acc_ref[...]
+    return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
+
+
+def _interpreter():
+    """The params class of Mosaic GPU's interpreter (a private JAX module, in 0.10.2 and 0.11), or None."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except ImportError:
+        return None
+    return InterpretGPUParams
+
+
 def _on_gpu() -> bool:
     """Where the kernel can run (the CPU tests replace this to lower it for CUDA on a machine without a GPU)."""
     return jax.default_backend() == "gpu"
 
 
 def _row_layout():
-    """Layout of a per-row vector of a wgmma accumulator (m, l): WGMMA_ROW in newer JAX, WGMMA.reduce(1) in 0.10."""
-    row = getattr(plgpu.Layout, "WGMMA_ROW", None)
-    return row if row is not None else plgpu.Layout.WGMMA.reduce(1)
+    """Layout of a per-row vector of a wgmma accumulator (m, l): WGMMA.reduce(1) (0.10-0.11), WGMMA_ROW later."""
+    return getattr(plgpu.Layout, "WGMMA_ROW", None) or plgpu.Layout.WGMMA.reduce(1)
 
 
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_size: int, group: int,
-                   heads: int, block_n: int, num_stages: int, num_splits: int, ordered: bool, quantized: bool):
+                   heads: int, block_n: int, num_stages: int, num_splits: int, ordered: bool, quantized: bool,
+                   interpret: bool):
     # refs: [k_scale [L, C], v_scale [L, C], layer [1] if quantized] [order if ordered] o [B, S, H, D],
     # lse [B, S, K, ROWS], then the scratch: q_smem [ROWS, D], k_smem / v_smem [stages, N, D], o_smem [ROWS, D],
     # lse_smem [ROWS], barriers q, k [stages], v [stages], [f16 tiles k16 / v16 [N, D] if quantized]
@@ -100,7 +124,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, b
     if ordered:
         order_ref, refs = refs[0], refs[1:]
     o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, *f16_tiles = refs
-    kh, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kh, split, b = lax.axis_index("kv_head"), lax.axis_index("split"), lax.axis_index("row")
     if ordered:  # program slot b runs row order[b]
         b = order_ref[b]
     head_dim = q_smem.shape[-1]
@@ -130,10 +154,11 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, b
         pl.when(s < num_tiles)(functools.partial(issue, s, s))
     plgpu.barrier_wait(q_bar)
 
-    row = _row_layout()
-    acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
-    m = plgpu.layout_cast(jnp.full((ROWS,), NEG_BIG, jnp.float32), row)
-    l = plgpu.layout_cast(jnp.full((ROWS,), 0, jnp.float32), row)
+    # Register layouts of the loop carry (wgmma's accumulator and its rows); the interpreter has no layouts.
+    cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
+    acc = cast(jnp.full((ROWS, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
+    m = cast(jnp.full((ROWS,), NEG_BIG, jnp.float32), _row_layout())
+    l = cast(jnp.full((ROWS,), 0, jnp.float32), _row_layout())
     k_scale, v_scale = load_scales(scale_refs, kh)  # fp8 dequantisation scales of this kv head (else 1.0)
     qk_scale = scale * LOG2E * k_scale  # softmax in base 2; k's scale folded in
 
@@ -142,12 +167,8 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, b
         slot = lax.rem(i, num_stages)
         plgpu.barrier_wait(k_bar.at[slot])
         k_tile = _to_f16_tile(k_smem.at[slot], f16_tiles[0]) if quantized else k_smem.at[slot]
-
-        def qk(acc_ref):  # [ROWS, N] = q [ROWS, D] @ k^T [D, N]
-            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
-            return acc_ref[...]
-        s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_n), jnp.float32)) * qk_scale
-        col = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_n), 1, layout=plgpu.Layout.WGMMA)
+        s = _matmul(q_smem, k_tile, (ROWS, block_n), interpret, transpose_b=True) * qk_scale  # [ROWS, N]
+        col = cast(lax.broadcasted_iota(jnp.int32, (ROWS, block_n), 1), plgpu.Layout.WGMMA)
         s = jnp.where(col < end - start - i * block_n, s, -jnp.inf)  # every tile holds >= 1 valid token
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
@@ -157,10 +178,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, b
         p = p.astype(q_smem.dtype)
         plgpu.barrier_wait(v_bar.at[slot])
         v_tile = _to_f16_tile(v_smem.at[slot], f16_tiles[1]) if quantized else v_smem.at[slot]
-
-        def pv(acc_ref):  # acc += p [ROWS, N] @ v [N, D]
-            plgpu.wgmma(acc_ref, p, v_tile)
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # reading it back waits for the wgmma: the slot is free
+        acc = acc + _matmul(p, v_tile, (ROWS, head_dim), interpret)  # waited for: the ring slot is free again
         pl.when(i + num_stages < num_tiles)(functools.partial(issue, i + num_stages, slot))
         return acc, m_new, l
 
@@ -176,9 +194,9 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, b
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_n", "num_splits", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_n", "num_splits", "num_stages", "interpret"))
 def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, order=None, scales=None, *, scale, block_n,
-                  num_splits, num_stages):
+                  num_splits, num_stages, interpret=False):
     """scales: (k_scale [L, C], v_scale [L, C], layer [1]) of fp8 caches (quant.kv_scales), else None."""
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -188,8 +206,11 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, order=None, scale
     quantized = scales is not None
     cdtype = jnp.dtype(jnp.float16) if quantized else q.dtype  # what the wgmmas read
     q_rows = q.reshape(batch * heads, head_dim).astype(cdtype)  # [B*H, D]: ROWS rows from each group's first
-    if batch * heads < ROWS:  # a copy of ROWS rows needs that many in the array (bigger ones zero-fill the end)
-        q_rows = jnp.pad(q_rows, ((0, ROWS - batch * heads), (0, 0)))
+    # The last groups' copies run past the array: TMA zero-fills those rows, but a slice of ROWS rows needs that
+    # many in the array, and the interpreter's copies must stay in bounds, so pad (one small XLA op) when needed.
+    pad = ROWS - group if interpret else max(0, ROWS - batch * heads)
+    if pad:
+        q_rows = jnp.pad(q_rows, ((0, pad), (0, 0)))
     part_dtype = q.dtype if num_splits == 1 else jnp.float32
     tiled, ring = _tiled(cdtype, head_dim), _tiled(k_cache.dtype, head_dim)
     copies = max(1, block_n // block_size)
@@ -198,27 +219,27 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, order=None, scale
                plgpu.SMEM((num_stages, block_n, head_dim), k_cache.dtype, transforms=ring),  # v ring
                plgpu.SMEM((ROWS, head_dim), part_dtype),  # o_smem
                plgpu.SMEM((ROWS,), jnp.float32),  # lse_smem
-               plgpu.Barrier(num_arrivals=1),
-               plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
-               plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages)]
+               plgpu.Barrier(num_arrivals=1),  # q
+               *[plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages)] * 2]  # k, v: one per ring slot
     if quantized:  # the f16 tiles the wgmmas read
         scratch += [plgpu.SMEM((block_n, head_dim), cdtype, transforms=tiled)] * 2
-    kernel = functools.partial(_decode_kernel, scale=scale, block_size=block_size, group=group, heads=heads,
-                               block_n=block_n, num_stages=num_stages, num_splits=num_splits,
-                               ordered=order is not None, quantized=quantized)
+    body = functools.partial(_decode_kernel, scale=scale, block_size=block_size, group=group, heads=heads,
+                             block_n=block_n, num_stages=num_stages, num_splits=num_splits, ordered=order is not None,
+                             quantized=quantized, interpret=interpret)
     args = (seq_lens, block_tables, q_rows, k_cache, v_cache) + (tuple(scales) if quantized else ())
     args += () if order is None else (order,)
-    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
-    out, lse = pl.pallas_call(
-        kernel,
+    # plgpu.kernel: Mosaic GPU's pallas_call over a grid with named axes (every operand in GMEM, the scratch
+    # allocated in the kernel); its interpreter reads the named axes (its program_id is always 0).
+    out, lse = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((batch, num_splits, heads, head_dim), part_dtype),  # [B, S, H, D]
+                  jax.ShapeDtypeStruct((batch, num_splits, kv_heads, ROWS), jnp.float32)),  # [B, S, K, 64]
+        scratch_types=scratch,
         grid=(kv_heads, num_splits, batch),
-        in_specs=[gmem] * len(args),
-        out_specs=[gmem, gmem],
-        out_shape=(jax.ShapeDtypeStruct((batch, num_splits, heads, head_dim), part_dtype),  # [B, S, H, D]
-                   jax.ShapeDtypeStruct((batch, num_splits, kv_heads, ROWS), jnp.float32)),  # [B, S, K, 64]
-        scratch_shapes=scratch,
+        grid_names=("kv_head", "split", "row"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        name="mosaic_paged_decode",
+        interpret=_interpreter()() if interpret else None,
+        kernel_name="mosaic_paged_decode",
     )(*args)
     if num_splits == 1:
         return out[:, 0].astype(q.dtype)
@@ -235,20 +256,18 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            num_splits: int | None = None, num_stages: int = DEFAULT_NUM_STAGES) -> jax.Array:
     """Decode attention (paged_attention's contract) on Mosaic GPU: q [B, H, D], caches [P, block_size, K, D].
 
-    seq_lens[b] counts the context including the new token; 0 marks a padding row (zeros out). order: as in
-    paged_attention. Needs bf16/fp16 q and caches, head_dim a multiple of 64 (<= 256) and block_size >= 8.
-    block_n: tokens per tile (64, 128 or 256); num_splits: context splits (None: paged_attention's choice);
-    num_stages: tiles in flight. float8_e4m3fn caches need k_scale / v_scale (quant.py: [] or [K], or [L, 1] /
-    [L, K] with row `layer`), as in paged_attention.
-    Returns [B, H, D] in q's dtype.
+    seq_lens[b] counts the context including the new token; 0 marks a padding row (zeros out). order, k_scale /
+    v_scale / layer (float8_e4m3fn caches): as in paged_attention. Needs bf16/fp16 q, head_dim 64, 128 or 256 and
+    block_size >= 8. block_n: tokens per tile (64, 128, 256); num_splits: context splits (None: paged_attention's
+    choice); num_stages: tiles in flight. interpret: Mosaic GPU's interpreter (CPU). Returns [B, H, D], q's dtype.
     """
     name = "paged_decode_attention"
     if plgpu is None:
         raise ValueError(f"{name}: this JAX has no Pallas Mosaic GPU backend (jax.experimental.pallas.mosaic_gpu)")
-    if interpret:
-        raise ValueError(f"{name}: interpret=True is not supported (Mosaic GPU has no interpreter); use "
+    if interpret and _interpreter() is None:
+        raise ValueError(f"{name}: interpret=True needs Mosaic GPU's interpreter, which this JAX lacks; use "
                          "paged_decode_attention_reference or pallas_kernels.paged_attention on the CPU")
-    if not _on_gpu():
+    if not interpret and not _on_gpu():
         raise ValueError(f"{name}: attn_backend='mosaic' needs a CUDA GPU (Mosaic GPU has no CPU or interpret mode); "
                          f"JAX's backend here is {jax.default_backend()!r}: use 'xla' or 'pallas'")
     if q.ndim != 3:
@@ -280,7 +299,7 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                          f"bytes of shared memory, more than {MAX_SMEM}: use fewer stages or a smaller block_n")
     scale = float(head_dim ** -0.5 if scale is None else scale)
     return _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, order, scales, scale=scale, block_n=block_n,
-                         num_splits=num_splits, num_stages=num_stages)
+                         num_splits=num_splits, num_stages=num_stages, interpret=bool(interpret))
 
 
 def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, k_scale=None,
