@@ -1,0 +1,342 @@
+"""Causal varlen prefill attention over the paged KV cache on Pallas' Mosaic GPU backend (Hopper: TMA, wgmma).
+
+The contract is pallas_kernels/flash_attention.py's `flash_attention`: packed new tokens q [T, H, D] (sequence b's
+rows cu_seqlens_q[b]:cu_seqlens_q[b + 1], at absolute positions seq_lens[b] - n_new .. seq_lens[b] - 1), caches
+[P, block_size, K, D] read through block tables, padding rows past cu_seqlens_q[-1] zero, float8_e4m3fn pages
+with k_scale / v_scale / layer. It reuses that file's tile metadata (q tiles that never straddle two sequences,
+heaviest first) and its jnp reference.
+
+Design (JAX's FA3-style attention_mgpu, made paged and varlen). Three warpgroups per program: two compute, one
+memory (warp specialisation).
+  * A program = one q tile of one sequence x one pair of work units; a unit is 64 rows (wgmma's M) of one q head,
+    one per compute warpgroup. When the GQA group is even (Qwen3: 2) the units are two q heads of one kv head on
+    the same 64 token rows: both read every K/V tile from SMEM and have the same causal work. Otherwise (group 1
+    or odd) they are the two 64-row halves of a 128-row tile of one q head, as in FA3. grid = (units, tiles):
+    the head axis varies fastest, so the kv heads of one q tile run side by side and share K/V in L2.
+  * The memory warpgroup copies K/V tiles of `block_kv` tokens by TMA, one copy per page (page id read from the
+    block table), into a swizzled SMEM ring of `num_stages` slots; each slot is refilled once both compute
+    warpgroups have arrived on its "consumed" barrier.
+  * Compute warpgroups: QK^T and P.V on wgmma (fp32 accumulators), online softmax in base 2, key tiles wholly
+    below the diagonal unmasked, the (one or two) crossing it masked with the cached-prefix offset; a schedule
+    barrier alternates their softmax and wgmma phases (FA3's ping-pong). A warpgroup that needs fewer key
+    tiles than its partner still arrives on the remaining slots, so the memory warpgroup never stalls.
+  * Stores: a q tile may end mid-tile (its sequence ends), and the rows after it belong to another program, so
+    the output rows go out by TMA in power-of-two pieces (64, 32, ..., 1 rows) covering exactly the tile's rows.
+  * fp8 pages: each compute warpgroup converts the fp8 tile to its own f16 SMEM tile (wgmma has no fp8 x f16
+    form), then frees the ring slot at once; q is f16 and the scales fold into the softmax scale and the
+    normalisation, as in the Mosaic decode kernel.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import LOG2E, NEG_BIG, check_cu_seqlens, check_paged_inputs
+from pallas_kernels.flash_attention import flash_attention_reference, tile_metadata
+from pallas_kernels.mosaic.paged_decode import (DTYPES, MAX_SMEM, _interpreter, _row_layout, _tiled, _to_f16_tile,
+                                               available, plgpu)
+from pallas_kernels.quant import is_fp8, kv_scales, load_scales
+
+ROWS = 64  # wgmma's M: rows of one q head per compute warpgroup
+DEFAULT_BLOCK_KV = 128  # key tokens per tile (8 pages of 16); untuned
+DEFAULT_NUM_STAGES = 2  # K/V tiles in flight
+__all__ = ["available", "flash_prefill", "flash_prefill_reference", "smem_bytes"]
+
+
+def _on_gpu() -> bool:
+    """Where the kernel can run (the CPU tests replace this to lower it for CUDA on a machine without a GPU)."""
+    return jax.default_backend() == "gpu"
+
+
+def smem_bytes(head_dim: int, block_kv: int, num_stages: int, fp8: bool = False) -> int:
+    """SMEM of a program: q and output tiles of both compute warpgroups, the K/V ring, fp8's f16 tiles, scratch."""
+    ring = 2 * num_stages * block_kv * head_dim * (1 if fp8 else 2)
+    f16_tiles = 2 * 2 * block_kv * head_dim * 2 if fp8 else 0  # k and v, per compute warpgroup
+    return 2 * 2 * ROWS * head_dim * 2 + ring + f16_tiles + 4096
+
+
+def _dot(a, b, transpose_b: bool = False):
+    """a @ b (or b^T) in fp32: the interpreter's stand-in for a wgmma (its wgmma reads neither a transposed nor a
+    register operand)."""
+    dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _store_rows(o_smem, o_ref, row0, n, head):
+    """TMA-stores rows [0, n) of o_smem [ROWS, D] to o_ref[row0 + i, head], 0 <= n <= ROWS: one copy per set bit
+    of n (static sizes, dynamic offsets), so no row outside the tile is written."""
+    size = ROWS
+    while size:
+        off = lax.bitwise_and(n, ~(2 * size - 1))  # rows covered by the larger pieces
+
+        @pl.when(lax.bitwise_and(n, size) != 0)
+        def _(off=off, size=size):
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, size)], o_ref.at[pl.ds(row0 + off, size), head])
+        size //= 2
+
+
+def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref,
+                    *refs, scale: float, block_size: int, group: int, heads_per_program: int, block_kv: int,
+                    num_stages: int, batch: int, quantized: bool, interpret: bool):
+    # refs: [k_scale [L, C], v_scale [L, C], layer [1] if quantized] o [T, H, D], then the scratch (run_scoped).
+    scale_refs, o_ref = (refs[:3], refs[3]) if quantized else (None, refs[0])
+    wg = lax.axis_index("wg")
+    cast = (lambda x, layout: x) if interpret else plgpu.layout_cast  # the interpreter has no register layouts
+    tile, unit = lax.axis_index("tile"), lax.axis_index("unit")
+    seq, first, end = tile_seq_ref[tile], tile_first_ref[tile], tile_end_ref[tile]
+    real = seq < batch  # seq == batch: the padding zone (zeros); seq > batch: an unused tile (end <= first)
+    b = jnp.minimum(seq, batch - 1)
+    length = jnp.where(real, lens_ref[b], 0)
+    q_start = cu_ref[b]
+    ctx_start = length - (cu_ref[b + 1] - q_start)  # absolute position of the sequence's first new token
+    head0 = unit * heads_per_program
+    kh = lax.div(head0, group)
+    tile_last = ctx_start + end - 1 - q_start  # position of the tile's last row
+    num_steps = jnp.where(real & (end > first), pl.cdiv(jnp.clip(jnp.minimum(length, tile_last + 1), 0), block_kv), 0)
+    last_page = jnp.maximum(pl.cdiv(length, block_size) - 1, 0)
+    copies, rows = max(1, block_kv // block_size), min(block_kv, block_size)  # TMA copies per tile, tokens each
+
+    def scoped(q_smem2, o_smem2, k_smem, v_smem, q_bars, k_bars, v_bars, k_free, v_free, sched, *f16_tiles):
+        def ping_pong():
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            # Unit of this warpgroup: another head on the same rows (heads_per_program 2) or the next 64 rows.
+            head = head0 + wg if heads_per_program == 2 else head0
+            row0 = first if heads_per_program == 2 else first + wg * ROWS
+            n = jnp.clip(end - row0, 0, ROWS)  # rows of this unit inside the tile
+            first_pos = ctx_start + row0 - q_start
+            last_pos = jnp.minimum(first_pos + ROWS - 1, tile_last)
+            steps = jnp.where(real & (n > 0), pl.cdiv(jnp.clip(jnp.minimum(length, last_pos + 1), 0), block_kv), 0)
+            full = jnp.minimum(jnp.maximum(first_pos + 1, 0) // block_kv, steps)  # tiles seen by every row
+            q_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
+            load_q = real & (n > 0)
+            pl.when(load_q)(lambda: plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, ROWS), head], q_smem,
+                                                            q_bars.at[wg]))
+            pl.when(load_q)(lambda: plgpu.barrier_wait(q_bars.at[wg]))
+            k_scale, v_scale = load_scales(scale_refs, kh)  # fp8 dequantisation scales (else 1.0)
+            qk_scale = scale * LOG2E * k_scale
+            acc = cast(jnp.full((ROWS, q_smem.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
+            m = cast(jnp.full((ROWS,), NEG_BIG, jnp.float32), _row_layout())
+            l = cast(jnp.full((ROWS,), 0, jnp.float32), _row_layout())
+            pl.when(steps > 0)(lambda: plgpu.barrier_wait(k_bars.at[0]))
+            pl.when(wg == 1)(ping_pong)
+
+            def step(i, carry, masked: bool):
+                acc, m, l = carry
+                slot = lax.rem(i, num_stages)
+                k_tile = k_smem.at[slot]
+                if quantized:
+                    k_tile = _to_f16_tile(k_tile, f16_tiles[0].at[wg])
+                    plgpu.barrier_arrive(k_free.at[slot])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+                    ping_pong()
+                    return acc_ref[...]
+                if interpret:
+                    s = _dot(q_smem[...], k_tile[...], transpose_b=True)
+                    ping_pong()
+                else:
+                    s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+                s = s * qk_scale  # [ROWS, BKV] fp32, base-2 logits
+                if not quantized:
+                    plgpu.barrier_arrive(k_free.at[slot])
+                if masked:  # key position <= query position (the cached prefix shifts the diagonal)
+                    r = cast(lax.broadcasted_iota(jnp.int32, s.shape, 0), plgpu.Layout.WGMMA)
+                    c = cast(lax.broadcasted_iota(jnp.int32, s.shape, 1), plgpu.Layout.WGMMA)
+                    s = jnp.where(c + i * block_kv <= r + first_pos, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(q_smem.dtype)
+                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                plgpu.barrier_arrive(sched)  # softmax done
+                plgpu.barrier_wait(v_bars.at[slot])
+                plgpu.barrier_wait(sched)  # the tensor cores are ours
+                v_tile = v_smem.at[slot]
+                if quantized:
+                    v_tile = _to_f16_tile(v_tile, f16_tiles[1].at[wg])
+                    plgpu.barrier_arrive(v_free.at[slot])
+
+                def pv(acc_ref):
+                    if acc_ref is not None:
+                        plgpu.wgmma(acc_ref, p16, v_tile)
+                    nxt = i + 1  # wait for the next K tile while this wgmma runs
+                    pl.when(nxt < steps)(lambda: plgpu.barrier_wait(k_bars.at[lax.rem(nxt, num_stages)]))
+                if interpret:
+                    acc = acc + _dot(p16, v_tile[...])
+                    pv(None)
+                else:
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                if not quantized:
+                    plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            def drain(i, _):  # tiles this warpgroup does not need: free their slots, keep the ping-pong in step
+                slot = lax.rem(i, num_stages)
+                plgpu.barrier_wait(k_bars.at[slot])  # (every phase of a barrier is observed by its waiters)
+                plgpu.barrier_wait(v_bars.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                ping_pong()
+                ping_pong()
+
+            carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (acc, m, l))
+            acc, m, l = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+            lax.fori_loop(steps, num_steps, drain, None)
+            pl.when(wg == 0)(ping_pong)
+            norm = jnp.where(l > 0, l, 1.0)  # padding tiles (no keys) give zeros
+            out = acc / lax.broadcast_in_dim(norm, acc.shape, [0])
+            o_smem[...] = (out * v_scale if quantized else out).astype(o_smem.dtype)
+            plgpu.commit_smem()
+            _store_rows(o_smem, o_ref, row0, n, head)
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def issue(i, slot):
+                tok0 = i * block_kv
+                page0 = lax.div(tok0, block_size)
+                src = pl.ds(lax.rem(tok0, block_size), rows) if block_size > block_kv else pl.ds(0, rows)
+                for j in range(copies):
+                    page = bt_ref[b, jnp.minimum(page0 + j, last_page)]  # clamped: real, finite data
+                    dst = pl.ds(j * rows, rows)
+                    plgpu.copy_gmem_to_smem(k_ref.at[page, src, kh], k_smem.at[slot, dst], k_bars.at[slot])
+                    plgpu.copy_gmem_to_smem(v_ref.at[page, src, kh], v_smem.at[slot, dst], v_bars.at[slot])
+
+            for s in range(num_stages):
+                pl.when(s < num_steps)(functools.partial(issue, s, s))
+
+            @pl.loop(num_stages, jnp.maximum(num_steps, num_stages))
+            def _refill(i):
+                slot = lax.rem(i, num_stages)
+                plgpu.barrier_wait(k_free.at[slot])  # both compute warpgroups are done with tile i - stages
+                plgpu.barrier_wait(v_free.at[slot])
+                issue(i, slot)
+
+            @pl.loop(jnp.maximum(num_steps, num_stages), num_steps + num_stages)
+            def _last(i):  # the last tiles' slots: observe their release too (barrier phases stay in step)
+                slot = lax.rem(i, num_stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+
+    head_dim, cdtype = q_ref.shape[-1], q_ref.dtype
+    tiled, ring = _tiled(cdtype, head_dim), _tiled(k_ref.dtype, head_dim)
+    f16 = [plgpu.SMEM((2, block_kv, head_dim), cdtype, transforms=tiled)] * 2 if quantized else []
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((2, ROWS, head_dim), cdtype, transforms=tiled),  # q of each compute warpgroup
+        plgpu.SMEM((2, ROWS, head_dim), o_ref.dtype),  # output rows (plain rows: stored in pieces)
+        plgpu.SMEM((num_stages, block_kv, head_dim), k_ref.dtype, transforms=ring),  # k ring
+        plgpu.SMEM((num_stages, block_kv, head_dim), k_ref.dtype, transforms=ring),  # v ring
+        plgpu.Barrier(num_barriers=2),  # q, per compute warpgroup
+        *[plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages)] * 2,  # k, v tile arrived
+        *[plgpu.Barrier(num_arrivals=2, num_barriers=num_stages)] * 2,  # k, v slot consumed by both
+        plgpu.Barrier(num_arrivals=2),  # the ping-pong schedule
+        *f16,
+        collective_axes="wg",
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_stages", "interpret"))
+def _flash_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scales=None, *, scale, block_kv,
+                   num_stages, interpret=False):
+    """scales: (k_scale [L, C], v_scale [L, C], layer [1]) of fp8 caches (quant.kv_scales), else None."""
+    num_tokens, heads, head_dim = q.shape  # [T, H, D]
+    _, block_size, kv_heads, _ = k_cache.shape
+    batch, group = seq_lens.shape[0], heads // kv_heads
+    seq_lens = jnp.clip(seq_lens, 0, block_tables.shape[1] * block_size)  # page ids stay inside the table
+    heads_per_program = 2 if group % 2 == 0 else 1
+    tile_rows = ROWS * (2 // heads_per_program)
+    tile_seq, tile_first, tile_end = tile_metadata(cu_seqlens_q, seq_lens, num_tokens, tile_rows)  # [NT] each
+    quantized = scales is not None
+    q_in = q.astype(jnp.float16) if quantized else q  # what the wgmmas read
+    # A q copy of ROWS rows needs that many in the array (rows past T are zero-filled) and, with the SMEM tile's
+    # 8-row tiling, Mosaic's TMA wants a whole number of 8-row tiles in q: pad (an XLA copy) only when not.
+    # The interpreter's copies must stay inside the array: ROWS more rows there.
+    padded = num_tokens + ROWS if interpret else max(ROWS, -(-num_tokens // 8) * 8)
+    if padded != num_tokens:
+        q_in = jnp.pad(q_in, ((0, padded - num_tokens), (0, 0), (0, 0)))
+    kernel = functools.partial(_prefill_kernel, scale=scale, block_size=block_size, group=group,
+                               heads_per_program=heads_per_program, block_kv=block_kv, num_stages=num_stages,
+                               batch=batch, quantized=quantized, interpret=interpret)
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),  # [T, H, D]; every row is stored by one program
+        grid=(heads // heads_per_program, tile_seq.shape[0]),
+        grid_names=("unit", "tile"),
+        num_threads=3,  # two compute warpgroups, one memory warpgroup
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpreter()() if interpret else None,
+        kernel_name="mosaic_flash_prefill",
+    )(tile_seq, tile_first, tile_end, cu_seqlens_q, seq_lens, block_tables, q_in, k_cache, v_cache,
+      *(scales or ()))
+
+
+def flash_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
+                  cu_seqlens_q: jax.Array, seq_lens: jax.Array, *, scale: float | None = None,
+                  k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, layer: int | jax.Array = 0,
+                  interpret: bool = False, block_kv: int = DEFAULT_BLOCK_KV,
+                  num_stages: int = DEFAULT_NUM_STAGES) -> jax.Array:
+    """Causal prefill (flash_attention's contract) on Mosaic GPU: q [T, H, D], caches [P, block_size, K, D].
+
+    Needs bf16/fp16 q, head_dim 64 or 128, block_size >= 8. float8_e4m3fn caches need k_scale / v_scale
+    (and `layer` for stacked [L, C] scales). block_kv: key tokens per tile (64, 128, 256); num_stages: tiles in
+    flight (>= 2). interpret: Mosaic GPU's interpreter on the CPU (threads, SMEM, TMA and mbarriers simulated;
+    the wgmmas become dots). Returns [T, H, D] in q's dtype.
+    """
+    name = "flash_prefill"
+    if plgpu is None:
+        raise ValueError(f"{name}: this JAX has no Pallas Mosaic GPU backend (jax.experimental.pallas.mosaic_gpu)")
+    if interpret and _interpreter() is None:
+        raise ValueError(f"{name}: interpret=True needs Mosaic GPU's interpreter, which this JAX lacks; use "
+                         "flash_prefill_reference or pallas_kernels.flash_attention on the CPU")
+    if not interpret and not _on_gpu():
+        raise ValueError(f"{name}: needs a CUDA GPU (Mosaic GPU has no CPU mode); JAX's backend here is "
+                         f"{jax.default_backend()!r}: use pallas_kernels.flash_attention")
+    if q.ndim != 3:
+        raise ValueError(f"{name}: q must be [T, H, D], got shape {q.shape}")
+    num_tokens, heads, head_dim = q.shape
+    batch = seq_lens.shape[0] if seq_lens.ndim == 1 else -1
+    check_paged_inputs(name, heads, head_dim, q.dtype, k_cache, v_cache, block_tables, seq_lens, batch)
+    check_cu_seqlens(name, cu_seqlens_q, batch)
+    scales = kv_scales(name, k_cache, k_scale, v_scale, layer)
+    if q.dtype not in DTYPES:
+        raise ValueError(f"{name}: q must be bfloat16 or float16 (wgmma), got {q.dtype}")
+    if head_dim not in (64, 128):
+        raise ValueError(f"{name}: head_dim must be 64 or 128 (128-byte swizzled tiles; 256 does not fit in SMEM "
+                         f"with two compute warpgroups), got {head_dim}")
+    if k_cache.shape[1] < 8:
+        raise ValueError(f"{name}: block_size must be >= 8 (a page is whole 8-row SMEM tiles), got "
+                         f"{k_cache.shape[1]}")
+    if block_kv not in (64, 128, 256):
+        raise ValueError(f"{name}: block_kv must be 64, 128 or 256, got {block_kv}")
+    if num_stages < 2:
+        raise ValueError(f"{name}: num_stages must be >= 2 (the memory warpgroup refills one slot while the "
+                         f"other is read), got {num_stages}")
+    if (need := smem_bytes(head_dim, block_kv, num_stages, is_fp8(k_cache.dtype))) > MAX_SMEM:
+        raise ValueError(f"{name}: block_kv={block_kv} x num_stages={num_stages} at head_dim {head_dim} needs "
+                         f"{need} bytes of shared memory, more than {MAX_SMEM}: use fewer stages or a smaller block_kv")
+    scale = float(head_dim ** -0.5 if scale is None else scale)
+    return _flash_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scales, scale=scale,
+                          block_kv=block_kv, num_stages=num_stages, interpret=bool(interpret))
+
+
+def flash_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, scale=None, k_scale=None,
+                            v_scale=None, layer=0) -> jax.Array:
+    """Plain jnp causal varlen prefill (pallas_kernels.flash_attention.flash_attention_reference)."""
+    return flash_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale=scale,
+                                     k_scale=k_scale, v_scale=v_scale, layer=layer)
