@@ -127,7 +127,7 @@ def test_validation_without_a_gpu_is_a_clear_error():
     (dict(q=jnp.zeros((6, 4, 128), jnp.bfloat16), k_cache=jnp.zeros((6, 16, 2, 128), jnp.bfloat16),
           v_cache=jnp.zeros((6, 16, 2, 128), jnp.bfloat16), block_kv=256, num_stages=3), "shared memory"),
     (dict(cu_seqlens_q=jnp.zeros((2,), jnp.int32)), "cu_seqlens_q"),
-    (dict(seq_lens=jnp.zeros((3,), jnp.int32)), "seq_lens"),
+    (dict(seq_lens=jnp.zeros((2,), jnp.float32)), "seq_lens must be int32"),
     (dict(q=jnp.zeros((6, 64), jnp.bfloat16)), r"q must be \[T, H, D\]"),
 ])
 @needs_mosaic

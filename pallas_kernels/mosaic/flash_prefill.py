@@ -1,30 +1,21 @@
 """Causal varlen prefill attention over the paged KV cache on Pallas' Mosaic GPU backend (Hopper: TMA, wgmma).
 
-The contract is pallas_kernels/flash_attention.py's `flash_attention`: packed new tokens q [T, H, D] (sequence b's
-rows cu_seqlens_q[b]:cu_seqlens_q[b + 1], at absolute positions seq_lens[b] - n_new .. seq_lens[b] - 1), caches
-[P, block_size, K, D] read through block tables, padding rows past cu_seqlens_q[-1] zero, float8_e4m3fn pages
-with k_scale / v_scale / layer. It reuses that file's tile metadata (q tiles that never straddle two sequences,
-heaviest first) and its jnp reference.
-
-Design (JAX's FA3-style attention_mgpu, made paged and varlen). Three warpgroups per program: two compute, one
-memory (warp specialisation).
-  * A program = one q tile of one sequence x one pair of work units; a unit is 64 rows (wgmma's M) of one q head,
-    one per compute warpgroup. When the GQA group is even (Qwen3: 2) the units are two q heads of one kv head on
-    the same 64 token rows: both read every K/V tile from SMEM and have the same causal work. Otherwise (group 1
-    or odd) they are the two 64-row halves of a 128-row tile of one q head, as in FA3. grid = (units, tiles):
-    the head axis varies fastest, so the kv heads of one q tile run side by side and share K/V in L2.
-  * The memory warpgroup copies K/V tiles of `block_kv` tokens by TMA, one copy per page (page id read from the
-    block table), into a swizzled SMEM ring of `num_stages` slots; each slot is refilled once both compute
-    warpgroups have arrived on its "consumed" barrier.
-  * Compute warpgroups: QK^T and P.V on wgmma (fp32 accumulators), online softmax in base 2, key tiles wholly
-    below the diagonal unmasked, the (one or two) crossing it masked with the cached-prefix offset; a schedule
-    barrier alternates their softmax and wgmma phases (FA3's ping-pong). A warpgroup that needs fewer key
-    tiles than its partner still arrives on the remaining slots, so the memory warpgroup never stalls.
-  * Stores: a q tile may end mid-tile (its sequence ends), and the rows after it belong to another program, so
-    the output rows go out by TMA in power-of-two pieces (64, 32, ..., 1 rows) covering exactly the tile's rows.
-  * fp8 pages: each compute warpgroup converts the fp8 tile to its own f16 SMEM tile (wgmma has no fp8 x f16
-    form), then frees the ring slot at once; q is f16 and the scales fold into the softmax scale and the
-    normalisation, as in the Mosaic decode kernel.
+The contract is flash_attention.py's `flash_attention` (packed q [T, H, D] with cu_seqlens_q, caches
+[P, block_size, K, D] through block tables, seq_lens counting the cached prefix, padding rows zero, float8_e4m3fn
+pages with k_scale / v_scale / layer); its tile metadata (q tiles of one sequence, heaviest first) and jnp reference
+are reused. Design: JAX's FA3-style attention_mgpu made paged and varlen; three warpgroups per program.
+  * Two compute warpgroups, each 64 q rows (wgmma's M) of one head. Even GQA group (Qwen3: 2): two q heads of one
+    kv head on the same rows, so both read each K/V tile from SMEM with the same causal work; otherwise the two
+    64-row halves of a 128-row tile of one head. grid = (head units, q tiles), heads fastest (K/V shared in L2).
+  * One memory warpgroup: TMA copies of K/V tiles of `block_kv` tokens, one per page (id from the block table),
+    into a swizzled SMEM ring of `num_stages` slots, each refilled once both compute warpgroups released it.
+  * QK^T and P.V on wgmma (fp32 accumulators), online softmax in base 2; key tiles below the diagonal unmasked,
+    the ones crossing it masked with the cached-prefix offset; a schedule barrier alternates the two warpgroups'
+    softmax and wgmma phases (FA3's ping-pong). A warpgroup needing fewer tiles still releases the rest.
+  * A tile may end mid-way (its sequence ends; the next rows are another program's): rows go out by TMA in
+    power-of-two pieces (64, 32, ..., 1) covering exactly the tile's rows.
+  * fp8 pages: each compute warpgroup converts the tile to its own f16 SMEM tile (no fp8 x f16 wgmma) and frees
+    the slot at once; q is f16, scales fold into the softmax scale and the normalisation (as in paged_decode).
 """
 from __future__ import annotations
 
@@ -44,7 +35,6 @@ from pallas_kernels.quant import is_fp8, kv_scales, load_scales
 ROWS = 64  # wgmma's M: rows of one q head per compute warpgroup
 DEFAULT_BLOCK_KV = 128  # key tokens per tile (8 pages of 16); untuned
 DEFAULT_NUM_STAGES = 2  # K/V tiles in flight
-__all__ = ["available", "flash_prefill", "flash_prefill_reference", "smem_bytes"]
 
 
 def _on_gpu() -> bool:
@@ -60,8 +50,7 @@ def smem_bytes(head_dim: int, block_kv: int, num_stages: int, fp8: bool = False)
 
 
 def _dot(a, b, transpose_b: bool = False):
-    """a @ b (or b^T) in fp32: the interpreter's stand-in for a wgmma (its wgmma reads neither a transposed nor a
-    register operand)."""
+    """a @ b (or b^T) in fp32: the interpreter's wgmma (which reads neither a transposed nor a register operand)."""
     dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
@@ -117,10 +106,11 @@ def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, lens_ref
             steps = jnp.where(real & (n > 0), pl.cdiv(jnp.clip(jnp.minimum(length, last_pos + 1), 0), block_kv), 0)
             full = jnp.minimum(jnp.maximum(first_pos + 1, 0) // block_kv, steps)  # tiles seen by every row
             q_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
-            load_q = real & (n > 0)
-            pl.when(load_q)(lambda: plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, ROWS), head], q_smem,
-                                                            q_bars.at[wg]))
-            pl.when(load_q)(lambda: plgpu.barrier_wait(q_bars.at[wg]))
+
+            @pl.when(real & (n > 0))
+            def _load_q():
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, ROWS), head], q_smem, q_bars.at[wg])
+                plgpu.barrier_wait(q_bars.at[wg])
             k_scale, v_scale = load_scales(scale_refs, kh)  # fp8 dequantisation scales (else 1.0)
             qk_scale = scale * LOG2E * k_scale
             acc = cast(jnp.full((ROWS, q_smem.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
@@ -137,15 +127,12 @@ def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, lens_ref
                     k_tile = _to_f16_tile(k_tile, f16_tiles[0].at[wg])
                     plgpu.barrier_arrive(k_free.at[slot])
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+                def qk(acc_ref):  # (acc_ref None: the interpreter)
+                    if acc_ref is not None:
+                        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
                     ping_pong()
-                    return acc_ref[...]
-                if interpret:
-                    s = _dot(q_smem[...], k_tile[...], transpose_b=True)
-                    ping_pong()
-                else:
-                    s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+                    return _dot(q_smem[...], k_tile[...], transpose_b=True) if acc_ref is None else acc_ref[...]
+                s = qk(None) if interpret else pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
                 s = s * qk_scale  # [ROWS, BKV] fp32, base-2 logits
                 if not quantized:
                     plgpu.barrier_arrive(k_free.at[slot])
@@ -168,14 +155,14 @@ def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, lens_ref
                     v_tile = _to_f16_tile(v_tile, f16_tiles[1].at[wg])
                     plgpu.barrier_arrive(v_free.at[slot])
 
-                def pv(acc_ref):
+                def pv(acc_ref):  # (acc_ref None: the interpreter)
                     if acc_ref is not None:
                         plgpu.wgmma(acc_ref, p16, v_tile)
                     nxt = i + 1  # wait for the next K tile while this wgmma runs
                     pl.when(nxt < steps)(lambda: plgpu.barrier_wait(k_bars.at[lax.rem(nxt, num_stages)]))
                 if interpret:
-                    acc = acc + _dot(p16, v_tile[...])
                     pv(None)
+                    acc = acc + _dot(p16, v_tile[...])
                 else:
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 if not quantized:
@@ -320,13 +307,11 @@ def flash_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_ta
         raise ValueError(f"{name}: head_dim must be 64 or 128 (128-byte swizzled tiles; 256 does not fit in SMEM "
                          f"with two compute warpgroups), got {head_dim}")
     if k_cache.shape[1] < 8:
-        raise ValueError(f"{name}: block_size must be >= 8 (a page is whole 8-row SMEM tiles), got "
-                         f"{k_cache.shape[1]}")
+        raise ValueError(f"{name}: block_size must be >= 8 (whole 8-row SMEM tiles), got {k_cache.shape[1]}")
     if block_kv not in (64, 128, 256):
         raise ValueError(f"{name}: block_kv must be 64, 128 or 256, got {block_kv}")
     if num_stages < 2:
-        raise ValueError(f"{name}: num_stages must be >= 2 (the memory warpgroup refills one slot while the "
-                         f"other is read), got {num_stages}")
+        raise ValueError(f"{name}: num_stages must be >= 2 (one slot refilled while another is read), got {num_stages}")
     if (need := smem_bytes(head_dim, block_kv, num_stages, is_fp8(k_cache.dtype))) > MAX_SMEM:
         raise ValueError(f"{name}: block_kv={block_kv} x num_stages={num_stages} at head_dim {head_dim} needs "
                          f"{need} bytes of shared memory, more than {MAX_SMEM}: use fewer stages or a smaller block_kv")
@@ -335,8 +320,5 @@ def flash_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_ta
                           block_kv=block_kv, num_stages=num_stages, interpret=bool(interpret))
 
 
-def flash_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, scale=None, k_scale=None,
-                            v_scale=None, layer=0) -> jax.Array:
-    """Plain jnp causal varlen prefill (pallas_kernels.flash_attention.flash_attention_reference)."""
-    return flash_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale=scale,
-                                     k_scale=k_scale, v_scale=v_scale, layer=layer)
+# The plain jnp reference: the Triton kernel's (same contract), not a copy.
+flash_prefill_reference = flash_attention_reference
