@@ -98,11 +98,16 @@ def check(out, args, scales, tol=2e-2):
 
 
 @needs_interpreter
-def test_interpreter_matches_reference():
-    """Mosaic GPU's interpreter (the warpgroups as threads, TMA, mbarriers; wgmma as dots): a cached prefix, a
-    tile that ends mid-tile (stored in pieces), a 1-token chunk and padding rows. ~1 min on 2 cores."""
-    args, _ = make_prefill(np.random.default_rng(3), [70, 1], [30, 4], 16, 2, 1, 64, pad_tokens=3)
-    check(flash_prefill(*args, interpret=True, block_kv=64), args, {})
+@pytest.mark.parametrize("n_new,prefix,block_size,heads,fp8", [
+    ([70, 1], [30, 4], 16, 2, False),  # GQA 2 (two heads a program), a tile ending mid-way, a 1-token chunk
+    ([65, 3], [10, 0], 8, 1, True),  # no GQA (two 64-row halves of a tile), fp8 pages, 8 copies a tile
+])
+def test_interpreter_matches_reference(n_new, prefix, block_size, heads, fp8):
+    """Mosaic GPU's interpreter (the warpgroups as threads, TMA, mbarriers, every barrier phase observed; wgmma
+    as dots), permuted block tables, cached prefixes, padding rows. ~20 s each on 2 cores."""
+    args, scales = make_prefill(np.random.default_rng(3), n_new, prefix, block_size, heads, 1, 64, pad_tokens=3,
+                                fp8=fp8)
+    check(flash_prefill(*args, interpret=True, block_kv=64, **scales), args, scales)
 
 
 def test_validation_without_a_gpu_is_a_clear_error():
