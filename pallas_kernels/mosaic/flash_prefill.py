@@ -33,7 +33,7 @@ from pallas_kernels.mosaic.paged_decode import (DTYPES, MAX_SMEM, _interpreter, 
 from pallas_kernels.quant import is_fp8, kv_scales, load_scales
 
 ROWS = 64  # wgmma's M: rows of one q head per compute warpgroup
-DEFAULT_BLOCK_KV = 128  # key tokens per tile (8 pages of 16); untuned
+DEFAULT_BLOCK_KV = 128  # key tokens per tile (8 pages of 16); untuned. fp8 pages: 64 (their f16 tiles need SMEM)
 DEFAULT_NUM_STAGES = 2  # K/V tiles in flight
 
 
@@ -46,7 +46,7 @@ def smem_bytes(head_dim: int, block_kv: int, num_stages: int, fp8: bool = False)
     """SMEM of a program: q and output tiles of both compute warpgroups, the K/V ring, fp8's f16 tiles, scratch."""
     ring = 2 * num_stages * block_kv * head_dim * (1 if fp8 else 2)
     f16_tiles = 2 * 2 * block_kv * head_dim * 2 if fp8 else 0  # k and v, per compute warpgroup
-    return 2 * 2 * ROWS * head_dim * 2 + ring + f16_tiles + 4096
+    return 2 * 2 * ROWS * head_dim * 2 + ring + f16_tiles + 2048 + 256  # Mosaic's 2 KiB scratch, the barriers
 
 
 def _dot(a, b, transpose_b: bool = False):
@@ -276,14 +276,14 @@ def _flash_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sc
 def flash_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
                   cu_seqlens_q: jax.Array, seq_lens: jax.Array, *, scale: float | None = None,
                   k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, layer: int | jax.Array = 0,
-                  interpret: bool = False, block_kv: int = DEFAULT_BLOCK_KV,
+                  interpret: bool = False, block_kv: int | None = None,
                   num_stages: int = DEFAULT_NUM_STAGES) -> jax.Array:
     """Causal prefill (flash_attention's contract) on Mosaic GPU: q [T, H, D], caches [P, block_size, K, D].
 
     Needs bf16/fp16 q, head_dim 64 or 128, block_size >= 8. float8_e4m3fn caches need k_scale / v_scale
-    (and `layer` for stacked [L, C] scales). block_kv: key tokens per tile (64, 128, 256); num_stages: tiles in
-    flight (>= 2). interpret: Mosaic GPU's interpreter on the CPU (threads, SMEM, TMA and mbarriers simulated;
-    the wgmmas become dots). Returns [T, H, D] in q's dtype.
+    (and `layer` for stacked [L, C] scales). block_kv: key tokens per tile (64, 128, 256; None: 128, 64 for fp8
+    pages); num_stages: tiles in flight (>= 2). interpret: Mosaic GPU's interpreter on the CPU (threads, SMEM, TMA
+    and mbarriers simulated; the wgmmas become dots). Returns [T, H, D] in q's dtype.
     """
     name = "flash_prefill"
     if plgpu is None:
@@ -308,6 +308,7 @@ def flash_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_ta
                          f"with two compute warpgroups), got {head_dim}")
     if k_cache.shape[1] < 8:
         raise ValueError(f"{name}: block_size must be >= 8 (whole 8-row SMEM tiles), got {k_cache.shape[1]}")
+    block_kv = (64 if is_fp8(k_cache.dtype) else DEFAULT_BLOCK_KV) if block_kv is None else block_kv
     if block_kv not in (64, 128, 256):
         raise ValueError(f"{name}: block_kv must be 64, 128 or 256, got {block_kv}")
     if num_stages < 2:
