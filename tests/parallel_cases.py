@@ -245,6 +245,29 @@ def test_server_over_tensor_parallel_replicas(ckpts, tp1):
         assert core.shutdown() == 0, "the engine core did not exit cleanly"
 
 
+def test_replicas_load_replica_zeros_compiled_steps(ckpts, tp1, prompts, monkeypatch):
+    """Warm-up compiles each step once: the second replica (devices 2, 3) loads replica 0's executables
+    (devices 0, 1) onto its own devices instead of compiling them again, and they compute the same tokens."""
+    import jaxinfer.engine.runner as runner_mod
+    loaded, real = [], runner_mod.relocate
+
+    def counting(exe, src, dst):
+        out = real(exe, src, dst)
+        loaded.append((tuple(d.id for d in src), tuple(d.id for d in dst), out is not None))
+        return out
+    monkeypatch.setattr(runner_mod, "relocate", counting)
+    kw = {**BASE, "max_num_seqs": 3, "warmup": True, "num_scheduler_steps": 1}    # programs no other test made
+    llm = LLM(ckpts["gqa_v509"], data_parallel_size=2, tensor_parallel_size=2, **kw)
+    assert len(loaded) == len(llm.engine.replicas[1].runner.compiled) > 0
+    assert all(src == (0, 1) and dst == (2, 3) for src, dst, _ in loaded), loaded
+    # (XLA CPU cannot serialize some programs, e.g. a sort's comparator: those are compiled, as before)
+    assert sum(ok for _, _, ok in loaded) >= len(loaded) // 2, loaded
+    sp = [SamplingParams(temperature=0.9, max_tokens=6, ignore_eos=True, seed=i) for i in range(6)]
+    got = run(llm, prompts * 2, sp)
+    assert llm.stats()["compilations"] == 0         # (counted process-wide: before tp1 compiles its own)
+    assert got == run(tp1, prompts * 2, sp)
+
+
 @pytest.mark.parametrize("kw, words", [
     (dict(tensor_parallel_size=0), ["tensor_parallel_size=0"]),
     (dict(data_parallel_size=-1), ["data_parallel_size=-1"]),

@@ -69,9 +69,11 @@ class DPEngine:
         self.runner = _RunnerView(self.replicas)
 
     def warmup(self, progress=None) -> None:
-        """Every replica compiles its buckets at the same time (XLA compiles outside the GIL)."""
-        with ThreadPoolExecutor(len(self.replicas)) as pool:
-            list(pool.map(lambda r: r.runner.warmup(progress), self.replicas))
+        """Replica 0 compiles every bucket; the others load those executables onto their own devices
+        (ExecutableCache / parallel/relocate.py: milliseconds a step), or compile where that cannot be done."""
+        self.replicas[0].runner.warmup(progress)
+        with ThreadPoolExecutor(len(self.replicas) - 1) as pool:
+            list(pool.map(lambda r: r.runner.warmup(progress), self.replicas[1:]))
         for r in self.replicas:      # compile counters are process-wide: count from the end of every warm-up
             r.warmup()               # (nothing left to compile: the baseline, then gc.collect + gc.freeze)
 
@@ -183,7 +185,7 @@ class _RunnerView:
         self._replicas = replicas
 
     def buckets(self) -> list:
-        """Every replica's buckets (each replica compiles its own: executables are bound to devices)."""
+        """Every replica's buckets (each replica has its own executables: they are bound to devices)."""
         return [k for r in self._replicas for k in r.runner.buckets()]
 
     def __getattr__(self, name):         # params, widths, compiled, ...: replica 0's

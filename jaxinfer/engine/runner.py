@@ -22,6 +22,7 @@ from jaxinfer.model import layers
 from jaxinfer.model.kv_scales import kv_cache_dtype, with_kv_scales
 from jaxinfer.parallel import Placement, kv_heads, make_placements
 from jaxinfer.parallel.layout import KV_SPEC
+from jaxinfer.parallel.relocate import relocate
 from jaxinfer.multistep import make_multistep, multistep_layout
 from jaxinfer.step import batch_layout, idle_batch, jit_step, make_step
 from jaxinfer.xla_options import step_compiler_options
@@ -35,25 +36,35 @@ MULTISTEP_MAX_ROWS = 8
 
 
 class ExecutableCache:
-    """Compiled steps keyed by everything that shapes the program. Params are arguments, so an executable
-    serves any weights of the same shapes: every LLM in a process shares `SHARED_EXECUTABLES` by default,
-    and a second LLM of the same size starts at once."""
+    """Compiled steps keyed by everything that shapes the program, and by the devices they run on. Params are
+    arguments, so an executable serves any weights of the same shapes: every LLM in a process shares
+    `SHARED_EXECUTABLES` by default, and a second LLM of the same size starts at once. A step wanted on other
+    devices than those it was compiled for (a data-parallel replica) is loaded there from the compiled one
+    (parallel/relocate.py: milliseconds instead of a compile)."""
 
     def __init__(self):
         self._compiled: dict[tuple, object] = {}
+        self._any_devices: dict[tuple, tuple] = {}       # program key -> (devices, executable): one to relocate
         self._lock = threading.Lock()
 
-    def get(self, key: tuple, build):
-        exe = self._compiled.get(key)
+    def get(self, key: tuple, devices: list, build):
+        """The executable of program `key` on `devices` (a mesh's devices, in order): cached, relocated from
+        another set of devices, or `build()`."""
+        full = (key, tuple(d.id for d in devices))
+        exe = self._compiled.get(full)
         if exe is None:
-            exe = build()
+            other = self._any_devices.get(key)
+            exe = relocate(other[1], list(other[0]), list(devices)) if other is not None else None
+            exe = exe or build()
             with self._lock:
-                exe = self._compiled.setdefault(key, exe)
+                exe = self._compiled.setdefault(full, exe)
+                self._any_devices.setdefault(key, (tuple(devices), exe))
         return exe
 
     def clear(self) -> None:
         with self._lock:
             self._compiled.clear()
+            self._any_devices.clear()
 
 
 SHARED_EXECUTABLES = ExecutableCache()
@@ -242,7 +253,7 @@ class ModelRunner:
             kind, T, B, W, filtered, *K = key
             shared = (self.model, self.engine.attn_backend, str(self.dtype), str(self.kv_dtype), self.num_blocks,
                       self.engine.block_size, self.interpret, self.max_rows,
-                      isinstance(self.params["layers"], tuple), self.placement.key, key,
+                      isinstance(self.params["layers"], tuple), len(self.placement.devices), key,
                       layers.GEMV_MAX_ROWS, layers.GEMV_FUSE)      # the small-batch matmul choice shapes the program
 
             def build():
@@ -261,7 +272,7 @@ class ModelRunner:
                 return lowered.compile(compiler_options=step_compiler_options(self.placement.devices[0].platform,
                                                                              len(self.placement.devices)))
             t0 = time.perf_counter()
-            self.compiled[key] = self.executables.get(shared, build)
+            self.compiled[key] = self.executables.get(shared, self.placement.devices, build)
             if not quiet and time.perf_counter() - t0 > 0.5:       # a step compiled lazily, mid-run
                 log.info("compiled the %s step for %d tokens, %d rows, %d-block tables in %.1f s",
                          kind, T, B, W, time.perf_counter() - t0)

@@ -54,11 +54,6 @@ class Placement:
         """This process's first device of the replica: where its free memory is read."""
         return next(d for d in self.devices if d.process_index == jax.process_index())
 
-    @property
-    def key(self) -> tuple:
-        """Identifies the devices (a compiled executable is bound to them)."""
-        return tuple(d.id for d in self.devices)
-
     def sharding(self, spec: P = P()) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
 
