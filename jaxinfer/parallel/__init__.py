@@ -8,7 +8,8 @@ replicated: still one host->device transfer per step. Sampling reduces each devi
 (max, argmax) per row, then all-gathers those [tp, B] pairs: [B, V] logits are never gathered.
 
 Data parallelism (`data_parallel_size` = dp): dp independent engine replicas on disjoint devices in one
-process (engine/dp_engine.py); each may itself be tensor-parallel.
+process (engine/dp_engine.py); each may itself be tensor-parallel. Replica 0 compiles the steps; the others
+load those executables onto their own devices (relocate.py) instead of compiling them again.
 
 Several hosts. Every host runs the same program (`jaxinfer serve ...` or a script) after
 
