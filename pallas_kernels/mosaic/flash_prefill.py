@@ -35,6 +35,7 @@ from pallas_kernels.quant import is_fp8, kv_scales, load_scales
 ROWS = 64  # wgmma's M: rows of one q head per compute warpgroup
 DEFAULT_BLOCK_KV = 128  # key tokens per tile (8 pages of 16); untuned. fp8 pages: 64 (their f16 tiles need SMEM)
 DEFAULT_NUM_STAGES = 2  # K/V tiles in flight
+__all__ = ["available", "flash_prefill", "flash_prefill_reference", "smem_bytes"]  # available: paged_decode's
 
 
 def _on_gpu() -> bool:
