@@ -6,7 +6,8 @@ pages with k_scale / v_scale / layer); its tile metadata (q tiles of one sequenc
 are reused. Design: JAX's FA3-style attention_mgpu made paged and varlen; three warpgroups per program.
   * Two compute warpgroups, each 64 q rows (wgmma's M) of one head. Even GQA group (Qwen3: 2): two q heads of one
     kv head on the same rows, so both read each K/V tile from SMEM with the same causal work; otherwise the two
-    64-row halves of a 128-row tile of one head. grid = (head units, q tiles), heads fastest (K/V shared in L2).
+    64-row halves of a 128-row tile of one head. grid = (head units, q tiles): Mosaic runs the last axis fastest,
+    so the programs in flight are mostly one kv head's q tiles, heaviest first, sharing its K/V in L2.
   * One memory warpgroup: TMA copies of K/V tiles of `block_kv` tokens, one per page (id from the block table),
     into a swizzled SMEM ring of `num_stages` slots, each refilled once both compute warpgroups released it.
   * QK^T and P.V on wgmma (fp32 accumulators), online softmax in base 2; key tiles below the diagonal unmasked,
