@@ -50,6 +50,7 @@ LOWER_CASES = [
     (512, 16, 8, 128, 128, 4, 4, jnp.bfloat16, dict(block_kv=64)),  # pages bigger than a tile
     (1024, 16, 8, 128, 16, 4, 32, jnp.bfloat16, dict(block_kv=64, num_stages=3)),
     (256, 4, 2, 64, 16, 2, 16, jnp.bfloat16, dict(block_kv=256, num_stages=2)),
+    (1024, 16, 8, 128, 16, 4, 32, jnp.bfloat16, dict(pair_heads=False)),  # GQA 2 in FA3's layout
 ]
 
 
@@ -181,6 +182,7 @@ def test_reference_is_the_flash_attention_reference():
     ([300, 65], [40, 1000], 16, 4, 1, 128, {}),  # MQA
     ([129, 64, 1], [0, 7, 500], 8, 8, 8, 64, {}),  # no GQA (128-row tiles), head_dim 64, 8-token pages
     ([100, 37], [20, 0], 128, 6, 2, 64, dict(block_kv=64)),  # group 3, pages bigger than a tile
+    ([512, 1024, 1, 300], [0, 0, 700, 1000], 16, 16, 8, 128, dict(pair_heads=False)),  # FA3's layout
 ])
 def test_gpu_matches_reference(n_new, prefix, block_size, heads, kv_heads, head_dim, opts):
     """Permuted block tables, ragged lengths, cached prefixes, padding rows; bf16 against the jnp reference."""

@@ -239,15 +239,15 @@ def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, lens_ref
     )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_stages", "pair_heads", "interpret"))
 def _flash_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scales=None, *, scale, block_kv,
-                   num_stages, interpret=False):
+                   num_stages, pair_heads=True, interpret=False):
     """scales: (k_scale [L, C], v_scale [L, C], layer [1]) of fp8 caches (quant.kv_scales), else None."""
     num_tokens, heads, head_dim = q.shape  # [T, H, D]
     _, block_size, kv_heads, _ = k_cache.shape
     batch, group = seq_lens.shape[0], heads // kv_heads
     seq_lens = jnp.clip(seq_lens, 0, block_tables.shape[1] * block_size)  # page ids stay inside the table
-    heads_per_program = 2 if group % 2 == 0 else 1
+    heads_per_program = 2 if pair_heads and group % 2 == 0 else 1
     tile_rows = ROWS * (2 // heads_per_program)
     tile_seq, tile_first, tile_end = tile_metadata(cu_seqlens_q, seq_lens, num_tokens, tile_rows)  # [NT] each
     quantized = scales is not None
@@ -279,13 +279,14 @@ def flash_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_ta
                   cu_seqlens_q: jax.Array, seq_lens: jax.Array, *, scale: float | None = None,
                   k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, layer: int | jax.Array = 0,
                   interpret: bool = False, block_kv: int | None = None,
-                  num_stages: int = DEFAULT_NUM_STAGES) -> jax.Array:
+                  num_stages: int = DEFAULT_NUM_STAGES, pair_heads: bool = True) -> jax.Array:
     """Causal prefill (flash_attention's contract) on Mosaic GPU: q [T, H, D], caches [P, block_size, K, D].
 
     Needs bf16/fp16 q, head_dim 64 or 128, block_size >= 8. float8_e4m3fn caches need k_scale / v_scale
     (and `layer` for stacked [L, C] scales). block_kv: key tokens per tile (64, 128, 256; None: 128, 64 for fp8
-    pages); num_stages: tiles in flight (>= 2). interpret: Mosaic GPU's interpreter on the CPU (threads, SMEM, TMA
-    and mbarriers simulated; the wgmmas become dots). Returns [T, H, D] in q's dtype.
+    pages); num_stages: tiles in flight (>= 2); pair_heads: two q heads of a kv head per program when the GQA
+    group is even (False: FA3's two 64-row halves of one head). interpret: Mosaic GPU's interpreter on the CPU
+    (threads, SMEM, TMA and mbarriers simulated; the wgmmas become dots). Returns [T, H, D] in q's dtype.
     """
     name = "flash_prefill"
     if plgpu is None:
@@ -320,7 +321,8 @@ def flash_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_ta
                          f"{need} bytes of shared memory, more than {MAX_SMEM}: use fewer stages or a smaller block_kv")
     scale = float(head_dim ** -0.5 if scale is None else scale)
     return _flash_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scales, scale=scale,
-                          block_kv=block_kv, num_stages=num_stages, interpret=bool(interpret))
+                          block_kv=block_kv, num_stages=num_stages, pair_heads=bool(pair_heads),
+                          interpret=bool(interpret))
 
 
 # The plain jnp reference: the Triton kernel's (same contract), not a copy.
