@@ -1,5 +1,6 @@
 """Attention kernels on Pallas' Mosaic GPU backend (Hopper: TMA async copies, mbarriers, wgmma).
 
-GPU only: Mosaic GPU has no interpret mode here, so the CPU tests only check that the kernels lower for CUDA;
-the gpu-marked tests compare them with the jnp references on the device (docs/kernels.md).
+The CPU tests lower the kernels for CUDA and run them in JAX's Mosaic GPU interpreter (threads, SMEM, TMA and
+barriers simulated; wgmma as plain dots) against the jnp references; the gpu-marked tests compare them on the
+device (docs/kernels.md).
 """

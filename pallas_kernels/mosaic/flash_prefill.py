@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._common import LOG2E, NEG_BIG, check_cu_seqlens, check_paged_inputs
 from pallas_kernels.flash_attention import flash_attention_reference, tile_metadata
 from pallas_kernels.mosaic.paged_decode import (DTYPES, MAX_SMEM, _interpreter, _row_layout, _tiled, _to_f16_tile,
-                                               available, plgpu)
+                                               available, check_runnable, plgpu)
 from pallas_kernels.quant import is_fp8, kv_scales, load_scales
 
 ROWS = 64  # wgmma's M: rows of one q head per compute warpgroup
@@ -289,14 +289,9 @@ def flash_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_ta
     (threads, SMEM, TMA and mbarriers simulated; the wgmmas become dots). Returns [T, H, D] in q's dtype.
     """
     name = "flash_prefill"
-    if plgpu is None:
-        raise ValueError(f"{name}: this JAX has no Pallas Mosaic GPU backend (jax.experimental.pallas.mosaic_gpu)")
-    if interpret and _interpreter() is None:
-        raise ValueError(f"{name}: interpret=True needs Mosaic GPU's interpreter, which this JAX lacks; use "
-                         "flash_prefill_reference or pallas_kernels.flash_attention on the CPU")
-    if not interpret and not _on_gpu():
-        raise ValueError(f"{name}: needs a CUDA GPU (Mosaic GPU has no CPU mode); JAX's backend here is "
-                         f"{jax.default_backend()!r}: use pallas_kernels.flash_attention")
+    check_runnable(name, interpret, _on_gpu(), "flash_prefill_reference or pallas_kernels.flash_attention",
+                   f"needs a CUDA GPU (Mosaic GPU has no CPU mode); JAX's backend here is "
+                   f"{jax.default_backend()!r}: use pallas_kernels.flash_attention")
     if q.ndim != 3:
         raise ValueError(f"{name}: q must be [T, H, D], got shape {q.shape}")
     num_tokens, heads, head_dim = q.shape

@@ -107,6 +107,18 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def check_runnable(name: str, interpret: bool, on_gpu: bool, reference: str, gpu_needed: str) -> None:
+    """ValueErrors for the ways a Mosaic GPU kernel cannot run here: no Mosaic GPU in this JAX; interpret=True
+    without its interpreter (use `reference`); on a CPU without interpret (`gpu_needed` says what instead)."""
+    if plgpu is None:
+        raise ValueError(f"{name}: this JAX has no Pallas Mosaic GPU backend (jax.experimental.pallas.mosaic_gpu)")
+    if interpret and _interpreter() is None:
+        raise ValueError(f"{name}: interpret=True needs Mosaic GPU's interpreter, which this JAX lacks; use "
+                         f"{reference} on the CPU")
+    if not interpret and not on_gpu:
+        raise ValueError(f"{name}: {gpu_needed}")
+
+
 def _row_layout():
     """Layout of a per-row vector of a wgmma accumulator (m, l): WGMMA.reduce(1) (0.10-0.11), WGMMA_ROW later."""
     return getattr(plgpu.Layout, "WGMMA_ROW", None) or plgpu.Layout.WGMMA.reduce(1)
@@ -262,14 +274,10 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     choice); num_stages: tiles in flight. interpret: Mosaic GPU's interpreter (CPU). Returns [B, H, D], q's dtype.
     """
     name = "paged_decode_attention"
-    if plgpu is None:
-        raise ValueError(f"{name}: this JAX has no Pallas Mosaic GPU backend (jax.experimental.pallas.mosaic_gpu)")
-    if interpret and _interpreter() is None:
-        raise ValueError(f"{name}: interpret=True needs Mosaic GPU's interpreter, which this JAX lacks; use "
-                         "paged_decode_attention_reference or pallas_kernels.paged_attention on the CPU")
-    if not interpret and not _on_gpu():
-        raise ValueError(f"{name}: attn_backend='mosaic' needs a CUDA GPU (Mosaic GPU has no CPU or interpret mode); "
-                         f"JAX's backend here is {jax.default_backend()!r}: use 'xla' or 'pallas'")
+    check_runnable(name, interpret, _on_gpu(),
+                   "paged_decode_attention_reference or pallas_kernels.paged_attention",
+                   f"attn_backend='mosaic' needs a CUDA GPU (Mosaic GPU has no CPU mode); JAX's backend here is "
+                   f"{jax.default_backend()!r}: use 'xla' or 'pallas'")
     if q.ndim != 3:
         raise ValueError(f"{name}: q must be [B, H, D], got shape {q.shape}")
     check_paged_inputs(name, q.shape[1], q.shape[-1], q.dtype, k_cache, v_cache, block_tables, seq_lens,
