@@ -248,14 +248,14 @@ def test_server_over_tensor_parallel_replicas(ckpts, tp1):
 def test_replicas_load_replica_zeros_compiled_steps(ckpts, tp1, prompts, monkeypatch):
     """Warm-up compiles each step once: the second replica (devices 2, 3) loads replica 0's executables
     (devices 0, 1) onto its own devices instead of compiling them again, and they compute the same tokens."""
-    import jaxinfer.engine.runner as runner_mod
-    loaded, real = [], runner_mod.relocate
+    import jaxinfer.engine.executables as executables
+    loaded, real = [], executables.relocate
 
     def counting(exe, src, dst):
         out = real(exe, src, dst)
         loaded.append((tuple(d.id for d in src), tuple(d.id for d in dst), out is not None))
         return out
-    monkeypatch.setattr(runner_mod, "relocate", counting)
+    monkeypatch.setattr(executables, "relocate", counting)
     kw = {**BASE, "max_num_seqs": 3, "warmup": True, "num_scheduler_steps": 1}    # programs no other test made
     llm = LLM(ckpts["gqa_v509"], data_parallel_size=2, tensor_parallel_size=2, **kw)
     assert len(loaded) == len(llm.engine.replicas[1].runner.compiled) > 0

@@ -1,16 +1,13 @@
 """Owns the weights and the paged KV cache; compiles one step per bucket at start-up and runs them.
 
 Every bucket (kind, T tokens, B rows, W block-table width) is compiled ahead of time, so serving never
-compiles; a `CompileCounter` (a JAX monitoring listener the engine owns) counts every XLA compilation in
-the process while the engine lives, so a stray one after warm-up shows up in `LLM.stats()`.
+compiles; the executables live in an `ExecutableCache` (engine/executables.py), shared by every LLM in the process.
 """
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -22,9 +19,9 @@ from jaxinfer.model import layers
 from jaxinfer.model.kv_scales import kv_cache_dtype, with_kv_scales
 from jaxinfer.parallel import Placement, kv_heads, make_placements
 from jaxinfer.parallel.layout import KV_SPEC
-from jaxinfer.parallel.relocate import relocate
 from jaxinfer.multistep import make_multistep, multistep_layout
 from jaxinfer.step import batch_layout, idle_batch, jit_step, make_step
+from jaxinfer.engine.executables import SHARED_EXECUTABLES, ExecutableCache
 from jaxinfer.xla_options import step_compiler_options
 
 log = logging.getLogger(__name__)
@@ -33,74 +30,6 @@ MULTISTEP_KS = (4, 16)        # auto: steps per call compiled for small batches 
 # TPOT K-step vs one step per call): batch 1 1.39 vs 1.51 ms, batch 8 1.61 vs 1.64, batch 32 2.44 vs 2.24 ms, so
 # bucket 32 runs one step per call (and warm-up compiles 4 programs fewer).
 MULTISTEP_MAX_ROWS = 8
-
-
-class ExecutableCache:
-    """Compiled steps keyed by everything that shapes the program, and by the devices they run on. Params are
-    arguments, so an executable serves any weights of the same shapes: every LLM in a process shares
-    `SHARED_EXECUTABLES` by default, and a second LLM of the same size starts at once. A step wanted on other
-    devices than those it was compiled for (a data-parallel replica) is loaded there from the compiled one
-    (parallel/relocate.py: milliseconds instead of a compile)."""
-
-    def __init__(self):
-        self._compiled: dict[tuple, object] = {}
-        self._any_devices: dict[tuple, tuple] = {}       # program key -> (devices, executable): one to relocate
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple, devices: list, build):
-        """The executable of program `key` on `devices` (a mesh's devices, in order): cached, relocated from
-        another set of devices, or `build()`."""
-        full = (key, tuple(d.id for d in devices))
-        exe = self._compiled.get(full)
-        if exe is None:
-            other = self._any_devices.get(key)
-            exe = relocate(other[1], list(other[0]), list(devices)) if other is not None else None
-            exe = exe or build()
-            with self._lock:
-                exe = self._compiled.setdefault(full, exe)
-                self._any_devices.setdefault(key, (tuple(devices), exe))
-        return exe
-
-    def clear(self) -> None:
-        with self._lock:
-            self._compiled.clear()
-            self._any_devices.clear()
-
-
-SHARED_EXECUTABLES = ExecutableCache()
-
-
-class CompileCounter:
-    """Counts XLA compilations in this process while it lives (a JAX monitoring listener, removed by
-    `close()` or when the counter is collected: the listener holds only a weak reference to it)."""
-    _EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __init__(self):
-        self.count = 0
-        self._lock = threading.Lock()
-        me = weakref.ref(self)
-
-        def listener(event: str, *args, **kwargs) -> None:
-            counter = me()
-            if counter is not None and event == CompileCounter._EVENT:
-                with counter._lock:
-                    counter.count += 1
-        self._listener = listener
-        jax.monitoring.register_event_duration_secs_listener(listener)
-
-    def close(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            try:
-                jax.monitoring.unregister_event_duration_listener(listener)
-            except (AssertionError, ValueError):    # already gone (e.g. clear_event_listeners)
-                pass
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:       # at interpreter exit jax.monitoring may already be torn down
-            pass
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype) -> int:

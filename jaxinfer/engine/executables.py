@@ -1,0 +1,83 @@
+"""Compiled steps and the count of compilations.
+
+`ExecutableCache`: every compiled step, keyed by what shapes the program and by its devices; a step wanted on
+other devices than those it was compiled for is loaded there from the compiled one (parallel/relocate.py).
+`CompileCounter`: counts XLA compilations in the process while an engine lives (a stray one after warm-up
+shows up in `LLM.stats()`).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import jax
+
+from jaxinfer.parallel.relocate import relocate
+
+
+class ExecutableCache:
+    """Compiled steps keyed by everything that shapes the program, and by the devices they run on. Params are
+    arguments, so an executable serves any weights of the same shapes: every LLM in a process shares
+    `SHARED_EXECUTABLES` by default, and a second LLM of the same size starts at once. A step wanted on other
+    devices than those it was compiled for (a data-parallel replica) is loaded there from the compiled one
+    (parallel/relocate.py: milliseconds instead of a compile)."""
+
+    def __init__(self):
+        self._compiled: dict[tuple, object] = {}
+        self._any_devices: dict[tuple, tuple] = {}       # program key -> (devices, executable): one to relocate
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, devices: list, build):
+        """The executable of program `key` on `devices` (a mesh's devices, in order): cached, relocated from
+        another set of devices, or `build()`."""
+        full = (key, tuple(d.id for d in devices))
+        exe = self._compiled.get(full)
+        if exe is None:
+            other = self._any_devices.get(key)
+            exe = relocate(other[1], list(other[0]), list(devices)) if other is not None else None
+            exe = exe or build()
+            with self._lock:
+                exe = self._compiled.setdefault(full, exe)
+                self._any_devices.setdefault(key, (tuple(devices), exe))
+        return exe
+
+    def clear(self) -> None:
+        with self._lock:
+            self._compiled.clear()
+            self._any_devices.clear()
+
+
+SHARED_EXECUTABLES = ExecutableCache()
+
+
+class CompileCounter:
+    """Counts XLA compilations in this process while it lives (a JAX monitoring listener, removed by
+    `close()` or when the counter is collected: the listener holds only a weak reference to it)."""
+    _EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+        self._lock = threading.Lock()
+        me = weakref.ref(self)
+
+        def listener(event: str, *args, **kwargs) -> None:
+            counter = me()
+            if counter is not None and event == CompileCounter._EVENT:
+                with counter._lock:
+                    counter.count += 1
+        self._listener = listener
+        jax.monitoring.register_event_duration_secs_listener(listener)
+
+    def close(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            try:
+                jax.monitoring.unregister_event_duration_listener(listener)
+            except (AssertionError, ValueError):    # already gone (e.g. clear_event_listeners)
+                pass
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:       # at interpreter exit jax.monitoring may already be torn down
+            pass
