@@ -35,7 +35,8 @@ class ExecutableCache:
         if exe is None:
             other = self._any_devices.get(key)
             exe = relocate(other[1], list(other[0]), list(devices)) if other is not None else None
-            exe = exe or build()
+            if exe is None:
+                exe = build()
             with self._lock:
                 exe = self._compiled.setdefault(full, exe)
                 self._any_devices.setdefault(key, (tuple(devices), exe))
