@@ -116,7 +116,8 @@ def test_interpreter_matches_reference(lens, block_size, heads, kv_heads, head_d
 
 
 def test_interpret_without_the_interpreter_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(paged_decode, "_interpreter", lambda: None)
+    from pallas_kernels.mosaic import _common
+    monkeypatch.setattr(_common, "_interpreter", lambda: None)        # where check_runnable looks
     z = jnp.zeros
     with pytest.raises(ValueError, match="interpret=True needs Mosaic GPU's interpreter"):
         paged_decode_attention(z((2, 4, 64), jnp.bfloat16), z((6, 16, 2, 64), jnp.bfloat16),

@@ -29,8 +29,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import LOG2E, NEG_BIG, check_cu_seqlens, check_paged_inputs
 from pallas_kernels.flash_attention import flash_attention_reference, tile_metadata
-from pallas_kernels.mosaic.paged_decode import (DTYPES, MAX_SMEM, _interpreter, _row_layout, _tiled, _to_f16_tile,
-                                               available, check_runnable, plgpu)
+from pallas_kernels.mosaic._common import (DTYPES, MAX_SMEM, _interpreter, _row_layout, _tiled, _to_f16_tile,
+                                           available, check_runnable, plgpu)
 from pallas_kernels.quant import is_fp8, kv_scales, load_scales
 
 ROWS = 64  # wgmma's M: rows of one q head per compute warpgroup

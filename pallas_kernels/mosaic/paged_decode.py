@@ -33,28 +33,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-try:
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-except ImportError:  # a jaxlib without Mosaic GPU
-    plgpu = None
-
 from pallas_kernels._common import LOG2E, NEG_BIG, check_paged_inputs
+from pallas_kernels.mosaic._common import (DTYPES, MAX_SMEM, _interpreter, _row_layout, _tiled, _to_f16_tile,  # noqa: F401
+                                           available, check_runnable, plgpu)
 from pallas_kernels.paged_attention import choose_num_splits, paged_attention_reference
 from pallas_kernels.quant import is_fp8, kv_scales, load_scales
 
 ROWS = 64  # wgmma's M (one warpgroup); a GQA group is padded to it with neighbouring q rows
-SWIZZLE = 128  # bytes; K/V/q tiles are 8 rows x 128 bytes (64 for fp8 rows of 64), the layout wgmma reads
 DEFAULT_BLOCK_N = 64  # tokens per tile (4 pages of 16); untuned
 # 2 slots: 64 KiB of K/V + 16 KiB q + 16 KiB bf16 output rows (one split) keeps 2 programs per SM (228 KiB);
 # with splits the output rows are fp32 (32 KiB) and one fits. Untuned.
 DEFAULT_NUM_STAGES = 2
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-MAX_SMEM = 232448  # bytes a Hopper block may use (227 KiB); Mosaic also reserves 2 KiB of reduction scratch
-
-
-def available() -> bool:
-    """Whether this JAX has Pallas' Mosaic GPU backend (the kernel still needs a Hopper GPU to run)."""
-    return plgpu is not None
 
 
 def smem_bytes(head_dim: int, block_n: int, num_stages: int, num_splits: int, fp8: bool = False) -> int:
@@ -62,19 +51,6 @@ def smem_bytes(head_dim: int, block_n: int, num_stages: int, num_splits: int, fp
     out = 2 if num_splits == 1 else 4
     kv = 2 * num_stages * block_n * head_dim * (1 if fp8 else 2) + (2 * block_n * head_dim * 2 if fp8 else 0)
     return ROWS * head_dim * (2 + out) + kv + ROWS * 4 + 3072
-
-
-def _tiled(dtype, head_dim: int) -> tuple:
-    """SMEM transforms of a [rows, head_dim] tile: 8-row tiles as wide as the swizzle (<= 128 bytes of a row)."""
-    swizzle = min(SWIZZLE, head_dim * jnp.dtype(dtype).itemsize)
-    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
-
-
-def _to_f16_tile(src, dst):
-    """An fp8 tile in SMEM -> f16 in `dst` (SMEM) through registers, visible to the wgmma of every thread."""
-    dst[...] = src[...].astype(dst.dtype)
-    plgpu.commit_smem()
-    return dst
 
 
 def _matmul(a, b_ref, shape, interpret: bool, transpose_b: bool = False):
@@ -93,35 +69,9 @@ def _matmul(a, b_ref, shape, interpret: bool, transpose_b: bool = False):
     return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
 
 
-def _interpreter():
-    """The params class of Mosaic GPU's interpreter (a private JAX module, in 0.10.2 and 0.11), or None."""
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    except ImportError:
-        return None
-    return InterpretGPUParams
-
-
 def _on_gpu() -> bool:
     """Where the kernel can run (the CPU tests replace this to lower it for CUDA on a machine without a GPU)."""
     return jax.default_backend() == "gpu"
-
-
-def check_runnable(name: str, interpret: bool, on_gpu: bool, reference: str, gpu_needed: str) -> None:
-    """ValueErrors for the ways a Mosaic GPU kernel cannot run here: no Mosaic GPU in this JAX; interpret=True
-    without its interpreter (use `reference`); on a CPU without interpret (`gpu_needed` says what instead)."""
-    if plgpu is None:
-        raise ValueError(f"{name}: this JAX has no Pallas Mosaic GPU backend (jax.experimental.pallas.mosaic_gpu)")
-    if interpret and _interpreter() is None:
-        raise ValueError(f"{name}: interpret=True needs Mosaic GPU's interpreter, which this JAX lacks; use "
-                         f"{reference} on the CPU")
-    if not interpret and not on_gpu:
-        raise ValueError(f"{name}: {gpu_needed}")
-
-
-def _row_layout():
-    """Layout of a per-row vector of a wgmma accumulator (m, l): WGMMA.reduce(1) (0.10-0.11), WGMMA_ROW later."""
-    return getattr(plgpu.Layout, "WGMMA_ROW", None) or plgpu.Layout.WGMMA.reduce(1)
 
 
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_size: int, group: int,
