@@ -30,14 +30,14 @@ run 8b_tp1       110 $C python scripts/bench.py qwen3-8b --json "$OUT/8b_tp1.jso
                      --step-log "$OUT/8b_tp1_steps.json"
 run 8b_tp2       240 $C python scripts/bench.py qwen3-8b -tp 2 --json "$OUT/8b_tp2.json" \
                      --step-log "$OUT/8b_tp2_steps.json"
-run 06b_1gpu      60 python scripts/bench.py qwen3-0.6b --json "$OUT/06b_1gpu.json"
-run 06b_dp2       75 python scripts/bench.py qwen3-0.6b -dp 2 --json "$OUT/06b_dp2.json" \
+run 06b_1gpu      90 python scripts/bench.py qwen3-0.6b --json "$OUT/06b_1gpu.json"
+run 06b_dp2      120 python scripts/bench.py qwen3-0.6b -dp 2 --json "$OUT/06b_dp2.json" \
                      --step-log "$OUT/06b_dp2_steps.json"
 run 32b_tp2      330 python scripts/bench.py qwen3-32b -tp 2 --json "$OUT/32b_tp2.json"
 run 8b_tp1_lat    90 $C python scripts/bench.py qwen3-8b --latency --latency-output 128 --json "$OUT/8b_tp1_lat.json"
 run 8b_tp2_lat   120 $C python scripts/bench.py qwen3-8b -tp 2 --latency --latency-output 128 \
                      --json "$OUT/8b_tp2_lat.json"
-run 06b_tp2      110 python scripts/bench.py qwen3-0.6b -tp 2 --json "$OUT/06b_tp2.json" \
+run 06b_tp2      140 python scripts/bench.py qwen3-0.6b -tp 2 --json "$OUT/06b_tp2.json" \
                      --profile "$OUT/trace_06b_tp2"
 # extras, if the budget allows (or ONLY=...): W has 256 requests, so DP2 halves each GPU's batch; the same
 # per-GPU load (512 requests on 2 GPUs vs 256 on 1... and 512 on 1) shows how DP scales apart from batch size
