@@ -199,6 +199,9 @@ class LLMEngine:
         else:
             ids = self.runner.run(key + (filtered,), packed)
             self.scheduler.on_dispatch(batch)
+        # start the device -> host copy of the ids now: it runs as soon as the step ends instead of when the host
+        # asks (reading a ready array cost ~0.4 ms a step on the H200 host: a data-parallel round pays it per replica)
+        ids.copy_to_host_async()
         self.host_time["schedule_s"] += t1 - t0
         self.host_time["dispatch_s"] += time.perf_counter() - t1
         entry = None

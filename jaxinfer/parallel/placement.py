@@ -7,6 +7,7 @@ every sharding is that device: the single-GPU engine is the tp = 1 case of the s
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -57,8 +58,8 @@ class Placement:
     def sharding(self, spec: P = P()) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
 
-    @property
-    def replicated(self) -> NamedSharding:
+    @functools.cached_property
+    def replicated(self) -> NamedSharding:       # made once: `put` uses it every step
         return self.sharding(P())
 
     # -- params ---------------------------------------------------------------------------------------
