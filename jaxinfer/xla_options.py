@@ -53,11 +53,6 @@ def wants_skip_temp(env: dict | None = None) -> bool:
     return jaxlib_minor() == (0, 11) and "command_buffer_update_mode" not in env.get("XLA_FLAGS", "")
 
 
-def skip_temp_active(env: dict | None = None) -> bool:
-    """Whether XLA_FLAGS chose the SKIP_TEMP command-buffer mode (read by JAX's GPU client when it starts)."""
-    return "command_buffer_update_mode=SKIP_TEMP" in (os.environ if env is None else env).get("XLA_FLAGS", "")
-
-
 def command_buffer_flags(env: dict | None = None) -> str:
     """XLA_FLAGS with the fast command-buffer mode added where it applies (unchanged otherwise)."""
     env = os.environ if env is None else env

@@ -183,8 +183,7 @@ def run_throughput(args) -> dict:
                                            "preemptions", "prefix_cache_hit_tokens", *HOST_TIMES)}
     st["compilations"] = after["compilations"]
     r = report(llm, st, outs, wall, measure_bandwidth(), args)
-    r.update(logprobs=args.logprobs, presence_penalty=args.presence_penalty, compiled_extras=after.get("compiled_extras"),
-             twin_executables=after.get("twin_executables"))
+    r.update(logprobs=args.logprobs, presence_penalty=args.presence_penalty, compiled_extras=after.get("compiled_extras"))
     if args.repeats > 1:
         r["walls_s"] = walls
         print(f"wall of each of the {args.repeats} repeats: " + ", ".join(f"{w:.2f} s" for w in walls) +
@@ -288,9 +287,6 @@ def parse(argv=None):
                     help="log every step's host times (schedule, dispatch, wait, apply) to PATH; print them by bucket")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="trace the timed run into DIR and print where the GPU time went (trace_summary.py)")
-    ap.add_argument("--no-process-flags", action="store_true",
-                    help="run as a plain `LLM()` in a user's Python does: XLA_FLAGS left as they are (A/B of the "
-                         "SKIP_TEMP mode that the jaxinfer commands set)")
     return ap.parse_args(argv)
 
 
@@ -298,8 +294,7 @@ def main(argv=None) -> dict:
     args = parse(argv)
     args.model = args.model_flag or args.model
     from jaxinfer.xla_options import set_process_flags
-    if not args.no_process_flags:
-        set_process_flags()      # exactly what the `jaxinfer` commands do: this process is ours
+    set_process_flags()          # exactly what the `jaxinfer` commands do: this process is ours
     if args.peer:   # leave GPU memory for PyTorch: JAX would otherwise preallocate 75% of it
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
     r = run_latency(args) if args.latency else run_throughput(args)

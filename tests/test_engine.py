@@ -164,22 +164,3 @@ def test_xla_prefill_chunks_under_a_memory_budget():
     chunked = prefill_xla(q, k, v, tables, cu, lens, gather_budget_bytes=5 * per_token)  # chunks of 4
     np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), atol=1e-6, rtol=1e-6)
     assert float(jnp.abs(whole[20:]).max()) == 0.0
-
-
-def test_twin_executables_take_turns(tiny_dir, alone, monkeypatch):
-    """Two loaded copies of each step taking turns (the GPU's way around a launch that waits for the previous
-    run of the same CUDA graphs, without the SKIP_TEMP process flag) give the same tokens, seeded ones too."""
-    from jaxinfer.engine import runner
-    ps, ref = alone
-    monkeypatch.setattr(runner, "wants_twins", lambda platform: True)
-    llm = LLM(tiny_dir, **BASE)
-    assert tokens(llm, ps) == ref                # compiles (and loads the twins) on first use
-    twins = llm.engine.runner.twins
-    assert twins, "no step could be loaded a second time"
-    calls = []
-    for key, exe in twins.items():             # record which copy runs
-        twins[key] = (lambda exe: lambda *a: (calls.append(1), exe(*a))[1])(exe)
-    assert tokens(llm, ps[::-1]) == ref[::-1]
-    assert 0 < len(calls) < llm.stats()["decode_steps"] + llm.stats()["prefill_steps"], "copies do not alternate"
-    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True)
-    assert tokens(llm, ps, seeded) == tokens(LLM(tiny_dir, **BASE), ps, seeded)

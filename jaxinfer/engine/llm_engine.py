@@ -281,7 +281,6 @@ class LLMEngine:
                     compiled_buckets=len(self.runner.compiled),
                     compiled_multistep=sum(k[0] == "multistep" for k in self.runner.compiled),
                     compiled_extras=len(self.extras.compiled),
-                    twin_executables=len(self.runner.twins or ()),     # runner.py: copies taking turns
                     running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                     **self.counters, **{f"host_{k}": v for k, v in self.host_time.items()})
 

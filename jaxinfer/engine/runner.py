@@ -22,8 +22,7 @@ from jaxinfer.parallel.layout import KV_SPEC
 from jaxinfer.multistep import make_multistep, multistep_layout
 from jaxinfer.step import batch_layout, idle_batch, jit_step, make_step
 from jaxinfer.engine.executables import SHARED_EXECUTABLES, ExecutableCache
-from jaxinfer.parallel.relocate import relocate
-from jaxinfer.xla_options import skip_temp_active, step_compiler_options
+from jaxinfer.xla_options import step_compiler_options
 
 log = logging.getLogger(__name__)
 MULTISTEP_KS = (4, 16)        # auto: steps per call compiled for small batches (the engine picks per call)
@@ -119,11 +118,6 @@ def check_pool_fits(model: ModelConfig, engine: EngineConfig, num_blocks: int, d
                          f"the pool from free memory)")
 
 
-def wants_twins(platform: str) -> bool:
-    """Two loaded copies of each step (ModelRunner.twins): on the GPU, without the SKIP_TEMP mode."""
-    return platform == "gpu" and not skip_temp_active()
-
-
 class ModelRunner:
     """One replica's weights, KV cache and compiled steps, on the devices of its `Placement` (parallel/): one
     device by default; with tensor_parallel_size > 1 a "tp" mesh, params and caches split by NamedSharding and
@@ -154,12 +148,6 @@ class ModelRunner:
         # packed every step: they get one narrow width beside the full one (config.BACKEND_DEFAULTS).
         self.widths = engine.block_table_widths()
         self.compiled: dict[tuple[str, int, int, int, bool], object] = {}
-        # Without XLA's SKIP_TEMP mode (a process flag), launching a step waits for the previous run of the same
-        # executable to end before it updates its CUDA graphs, so the host's work no longer overlaps the GPU's.
-        # Two loaded copies of each one-step program, taking turns, let the update of one overlap the run of the
-        # other (`run`); with SKIP_TEMP, or off the GPU, one copy.
-        self.twins: dict[tuple, object] | None = {} if wants_twins(self.placement.devices[0].platform) else None
-        self._turn = 0
         self.max_rows = max(engine.max_num_seqs, *engine.decode_buckets)   # a bucket may exceed max_num_seqs
         self.last_ids = self.placement.put(np.zeros((self.max_rows,), np.int32))   # previous step's sampled ids
 
@@ -214,11 +202,6 @@ class ModelRunner:
                                                                              len(self.placement.devices)))
             t0 = time.perf_counter()
             self.compiled[key] = self.executables.get(shared, self.placement.devices, build)
-            if self.twins is not None and kind != "multistep":
-                devices = list(self.placement.devices)
-                twin = relocate(self.compiled[key], devices, devices)     # loaded again: no compile
-                if twin is not None:
-                    self.twins[key] = twin
             if not quiet and time.perf_counter() - t0 > 0.5:       # a step compiled lazily, mid-run
                 log.info("compiled the %s step for %d tokens, %d rows, %d-block tables in %.1f s",
                          kind, T, B, W, time.perf_counter() - t0)
@@ -238,8 +221,7 @@ class ModelRunner:
         for key in list(self.compiled):
             kind, T, B, W = key[:4]
             size = (multistep_layout(B, W) if kind == "multistep" else batch_layout(T, B, W))["_size"][0]
-            for _ in range(2 if self.twins and key in self.twins else 1):    # each copy (run takes turns)
-                np.asarray(self.run(key, self.put(idle_batch(size, T, B, W, self.num_slots))))
+            np.asarray(self.run(key, self.put(idle_batch(size, T, B, W, self.num_slots))))
 
     def put(self, packed: np.ndarray) -> jax.Array:
         """Send a step's packed batch to the device(s) (one host -> device copy; replicated over tp)."""
@@ -251,11 +233,7 @@ class ModelRunner:
         if key[0] == "multistep":      # ids [K, B]; last_ids stay (the host reads this call before the next)
             ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, packed, self.last_ids)
             return ids.addressable_data(0) if jax.process_count() > 1 else ids
-        exe = self.compile(key)
-        if self.twins:
-            self._turn ^= 1
-            exe = self.twins.get(key, exe) if self._turn else exe
-        self.last_ids, self.kv_caches = exe(self.params, self.kv_caches, packed, self.last_ids)
+        self.last_ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, packed, self.last_ids)
         if jax.process_count() > 1:     # ids are replicated over a mesh spanning hosts: read this host's copy
             return self.last_ids.addressable_data(0)
         return self.last_ids
