@@ -287,6 +287,9 @@ def parse(argv=None):
                     help="log every step's host times (schedule, dispatch, wait, apply) to PATH; print them by bucket")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="trace the timed run into DIR and print where the GPU time went (trace_summary.py)")
+    ap.add_argument("--no-process-flags", action="store_true",
+                    help="run as a plain `LLM()` in a user's Python does: XLA_FLAGS left as they are (A/B of the "
+                         "SKIP_TEMP mode that the jaxinfer commands set)")
     return ap.parse_args(argv)
 
 
@@ -294,7 +297,8 @@ def main(argv=None) -> dict:
     args = parse(argv)
     args.model = args.model_flag or args.model
     from jaxinfer.xla_options import set_process_flags
-    set_process_flags()          # exactly what the `jaxinfer` commands do: this process is ours
+    if not args.no_process_flags:
+        set_process_flags()      # exactly what the `jaxinfer` commands do: this process is ours
     if args.peer:   # leave GPU memory for PyTorch: JAX would otherwise preallocate 75% of it
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
     r = run_latency(args) if args.latency else run_throughput(args)
