@@ -124,6 +124,26 @@ def logprob_stats(logits, token_ids, top_n: int):
     rank = 1 + jnp.sum(logits > own, axis=-1, keepdims=True)                        # [R, 1]
     cols = [own - lse, rank.astype(jnp.float32)]
     if top_n > 0:
-        vals, ids = jax.lax.top_k(logits, top_n)                                    # [R, N] each
+        vals, ids = top_n_of(logits, top_n)                                         # [R, N] each
         cols += [ids.astype(jnp.float32), vals - lse]
     return jnp.concatenate(cols, axis=-1)
+
+
+def top_n_of(logits, n: int, chunk: int = 128):
+    """lax.top_k(logits [R, V], n) without sorting whole rows: the n largest entries lie in the n chunks (of
+    `chunk` ids) with the largest maxima, since a chunk left out has n larger maxima above it. So: one pass
+    for the chunk maxima [R, V / chunk], then top_k over them and over the n chosen chunks' n * chunk entries.
+    (lax.top_k over a 151936-wide row can lower to a full sort on the GPU: the logprob variant of a 256-row
+    step reads the logits a few times instead.) Ties resolve to the lower id, as lax.top_k's do."""
+    R, V = logits.shape
+    C = -(-V // chunk)
+    if C <= n:                                   # small vocabularies: nothing to save
+        return jax.lax.top_k(logits, n)
+    x = jnp.pad(logits, ((0, 0), (0, C * chunk - V)), constant_values=-jnp.inf) if C * chunk != V else logits
+    x = x.reshape(R, C, chunk)                                                        # [R, C, chunk]
+    _, best = jax.lax.top_k(jnp.max(x, axis=-1), n)                                   # [R, n] chunk ids
+    best = jnp.sort(best, axis=-1)               # candidates in id order: equal values keep the lower id first
+    cand = jnp.take_along_axis(x, best[:, :, None], axis=1).reshape(R, n * chunk)     # [R, n * chunk]
+    vals, j = jax.lax.top_k(cand, n)
+    ids = jnp.take_along_axis(best, j // chunk, axis=1) * chunk + j % chunk
+    return vals, ids

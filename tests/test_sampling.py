@@ -99,3 +99,19 @@ def test_top_k_top_p_min_p_restrict_support():
 def test_bad_sampling_params(kw, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("V, n", [(151936 // 64, 5), (1000, 20), (509, 5), (300, 3), (40, 5)])
+def test_top_n_of_equals_lax_top_k(V, n):
+    """The chunked top-n of the logprob variant gives lax.top_k's values and ids, ties included."""
+    import jax
+    from jaxinfer.sampling import top_n_of
+    rng = np.random.default_rng(V)
+    x = rng.standard_normal((7, V)).astype(np.float32)
+    x[0, :] = 1.0                                      # all tied: the lowest ids
+    x[1, ::37] = 9.0                                   # ties across chunks
+    x[2, -3:] = 50.0                                   # the best ones in the padded last chunk
+    vals, ids = jax.jit(top_n_of, static_argnums=1)(x, n)
+    ref_vals, ref_ids = jax.lax.top_k(x, n)
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(ref_vals))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))

@@ -136,6 +136,8 @@ class ExtrasRunner:
             self.counts = counts
         if jax.process_count() > 1 and out is not None:   # replicated over hosts: read this host's copy
             out = out.addressable_data(0)
+        if out is not None:
+            out.copy_to_host_async()                     # as the ids (LLMEngine.dispatch): read back when ready
         return key, out, where
 
     def sampled_ids(self):
