@@ -119,7 +119,8 @@ class ExtrasRunner:
     def _counts(self):
         if self.counts is None:
             V, S = self.runner.model.vocab_size, self.num_slots
-            self.counts = (self.runner.put(np.zeros((S, V), bool)), self.runner.put(np.zeros((S, V), np.int32)))
+            put = self.runner.placement.put               # device state, kept across steps
+            self.counts = (put(np.zeros((S, V), bool)), put(np.zeros((S, V), np.int32)))
         return self.counts
 
     def dispatch(self, batch, key: tuple, block_size: int):

@@ -57,8 +57,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         plp = [PROMPT_LOGPROB_TOKENS]                   # prompt tokens with logprobs left in this step
         seqs, counts = [], []
-        for seq in self.running:                        # chunked prompts first
-            if seq.is_prefilling and budget > 0 and self._chunk(seq, budget, plp):
+        # chunked prompts first (is_prefilling, inlined: this loop runs over every row of every step)
+        for seq in [q for q in self.running if q.num_computed_tokens < len(q.token_ids) - 1]:
+            if budget > 0 and self._chunk(seq, budget, plp):
                 n = self._chunk(seq, budget, plp, take=True)
                 seqs.append(seq), counts.append(n)
                 budget -= n
