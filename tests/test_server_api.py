@@ -145,8 +145,8 @@ def test_api_key(server, url):
 
 
 def test_queue_bound_answers_503_at_once(server, url):
-    """max_num_seqs 8 + 0 waiting: 8 engine requests are admitted; the next gets 503 + Retry-After at once; a
-    request that could never fit is a 400; the admitted ones complete."""
+    """max_num_seqs 8 + 0 waiting: 8 engine requests are admitted; the next gets 503 + Retry-After at once, before
+    its body is read; a request that could never fit is a 400; the admitted ones complete."""
     app = server[1]
     before = app.state.options
     app.state.options = before.replace(max_waiting_requests=0)
@@ -161,18 +161,22 @@ def test_queue_bound_answers_503_at_once(server, url):
             t = time.perf_counter()
             over = await c.post("/v1/completions", json={"model": MODEL, "prompt": "one more", "max_tokens": 2})
             dt = time.perf_counter() - t
+            # refused by the gate before its body is read: not even a broken body gets that far
+            early = await c.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+            done = await busy        # (while full, the gate answers 503 to any generate request, even this one)
             too_big = await c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 9, "max_tokens": 2})
-            return over, dt, too_big, await busy
+            return over, dt, too_big, early, done
     try:
-        over, dt, too_big, busy = asyncio.run(go())
+        over, dt, too_big, early, busy = asyncio.run(go())
     finally:
         app.state.options = before
     assert over.status_code == 503 and over.headers["retry-after"] == "1" and dt < 1.0
     assert over.json()["error"]["code"] == "overloaded"
+    assert early.status_code == 503 and early.json()["error"]["code"] == "overloaded"
     assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "n"
     assert busy.status_code == 200 and busy.json()["usage"]["completion_tokens"] == 8 * 60
     metrics = httpx.get(url + "/metrics").text
-    assert 'jaxinfer:requests_rejected_total{model_name="tiny-qwen3",reason="queue_full"} 1.0' in metrics
+    assert 'jaxinfer:requests_rejected_total{model_name="tiny-qwen3",reason="queue_full"} 2.0' in metrics
 
 
 def test_metrics(url, client):

@@ -131,6 +131,20 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         admit(len(items))
         return ids_list, items
 
+    def full() -> str | None:
+        """The 503 message when this API process is at its share of the queue bound, else None: the Gate
+        checks it before a generate request's body is read, so a refusal costs the busy event loop little."""
+        c, opts = app.state.client, app.state.options
+        if opts.max_waiting_requests is None or c is None:
+            return None
+        capacity = math.ceil((limits.get("max_num_seqs", 0) + opts.max_waiting_requests) / len(info.out_addrs))
+        if c.inflight < capacity:
+            return None
+        metrics.observe_rejected("queue_full")
+        return (f"the server is overloaded ({c.inflight} requests in flight, --max-waiting-requests "
+                f"{opts.max_waiting_requests}); retry later")
+    app.state.queue_full = full
+
     def admit(need: int) -> None:
         """The waiting-queue bound: 503 + Retry-After now, before anything is queued, when full."""
         c, opts = client(), app.state.options

@@ -6,6 +6,9 @@ middleware (Starlette's BaseHTTPMiddleware would wrap every streamed event of ev
   and the rest stay open, as in vLLM.
 - Draining (after SIGTERM): new requests get 503 with Retry-After (/health too, so a load balancer moves on);
   requests already inside run to their end.
+- Queue bound (`--max-waiting-requests`): while this API process is at its share of the bound, a generate
+  request gets 503 with Retry-After before its body is read (the handler checks the exact need again), so an
+  overloaded server refuses at the cost of one pass through this gate.
 - Body size: a Content-Length over the limit is refused (413) before the body is read; a chunked body is
   counted as it arrives and cut off the same way (an HTTPException(413) from the body read).
 """
@@ -15,6 +18,7 @@ import hmac
 import json
 
 OPEN_WHILE_DRAINING = ("/metrics", "/stats", "/version")
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def _json_response(status: int, message: str, type_: str, code: str | None, headers: tuple = ()):
@@ -41,6 +45,9 @@ class Gate:
         elif self.state.draining and path not in OPEN_WHILE_DRAINING:
             refused = _json_response(503, "the server is shutting down", "server_error", "shutting_down",
                                      ((b"retry-after", str(opts.retry_after_s).encode()),))
+        elif scope["method"] == "POST" and path in GENERATE_PATHS and (msg := self._queue_full()):
+            refused = _json_response(503, msg, "server_error", "overloaded",
+                                     ((b"retry-after", str(opts.retry_after_s).encode()),))
         else:
             length = dict(scope["headers"]).get(b"content-length")
             if length is not None and length.isdigit() and int(length) > opts.max_request_body_bytes:
@@ -65,6 +72,10 @@ class Gate:
             await self.app(scope, counted_receive, send)
         finally:
             self.state.active -= 1
+
+    def _queue_full(self) -> str | None:
+        check = getattr(self.state, "queue_full", None)      # app.py: the queue bound, as the handler's admit()
+        return check() if check is not None else None
 
     @staticmethod
     def _too_large_message(opts) -> str:
