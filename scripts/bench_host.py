@@ -2,7 +2,7 @@
 
     python scripts/bench_host.py [--rows 128 256] [--steps 300] [--json out.json]
 
-A data-parallel round on 2 H200s is bound by this host work (each replica's step costs the one Python thread
+`LLM.generate` over the same stub adds the facade's per-token loop. A data-parallel round on 2 H200s is bound by this host work (each replica's step costs the one Python thread
 its schedule + pack + transfer + launch + apply; docs/performance.md), so it is measured here on its own: the
 engine runs on a tiny checkpoint whose compiled step is replaced by a stub that returns a fixed ids array
 (no device work, no transfer), and every step's host phases come from the engine's own step log. A/B two
@@ -53,6 +53,18 @@ def host_ms(llm, rows: int, steps: int, prompt: int = 200) -> dict:
                 apply_ms=float(apply + wait))
 
 
+def generate_ms(llm, rows: int, steps: int, prompt: int = 200) -> float:
+    """Wall ms per decode step of `LLM.generate` over the stubbed device: the engine's host work plus the
+    facade's per-token loop (what a user's `generate` adds on top of `engine.step`)."""
+    from jaxinfer import SamplingParams
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 500, prompt).tolist() for _ in range(rows)]
+    sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps)
+    t = time.perf_counter()
+    llm.generate(prompts, sp, use_tqdm=False)
+    return (time.perf_counter() - t) / steps * 1e3
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[128, 256])
@@ -71,9 +83,11 @@ def main(argv=None) -> dict:
                       max_num_batched_tokens=rows * 256, max_model_len=1024, num_scheduler_steps=1,
                       num_kvcache_blocks=rows * 64, block_size=16, attn_backend="xla", warmup=False)
             r = host_ms(llm, rows, a.steps)
+            r["generate_ms_per_step"] = generate_ms(llm, rows, a.steps)
             out.append(r)
             print(f"{rows:4d} rows: host ms per step: schedule {r['schedule_ms']:.3f}, pack {r['pack_ms']:.3f}, "
-                  f"apply {r['apply_ms']:.3f}; wall {r['wall_ms_per_step']:.3f}")
+                  f"apply {r['apply_ms']:.3f}; wall {r['wall_ms_per_step']:.3f}; through LLM.generate "
+                  f"{r['generate_ms_per_step']:.3f} (prefill included)")
     write_json(a.json, {"host": out})
     return {"host": out}
 

@@ -8,7 +8,6 @@ build OpenAI-shaped answers (responses.py) or server-sent events (streams.py).
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from jaxinfer.server import choices as C
 from jaxinfer.server import protocol as P
 from jaxinfer.server import responses as R
 from jaxinfer.server import streams
+from jaxinfer.server.admission import Admission
 from jaxinfer.server.client import CoreClient, EngineDeadError, RequestFailed
 from jaxinfer.server.docs import add_docs
 from jaxinfer.server.gate import Gate
@@ -131,35 +131,9 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         admit(len(items))
         return ids_list, items
 
-    def full() -> str | None:
-        """The 503 message when this API process is at its share of the queue bound, else None: the Gate
-        checks it before a generate request's body is read, so a refusal costs the busy event loop little."""
-        c, opts = app.state.client, app.state.options
-        if opts.max_waiting_requests is None or c is None:
-            return None
-        capacity = math.ceil((limits.get("max_num_seqs", 0) + opts.max_waiting_requests) / len(info.out_addrs))
-        if c.inflight < capacity:
-            return None
-        metrics.observe_rejected("queue_full")
-        return (f"the server is overloaded ({c.inflight} requests in flight, --max-waiting-requests "
-                f"{opts.max_waiting_requests}); retry later")
-    app.state.queue_full = full
-
-    def admit(need: int) -> None:
-        """The waiting-queue bound: 503 + Retry-After now, before anything is queued, when full."""
-        c, opts = client(), app.state.options
-        if opts.max_waiting_requests is None:
-            return
-        # this API process's share of max_num_seqs + max_waiting_requests
-        capacity = math.ceil((limits.get("max_num_seqs", 0) + opts.max_waiting_requests) / len(info.out_addrs))
-        if need > capacity:
-            raise P.RequestError(f"the request needs {need} engine requests (prompts x n) but the server admits at "
-                                 f"most {capacity} at a time", param="n")
-        if c.inflight + need > capacity:
-            metrics.observe_rejected("queue_full")
-            raise P.RequestError(f"the server is overloaded ({c.inflight} requests in flight, --max-waiting-requests "
-                                 f"{opts.max_waiting_requests}); retry later", status=503, code="overloaded",
-                                 headers={"Retry-After": str(opts.retry_after_s)})
+    admission = Admission(app.state, limits.get("max_num_seqs", 0), len(info.out_addrs), metrics, client)
+    app.state.queue_full = admission.full          # the Gate's check, before a generate request's body is read
+    admit = admission.admit
 
     async def collect(items, request: Request, t0: float, n: int) -> list[C.Choice]:
         """All choices to their end (no streaming). A client that disconnects first aborts them in the core:

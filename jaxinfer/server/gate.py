@@ -74,7 +74,7 @@ class Gate:
             self.state.active -= 1
 
     def _queue_full(self) -> str | None:
-        check = getattr(self.state, "queue_full", None)      # app.py: the queue bound, as the handler's admit()
+        check = getattr(self.state, "queue_full", None)      # admission.py (set by app.py)
         return check() if check is not None else None
 
     @staticmethod

@@ -1,0 +1,54 @@
+"""The waiting-queue bound of one API process (`--max-waiting-requests`).
+
+Engine requests in flight are bounded by max_num_seqs + max_waiting_requests, split evenly over the API
+processes. Two checks use it:
+- `full()`, from the Gate middleware before a generate request's body is read: while this process is at its
+  share, the request gets 503 at once, at the cost of one pass through the gate (an overloaded event loop is
+  busy with streams, and every further step of a request waits for it);
+- `admit(need)`, from the handler once the request is parsed: the exact need (prompts x n), 400 for a request
+  that could never fit, 503 + Retry-After when it does not fit now.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from jaxinfer.server import protocol as P
+
+
+class Admission:
+    def __init__(self, state, max_num_seqs: int, api_processes: int, metrics,
+                 client: Callable[[], object]):
+        """`state`: the app's state (.options, .client, read per call: tests swap options); `client()` the
+        live CoreClient (raises 503 when the engine is dead)."""
+        self.state, self.max_num_seqs, self.api_processes = state, max_num_seqs, api_processes
+        self.metrics, self.client = metrics, client
+
+    def capacity(self) -> int | None:
+        """This API process's share of max_num_seqs + max_waiting_requests (None: no bound)."""
+        waiting = self.state.options.max_waiting_requests
+        return None if waiting is None else math.ceil((self.max_num_seqs + waiting) / self.api_processes)
+
+    def _overloaded(self, inflight: int) -> str:
+        self.metrics.observe_rejected("queue_full")
+        return (f"the server is overloaded ({inflight} requests in flight, --max-waiting-requests "
+                f"{self.state.options.max_waiting_requests}); retry later")
+
+    def full(self) -> str | None:
+        """The 503 message when this process is at its share of the bound, else None."""
+        cap, c = self.capacity(), self.state.client
+        if cap is None or c is None or c.inflight < cap:
+            return None
+        return self._overloaded(c.inflight)
+
+    def admit(self, need: int) -> None:
+        """Raise a RequestError (400 or 503) unless `need` more engine requests fit now."""
+        c, cap = self.client(), self.capacity()
+        if cap is None:
+            return
+        if need > cap:
+            raise P.RequestError(f"the request needs {need} engine requests (prompts x n) but the server admits at "
+                                 f"most {cap} at a time", param="n")
+        if c.inflight + need > cap:
+            raise P.RequestError(self._overloaded(c.inflight), status=503, code="overloaded",
+                                 headers={"Retry-After": str(self.state.options.retry_after_s)})
