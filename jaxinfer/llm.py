@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.dp_engine import create_engine
 from jaxinfer.engine.llm_engine import is_finished
-from jaxinfer.engine.sequence import Sequence
+from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.hub import resolve_model
 from jaxinfer.model.loader import load_params, random_params
 from jaxinfer.model.presets import is_preset, preset
@@ -136,9 +136,11 @@ class LLM:
         groups = self._add(reqs)
         seqs = [s for g in groups for s in g]
         with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm or None) as bar:
-            for _, seq in self._run(seqs):
-                self._check_stop_strings(seq)
-                bar.update(is_finished(seq))
+            for _, seq in self._run(seqs):          # per token: keep it lean (hundreds per step)
+                if seq.params.stop:
+                    self._check_stop_strings(seq)
+                if seq.status is Status.FINISHED:
+                    bar.update(1)
         texts = TokenTexts(self.tokenizer)
         return [self._output(p, g, texts) for (p, _, _), g in zip(reqs, groups)]
 
@@ -156,8 +158,13 @@ class LLM:
         """Step the engine until every seq finishes, yielding (index in seqs, seq) for each new token.
         However it ends (done, error, or the caller leaving early), nothing is left holding KV blocks."""
         index = {s.seq_id: i for i, s in enumerate(seqs)}
+        first = 0           # seqs[:first] are finished, and stay so: no rescan of every sequence per step
         try:
-            while not all(is_finished(s) for s in seqs):
+            while True:
+                while first < len(seqs) and seqs[first].status is Status.FINISHED:
+                    first += 1
+                if first == len(seqs):
+                    break
                 for seq in self.engine.step():
                     if seq.seq_id in index:
                         yield index[seq.seq_id], seq

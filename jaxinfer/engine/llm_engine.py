@@ -235,15 +235,19 @@ class LLMEngine:
         self.host_time["apply_s"] += now - t1
         if entry is not None:
             entry[5:7] = t1 - t0, now - t1
-        for seq in updated:
-            times = seq.token_times
-            new = len(seq.token_ids) - seq.num_prompt_tokens - seq.num_pending - len(times)   # output tokens
-            if new == 1:
-                times.append(now)
-            elif new > 1:
-                times.extend([now] * new)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
+        if not batch.is_prefill and batch.num_steps == 1:      # the common step: one new token a row
+            for seq in updated:
+                seq.token_times.append(now)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+        else:
+            for seq in updated:
+                times = seq.token_times
+                new = len(seq.token_ids) - seq.num_prompt_tokens - seq.num_pending - len(times)   # output tokens
+                if new > 0:
+                    times.extend([now] * new)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
         self.counters["generated_tokens"] += count
         return updated
 
