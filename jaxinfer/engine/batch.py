@@ -26,7 +26,7 @@ def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
 
 def bucket_for(config: EngineConfig, widths: tuple[int, ...], batch: ScheduledBatch) -> tuple[str, int, int, int]:
     """(kind, T, B, W) of the compiled step that runs this batch."""
-    W = pick_bucket(widths, max(len(s.block_table) for s in batch.seqs))
+    W = pick_bucket(widths, max([len(s.block_table) for s in batch.seqs]))
     if batch.is_prefill:
         T = pick_bucket(config.prefill_buckets, sum(batch.num_new_tokens))
         return "prefill", T, min(config.max_num_seqs, T), W
@@ -87,7 +87,7 @@ def pack(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slo
     # The noise counter is the index of the token this row samples: every output token so far, read back or
     # still on the device. (The read-back count alone depended on whether the previous step had been
     # applied yet, i.e. on what else was queued: seeded tokens then changed with the batch.)
-    f["counters"][:n] = [s.num_scheduled_outputs for s in seqs]
+    f["counters"][:n] = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]     # Sequence.num_scheduled_outputs
     fl = {name: f[name].view(np.float32) for name in FLOAT_FIELDS}
     fl["temperature"][:n] = [p.temperature for p in params]
     fl["top_p"][:] = 1.0

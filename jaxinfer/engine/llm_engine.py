@@ -180,9 +180,10 @@ class LLMEngine:
         else:
             packed = pack(batch, key[1], key[2], key[3], self.config.block_size, self.runner.num_slots)
         # a K-step call: step k reads k more tokens per row (rows that stop early read less: an upper bound)
-        ctx = sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens))
+        new_tokens = sum(batch.num_new_tokens)
+        ctx = sum([s.num_computed_tokens for s in batch.seqs]) + new_tokens
         self.counters["kv_tokens_read"] += K * ctx + len(batch.seqs) * K * (K - 1) // 2
-        self.counters["padded_tokens"] += K * (key[1] - sum(batch.num_new_tokens))
+        self.counters["padded_tokens"] += K * (key[1] - new_tokens)
         self.counters["prefill_steps" if batch.is_prefill else "decode_steps"] += K
         t1 = time.perf_counter()
         packed = self.runner.put(packed) if packed is not None else None

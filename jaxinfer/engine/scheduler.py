@@ -117,6 +117,13 @@ class Scheduler:
     def on_dispatch(self, batch: ScheduledBatch) -> None:
         """The step is on its way: count its tokens as computed and give each sampling row a
         placeholder token, so the next step can be scheduled before this one is read back."""
+        if not batch.is_prefill:        # a decode row computes its last token, so it always samples one
+            for seq in batch.seqs:
+                seq.num_computed_tokens += 1
+                seq.token_ids.append(PLACEHOLDER)
+                seq.num_pending += 1
+            batch.sampled = [True] * len(batch.seqs)
+            return
         batch.sampled = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
