@@ -131,3 +131,15 @@ def test_trace_summary_needs_a_trace(tmp_path):
         trace_summary.summarize(str(tmp_path))
     assert trace_summary._group("loop_add_fusion.12") == "loop_add_fusion"
     assert trace_summary._group("paged_attention_decode") == "paged_attention_decode"
+
+
+def test_bench_host_measures_and_compares(tmp_path):
+    """scripts/bench_host.py: host ms per step over a stubbed device, and the in-process A/B (here against this
+    very checkout, so both sides run the same functions)."""
+    import bench_host
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = bench_host.main(["--rows", "8", "--steps", "20", "--json", str(tmp_path / "h.json")])["host"][0]
+    assert r["rows"] == 8 and 0 < r["schedule_ms"] < r["wall_ms_per_step"] and r["generate_ms_per_step"] > 0
+    ab = bench_host.main(["--rows", "8", "--against", root])["host"][0]
+    assert ab["this"] > 0 and ab["other"] > 0 and len(ab["runs_ms"]["other"]) == 6
+    assert (tmp_path / "h.json").exists()
