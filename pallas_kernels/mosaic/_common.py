@@ -56,3 +56,13 @@ def check_runnable(name: str, interpret: bool, on_gpu: bool, reference: str, gpu
 def _row_layout():
     """Layout of a per-row vector of a wgmma accumulator (m, l): WGMMA.reduce(1) (0.10-0.11), WGMMA_ROW later."""
     return getattr(plgpu.Layout, "WGMMA_ROW", None) or plgpu.Layout.WGMMA.reduce(1)
+
+
+def wgmma_iota(shape: tuple[int, int], dimension: int, interpret: bool):
+    """int32 indices along `dimension` of a [rows, cols] tile, in the WGMMA accumulator's register layout. Made in
+    that layout (plgpu.broadcasted_iota), not cast to it afterwards: a cast of lax.broadcasted_iota is what
+    Mosaic GPU's layout inference (jaxlib 0.11) could not satisfy. The interpreter has no layouts."""
+    from jax import lax
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, dimension)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._common import LOG2E, NEG_BIG, check_cu_seqlens, check_paged_inputs
 from pallas_kernels.flash_attention import flash_attention_reference, tile_metadata
 from pallas_kernels.mosaic._common import (DTYPES, MAX_SMEM, _interpreter, _row_layout, _tiled, _to_f16_tile,
-                                           available, check_runnable, plgpu)
+                                           available, check_runnable, plgpu, wgmma_iota)
 from pallas_kernels.quant import is_fp8, kv_scales, load_scales
 
 ROWS = 64  # wgmma's M: rows of one q head per compute warpgroup
@@ -139,8 +139,7 @@ def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, lens_ref
                 if not quantized:
                     plgpu.barrier_arrive(k_free.at[slot])
                 if masked:  # key position <= query position (the cached prefix shifts the diagonal)
-                    r = cast(lax.broadcasted_iota(jnp.int32, s.shape, 0), plgpu.Layout.WGMMA)
-                    c = cast(lax.broadcasted_iota(jnp.int32, s.shape, 1), plgpu.Layout.WGMMA)
+                    r, c = wgmma_iota(s.shape, 0, interpret), wgmma_iota(s.shape, 1, interpret)
                     s = jnp.where(c + i * block_kv <= r + first_pos, s, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 alpha = jnp.exp2(m - m_new)

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import LOG2E, NEG_BIG, check_paged_inputs
 from pallas_kernels.mosaic._common import (DTYPES, MAX_SMEM, _interpreter, _row_layout, _tiled, _to_f16_tile,  # noqa: F401
-                                           available, check_runnable, plgpu)
+                                           available, check_runnable, plgpu, wgmma_iota)
 from pallas_kernels.paged_attention import choose_num_splits, paged_attention_reference
 from pallas_kernels.quant import is_fp8, kv_scales, load_scales
 
@@ -130,7 +130,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, b
         plgpu.barrier_wait(k_bar.at[slot])
         k_tile = _to_f16_tile(k_smem.at[slot], f16_tiles[0]) if quantized else k_smem.at[slot]
         s = _matmul(q_smem, k_tile, (ROWS, block_n), interpret, transpose_b=True) * qk_scale  # [ROWS, N]
-        col = cast(lax.broadcasted_iota(jnp.int32, (ROWS, block_n), 1), plgpu.Layout.WGMMA)
+        col = wgmma_iota((ROWS, block_n), 1, interpret)
         s = jnp.where(col < end - start - i * block_n, s, -jnp.inf)  # every tile holds >= 1 valid token
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
