@@ -44,7 +44,7 @@ def raw_calls(runners, n: int) -> dict:
     """Call each runner's decode step n times (round robin), on the batch its last step sent."""
     import jax
     keys = [max((k for k in r.compiled if k[0] == "decode"), key=lambda k: k[2]) for r in runners]
-    packed = [r.put(r.last_packed) for r in runners]
+    packed = [r.placement.put(r.last_packed) for r in runners]      # on the device already: the call alone
     for r in runners:
         jax.block_until_ready(r.last_ids)
     host = []
@@ -83,7 +83,7 @@ def double_exe(runner, n: int) -> dict:
     key = max((k for k in runner.compiled if k[0] == "decode" and not k[4]), key=lambda k: k[2])
     exe = runner.compile(key)
     exes = [exe, deserialize_and_load(*serialize(exe))]
-    packed = runner.put(runner.last_packed)
+    packed = runner.placement.put(runner.last_packed)
     out = {}
     for name, pool in (("one_copy", exes[:1]), ("two_copies", exes)):
         jax.block_until_ready(runner.last_ids)
@@ -107,7 +107,7 @@ def gil_check(runner, n: int = 20) -> dict:
 
     import jax
     key = max((k for k in runner.compiled if k[0] == "decode" and not k[4]), key=lambda k: k[2])
-    packed = runner.put(runner.last_packed)
+    packed = runner.placement.put(runner.last_packed)
     count, stop = [0], threading.Event()
 
     def spin():
