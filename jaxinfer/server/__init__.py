@@ -7,7 +7,8 @@ Process layout (as vLLM V1):
 
     HTTP clients ──> API process(es): uvicorn + FastAPI, tokenizer, OpenAI protocol, detokenization,
                      stop strings, logprobs' OpenAI shapes (app.py: routes; gate.py: API key, drain, body
-                     limit; protocol.py / responses.py: pydantic models; choices.py / streams.py: one
+                     limit, early 503; admission.py: the queue bound; protocol.py / responses.py: pydantic
+                     models; choices.py / streams.py: one
                      engine request per prompt and n; client.py: the ZMQ side; metrics.py: /metrics)
                         │  ZMQ PUSH: msgpack [add / abort / stats], batched per event-loop turn
                         ▼
