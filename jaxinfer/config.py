@@ -179,9 +179,8 @@ class EngineConfig:
                                                          "2048, 8192)")
     seed: int = _opt(0, "engine seed: draws the seeds of requests that give none")
     async_scheduling: bool = _opt(True, "schedule step N+1 while step N runs (sampled ids stay on the device)")
-    num_scheduler_steps: int | None = _opt(None, "decode steps per device call (default: the engine picks 4 or 16 "
-                                                 "for batches of up to 8 rows when nothing waits; N > 1: N for "
-                                                 "every batch size when nothing waits; 1: one step)")
+    num_scheduler_steps: int | None = _opt(None, "decode steps per device call for small batches (default: the "
+                                                 "engine picks 4 or 16 per call when nothing waits; 1: one step)")
     warmup: bool | None = _opt(None, "compile every step bucket at start-up (GPU: yes; CPU: no, compile lazily)")
     tensor_parallel_size: int = _opt(1, "devices each replica's weights and KV cache are split over (tensor "
                                         "parallelism; must divide the attention heads)", aliases=("-tp",))

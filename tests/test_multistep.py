@@ -191,17 +191,3 @@ def test_k_choice():
     sch.add(Sequence([5, 6], SamplingParams(), 0, 4))
     assert sch.plan_steps(batch, (4, 16), 4) == 1                                  # a request waits
 
-
-def test_explicit_k_covers_every_decode_bucket(tiny_dir):
-    """num_scheduler_steps=N gives every decode bucket a K-step variant (auto: only batches of <= 8 rows), with
-    the same tokens as one step per call."""
-    cfg = {**BASE, "max_num_seqs": 16, "decode_buckets": (4, 16)}
-    ps, sps = _requests(12)
-    one, st1 = _generate(LLM(tiny_dir, **{**cfg, "num_scheduler_steps": 1}), ps, sps)
-    llm = LLM(tiny_dir, **{**cfg, "num_scheduler_steps": 3})
-    three, st3 = _generate(llm, ps, sps)
-    assert three == one
-    assert any(k[0] == "multistep" and k[2] == 16 for k in llm.engine.runner.compiled)
-    assert st3["multistep_calls"] > 0
-    auto = LLM(tiny_dir, **cfg).engine.runner
-    assert auto.multistep_buckets() == (4,) and llm.engine.runner.multistep_buckets() == (4, 16)

@@ -175,13 +175,7 @@ class ModelRunner:
         return MULTISTEP_KS if n is None else (() if n == 1 else (n,))
 
     def multistep_buckets(self) -> tuple[int, ...]:
-        """Decode buckets with K-step variants: the small ones (auto), or every one when num_scheduler_steps
-        asks for K > 1 (e.g. data-parallel replicas, whose one host thread launches every replica's steps)."""
-        if not self.multistep_ks():
-            return ()
-        if self.engine.num_scheduler_steps is not None:
-            return tuple(self.engine.decode_buckets)
-        return tuple(B for B in self.engine.decode_buckets if B <= MULTISTEP_MAX_ROWS)
+        return tuple(B for B in self.engine.decode_buckets if B <= MULTISTEP_MAX_ROWS) if self.multistep_ks() else ()
 
     def compile(self, key: tuple[str, int, int, int, bool], quiet: bool = False):
         if key not in self.compiled:
