@@ -29,14 +29,17 @@ from bench import write_json  # noqa: E402
 
 def engine_steps(engine, n: int) -> dict:
     engine.step_log = []
+    before = engine.stats()["decode_steps"]
     t = time.perf_counter()
     for _ in range(n):
         engine.step()
     wall = time.perf_counter() - t
+    decode = engine.stats()["decode_steps"] - before       # per replica, summed (K per call with --steps-per-call)
     log = np.array([e[3:8] for e in engine.step_log]) * 1e3
     engine.step_log = None
     cols = ("schedule", "dispatch", "wait", "apply", "transfer")
     return dict(steps=n, wall_ms_per_step=wall * 1e3 / n, replica_steps=len(log),
+                wall_ms_per_decode_round=wall * 1e3 * len(getattr(engine, "replicas", [engine])) / max(decode, 1),
                 host_ms_per_replica_step={c: float(log[:, i].mean()) for i, c in enumerate(cols)})
 
 
@@ -188,6 +191,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-process-flags", action="store_true",
                     help="leave XLA_FLAGS as they are (no SKIP_TEMP mode), e.g. to try --compile-option instead")
     ap.add_argument("--double-exe", action="store_true", help="also time two loaded copies of the step taking turns")
+    ap.add_argument("--steps-per-call", type=int, default=1, metavar="K",
+                    help="K decode steps per device call at this bucket (an experiment: the engine compiles K-step "
+                         "variants for batches of up to 8 rows only)")
     ap.add_argument("--compile-option", action="append", default=[], metavar="KEY=VALUE",
                     help="one more XLA option for every compiled step (e.g. "
                          "xla_gpu_command_buffer_update_mode=SKIP_TEMP)")
@@ -207,11 +213,14 @@ def main(argv=None) -> dict:
             base = mod.step_compiler_options
             mod.step_compiler_options = (lambda base: lambda *args: {**base(*args), **extra})(base)
 
+    if a.steps_per_call > 1:
+        from jaxinfer.engine import runner
+        runner.MULTISTEP_MAX_ROWS = a.rows          # this process only: K-step variants at the probe's bucket
     from jaxinfer import LLM, SamplingParams
     t = time.perf_counter()
     llm = LLM(a.model, tensor_parallel_size=a.tp, data_parallel_size=a.dp, max_num_seqs=a.rows,
               decode_buckets=(a.rows,), prefill_buckets=(4096,), max_num_batched_tokens=4096,
-              max_model_len=2048, num_scheduler_steps=1)
+              max_model_len=2048, num_scheduler_steps=a.steps_per_call)
     warm = time.perf_counter() - t
     engine = llm.engine
     replicas = getattr(engine, "replicas", [engine])
@@ -231,15 +240,16 @@ def main(argv=None) -> dict:
     out = dict(model=a.model, tp=a.tp, dp=a.dp, rows=a.rows, warmup_s=warm, devices=str(jax.devices()),
                xla_flags=os.environ.get("XLA_FLAGS", ""), compile_options=a.compile_option)
     out["engine"] = engine_steps(engine, a.steps)
-    out["raw"] = raw_calls(runners, a.steps)
-    if a.dp > 1:
-        out["raw_one_replica"] = raw_calls(runners[:1], a.steps)
-    if a.double_exe:
-        out["double_exe"] = double_exe(runners[0], a.steps)
-    out["gil"] = gil_check(runners[0])
-    if a.dp > 1:
-        out["engine_threaded"] = threaded_steps(engine, a.steps)
-        out["engine_threaded_switch_0.2ms"] = threaded_steps(engine, a.steps, 2e-4)
+    if a.steps_per_call == 1:            # the one-step call's anatomy (K-step runs time the engine only)
+        out["raw"] = raw_calls(runners, a.steps)
+        if a.dp > 1:
+            out["raw_one_replica"] = raw_calls(runners[:1], a.steps)
+        if a.double_exe:
+            out["double_exe"] = double_exe(runners[0], a.steps)
+        out["gil"] = gil_check(runners[0])
+        if a.dp > 1:
+            out["engine_threaded"] = threaded_steps(engine, a.steps)
+            out["engine_threaded_switch_0.2ms"] = threaded_steps(engine, a.steps, 2e-4)
     out["engine_again"] = engine_steps(engine, a.steps)
     if a.profile:
         from trace_summary import summarize
