@@ -135,10 +135,11 @@ class LLM:
         reqs = self._prepare(prompts, sampling_params)
         groups = self._add(reqs)
         seqs = [s for g in groups for s in g]
+        stop_texts = self.__dict__.setdefault("_stop_texts", {})
         with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm or None) as bar:
             for _, seq in self._run(seqs):          # per token: keep it lean (hundreds per step)
-                if seq.params.stop:
-                    self._check_stop_strings(seq)
+                if seq.params.stop:                 # only these are detokenized as they run (the rest at the end)
+                    self._process_text(seq, stop_texts, stream=False)
                 if seq.status is Status.FINISHED:
                     bar.update(1)
         texts = TokenTexts(self.tokenizer)
@@ -160,11 +161,10 @@ class LLM:
         index = {s.seq_id: i for i, s in enumerate(seqs)}
         first = 0           # seqs[:first] are finished, and stay so: no rescan of every sequence per step
         try:
-            while True:
-                while first < len(seqs) and seqs[first].status is Status.FINISHED:
+            while first < len(seqs):
+                if seqs[first].status is Status.FINISHED:
                     first += 1
-                if first == len(seqs):
-                    break
+                    continue
                 for seq in self.engine.step():
                     if seq.seq_id in index:
                         yield index[seq.seq_id], seq
@@ -174,11 +174,6 @@ class LLM:
                     self.engine.abort(seq)
 
     # -- text ---------------------------------------------------------------------------------------
-    def _check_stop_strings(self, seq: Sequence) -> None:
-        """generate: only requests with stop strings are detokenized as they run (the rest once, at the end)."""
-        if seq.params.stop:
-            self._process_text(seq, self.__dict__.setdefault("_stop_texts", {}), stream=False)
-
     def _process_text(self, seq: Sequence, procs: dict[int, OutputProcessor], stream: bool) -> TextDelta:
         """Feed seq's new tokens to its OutputProcessor (in procs, by seq_id; the one the server uses too);
         finish seq in the engine when a stop string matched."""
