@@ -37,8 +37,14 @@ run 32b_tp2      330 python scripts/bench.py qwen3-32b -tp 2 --json "$OUT/32b_tp
 run 8b_tp1_lat    90 $C python scripts/bench.py qwen3-8b --latency --latency-output 128 --json "$OUT/8b_tp1_lat.json"
 run 8b_tp2_lat   120 $C python scripts/bench.py qwen3-8b -tp 2 --latency --latency-output 128 \
                      --json "$OUT/8b_tp2_lat.json"
-run 06b_tp2      140 python scripts/bench.py qwen3-0.6b -tp 2 --json "$OUT/06b_tp2.json" \
+run 06b_tp2      120 python scripts/bench.py qwen3-0.6b -tp 2 --json "$OUT/06b_tp2.json"
+# the same with a device trace (tracing W whole took longer than 140 s on 2xH200: give it room)
+run 06b_tp2_prof 240 python scripts/bench.py qwen3-0.6b -tp 2 --json "$OUT/06b_tp2_prof.json" \
                      --profile "$OUT/trace_06b_tp2"
+# dp=2 with K-step calls at its 128-row bucket (probe only: the engine compiles K-step variants for <= 8 rows)
+run dp2_k4        90 python scripts/probe_dispatch.py --dp 2 --rows 128 --steps 60 --steps-per-call 4 \
+                     --json "$OUT/dp2_k4.json"
+run dp2_k1        90 python scripts/probe_dispatch.py --dp 2 --rows 128 --steps 60 --json "$OUT/dp2_k1.json"
 # extras, if the budget allows (or ONLY=...): W has 256 requests, so DP2 halves each GPU's batch; the same
 # per-GPU load (512 requests on 2 GPUs vs 256 on 1... and 512 on 1) shows how DP scales apart from batch size
 run 06b_1gpu_512  60 python scripts/bench.py qwen3-0.6b --num-seqs 512 --json "$OUT/06b_1gpu_512.json"
