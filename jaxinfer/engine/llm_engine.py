@@ -154,17 +154,25 @@ class LLMEngine:
         the host schedules and packs step N+1 while the GPU runs step N, and sampled tokens flow from
         step N to step N+1 on the device. Before admitting waiting requests (a prefill, or a
         preempted sequence's recompute) the step in flight is read first, so prompts are never
-        built from tokens still on the device.
+        built from tokens still on the device; a K-step call is read before the next is scheduled
+        (its rows' lengths are known only then). Both reads happen here, followed at once by the next
+        dispatch, so the device idles only for this host work (data-parallel replicas: not also for
+        the other replicas' reads).
         """
+        done = None                             # what a read made here returns
         # (a queue that cannot be admitted yet, e.g. more requests than max_num_seqs, does not force a read)
         if self.in_flight is not None and (self.scheduler.can_admit() or not self.async_scheduling
                                            or self.in_flight[0].num_steps > 1):
-            return self._read_in_flight         # a K-step call is read before the next is scheduled
+            if not self.async_scheduling:
+                return self._read_in_flight
+            done = self._read_in_flight()
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             if self.in_flight is not None:
                 return self._read_in_flight
+            if done is not None:
+                return lambda: done
             raise RuntimeError("scheduler found no work although requests are pending (pool too small?)")
         key = bucket_for(self.config, self.runner.widths, batch)
         K = self._plan_steps(batch, key)
@@ -213,6 +221,8 @@ class LLMEngine:
         prev, self.in_flight = self.in_flight, (batch, ids, entry, pending)
         if prev is not None:
             return functools.partial(self._apply, *prev)
+        if done is not None:
+            return lambda: done
         return list if self.async_scheduling else self._read_in_flight
 
     def _read_in_flight(self) -> list[Sequence]:
@@ -274,7 +284,7 @@ class LLMEngine:
         variant, where the host is the bottleneck) when nothing waits; see Scheduler.plan_steps."""
         if batch.is_prefill or not self.multistep or key[2] not in self.runner.multistep_buckets():
             return 1
-        return self.scheduler.plan_steps(batch, self.runner.multistep_ks(), STOP_IDS)
+        return self.scheduler.plan_steps(batch, self.runner.multistep_ks(key[2]), STOP_IDS)
 
     def stats(self) -> dict:
         bm = self.block_manager
