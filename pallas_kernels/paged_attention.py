@@ -34,6 +34,8 @@ DEFAULT_BLOCK_N = 64  # tokens per tile (4 pages of 16)
 # fp8 pages: a tile of 64 tokens is half the bytes; untuned (the bench_kernels sweep times the fp8 engine kernel
 # at each tile choice: set this from it)
 DEFAULT_BLOCK_N_FP8 = 64
+DEFAULT_NUM_WARPS_FP8 = 2
+DEFAULT_NUM_STAGES_FP8 = 3
 # 2 warps, not 4: on the H200 the engine kernel took 9-12% less time on the benchmark's real lengths (tile
 # sweep, rows longest first) and the whole benchmark ran at 25,556 tok/s against 24,549 with 4 warps (one
 # machine, same run). 4 stages measured the same within noise (25,671) but needs 128 KiB of shared memory.
@@ -181,7 +183,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
                     seq_lens: jax.Array, *, order: jax.Array | None = None, scale: float | None = None,
                     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, layer: int | jax.Array = 0,
                     interpret: bool = False, block_n: int | None = None, num_splits: int | None = None,
-                    num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES) -> jax.Array:
+                    num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
     """Decode attention: q [B, H, D] (one token per sequence) over the paged cache [P, block_size, K, D].
 
     seq_lens[b] counts the context including the new token (already written); 0 marks a padding row (zeros out).
@@ -189,16 +191,15 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
     context first shortens the tail; rows left out of it are not computed). float8_e4m3fn caches need
     k_scale / v_scale (see quant.py: [] or [K], or [L, 1] / [L, K] with row `layer`). Tile options: block_n
     (tokens per tile, power of two >= 16; None: the cache dtype's default), num_splits (context splits, None =
-    auto), num_warps, num_stages. Returns [B, H, D] in q's dtype.
+    auto), num_warps, num_stages (None: the cache dtype's defaults). Returns [B, H, D] in q's dtype.
     """
     if q.ndim != 3:
         raise ValueError(f"paged_attention: q must be [B, H, D], got shape {q.shape}")
     tiles = _tiles("paged_attention", q, q.shape[1], k_cache, v_cache, block_tables, seq_lens, block_n, num_splits,
-                   order)
+                   order, num_warps, num_stages)
     scales = kv_scales("paged_attention", k_cache, k_scale, v_scale, layer)
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, order=order, scales=scales,
-                            scale=_scale(scale, q), interpret=interpret, num_warps=num_warps, num_stages=num_stages,
-                            **tiles)
+                            scale=_scale(scale, q), interpret=interpret, **tiles)
 
 
 def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -208,7 +209,7 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
                         v_scale: jax.Array | None = None, scale_layer: int | jax.Array | None = None,
                         interpret: bool = False,
                         block_n: int | None = None, num_splits: int | None = None,
-                        num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES
+                        num_warps: int | None = None, num_stages: int | None = None
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A Qwen3 decode layer's attention, from the qkv projection to the attention output, in ONE kernel.
 
@@ -239,28 +240,33 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
         raise ValueError(f"paged_attention_qkv: layer={layer} is outside the {rows} rows of q_norm/k_norm")
     heads = qkv.shape[1] - 2 * K
     tiles = _tiles("paged_attention_qkv", qkv, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits,
-                   order)
+                   order, num_warps, num_stages)
     scales = kv_scales("paged_attention_qkv", k_cache, k_scale, v_scale, layer if scale_layer is None else scale_layer)
     q_norm, k_norm = (jnp.atleast_2d(w).astype(qkv.dtype) for w in (q_norm, k_norm))   # [L, D]
     layer = jnp.asarray(layer, jnp.int32).reshape(1)                              # a constant: no kernel
     norms = (q_norm, k_norm, layer, cos.astype(jnp.float32), sin.astype(jnp.float32))
     return _paged_attention(qkv, k_cache, v_cache, block_tables, seq_lens, norms, order, scales,
-                            scale=_scale(scale, qkv), interpret=interpret, num_warps=num_warps,
-                            num_stages=num_stages, eps=float(eps), **tiles)
+                            scale=_scale(scale, qkv), interpret=interpret, eps=float(eps), **tiles)
 
 
 def _scale(scale, q) -> float:
     return float(q.shape[-1] ** -0.5 if scale is None else scale)
 
 
-def _tiles(name, q, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits, order) -> dict:
-    """Validation shared by both entry points; returns the static tile choices."""
+def _tiles(name, q, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits, order, num_warps=None,
+           num_stages=None) -> dict:
+    """Validation shared by both entry points; returns the static tile choices (None: the cache dtype's default)."""
     check_paged_inputs(name, heads, q.shape[-1], q.dtype, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
     if order is not None and (order.shape != seq_lens.shape or order.dtype != jnp.int32):
         raise ValueError(f"{name}: order must be int32 of shape {seq_lens.shape} like seq_lens, got "
                          f"{order.dtype} {order.shape}")
+    fp8 = is_fp8(k_cache.dtype)
     if block_n is None:
-        block_n = DEFAULT_BLOCK_N_FP8 if is_fp8(k_cache.dtype) else DEFAULT_BLOCK_N
+        block_n = DEFAULT_BLOCK_N_FP8 if fp8 else DEFAULT_BLOCK_N
+    if num_warps is None:
+        num_warps = DEFAULT_NUM_WARPS_FP8 if fp8 else DEFAULT_NUM_WARPS
+    if num_stages is None:
+        num_stages = DEFAULT_NUM_STAGES_FP8 if fp8 else DEFAULT_NUM_STAGES
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{name}: block_n must be a power of two >= 16, got {block_n}")
     if num_splits is None:
@@ -268,7 +274,7 @@ def _tiles(name, q, heads, k_cache, v_cache, block_tables, seq_lens, block_n, nu
                                        block_n)
     if num_splits < 1:
         raise ValueError(f"{name}: num_splits must be >= 1, got {num_splits}")
-    return dict(block_n=block_n, num_splits=num_splits)
+    return dict(block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
 def paged_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,

@@ -222,7 +222,8 @@ PREFILL_CASES = {  # name: (new tokens per sequence, cached prefix per sequence)
 DECODE_SWEEP_SHAPES = ((32, 2048), (64, 1024), (128, 1024), (256, 1024))
 DECODE_SWEEP_TILES = (dict(block_n=64, num_warps=2, num_stages=3), dict(block_n=64, num_warps=4, num_stages=3),
                       dict(block_n=64, num_warps=2, num_stages=4), dict(block_n=32, num_warps=2, num_stages=3),
-                      dict(block_n=128, num_warps=4, num_stages=2))
+                      dict(block_n=128, num_warps=4, num_stages=2), dict(block_n=128, num_warps=2, num_stages=3),
+                      dict(block_n=128, num_warps=4, num_stages=3), dict(block_n=256, num_warps=4, num_stages=2))
 DECODE_SWEEP_SPLITS = (None, 1, 2, 4, 8)   # None: choose_num_splits
 
 
