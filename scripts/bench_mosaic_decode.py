@@ -8,6 +8,9 @@ float8_e4m3fn pages (per-kv-head scales); their TB/s counts the bytes actually r
 compile or run is recorded with its error and the run goes on (the first runs on a new JAX are the test).
 
   PYTHONPATH=. python scripts/bench_mosaic_decode.py [--quick] [--json scripts/results/h200_mosaic_decode.json]
+
+The kernels lower with Mosaic's Lane semantics; JAXINFER_MOSAIC_LOWERING=Warpgroup tries JAX 0.11's default
+(layout inference), and MOSAIC_GPU_DUMP_CONSTRAINT_SYSTEM=1 (JAX's switch) then prints its constraint system.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from pallas_kernels.mosaic import _common  # noqa: E402
 from pallas_kernels.mosaic.paged_decode import paged_decode_attention, smem_bytes, MAX_SMEM  # noqa: E402
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
 from pallas_kernels.quant import quantize, scale_for_amax  # noqa: E402
@@ -66,7 +70,8 @@ def main():
     if jax.default_backend() != "gpu":
         raise SystemExit("bench_mosaic_decode needs a CUDA GPU (Mosaic GPU kernels do not run on the CPU)")
     copy_tbps = copy_bandwidth(1 << 30) / 1e12
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: copy {copy_tbps:.2f} TB/s")
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, Mosaic lowering {_common.LOWERING}: "
+          f"copy {copy_tbps:.2f} TB/s")
     rows = []
     for batch, ctx in QUICK if args.quick else SHAPES:
         q, k, v, tables, lens = case(batch, ctx)
@@ -88,6 +93,7 @@ def main():
         rows.append({"batch": batch, "ctx": ctx, "results": res})
     if args.json:
         write_json(args.json, {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                               "mosaic_lowering": _common.LOWERING,
                                "copy_tbps": copy_tbps, "decode": rows})
 
 

@@ -23,6 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference  # noqa: E402
+from pallas_kernels.mosaic import _common  # noqa: E402
 from pallas_kernels.mosaic.flash_prefill import MAX_SMEM, flash_prefill, smem_bytes  # noqa: E402
 
 from bench import write_json  # noqa: E402
@@ -73,7 +74,8 @@ def main():
     m = 8192
     a = jnp.ones((m, m), DTYPE) * 0.001
     matmul = 2 * m ** 3 / time_loop(lambda x: jnp.dot(x, a), a, est_s=1.5e-3) / 1e12
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: bf16 matmul {matmul:.0f} TFLOP/s")
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, Mosaic lowering {_common.LOWERING}: "
+          f"bf16 matmul {matmul:.0f} TFLOP/s")
     cudnn = backend_fns(False, ["cudnn"]).get("cudnn")
     rows = []
     for name in CASES[:2] if args.quick else CASES:
@@ -101,7 +103,7 @@ def main():
         rows.append({"case": name, "tokens": sum(n_new), "flops": flops, "target_tflops": TARGETS.get(name),
                      "results": res})
     write_json(args.json, {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                           "matmul_tflops": matmul, "prefill": rows})
+                           "mosaic_lowering": _common.LOWERING, "matmul_tflops": matmul, "prefill": rows})
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 from helpers import make_paged
 
-from pallas_kernels.mosaic import paged_decode
+from pallas_kernels.mosaic import _common, paged_decode
 from pallas_kernels.mosaic.paged_decode import paged_decode_attention, paged_decode_attention_reference
 
 needs_mosaic = pytest.mark.skipif(not paged_decode.available(), reason="this JAX has no Pallas Mosaic GPU backend")
@@ -78,6 +78,36 @@ def test_lowers_with_order_inside_a_jit(lowering_only):
             sd((6,), jnp.int32))
     fn = lambda q, k, v, t, lens, order: paged_decode_attention(q, k, v, t, lens, order=order, scale=0.1)
     assert "mosaic_gpu" in lowered_text(fn, args)
+
+
+@pytest.fixture
+def warpgroup_lowering(monkeypatch):
+    """Mosaic's Warpgroup lowering (JAX 0.11's default), with fresh traces: the kernel's jit caches by shapes."""
+    monkeypatch.setattr(_common, "LOWERING", "Warpgroup")
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
+@needs_mosaic
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,block_size,width,dtype,opts",
+                         [LOWER_CASES[0], LOWER_CASES[3], LOWER_CASES[5]])
+def test_lowers_with_layout_inference(lowering_only, warpgroup_lowering, batch, heads, kv_heads, head_dim,
+                                      block_size, width, dtype, opts):
+    """Warpgroup lowering runs Mosaic's layout inference, which checks every TMA copy's start against the SMEM
+    tile's 8-row tiling (Lane lowering does not: there a start inside a tile reads wrong rows, and the
+    interpreter does not model tiles). q groups start at multiples of 8: GQA 2, an odd group (3), a tile inside
+    a bigger page. (A group's first row at b*H + k*G made this unsatisfiable, the jax 0.11.2 failure.)"""
+    cache = sd((40, block_size, kv_heads, head_dim), dtype)
+    args = (sd((batch, heads, head_dim), dtype), cache, cache, sd((batch, width), jnp.int32),
+            sd((batch,), jnp.int32))
+    assert "mosaic_gpu" in lowered_text(lambda *a: paged_decode_attention(*a, **opts), args)
+
+
+def test_bad_lowering_switch_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(_common, "LOWERING", "lanes")
+    with pytest.raises(ValueError, match="JAXINFER_MOSAIC_LOWERING='lanes'"):
+        _common.compiler_params(approx_math=True)
 
 
 # (lens, block_size, heads, kv_heads, head_dim, fp8 scales, options): ragged lengths with 1, a block boundary and

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 from helpers import make_paged
 
-from pallas_kernels.mosaic import flash_prefill as fp
+from pallas_kernels.mosaic import _common, flash_prefill as fp
+from pallas_kernels.mosaic.prefill_tiles import aligned_tiles
 from pallas_kernels.mosaic.flash_prefill import flash_prefill, flash_prefill_reference
 
 needs_mosaic = pytest.mark.skipif(not fp.available(), reason="this JAX has no Pallas Mosaic GPU backend")
@@ -72,6 +73,47 @@ def test_lowers_for_cuda_fp8(lowering_only, heads, kv_heads, head_dim, block_siz
     """float8_e4m3fn pages, per-layer / per-kv-head scales (each compute warpgroup converts to f16 tiles)."""
     args = prefill_args(512, heads, kv_heads, head_dim, block_size, 4, 16, cache_dtype=FP8)
     assert "mosaic_gpu" in lowered_text(lambda *a: flash_prefill(*a, **scales, **opts), args)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("case", [LOWER_CASES[1], LOWER_CASES[3], LOWER_CASES[5]])
+def test_lowers_with_layout_inference(lowering_only, monkeypatch, case):
+    """Warpgroup lowering (JAX 0.11's default) runs Mosaic's layout inference, which checks each TMA copy's start
+    against the SMEM tile's 8-row tiling: q windows start at multiples of 8 (a tile's first row, anywhere in the
+    packed q, made it unsatisfiable on jax 0.11.2). MQA halves, an odd group, a tile inside a bigger page."""
+    tokens, heads, kv_heads, head_dim, block_size, batch, width, dtype, opts = case
+    monkeypatch.setattr(_common, "LOWERING", "Warpgroup")
+    jax.clear_caches()  # the kernel's jit caches traces by shapes
+    try:
+        args = prefill_args(tokens, heads, kv_heads, head_dim, block_size, batch, width, dtype)
+        assert "mosaic_gpu" in lowered_text(lambda *a: flash_prefill(*a, **opts), args)
+    finally:
+        jax.clear_caches()
+
+
+@pytest.mark.parametrize("tile_rows", [64, 128])
+def test_aligned_tiles_cover_every_row_once(tile_rows):
+    """Each row of [0, T) belongs to exactly one tile, of the right zone (sequence, B: padding); every window
+    (first & ~7, tile_rows rows) starts at a multiple of 8 and holds its tile's rows; heaviest tiles first."""
+    n_new = np.array([70, 1, 0, 9, 200, 64, 3])
+    num_tokens = int(n_new.sum()) + 13  # 13 padding rows
+    cu = np.concatenate([[0], np.cumsum(n_new)]).astype(np.int32)
+    seq, first, end = map(np.asarray, aligned_tiles(jnp.asarray(cu), jnp.asarray(n_new + 5, jnp.int32), num_tokens,
+                                                    tile_rows))
+    owner = np.full(num_tokens, -1)
+    for s, f, e in zip(seq, first, end):
+        if e <= f:
+            continue
+        assert (owner[f:e] == -1).all(), "a row in two tiles"
+        owner[f:e] = s
+        window = f // 8 * 8
+        assert e - window <= tile_rows and s <= len(n_new)
+    zone = np.searchsorted(cu[1:], np.arange(num_tokens), side="right")  # the row's sequence, B for padding
+    np.testing.assert_array_equal(owner, zone)
+    real = seq < len(n_new)  # work: keys seen by the tile's last row (cached prefix 5), padding/unused last
+    work = np.where(real, 5 + end - cu[np.minimum(seq, len(n_new))], -1)
+    assert (np.diff(work) <= 0).all() and real.sum() == sum(-(-(n + c % 8) // tile_rows) for n, c in
+                                                            zip(n_new, cu[:-1]) if n)
 
 
 def make_prefill(rng, n_new, prefix, block_size, heads, kv_heads, head_dim, pad_tokens=0, fp8=False):

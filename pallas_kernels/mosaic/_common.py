@@ -2,6 +2,9 @@
 of where a kernel can run (a GPU, or Mosaic GPU's interpreter on the CPU)."""
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import jax.numpy as jnp
 
 try:
@@ -12,6 +15,11 @@ except ImportError:  # a jaxlib without Mosaic GPU
 SWIZZLE = 128  # bytes; K/V/q tiles are 8 rows x 128 bytes (64 for fp8 rows of 64), the layout wgmma reads
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_SMEM = 232448  # bytes a Hopper block may use (227 KiB); Mosaic also reserves 2 KiB of reduction scratch
+# Mosaic GPU lowering semantics of the kernels: "Lane" (env JAXINFER_MOSAIC_LOWERING=Warpgroup tries Mosaic's
+# layout inference, "default" leaves JAX's choice). Either way a TMA copy into an 8-row-tiled SMEM tile must
+# start at a row that is a multiple of 8 (Mosaic runs it on GMEM viewed as 8-row tiles): the kernels keep every
+# q row start aligned for that, and say so with pl.multiple_of (what Warpgroup's inference checks).
+LOWERING = os.environ.get("JAXINFER_MOSAIC_LOWERING", "Lane")
 
 
 def available() -> bool:
@@ -30,6 +38,18 @@ def _to_f16_tile(src, dst):
     dst[...] = src[...].astype(dst.dtype)
     plgpu.commit_smem()
     return dst
+
+
+def compiler_params(**kwargs):
+    """plgpu.CompilerParams with LOWERING's semantics. Lane by default: the model these kernels are written in
+    (explicit SMEM transforms and register layouts) and JAX 0.10's default; JAX 0.11 made Warpgroup the default
+    (commit "[Mosaic GPU] Turn WG on by default"), which adds Mosaic's layout/transform inference. The kernels
+    lower both ways (CPU tests); `lowering_semantics` is a field in 0.10 and 0.11 (a feature check, no version)."""
+    if LOWERING != "default" and "lowering_semantics" in {f.name for f in dataclasses.fields(plgpu.CompilerParams)}:
+        if not hasattr(plgpu.LoweringSemantics, LOWERING):
+            raise ValueError(f"JAXINFER_MOSAIC_LOWERING={LOWERING!r}: use Lane, Warpgroup or default")
+        kwargs.setdefault("lowering_semantics", getattr(plgpu.LoweringSemantics, LOWERING))
+    return plgpu.CompilerParams(**kwargs)
 
 
 def _interpreter():
@@ -59,9 +79,8 @@ def _row_layout():
 
 
 def wgmma_iota(shape: tuple[int, int], dimension: int, interpret: bool):
-    """int32 indices along `dimension` of a [rows, cols] tile, in the WGMMA accumulator's register layout. Made in
-    that layout (plgpu.broadcasted_iota), not cast to it afterwards: a cast of lax.broadcasted_iota is what
-    Mosaic GPU's layout inference (jaxlib 0.11) could not satisfy. The interpreter has no layouts."""
+    """int32 indices along `dimension` of a [rows, cols] tile, made in the WGMMA accumulator's register layout
+    (plgpu.broadcasted_iota, as JAX's attention_mgpu). The interpreter has no layouts."""
     from jax import lax
     if interpret:
         return lax.broadcasted_iota(jnp.int32, shape, dimension)

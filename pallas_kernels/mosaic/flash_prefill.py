@@ -2,8 +2,9 @@
 
 The contract is flash_attention.py's `flash_attention` (packed q [T, H, D] with cu_seqlens_q, caches
 [P, block_size, K, D] through block tables, seq_lens counting the cached prefix, padding rows zero, float8_e4m3fn
-pages with k_scale / v_scale / layer); its tile metadata (q tiles of one sequence, heaviest first) and jnp reference
-are reused. Design: JAX's FA3-style attention_mgpu made paged and varlen; three warpgroups per program.
+pages with k_scale / v_scale / layer); its jnp reference is reused, and its tile metadata (q tiles of one sequence,
+heaviest first) with each window starting at a multiple of 8 rows (prefill_tiles.py says why). Design: JAX's
+FA3-style attention_mgpu made paged and varlen; three warpgroups per program.
   * Two compute warpgroups, each 64 q rows (wgmma's M) of one head. Even GQA group (Qwen3: 2): two q heads of one
     kv head on the same rows, so both read each K/V tile from SMEM with the same causal work; otherwise the two
     64-row halves of a 128-row tile of one head. grid = (head units, q tiles): Mosaic runs the last axis fastest,
@@ -13,8 +14,8 @@ are reused. Design: JAX's FA3-style attention_mgpu made paged and varlen; three 
   * QK^T and P.V on wgmma (fp32 accumulators), online softmax in base 2; key tiles below the diagonal unmasked,
     the ones crossing it masked with the cached-prefix offset; a schedule barrier alternates the two warpgroups'
     softmax and wgmma phases (FA3's ping-pong). A warpgroup needing fewer tiles still releases the rest.
-  * A tile may end mid-way (its sequence ends; the next rows are another program's): rows go out by TMA in
-    power-of-two pieces (64, 32, ..., 1) covering exactly the tile's rows.
+  * A tile may start or end mid-way (its window starts up to 7 rows before its sequence; the sequence ends):
+    rows go out by TMA in power-of-two pieces (64, 32, ..., 1) covering exactly the tile's rows.
   * fp8 pages: each compute warpgroup converts the tile to its own f16 SMEM tile (no fp8 x f16 wgmma) and frees
     the slot at once; q is f16, scales fold into the softmax scale and the normalisation (as in paged_decode).
 """
@@ -28,9 +29,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import LOG2E, NEG_BIG, check_cu_seqlens, check_paged_inputs
-from pallas_kernels.flash_attention import flash_attention_reference, tile_metadata
+from pallas_kernels.flash_attention import flash_attention_reference
 from pallas_kernels.mosaic._common import (DTYPES, MAX_SMEM, _interpreter, _row_layout, _tiled, _to_f16_tile,
-                                           available, check_runnable, plgpu, wgmma_iota)
+                                           available, check_runnable, compiler_params, plgpu, wgmma_iota)
+from pallas_kernels.mosaic.prefill_tiles import aligned_tiles
 from pallas_kernels.quant import is_fp8, kv_scales, load_scales
 
 ROWS = 64  # wgmma's M: rows of one q head per compute warpgroup
@@ -57,16 +59,16 @@ def _dot(a, b, transpose_b: bool = False):
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _store_rows(o_smem, o_ref, row0, n, head):
-    """TMA-stores rows [0, n) of o_smem [ROWS, D] to o_ref[row0 + i, head], 0 <= n <= ROWS: one copy per set bit
-    of n (static sizes, dynamic offsets), so no row outside the tile is written."""
+def _store_rows(o_smem, o_ref, skip, row0, n, head):
+    """TMA-stores rows [skip, skip + n) of o_smem [ROWS, D] (untiled) to o_ref[row0 + i, head], skip + n <= ROWS:
+    one copy per set bit of n (static sizes, dynamic offsets), so no row outside the tile is written."""
     size = ROWS
     while size:
         off = lax.bitwise_and(n, ~(2 * size - 1))  # rows covered by the larger pieces
 
         @pl.when(lax.bitwise_and(n, size) != 0)
         def _(off=off, size=size):
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, size)], o_ref.at[pl.ds(row0 + off, size), head])
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(skip + off, size)], o_ref.at[pl.ds(row0 + off, size), head])
         size //= 2
 
 
@@ -101,9 +103,12 @@ def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, lens_ref
             plgpu.set_max_registers(232, action="increase")
             # Unit of this warpgroup: another head on the same rows (heads_per_program 2) or the next 64 rows.
             head = head0 + wg if heads_per_program == 2 else head0
-            row0 = first if heads_per_program == 2 else first + wg * ROWS
-            n = jnp.clip(end - row0, 0, ROWS)  # rows of this unit inside the tile
-            first_pos = ctx_start + row0 - q_start
+            # SMEM row 0 is q row `row0`, a multiple of 8 (the q copy's TMA needs it: prefill_tiles.py).
+            window = lax.bitwise_and(first, jnp.int32(-8))
+            row0 = pl.multiple_of(window if heads_per_program == 2 else window + wg * ROWS, 8)
+            lo = jnp.maximum(first, row0)  # this unit's rows of the tile: [lo, lo + n), SMEM rows from lo - row0
+            n = jnp.clip(jnp.minimum(end, row0 + ROWS) - lo, 0, ROWS)
+            first_pos = ctx_start + row0 - q_start  # position of SMEM row 0 (rows before `first`: never stored)
             last_pos = jnp.minimum(first_pos + ROWS - 1, tile_last)
             steps = jnp.where(real & (n > 0), pl.cdiv(jnp.clip(jnp.minimum(length, last_pos + 1), 0), block_kv), 0)
             full = jnp.minimum(jnp.maximum(first_pos + 1, 0) // block_kv, steps)  # tiles seen by every row
@@ -187,7 +192,7 @@ def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, lens_ref
             out = acc / lax.broadcast_in_dim(norm, acc.shape, [0])
             o_smem[...] = (out * v_scale if quantized else out).astype(o_smem.dtype)
             plgpu.commit_smem()
-            _store_rows(o_smem, o_ref, row0, n, head)
+            _store_rows(o_smem, o_ref, jnp.clip(lo - row0, 0, ROWS - n), lo, n, head)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
@@ -197,7 +202,8 @@ def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, lens_ref
             def issue(i, slot):
                 tok0 = i * block_kv
                 page0 = lax.div(tok0, block_size)
-                src = pl.ds(lax.rem(tok0, block_size), rows) if block_size > block_kv else pl.ds(0, rows)
+                src = (pl.ds(pl.multiple_of(lax.rem(tok0, block_size), block_kv), rows) if block_size > block_kv
+                       else pl.ds(0, rows))  # a tile inside a bigger page starts at a multiple of block_kv
                 for j in range(copies):
                     page = bt_ref[b, jnp.minimum(page0 + j, last_page)]  # clamped: real, finite data
                     dst = pl.ds(j * rows, rows)
@@ -248,7 +254,7 @@ def _flash_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sc
     seq_lens = jnp.clip(seq_lens, 0, block_tables.shape[1] * block_size)  # page ids stay inside the table
     heads_per_program = 2 if pair_heads and group % 2 == 0 else 1
     tile_rows = ROWS * (2 // heads_per_program)
-    tile_seq, tile_first, tile_end = tile_metadata(cu_seqlens_q, seq_lens, num_tokens, tile_rows)  # [NT] each
+    tile_seq, tile_first, tile_end = aligned_tiles(cu_seqlens_q, seq_lens, num_tokens, tile_rows)  # [NT] each
     quantized = scales is not None
     q_in = q.astype(jnp.float16) if quantized else q  # what the wgmmas read
     # A q copy of ROWS rows needs that many in the array (rows past T are zero-filled) and, with the SMEM tile's
@@ -267,7 +273,7 @@ def _flash_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sc
         grid_names=("unit", "tile"),
         num_threads=3,  # two compute warpgroups, one memory warpgroup
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=compiler_params(approx_math=True),
         interpret=_interpreter()() if interpret else None,
         kernel_name="mosaic_flash_prefill",
     )(tile_seq, tile_first, tile_end, cu_seqlens_q, seq_lens, block_tables, q_in, k_cache, v_cache,

@@ -7,10 +7,13 @@ become dots of the loaded tiles there, and register layouts are not modelled).
 
 Design (flash-decoding, one warpgroup = 128 threads per program, no warp specialisation):
   * grid = (K kv heads, S context splits, B sequences). A program computes the GQA group of its kv head, so each
-    K/V byte is read from HBM once. wgmma's M is 64 rows, a group is G (2 for Qwen3): the program copies the 64
-    rows of q viewed as [B*H, D] that START at its group's first head (TMA zero-fills rows past the end). Rows
-    past G belong to other heads: computed, never stored. That costs a 16 KiB q read per program (D=128), ~3%
-    of a 1024-token program's K/V bytes and mostly L2 hits; the padded math is free in a memory-bound kernel.
+    K/V byte is read from HBM once. wgmma's M is 64 rows, a group is G (2 for Qwen3): q is laid out as
+    [B*K*G8, D], each group padded to G8 = G rounded up to 8 rows (a small XLA pad), and the program copies the
+    64 rows that START at its group (TMA zero-fills rows past the end). The start is a multiple of 8, as a TMA
+    copy into an 8-row-tiled SMEM tile needs (Mosaic runs it on GMEM viewed as 8-row tiles: a start inside a
+    tile reads wrong rows; JAX 0.11's layout inference rejects it). Rows past G belong to other heads:
+    computed, never stored. That costs a 16 KiB q read per program (D=128), ~3% of a 1024-token program's K/V
+    bytes and mostly L2 hits; the padded math is free in a memory-bound kernel.
   * K/V: the split's context in tiles of `block_n` tokens. A tile is block_n / block_size TMA copies, one per
     page (the page id read from the block table in GMEM), into a swizzled SMEM ring of `num_stages`
     slots; all copies of a tile arrive on one mbarrier. Tiles i+1 .. i+stages-1 are in flight while tile i is
@@ -34,8 +37,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import LOG2E, NEG_BIG, check_paged_inputs
-from pallas_kernels.mosaic._common import (DTYPES, MAX_SMEM, _interpreter, _row_layout, _tiled, _to_f16_tile,  # noqa: F401
-                                           available, check_runnable, plgpu, wgmma_iota)
+from pallas_kernels.mosaic._common import (DTYPES, MAX_SMEM, _interpreter, _row_layout, _tiled,  # noqa: F401
+                                           _to_f16_tile, available, check_runnable, compiler_params, plgpu,
+                                           wgmma_iota)
 from pallas_kernels.paged_attention import choose_num_splits, paged_attention_reference
 from pallas_kernels.quant import is_fp8, kv_scales, load_scales
 
@@ -75,7 +79,7 @@ def _on_gpu() -> bool:
 
 
 def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_size: int, group: int,
-                   heads: int, block_n: int, num_stages: int, num_splits: int, ordered: bool, quantized: bool,
+                   kv_heads: int, block_n: int, num_stages: int, num_splits: int, ordered: bool, quantized: bool,
                    interpret: bool):
     # refs: [k_scale [L, C], v_scale [L, C], layer [1] if quantized] [order if ordered] o [B, S, H, D],
     # lse [B, S, K, ROWS], then the scratch: q_smem [ROWS, D], k_smem / v_smem [stages, N, D], o_smem [ROWS, D],
@@ -104,14 +108,17 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, b
         """Starts the copies of tile i (K and V) into ring slot `slot`."""
         tok0 = start + i * block_n
         page0 = lax.div(tok0, block_size)
-        src_rows = pl.ds(lax.rem(tok0, block_size), rows) if block_size > block_n else pl.ds(0, rows)
+        # A tile inside a bigger page starts at a multiple of block_n (chunks and tiles are whole tiles).
+        src_rows = (pl.ds(pl.multiple_of(lax.rem(tok0, block_size), block_n), rows) if block_size > block_n
+                    else pl.ds(0, rows))
         for j in range(copies):
             page = bt_ref[b, jnp.minimum(page0 + j, last_page)]
             dst = pl.ds(j * rows, rows)
             plgpu.copy_gmem_to_smem(k_ref.at[page, src_rows, kh], k_smem.at[slot, dst], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[page, src_rows, kh], v_smem.at[slot, dst], v_bar.at[slot])
 
-    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(b * heads + kh * group, ROWS)], q_smem, q_bar)
+    g8 = -(-group // 8) * 8  # rows of a group in q_ref [B*K*G8, D]
+    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(pl.multiple_of((b * kv_heads + kh) * g8, 8), ROWS)], q_smem, q_bar)
     for s in range(num_stages):
         pl.when(s < num_tiles)(functools.partial(issue, s, s))
     plgpu.barrier_wait(q_bar)
@@ -167,10 +174,14 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, order=None, scale
     seq_lens = jnp.clip(seq_lens, 0, block_tables.shape[1] * block_size)
     quantized = scales is not None
     cdtype = jnp.dtype(jnp.float16) if quantized else q.dtype  # what the wgmmas read
-    q_rows = q.reshape(batch * heads, head_dim).astype(cdtype)  # [B*H, D]: ROWS rows from each group's first
+    g8 = -(-group // 8) * 8  # a group's rows padded to whole 8-row tiles: every group starts at a multiple of 8
+    q_rows = q.reshape(batch, kv_heads, group, head_dim).astype(cdtype)
+    if g8 != group:
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, g8 - group), (0, 0)))
+    q_rows = q_rows.reshape(batch * kv_heads * g8, head_dim)  # [B*K*G8, D]: ROWS rows from each group's first
     # The last groups' copies run past the array: TMA zero-fills those rows, but a slice of ROWS rows needs that
     # many in the array, and the interpreter's copies must stay in bounds, so pad (one small XLA op) when needed.
-    pad = ROWS - group if interpret else max(0, ROWS - batch * heads)
+    pad = ROWS - g8 if interpret else max(0, ROWS - batch * kv_heads * g8)
     if pad:
         q_rows = jnp.pad(q_rows, ((0, pad), (0, 0)))
     part_dtype = q.dtype if num_splits == 1 else jnp.float32
@@ -185,7 +196,7 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, order=None, scale
                *[plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages)] * 2]  # k, v: one per ring slot
     if quantized:  # the f16 tiles the wgmmas read
         scratch += [plgpu.SMEM((block_n, head_dim), cdtype, transforms=tiled)] * 2
-    body = functools.partial(_decode_kernel, scale=scale, block_size=block_size, group=group, heads=heads,
+    body = functools.partial(_decode_kernel, scale=scale, block_size=block_size, group=group, kv_heads=kv_heads,
                              block_n=block_n, num_stages=num_stages, num_splits=num_splits, ordered=order is not None,
                              quantized=quantized, interpret=interpret)
     args = (seq_lens, block_tables, q_rows, k_cache, v_cache) + (tuple(scales) if quantized else ())
@@ -199,7 +210,7 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, order=None, scale
         scratch_types=scratch,
         grid=(kv_heads, num_splits, batch),
         grid_names=("kv_head", "split", "row"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=compiler_params(approx_math=True),
         interpret=_interpreter()() if interpret else None,
         kernel_name="mosaic_paged_decode",
     )(*args)
@@ -236,6 +247,9 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     if q.dtype not in DTYPES:
         raise ValueError(f"{name}: q must be bfloat16 or float16 (wgmma), got {q.dtype}")
     head_dim, block_size = q.shape[-1], k_cache.shape[1]
+    if q.shape[1] // k_cache.shape[2] > ROWS:
+        raise ValueError(f"{name}: a GQA group (q heads / kv heads = {q.shape[1] // k_cache.shape[2]}) must fit "
+                         f"in one {ROWS}-row wgmma tile")
     if head_dim % 64 or head_dim > 256:
         raise ValueError(f"{name}: head_dim must be 64, 128 or 256 (128-byte swizzled tiles), got {head_dim}")
     if block_size < 8:
