@@ -179,22 +179,6 @@ def test_data_parallel_equals_one_replica(ckpts, tp1, prompts):
     assert hits[0] == hits[1] and hits[0][0] > 0
 
 
-def test_replicas_run_k_steps_per_call_at_large_buckets(ckpts, tp1):
-    """With replicas (one host thread for all) every decode bucket gets K-step calls, not only <= 8 rows: a
-    12-row bucket runs them once nothing waits, and the tokens are one engine's (requests queue at first)."""
-    rng = np.random.default_rng(2)
-    ps = [rng.integers(0, 500, n).tolist() for n in rng.integers(2, 12, 28)]
-    sp = [SamplingParams(temperature=0.8, max_tokens=int(m), ignore_eos=True, seed=i)
-          for i, m in enumerate(rng.integers(5, 14, len(ps)))]
-    want = run(tp1, ps, sp)
-    dp = LLM(ckpts["gqa_v509"], data_parallel_size=2, **{**BASE, "max_num_seqs": 12, "max_num_batched_tokens": 128,
-                                                         "prefill_buckets": (128,)})
-    assert run(dp, ps, sp) == want
-    assert [k for k in dp.engine.runner.buckets() if k[0] == "multistep" and k[1] == 12]
-    st = dp.stats()
-    assert all(r["multistep_calls"] > 0 for r in st["replicas"]), st
-
-
 def test_preemption_chunking_and_queueing_on_parallel_replicas(ckpts, tp1):
     """More requests than rows, prompts longer than a prefill chunk, and a KV pool that cannot hold two of them
     at once: replicas that are themselves tensor-parallel (vocabulary 509: padded) preempt, chunk and queue, and

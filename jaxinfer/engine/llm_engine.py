@@ -284,7 +284,7 @@ class LLMEngine:
         variant, where the host is the bottleneck) when nothing waits; see Scheduler.plan_steps."""
         if batch.is_prefill or not self.multistep or key[2] not in self.runner.multistep_buckets():
             return 1
-        return self.scheduler.plan_steps(batch, self.runner.multistep_ks(key[2]), STOP_IDS)
+        return self.scheduler.plan_steps(batch, self.runner.multistep_ks(), STOP_IDS)
 
     def stats(self) -> dict:
         bm = self.block_manager

@@ -30,10 +30,6 @@ MULTISTEP_KS = (4, 16)        # auto: steps per call compiled for small batches 
 # TPOT K-step vs one step per call): batch 1 1.39 vs 1.51 ms, batch 8 1.61 vs 1.64, batch 32 2.44 vs 2.24 ms, so
 # bucket 32 runs one step per call (and warm-up compiles 4 programs fewer).
 MULTISTEP_MAX_ROWS = 8
-# Data-parallel replicas share one host thread, whose work per replica-step (~1.7 ms on the H200 host) times
-# the replicas exceeds a 128-row step's GPU time (~3.3 ms): there every decode bucket gets a K-step variant,
-# with these Ks (the host's Python work is then paid once per K steps; the launches still once a step).
-DP_MULTISTEP_KS = (4,)
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype) -> int:
@@ -171,21 +167,15 @@ class ModelRunner:
         out = [k + (f,) for f in (False, True) for k in out]
         # K-step decode calls (multistep.py): small batches only (host-bound), unfiltered sampling only
         return out + [("multistep", B, B, W, False, K) for B in self.multistep_buckets() for W in self.widths
-                      for K in self.multistep_ks(B)]
+                      for K in self.multistep_ks()]
 
-    def multistep_ks(self, rows: int = 1) -> tuple[int, ...]:
-        """Steps per call that get a compiled variant for a bucket of `rows`: num_scheduler_steps, or
-        MULTISTEP_KS (auto) up to MULTISTEP_MAX_ROWS rows, DP_MULTISTEP_KS above that with data parallelism."""
+    def multistep_ks(self) -> tuple[int, ...]:
+        """Steps per call that get a compiled variant: num_scheduler_steps, or MULTISTEP_KS (auto)."""
         n = self.engine.num_scheduler_steps
-        if n is not None:
-            return () if n == 1 else (n,)
-        if rows <= MULTISTEP_MAX_ROWS:
-            return MULTISTEP_KS
-        return DP_MULTISTEP_KS if self.engine.data_parallel_size > 1 else ()
+        return MULTISTEP_KS if n is None else (() if n == 1 else (n,))
 
     def multistep_buckets(self) -> tuple[int, ...]:
-        return tuple(B for B in self.engine.decode_buckets if self.multistep_ks(B) and
-                     (B <= MULTISTEP_MAX_ROWS or self.engine.num_scheduler_steps is None))
+        return tuple(B for B in self.engine.decode_buckets if B <= MULTISTEP_MAX_ROWS) if self.multistep_ks() else ()
 
     def compile(self, key: tuple[str, int, int, int, bool], quiet: bool = False):
         if key not in self.compiled:
