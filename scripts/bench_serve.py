@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -231,18 +232,47 @@ def overload_level(a, pool, url: str) -> dict:
     reqs = [(ids, m, None) for ids, m in workload(n, a.max_input_len, a.max_output_len, *((10, 5) if a.quick else
                                                   (100, 100)), a.vocab_size, seed=2)]
     before = httpx.get(url + "/stats").json()
-    recs = run_level(pool, url, a.served_model_name, reqs, a.overload, a.client_procs, a.extra_body)
+    stop, probes = threading.Event(), []
+    prober = threading.Thread(target=probe_refusals, args=(url, a.served_model_name, stop, probes))
+    prober.start()
+    try:
+        recs = run_level(pool, url, a.served_model_name, reqs, a.overload, a.client_procs, a.extra_body)
+    finally:
+        stop.set()
+        prober.join()
     after = httpx.get(url + "/stats", timeout=60).json()
     s = dict(name=f"overload {a.overload}", concurrency=a.overload, max_waiting_requests=a.max_waiting_requests,
              **summarize(recs), preemptions=after["preemptions"] - before["preemptions"],
              kv_blocks_free_after=after["kv_blocks_free"], kv_blocks_total=after["kv_blocks_total"])
+    refused = [ms for status, ms in probes if status == 503]
+    s["probe"] = dict(requests=len(probes), refused=len(refused), errors=sum(st not in (200, 503) for st, _ in probes),
+                      refused_ms=percentiles(refused, 1.0) | ({"max": max(refused)} if refused else {}))
+    # the bound is met when an idle client's refusals come at once; the loaded clients' own 503 times also count
+    # their event loops' lag (each parses thousands of streamed events a second), reported beside it
     s["ok"] = (s["errors"] == 0 and s["lost_tokens"] == 0 and s["completed"] + s["rejected_503"] == s["requests"]
-               and s["rejected_ms"].get("max", 0.0) < 1000.0)
+               and s["probe"]["errors"] == 0 and s["probe"]["refused_ms"].get("max", 0.0) < 1000.0)
     print_level(s)
     print(f"{s['name']:>16}: {s['requests']} requests = {s['completed']} completed + {s['rejected_503']} refused "
-          f"(503, max {s['rejected_ms'].get('max', 0.0):.1f} ms, p99 {s['rejected_ms'].get('p99', 0.0):.1f} ms) "
-          f"+ {s['errors']} errors; {s['lost_tokens']} lost tokens -> {'OK' if s['ok'] else 'FAIL'}", flush=True)
+          f"(503, max {s['rejected_ms'].get('max', 0.0):.1f} ms, p99 {s['rejected_ms'].get('p99', 0.0):.1f} ms as "
+          f"the loaded clients saw them) + {s['errors']} errors; {s['lost_tokens']} lost tokens; an idle client's "
+          f"probes: {len(refused)} of {len(probes)} refused, p50 {s['probe']['refused_ms'].get('p50', 0.0):.1f} ms, "
+          f"max {s['probe']['refused_ms'].get('max', 0.0):.1f} ms -> {'OK' if s['ok'] else 'FAIL'}", flush=True)
     return s
+
+
+def probe_refusals(url: str, model: str, stop, out: list, every_s: float = 0.1) -> None:
+    """From a thread of this (otherwise idle) process: one 1-token request every `every_s` until `stop`,
+    recording (HTTP status, ms) of each: what an overloaded server answers a client that is not itself busy."""
+    import httpx
+    with httpx.Client(base_url=url, timeout=30) as client:
+        while not stop.wait(every_s):
+            t = time.perf_counter()
+            try:
+                status = client.post("/v1/completions", json={"model": model, "prompt": [1, 2, 3],
+                                                              "max_tokens": 1}).status_code
+            except httpx.HTTPError:
+                status = -1
+            out.append((status, (time.perf_counter() - t) * 1e3))
 
 
 def write_json(path: str, r: dict) -> None:

@@ -28,5 +28,6 @@ def test_bench_serve_quick(tiny_dir, tmp_path, tmp_path_factory, capsys, monkeyp
     ov = r["overload"]                    # 16 streams against 8 running + 4 waiting: some refused, none lost
     assert ov["ok"] and ov["completed"] > 0 and ov["rejected_503"] > 0, ov
     assert ov["kv_blocks_free_after"] == ov["kv_blocks_total"]
+    assert ov["probe"]["requests"] > 0 and ov["probe"]["errors"] == 0, ov["probe"]   # the idle client's requests
     assert json.loads(out.read_text())["levels"][0]["name"] == "concurrency 1"
     assert "offline batch-1" in capsys.readouterr().out
