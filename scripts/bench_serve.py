@@ -37,7 +37,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
-from serve_load import percentiles, run_level, summarize  # noqa: E402
+from serve_load import percentiles, probe_refusals, run_level, summarize  # noqa: E402
 
 # --quick: two buckets in all (prefill 64, decode 8), compiled by the warm-up requests (tests/test_server.py's
 # engine options: its tests' engine cores leave these steps in a shared compilation cache)
@@ -258,21 +258,6 @@ def overload_level(a, pool, url: str) -> dict:
           f"probes: {len(refused)} of {len(probes)} refused, p50 {s['probe']['refused_ms'].get('p50', 0.0):.1f} ms, "
           f"max {s['probe']['refused_ms'].get('max', 0.0):.1f} ms -> {'OK' if s['ok'] else 'FAIL'}", flush=True)
     return s
-
-
-def probe_refusals(url: str, model: str, stop, out: list, every_s: float = 0.1) -> None:
-    """From a thread of this (otherwise idle) process: one 1-token request every `every_s` until `stop`,
-    recording (HTTP status, ms) of each: what an overloaded server answers a client that is not itself busy."""
-    import httpx
-    with httpx.Client(base_url=url, timeout=30) as client:
-        while not stop.wait(every_s):
-            t = time.perf_counter()
-            try:
-                status = client.post("/v1/completions", json={"model": model, "prompt": [1, 2, 3],
-                                                              "max_tokens": 1}).status_code
-            except httpx.HTTPError:
-                status = -1
-            out.append((status, (time.perf_counter() - t) * 1e3))
 
 
 def write_json(path: str, r: dict) -> None:

@@ -116,3 +116,18 @@ def summarize(records: list[dict]) -> dict:
                 ttft_ms=percentiles(ttft), tpot_ms=percentiles(tpot), itl_ms=percentiles(itl),
                 latency_ms=percentiles([r["end"] - r["start"] for r in ok]),
                 events_per_token=sum(len(r["events"]) for r in ok) / max(out, 1))
+
+
+def probe_refusals(url: str, model: str, stop, out: list, every_s: float = 0.1) -> None:
+    """From a thread of this (otherwise idle) process: one 1-token request every `every_s` until `stop`,
+    recording (HTTP status, ms) of each: what an overloaded server answers a client that is not itself busy."""
+    import httpx
+    with httpx.Client(base_url=url, timeout=30) as client:
+        while not stop.wait(every_s):
+            t = time.perf_counter()
+            try:
+                status = client.post("/v1/completions", json={"model": model, "prompt": [1, 2, 3],
+                                                              "max_tokens": 1}).status_code
+            except httpx.HTTPError:
+                status = -1
+            out.append((status, (time.perf_counter() - t) * 1e3))

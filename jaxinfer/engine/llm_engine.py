@@ -155,9 +155,8 @@ class LLMEngine:
         step N to step N+1 on the device. Before admitting waiting requests (a prefill, or a
         preempted sequence's recompute) the step in flight is read first, so prompts are never
         built from tokens still on the device; a K-step call is read before the next is scheduled
-        (its rows' lengths are known only then). Both reads happen here, followed at once by the next
-        dispatch, so the device idles only for this host work (data-parallel replicas: not also for
-        the other replicas' reads).
+        (its rows' lengths are known only then). Such a read is followed here by the next dispatch, so
+        a data-parallel replica's device does not also wait for the other replicas' reads.
         """
         done = None                             # what a read made here returns
         # (a queue that cannot be admitted yet, e.g. more requests than max_num_seqs, does not force a read)
