@@ -124,7 +124,7 @@ class ModelConfig:
 
 ATTN_BACKENDS = ("xla", "pallas", "cudnn", "triton", "mosaic")
 GPU_ONLY_BACKENDS = {"cudnn": "cuDNN attention", "triton": "Triton kernels (jax-triton)",   # no CPU/interpret path
-                     "mosaic": "Pallas Mosaic GPU decode kernel (Hopper)"}
+                     "mosaic": "Pallas Mosaic GPU kernels (Hopper)"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # vLLM's names; fp8 is e4m3 (model/kv_scales.py)
 KV_BLOCK_SIZE_ALIASES = {"kvcache_block_size": "block_size"}   # nano-vllm's name -> vLLM's
 

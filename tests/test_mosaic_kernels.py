@@ -240,7 +240,7 @@ def test_gpu_matches_reference(batch, max_len, heads, kv_heads, block_size, opts
     np.testing.assert_array_equal(np.asarray(ordered, np.float32), np.asarray(out, np.float32))
 
 
-# ---- attn_backend="mosaic" in the engine: GPU only, decode through this kernel, prefill through the flash kernel ----
+# ---- attn_backend="mosaic" in the engine: GPU only, decode through this kernel, prefill through Mosaic's prefill ----
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's error: this machine has a GPU")
 def test_mosaic_backend_on_cpu_is_a_clear_error(tiny_dir):
@@ -254,7 +254,8 @@ def test_mosaic_backend_dispatch_and_fp8_refusal(tiny_dir):
     from jaxinfer.config import EngineConfig, ModelConfig
     from jaxinfer.model.attention import attention_fns
     prefill_fn, decode_fn = attention_fns("mosaic", interpret=False)
-    assert decode_fn is paged_decode_attention and prefill_fn.func.__name__ == "flash_attention"
+    from pallas_kernels.mosaic.flash_prefill import flash_prefill
+    assert decode_fn is paged_decode_attention and prefill_fn is flash_prefill
     model = ModelConfig.from_pretrained(tiny_dir)
     assert EngineConfig(attn_backend="mosaic").resolve("gpu", model).attn_backend == "mosaic"
     with pytest.raises(ValueError, match=r"attn_backend='mosaic' does not read an fp8 KV cache"):
@@ -299,3 +300,22 @@ def test_gpu_mosaic_backend_generates_like_pallas(tmp_path):
     print(f"\nmosaic vs pallas: {sum(agree)}/{24 * len(prompts)} tokens agree, first differences at {agree}")
     assert all(len(o) == 24 for o in outs["mosaic"])
     assert sum(a >= 2 for a in agree) >= len(prompts) - 1 and sum(agree) >= 0.4 * 24 * len(prompts)
+
+
+@needs_mosaic
+def test_mosaic_backend_layer_lowers_for_cuda(monkeypatch):
+    """The engine's attention layer with attn_backend="mosaic" (K/V write, then Mosaic prefill or decode, with the
+    engine's argument names) lowers for CUDA: the glue between the engine and both kernels, without a GPU."""
+    from jaxinfer.model.attention import paged_attention_layer
+    from pallas_kernels.mosaic import flash_prefill as fp
+    monkeypatch.setattr(paged_decode, "_on_gpu", lambda: True)
+    monkeypatch.setattr(fp, "_on_gpu", lambda: True)
+    T, B, W, H, K, D, bs = 64, 4, 4, 16, 8, 128, 16
+    caches = (jnp.zeros((32, bs, K, D), jnp.bfloat16),) * 2
+    for kind, rows in (("prefill", T), ("decode", B)):
+        meta = dict(slot_mapping=jnp.arange(rows, dtype=jnp.int32), block_tables=jnp.zeros((B, W), jnp.int32),
+                    seq_lens=jnp.full((B,), 16, jnp.int32), cu_seqlens=jnp.array([0, 16, 32, 48, 64], jnp.int32))
+        layer = paged_attention_layer(kind, "mosaic", meta)
+        q, k, v = (jnp.zeros((rows, n, D), jnp.bfloat16) for n in (H, K, K))
+        text = lowered_text(lambda q, k, v, c: layer(0, q, k, v, c), (q, k, v, caches))
+        assert "mosaic_gpu" in text and "triton" not in text, kind
