@@ -88,7 +88,7 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
              ttft_ms_p50=pct(ttft, 50), ttft_ms_p90=pct(ttft, 90), ttft_ms_p99=pct(ttft, 99),
              tpot_ms_p50=pct(tpot, 50), tpot_ms_p90=pct(tpot, 90), tpot_ms_p99=pct(tpot, 99),
              bytes_needed=need, bandwidth_GBs=bw / 1e9, floor_s=floor, pct_of_floor=100 * floor / wall,
-             achieved_GBs=need / wall / 1e9, warmup_s=args.warmup_s,
+             achieved_GBs=need / wall / 1e9, warmup_s=args.warmup_s, warmup_breakdown=args.warmup_breakdown,
              reference_bandwidth_GBs=ref_bw * 1e3, floor_s_at_reference=need / (ref_bw * 1e12),
              pct_of_reference_floor=100 * need / (ref_bw * 1e12) / wall,
              host_ms_per_step={k[5:-2]: 1e3 * st[k] / steps for k in HOST_TIMES if k in st})
@@ -158,6 +158,10 @@ def build(args):
     args.warmup_s = time.perf_counter() - t
     args.attn_backend = llm.config.attn_backend
     print(f"engine: {llm.config}", flush=True)
+    from timing import warmup_breakdown
+    w = args.warmup_breakdown = warmup_breakdown(llm, args.warmup_s)
+    print(f"warm-up {args.warmup_s:.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in w.items() if k.endswith("_s")) +
+          f"; {w['programs']} programs, slowest " + ", ".join(f"{x['step']} {x['s']:.1f} s" for x in w["slowest"][:3]))
     return llm
 
 
@@ -233,7 +237,7 @@ def run_latency(args) -> dict:
              tensor_parallel_size=llm.config.tensor_parallel_size, data_parallel_size=llm.config.data_parallel_size,
              num_scheduler_steps=llm.config.num_scheduler_steps, output_tokens=args.latency_output,
              first_ttft_ms=first, ttft_ms=float(np.median(ttfts)), tpot_ms=float(np.median(tpots)),
-             warmup_s=args.warmup_s, compiled_buckets=st["compiled_buckets"],
+             warmup_s=args.warmup_s, warmup_breakdown=args.warmup_breakdown, compiled_buckets=st["compiled_buckets"],
              compiled_multistep=st.get("compiled_multistep"), multistep_calls=st.get("multistep_calls"),
              decode_steps=st["decode_steps"], compilations_after_warmup=st["compilations"], host=host_name())
     print(f"latency ({args.model}, {args.attn_backend}, batch {n}, num_scheduler_steps="

@@ -39,3 +39,17 @@ def copy_bandwidth(n: int) -> float:
         neg(x).block_until_ready()
         times.append(time.perf_counter() - t0)
     return 2 * n * 2 / min(times)
+
+
+def warmup_breakdown(llm, total_s: float) -> dict:
+    """Where `LLM(...)`'s `total_s` went: the engine's warm-up phases (compile, first runs, warm requests; with
+    replicas also the other replicas' loading of replica 0's steps), the rest (weights, KV pool, tokenizer), and
+    replica 0's slowest compiles."""
+    engine = llm.engine
+    phases = dict(getattr(engine, "warmup_phases", {}))
+    runner = getattr(engine, "replicas", [engine])[0].runner
+    slow = sorted(runner.compile_s.items(), key=lambda kv: -kv[1])[:5]
+    return dict(**phases, load_and_other_s=total_s - sum(phases.values()), programs=len(runner.compile_s),
+                compile_sum_s=sum(runner.compile_s.values()),
+                slowest=[{"step": "/".join(map(str, k[:4])) + ("/filtered" if k[4] else "") +
+                          "".join(f"/{x}" for x in k[5:]), "s": s} for k, s in slow])

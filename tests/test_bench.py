@@ -26,6 +26,9 @@ def test_bench_runs_and_counts(tiny_dir, tmp_path, capsys):
     assert host["schedule"] > 0 and host["dispatch"] > 0
     out = capsys.readouterr().out
     assert "tok/s" in out and "% of the floor" in out and "host ms per step" in out
+    w = r["warmup_breakdown"]         # where LLM()'s warm-up went: compiled with --warmup, so compile time > 0
+    assert w["compile_s"] > 0 and 0 < len(w["slowest"]) <= min(5, w["programs"])
+    assert abs(sum(v for k, v in w.items() if k.endswith("_s") and k != "compile_sum_s") - r["warmup_s"]) < 1e-6
     assert os.path.isfile(tmp_path / "r.json")
     assert len(r["walls_s"]) == 2 and min(r["walls_s"]) <= r["wall_s"] <= max(r["walls_s"])
     assert r["prefix_cache_hit_tokens"] == 0, "each repeat computes its prompts (prefix cache reset)"

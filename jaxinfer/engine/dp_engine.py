@@ -15,6 +15,7 @@ over dp of them. `DPEngine` offers what `LLM`, the server and the benchmarks use
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -71,11 +72,17 @@ class DPEngine:
     def warmup(self, progress=None) -> None:
         """Replica 0 compiles every bucket; the others load those executables onto their own devices
         (ExecutableCache / parallel/relocate.py: milliseconds a step), or compile where that cannot be done."""
+        t0 = time.perf_counter()
         self.replicas[0].runner.warmup(progress)
+        t1 = time.perf_counter()
         with ThreadPoolExecutor(len(self.replicas) - 1) as pool:
             list(pool.map(lambda r: r.runner.warmup(progress), self.replicas[1:]))
+        t2 = time.perf_counter()
         for r in self.replicas:      # compile counters are process-wide: count from the end of every warm-up
             r.warmup()               # (nothing left to compile: the baseline, then gc.collect + gc.freeze)
+        rest = [r.warmup_phases for r in self.replicas]
+        self.warmup_phases = dict(compile_s=t1 - t0, other_replicas_s=t2 - t1,
+                                  **{k: sum(p[k] for p in rest) for k in ("first_runs_s", "warm_requests_s")})
 
     # -- requests ---------------------------------------------------------------------------------
     def check_request(self, token_ids: list[int], params: SamplingParams, where: str = "prompt") -> None:

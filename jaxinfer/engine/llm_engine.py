@@ -64,19 +64,22 @@ class LLMEngine:
         self.host_time = dict(schedule_s=0.0, dispatch_s=0.0, wait_s=0.0, apply_s=0.0)
         self.compile_counter = CompileCounter()     # owned: its listener goes with the engine
         self.compilations_at_warmup = 0
-        # per-step host times when a list: [kind, rows, bucket (tokens), schedule, dispatch, wait, apply,
-        # transfer (the part of dispatch that sends the batch)] in s
+        self.warmup_phases: dict[str, float] = {}
+        # per-step host times (s) when a list: [kind, rows, bucket, schedule, dispatch, wait, apply, transfer]
         self.step_log: list | None = None
 
     def warmup(self, progress=None) -> None:
-        self.runner.warmup(progress)
-        self.runner.run_idle()          # every compiled step runs once (first execution loads its kernels)
-        self._warm_requests()
+        """Compile every step, run each once (its first execution loads kernels), run two tiny requests; the
+        phases' seconds go to `warmup_phases` (scripts/bench.py reports them with runner.compile_s)."""
+        t = [time.perf_counter()]
+        for phase in (lambda: self.runner.warmup(progress), self.runner.run_idle, self._warm_requests):
+            phase()
+            t.append(time.perf_counter())
+        self.warmup_phases = dict(compile_s=t[1] - t[0], first_runs_s=t[2] - t[1], warm_requests_s=t[3] - t[2])
         self.compilations_at_warmup = self.compile_counter.count
-        # Compiling leaves ~300k long-lived Python objects (JAX's caches); every full (generation 2) garbage
-        # collection walked them all: one took 137 ms in the middle of a 5.5 s benchmark run on the H200
-        # machine. Freezing moves the survivors out of the collector's view (as vLLM does after capturing its
-        # CUDA graphs); they are still freed by reference counting.
+        # Compiling leaves ~300k long-lived Python objects (JAX's caches); a full garbage collection walked them
+        # all (137 ms in the middle of a 5.5 s run on the H200). Freezing moves the survivors out of the
+        # collector's view (as vLLM does after capturing its CUDA graphs); reference counting still frees them.
         gc.collect()
         gc.freeze()
 
@@ -146,17 +149,15 @@ class LLMEngine:
         return self.dispatch()()
 
     def dispatch(self) -> Callable[[], list[Sequence]]:
-        """The first half of `step`: schedule and dispatch (never waits for the device). Returns the second
-        half, which reads a finished step's ids (may block) and applies them. Data-parallel replicas
-        (engine/dp_engine.py) dispatch every replica before any reads, so their devices run together.
+        """The first half of `step`: schedule and dispatch. Returns the second half, which reads a dispatched
+        step's ids (may block) and applies them. Data-parallel replicas (engine/dp_engine.py) dispatch every
+        replica before any reads, so their devices run together.
 
-        With async scheduling (the default) the step dispatched here is read back by the NEXT call:
-        the host schedules and packs step N+1 while the GPU runs step N, and sampled tokens flow from
-        step N to step N+1 on the device. Before admitting waiting requests (a prefill, or a
-        preempted sequence's recompute) the step in flight is read first, so prompts are never
-        built from tokens still on the device; a K-step call is read before the next is scheduled
-        (its rows' lengths are known only then). Such a read is followed here by the next dispatch, so
-        a data-parallel replica's device does not also wait for the other replicas' reads.
+        With async scheduling (the default) the step dispatched here is read back by the NEXT call: the host
+        schedules step N+1 while the GPU runs step N, and sampled ids flow from N to N+1 on the device. Two
+        cases read the step in flight here first (blocking), then dispatch the next: before admitting waiting
+        requests (prompts are never built from tokens still on the device), and after a K-step call (its rows'
+        lengths are known only once read).
         """
         done = None                             # what a read made here returns
         # (a queue that cannot be admitted yet, e.g. more requests than max_num_seqs, does not force a read)
@@ -212,17 +213,14 @@ class LLMEngine:
         ids.copy_to_host_async()
         self.host_time["schedule_s"] += t1 - t0
         self.host_time["dispatch_s"] += time.perf_counter() - t1
-        entry = None
-        if self.step_log is not None:
-            entry = ["prefill" if batch.is_prefill else "decode", len(batch.seqs), key[1], t1 - t0,
-                     time.perf_counter() - t1, 0.0, 0.0, t_put]
+        entry = None if self.step_log is None else ["prefill" if batch.is_prefill else "decode", len(batch.seqs),
+                                                     key[1], t1 - t0, time.perf_counter() - t1, 0.0, 0.0, t_put]
+        if entry is not None:
             self.step_log.append(entry)
         prev, self.in_flight = self.in_flight, (batch, ids, entry, pending)
         if prev is not None:
             return functools.partial(self._apply, *prev)
-        if done is not None:
-            return lambda: done
-        return list if self.async_scheduling else self._read_in_flight
+        return (lambda: done) if done is not None else list if self.async_scheduling else self._read_in_flight
 
     def _read_in_flight(self) -> list[Sequence]:
         prev, self.in_flight = self.in_flight, None

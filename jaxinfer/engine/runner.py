@@ -148,6 +148,7 @@ class ModelRunner:
         # packed every step: they get one narrow width beside the full one (config.BACKEND_DEFAULTS).
         self.widths = engine.block_table_widths()
         self.compiled: dict[tuple[str, int, int, int, bool], object] = {}
+        self.compile_s: dict[tuple, float] = {}      # seconds each step took to compile (or to load: relocate.py)
         self.max_rows = max(engine.max_num_seqs, *engine.decode_buckets)   # a bucket may exceed max_num_seqs
         self.last_ids = self.placement.put(np.zeros((self.max_rows,), np.int32))   # previous step's sampled ids
 
@@ -202,6 +203,7 @@ class ModelRunner:
                                                                              len(self.placement.devices)))
             t0 = time.perf_counter()
             self.compiled[key] = self.executables.get(shared, self.placement.devices, build)
+            self.compile_s[key] = time.perf_counter() - t0
             if not quiet and time.perf_counter() - t0 > 0.5:       # a step compiled lazily, mid-run
                 log.info("compiled the %s step for %d tokens, %d rows, %d-block tables in %.1f s",
                          kind, T, B, W, time.perf_counter() - t0)
