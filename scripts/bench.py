@@ -131,24 +131,6 @@ def step_log_summary(log: list) -> dict:
     return out
 
 
-@contextlib.contextmanager
-def profiled(trace_dir: str | None):
-    """jax.profiler.trace around the block when a directory is given."""
-    import jax
-    if not trace_dir:
-        yield
-        return
-    with jax.profiler.trace(trace_dir):
-        yield
-
-
-def summarize_profile(trace_dir: str, steps: int) -> dict:
-    from trace_summary import print_summary, summarize
-    s = summarize(trace_dir, steps=steps)
-    print_summary(s)
-    return s
-
-
 def build(args):
     """The LLM as a user gets it: the engine options given here, the engine's defaults for the rest."""
     from jaxinfer import LLM
@@ -167,6 +149,7 @@ def build(args):
 
 def run_throughput(args) -> dict:
     from jaxinfer import SamplingParams
+    from trace_summary import profiled, summarize_profile
     llm = build(args)
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, llm.model_config.vocab_size)
     params = with_extras(llm, params, args)

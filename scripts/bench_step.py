@@ -206,7 +206,7 @@ def main(argv=None) -> dict:
         times["head"] = median_time(jax.jit(head), (params, hidden), a.iters)
     profile = None
     if a.profile:
-        from bench import profiled, summarize_profile
+        from trace_summary import profiled, summarize_profile
         with profiled(a.profile):
             median_time(step, (params, fresh_kv(), packed, prev), a.iters, {1: 1})
         profile = summarize_profile(a.profile, a.iters + 2)

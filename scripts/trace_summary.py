@@ -10,6 +10,7 @@ summarises the host's XLA threads instead, which is only good for testing this s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import re
@@ -75,6 +76,24 @@ def print_summary(s: dict) -> None:
     print(f"{'ms' + per:>10} | {'calls':>6} | {'share':>6} | kernel")
     for r in s["top"]:
         print(f"{r['ms']:10.3f} | {r['calls']:6.1f} | {100 * r['share']:5.1f}% | {r['name'][:100]}")
+
+
+@contextlib.contextmanager
+def profiled(trace_dir: str | None):
+    """jax.profiler.trace around the block when a directory is given."""
+    import jax
+    if not trace_dir:
+        yield
+        return
+    with jax.profiler.trace(trace_dir):
+        yield
+
+
+def summarize_profile(trace_dir: str, steps: int) -> dict:
+    """Summarise and print a trace of `steps` engine steps (bench.py, bench_step.py --profile)."""
+    s = summarize(trace_dir, steps=steps)
+    print_summary(s)
+    return s
 
 
 def main(argv=None) -> dict:
