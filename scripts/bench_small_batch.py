@@ -168,7 +168,7 @@ def bench_steps(a, cfg, params, out: dict) -> None:
             r["serial_ms"] = timed(lambda *x: exe(*x[:2], jax.device_put(pk), x[3]), (params, fresh(), None, ids),
                                    iters, {1: 1}, read="each") * 1e3 / per
         if a.profile:
-            from bench import profiled
+            from trace_summary import profiled
             from trace_summary import summarize
             d = os.path.join(a.profile, f"b{n}_{call}_{mm}_u{unroll}")
             with profiled(d):
