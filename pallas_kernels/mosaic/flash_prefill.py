@@ -18,6 +18,7 @@ FA3-style attention_mgpu made paged and varlen; three warpgroups per program.
     rows go out by TMA in power-of-two pieces (64, 32, ..., 1) covering exactly the tile's rows.
   * fp8 pages: each compute warpgroup converts the tile to its own f16 SMEM tile (no fp8 x f16 wgmma) and frees
     the slot at once; q is f16, scales fold into the softmax scale and the normalisation (as in paged_decode).
+Argument checks and SMEM sizing: prefill_checks.py.
 """
 from __future__ import annotations
 
@@ -28,17 +29,18 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import LOG2E, NEG_BIG, check_cu_seqlens, check_paged_inputs
+from pallas_kernels._common import LOG2E, NEG_BIG
 from pallas_kernels.flash_attention import flash_attention_reference
-from pallas_kernels.mosaic._common import (DTYPES, MAX_SMEM, _interpreter, _row_layout, _tiled, _to_f16_tile,
-                                           available, check_runnable, compiler_params, plgpu, wgmma_iota)
-from pallas_kernels.mosaic.prefill_tiles import aligned_tiles
-from pallas_kernels.quant import is_fp8, kv_scales, load_scales
+from pallas_kernels.mosaic._common import (MAX_SMEM, _interpreter, _row_layout, _tiled, _to_f16_tile, available,
+                                           compiler_params, plgpu, wgmma_iota)
+from pallas_kernels.mosaic.prefill_checks import (DEFAULT_BLOCK_KV, DEFAULT_NUM_STAGES, ROWS, check_prefill_args,
+                                                  smem_bytes)
+from pallas_kernels.mosaic.prefill_tiles import aligned_tiles, store_rows
+from pallas_kernels.quant import load_scales
 
-ROWS = 64  # wgmma's M: rows of one q head per compute warpgroup
-DEFAULT_BLOCK_KV = 128  # key tokens per tile (8 pages of 16); untuned. fp8 pages: 64 (their f16 tiles need SMEM)
-DEFAULT_NUM_STAGES = 2  # K/V tiles in flight
-__all__ = ["available", "flash_prefill", "flash_prefill_reference", "smem_bytes"]  # available: paged_decode's
+# Re-exported (tests, scripts/bench_mosaic_prefill.py): available is paged_decode's; MAX_SMEM, smem_bytes and the
+# defaults live with the argument checks (prefill_checks.py).
+__all__ = ["available", "flash_prefill", "flash_prefill_reference", "smem_bytes", "MAX_SMEM", "DEFAULT_BLOCK_KV"]
 
 
 def _on_gpu() -> bool:
@@ -46,30 +48,10 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def smem_bytes(head_dim: int, block_kv: int, num_stages: int, fp8: bool = False) -> int:
-    """SMEM of a program: q and output tiles of both compute warpgroups, the K/V ring, fp8's f16 tiles, scratch."""
-    ring = 2 * num_stages * block_kv * head_dim * (1 if fp8 else 2)
-    f16_tiles = 2 * 2 * block_kv * head_dim * 2 if fp8 else 0  # k and v, per compute warpgroup
-    return 2 * 2 * ROWS * head_dim * 2 + ring + f16_tiles + 2048 + 256  # Mosaic's 2 KiB scratch, the barriers
-
-
 def _dot(a, b, transpose_b: bool = False):
     """a @ b (or b^T) in fp32: the interpreter's wgmma (which reads neither a transposed nor a register operand)."""
     dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-
-
-def _store_rows(o_smem, o_ref, skip, row0, n, head):
-    """TMA-stores rows [skip, skip + n) of o_smem [ROWS, D] (untiled) to o_ref[row0 + i, head], skip + n <= ROWS:
-    one copy per set bit of n (static sizes, dynamic offsets), so no row outside the tile is written."""
-    size = ROWS
-    while size:
-        off = lax.bitwise_and(n, ~(2 * size - 1))  # rows covered by the larger pieces
-
-        @pl.when(lax.bitwise_and(n, size) != 0)
-        def _(off=off, size=size):
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(skip + off, size)], o_ref.at[pl.ds(row0 + off, size), head])
-        size //= 2
 
 
 def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref,
@@ -192,7 +174,7 @@ def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, lens_ref
             out = acc / lax.broadcast_in_dim(norm, acc.shape, [0])
             o_smem[...] = (out * v_scale if quantized else out).astype(o_smem.dtype)
             plgpu.commit_smem()
-            _store_rows(o_smem, o_ref, jnp.clip(lo - row0, 0, ROWS - n), lo, n, head)
+            store_rows(o_smem, o_ref, jnp.clip(lo - row0, 0, ROWS - n), lo, n, head, ROWS)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
@@ -293,32 +275,10 @@ def flash_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_ta
     group is even (False: FA3's two 64-row halves of one head). interpret: Mosaic GPU's interpreter on the CPU
     (threads, SMEM, TMA and mbarriers simulated; the wgmmas become dots). Returns [T, H, D] in q's dtype.
     """
-    name = "flash_prefill"
-    check_runnable(name, interpret, _on_gpu(), "flash_prefill_reference or pallas_kernels.flash_attention",
-                   f"needs a CUDA GPU (Mosaic GPU has no CPU mode); JAX's backend here is "
-                   f"{jax.default_backend()!r}: use pallas_kernels.flash_attention")
-    if q.ndim != 3:
-        raise ValueError(f"{name}: q must be [T, H, D], got shape {q.shape}")
-    num_tokens, heads, head_dim = q.shape
-    batch = seq_lens.shape[0] if seq_lens.ndim == 1 else -1
-    check_paged_inputs(name, heads, head_dim, q.dtype, k_cache, v_cache, block_tables, seq_lens, batch)
-    check_cu_seqlens(name, cu_seqlens_q, batch)
-    scales = kv_scales(name, k_cache, k_scale, v_scale, layer)
-    if q.dtype not in DTYPES:
-        raise ValueError(f"{name}: q must be bfloat16 or float16 (wgmma), got {q.dtype}")
-    if head_dim not in (64, 128):
-        raise ValueError(f"{name}: head_dim must be 64 or 128 (128-byte swizzled tiles; 256 does not fit in SMEM "
-                         f"with two compute warpgroups), got {head_dim}")
-    if k_cache.shape[1] < 8:
-        raise ValueError(f"{name}: block_size must be >= 8 (whole 8-row SMEM tiles), got {k_cache.shape[1]}")
-    block_kv = (64 if is_fp8(k_cache.dtype) else DEFAULT_BLOCK_KV) if block_kv is None else block_kv
-    if block_kv not in (64, 128, 256):
-        raise ValueError(f"{name}: block_kv must be 64, 128 or 256, got {block_kv}")
-    if num_stages < 2:
-        raise ValueError(f"{name}: num_stages must be >= 2 (one slot refilled while another is read), got {num_stages}")
-    if (need := smem_bytes(head_dim, block_kv, num_stages, is_fp8(k_cache.dtype))) > MAX_SMEM:
-        raise ValueError(f"{name}: block_kv={block_kv} x num_stages={num_stages} at head_dim {head_dim} needs "
-                         f"{need} bytes of shared memory, more than {MAX_SMEM}: use fewer stages or a smaller block_kv")
+    scales, block_kv = check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                          k_scale=k_scale, v_scale=v_scale, layer=layer, block_kv=block_kv,
+                                          num_stages=num_stages, interpret=interpret, on_gpu=_on_gpu())
+    head_dim = q.shape[-1]
     scale = float(head_dim ** -0.5 if scale is None else scale)
     return _flash_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scales, scale=scale,
                           block_kv=block_kv, num_stages=num_stages, pair_heads=bool(pair_heads),

@@ -1,5 +1,5 @@
 """q tiles of the Mosaic GPU prefill (flash_prefill.py): flash_attention.tile_metadata's tiles, each sequence's
-windows shifted to start at a multiple of 8 rows.
+windows shifted to start at a multiple of 8 rows, and the store that writes exactly a tile's rows of its window.
 
 Why: the kernel copies a tile's q rows by TMA into an 8-row-tiled SMEM tile, and Mosaic GPU runs that copy on
 GMEM viewed as 8-row tiles (TileTransform.transform_index splits a row r into r // 8, r % 8), so the first row
@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
+
+from pallas_kernels.mosaic._common import plgpu
 
 
 def aligned_tiles(cu_seqlens_q: jax.Array, seq_lens: jax.Array, num_tokens: int, tile_rows: int):
@@ -43,3 +46,17 @@ def aligned_tiles(cu_seqlens_q: jax.Array, seq_lens: jax.Array, num_tokens: int,
     work = jnp.where(seq < batch, ctx_start + end - start[seq_c], -1)
     order = jnp.argsort(-work, stable=True)
     return seq[order], first[order].astype(jnp.int32), end[order].astype(jnp.int32)
+
+
+def store_rows(o_smem, o_ref, skip, row0, n, head, rows: int):
+    """TMA-stores rows [skip, skip + n) of o_smem [rows, D] (untiled) to o_ref[row0 + i, head], skip + n <= rows
+    (rows a power of two): one copy per set bit of n (static sizes, dynamic offsets), so no row outside the tile
+    is written (a tile starts or ends mid-window: the rows before `first`, the end of its sequence)."""
+    size = rows
+    while size:
+        off = lax.bitwise_and(n, ~(2 * size - 1))  # rows covered by the larger pieces
+
+        @pl.when(lax.bitwise_and(n, size) != 0)
+        def _(off=off, size=size):
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(skip + off, size)], o_ref.at[pl.ds(row0 + off, size), head])
+        size //= 2
