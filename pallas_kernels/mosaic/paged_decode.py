@@ -48,6 +48,8 @@ DEFAULT_BLOCK_N = 64  # tokens per tile (4 pages of 16); untuned
 # 2 slots: 64 KiB of K/V + 16 KiB q + 16 KiB bf16 output rows (one split) keeps 2 programs per SM (228 KiB);
 # with splits the output rows are fp32 (32 KiB) and one fits. Untuned.
 DEFAULT_NUM_STAGES = 2
+# available, MAX_SMEM: re-exported (tests, scripts/bench_mosaic_decode.py); listed so pyflakes sees them used
+__all__ = ["available", "paged_decode_attention", "paged_decode_attention_reference", "smem_bytes", "MAX_SMEM"]
 
 
 def smem_bytes(head_dim: int, block_n: int, num_stages: int, num_splits: int, fp8: bool = False) -> int:
