@@ -4,6 +4,8 @@
 #   ONLY="setup kernels" bash scripts/gpu_backends_runs.sh              # ~5 min
 #   ONLY="setup w_cudnn w_triton" bash scripts/gpu_backends_runs.sh     # ~5 min
 #   ONLY="setup notebook" bash scripts/gpu_backends_runs.sh             # ~6 min; executes the notebook in place
+#   ONLY="w_mosaic xla_fusion" bash scripts/gpu_backends_runs.sh        # ~6 min; W with both Mosaic kernels (issue
+#                                                                       # 21), the xla backend's GPU fusions
 # (the device machine takes 10-minute commands: run them one by one). Results: $OUT (default out_backends)
 # *.json, *.log and the executed notebook (copy them to scripts/results/ and notebooks/ here). Run the W runs
 # first and commit their JSON, so the notebook's W section finds them. Needs .whl/ carried along: jax-triton
@@ -27,6 +29,8 @@ run probe    240 python scripts/probe_triton_call.py --json "$OUT/probe_triton_c
 run kernels  480 python scripts/bench_kernels.py --quick --json scripts/results/h200_kernels_four_backends.json
 run w_cudnn  280 python scripts/bench.py --attn-backend cudnn --json scripts/results/h200_w_backend_cudnn.json
 run w_triton 280 python scripts/bench.py --attn-backend triton --json scripts/results/h200_w_backend_triton.json
+run w_mosaic 200 python scripts/bench.py --attn-backend mosaic --json scripts/results/h200_w_backend_mosaic.json
+run xla_fusion 240 python scripts/xla_fusion_report.py --batch 256 --json "$OUT/xla_fusion.json" --time
 run notebook 560 python scripts/run_notebook.py notebooks/xla_vs_pallas.ipynb -o "$OUT/xla_vs_pallas.ipynb"
 cp -f scripts/results/h200_kernels_four_backends.json scripts/results/h200_w_backend_*.json "$OUT"/ 2>/dev/null
 echo "== done in $(( $(date +%s) - T0 )) s; logs in $OUT"
