@@ -10,10 +10,10 @@ engine's compiler options (`jax.jit(step).lower(...).compile().as_text()`; weigh
 is allocated). Every fusion or custom call outside a fused computation is one kernel launch; each is listed by
 kind (kLoop elementwise, kInput reduction, kOutput / custom-call GEMM, ...) and by the ops fused into it, then
 divided by the layer count. The attention call alone is compiled the same way, to show whether the page
-gather is fused into its consumer (decode "reduce" form) or written out first ("einsum" form: a gather
-fusion whose output is the [B, S, K, D] copy).
+gather is fused into its consumer (decode "reduce" and "reduce_per_group" forms) or written out first ("einsum"
+form: a gather fusion whose output is the [B, S, K, D] copy).
 
---time times the attention call alone per shape (median of back-to-back calls): decode in both forms at tight
+--time times the attention call alone per shape (median of back-to-back calls): decode in each form at tight
 and 2x-padded block-table widths, prefill per tile size; decode's effective GB/s counts the K/V bytes the
 rows need, next to the copy bandwidth measured in the same process.
 """
@@ -168,7 +168,7 @@ def attention_cases(a, cfg):
         for pad in (1, 2):                      # tight table, and a bucket twice as wide (padding -> block 0)
             tables = np.zeros((B, n * pad), np.int32)
             tables[:, :n] = 1 + np.arange(B * n).reshape(B, n)
-            for form in ("reduce", "einsum"):
+            for form in ("reduce", "reduce_per_group", "einsum"):
                 fn = (lambda form: lambda q, k, v, t, s: paged_decode_xla(q, k, v, t, s, form=form))(form)
                 cases.append((f"decode {form} B={B} ctx={ctx} width={n * pad * bs}", fn,
                               (q, cache, cache, jnp.asarray(tables), lens), need))

@@ -24,7 +24,9 @@ import jax.numpy as jnp
 
 _NEG = -1e30
 QUERY_TILE = 64        # most prefill queries per tile (see prefill_xla)
-DECODE_FORM = "reduce"  # "reduce" (XLA fuses the gather into the reductions) | "einsum" (gathered pages copied)
+# "reduce" (XLA fuses the gather into the reductions) | "reduce_per_group" (no K/V broadcast over the GQA group;
+# to be timed on the GPU: scripts/xla_fusion_report.py --time) | "einsum" (gathered pages copied)
+DECODE_FORM = "reduce"
 GATHER_BUDGET = 6 * 2**30   # bytes of gathered pages (+ prefill scores) one group of rows / tiles may take
 
 
@@ -60,6 +62,25 @@ def attend_reduce(q, k, v, visible, scale, fp8=None):
     p = jax.nn.softmax(s, axis=1)                                              # over S
     out = jnp.sum(p[..., None] * v[:, :, :, None, :].astype(jnp.float32), axis=1)  # [N, K, G, D]: reduce over S
     return (out * vs[..., None]).reshape(N, H, D).astype(q.dtype)
+
+
+def attend_reduce_per_group(q, k, v, visible, scale, fp8=None):
+    """attend_reduce with one pair of reductions per q head of a GQA group (G of them): K and V are never
+    broadcast over the group (XLA GPU declines to fuse a broadcast whose output outgrows its operand, which
+    may leave the gathered pages written out), at the price of reading them G times."""
+    N, H, D = q.shape
+    K = k.shape[2]
+    G = H // K
+    qg = q.reshape(N, K, G, D).astype(jnp.float32)
+    ks, vs = _scales(fp8, (K, G))
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)                   # [N, S, K, D]
+    outs = []
+    for g in range(G):
+        s = jnp.sum(qg[:, None, :, g] * kf, axis=-1)                          # [N, S, K]
+        s = jnp.where(visible[:, :, None], s * (scale * ks[:, g]), _NEG)
+        p = jax.nn.softmax(s, axis=1)
+        outs.append(jnp.sum(p[..., None] * vf, axis=1) * vs[:, g, None])     # [N, K, D]
+    return jnp.stack(outs, axis=2).reshape(N, H, D).astype(q.dtype)         # [N, K, G, D] -> [N, H, D]
 
 
 def attend_einsum(q, k, v, visible, scale, fp8=None):
@@ -107,8 +128,9 @@ def paged_decode_xla(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None,
     def rows(q, tables, lens):
         visible = jnp.arange(S)[None, :] < lens[:, None]                          # [B, S]
         k, v = gather_pages(k_cache, tables), gather_pages(v_cache, tables)      # [B, S, K, D]
-        if (form or DECODE_FORM) == "reduce":
-            return attend_reduce(q, k, v, visible, scale, fp8)
+        form_ = form or DECODE_FORM
+        if form_ in ("reduce", "reduce_per_group"):
+            return (attend_reduce if form_ == "reduce" else attend_reduce_per_group)(q, k, v, visible, scale, fp8)
         return attend_einsum(q[:, None], k, v, visible[:, None], scale, fp8)[:, 0]
 
     per_row = 2 * S * k_cache.shape[2] * k_cache.shape[3] * 4
