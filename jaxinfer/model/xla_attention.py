@@ -83,6 +83,9 @@ def attend_reduce_per_group(q, k, v, visible, scale, fp8=None):
     return jnp.stack(outs, axis=2).reshape(N, H, D).astype(q.dtype)         # [N, K, G, D] -> [N, H, D]
 
 
+_REDUCE_FORMS = {"reduce": attend_reduce, "reduce_per_group": attend_reduce_per_group}
+
+
 def attend_einsum(q, k, v, visible, scale, fp8=None):
     """Q queries per row as two batched GEMMs: q [N, Q, H, D]; k/v [N, S, K, D]; visible [N, Q, S] ->
     [N, Q, H, D]. GQA without repeating K/V: q is viewed as [N, Q, K, G, D]. fp8 k/v are converted to q's
@@ -121,6 +124,8 @@ def paged_decode_xla(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None,
 
     XLA writes the gathered pages out when it cannot fuse the gather (its output larger than the cache, e.g.
     256 rows x a 40k-token width): rows then run in groups whose fp32 copy fits `gather_budget_bytes`."""
+    if (form or DECODE_FORM) not in (*_REDUCE_FORMS, "einsum"):
+        raise ValueError(f"paged_decode_xla: form={form!r} is not one of {(*_REDUCE_FORMS, 'einsum')}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     S = block_tables.shape[1] * k_cache.shape[1]
     fp8 = layer_scales(k_scale, v_scale, layer)
@@ -128,10 +133,9 @@ def paged_decode_xla(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None,
     def rows(q, tables, lens):
         visible = jnp.arange(S)[None, :] < lens[:, None]                          # [B, S]
         k, v = gather_pages(k_cache, tables), gather_pages(v_cache, tables)      # [B, S, K, D]
-        form_ = form or DECODE_FORM
-        if form_ in ("reduce", "reduce_per_group"):
-            return (attend_reduce if form_ == "reduce" else attend_reduce_per_group)(q, k, v, visible, scale, fp8)
-        return attend_einsum(q[:, None], k, v, visible[:, None], scale, fp8)[:, 0]
+        if (form or DECODE_FORM) == "einsum":
+            return attend_einsum(q[:, None], k, v, visible[:, None], scale, fp8)[:, 0]
+        return _REDUCE_FORMS[form or DECODE_FORM](q, k, v, visible, scale, fp8)
 
     per_row = 2 * S * k_cache.shape[2] * k_cache.shape[3] * 4
     out = in_groups(rows, (q, block_tables, seq_lens), (0, 0, 0), per_row, gather_budget_bytes)
