@@ -194,9 +194,8 @@ class LLMEngine:
         self.counters["padded_tokens"] += K * (key[1] - new_tokens)
         self.counters["prefill_steps" if batch.is_prefill else "decode_steps"] += K
         t1 = time.perf_counter()
-        packed = self.runner.put(packed) if packed is not None else None
+        packed, pending = (self.runner.put(packed) if packed is not None else None), None
         t_put = time.perf_counter() - t1
-        pending = None
         if extras is not None:
             xkey = self.extras.key_for(key + (filtered,), extras)
             pending = self.extras.dispatch(batch, xkey, self.config.block_size)
@@ -215,7 +214,7 @@ class LLMEngine:
         self.host_time["dispatch_s"] += time.perf_counter() - t1
         entry = None if self.step_log is None else ["prefill" if batch.is_prefill else "decode", len(batch.seqs),
                                                      key[1], t1 - t0, time.perf_counter() - t1, 0.0, 0.0, t_put]
-        if entry is not None:
+        if entry is not None:                    # (the read fills in wait and apply)
             self.step_log.append(entry)
         prev, self.in_flight = self.in_flight, (batch, ids, entry, pending)
         if prev is not None:
