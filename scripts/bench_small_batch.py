@@ -157,6 +157,10 @@ def bench_steps(a, cfg, params, out: dict) -> None:
         pk, ids = packed_for(n, B, call), jnp.zeros((B,), jnp.int32)
         r = dict(batch=n, bucket=B, call="one-step" if call == "one" else f"K={K}" + (f"/unroll {unroll}" if unroll > 1
                  else ""), matmul=mm, compile_s=round(compile_s, 1), kernels=count_kernels(exe.as_text()))
+        if a.hlo_dir:                 # the optimised HLO, to read which fusions a step launches
+            os.makedirs(a.hlo_dir, exist_ok=True)
+            with open(os.path.join(a.hlo_dir, f"b{n}_B{B}_{call}_{mm}_u{unroll}.hlo.txt"), "w") as f:
+                f.write(exe.as_text())
         per = 1 if call == "one" else K               # steps per call
         iters = a.iters if call == "one" else max(2, a.iters // K)
         carry = {1: 1, 3: 0} if call == "one" else {1: 1}          # K-step calls: same batch every call
@@ -240,6 +244,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--only", default="steps,host,gemv,attention", help="sections to run")
     ap.add_argument("--quick", action="store_true", help="tiny model, few iterations (CPU check of this script)")
     ap.add_argument("--profile", default=None, metavar="DIR")
+    ap.add_argument("--hlo-dir", default=None, metavar="DIR", help="write each step variant's optimised HLO here")
     ap.add_argument("--json", default=None)
     ap.add_argument("--budget", type=float, default=160.0,
                     help="seconds after which the gemv tile sweep and extra attention splits are skipped")
