@@ -34,7 +34,7 @@ from jaxinfer.model.attention import paged_attention_layer
 from jaxinfer.model.layers import decode_matmul
 from jaxinfer.model.qwen3 import compute_logits, forward, tp_size
 from jaxinfer.sampling import sample, sample_sharded
-from jaxinfer.step import batch_layout, kv_scales, unpack
+from jaxinfer.step import aligned, batch_layout, kv_scales, unpack
 
 STOP_IDS = 4          # stop ids per row carried on the device; a row with more runs one step per call
 LOOP = "fori"         # "fori" | "unroll" (see above)
@@ -43,10 +43,11 @@ LOOP = "fori"         # "fori" | "unroll" (see above)
 def multistep_layout(B: int, W: int) -> dict[str, tuple[int, int]]:
     """The decode layout plus stop_ids [B * STOP_IDS] and remaining [B] at its end."""
     layout = dict(batch_layout(B, B, W))
-    off = layout.pop("_size")[0]
+    off = aligned(layout.pop("_size")[0])
     layout["stop_ids"] = (off, B * STOP_IDS)
-    layout["remaining"] = (off + B * STOP_IDS, B)
-    layout["_size"] = (off + B * STOP_IDS + B, 0)
+    off = aligned(off + B * STOP_IDS)
+    layout["remaining"] = (off, B)
+    layout["_size"] = (off + B, 0)
     return layout
 
 

@@ -42,13 +42,27 @@ class Extras(NamedTuple):
     prompt_rows: int = 0
 
 
-def batch_layout(T: int, B: int, W: int) -> dict[str, tuple[int, int]]:
-    """field -> (offset, length) in the packed int32 array; block_tables is [B, W] row-major."""
-    layout, off = {}, 0
-    for name, n in [*((f, T) for f in _INT_FIELDS), ("cu_seqlens", B + 1),
-                    *((f, B) for f in _ROW_FIELDS), ("block_tables", B * W)]:
+ALIGN = 64   # int32s: every field starts 256 bytes into the packed array (Mosaic GPU kernels refuse operands
+#              that are not 256-byte aligned, and XLA passes a field to a kernel as a slice of the packed buffer)
+
+
+def aligned(off: int) -> int:
+    return -(-off // ALIGN) * ALIGN
+
+
+def _place(layout: dict, off: int, fields) -> int:
+    for name, n in fields:
+        off = aligned(off)
         layout[name] = (off, n)
         off += n
+    return off
+
+
+def batch_layout(T: int, B: int, W: int) -> dict[str, tuple[int, int]]:
+    """field -> (offset, length) in the packed int32 array; block_tables is [B, W] row-major."""
+    layout = {}
+    off = _place(layout, 0, [*((f, T) for f in _INT_FIELDS), ("cu_seqlens", B + 1),
+                             *((f, B) for f in _ROW_FIELDS), ("block_tables", B * W)])
     layout["_size"] = (off, 0)
     return layout
 
@@ -56,10 +70,8 @@ def batch_layout(T: int, B: int, W: int) -> dict[str, tuple[int, int]]:
 def extras_layout(T: int, B: int, W: int, extras: Extras) -> dict[str, tuple[int, int]]:
     """batch_layout plus the extras fields at its end (the plain step's layout is unchanged)."""
     layout = dict(batch_layout(T, B, W))
-    off = layout.pop("_size")[0]
-    for name, n in [*((f, B) for f in _EXTRA_ROW_FIELDS), *((f, extras.prompt_rows) for f in _EXTRA_TOKEN_FIELDS)]:
-        layout[name] = (off, n)
-        off += n
+    off = _place(layout, layout.pop("_size")[0], [*((f, B) for f in _EXTRA_ROW_FIELDS),
+                                                 *((f, extras.prompt_rows) for f in _EXTRA_TOKEN_FIELDS)])
     layout["_size"] = (off, 0)
     return layout
 

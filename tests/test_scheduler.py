@@ -156,3 +156,18 @@ def test_pack_orders_rows_longest_first_for_the_decode_kernel():
     assert sorted(order.tolist()) == list(range(B))
     assert lens[order].tolist() == [12, 6, 4, 0, 0, 0, 0, 0]
     assert order[:3].tolist() == [1, 0, 2]
+
+
+def test_packed_fields_are_256_byte_aligned():
+    """Every field of every packed layout starts at a multiple of 64 int32s: XLA hands a field to a kernel as a
+    slice of the packed buffer, and Mosaic GPU kernels refuse operands that are not 256-byte aligned."""
+    from jaxinfer.multistep import multistep_layout
+    from jaxinfer.step import Extras, batch_layout, extras_layout
+    for T, B, W in ((1, 1, 1), (37, 5, 3), (256, 256, 256)):
+        layouts = [batch_layout(T, B, W), multistep_layout(B, W),
+                   extras_layout(T, B, W, Extras(penalties=True, logprobs=True, top_n=5, prompt_rows=7))]
+        for layout in layouts:
+            spans = sorted((off, n) for name, (off, n) in layout.items() if name != "_size")
+            assert all(off % 64 == 0 for off, _ in spans), spans
+            assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:])), spans     # no overlap
+            assert layout["_size"][0] >= spans[-1][0] + spans[-1][1]

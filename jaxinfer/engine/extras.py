@@ -13,7 +13,6 @@ needed. Only [B, 2 + 2W] fp32 logprob rows come back per step, never [B, V].
 """
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine.batch import pack_extras
+from jaxinfer.engine.runner import compile_threads
 from jaxinfer.engine.scheduler import PROMPT_LOGPROB_TOKENS
 from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.model import layers
@@ -149,7 +149,7 @@ class ExtrasRunner:
     def warmup(self, keys: list[tuple]) -> None:
         """Compile the given extras keys and run each once on an all-padding batch."""
         r = self.runner
-        with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:   # XLA compiles outside the GIL
+        with ThreadPoolExecutor(compile_threads()) as pool:   # XLA compiles outside the GIL
             list(pool.map(self.compile, keys))
         for key in keys:
             kind, T, B, W, filtered, extras = key

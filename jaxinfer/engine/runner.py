@@ -25,11 +25,18 @@ from jaxinfer.engine.executables import SHARED_EXECUTABLES, ExecutableCache
 from jaxinfer.xla_options import step_compiler_options
 
 log = logging.getLogger(__name__)
+COMPILE_THREADS: int | None = None   # None: compile_threads() picks
 MULTISTEP_KS = (4, 16)        # auto: steps per call compiled for small batches (the engine picks per call)
 # decode buckets up to this many rows get K-step variants. Measured on the H200 (0.6B, 1024-token context,
 # TPOT K-step vs one step per call): batch 1 1.39 vs 1.51 ms, batch 8 1.61 vs 1.64, batch 32 2.44 vs 2.24 ms, so
 # bucket 32 runs one step per call (and warm-up compiles 4 programs fewer).
 MULTISTEP_MAX_ROWS = 8
+
+
+def compile_threads() -> int:
+    """Steps compiled at once at warm-up: COMPILE_THREADS, or one per CPU core up to 32 (a step's compile is
+    mostly single-threaded; measured on the H200's 16-core host: see docs/performance.md)."""
+    return max(1, COMPILE_THREADS or min(32, os.cpu_count() or 1))
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype) -> int:
@@ -209,10 +216,10 @@ class ModelRunner:
                          kind, T, B, W, time.perf_counter() - t0)
         return self.compiled[key]
 
-    def warmup(self, progress=None, threads: int = min(8, os.cpu_count() or 1)) -> None:
+    def warmup(self, progress=None, threads: int | None = None) -> None:
         """Compile every bucket (in parallel threads: XLA compiles outside the GIL)."""
         keys = [k for k in self.buckets() if k not in self.compiled]
-        with ThreadPoolExecutor(max(1, threads)) as pool:
+        with ThreadPoolExecutor(threads or compile_threads()) as pool:
             for _ in pool.map(lambda k: self.compile(k, quiet=True), keys):
                 if progress is not None:
                     progress.update(1)

@@ -3,12 +3,12 @@
 It is the XLA-fusion side of the backend comparison, so it must be the best plain XLA can do, not a straw
 man. What costs time here is memory traffic, and two choices decide it (docs/kernels.md, "What XLA fuses"):
 
-- Decode (`paged_decode_xla`, one query per row) is written as multiply + reduce, not einsum. A dot becomes
-  a library GEMM (cuBLAS) whose operands must exist in memory, so `einsum(q, k_cache[tables])` first copies
-  every gathered page out ([B, S, K, D] written, then read back: 3x the bytes). A reduction is an XLA fusion,
-  and XLA fuses the page gather into it: each page is read once, straight from the cache. Padding entries
-  of a block table all point at block 0, so the pages a row does not need are re-reads of one block (L2).
-  DECODE_FORM = "einsum" keeps the GEMM form (scripts/xla_fusion_report.py --time times both).
+- Decode (`paged_decode_xla`, one query per row) has three forms (DECODE_FORM). "einsum" gathers the pages
+  ([B, S, K, D] written, then read by cuBLAS: 3x the bytes). "reduce" (multiply + reduce) lets XLA fuse a
+  gather into its reduction, and "reduce_per_group" avoids broadcasting K/V over the GQA group. On the H200
+  XLA fused only one of the two gathers and wrote the other out in fp32, so einsum was the fastest at every
+  W shape (1.8 against 2.3 and 3.6 ms a layer at 256 rows x 2048 tokens) and is the default
+  (scripts/xla_fusion_report.py --time times all three).
 - Prefill (`prefill_xla`) gathers pages per query TILE, not per token: each sequence's new tokens are laid
   out in tiles of QUERY_TILE consecutive tokens of that one sequence, a tile gathers its sequence's pages
   once ([N, S, K, D]) and attends with einsum (tensor cores) under a causal offset mask. Gathering per token
@@ -26,7 +26,7 @@ _NEG = -1e30
 QUERY_TILE = 64        # most prefill queries per tile (see prefill_xla)
 # "reduce" (XLA fuses the gather into the reductions) | "reduce_per_group" (no K/V broadcast over the GQA group;
 # to be timed on the GPU: scripts/xla_fusion_report.py --time) | "einsum" (gathered pages copied)
-DECODE_FORM = "reduce"
+DECODE_FORM = "einsum"   # fastest of the three on the H200 at every W shape (docs/kernels.md)
 GATHER_BUDGET = 6 * 2**30   # bytes of gathered pages (+ prefill scores) one group of rows / tiles may take
 
 
