@@ -140,15 +140,12 @@ PLATFORM_DEFAULTS = {
     "gpu": dict(dtype="auto", attn_backend="pallas", max_num_seqs=256, max_num_batched_tokens=16384, warmup=True),
     "cpu": dict(dtype="float32", attn_backend="xla", max_num_seqs=8, max_num_batched_tokens=512, warmup=False),
 }
-# Defaults that depend on the attention backend. context_buckets: context lengths (tokens) that get their own
-# block-table width beside max_model_len's. The kernels read only the pages a row has, so one narrow width
-# (a table to pack and send that is not 2560 wide) is enough; the xla backend reads every page of the width,
-# so it gets a ladder. prefill_ladder (first, ratio): prefill token buckets first * ratio^k. An xla prefill
-# step's cost is mostly its rows' query tiles (model/xla_attention.py), not its token count, so it takes
-# fewer, wider steps. Each bucket is compiled twice per width (sampling variants): warm-up is their count.
+# Per attention backend (docs/design.md, "Buckets"). context_buckets: context lengths with their own block-table
+# width beside max_model_len's (kernels: one; xla reads every page of the width: a ladder). prefill_ladder (first,
+# ratio): prefill buckets first * ratio^k. narrow_prefill: prefill gets the narrow widths too, or only the full one.
 BACKEND_DEFAULTS = {
-    "pallas": dict(context_buckets=(4096,), prefill_ladder=(64, 4)),
-    "xla": dict(context_buckets=(2048, 8192), prefill_ladder=(256, 8)),
+    "pallas": dict(context_buckets=(4096,), prefill_ladder=(64, 4), narrow_prefill=False),
+    "xla": dict(context_buckets=(2048, 8192), prefill_ladder=(256, 8), narrow_prefill=True),
 }
 
 
@@ -280,6 +277,11 @@ class EngineConfig:
             "context_buckets"]
         W = self.max_blocks_per_seq
         return tuple(sorted({min(W, -(-c // self.block_size)) for c in ctx} | {W}))
+
+    def prefill_table_widths(self) -> tuple[int, ...]:
+        """The widths prefill steps are compiled for: all (xla), or max_model_len's alone (kernels)."""
+        narrow = BACKEND_DEFAULTS.get(self.attn_backend, BACKEND_DEFAULTS["pallas"])["narrow_prefill"]
+        return self.block_table_widths() if narrow else (self.max_blocks_per_seq,)
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

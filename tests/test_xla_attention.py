@@ -97,17 +97,25 @@ def test_block_table_widths_per_backend():
     assert pallas.block_table_widths() == (256,) and pallas.prefill_buckets[0] == 64
     own = EngineConfig(attn_backend="xla", max_model_len=4096, context_buckets=(1000,)).resolve("gpu", m)
     assert own.block_table_widths() == (63, 256)
+    # prefill steps: the xla ladder, but only the full width for the kernels (they read just a row's pages)
+    assert xla.prefill_table_widths() == (128, 512, 2560)
+    full = EngineConfig(attn_backend="pallas").resolve("gpu", m)
+    assert full.block_table_widths() == (256, 2560) and full.prefill_table_widths() == (2560,)
+    assert EngineConfig(attn_backend="mosaic").resolve("gpu", m).prefill_table_widths() == (2560,)
 
 
-def test_engine_with_narrow_widths_equals_transformers(tiny_dir):
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_engine_with_narrow_widths_equals_transformers(tiny_dir, backend):
     """The engine moves rows between block-table widths as contexts grow (16 / 48 tokens, then the full
     128; block size 4): greedy tokens still equal transformers', for a prompt crossing a width while it
-    decodes, one filling a width exactly, and a repeated prompt (a prefix-cache hit)."""
+    decodes, one filling a width exactly, and a repeated prompt (a prefix-cache hit). pallas (interpret):
+    prefill steps run at the full width only, decode steps at the narrow ones."""
     from helpers import TINY_ENGINE, hf_greedy, hf_model
 
     from jaxinfer import LLM, SamplingParams
-    llm = LLM(tiny_dir, **{**TINY_ENGINE, "context_buckets": (16, 48)})
+    llm = LLM(tiny_dir, **{**TINY_ENGINE, "context_buckets": (16, 48), "attn_backend": backend})
     assert llm.engine.runner.widths == (4, 12, 32)
+    assert llm.engine.runner.prefill_widths == ((4, 12, 32) if backend == "xla" else (32,))
     rng = np.random.default_rng(3)
     ps = [rng.integers(0, 512, n).tolist() for n in (10, 16, 45)]
     ps.append(ps[2])
@@ -118,6 +126,8 @@ def test_engine_with_narrow_widths_equals_transformers(tiny_dir):
     assert outs[3].num_cached_tokens > 0
     st = llm.stats()
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
+    used = {k[3] for k in llm.engine.runner.compiled if k[0] == "prefill"}
+    assert used <= set(llm.engine.runner.prefill_widths) and used
 
 
 def test_fusion_report_counts_kernels():
