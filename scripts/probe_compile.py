@@ -4,8 +4,8 @@ with the engine's options and variants of them, weights as shapes only (no devic
     python scripts/probe_compile.py [--models qwen3-0.6b,qwen3-32b] [--json FILE]
 
 Per model: a 256-row decode step and a 4096-token prefill step (the engine's kinds), compiled with the engine's
-options, then with XLA's autotuning off (`xla_gpu_autotune_level=0`), and the decode step with its layers cut to 4
-(how compile time grows with layers)."""
+options and with variants of them (--decode-variants / --prefill-variants: engine, no_autotune, no_lhs,
+no_command_buffers, cheap_llvm), and the decode step with its layers cut to --layers (how compile time grows)."""
 from __future__ import annotations
 
 import argparse
@@ -45,21 +45,27 @@ def compile_one(c, kind: str, T: int, B: int, W: int, options: dict, blocks: int
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-32b")
+    ap.add_argument("--decode-variants", default="engine,no_autotune")
+    ap.add_argument("--prefill-variants", default="engine,no_autotune")
+    ap.add_argument("--layers", type=int, default=4, help="also the decode step with this many layers (0: no)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     base = step_compiler_options(jax.devices()[0].platform)
+    variants = {"engine": {}, "no_autotune": {"xla_gpu_autotune_level": 0},
+                "no_lhs": {"xla_gpu_enable_latency_hiding_scheduler": False},
+                "no_command_buffers": {"xla_gpu_enable_command_buffer": ""},
+                "cheap_llvm": {"xla_llvm_disable_expensive_passes": True}}
     rows = []
     for name in a.models.split(","):
         c = preset(name)
-        cases = [("decode", 256, 256, 256, base, c), ("prefill", 4096, 256, 2560, base, c),
-                 ("decode", 256, 256, 256, {**base, "xla_gpu_autotune_level": 0}, c),
-                 ("prefill", 4096, 256, 2560, {**base, "xla_gpu_autotune_level": 0}, c),
-                 ("decode", 256, 256, 256, base, dataclasses.replace(c, num_hidden_layers=4))]
-        for kind, T, B, W, opts, cfg in cases:
-            r = dict(model=name, layers=cfg.num_hidden_layers, kind=kind, T=T, B=B, W=W,
-                     options={k: v for k, v in opts.items() if k not in base})
+        cases = [("decode", 256, 256, 256, v, c) for v in a.decode_variants.split(",") if v]
+        cases += [("prefill", 4096, 256, 2560, v, c) for v in a.prefill_variants.split(",") if v]
+        if a.layers:
+            cases.append(("decode", 256, 256, 256, "engine", dataclasses.replace(c, num_hidden_layers=a.layers)))
+        for kind, T, B, W, v, cfg in cases:
+            r = dict(model=name, layers=cfg.num_hidden_layers, kind=kind, T=T, B=B, W=W, variant=v)
             try:
-                r.update(compile_one(cfg, kind, T, B, W, opts))
+                r.update(compile_one(cfg, kind, T, B, W, {**base, **variants[v]}))
             except Exception as err:                      # report, and go on with the other cases
                 r["error"] = str(err)[:300]
             rows.append(r)
