@@ -142,10 +142,11 @@ PLATFORM_DEFAULTS = {
 }
 # Per attention backend (docs/design.md, "Buckets"). context_buckets: context lengths with their own block-table
 # width beside max_model_len's (kernels: one; xla reads every page of the width: a ladder). prefill_ladder (first,
-# ratio): prefill buckets first * ratio^k. narrow_prefill: prefill gets the narrow widths too, or only the full one.
+# ratio): prefill buckets first * ratio^k. narrow_prefill: the largest prefill bucket that also gets the narrow widths
+# (None: all); larger ones take the full width only (half their compiles; a wide table costs ~1 ms to send).
 BACKEND_DEFAULTS = {
-    "pallas": dict(context_buckets=(4096,), prefill_ladder=(64, 4), narrow_prefill=False),
-    "xla": dict(context_buckets=(2048, 8192), prefill_ladder=(256, 8), narrow_prefill=True),
+    "pallas": dict(context_buckets=(4096,), prefill_ladder=(64, 4), narrow_prefill=1024),
+    "xla": dict(context_buckets=(2048, 8192), prefill_ladder=(256, 8), narrow_prefill=None),
 }
 
 
@@ -278,10 +279,10 @@ class EngineConfig:
         W = self.max_blocks_per_seq
         return tuple(sorted({min(W, -(-c // self.block_size)) for c in ctx} | {W}))
 
-    def prefill_table_widths(self) -> tuple[int, ...]:
-        """The widths prefill steps are compiled for: all (xla), or max_model_len's alone (kernels)."""
-        narrow = BACKEND_DEFAULTS.get(self.attn_backend, BACKEND_DEFAULTS["pallas"])["narrow_prefill"]
-        return self.block_table_widths() if narrow else (self.max_blocks_per_seq,)
+    def prefill_table_widths(self, T: int) -> tuple[int, ...]:
+        """The widths prefill steps of T tokens are compiled for: all, or (kernels, large T) the full one alone."""
+        most = BACKEND_DEFAULTS.get(self.attn_backend, BACKEND_DEFAULTS["pallas"])["narrow_prefill"]
+        return self.block_table_widths() if most is None or T <= most else (self.max_blocks_per_seq,)
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

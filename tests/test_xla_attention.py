@@ -97,11 +97,13 @@ def test_block_table_widths_per_backend():
     assert pallas.block_table_widths() == (256,) and pallas.prefill_buckets[0] == 64
     own = EngineConfig(attn_backend="xla", max_model_len=4096, context_buckets=(1000,)).resolve("gpu", m)
     assert own.block_table_widths() == (63, 256)
-    # prefill steps: the xla ladder, but only the full width for the kernels (they read just a row's pages)
-    assert xla.prefill_table_widths() == (128, 512, 2560)
+    # prefill steps: the xla ladder at every size; the kernels' (which read just a row's pages) above 1024 tokens
+    # only the full width
+    assert xla.prefill_table_widths(16384) == (128, 512, 2560)
     full = EngineConfig(attn_backend="pallas").resolve("gpu", m)
-    assert full.block_table_widths() == (256, 2560) and full.prefill_table_widths() == (2560,)
-    assert EngineConfig(attn_backend="mosaic").resolve("gpu", m).prefill_table_widths() == (2560,)
+    assert full.block_table_widths() == (256, 2560) and full.prefill_table_widths(1024) == (256, 2560)
+    assert full.prefill_table_widths(4096) == (2560,)
+    assert EngineConfig(attn_backend="mosaic").resolve("gpu", m).prefill_table_widths(16384) == (2560,)
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
@@ -113,9 +115,12 @@ def test_engine_with_narrow_widths_equals_transformers(tiny_dir, backend):
     from helpers import TINY_ENGINE, hf_greedy, hf_model
 
     from jaxinfer import LLM, SamplingParams
-    llm = LLM(tiny_dir, **{**TINY_ENGINE, "context_buckets": (16, 48), "attn_backend": backend})
+    llm = LLM(tiny_dir, **{**TINY_ENGINE, "context_buckets": (16, 48), "attn_backend": backend,
+                           "prefill_buckets": (16, 2048)})
     assert llm.engine.runner.widths == (4, 12, 32)
-    assert llm.engine.runner.prefill_widths == ((4, 12, 32) if backend == "xla" else (32,))
+    cfg = llm.engine.config
+    assert cfg.prefill_table_widths(16) == (4, 12, 32)
+    assert cfg.prefill_table_widths(2048) == ((4, 12, 32) if backend == "xla" else (32,))
     rng = np.random.default_rng(3)
     ps = [rng.integers(0, 512, n).tolist() for n in (10, 16, 45)]
     ps.append(ps[2])
@@ -126,8 +131,8 @@ def test_engine_with_narrow_widths_equals_transformers(tiny_dir, backend):
     assert outs[3].num_cached_tokens > 0
     st = llm.stats()
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
-    used = {k[3] for k in llm.engine.runner.compiled if k[0] == "prefill"}
-    assert used <= set(llm.engine.runner.prefill_widths) and used
+    used = {(k[1], k[3]) for k in llm.engine.runner.compiled if k[0] == "prefill"}
+    assert used and all(W in cfg.prefill_table_widths(T) for T, W in used)
 
 
 def test_fusion_report_counts_kernels():

@@ -28,8 +28,8 @@ def bucket_for(config: EngineConfig, widths: tuple[int, ...], batch: ScheduledBa
     """(kind, T, B, W) of the compiled step that runs this batch (`widths`: decode's; prefill's are the config's)."""
     longest = max([len(s.block_table) for s in batch.seqs])
     if batch.is_prefill:
-        W = pick_bucket(config.prefill_table_widths(), longest)
         T = pick_bucket(config.prefill_buckets, sum(batch.num_new_tokens))
+        W = pick_bucket(config.prefill_table_widths(T), longest)
         return "prefill", T, min(config.max_num_seqs, T), W
     B = pick_bucket(config.decode_buckets, len(batch.seqs))
     return "decode", B, B, pick_bucket(widths, longest)

@@ -270,7 +270,7 @@ class LLMEngine:
         keys = [("decode", B, B, W, f, e) for B in cfg.decode_buckets for W in self.runner.widths]
         pre = e._replace(prompt_rows=-1) if params.prompt_logprobs is not None else e
         keys += [self.extras.key_for(("prefill", T, min(cfg.max_num_seqs, T), W, f), pre)
-                 for T in cfg.prefill_buckets for W in self.runner.prefill_widths]
+                 for T in cfg.prefill_buckets for W in cfg.prefill_table_widths(T)]
         self.extras.warmup(keys)
         self.compilations_at_warmup = self.compile_counter.count
         return len(keys)

@@ -154,7 +154,6 @@ class ModelRunner:
         # read only the pages a row needs, but a [B, W] table for a 40k-token model (W = 2560) would be sent and
         # packed every step: they get one narrow width beside the full one (config.BACKEND_DEFAULTS).
         self.widths = engine.block_table_widths()
-        self.prefill_widths = engine.prefill_table_widths()
         self.compiled: dict[tuple[str, int, int, int, bool], object] = {}
         self.compile_s: dict[tuple, float] = {}      # seconds each step took to compile (or to load: relocate.py)
         self.max_rows = max(engine.max_num_seqs, *engine.decode_buckets)   # a bucket may exceed max_num_seqs
@@ -171,7 +170,7 @@ class ModelRunner:
         """(kind, T, B, W, filtered) of every step to compile; `filtered` is the sampling variant with
         top-k / top-p / min-p (a static choice: see sampling.py)."""
         e = self.engine
-        out = [("prefill", T, min(e.max_num_seqs, T), W) for T in e.prefill_buckets for W in self.prefill_widths]
+        out = [("prefill", T, min(e.max_num_seqs, T), W) for T in e.prefill_buckets for W in e.prefill_table_widths(T)]
         out += [("decode", B, B, W) for B in e.decode_buckets for W in self.widths]
         out = [k + (f,) for f in (False, True) for k in out]
         # K-step decode calls (multistep.py): small batches only (host-bound), unfiltered sampling only
