@@ -143,7 +143,8 @@ def build(args):
     from timing import warmup_breakdown
     w = args.warmup_breakdown = warmup_breakdown(llm, args.warmup_s)
     print(f"warm-up {args.warmup_s:.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in w.items() if k.endswith("_s")) +
-          f"; {w['programs']} programs, slowest " + ", ".join(f"{x['step']} {x['s']:.1f} s" for x in w["slowest"][:3]))
+          f"; {w['programs']} programs (" + ", ".join(f"{k} {n}: {t:.0f} s" for k, (n, t) in w["compile_by_kind"].items())
+          + "), slowest " + ", ".join(f"{x['step']} {x['s']:.1f} s" for x in w["slowest"][:3]))
     return llm
 
 

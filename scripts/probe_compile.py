@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import os
+import pathlib
 import sys
 import time
 
@@ -72,8 +73,7 @@ def main(argv=None) -> dict:
             print(json.dumps(r), flush=True)
     out = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, rows=rows)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+        pathlib.Path(a.json).write_text(json.dumps(out, indent=1))
     return out
 
 

@@ -49,7 +49,11 @@ def warmup_breakdown(llm, total_s: float) -> dict:
     phases = dict(getattr(engine, "warmup_phases", {}))
     runner = getattr(engine, "replicas", [engine])[0].runner
     slow = sorted(runner.compile_s.items(), key=lambda kv: -kv[1])[:5]
+    by_kind = {}                                  # kind -> [programs, seconds summed]: which kinds cost the most
+    for k, s in runner.compile_s.items():
+        n, t = by_kind.get(k[0], (0, 0.0))
+        by_kind[k[0]] = (n + 1, round(t + s, 1))
     return dict(**phases, load_and_other_s=total_s - sum(phases.values()), programs=len(runner.compile_s),
-                compile_sum_s=sum(runner.compile_s.values()),
+                compile_sum_s=sum(runner.compile_s.values()), compile_by_kind=by_kind,
                 slowest=[{"step": "/".join(map(str, k[:4])) + ("/filtered" if k[4] else "") +
                           "".join(f"/{x}" for x in k[5:]), "s": s} for k, s in slow])

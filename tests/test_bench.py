@@ -28,6 +28,7 @@ def test_bench_runs_and_counts(tiny_dir, tmp_path, capsys):
     assert "tok/s" in out and "% of the floor" in out and "host ms per step" in out
     w = r["warmup_breakdown"]         # where LLM()'s warm-up went: compiled with --warmup, so compile time > 0
     assert w["compile_s"] > 0 and 0 < len(w["slowest"]) <= min(5, w["programs"])
+    assert sum(n for n, _ in w["compile_by_kind"].values()) == w["programs"] and "decode" in w["compile_by_kind"]
     assert abs(sum(v for k, v in w.items() if k.endswith("_s") and k != "compile_sum_s") - r["warmup_s"]) < 1e-6
     assert os.path.isfile(tmp_path / "r.json")
     assert len(r["walls_s"]) == 2 and min(r["walls_s"]) <= r["wall_s"] <= max(r["walls_s"])
