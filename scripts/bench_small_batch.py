@@ -74,7 +74,8 @@ def count_kernels(hlo: str) -> dict:
     for line in hlo.splitlines():
         if line and not line.startswith(" "):
             # fusion bodies hold no launches; command-buffer computations (CUDA graphs) and loop bodies do
-            fused = line.lstrip("%").startswith(("fused", "wrapped", "triton", "horizontally"))
+            # (a dynamic-slice fusion's body is the one cuBLAS call it launches on a slice of its operand)
+            fused = line.lstrip("%").startswith(("fused", "wrapped", "triton", "horizontally", "dynamic-slice-fusion"))
             continue
         if fused or " = " not in line:
             continue
@@ -83,9 +84,9 @@ def count_kernels(hlo: str) -> dict:
             out["launches"] += 1
             out["pads"] += "pad" in name or bool(re.search(r"\bpad\(", line))
             out["gemv"] += "gemv" in line
-            out["gemm"] += "gemm" in line.lower() or "cublas" in line.lower()
+            out["gemm"] += "gemm" in line.lower() or "cublas" in line.lower() or "dynamic_slice_fusion" in name
             out["attention"] += "paged_attention" in line
-            if not any(w in line.lower() for w in ("gemv", "gemm", "cublas", "paged_attention")):
+            if not any(w in line.lower() for w in ("gemv", "gemm", "cublas", "paged_attention", "dynamic_slice_fusion")):
                 others[re.sub(r"([._]\d+)+$", "", name)] += 1        # the rest by XLA's fusion name
     out["others"] = dict(others.most_common(20))     # what the per-layer elementwise launches are
     return out
