@@ -289,11 +289,9 @@ class EngineConfig:
 
 
 def _decode_buckets(n: int) -> list[int]:
-    # 8, 32, 64, 128, 256, ..., n: few buckets (each is a compilation); padding a decode batch costs little
-    # because padding rows have no context (attention skips them) and the weights dominate. The smallest is 8:
-    # XLA pads a bf16 GEMM's rows to a multiple of 8 for cuBLAS, so a batch-2 step ran 6 pad kernels a layer
-    # (0.19 ms of 1.57), and with one row it rewrites every matmul as multiply + reduce. One request decoded at
-    # 1.41 ms a token with bucket 8 against 1.64 with bucket 2 (H200, same run).
+    # 8, 32, 64, 128, 256, ..., n: few buckets (each is a compilation); padding rows cost little (no context,
+    # and the weights dominate). The smallest is 8: XLA pads a bf16 GEMM's rows to 8 for cuBLAS (docs/design.md:
+    # one request decoded at 1.41 ms a token with bucket 8 against 1.64 with bucket 2).
     return sorted({8, *(32 << i for i in range(32) if 32 << i < n), *([n] if n > 8 else [])})
 
 
