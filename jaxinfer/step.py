@@ -42,8 +42,8 @@ class Extras(NamedTuple):
     prompt_rows: int = 0
 
 
-ALIGN = 64   # int32s: every field starts 256 bytes into the packed array (Mosaic GPU kernels refuse operands
-#              that are not 256-byte aligned, and XLA passes a field to a kernel as a slice of the packed buffer)
+ALIGN = 64   # int32s: every field starts at a multiple of 256 bytes of the packed array (Mosaic GPU kernels
+#              refuse operands that are not 256-byte aligned, and XLA passes a field to a kernel as a slice of it)
 
 
 def aligned(off: int) -> int:

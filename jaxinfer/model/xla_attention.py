@@ -24,9 +24,9 @@ import jax.numpy as jnp
 
 _NEG = -1e30
 QUERY_TILE = 64        # most prefill queries per tile (see prefill_xla)
-# "reduce" (XLA fuses the gather into the reductions) | "reduce_per_group" (no K/V broadcast over the GQA group;
-# to be timed on the GPU: scripts/xla_fusion_report.py --time) | "einsum" (gathered pages copied)
-DECODE_FORM = "einsum"   # fastest of the three on the H200 at every W shape (docs/kernels.md)
+# "einsum" (gathered pages copied) | "reduce" (XLA may fuse the gather into the reductions) | "reduce_per_group"
+# (no K/V broadcast over the GQA group). einsum was the fastest on the H200 at every W shape (docs/kernels.md).
+DECODE_FORM = "einsum"
 GATHER_BUDGET = 6 * 2**30   # bytes of gathered pages (+ prefill scores) one group of rows / tiles may take
 
 
