@@ -148,7 +148,7 @@ def bench_steps(a, cfg, params, out: dict) -> None:
     with ThreadPoolExecutor(min(8, len(built))) as pool:
         compiled = {k: (e, s) for k, e, s in pool.map(compile_one, list(built))}
     print(f"compiled {len(compiled)} step variants in {time.perf_counter() - t0:.1f} s", flush=True)
-    del kv0
+    kv0 = None                       # the compile-only pool copy is freed (the closure above is done with it)
     rows = []
     for n, B, call, mm, unroll in variants:
         exe, compile_s = compiled[(B, call, mm, unroll)]

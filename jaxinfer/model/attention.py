@@ -23,8 +23,6 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.model.xla_attention import layer_scales, paged_decode_xla, prefill_xla  # noqa: F401 (re-exported)
