@@ -5,8 +5,8 @@ Token t of a step goes to flat slot `slot_mapping[t]` = block_id * block_size + 
 point one past the last slot and their writes are dropped.
 
 Backends take the same arguments (the contracts of pallas_kernels/):
-- "xla": plain jnp (model/xla_attention.py): decode as multiply + reduce over the gathered pages (XLA fuses
-  the gather in), prefill per query tile of one sequence with einsum and a causal offset mask: the readable
+- "xla": plain jnp (model/xla_attention.py): decode as an einsum over the gathered pages (the fastest of its
+  three forms on the H200), prefill per query tile of one sequence with einsum and a causal offset mask: the readable
   reference, and the "XLA fusion" side of the kernel comparison.
 - "pallas": the hand-written kernels (flash_attention for prefill, paged_attention for decode). In a decode
   step one kernel (paged_attention_qkv) takes the raw qkv projection, applies q/k RMSNorm and RoPE, writes the
