@@ -6,9 +6,12 @@ softmax(logits / T) and needs no normalisation. The uniforms come from a counter
 being sampled, never on its batch neighbours, and XLA fuses the noise into the argmax, so the [B, V]
 noise is never written to memory (jax.random's threefry over [256, 151936] cost ~0.2 ms a step on the H200).
 
-The full-vocabulary sort that top-k / top-p / min-p need is a separate, static variant (`filtered=True`)
-that the engine picks on the host when some row asks for it: a device-side `lax.cond` would make XLA copy
-its predicate to the host and block, which serialised every step with the host (measured on the H200).
+The full-vocabulary sort that top-k / top-p / min-p need is not in the model's step: a step samples with the
+plain argmax and also returns its sampled rows' hidden states; when some row of the batch asks for a filter
+the engine (decided on the host) runs a small "resample" program (step.make_resample) that computes those rows'
+logits again and draws with `sample(..., filtered=True)`. A device-side `lax.cond` would make XLA copy its
+predicate to the host and block, which serialised every step with the host (measured on the H200); a filtered
+copy of every model step doubled the programs compiled at start-up.
 """
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ def kv_scales(params: dict):
 
 def make_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: str,
               interpret: bool = False, max_rows: int | None = None, filtered: bool = False, mesh=None,
-              extras: Extras | None = None):
+              extras: Extras | None = None, rows_out: bool = False):
     """The step function for one bucket (not yet jitted). kind: 'prefill' | 'decode'.
 
     `prev_ids` [max_rows] are the previous step's sampled ids, still on the device: a token whose
@@ -104,7 +104,9 @@ def make_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: s
     padded to [max_rows] so it can feed any next step. `filtered`: the variant whose sampling applies
     top-k / top-p / min-p (see sampling.py). `mesh`: a Mesh with axis "tp" when params and caches are split
     over several devices (parallel/); the step is still one program, partitioned by XLA.
-    `extras`: the variant with penalties / logprobs (`make_extras_step`)."""
+    `extras`: the variant with penalties / logprobs (`make_extras_step`). rows_out: also return the sampled
+    rows' final hidden states [B, E], so that `make_resample` can draw them again with top-k / top-p / min-p
+    (the engine's way to filtered sampling: one model program per bucket, not two)."""
     max_rows = max_rows or B
     mm = decode_matmul(B, interpret, tp_size(mesh)) if kind == "decode" else None    # small batches: gemv kernel
     if extras is not None:
@@ -119,9 +121,37 @@ def make_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: s
             ids = sample_sharded(*args, mesh, config.vocab_size)
         else:
             ids = sample(*args)
+        if rows_out:
+            return jnp.pad(ids, (0, max_rows - B)), kv_caches, rows
         return jnp.pad(ids, (0, max_rows - B)), kv_caches
 
     return step
+
+
+RESAMPLE_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "counters")
+
+
+def resample_fields(packed: np.ndarray, T: int, B: int, W: int) -> np.ndarray:
+    """The sampling fields of a packed batch (bucket T, B, W) as `make_resample` takes them: [6 * B] int32."""
+    layout = batch_layout(T, B, W)
+    return np.concatenate([packed[layout[f][0]:layout[f][0] + B] for f in RESAMPLE_FIELDS])
+
+
+def make_resample(config: ModelConfig, B: int, max_rows: int, mesh=None):
+    """`resample(params, rows, fields) -> ids [max_rows]`: filtered sampling (top-k / top-p / min-p, sampling.py)
+    of a step's sampled rows [B, E] (`make_step(..., rows_out=True)`), with the sampling fields [6 * B] of its
+    batch (`resample_fields`). A small program per row count: the model's step is compiled once per bucket
+    and the few batches that filter pay one more LM-head matmul and the sort. Same draws as sampling inside
+    the step (same logits, same noise per (seed, counter, token id))."""
+    def resample(params, rows, fields):
+        f = {name: fields[i * B:(i + 1) * B] for i, name in enumerate(RESAMPLE_FIELDS)}
+        for name in FLOAT_FIELDS:
+            f[name] = jax.lax.bitcast_convert_type(f[name], jnp.float32)
+        logits = compute_logits(config, params, rows)
+        args = (logits, f["temperature"], f["top_k"], f["top_p"], f["min_p"], f["seeds"], f["counters"], True)
+        ids = sample_sharded(*args, mesh, config.vocab_size) if tp_size(mesh) > 1 else sample(*args)
+        return jnp.pad(ids, (0, max_rows - B))
+    return resample
 
 
 def _forward(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_ids, mm):
@@ -206,7 +236,7 @@ def _count_tokens(counts, token_ids, b, prefill: bool):
 
 
 def jit_step(step, out_shardings=None):
-    """out_shardings (ids, kv_caches): keeps the donated caches' sharding from step to step."""
+    """out_shardings (ids, kv_caches[, rows]): keeps the donated caches' sharding from step to step."""
     if out_shardings is None:
         return jax.jit(step, donate_argnums=(1,))
     return jax.jit(step, donate_argnums=(1,), out_shardings=out_shardings)

@@ -171,7 +171,8 @@ def run_throughput(args) -> dict:
                                            "preemptions", "prefix_cache_hit_tokens", *HOST_TIMES)}
     st["compilations"] = after["compilations"]
     r = report(llm, st, outs, wall, measure_bandwidth(), args)
-    r.update(logprobs=args.logprobs, presence_penalty=args.presence_penalty, compiled_extras=after.get("compiled_extras"))
+    r.update(logprobs=args.logprobs, presence_penalty=args.presence_penalty, top_p=getattr(args, "top_p", 1.0),
+             compiled_extras=after.get("compiled_extras"))
     if args.repeats > 1:
         r["walls_s"] = walls
         print(f"wall of each of the {args.repeats} repeats: " + ", ".join(f"{w:.2f} s" for w in walls) +
@@ -191,6 +192,8 @@ def with_extras(llm, params, args):
     """--logprobs / --presence-penalty: every request asks for them (issue 19's A/B on W); their step variants
     are compiled before the timed run (LLMEngine.warmup_extras), as the plain steps are by LLM()."""
     from dataclasses import replace
+    if getattr(args, "top_p", 1.0) < 1.0:          # filtered sampling: the step, then its resample program
+        params = [replace(p, top_p=args.top_p) for p in params]
     if args.logprobs is None and not args.presence_penalty:
         return params
     params = [replace(p, logprobs=args.logprobs, presence_penalty=args.presence_penalty) for p in params]
@@ -269,6 +272,8 @@ def parse(argv=None):
                    help="every request asks for N logprobs per token (cost of logprobs; default: none)")
     g.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
                    help="every request has presence_penalty=X (cost of penalties; default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="every request has top_p=P (cost of filtered sampling; default: 1, no filter)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="time the workload this many times; report the median wall (A/B runs: less noise)")
     ap.add_argument("--step-log", default=None, metavar="PATH",

@@ -101,6 +101,28 @@ def test_seeded_sampling_ignores_neighbours(tiny_dir):
     assert tokens(llm, [ps[1]], SamplingParams(**{**sp.__dict__, "seed": 99}))[0] != alone
 
 
+def test_filtered_sampling_runs_the_step_then_resample(tiny_dir):
+    """top-k / top-p / min-p run the bucket's one model program, then a small "resample" program on its sampled
+    rows (no filtered copy of the model step is compiled). top_k=1 and min_p=1 keep only the top token, so a hot
+    temperature must still give the greedy tokens (the plain step's draw would not), in prefill and decode,
+    beside an unfiltered neighbour whose seeded draw is unchanged by it."""
+    llm = LLM(tiny_dir, **BASE)
+    ps = prompts(512, [5, 11, 7], seed=3)
+    greedy = tokens(llm, ps)
+    hot = dict(temperature=5.0, max_tokens=12, ignore_eos=True, seed=7)
+    plain = SamplingParams(**hot)
+    assert tokens(llm, ps, SamplingParams(**hot, top_k=1)) == greedy
+    assert tokens(llm, ps, SamplingParams(**hot, min_p=1.0)) == greedy
+    alone = tokens(llm, ps[1:2], plain)[0]
+    assert alone != greedy[1]                                          # the hot draw is not greedy
+    mixed = tokens(llm, ps, [SamplingParams(**hot, top_k=1), plain, SamplingParams(**hot, top_p=1e-6)])
+    assert mixed == [greedy[0], alone, greedy[2]]
+    runner = llm.engine.runner
+    model_steps = [k for k in runner.compiled if k[0] in ("prefill", "decode")]
+    assert model_steps and not any(k[4] for k in model_steps)
+    assert any(k[0] == "resample" for k in runner.compiled)
+
+
 def test_no_compilation_after_warmup(tiny_dir):
     gc.unfreeze()
     llm = LLM(tiny_dir, **{**BASE, "warmup": True})

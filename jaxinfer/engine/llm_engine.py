@@ -194,6 +194,7 @@ class LLMEngine:
         self.counters["padded_tokens"] += K * (key[1] - new_tokens)
         self.counters["prefill_steps" if batch.is_prefill else "decode_steps"] += K
         t1 = time.perf_counter()
+        host_packed = packed
         packed, pending = (self.runner.put(packed) if packed is not None else None), None
         t_put = time.perf_counter() - t1
         if extras is not None:
@@ -205,7 +206,7 @@ class LLMEngine:
             self.counters["multistep_calls"] += 1
             ids = self.runner.run(("multistep", *key[1:], False, K), packed)
         else:
-            ids = self.runner.run(key + (filtered,), packed)
+            ids = self.runner.run(key + (filtered,), packed, host_packed)
             self.scheduler.on_dispatch(batch)
         # start the device -> host copy of the ids now: it runs as soon as the step ends instead of when the host
         # asks (reading a ready array cost ~0.4 ms a step on the H200 host: a data-parallel round pays it per replica)

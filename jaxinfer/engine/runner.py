@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,7 +21,8 @@ from jaxinfer.model.kv_scales import kv_cache_dtype, with_kv_scales
 from jaxinfer.parallel import Placement, kv_heads, make_placements
 from jaxinfer.parallel.layout import KV_SPEC
 from jaxinfer.multistep import make_multistep, multistep_layout
-from jaxinfer.step import batch_layout, idle_batch, jit_step, make_step
+from jaxinfer.step import RESAMPLE_FIELDS, batch_layout, idle_batch, jit_step, make_resample, make_step, \
+    resample_fields
 from jaxinfer.engine.executables import SHARED_EXECUTABLES, ExecutableCache
 from jaxinfer.xla_options import step_compiler_options
 
@@ -148,8 +150,8 @@ class ModelRunner:
         # [P, bs, K', D] per layer, split by kv head: each device holds K'/tp heads (parallel/layout.py)
         shape = (num_blocks, engine.block_size, kv_heads(model, tp) if tp > 1 else model.num_key_value_heads,
                  model.head_dim)
-        zeros = lambda: self.placement.zeros_kv(shape, self.kv_dtype)      # noqa: E731
-        self.kv_caches = [(zeros(), zeros()) for _ in range(model.num_hidden_layers)]
+        zeros = self.placement.zeros_kv(shape, self.kv_dtype, 2 * model.num_hidden_layers)
+        self.kv_caches = list(zip(zeros[::2], zeros[1::2]))
         # xla reads all W pages of a row: a ladder of narrower tables lets short contexts read less. The kernels
         # read only the pages a row needs, but a [B, W] table for a 40k-token model (W = 2560) would be sent and
         # packed every step: they get one narrow width beside the full one (config.BACKEND_DEFAULTS).
@@ -158,6 +160,8 @@ class ModelRunner:
         self.compile_s: dict[tuple, float] = {}      # seconds each step took to compile (or to load: relocate.py)
         self.max_rows = max(engine.max_num_seqs, *engine.decode_buckets)   # a bucket may exceed max_num_seqs
         self.last_ids = self.placement.put(np.zeros((self.max_rows,), np.int32))   # previous step's sampled ids
+        self._run_lock = threading.Lock()
+        self._ran: set[tuple] = set()                # programs run once (run_once)
 
     def _place(self, params):
         """params onto this replica's devices with their tp shardings; arrays already there are kept (no copy,
@@ -167,12 +171,15 @@ class ModelRunner:
                             a.sharding.is_equivalent_to(s, a.ndim) else jax.device_put(a, s), params, targets)
 
     def buckets(self) -> list[tuple[str, int, int, int, bool]]:
-        """(kind, T, B, W, filtered) of every step to compile; `filtered` is the sampling variant with
-        top-k / top-p / min-p (a static choice: see sampling.py)."""
+        """(kind, T, B, W, filtered) of every program to compile: one model step per bucket (unfiltered
+        sampling; it also returns the sampled rows' hidden states), one "resample" program per row count that
+        draws those rows again with top-k / top-p / min-p (step.make_resample: a batch that filters runs the
+        step, then it), and the K-step decode calls of small batches."""
         e = self.engine
-        out = [("prefill", T, min(e.max_num_seqs, T), W) for T in e.prefill_buckets for W in e.prefill_table_widths(T)]
-        out += [("decode", B, B, W) for B in e.decode_buckets for W in self.widths]
-        out = [k + (f,) for f in (False, True) for k in out]
+        out = [("prefill", T, min(e.max_num_seqs, T), W, False)
+               for T in e.prefill_buckets for W in e.prefill_table_widths(T)]
+        out += [("decode", B, B, W, False) for B in e.decode_buckets for W in self.widths]
+        out += [("resample", B, B, 0, True) for B in sorted({k[2] for k in out})]
         # K-step decode calls (multistep.py): small batches only (host-bound), unfiltered sampling only
         return out + [("multistep", B, B, W, False, K) for B in self.multistep_buckets() for W in self.widths
                       for K in self.multistep_ks()]
@@ -194,20 +201,26 @@ class ModelRunner:
                       layers.GEMV_MAX_ROWS, layers.GEMV_FUSE)      # the small-batch matmul choice shapes the program
 
             def build():
+                rep = self.placement.replicated
+                options = step_compiler_options(self.placement.devices[0].platform, len(self.placement.devices))
+                if kind == "resample":
+                    rows = jax.ShapeDtypeStruct((B, self.model.hidden_size), self.dtype, sharding=rep)
+                    fields = jax.ShapeDtypeStruct((len(RESAMPLE_FIELDS) * B,), jnp.int32, sharding=rep)
+                    fn = jax.jit(make_resample(self.model, B, self.max_rows, self.mesh), out_shardings=rep)
+                    return fn.lower(self.params, rows, fields).compile(compiler_options=options)
                 if kind == "multistep":
                     step = make_multistep(self.model, B, W, K[0], self.engine.attn_backend, self.interpret, filtered,
                                           self.mesh)
                     size = multistep_layout(B, W)["_size"][0]
                 else:
                     step = make_step(self.model, kind, T, B, W, self.engine.attn_backend, self.interpret,
-                                     self.max_rows, filtered, self.mesh)
+                                     self.max_rows, filtered, self.mesh, rows_out=True)
                     size = batch_layout(T, B, W)["_size"][0]
-                rep = self.placement.replicated
                 packed = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=rep)
                 out = (rep, self.placement.sharding(KV_SPEC))      # the caches keep their split across steps
+                out += (rep,) if kind != "multistep" else ()       # the sampled rows (for "resample")
                 lowered = jit_step(step, out).lower(self.params, self.kv_caches, packed, self.last_ids)
-                return lowered.compile(compiler_options=step_compiler_options(self.placement.devices[0].platform,
-                                                                             len(self.placement.devices)))
+                return lowered.compile(compiler_options=options)
             t0 = time.perf_counter()
             self.compiled[key] = self.executables.get(shared, self.placement.devices, build)
             self.compile_s[key] = time.perf_counter() - t0
@@ -217,20 +230,41 @@ class ModelRunner:
         return self.compiled[key]
 
     def warmup(self, progress=None, threads: int | None = None) -> None:
-        """Compile every bucket (in parallel threads: XLA compiles outside the GIL)."""
+        """Compile every bucket (in parallel threads: XLA compiles outside the GIL) and run each program once as
+        soon as it is compiled (`run_once`), so the devices' first runs overlap the other compiles."""
         keys = [k for k in self.buckets() if k not in self.compiled]
+
+        def one(key):
+            self.compile(key, quiet=True)
+            self.run_once(key)
         with ThreadPoolExecutor(threads or compile_threads()) as pool:
-            for _ in pool.map(lambda k: self.compile(k, quiet=True), keys):
+            for _ in pool.map(one, keys):
                 if progress is not None:
                     progress.update(1)
 
     def run_idle(self) -> None:
-        """Run every compiled step once on an all-padding batch and read its ids back: the first execution of
-        an executable (kernel loading, CUDA graph capture) and the first transfers then happen here."""
+        """Run every compiled program that has not run yet once (`run_once`)."""
         for key in list(self.compiled):
+            self.run_once(key)
+
+    def run_once(self, key) -> None:
+        """Run a compiled program once on an all-padding batch and read its ids back: the first execution of
+        an executable (kernel loading, CUDA graph capture) and the first transfers then happen here, not in the
+        first request. One at a time (a step donates the caches): warm-up threads call it while others compile."""
+        with self._run_lock:
+            if key in self._ran:
+                return
             kind, T, B, W = key[:4]
-            size = (multistep_layout(B, W) if kind == "multistep" else batch_layout(T, B, W))["_size"][0]
-            np.asarray(self.run(key, self.put(idle_batch(size, T, B, W, self.num_slots))))
+            if kind == "resample":
+                fields = np.zeros((len(RESAMPLE_FIELDS), B), np.int32)
+                fields[RESAMPLE_FIELDS.index("top_p")] = np.float32(1.0).view(np.int32)
+                rows = self.placement.put(np.zeros((B, self.model.hidden_size), self.dtype))
+                self.last_ids = self.compile(key)(self.params, rows, self.put(fields.reshape(-1)))
+                np.asarray(self.last_ids)
+            else:
+                size = (multistep_layout(B, W) if kind == "multistep" else batch_layout(T, B, W))["_size"][0]
+                np.asarray(self.run(key, self.put(idle_batch(size, T, B, W, self.num_slots))))
+            self._ran.add(key)
 
     def put(self, packed: np.ndarray) -> np.ndarray | jax.Array:
         """A step's packed batch as its compiled step takes it: the numpy array itself, which the call copies to
@@ -238,13 +272,20 @@ class ModelRunner:
         first (~20 against ~100 us a step on the dev CPU); a global array when processes span hosts."""
         return self.placement.put(packed) if jax.process_count() > 1 else packed
 
-    def run(self, key: tuple[str, int, int, int, bool], packed) -> jax.Array:
+    def run(self, key: tuple[str, int, int, int, bool], packed, source: np.ndarray | None = None) -> jax.Array:
         """Dispatch one step (asynchronous); returns the device array of sampled ids [max_rows]. `packed`: the
-        step's batch as `put` gives it."""
+        step's batch as `put` gives it. A filtered key (key[4]) runs the bucket's step, then its "resample"
+        program on the step's sampled rows, with the sampling fields of `source` (the packed batch as numpy;
+        default `packed`)."""
         if key[0] == "multistep":      # ids [K, B]; last_ids stay (the host reads this call before the next)
             ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, packed, self.last_ids)
             return ids.addressable_data(0) if jax.process_count() > 1 else ids
-        self.last_ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, packed, self.last_ids)
+        kind, T, B, W, filtered = key[:5]
+        self.last_ids, self.kv_caches, rows = self.compile((kind, T, B, W, False))(self.params, self.kv_caches,
+                                                                                   packed, self.last_ids)
+        if filtered:
+            fields = resample_fields(np.asarray(packed if source is None else source), T, B, W)
+            self.last_ids = self.compile(("resample", B, B, 0, True))(self.params, rows, self.put(fields))
         if jax.process_count() > 1:     # ids are replicated over a mesh spanning hosts: read this host's copy
             return self.last_ids.addressable_data(0)
         return self.last_ids
