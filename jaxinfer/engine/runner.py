@@ -9,7 +9,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import jax
 import jax.numpy as jnp
@@ -230,15 +230,16 @@ class ModelRunner:
         return self.compiled[key]
 
     def warmup(self, progress=None, threads: int | None = None) -> None:
-        """Compile every bucket (in parallel threads: XLA compiles outside the GIL) and run each program once as
-        soon as it is compiled (`run_once`), so the devices' first runs overlap the other compiles."""
+        """Compile every bucket in parallel threads (XLA compiles outside the GIL) while this thread runs each
+        compiled program once (`run_once`), so the devices' first runs overlap the other compiles. The runs stay
+        on the calling thread, the one that serves: a program first run from a worker thread made the first
+        request after warm-up take 13 ms instead of 6 on the H200."""
         keys = [k for k in self.buckets() if k not in self.compiled]
-
-        def one(key):
-            self.compile(key, quiet=True)
-            self.run_once(key)
         with ThreadPoolExecutor(threads or compile_threads()) as pool:
-            for _ in pool.map(one, keys):
+            futures = {pool.submit(self.compile, k, True): k for k in keys}
+            for future in as_completed(futures):
+                future.result()
+                self.run_once(futures[future])
                 if progress is not None:
                     progress.update(1)
 
@@ -250,7 +251,7 @@ class ModelRunner:
     def run_once(self, key) -> None:
         """Run a compiled program once on an all-padding batch and read its ids back: the first execution of
         an executable (kernel loading, CUDA graph capture) and the first transfers then happen here, not in the
-        first request. One at a time (a step donates the caches): warm-up threads call it while others compile."""
+        first request. One at a time (a step donates the caches)."""
         with self._run_lock:
             if key in self._ran:
                 return
