@@ -232,8 +232,7 @@ class ModelRunner:
     def warmup(self, progress=None, threads: int | None = None) -> None:
         """Compile every bucket in parallel threads (XLA compiles outside the GIL) while this thread runs each
         compiled program once (`run_once`), so the devices' first runs overlap the other compiles. The runs stay
-        on the calling thread, the one that serves: a program first run from a worker thread made the first
-        request after warm-up take 13 ms instead of 6 on the H200."""
+        on the calling thread, the one that serves."""
         keys = [k for k in self.buckets() if k not in self.compiled]
         with ThreadPoolExecutor(threads or compile_threads()) as pool:
             futures = {pool.submit(self.compile, k, True): k for k in keys}
@@ -242,16 +241,21 @@ class ModelRunner:
                 self.run_once(futures[future])
                 if progress is not None:
                     progress.update(1)
+        self._ran.clear()                  # and once more now that nothing compiles: see run_idle
 
     def run_idle(self) -> None:
-        """Run every compiled program that has not run yet once (`run_once`)."""
+        """Run every compiled program that has not run since `warmup` once (`run_once`). Warm-up runs each
+        program twice: first while the others compile (kernel loading, CUDA graphs), then all of them after the
+        last compile. Without the second pass the first request after `LLM()` took 13-16 ms against 6-7 ms on
+        the H200 (measured; the suspect is device memory that compiling, i.e. autotuning, allocated and freed
+        after a program's first run). The second pass costs milliseconds a program."""
         for key in list(self.compiled):
             self.run_once(key)
 
     def run_once(self, key) -> None:
         """Run a compiled program once on an all-padding batch and read its ids back: the first execution of
         an executable (kernel loading, CUDA graph capture) and the first transfers then happen here, not in the
-        first request. One at a time (a step donates the caches)."""
+        first request. One at a time (a step donates the caches); a program that already ran is skipped."""
         with self._run_lock:
             if key in self._ran:
                 return
