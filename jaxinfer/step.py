@@ -104,15 +104,17 @@ def make_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: s
     padded to [max_rows] so it can feed any next step. `filtered`: the variant whose sampling applies
     top-k / top-p / min-p (see sampling.py). `mesh`: a Mesh with axis "tp" when params and caches are split
     over several devices (parallel/); the step is still one program, partitioned by XLA.
-    `extras`: the variant with penalties / logprobs (`make_extras_step`). rows_out: also return the sampled
-    rows' final hidden states [B, E], so that `make_resample` can draw them again with top-k / top-p / min-p
-    (the engine's way to filtered sampling: one model program per bucket, not two)."""
+    `extras`: the variant with penalties / logprobs (`make_extras_step`). rows_out: the step takes one more
+    argument, a [max_rows, E] buffer (donated), and returns it with the sampled rows' final hidden states in its
+    first B rows, so that `make_resample` can draw them again with top-k / top-p / min-p (the engine's way to
+    filtered sampling: one model program per bucket, not two). The buffer is updated in place: with a fresh
+    [B, E] output every step dp=2 ran 8-11% below the build without rows on 2xH200 (docs/design.md)."""
     max_rows = max_rows or B
     mm = decode_matmul(B, interpret, tp_size(mesh)) if kind == "decode" else None    # small batches: gemv kernel
     if extras is not None:
         return make_extras_step(config, kind, T, B, W, backend, interpret, max_rows, filtered, mesh, extras)
 
-    def step(params, kv_caches, packed, prev_ids):
+    def step(params, kv_caches, packed, prev_ids, rows_buf=None):
         b = unpack(packed, T, B, W)
         _, rows, kv_caches = _forward(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_ids, mm)
         logits = compute_logits(config, params, rows, mm)                          # [B, V'] fp32
@@ -122,7 +124,7 @@ def make_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: s
         else:
             ids = sample(*args)
         if rows_out:
-            return jnp.pad(ids, (0, max_rows - B)), kv_caches, rows
+            return jnp.pad(ids, (0, max_rows - B)), kv_caches, rows_buf.at[:B].set(rows.astype(rows_buf.dtype))
         return jnp.pad(ids, (0, max_rows - B)), kv_caches
 
     return step
@@ -139,7 +141,8 @@ def resample_fields(packed: np.ndarray, T: int, B: int, W: int) -> np.ndarray:
 
 def make_resample(config: ModelConfig, B: int, max_rows: int, mesh=None):
     """`resample(params, rows, fields) -> ids [max_rows]`: filtered sampling (top-k / top-p / min-p, sampling.py)
-    of a step's sampled rows [B, E] (`make_step(..., rows_out=True)`), with the sampling fields [6 * B] of its
+    of a step's sampled rows (the first B of `rows` [max_rows, E]: `make_step(..., rows_out=True)`), with the
+    sampling fields [6 * B] of its
     batch (`resample_fields`). A small program per row count: the model's step is compiled once per bucket
     and the few batches that filter pay one more LM-head matmul and the sort. Same draws as sampling inside
     the step (same logits, same noise per (seed, counter, token id))."""
@@ -147,7 +150,7 @@ def make_resample(config: ModelConfig, B: int, max_rows: int, mesh=None):
         f = {name: fields[i * B:(i + 1) * B] for i, name in enumerate(RESAMPLE_FIELDS)}
         for name in FLOAT_FIELDS:
             f[name] = jax.lax.bitcast_convert_type(f[name], jnp.float32)
-        logits = compute_logits(config, params, rows)
+        logits = compute_logits(config, params, rows[:B])
         args = (logits, f["temperature"], f["top_k"], f["top_p"], f["min_p"], f["seeds"], f["counters"], True)
         ids = sample_sharded(*args, mesh, config.vocab_size) if tp_size(mesh) > 1 else sample(*args)
         return jnp.pad(ids, (0, max_rows - B))
@@ -235,11 +238,12 @@ def _count_tokens(counts, token_ids, b, prefill: bool):
     return seen, outs
 
 
-def jit_step(step, out_shardings=None):
-    """out_shardings (ids, kv_caches[, rows]): keeps the donated caches' sharding from step to step."""
+def jit_step(step, out_shardings=None, donate=(1,)):
+    """out_shardings (ids, kv_caches[, rows]): keeps the donated caches' sharding from step to step. donate: the
+    caches, and the rows buffer of a rows_out step (1, 4)."""
     if out_shardings is None:
-        return jax.jit(step, donate_argnums=(1,))
-    return jax.jit(step, donate_argnums=(1,), out_shardings=out_shardings)
+        return jax.jit(step, donate_argnums=donate)
+    return jax.jit(step, donate_argnums=donate, out_shardings=out_shardings)
 
 
 def idle_batch(size: int, T: int, B: int, W: int, num_slots: int) -> np.ndarray:

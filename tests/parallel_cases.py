@@ -153,7 +153,9 @@ def test_step_collectives_are_small(tp2):
 
 def test_data_parallel_equals_one_replica(ckpts, tp1, prompts):
     ps = prompts * 3                                         # enough requests for both replicas
-    sp = [SamplingParams(temperature=0.9, max_tokens=6, ignore_eos=True, seed=i) for i in range(len(ps))]
+    # every other request filters (top_p): both replicas run their resample programs
+    sp = [SamplingParams(temperature=0.9, max_tokens=6, ignore_eos=True, seed=i, top_p=0.8 if i % 2 else 1.0)
+          for i in range(len(ps))]
     want = run(tp1, ps, sp)
     dp = LLM(ckpts["gqa_v509"], data_parallel_size=2, **BASE)
     assert run(dp, ps, sp) == want

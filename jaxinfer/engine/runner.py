@@ -28,6 +28,10 @@ from jaxinfer.xla_options import step_compiler_options
 
 log = logging.getLogger(__name__)
 COMPILE_THREADS: int | None = None   # None: compile_threads() picks
+# warm-up runs each program once as soon as it is compiled, while others compile (False: only after the last
+# compile, for A/B runs). On 2xH200, dp=2 on W gave 32,359 / 32,454 tok/s with it and 33,983 / 32,325 without
+# (the spread of repeated runs); it took Qwen3-32B tp=2's first runs (17.6 s before) out of its warm-up.
+OVERLAP_FIRST_RUNS = True
 MULTISTEP_KS = (4, 16)        # auto: steps per call compiled for small batches (the engine picks per call)
 # decode buckets up to this many rows get K-step variants. Measured on the H200 (0.6B, 1024-token context,
 # TPOT K-step vs one step per call): batch 1 1.39 vs 1.51 ms, batch 8 1.61 vs 1.64, batch 32 2.44 vs 2.24 ms, so
@@ -160,6 +164,9 @@ class ModelRunner:
         self.compile_s: dict[tuple, float] = {}      # seconds each step took to compile (or to load: relocate.py)
         self.max_rows = max(engine.max_num_seqs, *engine.decode_buckets)   # a bucket may exceed max_num_seqs
         self.last_ids = self.placement.put(np.zeros((self.max_rows,), np.int32))   # previous step's sampled ids
+        # the last step's sampled rows' hidden states (its first B rows), updated in place by every step; read
+        # by the "resample" program of a batch that filters
+        self.rows = self.placement.put(np.zeros((self.max_rows, model.hidden_size), self.dtype))
         self._run_lock = threading.Lock()
         self._ran: set[tuple] = set()                # programs run once (run_once)
 
@@ -204,7 +211,7 @@ class ModelRunner:
                 rep = self.placement.replicated
                 options = step_compiler_options(self.placement.devices[0].platform, len(self.placement.devices))
                 if kind == "resample":
-                    rows = jax.ShapeDtypeStruct((B, self.model.hidden_size), self.dtype, sharding=rep)
+                    rows = jax.ShapeDtypeStruct(self.rows.shape, self.dtype, sharding=rep)
                     fields = jax.ShapeDtypeStruct((len(RESAMPLE_FIELDS) * B,), jnp.int32, sharding=rep)
                     fn = jax.jit(make_resample(self.model, B, self.max_rows, self.mesh), out_shardings=rep)
                     return fn.lower(self.params, rows, fields).compile(compiler_options=options)
@@ -218,8 +225,10 @@ class ModelRunner:
                     size = batch_layout(T, B, W)["_size"][0]
                 packed = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=rep)
                 out = (rep, self.placement.sharding(KV_SPEC))      # the caches keep their split across steps
-                out += (rep,) if kind != "multistep" else ()       # the sampled rows (for "resample")
-                lowered = jit_step(step, out).lower(self.params, self.kv_caches, packed, self.last_ids)
+                args = (self.params, self.kv_caches, packed, self.last_ids)
+                if kind != "multistep":                             # the sampled rows' buffer (for "resample")
+                    out, args = out + (rep,), args + (self.rows,)
+                lowered = jit_step(step, out, (1,) if kind == "multistep" else (1, 4)).lower(*args)
                 return lowered.compile(compiler_options=options)
             t0 = time.perf_counter()
             self.compiled[key] = self.executables.get(shared, self.placement.devices, build)
@@ -238,7 +247,8 @@ class ModelRunner:
             futures = {pool.submit(self.compile, k, True): k for k in keys}
             for future in as_completed(futures):
                 future.result()
-                self.run_once(futures[future])
+                if OVERLAP_FIRST_RUNS:
+                    self.run_once(futures[future])
                 if progress is not None:
                     progress.update(1)
         self._ran.clear()                  # and once more now that nothing compiles: see run_idle
@@ -263,8 +273,7 @@ class ModelRunner:
             if kind == "resample":
                 fields = np.zeros((len(RESAMPLE_FIELDS), B), np.int32)
                 fields[RESAMPLE_FIELDS.index("top_p")] = np.float32(1.0).view(np.int32)
-                rows = self.placement.put(np.zeros((B, self.model.hidden_size), self.dtype))
-                self.last_ids = self.compile(key)(self.params, rows, self.put(fields.reshape(-1)))
+                self.last_ids = self.compile(key)(self.params, self.rows, self.put(fields.reshape(-1)))
                 np.asarray(self.last_ids)
             else:
                 size = (multistep_layout(B, W) if kind == "multistep" else batch_layout(T, B, W))["_size"][0]
@@ -286,11 +295,11 @@ class ModelRunner:
             ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, packed, self.last_ids)
             return ids.addressable_data(0) if jax.process_count() > 1 else ids
         kind, T, B, W, filtered = key[:5]
-        self.last_ids, self.kv_caches, rows = self.compile((kind, T, B, W, False))(self.params, self.kv_caches,
-                                                                                   packed, self.last_ids)
+        self.last_ids, self.kv_caches, self.rows = self.compile((kind, T, B, W, False))(
+            self.params, self.kv_caches, packed, self.last_ids, self.rows)
         if filtered:
             fields = resample_fields(np.asarray(packed if source is None else source), T, B, W)
-            self.last_ids = self.compile(("resample", B, B, 0, True))(self.params, rows, self.put(fields))
+            self.last_ids = self.compile(("resample", B, B, 0, True))(self.params, self.rows, self.put(fields))
         if jax.process_count() > 1:     # ids are replicated over a mesh spanning hosts: read this host's copy
             return self.last_ids.addressable_data(0)
         return self.last_ids
