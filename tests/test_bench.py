@@ -137,6 +137,24 @@ def test_trace_summary_needs_a_trace(tmp_path):
     assert trace_summary._group("paged_attention_decode") == "paged_attention_decode"
 
 
+def test_trace_summary_splits_each_device_by_category():
+    """Per device: busy is the union of its kernels' intervals, idle the rest of its span, and each kernel's
+    time goes to collective / gemm / attention / other by its name."""
+    import trace_summary
+    ms = 1_000_000
+    planes = {"/device:GPU:0": [("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 0, 2 * ms),
+                                ("sm90_xmma_gemm_bf16bf16_bf16f32", 1 * ms, 4 * ms),
+                                ("paged_attention_decode", 6 * ms, 7 * ms), ("loop_add_fusion", 7 * ms, 8 * ms)],
+              "/device:GPU:1": [("nvjet_hsh_128x256", 0, 1 * ms), ("input_reduce_fusion", 3 * ms, 4 * ms)]}
+    d0, d1 = trace_summary.per_device(planes, steps=2)
+    assert d0["device"] == "/device:GPU:0" and d0["span_ms"] == 4.0 and d0["busy_ms"] == 3.0
+    assert d0["idle_ms"] == 1.0
+    assert (d0["collective_ms"], d0["gemm_ms"], d0["attention_ms"], d0["other_ms"]) == (1.0, 1.5, 0.5, 0.5)
+    assert (d1["busy_ms"], d1["idle_ms"], d1["gemm_ms"], d1["other_ms"]) == (1.0, 1.0, 0.5, 0.5)
+    assert trace_summary.category("cutlass_80_wmma_tensorop") == "gemm"
+    assert trace_summary.category("fusion") == "other"
+
+
 def test_bench_host_measures_and_compares(tmp_path):
     """scripts/bench_host.py: host ms per step over a stubbed device, and the in-process A/B (here against this
     very checkout, so both sides run the same functions)."""
