@@ -142,10 +142,9 @@ def resample_fields(packed: np.ndarray, T: int, B: int, W: int) -> np.ndarray:
 def make_resample(config: ModelConfig, B: int, max_rows: int, mesh=None):
     """`resample(params, rows, fields) -> ids [max_rows]`: filtered sampling (top-k / top-p / min-p, sampling.py)
     of a step's sampled rows (the first B of `rows` [max_rows, E]: `make_step(..., rows_out=True)`), with the
-    sampling fields [6 * B] of its
-    batch (`resample_fields`). A small program per row count: the model's step is compiled once per bucket
-    and the few batches that filter pay one more LM-head matmul and the sort. Same draws as sampling inside
-    the step (same logits, same noise per (seed, counter, token id))."""
+    sampling fields [6 * B] of its batch (`resample_fields`). A small program per row count: the model's step
+    is compiled once per bucket and the few batches that filter pay one more LM-head matmul and the sort. Same
+    draws as sampling inside the step (same logits, same noise per (seed, counter, token id))."""
     def resample(params, rows, fields):
         f = {name: fields[i * B:(i + 1) * B] for i, name in enumerate(RESAMPLE_FIELDS)}
         for name in FLOAT_FIELDS:
