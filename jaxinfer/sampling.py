@@ -37,9 +37,15 @@ def _mix(x):
 def gumbel_noise(seeds, counters, V: int, start=0):
     """[B, V] fp32 Gumbel noise for token ids start .. start + V - 1; entry (b, t) depends only on (seeds[b],
     counters[b], t), so a device holding one vocabulary shard draws exactly the noise of those ids."""
-    row = _mix(_mix(seeds.astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9)) + counters.astype(jnp.uint32))  # [B]
     ids = jnp.arange(V, dtype=jnp.uint32) + jnp.asarray(start).astype(jnp.uint32)                     # [V]
-    bits = _mix(row[:, None] ^ _mix(ids[None, :] + jnp.uint32(0x632BE5AB)))
+    return gumbel_at(seeds, counters, ids[None, :])
+
+
+def gumbel_at(seeds, counters, ids):
+    """Gumbel noise of row b at token ids[b, j] (ids [1 or B, N]): the entries of `gumbel_noise` at those ids,
+    computed where they are needed (the filtered draw takes them in sorted order without a gather)."""
+    row = _mix(_mix(seeds.astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9)) + counters.astype(jnp.uint32))  # [B]
+    bits = _mix(row[:, None] ^ _mix(ids.astype(jnp.uint32) + jnp.uint32(0x632BE5AB)))
     u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))                    # in (0, 1)
     return -jnp.log(-jnp.log(u))
 
@@ -65,13 +71,15 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: 
     A greedy row (temperature 0) gets no noise, so one argmax serves greedy and sampled rows alike."""
     sampled_row = (temperature > 0)[:, None]
     scaled = logits / jnp.where(sampled_row, temperature[:, None], 1.0)
-    gumbel = jnp.where(sampled_row, gumbel_noise(seeds, counters, logits.shape[-1]), 0.0)
     if not filtered:
+        gumbel = jnp.where(sampled_row, gumbel_noise(seeds, counters, logits.shape[-1]), 0.0)
         return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
-    order = jnp.argsort(-scaled, axis=-1)                             # [B, V] descending
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    masked = _filter_sorted(sorted_logits, top_k, top_p, min_p)      # a greedy row keeps its top entry
-    noise = jnp.take_along_axis(gumbel, order, axis=-1)               # keeps per-token noise fixed
+    # one stable sort gives the descending values and their ids (ties: lower id first, as a stable argsort);
+    # each sorted entry's noise is computed from its id, so per-token noise stays fixed without a gather
+    ids = jnp.broadcast_to(jnp.arange(scaled.shape[-1], dtype=jnp.int32), scaled.shape)
+    neg_sorted, order = jax.lax.sort((-scaled, ids), dimension=-1, is_stable=True, num_keys=1)
+    masked = _filter_sorted(-neg_sorted, top_k, top_p, min_p)        # a greedy row keeps its top entry
+    noise = jnp.where(sampled_row, gumbel_at(seeds, counters, order), 0.0)
     pick = jnp.argmax(masked + noise, axis=-1)
     return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 

@@ -54,6 +54,21 @@ def test_plain_variant_ignores_filters_and_matches_sorted_for_unfiltered_rows(lo
     assert (np.asarray(a) == np.asarray(b)).all()
 
 
+def test_ties_keep_the_lowest_ids_as_a_stable_sort():
+    """Equal logits: top-k keeps the first k ids (a stable descending sort's order), so top_k=1 always draws id 0
+    and top_k=3 only ids 0-2; top_p keeps the lowest ids whose exclusive mass is below it (20 equal tokens, top_p
+    0.12: ids 0-2). `gumbel_at` gives the noise of ids in any order, equal to `gumbel_noise`'s entries."""
+    from jaxinfer.sampling import gumbel_at, gumbel_noise
+    flat = jnp.zeros((64, 20))
+    assert (run(flat, temperature=1.0, top_k=1) == 0).all()
+    assert set(run(flat, temperature=1.0, top_k=3).tolist()) == {0, 1, 2}
+    assert set(run(flat, temperature=1.0, top_p=0.12).tolist()) == {0, 1, 2}
+    seeds, counters = jnp.arange(4), jnp.arange(4) + 9
+    ids = jnp.asarray(np.random.default_rng(0).permutation(20)[None, :].repeat(4, 0))
+    np.testing.assert_array_equal(np.asarray(gumbel_at(seeds, counters, ids)),
+                                  np.take_along_axis(np.asarray(gumbel_noise(seeds, counters, 20)), np.asarray(ids), 1))
+
+
 def test_noise_is_uniform_gumbel_and_row_local():
     from jaxinfer.sampling import gumbel_noise
     g = np.asarray(gumbel_noise(jnp.arange(4), jnp.arange(4), 50000))
