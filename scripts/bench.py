@@ -61,7 +61,7 @@ def pct(xs, q):
 
 def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
     """st: the engine counters of the timed run only."""
-    from jaxinfer.engine.runner import kv_bytes_per_block
+    from jaxinfer.engine.memory import kv_bytes_per_block
     from jaxinfer.model.kv_scales import kv_cache_dtype
     mc = llm.model_config
     out_tokens = sum(len(o.token_ids) for o in outs)

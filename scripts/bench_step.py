@@ -148,7 +148,7 @@ def main(argv=None) -> dict:
     from bench import write_json
     from timing import copy_bandwidth
     from jaxinfer.engine.batch import pack
-    from jaxinfer.engine.runner import kv_bytes_per_block
+    from jaxinfer.engine.memory import kv_bytes_per_block
     from jaxinfer.llm import load_model
     from jaxinfer.model.attention import attention_fns, write_kv
     from jaxinfer.model.qwen3 import compute_logits, forward

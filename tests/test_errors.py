@@ -73,19 +73,19 @@ def test_kv_pool_sizing_without_allocator_stats(monkeypatch):
     """A GPU whose allocator reports no stats is sized from NVML's numbers; when those are missing too, the
     error says to give num_kvcache_blocks, and a given pool is accepted."""
     from jaxinfer.config import ModelConfig
-    from jaxinfer.engine import runner
+    from jaxinfer.engine import memory
     cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32)
     engine = EngineConfig(max_num_seqs=8, max_model_len=128, block_size=4, gpu_memory_utilization=0.5)
-    per_block = runner.kv_bytes_per_block(cfg, 4, "float32")
-    monkeypatch.setattr(runner.jax, "devices", lambda: [_FakeGpu()])
-    monkeypatch.setattr(runner, "_nvml_memory", lambda device: (40 * 2**30, 4 * 2**30))
-    assert runner.num_blocks_for_memory(cfg, engine, "float32") == (16 * 2**30 - runner._HEADROOM) // per_block
-    assert runner.free_memory_bytes() == 36 * 2**30
-    monkeypatch.setattr(runner, "_nvml_memory", lambda device: None)
+    per_block = memory.kv_bytes_per_block(cfg, 4, "float32")
+    monkeypatch.setattr(memory.jax, "devices", lambda: [_FakeGpu()])
+    monkeypatch.setattr(memory, "_nvml_memory", lambda device: (40 * 2**30, 4 * 2**30))
+    assert memory.num_blocks_for_memory(cfg, engine, "float32") == (16 * 2**30 - memory._HEADROOM) // per_block
+    assert memory.free_memory_bytes() == 36 * 2**30
+    monkeypatch.setattr(memory, "_nvml_memory", lambda device: None)
     with pytest.raises(ValueError, match="give num_kvcache_blocks"):
-        runner.num_blocks_for_memory(cfg, engine, "float32")
-    runner.check_pool_fits(cfg, engine, 10)               # an explicit pool is not refused for want of numbers
+        memory.num_blocks_for_memory(cfg, engine, "float32")
+    memory.check_pool_fits(cfg, engine, 10)               # an explicit pool is not refused for want of numbers
 
 
 def test_engine_options_are_the_config_fields():

@@ -11,7 +11,7 @@ from helpers import TINY_ENGINE
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine.runner import kv_bytes_per_block, num_blocks_for_memory
+from jaxinfer.engine.memory import kv_bytes_per_block, num_blocks_for_memory
 from jaxinfer.model.kv_scales import bound_amax, calibrated_amax, kv_cache_dtype
 from jaxinfer.model.loader import load_params
 from jaxinfer.model.qwen3 import dense_logits

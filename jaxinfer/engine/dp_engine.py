@@ -21,7 +21,7 @@ from typing import Callable
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.llm_engine import LLMEngine
-from jaxinfer.engine.runner import num_blocks_for_memory
+from jaxinfer.engine.memory import num_blocks_for_memory
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.parallel import Placement, make_placements
 from jaxinfer.sampling_params import SamplingParams

@@ -17,7 +17,8 @@ from jaxinfer.engine.batch import bucket_for, pack, pack_multistep
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine import extras as extras_mod
 from jaxinfer.engine.executables import CompileCounter
-from jaxinfer.engine.runner import ModelRunner, check_pool_fits, num_blocks_for_memory
+from jaxinfer.engine.memory import check_pool_fits, num_blocks_for_memory
+from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.model.kv_scales import kv_cache_dtype
 from jaxinfer.engine.sequence import Sequence, Status

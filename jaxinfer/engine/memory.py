@@ -1,0 +1,97 @@
+"""How large a KV pool fits: free device memory (the allocator's stats, else NVML), less headroom for the
+largest bucket's activations; or, on the CPU, enough for max_num_seqs full sequences (at most 2 GiB)."""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.model.kv_scales import kv_cache_dtype
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype) -> int:
+    return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * \
+        jnp.dtype(dtype).itemsize
+
+
+_HEADROOM = 2 * 2**30   # activations / logits of the largest bucket
+
+def _nvml_index(device) -> int | str:
+    """NVML's name for a JAX GPU: NVML numbers every GPU of the host, CUDA only the visible ones."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    i = device.local_hardware_id or 0
+    return visible[i] if i < len(visible) else i
+
+
+def _nvml_memory(device) -> tuple[int, int] | None:
+    """(bytes JAX may allocate, bytes in use) of a GPU from NVML (nvidia-ml-py), for allocators that keep no
+    stats (XLA's VMM allocator under the SKIP_TEMP command-buffer mode). JAX may allocate
+    XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) of the total: the VMM allocator enforces it (a pool
+    sized from the whole H200 failed with 'Not enough PA budget')."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            name = _nvml_index(device)
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(name)) if str(name).isdigit() else \
+                pynvml.nvmlDeviceGetHandleByUUID(str(name))
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:           # no NVML library, no such device: the caller asks for num_kvcache_blocks
+        return None
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    return int(info.total * fraction), int(info.total - info.free)
+
+
+def device_memory(device=None) -> tuple[int, int] | None:
+    """(bytes the device may use, bytes in use) on a GPU; None on the CPU or when the GPU cannot tell."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+    return _nvml_memory(device) if device.platform == "gpu" else None
+
+
+def free_memory_bytes(device=None) -> int | None:
+    """Memory the KV pool may take: free device memory (GPU; None if unknown), or available host memory (CPU)."""
+    mem = device_memory(device)
+    if mem is not None:
+        return mem[0] - mem[1]
+    if (device or jax.devices()[0]).platform == "gpu":
+        return None
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype, strict: bool = True, device=None) -> int:
+    """Size the KV pool from free device memory (GPU), or to fit max_num_seqs full sequences (CPU, at most
+    2 GiB). strict: refuse a pool that cannot hold one max_model_len sequence (else the caller caps it)."""
+    per_block = kv_bytes_per_block(model, engine.block_size, dtype)
+    mem = device_memory(device)
+    if mem is not None:
+        free = mem[0] * engine.gpu_memory_utilization - mem[1]
+        blocks = int((free - _HEADROOM) // per_block)
+        if blocks < (engine.max_blocks_per_seq if strict else 1):
+            raise ValueError(f"after the weights, gpu_memory_utilization={engine.gpu_memory_utilization} leaves room "
+                             f"for {max(blocks, 0)} KV blocks, fewer than one max_model_len={engine.max_model_len} "
+                             f"sequence needs ({engine.max_blocks_per_seq}); lower max_model_len or raise "
+                             f"gpu_memory_utilization")
+        return blocks
+    if (device or jax.devices()[0]).platform == "gpu":
+        raise ValueError("cannot tell how much GPU memory is free (the allocator keeps no stats and NVML "
+                         "(nvidia-ml-py) did not answer): give num_kvcache_blocks explicitly")
+    want = engine.max_num_seqs * engine.max_blocks_per_seq
+    return max(1, min(want, int(2 * 2**30 // per_block)))
+
+
+def check_pool_fits(model: ModelConfig, engine: EngineConfig, num_blocks: int, device=None) -> None:
+    """A KV pool larger than free memory fails here, with the numbers, not deep inside XLA."""
+    kv_dtype = kv_cache_dtype(engine.kv_cache_dtype, engine.dtype)
+    need = num_blocks * kv_bytes_per_block(model, engine.block_size, kv_dtype)
+    free = free_memory_bytes(device)
+    if free is not None and need > free:        # None: a GPU that cannot tell; XLA will fail if it is too big
+        raise ValueError(f"num_kvcache_blocks={num_blocks} needs {need / 2**30:.1f} GiB of KV cache but only "
+                         f"{free / 2**30:.1f} GiB is free; lower num_kvcache_blocks (or leave it None to size "
+                         f"the pool from free memory)")
