@@ -21,8 +21,12 @@ llm = LLM(path, tensor_parallel_size=2, dtype="float32", max_num_seqs=4, max_num
 shards = llm.engine.runner.params["embed_tokens"].addressable_shards
 prompts = json.loads(sys.argv[5])
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+# filtered sampling (the step, then its resample program, across both processes): top_k=1 is greedy at any heat
+top1 = llm.generate(prompts, SamplingParams(temperature=5.0, top_k=1, max_tokens=6, ignore_eos=True, seed=1),
+                    use_tqdm=False)
 st = llm.stats()
 with open(out, "w") as f:
-    json.dump(dict(tokens=[o.token_ids for o in outs], local_shards=[s.data.shape[0] for s in shards],
+    json.dump(dict(tokens=[o.token_ids for o in outs], top1=[o.token_ids for o in top1],
+                   local_shards=[s.data.shape[0] for s in shards],
                    vocab=llm.engine.runner.params["embed_tokens"].shape[0],
                    blocks_returned=st["kv_blocks_free"] == st["kv_blocks_total"]), f)
