@@ -41,6 +41,12 @@ run 06b_tp2      120 python scripts/bench.py qwen3-0.6b -tp 2 --json "$OUT/06b_t
 # the same with a device trace (tracing W whole took longer than 140 s on 2xH200: give it room)
 run 06b_tp2_prof 240 python scripts/bench.py qwen3-0.6b -tp 2 --json "$OUT/06b_tp2_prof.json" \
                      --profile "$OUT/trace_06b_tp2"
+# dp=2 with 3 timed repeats (median wall: the run-to-run spread of one machine is ~3%)
+run 06b_dp2_rep  150 python scripts/bench.py qwen3-0.6b -dp 2 --repeats 3 --json "$OUT/06b_dp2_rep.json"
+# where an 8B tp=2 step's time goes, per GPU (trace_summary: collective / gemm / attention / other, idle);
+# outputs of up to 128 tokens keep the trace small, at W's 256 rows
+run 8b_tp2_prof  240 python scripts/bench.py qwen3-8b -tp 2 --max-output-len 128 --json "$OUT/8b_tp2_prof.json" \
+                     --profile "$OUT/trace_8b_tp2"
 # dp=2 with K-step calls at its 128-row bucket (probe only: the engine compiles K-step variants for <= 8 rows)
 run dp2_k4        90 python scripts/probe_dispatch.py --dp 2 --rows 128 --steps 60 --steps-per-call 4 \
                      --json "$OUT/dp2_k4.json"
@@ -55,5 +61,5 @@ run ar_default    40 $AR --json "$OUT/ar_default.json"
 run ar_ll128      40 env NCCL_PROTO=LL128 $AR --json "$OUT/ar_ll128.json"
 run ar_ll         40 env NCCL_PROTO=LL $AR --json "$OUT/ar_ll.json"
 run ar_oneshot    40 $AR --one-shot --json "$OUT/ar_oneshot.json"
-rm -rf "$OUT/jax_cache" "$OUT/trace_06b_tp2"     # large; the profile's summary is in 06b_tp2.json
+rm -rf "$OUT/jax_cache" "$OUT/trace_06b_tp2" "$OUT/trace_8b_tp2"   # large; the summaries are in the JSON
 echo "total $(( $(date +%s) - T0 )) s"
