@@ -32,6 +32,10 @@ COMPILE_THREADS: int | None = None   # None: compile_threads() picks
 # compile, for A/B runs). On 2xH200, dp=2 on W gave 32,359 / 32,454 tok/s with it and 33,983 / 32,325 without
 # (the spread of repeated runs); it took Qwen3-32B tp=2's first runs (17.6 s before) out of its warm-up.
 OVERLAP_FIRST_RUNS = True
+# True: decode steps sample unfiltered and keep their rows for "resample", as prefill steps do. False (for A/B
+# runs): each decode bucket compiles a plain and a filtered step, as before the resample program, and returns no
+# rows (with rows as a fresh output, dp=2 lost 8-11% on W: docs/performance.md, ninth run).
+RESAMPLE_DECODE = True
 MULTISTEP_KS = (4, 16)        # auto: steps per call compiled for small batches (the engine picks per call)
 # decode buckets up to this many rows get K-step variants. Measured on the H200 (0.6B, 1024-token context,
 # TPOT K-step vs one step per call): batch 1 1.39 vs 1.51 ms, batch 8 1.61 vs 1.64, batch 32 2.44 vs 2.24 ms, so
@@ -43,6 +47,11 @@ def compile_threads() -> int:
     """Steps compiled at once at warm-up: COMPILE_THREADS, or one per two CPU cores (up to 32). A compile keeps
     about two cores busy: on the H200's 16-core host 16 threads made each compile twice as long as 8 did."""
     return max(1, COMPILE_THREADS or min(32, (os.cpu_count() or 1) // 2))
+
+
+def rows_out(kind: str) -> bool:
+    """Whether a step of this kind keeps its sampled rows (for the "resample" program of filtered batches)."""
+    return kind == "prefill" or (kind == "decode" and RESAMPLE_DECODE)
 
 
 class ModelRunner:
@@ -99,8 +108,9 @@ class ModelRunner:
         e = self.engine
         out = [("prefill", T, min(e.max_num_seqs, T), W, False)
                for T in e.prefill_buckets for W in e.prefill_table_widths(T)]
-        out += [("decode", B, B, W, False) for B in e.decode_buckets for W in self.widths]
-        out += [("resample", B, B, 0, True) for B in sorted({k[2] for k in out})]
+        out += [("decode", B, B, W, f) for f in ((False,) if RESAMPLE_DECODE else (False, True))
+                for B in e.decode_buckets for W in self.widths]
+        out += [("resample", B, B, 0, True) for B in sorted({k[2] for k in out if rows_out(k[0])})]
         # K-step decode calls (multistep.py): small batches only (host-bound), unfiltered sampling only
         return out + [("multistep", B, B, W, False, K) for B in self.multistep_buckets() for W in self.widths
                       for K in self.multistep_ks()]
@@ -119,7 +129,8 @@ class ModelRunner:
             shared = (self.model, self.engine.attn_backend, str(self.dtype), str(self.kv_dtype), self.num_blocks,
                       self.engine.block_size, self.interpret, self.max_rows,
                       isinstance(self.params["layers"], tuple), len(self.placement.devices), key,
-                      layers.GEMV_MAX_ROWS, layers.GEMV_FUSE)      # the small-batch matmul choice shapes the program
+                      layers.GEMV_MAX_ROWS, layers.GEMV_FUSE,      # the small-batch matmul choice shapes the program
+                      rows_out(kind))
 
             def build():
                 rep = self.placement.replicated
@@ -135,14 +146,14 @@ class ModelRunner:
                     size = multistep_layout(B, W)["_size"][0]
                 else:
                     step = make_step(self.model, kind, T, B, W, self.engine.attn_backend, self.interpret,
-                                     self.max_rows, filtered, self.mesh, rows_out=True)
+                                     self.max_rows, filtered, self.mesh, rows_out=rows_out(kind))
                     size = batch_layout(T, B, W)["_size"][0]
                 packed = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=rep)
                 out = (rep, self.placement.sharding(KV_SPEC))      # the caches keep their split across steps
                 args = (self.params, self.kv_caches, packed, self.last_ids)
-                if kind != "multistep":                             # the sampled rows' buffer (for "resample")
+                if rows_out(kind):                                  # the sampled rows' buffer (for "resample")
                     out, args = out + (rep,), args + (self.rows,)
-                lowered = jit_step(step, out, (1,) if kind == "multistep" else (1, 4)).lower(*args)
+                lowered = jit_step(step, out, (1, 4) if rows_out(kind) else (1,)).lower(*args)
                 return lowered.compile(compiler_options=options)
             t0 = time.perf_counter()
             self.compiled[key] = self.executables.get(shared, self.placement.devices, build)
@@ -209,6 +220,9 @@ class ModelRunner:
             ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, packed, self.last_ids)
             return ids.addressable_data(0) if jax.process_count() > 1 else ids
         kind, T, B, W, filtered = key[:5]
+        if not rows_out(kind):          # a decode step with its own filtered variant (RESAMPLE_DECODE off)
+            self.last_ids, self.kv_caches = self.compile(key[:5])(self.params, self.kv_caches, packed, self.last_ids)
+            return self.last_ids.addressable_data(0) if jax.process_count() > 1 else self.last_ids
         self.last_ids, self.kv_caches, self.rows = self.compile((kind, T, B, W, False))(
             self.params, self.kv_caches, packed, self.last_ids, self.rows)
         if filtered:
