@@ -11,7 +11,6 @@ search form would save, before it becomes the default.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -51,11 +50,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     import jax
+    from bench import write_json
     r = dict(device=str(jax.devices()[0]), vocab=a.vocab,
              ms={str(n): time_forms(n, a.vocab) for n in a.rows})
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=1)
+    write_json(a.json, r)
     return r
 
 

@@ -216,18 +216,18 @@ class ModelRunner:
         step's batch as `put` gives it. A filtered key (key[4]) runs the bucket's step, then its "resample"
         program on the step's sampled rows, with the sampling fields of `source` (the packed batch as numpy;
         default `packed`)."""
-        if key[0] == "multistep":      # ids [K, B]; last_ids stay (the host reads this call before the next)
-            ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, packed, self.last_ids)
-            return ids.addressable_data(0) if jax.process_count() > 1 else ids
         kind, T, B, W, filtered = key[:5]
-        if not rows_out(kind):          # a decode step with its own filtered variant (RESAMPLE_DECODE off)
+        if kind == "multistep":        # ids [K, B]; last_ids stay (the host reads this call before the next)
+            ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, packed, self.last_ids)
+        elif not rows_out(kind):       # a decode step with its own filtered variant (RESAMPLE_DECODE off)
             self.last_ids, self.kv_caches = self.compile(key[:5])(self.params, self.kv_caches, packed, self.last_ids)
-            return self.last_ids.addressable_data(0) if jax.process_count() > 1 else self.last_ids
-        self.last_ids, self.kv_caches, self.rows = self.compile((kind, T, B, W, False))(
-            self.params, self.kv_caches, packed, self.last_ids, self.rows)
-        if filtered:
-            fields = resample_fields(np.asarray(packed if source is None else source), T, B, W)
-            self.last_ids = self.compile(("resample", B, B, 0, True))(self.params, self.rows, self.put(fields))
-        if jax.process_count() > 1:     # ids are replicated over a mesh spanning hosts: read this host's copy
-            return self.last_ids.addressable_data(0)
-        return self.last_ids
+            ids = self.last_ids
+        else:
+            self.last_ids, self.kv_caches, self.rows = self.compile((kind, T, B, W, False))(
+                self.params, self.kv_caches, packed, self.last_ids, self.rows)
+            if filtered:
+                fields = resample_fields(np.asarray(packed if source is None else source), T, B, W)
+                self.last_ids = self.compile(("resample", B, B, 0, True))(self.params, self.rows, self.put(fields))
+            ids = self.last_ids
+        # ids are replicated over a mesh that may span hosts: read this host's copy
+        return ids.addressable_data(0) if jax.process_count() > 1 else ids
