@@ -15,6 +15,9 @@ a ValueError that says what to install.
 from __future__ import annotations
 
 import functools
+import glob
+import os
+import sys
 import zlib
 
 import jax
@@ -37,6 +40,32 @@ def load_triton():
     except ImportError as e:
         raise ValueError(f"{INSTALL_HINT}; import jax_triton failed: {e}") from None
     return triton, tl, triton_lib
+
+
+def ptxas_dirs() -> list[str]:
+    """Folders where XLA looks for the `ptxas` binary that turns a jax-triton kernel's PTX into machine code
+    (jaxlib runs it as a program; Pallas and XLA's own kernels do not need it): PATH, /usr/local/cuda/bin, the
+    nvidia-cuda-nvcc wheel's bin."""
+    dirs = os.environ.get("PATH", "").split(os.pathsep) + ["/usr/local/cuda/bin"]
+    for site in sys.path:
+        dirs += glob.glob(os.path.join(site, "nvidia", "cu*", "bin")) + glob.glob(
+            os.path.join(site, "nvidia", "cuda_nvcc", "bin"))
+    return [d for d in dirs if d]
+
+
+def check_ptxas() -> None:
+    """A ValueError naming the fix when no `ptxas` is where XLA looks: jaxlib would fail later, while compiling
+    the step, with only "Failed to launch ptxas". triton ships one (triton/backends/nvidia/bin)."""
+    if any(os.access(os.path.join(d, "ptxas"), os.X_OK) for d in ptxas_dirs()):
+        return
+    try:
+        import triton
+        bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    except ImportError:
+        bundled = "<site-packages>/triton/backends/nvidia/bin"
+    raise ValueError("attn_backend='triton': no ptxas on PATH (nor /usr/local/cuda/bin); jaxlib runs it to "
+                     "load each jax-triton kernel. triton ships one: before starting Python, "
+                     f"export PATH={bundled}:$PATH")
 
 
 @functools.cache
@@ -87,6 +116,8 @@ def triton_call(*args: jax.Array, kernel, out_shape, grid: tuple[int, ...], num_
     if any(not hasattr(a, "shape") for a in args):
         raise ValueError(f"{name}: pass scalars as constexpr metaparams, not positional args")
     _, _, tlib = load_triton()
+    if jax.default_backend() == "gpu":
+        check_ptxas()
     if path == "jax_triton":
         out = tlib.triton_call(*args, kernel=kernel, out_shape=list(out_shape), grid=grid, num_warps=num_warps,
                                num_stages=num_stages, name=name, input_output_aliases=input_output_aliases,

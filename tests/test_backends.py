@@ -191,3 +191,18 @@ def test_gpu_backend_generates_like_pallas(tiny_dir, backend):
     # from xla's at token 4 for 3 of 6 prompts in bf16 and matched all tokens in fp32); a broken backend
     # would not even agree on the first tokens
     assert sum(a >= 2 for a in agree) >= len(prompts) - 1 and sum(agree) >= 0.4 * 24 * len(prompts)
+
+
+def test_triton_without_ptxas_is_a_clear_error(monkeypatch, tmp_path):
+    """jaxlib runs `ptxas` to load a jax-triton kernel; without one the step's compile would fail with only
+    "Failed to launch ptxas". check_ptxas says so first, naming the folder to put on PATH."""
+    from pallas_kernels import _triton_ffi
+    monkeypatch.setattr(_triton_ffi, "ptxas_dirs", lambda: [str(tmp_path)])
+    with pytest.raises(ValueError, match=r"no ptxas on PATH.*export PATH=.*backends/nvidia/bin"):
+        _triton_ffi.check_ptxas()
+    tool = tmp_path / "ptxas"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    _triton_ffi.check_ptxas()                        # found: nothing to say
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert str(tmp_path) in _triton_ffi.ptxas_dirs()
