@@ -63,63 +63,6 @@ def _filter_sorted(sorted_logits, top_k, top_p, min_p):
     return jnp.where(keep, sorted_logits, _NEG)
 
 
-# How the filtered draw finds the tokens top-k / top-p / min-p keep: "sort" (a stable sort of the row, the
-# measured default) or "search" (`keep_mask`: radix searches over the row, no sort; the same tokens kept up to
-# float rounding of the top-p mass; not yet measured on a GPU: scripts/bench_sampling.py times both).
-FILTER_FORM = "sort"
-_DIGITS = 15            # thresholds tested per pass of a radix search (4 bits a pass)
-
-
-def _radix_search(bits: int, shift_top: int, start, holds):
-    """Per row, the largest t in [start, start + 2^bits) (uint32 [B]) with holds(t) ([B, n] thresholds ->
-    [B, n] bool, monotone: true up to some t), assuming holds(start); 4 bits a pass, each pass one fused
-    [B, N, 15] reduction inside `holds`."""
-    t = start
-    for shift in range(shift_top, -1, -4):
-        d = jnp.arange(1, _DIGITS + 1, dtype=jnp.uint32) << jnp.uint32(shift)          # [15]
-        cand = t[:, None] + d[None, :]                                                 # [B, 15]
-        room = (start[:, None] + jnp.uint32((1 << bits) - 1)) - t[:, None] >= d[None, :]  # stays in range
-        ok = holds(cand) & room
-        t = t + jnp.sum(ok, axis=-1).astype(jnp.uint32) * (jnp.uint32(1) << jnp.uint32(shift))
-    return t
-
-
-def keep_mask(scaled, top_k, top_p, min_p):
-    """[B, V] bool: the tokens of temperature-scaled logits that top-k / top-p / min-p keep, as
-    `_filter_sorted` on a stable descending sort would (rank < k, exclusive mass before < top_p, prob >= min_p
-    * the top prob; the top token always), without sorting: radix searches for each row's k-th value and
-    top-p boundary value (8 passes of 15 thresholds over the row), then for the ids kept among tokens tied at
-    those values (5 passes). A token's rank is (value descending, id ascending), as the stable sort's."""
-    B, V = scaled.shape
-    i = jax.lax.bitcast_convert_type(jnp.where(scaled == 0, 0.0, scaled), jnp.int32)   # -0.0 ties +0.0, as in a sort
-    key = jax.lax.bitcast_convert_type(jnp.where(i < 0, i ^ 0x7FFFFFFF, i), jnp.uint32) ^ jnp.uint32(1 << 31)
-    e = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))                    # top token: 1
-    Z = jnp.sum(e, axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V).astype(jnp.int32)
-    pz = top_p * Z
-    ge = lambda cand: key[:, :, None] >= cand[:, None, :]                             # noqa: E731 [B, V, n]
-    zero = jnp.zeros((B,), jnp.uint32)
-    t_k = _radix_search(32, 28, zero, lambda c: jnp.sum(ge(c), axis=1) >= k[:, None])
-    t_p = _radix_search(32, 28, zero, lambda c: jnp.sum(jnp.where(ge(c), e[:, :, None], 0.0), axis=1)
-                        >= pz[:, None])
-    ids = jnp.arange(V, dtype=jnp.uint32)
-    tie_k, tie_p = key == t_k[:, None], key == t_p[:, None]
-    above_k = jnp.sum(key > t_k[:, None], axis=-1)
-    above_p = jnp.sum(jnp.where(key > t_p[:, None], e, 0.0), axis=-1)
-    before = lambda c: ids[None, :, None] < c[:, None, :]                              # noqa: E731 [B, V, n]
-    id_bits = max(4, -(-(V + 1).bit_length() // 4) * 4)
-    # tied tokens kept: ids below the largest cut c with (tokens before c at the tie) still under the limit
-    cut_k = _radix_search(id_bits, id_bits - 4, zero, lambda c: above_k[:, None] + jnp.sum(
-        tie_k[:, :, None] & before(c), axis=1) < k[:, None])
-    cut_p = _radix_search(id_bits, id_bits - 4, zero, lambda c: above_p[:, None] + jnp.sum(
-        jnp.where(tie_p[:, :, None] & before(c), e[:, :, None], 0.0), axis=1)
-        < pz[:, None])
-    keep_k = (key > t_k[:, None]) | (tie_k & (ids[None, :] <= cut_k[:, None]))
-    keep_p = (key > t_p[:, None]) | (tie_p & (ids[None, :] <= cut_p[:, None])) | (top_p >= 1.0)[:, None]
-    keep = keep_k & keep_p & (e >= min_p[:, None])
-    return keep | (ids[None, :] == jnp.argmax(scaled, axis=-1).astype(jnp.uint32)[:, None])
-
-
 def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: bool = True):
     """logits [B, V] fp32 and per-row parameters [B] -> token ids [B] int32.
 
@@ -128,10 +71,8 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: 
     A greedy row (temperature 0) gets no noise, so one argmax serves greedy and sampled rows alike."""
     sampled_row = (temperature > 0)[:, None]
     scaled = logits / jnp.where(sampled_row, temperature[:, None], 1.0)
-    if not filtered or FILTER_FORM == "search":
+    if not filtered:
         gumbel = jnp.where(sampled_row, gumbel_noise(seeds, counters, logits.shape[-1]), 0.0)
-        if filtered:
-            scaled = jnp.where(keep_mask(scaled, top_k, top_p, min_p), scaled, _NEG)
         return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
     # one stable sort gives the descending values and their ids (ties: lower id first, as a stable argsort);
     # each sorted entry's noise is computed from its id, so per-token noise stays fixed without a gather

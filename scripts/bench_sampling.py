@@ -1,12 +1,12 @@
-"""Filtered sampling on the device: the plain draw, and top-k / top-p / min-p by sort or by search.
+"""Filtered sampling on the device: the plain draw against top-k / top-p / min-p (a stable sort of every row).
 
     python scripts/bench_sampling.py [--rows 8 64 256] [--vocab 151936] [--json out.json]
 
-Times `sampling.sample` alone on logits already on the device, per `sampling.FILTER_FORM` ("sort": a stable
-sort of every row, the engine's default; "search": `keep_mask`'s radix searches, no sort), in ms per call.
-Half the rows ask for top_k=50, all for top_p=0.9 (temperature 0.8). A filtered decode step on W's 256 rows
-cost ~3.5 ms more than a plain one on the H200 (docs/performance.md, ninth run): this says how much of it the
-search form would save, before it becomes the default.
+Times `sampling.sample` alone on logits already on the device, in ms per call. Half the rows ask for top_k=50,
+all for top_p=0.9 (temperature 0.8). A filtered decode step on W's 256 rows cost ~3.5 ms more than a plain one
+on the H200 (docs/performance.md, ninth run); this is the part the draw itself takes. (A sort-free form, radix
+searches over the row in plain jnp, measured 1.3-5.4x slower than the sort at 8-256 rows and was dropped:
+docs/performance.md, tenth run.)
 """
 from __future__ import annotations
 
@@ -26,20 +26,15 @@ def time_forms(rows: int, vocab: int) -> dict:
     logits = jax.random.normal(jax.random.PRNGKey(rows), (rows, vocab), jnp.float32) * 4
     per_row = (jnp.full((rows,), 0.8, jnp.float32), jnp.where(jnp.arange(rows) % 2 == 0, 50, 0).astype(jnp.int32),
                jnp.full((rows,), 0.9, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.arange(rows, dtype=jnp.int32))
-    out, saved = {}, sampling.FILTER_FORM
-    try:
-        for form, filtered in (("plain", False), ("sort", True), ("search", True)):
-            sampling.FILTER_FORM = "search" if form == "search" else "sort"
-
-            def draw(state, filtered=filtered):        # the counters move, so every call draws anew
-                lg, counters = state
-                ids = sampling.sample(lg, *per_row[:4], per_row[4], counters, filtered=filtered)
-                return lg, counters + 1 + jnp.minimum(ids, 0)     # (ids >= 0: keeps the draw alive)
-            s = time_loop(draw, (logits, jnp.zeros((rows,), jnp.int32)), est_s=1e-3)
-            out[form] = s * 1e3
-            print(f"rows {rows:4d}, vocab {vocab}: {form:6s} {s * 1e3:8.3f} ms", flush=True)
-    finally:
-        sampling.FILTER_FORM = saved
+    out = {}
+    for form, filtered in (("plain", False), ("sort", True)):
+        def draw(state, filtered=filtered):        # the counters move, so every call draws anew
+            lg, counters = state
+            ids = sampling.sample(lg, *per_row[:4], per_row[4], counters, filtered=filtered)
+            return lg, counters + 1 + jnp.minimum(ids, 0)     # (ids >= 0: keeps the draw alive)
+        s = time_loop(draw, (logits, jnp.zeros((rows,), jnp.int32)), est_s=1e-3)
+        out[form] = s * 1e3
+        print(f"rows {rows:4d}, vocab {vocab}: {form:6s} {s * 1e3:8.3f} ms", flush=True)
     return out
 
 

@@ -69,47 +69,6 @@ def test_ties_keep_the_lowest_ids_as_a_stable_sort():
                                   np.take_along_axis(np.asarray(gumbel_noise(seeds, counters, 20)), np.asarray(ids), 1))
 
 
-def _sorted_keep(scaled, top_k, top_p, min_p):
-    """The tokens `_filter_sorted` keeps on a stable descending sort, back in id order (the reference)."""
-    from jaxinfer.sampling import _NEG, _filter_sorted
-    ids = jnp.broadcast_to(jnp.arange(scaled.shape[-1], dtype=jnp.int32), scaled.shape)
-    neg, order = jax.lax.sort((-scaled, ids), dimension=-1, is_stable=True, num_keys=1)
-    kept = _filter_sorted(-neg, top_k, top_p, min_p) > _NEG
-    return jnp.zeros(scaled.shape, bool).at[jnp.arange(scaled.shape[0])[:, None], order].set(kept)
-
-
-def test_search_filter_keeps_what_the_sort_keeps():
-    """keep_mask (no sort) keeps the sort's tokens, ties included (rounded logits, -0.0 beside 0.0), for every
-    mix of top-k / top-p / min-p. top_p = 1 keeps every token (the sort's float cumsum can reach 1 before the
-    tail: the reference gets 2 there)."""
-    from jaxinfer.sampling import keep_mask
-    rng = np.random.default_rng(1)
-    ref, new = jax.jit(_sorted_keep), jax.jit(keep_mask)
-    for trial in range(12):
-        B, V = 8, (2, 97, 640)[trial % 4 % 3]
-        sc = rng.normal(size=(B, V)).astype(np.float32) * rng.uniform(0.3, 6)
-        sc = [sc, np.round(sc * 2) / 2, np.round(sc)][trial % 3]
-        sc[0, :2] = (-0.0, 0.0)
-        k = rng.choice([-1, 0, 1, 2, 5, 50, 10**6], B).astype(np.int32)
-        p = rng.choice([1.0, 0.95, 0.5, 0.1, 1e-6], B).astype(np.float32)
-        m = rng.choice([0.0, 0.0, 0.05, 0.5, 1.0], B).astype(np.float32)
-        want = ref(sc, k, np.where(p >= 1, 2.0, p).astype(np.float32), m)
-        np.testing.assert_array_equal(np.asarray(new(sc, k, p, m)), np.asarray(want), err_msg=f"trial {trial}")
-
-
-def test_search_form_draws_the_sort_forms_tokens(logits, monkeypatch):
-    import jaxinfer.sampling as sampling
-    B = logits.shape[0]
-    rng = np.random.default_rng(2)
-    args = (jnp.asarray(rng.choice([0.0, 0.7, 1.5], B).astype(np.float32)),
-            jnp.asarray(rng.choice([0, 1, 3, 20], B).astype(np.int32)),
-            jnp.asarray(rng.choice([1.0, 0.9, 0.3], B).astype(np.float32)),
-            jnp.asarray(rng.choice([0.0, 0.1], B).astype(np.float32)), jnp.arange(B), jnp.arange(B) * 3)
-    by_sort = np.asarray(sampling.sample(logits, *args, filtered=True))
-    monkeypatch.setattr(sampling, "FILTER_FORM", "search")
-    assert (np.asarray(sampling.sample(logits, *args, filtered=True)) == by_sort).all()
-
-
 def test_noise_is_uniform_gumbel_and_row_local():
     from jaxinfer.sampling import gumbel_noise
     g = np.asarray(gumbel_noise(jnp.arange(4), jnp.arange(4), 50000))
