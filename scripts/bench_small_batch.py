@@ -6,8 +6,7 @@
 Sections (printed as they run, all in the JSON; `--only steps,host,gemv,attention` picks some):
   steps      the engine's decode step per batch in its bucket (8 rows for batch 1-8, 32 for 32), `--context` tokens
              per row, with XLA's dots ("xla"), the gemv kernel with the RMSNorms / swiglu folded in ("gemv", i.e.
-             layers.GEMV_MAX_ROWS = bucket), without folding ("gemv-unfused", GEMV_FUSE = False), or XLA's dots
-             with the inner dimension cut into slices ("splitk", layers.splitk_matmul); `--matmuls` picks them:
+             layers.GEMV_MAX_ROWS = bucket), or without folding ("gemv-unfused", GEMV_FUSE = False):
              - one-step call: `pipelined` = calls back to back, ids fed on the device (the GPU time of a step);
                `engine-like` = the batch sent each step, the previous step's ids read after the next dispatch
              - K-step call (multistep.py, K = --k; "/unroll 4": 4 steps per loop iteration): `pipelined` = per step,
@@ -108,21 +107,20 @@ def bench_steps(a, cfg, params, out: dict) -> None:
     variants = []                          # (batch, bucket, call, matmul, unroll); call "one" | "K"
     for n in a.batches:
         B = next(b for b in a.buckets if b >= n)
-        variants += [(n, B, c, mm, 1) for mm in a.matmuls if mm != "gemv-unfused" for c in ("one", "K")]
-        if B == a.buckets[0] and "gemv-unfused" in a.matmuls:
+        variants += [(n, B, c, mm, 1) for mm in ("xla", "gemv") for c in ("one", "K")]
+        if B == a.buckets[0]:
             variants.append((n, B, "one", "gemv-unfused", 1))
     n_max = max(a.batches)
     if a.unroll > 1:                       # the device loop's per-iteration cost, at the largest batch
         variants.append((n_max, next(b for b in a.buckets if b >= n_max), "K", "xla", a.unroll))
     built = {}
     for _, B, call, mm, unroll in variants:
-        layers.GEMV_MAX_ROWS = 0 if mm == "xla" else B     # all three read when the step is built
+        layers.GEMV_MAX_ROWS = 0 if mm == "xla" else B     # both read when the step is built
         layers.GEMV_FUSE = mm != "gemv-unfused"
-        layers.SMALL_MATMUL = "splitk" if mm == "splitk" else "gemv"
         f = (make_step(cfg, "decode", B, B, W, "pallas", interpret, B) if call == "one" else
              make_multistep(cfg, B, W, K, "pallas", interpret, unroll=unroll))
         built.setdefault((B, call, mm, unroll), jit_step(f))
-    layers.GEMV_MAX_ROWS, layers.GEMV_FUSE, layers.SMALL_MATMUL = 0, True, "gemv"
+    layers.GEMV_MAX_ROWS, layers.GEMV_FUSE = 0, True
     batch, blocks = decode_batch(n_max, a.context, bs, K)
     kv_shape = (blocks, bs, cfg.num_key_value_heads, cfg.head_dim)
     fresh = lambda: [(jnp.zeros(kv_shape, a.dtype), jnp.zeros(kv_shape, a.dtype)) for _ in range(L)]  # noqa: E731
@@ -243,9 +241,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--unroll", type=int, default=4, help="also a K-step call with this many steps per loop "
                                                          "iteration, at the largest batch (1: none)")
     ap.add_argument("--iters", type=int, default=32)
-    ap.add_argument("--matmuls", default="xla,gemv,gemv-unfused",
-                    help="steps: the decode matmuls to compare: xla (cuBLAS dots), gemv (the kernel, norms and swiglu "
-                         "folded in), gemv-unfused, splitk (layers.splitk_matmul: XLA dots with the inner dimension cut)")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="gemv: automatic tiles only")
     ap.add_argument("--only", default="steps,host,gemv,attention", help="sections to run")
     ap.add_argument("--quick", action="store_true", help="tiny model, few iterations (CPU check of this script)")
@@ -262,7 +257,6 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
     from bench import write_json
     a.batches = [int(x) for x in a.batches.split(",")]
-    a.matmuls = a.matmuls.split(",")
     a.buckets = sorted(int(x) for x in a.buckets.split(","))
     a.dtype = jnp.bfloat16
     if a.quick:

@@ -129,7 +129,7 @@ class ModelRunner:
             shared = (self.model, self.engine.attn_backend, str(self.dtype), str(self.kv_dtype), self.num_blocks,
                       self.engine.block_size, self.interpret, self.max_rows,
                       isinstance(self.params["layers"], tuple), len(self.placement.devices), key,
-                      layers.small_matmul_key(),      # the small-batch matmul choice shapes the program
+                      layers.GEMV_MAX_ROWS, layers.GEMV_FUSE,      # the small-batch matmul choice shapes the program
                       rows_out(kind))
 
             def build():

@@ -43,59 +43,15 @@ GEMV_MAX_ROWS = 0
 # With the kernel, fold the RMSNorms into the qkv / gate_up kernels and silu(gate) * up into gate_up's: 2-3 fewer
 # kernels a layer (set from the same A/B: "gemv" against "gemv-unfused").
 GEMV_FUSE = True
-# What those small decode steps use: "gemv" (the kernel) or "splitk" (`splitk_matmul`: XLA's dot with the inner
-# dimension cut into slices, so that a few rows still spread over every SM; plain jnp).
-SMALL_MATMUL = "gemv"
-
-
-def small_matmul_key() -> tuple:
-    """The settings above, which shape a compiled decode step (part of its executable-cache key)."""
-    return GEMV_MAX_ROWS, GEMV_FUSE, SMALL_MATMUL
 
 
 def decode_matmul(rows: int, interpret: bool = False, tp: int = 1):
-    """The `matmul` for qwen3.forward / compute_logits in a decode step of `rows` rows: SMALL_MATMUL's when
+    """The `matmul` for qwen3.forward / compute_logits in a decode step of `rows` rows: the gemv kernel when
     rows <= GEMV_MAX_ROWS on one device, else None (XLA's dot). With tp > 1 XLA partitions the dots itself; the
     kernel would need a shard_map per matmul (and the all-reduce after o_proj / down_proj)."""
     if rows > GEMV_MAX_ROWS or tp > 1:
         return None
-    if SMALL_MATMUL == "splitk":
-        return splitk_matmul
     return functools.partial(gemv_matmul, interpret=interpret, fuse=GEMV_FUSE)
-
-
-SPLITK_MIN_SLICE = 128     # narrowest slice of the inner dimension splitk_matmul cuts
-
-
-def split_count(E: int, N: int, tile_n: int = 64, blocks: int = 264, most: int = 16) -> int:
-    """Slices of the inner dimension E for a few-row x @ w[E, N]: a GEMM of few rows gets about N / tile_n
-    thread blocks from cuBLAS (16 for Qwen3-0.6B's o_proj and down_proj on 132 SMs), so cut E until there are
-    ~`blocks` of them, keeping slices of >= SPLITK_MIN_SLICE that divide E."""
-    s = 1
-    while s < most and (N // tile_n) * s < blocks and E % (2 * s) == 0 and E // (2 * s) >= SPLITK_MIN_SLICE:
-        s *= 2
-    return s
-
-
-def splitk_matmul(x: jax.Array, w: jax.Array, row: int | None = None, transpose_w: bool = False, out_dtype=None,
-                  norm=None, gated: bool = False) -> jax.Array:
-    """gemv_matmul's contract in plain jnp: x [M, E] @ w[row] (w stacked [L, E, N]) or @ w ([E, N]; transpose_w:
-    [N, E]). The inner dimension is cut into `split_count` slices: one batched dot gives [s, M, N] fp32 partial
-    sums, added up in the fusion that follows (a few-row GEMM otherwise runs on a fraction of the SMs). The
-    transposed LM head is wide enough as it is."""
-    g, eps = norm if norm is not None else (None, 1e-6)
-    if g is not None:
-        x = rms_norm(x, g if row is None or g.ndim == 1 else g[row], eps)
-    w = w if row is None else w[row]
-    N, E = w.shape if transpose_w else w.shape[::-1]
-    s = 1 if transpose_w else split_count(E, N)
-    if s == 1:
-        y = jnp.einsum("me,ne->mn" if transpose_w else "me,en->mn", x, w, preferred_element_type=out_dtype or x.dtype)
-    else:
-        parts = jnp.einsum("mse,sen->smn", x.reshape(x.shape[0], s, E // s), w.reshape(s, E // s, N),
-                           preferred_element_type=jnp.float32)
-        y = jnp.sum(parts, axis=0).astype(out_dtype or x.dtype)
-    return swiglu(y) if gated else y
 
 
 def gemv_matmul(x: jax.Array, w: jax.Array, row: int | None = None, transpose_w: bool = False, out_dtype=None,
