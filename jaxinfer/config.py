@@ -250,10 +250,6 @@ class EngineConfig:
             if self.kv_cache_dtype != "auto":
                 raise ValueError(f"attn_backend={self.attn_backend!r} does not read an fp8 KV cache "
                                  f"(kv_cache_dtype={self.kv_cache_dtype!r}): use 'pallas' or 'xla' for fp8")
-            if self.attn_backend == "triton":    # before any weight loads: the packages, and the ptxas jaxlib runs
-                from pallas_kernels._triton_ffi import check_ptxas, load_triton
-                load_triton()
-                check_ptxas()
         kw = {k: v for k, v in PLATFORM_DEFAULTS["gpu" if platform == "gpu" else "cpu"].items()
               if getattr(self, k) is None}
         if (self.dtype or kw.get("dtype")) == "auto":
