@@ -69,7 +69,14 @@ def bench_gemv(a, cfg, out: dict) -> None:
                     return [gemv(x, w, l, norm_weight=g, swiglu=gated, interpret=interpret, **t) for l in range(L)]
                 return [gemv(x + i, w, transpose_w=True, out_dtype=jnp.float32, interpret=interpret, **t)
                         for i in range(reps)]
-            cands = [("xla", jax.jit(xla))]
+            def reduce(x, w, g):              # the same matmuls as multiply + reduce: XLA's own reduction kernels
+                if not stacked:
+                    return [jnp.sum((x + i)[:, None, :].astype(jnp.float32) * w[None].astype(jnp.float32), axis=-1)
+                            for i in range(reps)]
+                ys = [jnp.sum((rms_norm(x, g[l], 1e-6) if norm else x)[:, :, None].astype(jnp.float32)
+                              * w[l][None].astype(jnp.float32), axis=1).astype(x.dtype) for l in range(L)]
+                return [swiglu(y) for y in ys] if gated else ys
+            cands = [("xla", jax.jit(xla)), ("reduce", jax.jit(reduce))]
             full = a.sweep and M <= 16 and time.perf_counter() - a.t0 < a.budget
             for t in sweep_tiles(M, E, N // 2 if gated else N, full, split=not norm):
                 cands.append((t, jax.jit(lambda x, w, g, t=t: kern(x, w, g, t))))
@@ -85,9 +92,10 @@ def bench_gemv(a, cfg, out: dict) -> None:
                     print(f"  M={M} {name} {t}: FAILED {str(err)[:200]}", flush=True)
                     continue
                 gbs = nbytes / reps / s / 1e9
-                rows.append(dict(M=M, matmul=name, E=E, N=N, impl="xla" if t == "xla" else "gemv", tiles=t,
+                impl = t if isinstance(t, str) else "gemv"
+                rows.append(dict(M=M, matmul=name, E=E, N=N, impl=impl, tiles=t,
                                  us=s * 1e6, GBs=gbs, pct_hbm=100 * gbs * 1e9 / HBM, rel_err_vs_xla=err))
-                print(f"  M={M:3d} {name:>19} [{E}x{N}] {'xla' if t == 'xla' else _short(t)}: {s * 1e6:8.2f} us "
+                print(f"  M={M:3d} {name:>19} [{E}x{N}] {impl if impl != 'gemv' else _short(t)}: {s * 1e6:8.2f} us "
                       f"{gbs:7.0f} GB/s ({100 * gbs * 1e9 / HBM:4.1f}% of 4.3 TB/s)  err {err:.1e}", flush=True)
             del w
     out["gemv"] = rows
