@@ -278,19 +278,20 @@ def main():
         batches, contexts, cases = (1, 16, 64, 256), (128, 512, 1024, 2048, 4096), PREFILL_CASES
     dec_opts = dict(block_n=16) if args.smoke else {}
     pre_opts = dict(block_q=16, block_k=16) if args.smoke else {}
-    decode = []
+    decode, prefill = [], []
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "ceilings": ceil,
+              "decode": decode, "prefill": prefill}
     for b in batches:
         for ctx in contexts:
             decode.append(bench_decode(b, ctx, ceil, dec_opts, args.smoke))
             print(f"  decode B={b} ctx={ctx} done", flush=True)
+            write_json(args.json, result)        # after each case: a run cut short keeps what it measured
     print_decode(decode)
-    prefill = []
     for name, (n_new, prefix) in cases.items():
         prefill.append(bench_prefill(name, n_new, prefix, ceil, pre_opts, args.smoke))
         print(f"  prefill {name} done", flush=True)
+        write_json(args.json, result)
     print_prefill(prefill)
-    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "ceilings": ceil,
-              "decode": decode, "prefill": prefill}
     if args.sweep and not args.smoke:
         result["sweep"] = sweep(ceil, args.smoke, prefill=not args.decode_only)
     write_json(args.json, result)
