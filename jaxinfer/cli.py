@@ -216,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:             # everything after `bench` belongs to the benchmark script
         return cmd_bench(argv[1:])
     a = build_parser().parse_args(argv)
+    if getattr(a, "attn_backend", None) == "triton":
+        from jaxinfer.xla_options import use_triton_ptxas
+        use_triton_ptxas()                # jaxlib runs ptxas to load jax-triton kernels (the serving core inherits it)
     logging.basicConfig(format="%(message)s")
     logging.getLogger("jaxinfer").setLevel(logging.INFO)   # e.g. "compiling decode step ..." on a CPU
     try:

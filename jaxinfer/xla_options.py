@@ -8,6 +8,8 @@ Two kinds:
   give it. The `jaxinfer` commands own their process and set it before JAX starts
   (`set_process_flags`); a Python user adds one line before importing jax, and `LLM()` says so once
   (`warn_if_slow_command_buffers`) when it runs without it.
+The same programs, asked for attn_backend="triton", also put triton's own `ptxas` on PATH when there is none
+(`use_triton_ptxas`): jaxlib runs it to load jax-triton kernels.
 """
 from __future__ import annotations
 
@@ -58,6 +60,26 @@ def command_buffer_flags(env: dict | None = None) -> str:
     env = os.environ if env is None else env
     flags = env.get("XLA_FLAGS", "")
     return f"{flags} {SKIP_TEMP}".strip() if wants_skip_temp(env) else flags
+
+
+def use_triton_ptxas(env: dict | None = None) -> str | None:
+    """For programs that own their process and run attn_backend="triton": jaxlib loads jax-triton kernels by
+    running a `ptxas` program; when none is on PATH, put the one triton ships (triton/backends/nvidia/bin) there.
+    Returns the folder added, or None (one was there, or triton is not installed). Python users get a
+    ValueError naming that folder from `LLM()` instead (pallas_kernels/_triton_ffi.check_ptxas)."""
+    import importlib.util
+    env = os.environ if env is None else env
+    path = env.get("PATH", "")
+    if any(os.access(os.path.join(d, "ptxas"), os.X_OK) for d in path.split(os.pathsep) if d):
+        return None
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.origin:
+        return None
+    bundled = os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin")
+    if not os.access(os.path.join(bundled, "ptxas"), os.X_OK):
+        return None
+    env["PATH"] = bundled + (os.pathsep + path if path else "")
+    return bundled
 
 
 def set_process_flags() -> None:

@@ -289,9 +289,11 @@ def parse(argv=None):
 def main(argv=None) -> dict:
     args = parse(argv)
     args.model = args.model_flag or args.model
-    from jaxinfer.xla_options import set_process_flags
+    from jaxinfer.xla_options import set_process_flags, use_triton_ptxas
     if not args.no_process_flags:
         set_process_flags()      # exactly what the `jaxinfer` commands do: this process is ours
+        if args.attn_backend == "triton":
+            use_triton_ptxas()
     if args.peer:   # leave GPU memory for PyTorch: JAX would otherwise preallocate 75% of it
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
     r = run_latency(args) if args.latency else run_throughput(args)

@@ -175,3 +175,28 @@ def test_bench_sampling_times_both_draws(tmp_path):
     r = bench_sampling.main(["--rows", "2", "--vocab", "300", "--json", str(tmp_path / "s.json")])
     assert set(r["ms"]["2"]) == {"plain", "sort"} and all(v > 0 for v in r["ms"]["2"].values())
     assert json.load(open(tmp_path / "s.json"))["vocab"] == 300
+
+
+def test_use_triton_ptxas(tmp_path, monkeypatch):
+    """The `jaxinfer` commands and bench.py with attn_backend="triton" put triton's own ptxas on PATH when none is
+    there (jaxlib runs it to load jax-triton kernels); an existing one, or no triton, leaves PATH alone."""
+    import importlib.util
+    import types
+
+    from jaxinfer import xla_options
+    pkg = tmp_path / "site" / "triton"
+    bin_dir = pkg / "backends" / "nvidia" / "bin"
+    bin_dir.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    tool = bin_dir / "ptxas"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    spec = types.SimpleNamespace(origin=str(pkg / "__init__.py"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "triton" else None)
+    env = {"PATH": str(tmp_path / "empty")}
+    assert xla_options.use_triton_ptxas(env) == str(bin_dir)
+    assert env["PATH"] == f"{bin_dir}{os.pathsep}{tmp_path / 'empty'}"
+    assert xla_options.use_triton_ptxas(env) is None                    # found now: nothing more to add
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    env = {"PATH": ""}
+    assert xla_options.use_triton_ptxas(env) is None and env["PATH"] == ""
