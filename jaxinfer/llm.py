@@ -65,9 +65,9 @@ class LLM:
         requested = EngineConfig.from_kwargs(**kwargs)
         path, model_config = model_config_for(model)
         config = requested.resolve(jax.default_backend(), model_config)
-        if config.attn_backend == "triton":       # on a GPU (resolve says so elsewhere), before any weights load:
+        if config.attn_backend == "triton":       # on a GPU: the packages and the ptxas jaxlib runs, before any loading
             from pallas_kernels._triton_ffi import check_ptxas, load_triton
-            load_triton()                         # the packages, and the ptxas program jaxlib runs
+            load_triton()
             check_ptxas()
         self.model_config, self.tokenizer = model_config, load_tokenizer(path if os.path.isdir(path) else None)
         load = lambda placement: load_model(path, config.dtype, config.seed, placement)[1]   # noqa: E731
