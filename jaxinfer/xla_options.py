@@ -67,18 +67,14 @@ def use_triton_ptxas(env: dict | None = None) -> str | None:
     running a `ptxas` program; when none is on PATH, put the one triton ships (triton/backends/nvidia/bin) there.
     Returns the folder added, or None (one was there, or triton is not installed). Python users get a
     ValueError naming that folder from `LLM()` instead (pallas_kernels/_triton_ffi.check_ptxas)."""
-    import importlib.util
+    from pallas_kernels._triton_ffi import bundled_ptxas_dir
     env = os.environ if env is None else env
     path = env.get("PATH", "")
     if any(os.access(os.path.join(d, "ptxas"), os.X_OK) for d in path.split(os.pathsep) if d):
         return None
-    spec = importlib.util.find_spec("triton")
-    if spec is None or not spec.origin:
-        return None
-    bundled = os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin")
-    if not os.access(os.path.join(bundled, "ptxas"), os.X_OK):
-        return None
-    env["PATH"] = bundled + (os.pathsep + path if path else "")
+    bundled = bundled_ptxas_dir()
+    if bundled is not None:
+        env["PATH"] = bundled + (os.pathsep + path if path else "")
     return bundled
 
 

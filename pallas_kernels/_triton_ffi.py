@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import importlib.util
 import os
 import sys
 import zlib
@@ -53,16 +54,22 @@ def ptxas_dirs() -> list[str]:
     return [d for d in dirs if d]
 
 
+def bundled_ptxas_dir() -> str | None:
+    """The folder of the `ptxas` that triton ships (triton/backends/nvidia/bin), found without importing triton;
+    None without triton or without that file."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.origin:
+        return None
+    bundled = os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin")
+    return bundled if os.access(os.path.join(bundled, "ptxas"), os.X_OK) else None
+
+
 def check_ptxas() -> None:
     """A ValueError naming the fix when no `ptxas` is where XLA looks: jaxlib would fail later, while compiling
     the step, with only "Failed to launch ptxas". triton ships one (triton/backends/nvidia/bin)."""
     if any(os.access(os.path.join(d, "ptxas"), os.X_OK) for d in ptxas_dirs()):
         return
-    try:
-        import triton
-        bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    except ImportError:
-        bundled = "<site-packages>/triton/backends/nvidia/bin"
+    bundled = bundled_ptxas_dir() or "<site-packages>/triton/backends/nvidia/bin"
     raise ValueError("attn_backend='triton': no ptxas on PATH (nor /usr/local/cuda/bin); jaxlib runs it to "
                      "load each jax-triton kernel. triton ships one: before starting Python, "
                      f"export PATH={bundled}:$PATH")
