@@ -65,10 +65,9 @@ class LLM:
         requested = EngineConfig.from_kwargs(**kwargs)
         path, model_config = model_config_for(model)
         config = requested.resolve(jax.default_backend(), model_config)
-        if config.attn_backend == "triton":       # on a GPU: the packages and the ptxas jaxlib runs, before any loading
-            from pallas_kernels._triton_ffi import check_ptxas, load_triton
-            load_triton()
-            check_ptxas()
+        if config.attn_backend == "triton":       # (on a GPU) its packages and ptxas, before anything loads
+            from pallas_kernels._triton_ffi import check_ready
+            check_ready()
         self.model_config, self.tokenizer = model_config, load_tokenizer(path if os.path.isdir(path) else None)
         load = lambda placement: load_model(path, config.dtype, config.seed, placement)[1]   # noqa: E731
         eos = self.model_config.eos_token_id or tuple(

@@ -75,6 +75,12 @@ def check_ptxas() -> None:
                      f"export PATH={bundled}:$PATH")
 
 
+def check_ready() -> None:
+    """Before an engine loads anything for attn_backend="triton": the packages, and the ptxas jaxlib runs."""
+    load_triton()
+    check_ptxas()
+
+
 @functools.cache
 def _ffi_primitive():
     """A primitive like jax-triton's, lowered to XLA's typed-FFI Triton call (what Pallas-Triton emits)."""

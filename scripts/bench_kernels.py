@@ -65,10 +65,9 @@ def unavailable(backend: str, smoke: bool = False) -> str | None:
     if backend in ("cudnn", "triton") and jax.default_backend() != "gpu":
         return f"{backend} needs a CUDA GPU (JAX backend here: {jax.default_backend()})"
     if backend == "triton":
-        from pallas_kernels._triton_ffi import check_ptxas, load_triton
+        from pallas_kernels._triton_ffi import check_ready
         try:
-            load_triton()
-            check_ptxas()                 # jaxlib runs ptxas to load the kernels
+            check_ready()                 # the packages, and the ptxas jaxlib runs to load the kernels
         except ValueError as e:
             return str(e)
     return None

@@ -43,11 +43,6 @@ run 06b_tp2_prof 240 python scripts/bench.py qwen3-0.6b -tp 2 --json "$OUT/06b_t
                      --profile "$OUT/trace_06b_tp2"
 # dp=2 with 3 timed repeats (median wall: the run-to-run spread of one machine is ~3%)
 run 06b_dp2_rep  150 python scripts/bench.py qwen3-0.6b -dp 2 --repeats 3 --json "$OUT/06b_dp2_rep.json"
-# the same with decode steps that keep no rows (each with its own filtered variant): the A/B of the rows buffer
-FUSED="import sys, runpy; import jaxinfer.engine.runner as r; r.RESAMPLE_DECODE = False; sys.argv = ['bench.py', \
-'qwen3-0.6b', '-dp', '2', '--repeats', '3', '--json', '$OUT/06b_dp2_fused_decode.json']; \
-runpy.run_path('scripts/bench.py', run_name='__main__')"
-run 06b_dp2_fused_decode 150 python -c "$FUSED"
 # where an 8B tp=2 step's time goes, per GPU (trace_summary: collective / gemm / attention / other, idle);
 # outputs of up to 128 tokens keep the trace small, at W's 256 rows
 run 8b_tp2_prof  240 python scripts/bench.py qwen3-8b -tp 2 --max-output-len 128 --json "$OUT/8b_tp2_prof.json" \

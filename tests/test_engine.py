@@ -123,22 +123,6 @@ def test_filtered_sampling_runs_the_step_then_resample(tiny_dir):
     assert any(k[0] == "resample" for k in runner.compiled)
 
 
-def test_decode_steps_with_their_own_filtered_variant(tiny_dir, monkeypatch):
-    """runner.RESAMPLE_DECODE = False (the A/B form): decode buckets compile a plain and a filtered step and
-    keep no rows; prefill steps still use "resample". Same seeded tokens as the default form, 0 compilations."""
-    import jaxinfer.engine.runner as runner_mod
-    ps = prompts(512, [5, 11, 7], seed=4)
-    sps = [SamplingParams(temperature=0.9, top_p=0.8, top_k=20, max_tokens=8, ignore_eos=True, seed=s) for s in (1, 2)]
-    sps.append(SamplingParams(temperature=0.9, max_tokens=8, ignore_eos=True, seed=3))
-    want = tokens(LLM(tiny_dir, **BASE), ps, sps)
-    monkeypatch.setattr(runner_mod, "RESAMPLE_DECODE", False)
-    llm = LLM(tiny_dir, **{**BASE, "warmup": True, "max_model_len": 64})
-    keys = set(llm.engine.runner.compiled)
-    assert {k[4] for k in keys if k[0] == "decode"} == {False, True}
-    assert {k[2] for k in keys if k[0] == "resample"} == {k[2] for k in keys if k[0] == "prefill"}
-    assert tokens(llm, ps, sps) == want and llm.stats()["compilations"] == 0
-
-
 def test_no_compilation_after_warmup(tiny_dir):
     gc.unfreeze()
     llm = LLM(tiny_dir, **{**BASE, "warmup": True})

@@ -32,10 +32,6 @@ COMPILE_THREADS: int | None = None   # None: compile_threads() picks
 # compile, for A/B runs). On 2xH200, dp=2 on W gave 32,359 / 32,454 tok/s with it and 33,983 / 32,325 without
 # (the spread of repeated runs); it took Qwen3-32B tp=2's first runs (17.6 s before) out of its warm-up.
 OVERLAP_FIRST_RUNS = True
-# True: decode steps sample unfiltered and keep their rows for "resample", as prefill steps do. False (for A/B
-# runs): each decode bucket compiles a plain and a filtered step, as before the resample program, and returns no
-# rows (with rows as a fresh output, dp=2 lost 8-11% on W: docs/performance.md, ninth run).
-RESAMPLE_DECODE = True
 MULTISTEP_KS = (4, 16)        # auto: steps per call compiled for small batches (the engine picks per call)
 # decode buckets up to this many rows get K-step variants. Measured on the H200 (0.6B, 1024-token context,
 # TPOT K-step vs one step per call): batch 1 1.39 vs 1.51 ms, batch 8 1.61 vs 1.64, batch 32 2.44 vs 2.24 ms, so
@@ -50,8 +46,9 @@ def compile_threads() -> int:
 
 
 def rows_out(kind: str) -> bool:
-    """Whether a step of this kind keeps its sampled rows (for the "resample" program of filtered batches)."""
-    return kind == "prefill" or (kind == "decode" and RESAMPLE_DECODE)
+    """Whether a step of this kind keeps its sampled rows (for the "resample" program of filtered batches): the
+    model steps do, in a donated buffer updated in place (as a fresh output each step, dp=2 lost 8-11% on W)."""
+    return kind in ("prefill", "decode")
 
 
 class ModelRunner:
@@ -108,8 +105,7 @@ class ModelRunner:
         e = self.engine
         out = [("prefill", T, min(e.max_num_seqs, T), W, False)
                for T in e.prefill_buckets for W in e.prefill_table_widths(T)]
-        out += [("decode", B, B, W, f) for f in ((False,) if RESAMPLE_DECODE else (False, True))
-                for B in e.decode_buckets for W in self.widths]
+        out += [("decode", B, B, W, False) for B in e.decode_buckets for W in self.widths]
         out += [("resample", B, B, 0, True) for B in sorted({k[2] for k in out if rows_out(k[0])})]
         # K-step decode calls (multistep.py): small batches only (host-bound), unfiltered sampling only
         return out + [("multistep", B, B, W, False, K) for B in self.multistep_buckets() for W in self.widths
@@ -219,9 +215,6 @@ class ModelRunner:
         kind, T, B, W, filtered = key[:5]
         if kind == "multistep":        # ids [K, B]; last_ids stay (the host reads this call before the next)
             ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, packed, self.last_ids)
-        elif not rows_out(kind):       # a decode step with its own filtered variant (RESAMPLE_DECODE off)
-            self.last_ids, self.kv_caches = self.compile(key[:5])(self.params, self.kv_caches, packed, self.last_ids)
-            ids = self.last_ids
         else:
             self.last_ids, self.kv_caches, self.rows = self.compile((kind, T, B, W, False))(
                 self.params, self.kv_caches, packed, self.last_ids, self.rows)
