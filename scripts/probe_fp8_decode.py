@@ -1,0 +1,164 @@
+"""Why the decode kernel reads fp8 pages slower than bf16 ones (docs/fp8_kv_cache.md, "GPU").
+
+    python scripts/probe_fp8_decode.py layout [--json PATH]     # H200: ~1 min; CPU: a small interpret-mode check
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= ncu --kernel-name regex:paged_attention --launch-skip 2 \
+        --launch-count 1 --clock-control none --set full -o FILE python scripts/probe_fp8_decode.py ncu fp8|bf16 [B CTX]
+
+layout: a stripped decode kernel (no context splits, no prologue; Qwen3-0.6B heads, 16-token pages) timed with
+V pages as the engine stores them ([P, bs, K, D]) and token-minor ([P, K, D, bs], so that the P.V dot's
+operand pairs are adjacent bytes), on fp8 and bf16 pages; TB/s of the bytes read.
+ncu: four calls of the engine's kernel (paged_attention_qkv) on fp8 or bf16 pages, for Nsight Compute.
+"""
+import argparse
+import functools
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from timing import time_loop
+
+interp = jax.devices()[0].platform == "cpu"
+H, K, D, BS = 16, 8, 128, 16
+LOG2E = 1.4426950408889634
+
+
+def kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, vt, block_n, rows, group, cdtype):
+    kh, b = pl.program_id(0), pl.program_id(1)
+    n = lens_ref[b]
+    g = jnp.arange(rows)
+    head = kh * group + jnp.minimum(g, group - 1)
+    dcol = jnp.arange(D)
+    q = q_ref[b, head[:, None], dcol[None, :]].astype(cdtype)
+
+    def body(i, carry):
+        acc, m, l = carry
+        tok = i * block_n + jnp.arange(block_n)
+        valid = tok < n
+        t = jnp.minimum(tok, n - 1)
+        page, slot = bt_ref[b, t // BS], t % BS
+        k = k_ref[page, slot, kh, :].astype(cdtype)
+        s = plt.dot(q, k, trans_b=True) * (D ** -0.5 * LOG2E)
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l = l * alpha + p.sum(axis=1)
+        if vt:
+            v = v_ref[page[None, :], kh, dcol[:, None], slot[None, :]].astype(cdtype)   # [D, N]
+            pv = plt.dot(p.astype(cdtype), v, trans_b=True)
+        else:
+            v = v_ref[page, slot, kh, :].astype(cdtype)                                  # [N, D]
+            pv = plt.dot(p.astype(cdtype), v)
+        return acc * alpha[:, None] + pv, m_new, l
+
+    acc = jnp.zeros((rows, D), jnp.float32)
+    m = jnp.full((rows,), -1e30, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+    acc, m, l = jax.lax.fori_loop(0, pl.cdiv(n, block_n), body, (acc, m, l))
+    o_ref[b, head[:, None], dcol[None, :]] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("vt", "block_n", "warps", "stages"))
+def decode(q, kc, vc, bt, lens, vt=False, block_n=64, warps=2, stages=3):
+    B = q.shape[0]
+    cdtype = jnp.float16 if kc.dtype == jnp.float8_e4m3fn else kc.dtype
+    return pl.pallas_call(
+        functools.partial(kernel, vt=vt, block_n=block_n, rows=16, group=H // K, cdtype=cdtype),
+        grid=(K, B), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages), interpret=interp,
+        name="vt_probe")(lens, bt, q, kc, vc)
+
+
+def case(B, ctx, dtype, seed=0):
+    nb = -(-ctx // BS)
+    P = B * nb + 1
+    rng = np.random.default_rng(seed)
+    kc = jnp.asarray(rng.standard_normal((P, BS, K, D)), jnp.float32)
+    vc = jnp.asarray(rng.standard_normal((P, BS, K, D)), jnp.float32)
+    if dtype == "fp8":
+        kc, vc = (jnp.clip(x * 64, -448, 448).astype(jnp.float8_e4m3fn) for x in (kc, vc))
+    else:
+        kc, vc = kc.astype(jnp.bfloat16), vc.astype(jnp.bfloat16)
+    bt = jnp.asarray(rng.permutation(P - 1)[:B * nb].reshape(B, nb) + 1, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((B, H, D)), jnp.bfloat16)
+    return q, kc, vc, bt, jnp.full((B,), ctx, jnp.int32)
+
+
+def ref(q, kc, vc, bt, lens):
+    B = q.shape[0]
+    k = kc.astype(jnp.float32)[bt].reshape(B, -1, K, D)
+    v = vc.astype(jnp.float32)[bt].reshape(B, -1, K, D)
+    qg = q.astype(jnp.float32).reshape(B, K, H // K, D)
+    s = jnp.einsum("bkgd,bskd->bkgs", qg, k) * D ** -0.5
+    s = jnp.where(jnp.arange(k.shape[1])[None, None, None] < lens[:, None, None, None], s, -jnp.inf)
+    return jnp.einsum("bkgs,bskd->bkgd", jax.nn.softmax(s, -1), v).reshape(B, H, D)
+
+
+def layout(json_path):
+    rows = []
+    shapes = [(4, 100)] if interp else [(256, 1024), (128, 1024), (64, 1024), (64, 4096)]
+    for B, ctx in shapes:
+        for dtype in ("fp8", "bf16"):
+            q, kc, vc, bt, lens = case(B, ctx, dtype)
+            vct = jnp.transpose(vc, (0, 2, 3, 1))     # [P, K, D, bs]
+            r0 = ref(q, kc, vc, bt, lens)
+            for vt in (False, True):
+                v_in = vct if vt else vc
+                out = decode(q, kc, v_in, bt, lens, vt=vt)
+                err = float(jnp.abs(out.astype(jnp.float32) - r0).max())
+                nbytes = B * ctx * K * D * 2 * kc.dtype.itemsize
+                s = time_loop(lambda q, kc, vv, bt, lens, vt=vt: decode(q, kc, vv, bt, lens, vt=vt), q, kc, v_in, bt,
+                              lens, est_s=nbytes / 3e12)
+                rows.append(dict(B=B, ctx=ctx, dtype=dtype, v_token_minor=vt, us=s * 1e6, tbps=nbytes / s / 1e12,
+                                 max_err=err))
+                print(rows[-1], flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def ncu_calls(dtype: str, B: int, ctx: int):
+    """Four calls of the engine's decode kernel, for a profiler to pick one (pages made on the host: under ncu
+    an XLA fp8 convert kernel crashed the process)."""
+    import ml_dtypes
+    import bench_kernels as bk
+    k, v, tables = bk.paged_cache(jax.random.PRNGKey(1), B, -(-ctx // bk.PAGE))
+    lens = jnp.full((B,), ctx, jnp.int32)
+    qkv = jax.random.normal(jax.random.PRNGKey(3), (B, bk.H + 2 * bk.K, bk.D), bk.DTYPE)
+    norm, cos = jnp.ones((bk.D,), bk.DTYPE), jnp.ones((B, bk.D), jnp.float32)
+    fp8 = {}
+    if dtype == "fp8":
+        pages = []
+        for x in (k, v):
+            x = np.asarray(x, np.float32)
+            s = np.abs(x).max((0, 1, 3)) / 448.0
+            pages.append((jax.device_put(np.clip(x / s[None, None, :, None], -448, 448).astype(ml_dtypes.float8_e4m3fn)),
+                          jnp.asarray(s, jnp.float32)))
+        (k, ks), (v, vs) = pages
+        fp8 = dict(k_scale=ks, v_scale=vs)
+    f = jax.jit(bk.qkv_decode({}, interp, **fp8), donate_argnums=0)
+    carry = (k, v)
+    for _ in range(4):
+        carry = f(carry, qkv, norm, cos, tables, lens)
+    jax.block_until_ready(carry)
+    print("done", dtype, B, ctx)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["layout", "ncu"])
+    ap.add_argument("dtype", nargs="?", default="fp8", choices=["fp8", "bf16"])
+    ap.add_argument("batch", nargs="?", type=int, default=256)
+    ap.add_argument("ctx", nargs="?", type=int, default=1024)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if a.what == "layout":
+        layout(a.json)
+    else:
+        ncu_calls(a.dtype, a.batch, a.ctx)
