@@ -2,9 +2,11 @@
 
 Columns are the engine's backends, called as the engine calls them (jaxinfer.model.attention.attention_fns):
 xla (plain jnp), pallas (our kernels; "engine" = the fused decode kernel), cudnn (JAX's cuDNN attention over
-the paged cache), triton (raw Triton decode; its prefill is pallas's); "triton jt" is the same Triton kernel
+the paged cache), triton (raw Triton decode; its prefill is pallas's), mosaic (the Mosaic GPU kernels, Hopper);
+"triton jt" is the same Triton kernel
 through jax-triton's own triton_call, "cuDNN dense" cuDNN on contiguous equal-length inputs (no pages). A
-backend this machine cannot run (cudnn, triton on a CPU; triton without jax-triton) is skipped with the reason.
+backend this machine cannot run (cudnn, triton, mosaic on a CPU; mosaic before Hopper; triton without
+jax-triton) is skipped with the reason. `--impls` keeps some columns only.
 
 Decode: effective TB/s = bytes of K and V the batch really needs / time, next to the copy bandwidth measured in
 the same run; the fp8 columns run both decode kernels on float8_e4m3fn pages (per-kv-head scales), whose TB/s
@@ -14,7 +16,7 @@ timed runs of `n` back-to-back dispatches of the jitted kernel (each output fed 
 dispatch is asynchronous, so it is hidden behind kernels longer than ~20-40 us (the batch-1 decode rows are
 dispatch-bound).
 
-  PYTHONPATH=. python scripts/bench_kernels.py [--quick] [--sweep] [--json PATH]
+  PYTHONPATH=. python scripts/bench_kernels.py [--quick] [--sweep] [--impls pallas,mosaic,...] [--json PATH]
   PYTHONPATH=. python scripts/bench_kernels.py --smoke   # CPU, interpret mode, tiny shapes: checks the script
 """
 from __future__ import annotations
@@ -62,8 +64,10 @@ def paged_cache(key, batch, max_blocks):
 
 def unavailable(backend: str, smoke: bool = False) -> str | None:
     """Why this machine cannot time `backend` (None: it can)."""
-    if backend in ("cudnn", "triton") and jax.default_backend() != "gpu":
+    if backend in ("cudnn", "triton", "mosaic") and jax.default_backend() != "gpu":
         return f"{backend} needs a CUDA GPU (JAX backend here: {jax.default_backend()})"
+    if backend == "mosaic" and float(getattr(jax.devices()[0], "compute_capability", 0) or 0) < 9.0:
+        return f"mosaic needs a Hopper GPU (compute capability 9.0+), not {jax.devices()[0].device_kind}"
     if backend == "triton":
         from pallas_kernels._triton_ffi import check_ready
         try:
@@ -76,7 +80,7 @@ def unavailable(backend: str, smoke: bool = False) -> str | None:
 _SAID: set[str] = set()
 
 
-def backend_fns(smoke: bool, names=("xla", "pallas", "cudnn", "triton")) -> dict:
+def backend_fns(smoke: bool, names=("xla", "pallas", "cudnn", "triton", "mosaic")) -> dict:
     """name -> (prefill_fn, decode_fn) for the backends this machine runs; prints why the others are skipped."""
     out = {}
     for name in names:
@@ -107,7 +111,7 @@ def fp8_pages(k, v):
     return quantize(k, ks), quantize(v, vs), dict(k_scale=ks, v_scale=vs)
 
 
-DECODE_IMPLS = ("xla", "pallas", "pallas_qkv", "cudnn", "triton", "triton_jt", "fp8", "fp8_qkv")
+DECODE_IMPLS = ("xla", "pallas", "pallas_qkv", "cudnn", "triton", "triton_jt", "mosaic", "fp8", "fp8_qkv")
 
 
 def bench_decode(batch, ctx, ceil, opts, smoke, impls=DECODE_IMPLS):
@@ -117,7 +121,7 @@ def bench_decode(batch, ctx, ceil, opts, smoke, impls=DECODE_IMPLS):
     lens = jnp.full((batch,), ctx, jnp.int32)
     nbytes = batch * ctx * K * D * 2 * 2  # K and V rows really needed
     est = nbytes / 2e12 + 5e-6
-    backends = backend_fns(smoke, [b for b in ("xla", "cudnn", "triton") if b in impls or b + "_jt" in impls])
+    backends = backend_fns(smoke, [b for b in ("xla", "cudnn", "triton", "mosaic") if b in impls or b + "_jt" in impls])
     fns = {name: fs[1] for name, fs in backends.items()}
     fns["pallas"] = lambda q, k, v, t, l: paged_attention(q, k, v, t, l, interpret=smoke, **opts)
     if "triton" in fns and "triton_jt" in impls:
@@ -149,7 +153,7 @@ def bench_decode(batch, ctx, ceil, opts, smoke, impls=DECODE_IMPLS):
             except Exception as err:  # noqa: BLE001
                 row[name + "_s"] = None
                 print(f"  decode {name} B={batch} ctx={ctx} failed: {type(err).__name__}: {str(err)[:300]}")
-    reads = {name: nbytes for name in ("xla", "pallas", "pallas_qkv", "cudnn", "triton", "triton_jt")}
+    reads = {name: nbytes for name in ("xla", "pallas", "pallas_qkv", "cudnn", "triton", "triton_jt", "mosaic")}
     for name, read in {**reads, "fp8": nbytes // 2, "fp8_qkv": nbytes // 2}.items():
         if row.get(name + "_s"):      # bytes actually read: fp8 pages are half of bf16's
             row[name + "_tbps"] = read / row[name + "_s"] / 1e12
@@ -168,15 +172,16 @@ def prefill_case(n_new, prefix, key):
     return q, k, v, tables, cu, jnp.asarray(ctx, jnp.int32), flops
 
 
-PREFILL_IMPLS = ("xla", "pallas", "cudnn", "triton", "cudnn_dense")
+PREFILL_IMPLS = ("xla", "pallas", "cudnn", "triton", "mosaic", "cudnn_dense")
 
 
 def bench_prefill(name, n_new, prefix, ceil, opts, smoke, impls=PREFILL_IMPLS):
     q, k, v, tables, cu, lens, flops = prefill_case(n_new, prefix, jax.random.PRNGKey(len(n_new)))
     est = flops / 2e14 + 1e-5
-    backends = backend_fns(smoke, [b for b in ("xla", "cudnn", "triton") if b in impls])
+    backends = backend_fns(smoke, [b for b in ("xla", "cudnn", "triton", "mosaic") if b in impls or b + "_dense" in impls])
     fns = {name: fs[0] for name, fs in backends.items()}
-    fns["pallas"] = lambda q, k, v, t, c, l: flash_attention(q, k, v, t, c, l, interpret=smoke, **opts)
+    if "pallas" in impls:
+        fns["pallas"] = lambda q, k, v, t, c, l: flash_attention(q, k, v, t, c, l, interpret=smoke, **opts)
     if "triton" in fns:   # the raw Triton prefill kernel (the triton backend itself prefills with Pallas)
         from pallas_kernels.triton_prefill import triton_prefill
         fns["triton"] = triton_prefill
@@ -204,7 +209,7 @@ def bench_prefill(name, n_new, prefix, ceil, opts, smoke, impls=PREFILL_IMPLS):
         except Exception as err:  # noqa: BLE001
             row["cudnn_dense_s"] = None
             print(f"  prefill cudnn dense {name} failed: {type(err).__name__}: {str(err)[:300]}")
-    for impl in ("xla", "pallas", "cudnn", "triton", "cudnn_dense"):
+    for impl in ("xla", "pallas", "cudnn", "triton", "mosaic", "cudnn_dense"):
         if row.get(impl + "_s"):
             row[impl + "_tflops"] = flops / row[impl + "_s"] / 1e12
     if row.get("pallas_s"):
@@ -258,6 +263,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also run a small tile-size sweep")
     ap.add_argument("--only-sweep", action="store_true", help="run only the tile-size sweep")
     ap.add_argument("--decode-only", action="store_true", help="with a sweep: leave out the prefill tiles")
+    ap.add_argument("--impls", default=None, help="comma-separated columns to time (default: all); decode: "
+                    + ",".join(DECODE_IMPLS) + "; prefill: " + ",".join(PREFILL_IMPLS))
     ap.add_argument("--json", help="write all results to this path")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shapes (checks the script)")
     args = ap.parse_args()
@@ -277,18 +284,24 @@ def main():
     else:
         batches, contexts, cases = (1, 16, 64, 256), (128, 512, 1024, 2048, 4096), PREFILL_CASES
     dec_opts = dict(block_n=16) if args.smoke else {}
+    picked = None if args.impls is None else set(args.impls.split(","))
+    unknown = (picked or set()) - set(DECODE_IMPLS) - set(PREFILL_IMPLS)
+    if unknown:
+        raise SystemExit(f"--impls: unknown column(s) {sorted(unknown)}")
+    dec_impls = DECODE_IMPLS if picked is None else tuple(i for i in DECODE_IMPLS if i in picked)
+    pre_impls = PREFILL_IMPLS if picked is None else tuple(i for i in PREFILL_IMPLS if i in picked)
     pre_opts = dict(block_q=16, block_k=16) if args.smoke else {}
     decode, prefill = [], []
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "ceilings": ceil,
               "decode": decode, "prefill": prefill}
     for b in batches:
         for ctx in contexts:
-            decode.append(bench_decode(b, ctx, ceil, dec_opts, args.smoke))
+            decode.append(bench_decode(b, ctx, ceil, dec_opts, args.smoke, impls=dec_impls))
             print(f"  decode B={b} ctx={ctx} done", flush=True)
             write_json(args.json, result)        # after each case: a run cut short keeps what it measured
     print_decode(decode)
     for name, (n_new, prefix) in cases.items():
-        prefill.append(bench_prefill(name, n_new, prefix, ceil, pre_opts, args.smoke))
+        prefill.append(bench_prefill(name, n_new, prefix, ceil, pre_opts, args.smoke, impls=pre_impls))
         print(f"  prefill {name} done", flush=True)
         write_json(args.json, result)
     print_prefill(prefill)

@@ -7,9 +7,9 @@ def us(x):
 
 
 DECODE_COLUMNS = (("xla", "XLA"), ("pallas", "Pallas"), ("pallas_qkv", "engine"), ("cudnn", "cuDNN"),
-                  ("triton", "Triton"), ("triton_jt", "Triton jt"))
+                  ("triton", "Triton"), ("triton_jt", "Triton jt"), ("mosaic", "Mosaic"))
 PREFILL_COLUMNS = (("xla", "XLA"), ("pallas", "Pallas"), ("cudnn", "cuDNN"), ("triton", "Triton"),
-                   ("cudnn_dense", "cuDNN dense"))
+                   ("mosaic", "Mosaic"), ("cudnn_dense", "cuDNN dense"))
 
 
 def print_decode(rows):
