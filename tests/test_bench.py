@@ -126,6 +126,16 @@ def test_bench_kernels_smoke_writes_json(tmp_path):
                    check=True, env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}, capture_output=True)
     r = json.loads(out.read_text())
     assert r["decode"][0]["pallas_s"] > 0 and r["prefill"][0]["pallas_s"] > 0
+    # --impls keeps those columns only; an unknown one is refused by name
+    subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_kernels.py"), "--smoke", "--impls", "xla",
+                    "--json", str(out)], check=True, env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"},
+                   capture_output=True)
+    r = json.loads(out.read_text())
+    assert r["decode"][0]["xla_s"] > 0 and "pallas_s" not in r["decode"][0] and "pallas_s" not in r["prefill"][0]
+    bad = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_kernels.py"), "--smoke", "--impls",
+                          "pallas,nope"], env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"},
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "nope" in bad.stderr
 
 
 def test_trace_summary_needs_a_trace(tmp_path):
