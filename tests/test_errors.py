@@ -86,6 +86,13 @@ def test_kv_pool_sizing_without_allocator_stats(monkeypatch):
     with pytest.raises(ValueError, match="give num_kvcache_blocks"):
         memory.num_blocks_for_memory(cfg, engine, "float32")
     memory.check_pool_fits(cfg, engine, 10)               # an explicit pool is not refused for want of numbers
+    # the xla backend may write gathered pages (up to GATHER_BUDGET a step): the pool leaves room for them too
+    monkeypatch.setattr(memory, "_nvml_memory", lambda device: (40 * 2**30, 4 * 2**30))
+    from jaxinfer.model.xla_attention import GATHER_BUDGET
+    xla = EngineConfig(max_num_seqs=8, max_model_len=128, block_size=4, gpu_memory_utilization=0.5, attn_backend="xla")
+    assert memory.headroom_bytes(xla) == memory._HEADROOM + GATHER_BUDGET
+    assert memory.num_blocks_for_memory(cfg, xla, "float32") == (16 * 2**30 - memory._HEADROOM - GATHER_BUDGET) // \
+        per_block
 
 
 def test_engine_options_are_the_config_fields():

@@ -150,3 +150,13 @@ def test_fusion_report_counts_kernels():
     assert ks and any("gather" in x["ops"] for x in ks) and any("reduce" in x["ops"] for x in ks)
     assert not any(x["kind"] in ("add", "maximum") for x in ks)       # the softmax's reducer bodies
     assert sum(n for _, n in table(ks)) == len(ks)
+
+
+def test_gathered_pages_are_counted_at_their_converted_size():
+    """fp8 pages are gathered and converted to q's dtype for the einsums: the group budget counts both copies (the
+    fp8 one alone would let a prefill group's temporaries grow past GATHER_BUDGET: an OOM on the H200)."""
+    from jaxinfer.model.xla_attention import gathered_itemsize
+    q = jnp.zeros((2, 4, 16), jnp.bfloat16)
+    assert gathered_itemsize(jnp.zeros((4, 4, 2, 16), jnp.float8_e4m3fn), q) == 3
+    assert gathered_itemsize(jnp.zeros((4, 4, 2, 16), jnp.bfloat16), q) == 2
+    assert gathered_itemsize(jnp.zeros((4, 4, 2, 16), jnp.float32), q.astype(jnp.float32)) == 4

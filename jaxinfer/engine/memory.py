@@ -18,6 +18,15 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype) -> int:
 
 _HEADROOM = 2 * 2**30   # activations / logits of the largest bucket
 
+
+def headroom_bytes(engine: EngineConfig) -> int:
+    """Memory left beside the KV pool for a step's temporaries: the largest bucket's activations, and for the xla
+    backend also the gathered pages it may write (bounded by xla_attention.GATHER_BUDGET per step)."""
+    if engine.attn_backend == "xla":
+        from jaxinfer.model.xla_attention import GATHER_BUDGET
+        return _HEADROOM + GATHER_BUDGET
+    return _HEADROOM
+
 def _nvml_index(device) -> int | str:
     """NVML's name for a JAX GPU: NVML numbers every GPU of the host, CUDA only the visible ones."""
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
@@ -72,7 +81,7 @@ def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype, stric
     mem = device_memory(device)
     if mem is not None:
         free = mem[0] * engine.gpu_memory_utilization - mem[1]
-        blocks = int((free - _HEADROOM) // per_block)
+        blocks = int((free - headroom_bytes(engine)) // per_block)
         if blocks < (engine.max_blocks_per_seq if strict else 1):
             raise ValueError(f"after the weights, gpu_memory_utilization={engine.gpu_memory_utilization} leaves room "
                              f"for {max(blocks, 0)} KV blocks, fewer than one max_model_len={engine.max_model_len} "

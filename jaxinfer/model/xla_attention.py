@@ -36,6 +36,13 @@ def layer_scales(k_scale, v_scale, layer):
     return None if k_scale is None else (k_scale[layer], v_scale[layer])
 
 
+def gathered_itemsize(cache, q) -> int:
+    """Bytes a gathered page element may take in memory: fp8 pages are converted to q's dtype for the einsums, and
+    both the fp8 gather and its converted copy may be written out (counted together)."""
+    item = jnp.dtype(cache.dtype).itemsize
+    return item + jnp.dtype(q.dtype).itemsize if jnp.dtype(cache.dtype) == jnp.float8_e4m3fn else item
+
+
 def gather_pages(cache, block_tables):
     """cache [P, bs, K, D], tables [N, W] -> [N, W*bs, K, D]."""
     g = cache[block_tables]
@@ -197,7 +204,7 @@ def prefill_xla(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, sc
         k, v = gather_pages(k_cache, tables), gather_pages(v_cache, tables)     # [n, S, K, D]
         return attend_einsum(qt, k, v, visible, scale, fp8)
 
-    per_tile = 2 * S * k_cache.shape[2] * D * k_cache.dtype.itemsize + Q * H * S * 8    # pages; scores + exp
+    per_tile = 2 * S * k_cache.shape[2] * D * gathered_itemsize(k_cache, q) + Q * H * S * 8   # pages; scores + exp
     out = in_groups(tiles, (qt, block_tables[row], pos), (0, 0, -1), per_tile, gather_budget_bytes)   # [N, Q, H, D]
     out = jnp.take(out.reshape(N * Q, H, D), slot, axis=0, mode="fill", fill_value=0)   # back to [T, H, D]
     return out.astype(q.dtype)
