@@ -1,6 +1,8 @@
-"""Model ids: a local checkpoint directory, an embedded preset (random weights), or a Hugging Face hub id.
+"""Model ids: a local checkpoint directory, the shipped demo model, an embedded preset (random weights), or a
+Hugging Face hub id.
 
     resolve_model("/ckpt/Qwen3-0.6B")  -> "/ckpt/Qwen3-0.6B"        (a directory)
+    resolve_model("qwen3-pydoc")       -> ".../jaxinfer/assets/qwen3-pydoc"   (the demo model in the package)
     resolve_model("qwen3-0.6b")        -> "qwen3-0.6b"              (a preset: random weights, no files)
     resolve_model("Qwen/Qwen3-0.6B")   -> ".../snapshots/<rev>"     (hub id: local cache, else download)
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 
+from jaxinfer.assets import DEMO_MODEL, demo_model_path
 from jaxinfer.model.presets import PRESETS, is_preset
 
 # What a checkpoint needs: config, tokenizer, weights (never *.bin / *.pth / optimizer state).
@@ -35,10 +38,12 @@ def resolve_model(model: str, revision: str | None = None, cache_dir: str | None
         return path
     if "/" not in model and is_preset(model):
         return model
+    if model == DEMO_MODEL:
+        return demo_model_path()
     if not is_hub_id(model):
         raise FileNotFoundError(
-            f"model {model!r} is not a directory, an embedded preset ({', '.join(PRESETS)}) or a "
-            f"Hugging Face hub id (owner/name)")
+            f"model {model!r} is not a directory, the demo model ({DEMO_MODEL!r}), an embedded preset "
+            f"({', '.join(PRESETS)}) or a Hugging Face hub id (owner/name)")
     return _snapshot(model, revision, cache_dir)
 
 

@@ -116,8 +116,19 @@ def test_uncached_hub_id_offline_says_how_to_get_it(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="huggingface-cli download Qwen/Qwen3-0.6B") as e:
         resolve_model("Qwen/Qwen3-0.6B", cache_dir=str(tmp_path))
     assert "qwen3-0.6b" in str(e.value)                     # the preset is offered as an alternative
-    with pytest.raises(FileNotFoundError, match="not a directory, an embedded preset"):
+    with pytest.raises(FileNotFoundError, match="not a directory, the demo model .'qwen3-pydoc'., an embedded preset"):
         resolve_model(str(tmp_path / "no" / "such" / "dir"))
+
+
+def test_the_demo_model_by_name(tmp_path, monkeypatch):
+    """`LLM("qwen3-pydoc")` (the name the README and the CLI use) is the shipped checkpoint; a local folder of
+    that name still wins."""
+    from jaxinfer.assets import demo_model_path
+    from jaxinfer.hub import resolve_model
+    assert resolve_model("qwen3-pydoc") == demo_model_path()
+    (tmp_path / "qwen3-pydoc").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("qwen3-pydoc") == "qwen3-pydoc"
 
 
 def test_generate_defaults_to_the_demo_model():
