@@ -27,7 +27,7 @@ from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import load_tokenizer
 from jaxinfer.xla_options import warn_if_slow_command_buffers
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict     # dict: vLLM's {"prompt": str} or {"prompt_token_ids": [int]}
 
 
 def model_config_for(model: str) -> tuple[str, ModelConfig]:
@@ -106,16 +106,40 @@ class LLM:
 
     # -- requests ---------------------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt, i: int) -> list[int]:
+        if isinstance(prompt, dict):       # vLLM's TextPrompt / TokensPrompt
+            if set(prompt) == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], (list, tuple)):
+                return list(prompt["prompt_token_ids"])
+            if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+                return self._tokenize(prompt["prompt"], i)
+            raise ValueError(f"prompt {i}: a dict prompt holds exactly one of 'prompt' (a string) or "
+                             f"'prompt_token_ids' (a list of ints), got keys {sorted(prompt)}")
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
         if isinstance(prompt, (list, tuple)):
             return list(prompt)
-        raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise ValueError(f"prompt {i} must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    @staticmethod
+    def _prompt_text(prompt: Prompt) -> str | None:
+        if isinstance(prompt, dict):
+            return prompt.get("prompt")
+        return prompt if isinstance(prompt, str) else None
+
+    def _stop_reason(self, seq: Sequence, proc: OutputProcessor | None) -> int | str | None:
+        """vLLM's stop_reason: the stop string that matched, or the stop_token_ids entry that ended seq; None when
+        it ended on EOS, on length, or is running."""
+        if proc is not None and proc.stopped:
+            return proc.stop_string
+        if seq.finish_reason != "stop" or not seq.output_token_ids:
+            return None
+        tok, p = seq.output_token_ids[-1], seq.params
+        eos = not p.ignore_eos and tok in self.engine.scheduler.eos
+        return tok if tok in p.stop_token_ids and not eos else None
 
     def _prepare(self, prompts, sampling_params) -> list[tuple[Prompt, list[int], SamplingParams]]:
         """Normalise and validate every request before any is queued (a bad one disturbs no other)."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts, sampling_params = list(prompts), SamplingParams() if sampling_params is None else sampling_params
         sampling_params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
@@ -205,7 +229,7 @@ class LLM:
             m["ttft_s"] = seq.first_token_time - seq.arrival_time
             if seq.num_output_tokens > 1:
                 m["tpot_s"] = (seq.token_times[-1] - seq.first_token_time) / (seq.num_output_tokens - 1)
-        return RequestOutput(request_id=seq.seq_id, prompt=prompt if isinstance(prompt, str) else None,
+        return RequestOutput(request_id=seq.seq_id, prompt=self._prompt_text(prompt),
                              prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], outputs=outs,
                              prompt_logprobs=prompt_logprobs_of(seq, texts),
                              num_cached_tokens=seq.num_cached_tokens, metrics=m)
@@ -219,7 +243,7 @@ class LLM:
             reason = seq.finish_reason
         ids = seq.output_token_ids
         lps, cum = logprobs_of(seq, 0, ids, texts)
-        return CompletionOutput(index, text, ids, cum, lps, reason)
+        return CompletionOutput(index, text, ids, cum, lps, reason, self._stop_reason(seq, proc))
 
     def reset_prefix_cache(self) -> int:
         """Forget the cached KV of prompts no request holds (as vLLM's `reset_prefix_cache`): the next
@@ -252,10 +276,9 @@ class LLM:
             (i, j), (start, before) = where[k], sent.get(seq.seq_id, (None, 0.0))
             lps, cum = logprobs_of(seq, start or 0, d.token_ids, texts, before)
             sent[seq.seq_id] = ((start or 0) + len(d.token_ids), cum or 0.0)
-            prompt = reqs[i][0]
-            return RequestOutput(request_id=i, prompt=prompt if isinstance(prompt, str) else None,
-                                 prompt_token_ids=reqs[i][1],
-                                 outputs=[CompletionOutput(j, d.text, d.token_ids, cum, lps, d.finish_reason)],
+            stop = self._stop_reason(seq, procs.get(seq.seq_id)) if d.finish_reason is not None else None
+            return RequestOutput(request_id=i, prompt=self._prompt_text(reqs[i][0]), prompt_token_ids=reqs[i][1],
+                                 outputs=[CompletionOutput(j, d.text, d.token_ids, cum, lps, d.finish_reason, stop)],
                                  prompt_logprobs=prompt_logprobs_of(seq, texts) if start is None else None,
                                  num_cached_tokens=seq.num_cached_tokens)
 

@@ -43,6 +43,7 @@ class OutputProcessor:
         self.text = ""                # output text so far, cut before a matched stop string
         self.finish_reason: str | None = None
         self.stopped = False          # a stop string matched (the caller ends the engine request)
+        self.stop_string: str | None = None   # the one that matched
         self._sent_chars = 0
 
     @property
@@ -70,9 +71,10 @@ class OutputProcessor:
             start = max(0, len(self.text) - self.holdback)     # a match may straddle the old end
             self.text += piece
             if self.stop:
-                hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+                hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
                 if hits:
-                    self.text = self.text[:min(hits)]
+                    at, self.stop_string = min(hits, key=lambda h: h[0])     # the earliest; ties: listed first
+                    self.text = self.text[:at]
                     self.stopped = True
                     finish_reason = "stop"
         self.finish_reason = finish_reason

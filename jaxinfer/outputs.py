@@ -27,6 +27,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None    # sum of the tokens' logprobs (when logprobs were asked)
     logprobs: Sequence[dict[int, Logprob]] | None = None   # per generated token (when logprobs were asked)
     finish_reason: str | None = None      # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it (None: EOS, length)
 
     @property
     def finished(self) -> bool:

@@ -152,6 +152,27 @@ def test_stop_strings_and_eos(tiny_dir):
                            use_tqdm=False)[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == eos_tok
     assert stopped.token_ids == full.token_ids[:full.token_ids.index(eos_tok) + 1]
+    # vLLM's stop_reason: the matched stop string, the stop_token_ids entry, None for length (and EOS)
+    assert cut.outputs[0].stop_reason == stop and stopped.outputs[0].stop_reason == eos_tok
+    assert full.outputs[0].stop_reason is None and full.finish_reason == "length"
+    last = [d for d in llm.stream(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))][-1]
+    assert last.finish_reason == "stop" and last.outputs[0].stop_reason == stop
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_dict_prompts(tiny_dir):
+    """vLLM's prompt dicts: {"prompt": text} and {"prompt_token_ids": ids}, alone or in a list; anything else is
+    refused by name."""
+    llm = LLM(tiny_dir, **BASE)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = llm.get_tokenizer().encode("Hello world", add_special_tokens=False)
+    plain = llm.generate(["Hello world", ids], sp, use_tqdm=False)
+    dicts = llm.generate([{"prompt": "Hello world"}, {"prompt_token_ids": ids}], sp, use_tqdm=False)
+    assert [o.token_ids for o in dicts] == [o.token_ids for o in plain]
+    assert dicts[0].prompt == "Hello world" and dicts[1].prompt is None and dicts[1].prompt_token_ids == ids
+    assert llm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)[0].token_ids == plain[1].token_ids
+    with pytest.raises(ValueError, match=r"prompt 1: a dict prompt .* got keys \['text'\]"):
+        llm.generate(["Hello", {"text": "x"}], sp, use_tqdm=False)
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 

@@ -154,6 +154,10 @@ class _SchedulerView:
         return self._dp.has_unfinished()
 
     @property
+    def eos(self) -> frozenset[int]:
+        return self._dp.replicas[0].scheduler.eos
+
+    @property
     def waiting(self) -> list[Sequence]:
         return [s for r in self._dp.replicas for s in r.scheduler.waiting]
 
