@@ -6,6 +6,8 @@
 #   ONLY="setup notebook" bash scripts/gpu_backends_runs.sh             # ~6 min; executes the notebook in place
 #   ONLY="w_mosaic xla_fusion" bash scripts/gpu_backends_runs.sh        # ~6 min; W with both Mosaic kernels (issue
 #                                                                       # 21), the xla backend's GPU fusions
+#   ONLY="xla_fusion w_xla_fp8" bash scripts/gpu_backends_runs.sh      # ~6 min; the xla decode forms timed (incl.
+#                                                                       # "mixed"), W on xla with fp8 pages
 # (the device machine takes 10-minute commands: run them one by one). Results: $OUT (default out_backends)
 # *.json, *.log and the executed notebook (copy them to scripts/results/ and notebooks/ here). Run the W runs
 # first and commit their JSON, so the notebook's W section finds them. Needs .whl/ carried along: jax-triton
@@ -34,6 +36,7 @@ run w_cudnn  280 python scripts/bench.py --attn-backend cudnn --json scripts/res
 run w_triton 280 python scripts/bench.py --attn-backend triton --json scripts/results/h200_w_backend_triton.json
 run w_mosaic 200 python scripts/bench.py --attn-backend mosaic --json scripts/results/h200_w_backend_mosaic.json
 run xla_fusion 240 python scripts/xla_fusion_report.py --batch 256 --json "$OUT/xla_fusion.json" --time
+run w_xla_fp8 280 python scripts/bench.py --attn-backend xla --kv-cache-dtype fp8 --json "$OUT/w_xla_fp8.json"
 run notebook 560 python scripts/run_notebook.py notebooks/xla_vs_pallas.ipynb -o "$OUT/xla_vs_pallas.ipynb"
 cp -f scripts/results/h200_kernels_four_backends.json scripts/results/h200_w_backend_*.json "$OUT"/ 2>/dev/null
 echo "== done in $(( $(date +%s) - T0 )) s; logs in $OUT"

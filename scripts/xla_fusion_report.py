@@ -168,7 +168,7 @@ def attention_cases(a, cfg):
         for pad in (1, 2):                      # tight table, and a bucket twice as wide (padding -> block 0)
             tables = np.zeros((B, n * pad), np.int32)
             tables[:, :n] = 1 + np.arange(B * n).reshape(B, n)
-            for form in ("reduce", "reduce_per_group", "einsum"):
+            for form in ("reduce", "reduce_per_group", "einsum", "mixed"):
                 fn = (lambda form: lambda q, k, v, t, s: paged_decode_xla(q, k, v, t, s, form=form))(form)
                 cases.append((f"decode {form} B={B} ctx={ctx} width={n * pad * bs}", fn,
                               (q, cache, cache, jnp.asarray(tables), lens), need))

@@ -50,7 +50,7 @@ def test_query_tiles_layout():
     assert len(set(slot[:41].tolist())) == 41 and (pos >= 0).sum() == 41
 
 
-@pytest.mark.parametrize("form", ["reduce", "reduce_per_group", "einsum"])
+@pytest.mark.parametrize("form", ["reduce", "reduce_per_group", "einsum", "mixed"])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, TOL), (jnp.bfloat16, dict(atol=2e-2, rtol=2e-2))])
 def test_decode_forms_equal_reference(form, dtype, tol):
     rng = np.random.default_rng(1)
@@ -81,7 +81,7 @@ def test_fp8_cache_equals_reference(per_head):
     ref = flash_attention_reference(q, k8, v8, tables, cu, lens, **scales)
     np.testing.assert_allclose(np.asarray(got[:41]), np.asarray(ref[:41]), atol=1e-4, rtol=1e-4)
     qd, dl = q[:6], jnp.asarray([9, 33, 5, 8, 0, 1], jnp.int32)
-    for form in ("reduce", "reduce_per_group", "einsum"):
+    for form in ("reduce", "reduce_per_group", "einsum", "mixed"):
         got = paged_decode_xla(qd, k8, v8, tables, dl, form=form, **scales)
         ref = paged_attention_reference(qd, k8, v8, tables, dl, **scales)
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=1e-4)

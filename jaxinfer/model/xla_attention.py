@@ -25,7 +25,8 @@ import jax.numpy as jnp
 _NEG = -1e30
 QUERY_TILE = 64        # most prefill queries per tile (see prefill_xla)
 # "einsum" (gathered pages copied) | "reduce" (XLA may fuse the gather into the reductions) | "reduce_per_group"
-# (no K/V broadcast over the GQA group). einsum was the fastest on the H200 at every W shape (docs/kernels.md).
+# (no K/V broadcast over the GQA group) | "mixed" (reduce for the scores, einsum for the output; not yet timed on a
+# GPU). einsum was the fastest on the H200 at every W shape it was timed with (docs/kernels.md).
 DECODE_FORM = "einsum"
 GATHER_BUDGET = 6 * 2**30   # bytes of gathered pages (+ prefill scores) one group of rows / tiles may take
 
@@ -90,7 +91,23 @@ def attend_reduce_per_group(q, k, v, visible, scale, fp8=None):
     return jnp.stack(outs, axis=2).reshape(N, H, D).astype(q.dtype)         # [N, K, G, D] -> [N, H, D]
 
 
-_REDUCE_FORMS = {"reduce": attend_reduce, "reduce_per_group": attend_reduce_per_group}
+def attend_mixed(q, k, v, visible, scale, fp8=None):
+    """The scores as attend_reduce computes them (multiply + reduce over D, where XLA may fuse the K gather) and
+    the output as attend_einsum's P.V GEMM over the gathered V (no fp32 copy of V): one gathered copy instead of
+    two. q [N, H, D]; k/v [N, S, K, D]; visible [N, S] -> [N, H, D]."""
+    N, H, D = q.shape
+    K = k.shape[2]
+    qg = q.reshape(N, 1, K, H // K, D).astype(jnp.float32)                      # [N, 1, K, G, D]
+    ks, vs = _scales(fp8, (K, H // K))
+    s = jnp.sum(qg * k[:, :, :, None, :].astype(jnp.float32), axis=-1)        # [N, S, K, G]
+    s = jnp.where(visible[:, :, None, None], s * (scale * ks), _NEG)
+    v = v.astype(q.dtype) if fp8 is not None else v
+    p = jax.nn.softmax(s, axis=1).astype(v.dtype)                              # over S
+    out = jnp.einsum("nskg,nskd->nkgd", p, v, preferred_element_type=jnp.float32)   # [N, K, G, D]
+    return (out * vs[..., None]).reshape(N, H, D).astype(q.dtype)
+
+
+_REDUCE_FORMS = {"reduce": attend_reduce, "reduce_per_group": attend_reduce_per_group, "mixed": attend_mixed}
 
 
 def attend_einsum(q, k, v, visible, scale, fp8=None):
