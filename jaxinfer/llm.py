@@ -22,12 +22,13 @@ from jaxinfer.hub import resolve_model
 from jaxinfer.model.loader import load_params, random_params
 from jaxinfer.model.presets import is_preset, preset
 from jaxinfer.output_processor import OutputProcessor, TextDelta, TokenTexts, logprobs_of, prompt_logprobs_of
+from jaxinfer import prompts as prompt_forms
 from jaxinfer.outputs import CompletionOutput, RequestOutput
+from jaxinfer.prompts import Prompt
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import load_tokenizer
 from jaxinfer.xla_options import warn_if_slow_command_buffers
 
-Prompt = str | list[int] | dict     # dict: vLLM's {"prompt": str} or {"prompt_token_ids": [int]}
 
 
 def model_config_for(model: str) -> tuple[str, ModelConfig]:
@@ -106,24 +107,7 @@ class LLM:
 
     # -- requests ---------------------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt, i: int) -> list[int]:
-        if isinstance(prompt, dict):       # vLLM's TextPrompt / TokensPrompt
-            if set(prompt) == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], (list, tuple)):
-                return list(prompt["prompt_token_ids"])
-            if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
-                return self._tokenize(prompt["prompt"], i)
-            raise ValueError(f"prompt {i}: a dict prompt holds exactly one of 'prompt' (a string) or "
-                             f"'prompt_token_ids' (a list of ints), got keys {sorted(prompt)}")
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        if isinstance(prompt, (list, tuple)):
-            return list(prompt)
-        raise ValueError(f"prompt {i} must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-
-    @staticmethod
-    def _prompt_text(prompt: Prompt) -> str | None:
-        if isinstance(prompt, dict):
-            return prompt.get("prompt")
-        return prompt if isinstance(prompt, str) else None
+        return prompt_forms.token_ids(self.tokenizer, prompt, i)
 
     def _stop_reason(self, seq: Sequence, proc: OutputProcessor | None) -> int | str | None:
         """vLLM's stop_reason: the stop string that matched, or the stop_token_ids entry that ended seq; None when
@@ -138,10 +122,8 @@ class LLM:
 
     def _prepare(self, prompts, sampling_params) -> list[tuple[Prompt, list[int], SamplingParams]]:
         """Normalise and validate every request before any is queued (a bad one disturbs no other)."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts, sampling_params = list(prompts), SamplingParams() if sampling_params is None else sampling_params
+        prompts = prompt_forms.as_list(prompts)
+        sampling_params = SamplingParams() if sampling_params is None else sampling_params
         sampling_params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
             else list(sampling_params)
         if len(sampling_params) != len(prompts):
@@ -229,7 +211,7 @@ class LLM:
             m["ttft_s"] = seq.first_token_time - seq.arrival_time
             if seq.num_output_tokens > 1:
                 m["tpot_s"] = (seq.token_times[-1] - seq.first_token_time) / (seq.num_output_tokens - 1)
-        return RequestOutput(request_id=seq.seq_id, prompt=self._prompt_text(prompt),
+        return RequestOutput(request_id=seq.seq_id, prompt=prompt_forms.text(prompt),
                              prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], outputs=outs,
                              prompt_logprobs=prompt_logprobs_of(seq, texts),
                              num_cached_tokens=seq.num_cached_tokens, metrics=m)
@@ -277,7 +259,7 @@ class LLM:
             lps, cum = logprobs_of(seq, start or 0, d.token_ids, texts, before)
             sent[seq.seq_id] = ((start or 0) + len(d.token_ids), cum or 0.0)
             stop = self._stop_reason(seq, procs.get(seq.seq_id)) if d.finish_reason is not None else None
-            return RequestOutput(request_id=i, prompt=self._prompt_text(reqs[i][0]), prompt_token_ids=reqs[i][1],
+            return RequestOutput(request_id=i, prompt=prompt_forms.text(reqs[i][0]), prompt_token_ids=reqs[i][1],
                                  outputs=[CompletionOutput(j, d.text, d.token_ids, cum, lps, d.finish_reason, stop)],
                                  prompt_logprobs=prompt_logprobs_of(seq, texts) if start is None else None,
                                  num_cached_tokens=seq.num_cached_tokens)
