@@ -268,6 +268,12 @@ def main():
     ap.add_argument("--json", help="write all results to this path")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shapes (checks the script)")
     args = ap.parse_args()
+    picked = None if args.impls is None else set(args.impls.split(","))
+    unknown = (picked or set()) - set(DECODE_IMPLS) - set(PREFILL_IMPLS)
+    if unknown:
+        raise SystemExit(f"--impls: unknown column(s) {sorted(unknown)}")
+    dec_impls = DECODE_IMPLS if picked is None else tuple(i for i in DECODE_IMPLS if i in picked)
+    pre_impls = PREFILL_IMPLS if picked is None else tuple(i for i in PREFILL_IMPLS if i in picked)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     ceil = machine_ceilings(args.smoke)
     print(f"measured ceilings: XLA elementwise copy {ceil['copy_tbps']:.2f} TB/s (read + write; a raw device copy "
@@ -284,12 +290,6 @@ def main():
     else:
         batches, contexts, cases = (1, 16, 64, 256), (128, 512, 1024, 2048, 4096), PREFILL_CASES
     dec_opts = dict(block_n=16) if args.smoke else {}
-    picked = None if args.impls is None else set(args.impls.split(","))
-    unknown = (picked or set()) - set(DECODE_IMPLS) - set(PREFILL_IMPLS)
-    if unknown:
-        raise SystemExit(f"--impls: unknown column(s) {sorted(unknown)}")
-    dec_impls = DECODE_IMPLS if picked is None else tuple(i for i in DECODE_IMPLS if i in picked)
-    pre_impls = PREFILL_IMPLS if picked is None else tuple(i for i in PREFILL_IMPLS if i in picked)
     pre_opts = dict(block_q=16, block_k=16) if args.smoke else {}
     decode, prefill = [], []
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "ceilings": ceil,
