@@ -117,6 +117,15 @@ def test_chat_stream_equals_non_stream(client):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == msg.content
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    # stop_token_ids end it on that token: vLLM's stop_reason is the id, in the response and in the last chunk
+    assert full.choices[0].model_extra["stop_reason"] is None
+    every = dict(kw, extra_body={**kw["extra_body"], "ignore_eos": True, "stop_token_ids": list(range(512))})
+    one = client.chat.completions.create(**every)
+    assert one.usage.completion_tokens == 1 and one.choices[0].finish_reason == "stop"
+    tok = one.choices[0].model_extra["stop_reason"]
+    assert isinstance(tok, int) and 0 <= tok < 512
+    last = list(client.chat.completions.create(**every, stream=True))[-1].choices[0]
+    assert (last.finish_reason, last.model_extra["stop_reason"]) == ("stop", tok)
 
 
 def test_raw_http_sse_and_batch_prompts(url):
@@ -255,10 +264,11 @@ def test_stop_string_cuts_text_and_aborts_in_the_core(url, client, stream):
     if stream:
         chunks = list(client.completions.create(**kw, stop=[stop], stream=True))
         text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        stop_reason = chunks[-1].choices[0].model_extra["stop_reason"]
     else:
         out = client.completions.create(**kw, stop=[stop]).choices[0]
-        text, reason = out.text, out.finish_reason
-    assert (text, reason) == (expected, "stop")
+        text, reason, stop_reason = out.text, out.finish_reason, out.model_extra["stop_reason"]
+    assert (text, reason, stop_reason) == (expected, "stop", stop)     # vLLM's stop_reason: the matched string
     st = wait_idle(url)
     assert st["api_aborts"] == before + 1, "the stop string did not end the request in the core"
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
@@ -277,6 +287,9 @@ def test_chunk_encoder_equals_the_chunk_dicts(text, reason):
         return d
     want = P.completion_chunk("cmpl-1", 'model "x"', 3, text, reason)
     assert parse(enc.completion(3, text, reason)) == parse(P.sse(want))
+    stop = text if reason == "stop" else None          # vLLM's stop_reason: the matched string (or a token id)
+    want = P.completion_chunk("cmpl-1", 'model "x"', 3, text, reason, {"tokens": [text]}, stop_reason=stop)
+    assert parse(enc.completion_lp(3, text, reason, {"tokens": [text]}, stop)) == parse(P.sse(want))
     enc = P.ChunkEncoder("chat-1", "m", "chat.completion.chunk")
     assert parse(enc.chat_content(text)) == parse(P.sse(P.chat_chunk("chat-1", "m", {"content": text}, None)))
     assert parse(enc.chat_content(text, 2)) == parse(P.sse(P.chat_chunk("chat-1", "m", {"content": text}, None, 2)))

@@ -30,6 +30,17 @@ class Choice:
     def token_ids(self) -> list[int]:
         return self.proc.token_ids
 
+    @property
+    def stop_reason(self) -> int | str | None:
+        """vLLM's stop_reason: the stop string that matched, or the stop_token_ids entry the choice ended on (the
+        API process does not tell EOS from a listed id: an EOS id listed in stop_token_ids is reported); else None."""
+        if self.proc.stopped:
+            return self.proc.stop_string
+        ids = self.token_ids
+        if self.proc.finish_reason == "stop" and ids and ids[-1] in self.params.stop_token_ids:
+            return ids[-1]
+        return None
+
 
 def expand(prompts: list[list[int]], params: list, n: int, stream_prompt_logprobs: bool = False) -> list[tuple]:
     """(prompt ids, params) per choice. Prompt logprobs are asked of sample 0 only (the same for every sample),

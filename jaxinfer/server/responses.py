@@ -87,25 +87,29 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion(rid: str, model: str, choices: list[dict], use: dict) -> dict:
-    """choices: [{"index", "text", "logprobs", "finish_reason"}]"""
+    """choices: [{"index", "text", "logprobs", "finish_reason", "stop_reason"}]"""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": use}
 
 
-def completion_chunk(rid: str, model: str, index: int, text: str, reason: str | None, logprobs=None) -> dict:
+def completion_chunk(rid: str, model: str, index: int, text: str, reason: str | None, logprobs=None,
+                     stop_reason=None) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                         "stop_reason": stop_reason}]}
 
 
 def chat_completion(rid: str, model: str, choices: list[dict], use: dict) -> dict:
-    """choices: [{"index", "message": {"role", "content"}, "logprobs", "finish_reason"}]"""
+    """choices: [{"index", "message": {"role", "content"}, "logprobs", "finish_reason", "stop_reason"}]"""
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": use}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, reason: str | None, index: int = 0, logprobs=None) -> dict:
+def chat_chunk(rid: str, model: str, delta: dict, reason: str | None, index: int = 0, logprobs=None,
+               stop_reason=None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
+                         "stop_reason": stop_reason}]}
 
 
 def usage_chunk(rid: str, model: str, object_: str, use: dict) -> dict:
@@ -164,14 +168,15 @@ class ChunkEncoder:
         self._head = (f'data: {{"id": {json.dumps(rid)}, "object": "{object_}", "created": {self.created}, '
                       f'"model": {json.dumps(model, ensure_ascii=False)}, "choices": [{{"index": ')
 
-    def completion(self, index: int, text: str, reason: str | None) -> str:
+    def completion(self, index: int, text: str, reason: str | None, stop_reason=None) -> str:
         return (f'{self._head}{index}, "text": {json.dumps(text, ensure_ascii=False)}, "logprobs": null, '
-                f'"finish_reason": {json.dumps(reason)}}}]}}\n\n')
+                f'"finish_reason": {json.dumps(reason)}, "stop_reason": {json.dumps(stop_reason)}}}]}}\n\n')
 
-    def completion_lp(self, index: int, text: str, reason: str | None, logprobs: dict) -> str:
+    def completion_lp(self, index: int, text: str, reason: str | None, logprobs: dict, stop_reason=None) -> str:
         return (f'{self._head}{index}, "text": {json.dumps(text, ensure_ascii=False)}, "logprobs": '
-                f'{json.dumps(logprobs, ensure_ascii=False)}, "finish_reason": {json.dumps(reason)}}}]}}\n\n')
+                f'{json.dumps(logprobs, ensure_ascii=False)}, "finish_reason": {json.dumps(reason)}, '
+                f'"stop_reason": {json.dumps(stop_reason)}}}]}}\n\n')
 
     def chat_content(self, text: str, index: int = 0) -> str:
         return (f'{self._head}{index}, "delta": {{"content": {json.dumps(text, ensure_ascii=False)}}}, '
-                f'"logprobs": null, "finish_reason": null}}]}}\n\n')
+                f'"logprobs": null, "finish_reason": null, "stop_reason": null}}]}}\n\n')

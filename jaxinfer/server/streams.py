@@ -40,13 +40,14 @@ def completion_choice(ch: Choice, prompt_ids: list[int], req, text_of, tokenizer
     if req.logprobs is not None:
         offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"] else 0
         lp = _merge(lp, R.completion_logprobs(text_of, ch.token_ids, ch.logprobs, req.logprobs, offset))
-    return {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": ch.proc.finish_reason}
+    return {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": ch.proc.finish_reason,
+            "stop_reason": ch.stop_reason}
 
 
 def chat_choice(ch: Choice, k: int | None, text_of) -> dict:
     lp = None if k is None else R.chat_logprobs(text_of, ch.token_ids, ch.logprobs, k)
     return {"index": ch.index, "message": {"role": "assistant", "content": ch.proc.text}, "logprobs": lp,
-            "finish_reason": ch.proc.finish_reason}
+            "finish_reason": ch.proc.finish_reason, "stop_reason": ch.stop_reason}
 
 
 def _new_logprobs(ch: Choice) -> tuple[list[int], list]:
@@ -64,6 +65,7 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
         async for ch, d in run:
             done[ch.index] = ch
             text, lp = d.text, None
+            stop = ch.stop_reason if d.finish_reason is not None else None
             if ch.index not in offsets:                  # this choice's first chunk
                 offsets[ch.index] = 0
                 if req.echo:
@@ -75,9 +77,9 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
                 new = R.completion_logprobs(text_of, ids, entries, k, offsets[ch.index])
                 offsets[ch.index] += sum(len(t) for t in new["tokens"])
                 lp = _merge(lp, new)
-                yield enc.completion_lp(ch.index, text, d.finish_reason, lp)
+                yield enc.completion_lp(ch.index, text, d.finish_reason, lp, stop)
             else:               # (an event per update, even when the text is held back: a client sees progress)
-                yield enc.completion(ch.index, text, d.finish_reason)
+                yield enc.completion(ch.index, text, d.finish_reason, stop)
         if (req.stream_options or {}).get("include_usage"):
             yield R.sse(R.usage_chunk(rid, model, "text_completion", total_usage(prompts, done.values())))
     return sse_response(events())
@@ -101,7 +103,7 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
             elif d.text:
                 yield enc.chat_content(d.text, ch.index)
             if d.finish_reason:
-                yield R.sse(R.chat_chunk(rid, model, {}, d.finish_reason, ch.index))
+                yield R.sse(R.chat_chunk(rid, model, {}, d.finish_reason, ch.index, stop_reason=ch.stop_reason))
         if (req.stream_options or {}).get("include_usage"):
             yield R.sse(R.usage_chunk(rid, model, "chat.completion.chunk", total_usage(prompts, done.values())))
     return sse_response(events())
