@@ -21,7 +21,8 @@ from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.hub import resolve_model
 from jaxinfer.model.loader import load_params, random_params
 from jaxinfer.model.presets import is_preset, preset
-from jaxinfer.output_processor import OutputProcessor, TextDelta, TokenTexts, logprobs_of, prompt_logprobs_of
+from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, logprobs_of, prompt_logprobs_of,
+                                       stop_reason)
 from jaxinfer import prompts as prompt_forms
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.prompts import Prompt
@@ -108,17 +109,6 @@ class LLM:
     # -- requests ---------------------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt, i: int) -> list[int]:
         return prompt_forms.token_ids(self.tokenizer, prompt, i)
-
-    def _stop_reason(self, seq: Sequence, proc: OutputProcessor | None) -> int | str | None:
-        """vLLM's stop_reason: the stop string that matched, or the stop_token_ids entry that ended seq; None when
-        it ended on EOS, on length, or is running."""
-        if proc is not None and proc.stopped:
-            return proc.stop_string
-        if seq.finish_reason != "stop" or not seq.output_token_ids:
-            return None
-        tok, p = seq.output_token_ids[-1], seq.params
-        eos = not p.ignore_eos and tok in self.engine.scheduler.eos
-        return tok if tok in p.stop_token_ids and not eos else None
 
     def _prepare(self, prompts, sampling_params) -> list[tuple[Prompt, list[int], SamplingParams]]:
         """Normalise and validate every request before any is queued (a bad one disturbs no other)."""
@@ -225,7 +215,7 @@ class LLM:
             reason = seq.finish_reason
         ids = seq.output_token_ids
         lps, cum = logprobs_of(seq, 0, ids, texts)
-        return CompletionOutput(index, text, ids, cum, lps, reason, self._stop_reason(seq, proc))
+        return CompletionOutput(index, text, ids, cum, lps, reason, stop_reason(seq, proc, self.engine.scheduler.eos))
 
     def reset_prefix_cache(self) -> int:
         """Forget the cached KV of prompts no request holds (as vLLM's `reset_prefix_cache`): the next
@@ -258,7 +248,8 @@ class LLM:
             (i, j), (start, before) = where[k], sent.get(seq.seq_id, (None, 0.0))
             lps, cum = logprobs_of(seq, start or 0, d.token_ids, texts, before)
             sent[seq.seq_id] = ((start or 0) + len(d.token_ids), cum or 0.0)
-            stop = self._stop_reason(seq, procs.get(seq.seq_id)) if d.finish_reason is not None else None
+            eos = self.engine.scheduler.eos
+            stop = None if d.finish_reason is None else stop_reason(seq, procs.get(seq.seq_id), eos)
             return RequestOutput(request_id=i, prompt=prompt_forms.text(reqs[i][0]), prompt_token_ids=reqs[i][1],
                                  outputs=[CompletionOutput(j, d.text, d.token_ids, cum, lps, d.finish_reason, stop)],
                                  prompt_logprobs=prompt_logprobs_of(seq, texts) if start is None else None,

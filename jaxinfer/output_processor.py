@@ -98,6 +98,17 @@ class TokenTexts:
         return text
 
 
+def stop_reason(seq, proc: OutputProcessor | None, eos) -> int | str | None:
+    """vLLM's CompletionOutput.stop_reason: the stop string that matched (proc), or the stop_token_ids entry that
+    ended seq; None when it ended on EOS (`eos`: the engine's ids), on length, or is still running."""
+    if proc is not None and proc.stopped:
+        return proc.stop_string
+    if seq.finish_reason != "stop" or not seq.output_token_ids:
+        return None
+    tok, p = seq.output_token_ids[-1], seq.params
+    return tok if tok in p.stop_token_ids and (p.ignore_eos or tok not in eos) else None
+
+
 def logprobs_of(seq, start: int, token_ids: list[int], texts: TokenTexts, cum_before: float = 0.0):
     """(logprobs, cumulative_logprob) of seq's output tokens start .. start + len(token_ids), or
     (None, None) when the request did not ask for logprobs. cum_before: the cumulative logprob of the

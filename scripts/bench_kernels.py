@@ -178,7 +178,8 @@ PREFILL_IMPLS = ("xla", "pallas", "cudnn", "triton", "mosaic", "cudnn_dense")
 def bench_prefill(name, n_new, prefix, ceil, opts, smoke, impls=PREFILL_IMPLS):
     q, k, v, tables, cu, lens, flops = prefill_case(n_new, prefix, jax.random.PRNGKey(len(n_new)))
     est = flops / 2e14 + 1e-5
-    backends = backend_fns(smoke, [b for b in ("xla", "cudnn", "triton", "mosaic") if b in impls or b + "_dense" in impls])
+    wanted = [b for b in ("xla", "cudnn", "triton", "mosaic") if b in impls or b + "_dense" in impls]
+    backends = backend_fns(smoke, wanted)
     fns = {name: fs[0] for name, fs in backends.items()}
     if "pallas" in impls:
         fns["pallas"] = lambda q, k, v, t, c, l: flash_attention(q, k, v, t, c, l, interpret=smoke, **opts)
