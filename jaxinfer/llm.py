@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
+from jaxinfer import prompts as prompt_forms
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.dp_engine import create_engine
 from jaxinfer.engine.llm_engine import is_finished
@@ -23,13 +24,11 @@ from jaxinfer.model.loader import load_params, random_params
 from jaxinfer.model.presets import is_preset, preset
 from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, logprobs_of, prompt_logprobs_of,
                                        stop_reason)
-from jaxinfer import prompts as prompt_forms
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.prompts import Prompt
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import load_tokenizer
 from jaxinfer.xla_options import warn_if_slow_command_buffers
-
 
 
 def model_config_for(model: str) -> tuple[str, ModelConfig]:

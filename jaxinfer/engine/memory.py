@@ -27,6 +27,7 @@ def headroom_bytes(engine: EngineConfig) -> int:
         return _HEADROOM + GATHER_BUDGET
     return _HEADROOM
 
+
 def _nvml_index(device) -> int | str:
     """NVML's name for a JAX GPU: NVML numbers every GPU of the host, CUDA only the visible ones."""
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
