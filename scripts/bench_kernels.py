@@ -3,10 +3,9 @@
 Columns are the engine's backends, called as the engine calls them (jaxinfer.model.attention.attention_fns):
 xla (plain jnp), pallas (our kernels; "engine" = the fused decode kernel), cudnn (JAX's cuDNN attention over
 the paged cache), triton (raw Triton decode; its prefill is pallas's), mosaic (the Mosaic GPU kernels, Hopper);
-"triton jt" is the same Triton kernel
-through jax-triton's own triton_call, "cuDNN dense" cuDNN on contiguous equal-length inputs (no pages). A
-backend this machine cannot run (cudnn, triton, mosaic on a CPU; mosaic before Hopper; triton without
-jax-triton) is skipped with the reason. `--impls` keeps some columns only.
+"triton jt" is the same Triton kernel through jax-triton's own triton_call, "cuDNN dense" cuDNN on contiguous
+equal-length inputs (no pages). A backend this machine cannot run (cudnn, triton, mosaic on a CPU; mosaic
+before Hopper; triton without jax-triton) is skipped with the reason. `--impls` keeps some columns only.
 
 Decode: effective TB/s = bytes of K and V the batch really needs / time, next to the copy bandwidth measured in
 the same run; the fp8 columns run both decode kernels on float8_e4m3fn pages (per-kv-head scales), whose TB/s
@@ -121,7 +120,8 @@ def bench_decode(batch, ctx, ceil, opts, smoke, impls=DECODE_IMPLS):
     lens = jnp.full((batch,), ctx, jnp.int32)
     nbytes = batch * ctx * K * D * 2 * 2  # K and V rows really needed
     est = nbytes / 2e12 + 5e-6
-    backends = backend_fns(smoke, [b for b in ("xla", "cudnn", "triton", "mosaic") if b in impls or b + "_jt" in impls])
+    wanted = [b for b in ("xla", "cudnn", "triton", "mosaic") if b in impls or b + "_jt" in impls]
+    backends = backend_fns(smoke, wanted)
     fns = {name: fs[1] for name, fs in backends.items()}
     fns["pallas"] = lambda q, k, v, t, l: paged_attention(q, k, v, t, l, interpret=smoke, **opts)
     if "triton" in fns and "triton_jt" in impls:
@@ -181,8 +181,7 @@ def bench_prefill(name, n_new, prefix, ceil, opts, smoke, impls=PREFILL_IMPLS):
     wanted = [b for b in ("xla", "cudnn", "triton", "mosaic") if b in impls or b + "_dense" in impls]
     backends = backend_fns(smoke, wanted)
     fns = {name: fs[0] for name, fs in backends.items()}
-    if "pallas" in impls:
-        fns["pallas"] = lambda q, k, v, t, c, l: flash_attention(q, k, v, t, c, l, interpret=smoke, **opts)
+    fns["pallas"] = lambda q, k, v, t, c, l: flash_attention(q, k, v, t, c, l, interpret=smoke, **opts)
     if "triton" in fns:   # the raw Triton prefill kernel (the triton backend itself prefills with Pallas)
         from pallas_kernels.triton_prefill import triton_prefill
         fns["triton"] = triton_prefill

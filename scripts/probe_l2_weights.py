@@ -11,10 +11,18 @@ down_proj with residuals, timed per step (microseconds, calls dispatched back to
             down_proj weights (22 MB) before they are used; prefetch_only_N: that kernel alone
   prefetch_next_256  it also reads the next layer's qkv
 """
-import functools, json, statistics, sys, time
-import jax, jax.numpy as jnp
+import functools
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import time_loop  # noqa: E402
 
 L, E, QKV, Q, I, M = 28, 1024, 4096, 2048, 3072, 8
 interp = jax.devices()[0].platform == "cpu"
@@ -80,19 +88,6 @@ def prefetch_only(x, W, n_prog=256):
     return (x + a[:, :E] * 0.001).astype(jnp.bfloat16)
 
 
-def timed(fn, x, W, iters=200):
-    f = jax.jit(fn)
-    x = jax.block_until_ready(f(x, W))
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(iters):
-            x = f(x, W)
-        jax.block_until_ready(x)
-        ts.append((time.perf_counter() - t) / iters)
-    return statistics.median(ts) * 1e6
-
-
 k = jax.random.split(jax.random.PRNGKey(0), 5)
 W = tuple(jax.random.normal(kk, (L, a, b), jnp.bfloat16) * 0.02 for kk, (a, b) in
           zip(k, [(E, QKV), (Q, E), (E, 2 * I), (I, E)]))
@@ -106,7 +101,7 @@ for name, fn in [("cold", functools.partial(chain, mode="cold")), ("warm", funct
                  ("prefetch_only_528", functools.partial(prefetch_only, n_prog=528)),
                  ("prefetch_next_256", functools.partial(chain, mode="prefetch_next"))]:
     try:
-        us = timed(fn, x, W, 3 if interp else 200)
+        us = time_loop(fn, x, W, est_s=1.0 if interp else 1.5e-5, repeats=5) * 1e6   # 200 calls a round on a GPU
         res[name] = {"us_per_step": us, "us_per_layer": us / L}
     except Exception as e:  # noqa
         res[name] = {"error": repr(e)[:400]}

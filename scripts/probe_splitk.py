@@ -11,13 +11,17 @@ layer: a layer's chain (qkv, o_proj, gate_up + SwiGLU, down_proj, residuals) wit
 """
 import functools
 import json
-import statistics
+import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import time_loop  # noqa: E402
+
 L = 28 if jax.devices()[0].platform == "gpu" else 2
+EST = 3e-5 if L == 28 else 1.0     # seconds a call, as time_loop's estimate: 100 calls a round on a GPU
 SHAPES = {"qkv": (1024, 4096), "o_proj": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)}
 
 
@@ -48,32 +52,20 @@ def layer_chain(x, Ws, ss):
     return x
 
 
-def timed(f, x, *a, iters=100):
-    f = jax.jit(f)
-    x = jax.block_until_ready(f(x, *a))
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(iters):
-            x = f(x, *a)
-        jax.block_until_ready(x)
-        ts.append((time.perf_counter() - t) / iters)
-    return statistics.median(ts) * 1e6 / L
-
-
 key = jax.random.PRNGKey(0)
-Ws = {n: jax.random.normal(jax.random.fold_in(key, i), (L, E, N), jnp.bfloat16) * 0.02 for i, (n, (E, N)) in enumerate(SHAPES.items())}
+Ws = {n: jax.random.normal(jax.random.fold_in(key, i), (L, E, N), jnp.bfloat16) * 0.02
+      for i, (n, (E, N)) in enumerate(SHAPES.items())}
 res = {"one": [], "layer": []}
 for M in (256, 128, 64):
     x0 = {n: jax.random.normal(key, (M, E), jnp.bfloat16) for n, (E, N) in SHAPES.items()}
     for n, (E, N) in SHAPES.items():
         for s in (1, 2, 4, 8):
-            us = timed(functools.partial(chain_one, s=s), x0[n], Ws[n], iters=3 if L == 2 else 100)
+            us = time_loop(functools.partial(chain_one, s=s), x0[n], Ws[n], est_s=EST, repeats=5) * 1e6 / L
             res["one"].append(dict(M=M, gemm=n, s=s, us=us, tflops=2 * M * E * N / us / 1e6, tbps=E * N * 2 / us / 1e6))
             print(res["one"][-1], flush=True)
     xl = jax.random.normal(key, (M, 1024), jnp.bfloat16)
     for ss in ((1, 1, 1, 1), (2, 8, 1, 8), (1, 4, 1, 4), (2, 4, 2, 4), (1, 8, 1, 8)):
-        us = timed(functools.partial(layer_chain, ss=ss), xl, tuple(Ws.values()), iters=3 if L == 2 else 100)
+        us = time_loop(functools.partial(layer_chain, ss=ss), xl, tuple(Ws.values()), est_s=EST, repeats=5) * 1e6 / L
         res["layer"].append(dict(M=M, splits=ss, us_per_layer=us))
         print(res["layer"][-1], flush=True)
 if len(sys.argv) > 1:
