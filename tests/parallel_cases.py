@@ -181,6 +181,28 @@ def test_data_parallel_equals_one_replica(ckpts, tp1, prompts):
     assert hits[0] == hits[1] and hits[0][0] > 0
 
 
+def test_a_replica_launch_that_fails_is_raised_and_loses_nothing(ckpts, tp1, prompts, monkeypatch):
+    """Replicas launch their device calls from threads at once (DPEngine._launch_all): when replica 1's launch
+    raises, LLM.generate raises that error, every KV block returns, and the next generate gives the tokens."""
+    dp = LLM(ckpts["gqa_v509"], data_parallel_size=2, **BASE)
+    r1 = dp.engine.replicas[1].runner
+    calls = {"n": 0}
+    real = r1.run
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("launch failed on replica 1")
+        return real(*a, **k)
+    monkeypatch.setattr(r1, "run", flaky)
+    ps = prompts * 2
+    with pytest.raises(RuntimeError, match="launch failed on replica 1"):
+        dp.generate(ps, GREEDY, use_tqdm=False)
+    st = dp.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == st["waiting"] == 0, st
+    assert run(dp, ps) == run(tp1, ps)
+
+
 def test_preemption_chunking_and_queueing_on_parallel_replicas(ckpts, tp1):
     """More requests than rows, prompts longer than a prefill chunk, and a KV pool that cannot hold two of them
     at once: replicas that are themselves tensor-parallel (vocabulary 509: padded) preempt, chunk and queue, and

@@ -8,9 +8,10 @@ over dp of them. `DPEngine` offers what `LLM`, the server and the benchmarks use
 - A request goes to the replica with the least outstanding work (tokens still to compute or to generate).
 - `step()` first dispatches a step on every replica, then reads them: each replica's step is queued on its
   devices before the host waits for any result (JAX dispatch is asynchronous), so the devices run together
-  instead of taking turns. (One thread per replica was measured too, on 2 H200s: 30,051 / 31,210 tok/s
-  against 30,409 / 29,248 from one thread, alternating in one process: no gain, since the host's Python work
-  and not its waits sets the pace; `h200x2_2026-11-30_dp_threads.json`.)
+  instead of taking turns. The Python part of every replica's dispatch (schedule, pack) and of its read runs on
+  the calling thread; only the device calls run at once, from one thread per replica (`_launch_all`). (A whole
+  engine step per thread was measured on 2 H200s, 30,051 / 31,210 tok/s against 30,409 / 29,248 from one
+  thread: no gain, since each thread's Python work held up the others' launches; `h200x2_2026-11-30_dp_threads.json`.)
 - `stats()` sums the replicas' counters and lists each replica's own under "replicas".
 """
 from __future__ import annotations
@@ -65,6 +66,7 @@ class DPEngine:
         del params
         self.config = self.replicas[0].config.replace(seed=config.seed)
         self._owner: dict[int, LLMEngine] = {}            # seq_id -> its replica, while unfinished
+        self._pool: ThreadPoolExecutor | None = None      # launches replicas 1.. (made at the first step)
         self.scheduler = _SchedulerView(self)
         self.block_manager = _BlockManagerView(self.replicas)
         self.runner = _RunnerView(self.replicas)
@@ -116,13 +118,45 @@ class DPEngine:
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Dispatch one step on every replica with work, then read them (see the module docstring)."""
-        reads = [r.dispatch() for r in self.replicas if r.has_unfinished() or r.in_flight is not None]
+        """Prepare a step on every replica with work (schedule, pack: Python, this thread), launch them all at
+        once (one thread per replica: see `_launch_all`), then read them in turn."""
+        todo = [(r, r.prepare()) for r in self.replicas if r.has_unfinished() or r.in_flight is not None]
+        error = self._launch_all([(r, p) for r, p in todo if not callable(p)])
+        # (a launch that failed leaves its plan without ids: the others are still recorded, then it is raised)
+        reads = [p if callable(p) else r.finish_dispatch(p) for r, p in todo if callable(p) or p.ids is not None]
+        if error is not None:
+            raise error
         updated = [seq for read in reads for seq in read()]
         for seq in updated:
             if seq.finish_reason is not None:
                 self._owner.pop(seq.seq_id, None)
         return updated
+
+    def _launch_all(self, plans: list) -> Exception | None:
+        """Launch the replicas' device calls: this thread launches the first, a pool thread each other one.
+        A launch spends most of its ~0.8 ms (Qwen3-0.6B) in XLA's C++ with the GIL released, so launches from
+        several threads overlap: on 2 H200s two launches took 0.90 ms from two threads against 1.78 ms one after
+        the other (scripts/probe_launch.py). The Python work (schedule, pack, apply) stays on this thread: a
+        thread that runs Python while another waits for the GIL makes that one wait up to the interpreter's
+        5 ms switch interval. Returns the first launch's exception, if any (every other launch still runs)."""
+        if len(plans) < 2:
+            for r, p in plans:
+                r.launch(p)
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(len(self.replicas) - 1, thread_name_prefix="jaxinfer-dp-launch")
+        futures = [self._pool.submit(r.launch, p) for r, p in plans[1:]]
+        errors = []
+        try:
+            plans[0][0].launch(plans[0][1])
+        except Exception as e:          # the other launches still finish (and are recorded) before it is raised
+            errors.append(e)
+        for f in futures:
+            try:
+                f.result()
+            except Exception as e:
+                errors.append(e)
+        return errors[0] if errors else None
 
     @property
     def step_log(self) -> list | None:

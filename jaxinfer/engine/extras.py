@@ -168,6 +168,19 @@ class ExtrasRunner:
             np.asarray(r.last_ids)
 
 
+def warmup_keys(cfg, widths: tuple[int, ...], runner: "ExtrasRunner", params) -> list:
+    """The step variants (every bucket) that requests like `params` (penalties / logprobs) need; [] if none."""
+    e = Extras(params.has_penalties, params.logprobs is not None,
+               next(w for w in LOGPROB_WIDTHS if w >= max(params.logprobs or 0, params.prompt_logprobs or 0)), 0)
+    if not (e.penalties or e.logprobs or params.prompt_logprobs is not None):
+        return []
+    f = params.needs_filter
+    keys = [("decode", B, B, W, f, e) for B in cfg.decode_buckets for W in widths]
+    pre = e._replace(prompt_rows=-1) if params.prompt_logprobs is not None else e
+    return keys + [runner.key_for(("prefill", T, min(cfg.max_num_seqs, T), W, f), pre)
+                   for T in cfg.prefill_buckets for W in cfg.prefill_table_widths(T)]
+
+
 def apply(batch, updated: list[Sequence], pending) -> None:
     """Give the sequences their logprob rows of a read step (pending: what `ExtrasRunner.dispatch` returned).
     A row that got no token this step (finished meanwhile, or a prompt chunk that stops mid-prompt) gets

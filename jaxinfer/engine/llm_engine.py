@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine.batch import bucket_for, pack, pack_multistep
+from jaxinfer.engine.batch import StepPlan, bucket_for, pack, pack_multistep
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine import extras as extras_mod
 from jaxinfer.engine.executables import CompileCounter
@@ -21,7 +21,7 @@ from jaxinfer.engine.memory import check_pool_fits, num_blocks_for_memory
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.model.kv_scales import kv_cache_dtype
-from jaxinfer.engine.sequence import Sequence, Status
+from jaxinfer.engine.sequence import Sequence, Status, stamp_token_times
 from jaxinfer.multistep import STOP_IDS
 from jaxinfer.parallel import Placement
 from jaxinfer.sampling_params import SamplingParams
@@ -151,8 +151,8 @@ class LLMEngine:
 
     def dispatch(self) -> Callable[[], list[Sequence]]:
         """The first half of `step`: schedule and dispatch. Returns the second half, which reads a dispatched
-        step's ids (may block) and applies them. Data-parallel replicas (engine/dp_engine.py) dispatch every
-        replica before any reads, so their devices run together.
+        step's ids (may block) and applies them. Three parts (`prepare`, `launch`, `finish_dispatch`), so that
+        data-parallel replicas (engine/dp_engine.py) can launch their device calls from threads at once.
 
         With async scheduling (the default) the step dispatched here is read back by the NEXT call: the host
         schedules step N+1 while the GPU runs step N, and sampled ids flow from N to N+1 on the device. Two
@@ -160,6 +160,15 @@ class LLMEngine:
         requests (prompts are never built from tokens still on the device), and after a K-step call (its rows'
         lengths are known only once read).
         """
+        plan = self.prepare()
+        if callable(plan):
+            return plan
+        self.launch(plan)
+        return self.finish_dispatch(plan)
+
+    def prepare(self):
+        """Host work before the device call: read what must be read first, schedule, pack. Returns a read
+        function when there is nothing to launch, else the plan that `launch` and `finish_dispatch` take."""
         done = None                             # what a read made here returns
         # (a queue that cannot be admitted yet, e.g. more requests than max_num_seqs, does not force a read)
         if self.in_flight is not None and (self.scheduler.can_admit() or not self.async_scheduling
@@ -177,7 +186,6 @@ class LLMEngine:
             raise RuntimeError("scheduler found no work although requests are pending (pool too small?)")
         key = bucket_for(self.config, self.runner.widths, batch)
         K = self._plan_steps(batch, key)
-        filtered = any(s.needs_filter for s in batch.seqs)
         extras = extras_mod.choose(batch) if K == 1 else None       # penalties / logprobs: K = 1 (scheduler)
         if extras is not None:
             packed = None                                            # packed and sent by ExtrasRunner
@@ -194,31 +202,41 @@ class LLMEngine:
         self.counters["kv_tokens_read"] += K * ctx + len(batch.seqs) * K * (K - 1) // 2
         self.counters["padded_tokens"] += K * (key[1] - new_tokens)
         self.counters["prefill_steps" if batch.is_prefill else "decode_steps"] += K
-        t1 = time.perf_counter()
-        host_packed = packed
-        packed, pending = (self.runner.put(packed) if packed is not None else None), None
-        t_put = time.perf_counter() - t1
-        if extras is not None:
-            xkey = self.extras.key_for(key + (filtered,), extras)
-            pending = self.extras.dispatch(batch, xkey, self.config.block_size)
+        self.counters["multistep_calls"] += K > 1
+        return StepPlan(batch, key, K, any(s.needs_filter for s in batch.seqs), extras, packed, done, t0,
+                     time.perf_counter())
+
+    def launch(self, plan: StepPlan) -> None:
+        """The device call of a prepared step (asynchronous): its sampled ids go to `plan.ids`."""
+        batch, key = plan.batch, plan.key
+        packed = self.runner.put(plan.packed) if plan.packed is not None else None
+        plan.t_put = time.perf_counter() - plan.t1
+        if plan.extras is not None:
+            xkey = self.extras.key_for(key + (plan.filtered,), plan.extras)
+            plan.pending = self.extras.dispatch(batch, xkey, self.config.block_size)
             ids = self.extras.sampled_ids()
-            self.scheduler.on_dispatch(batch)
-        elif K > 1:
-            self.counters["multistep_calls"] += 1
-            ids = self.runner.run(("multistep", *key[1:], False, K), packed)
+        elif plan.K > 1:
+            ids = self.runner.run(("multistep", *key[1:], False, plan.K), packed)
         else:
-            ids = self.runner.run(key + (filtered,), packed, host_packed)
-            self.scheduler.on_dispatch(batch)
+            ids = self.runner.run(key + (plan.filtered,), packed, plan.packed)
         # start the device -> host copy of the ids now: it runs as soon as the step ends instead of when the host
         # asks (reading a ready array cost ~0.4 ms a step on the H200 host: a data-parallel round pays it per replica)
         ids.copy_to_host_async()
-        self.host_time["schedule_s"] += t1 - t0
-        self.host_time["dispatch_s"] += time.perf_counter() - t1
+        plan.ids, plan.t2 = ids, time.perf_counter()
+
+    def finish_dispatch(self, plan: StepPlan) -> Callable[[], list[Sequence]]:
+        """Bookkeeping after `launch`; returns the read function `dispatch` returns."""
+        batch, done = plan.batch, plan.done
+        if plan.K == 1:
+            self.scheduler.on_dispatch(batch)
+        self.host_time["schedule_s"] += plan.t1 - plan.t0
+        self.host_time["dispatch_s"] += plan.t2 - plan.t1
         entry = None if self.step_log is None else ["prefill" if batch.is_prefill else "decode", len(batch.seqs),
-                                                     key[1], t1 - t0, time.perf_counter() - t1, 0.0, 0.0, t_put]
+                                                     plan.key[1], plan.t1 - plan.t0, plan.t2 - plan.t1, 0.0, 0.0,
+                                                     plan.t_put]
         if entry is not None:                    # (the read fills in wait and apply)
             self.step_log.append(entry)
-        prev, self.in_flight = self.in_flight, (batch, ids, entry, pending)
+        prev, self.in_flight = self.in_flight, (batch, plan.ids, entry, plan.pending)
         if prev is not None:
             return functools.partial(self._apply, *prev)
         return (lambda: done) if done is not None else list if self.async_scheduling else self._read_in_flight
@@ -244,37 +262,17 @@ class LLMEngine:
         self.host_time["apply_s"] += now - t1
         if entry is not None:
             entry[5:7] = t1 - t0, now - t1
-        if not batch.is_prefill and batch.num_steps == 1:      # the common step: one new token a row
-            for seq in updated:
-                seq.token_times.append(now)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-        else:
-            for seq in updated:
-                times = seq.token_times
-                new = len(seq.token_ids) - seq.num_prompt_tokens - seq.num_pending - len(times)   # output tokens
-                if new > 0:
-                    times.extend([now] * new)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
+        stamp_token_times(updated, now, one_each=not batch.is_prefill and batch.num_steps == 1)
         self.counters["generated_tokens"] += count
         return updated
 
     def warmup_extras(self, params: SamplingParams) -> int:
         """Compile (and run once) the penalty / logprob step variants that requests like `params` need, for
         every bucket, so they are not compiled mid-run (e.g. before a benchmark). Returns how many."""
-        e = extras_mod.Extras(params.has_penalties, params.logprobs is not None,
-                              next(w for w in extras_mod.LOGPROB_WIDTHS
-                                   if w >= max(params.logprobs or 0, params.prompt_logprobs or 0)), 0)
-        if not (e.penalties or e.logprobs or params.prompt_logprobs is not None):
-            return 0
-        cfg, f = self.config, params.needs_filter
-        keys = [("decode", B, B, W, f, e) for B in cfg.decode_buckets for W in self.runner.widths]
-        pre = e._replace(prompt_rows=-1) if params.prompt_logprobs is not None else e
-        keys += [self.extras.key_for(("prefill", T, min(cfg.max_num_seqs, T), W, f), pre)
-                 for T in cfg.prefill_buckets for W in cfg.prefill_table_widths(T)]
-        self.extras.warmup(keys)
-        self.compilations_at_warmup = self.compile_counter.count
+        keys = extras_mod.warmup_keys(self.config, self.runner.widths, self.extras, params)
+        if keys:
+            self.extras.warmup(keys)
+            self.compilations_at_warmup = self.compile_counter.count
         return len(keys)
 
     def _plan_steps(self, batch, key) -> int:

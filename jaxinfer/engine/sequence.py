@@ -107,3 +107,16 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, len={len(self)}, computed={self.num_computed_tokens}, "
                 f"blocks={len(self.block_table)}, {self.status.value})")
+
+
+def stamp_token_times(updated: list[Sequence], now: float, one_each: bool) -> None:
+    """Record `now` as the time of each sequence's new output tokens (one each: the common decode step)."""
+    for seq in updated:
+        if one_each:
+            seq.token_times.append(now)
+        else:
+            new = len(seq.token_ids) - seq.num_prompt_tokens - seq.num_pending - len(seq.token_times)
+            if new > 0:
+                seq.token_times.extend([now] * new)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
