@@ -154,11 +154,11 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
 
 class StepPlan:
     """A step between `LLMEngine.prepare` (scheduled, packed) and `LLMEngine.finish_dispatch` (launched)."""
-    __slots__ = ("batch", "key", "K", "filtered", "extras", "packed", "done", "t0", "t1", "t2", "t_put", "ids",
-                 "pending")
+    __slots__ = ("batch", "key", "K", "filtered", "extras", "packed", "done", "t0", "t1", "t_launch", "t2", "t_put",
+                 "ids", "pending")
 
     def __init__(self, batch, key, K, filtered, extras, packed, done, t0, t1):
         self.batch, self.key, self.K, self.filtered, self.extras, self.packed = batch, key, K, filtered, extras, packed
         self.done, self.t0, self.t1 = done, t0, t1
-        self.t2 = self.t_put = 0.0
+        self.t_launch = self.t2 = self.t_put = 0.0
         self.ids = self.pending = None

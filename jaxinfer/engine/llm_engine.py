@@ -204,16 +204,16 @@ class LLMEngine:
         self.counters["prefill_steps" if batch.is_prefill else "decode_steps"] += K
         self.counters["multistep_calls"] += K > 1
         return StepPlan(batch, key, K, any(s.needs_filter for s in batch.seqs), extras, packed, done, t0,
-                     time.perf_counter())
+                        time.perf_counter())
 
     def launch(self, plan: StepPlan) -> None:
         """The device call of a prepared step (asynchronous): its sampled ids go to `plan.ids`."""
-        batch, key = plan.batch, plan.key
+        key, plan.t_launch = plan.key, time.perf_counter()     # (replicas launch once all have prepared)
         packed = self.runner.put(plan.packed) if plan.packed is not None else None
-        plan.t_put = time.perf_counter() - plan.t1
+        plan.t_put = time.perf_counter() - plan.t_launch
         if plan.extras is not None:
             xkey = self.extras.key_for(key + (plan.filtered,), plan.extras)
-            plan.pending = self.extras.dispatch(batch, xkey, self.config.block_size)
+            plan.pending = self.extras.dispatch(plan.batch, xkey, self.config.block_size)
             ids = self.extras.sampled_ids()
         elif plan.K > 1:
             ids = self.runner.run(("multistep", *key[1:], False, plan.K), packed)
@@ -230,9 +230,9 @@ class LLMEngine:
         if plan.K == 1:
             self.scheduler.on_dispatch(batch)
         self.host_time["schedule_s"] += plan.t1 - plan.t0
-        self.host_time["dispatch_s"] += plan.t2 - plan.t1
+        self.host_time["dispatch_s"] += plan.t2 - plan.t_launch
         entry = None if self.step_log is None else ["prefill" if batch.is_prefill else "decode", len(batch.seqs),
-                                                     plan.key[1], plan.t1 - plan.t0, plan.t2 - plan.t1, 0.0, 0.0,
+                                                     plan.key[1], plan.t1 - plan.t0, plan.t2 - plan.t_launch, 0.0, 0.0,
                                                      plan.t_put]
         if entry is not None:                    # (the read fills in wait and apply)
             self.step_log.append(entry)
