@@ -51,10 +51,9 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} must be > 0")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta={self.rope_theta!r} must be > 0")
+        for f in ("rms_norm_eps", "rope_theta"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"{f}={getattr(self, f)!r} must be > 0")
         object.__setattr__(self, "torch_dtype", canonical_dtype(self.torch_dtype))
 
     @property
@@ -77,10 +76,9 @@ class ModelConfig:
         if model_type != "qwen3":
             raise ValueError(f"model_type={model_type!r} is not supported: jaxinfer runs Qwen3 dense models "
                              f"(model_type 'qwen3')")
-        if d.get("attention_bias"):
-            raise ValueError("attention_bias=True is not supported (Qwen3 checkpoints have none)")
-        if d.get("use_sliding_window"):
-            raise ValueError("use_sliding_window=True is not supported")
+        for key, why in (("attention_bias", " (Qwen3 checkpoints have none)"), ("use_sliding_window", "")):
+            if d.get(key):
+                raise ValueError(f"{key}=True is not supported{why}")
         # transformers < 5 writes rope_theta/rope_scaling; >= 5 writes rope_parameters.
         rope = dict(d.get("rope_parameters") or {})
         scaling = d.get("rope_scaling") or {}
@@ -141,12 +139,13 @@ PLATFORM_DEFAULTS = {
     "cpu": dict(dtype="float32", attn_backend="xla", max_num_seqs=8, max_num_batched_tokens=512, warmup=False),
 }
 # Per attention backend (docs/design.md, "Buckets"). context_buckets: context lengths with their own block-table
-# width beside max_model_len's (kernels: one; xla reads every page of the width: a ladder). prefill_ladder (first,
-# ratio): prefill buckets first * ratio^k. narrow_prefill: the largest prefill bucket that also gets the narrow widths
-# (None: all); larger ones take the full width only (half their compiles; a wide table costs ~1 ms to send).
+# width beside max_model_len's (kernels: one; xla prefill reads every page of the width: a ladder). prefill_ladder /
+# decode_ladder (first, ratio): buckets first * ratio^k (decode: 8 too). narrow_prefill: the largest
+# prefill bucket that also gets the narrow widths (None: all). decode_context_buckets: the xla decode's page budgets.
 BACKEND_DEFAULTS = {
     "pallas": dict(context_buckets=(4096,), prefill_ladder=(64, 4), narrow_prefill=1024),
-    "xla": dict(context_buckets=(2048, 8192), prefill_ladder=(256, 8), narrow_prefill=None),
+    "xla": dict(context_buckets=(2048, 8192), prefill_ladder=(256, 8), narrow_prefill=None,
+                decode_context_buckets=(512, 768, 1024, 1536, 2048, 8192), decode_ladder=(64, 8)),
 }
 
 
@@ -158,8 +157,7 @@ class EngineConfig:
                                    "float32, bfloat16, float16", choices=("auto", "float32", "bfloat16", "float16"))
     attn_backend: str | None = _opt(None, "attention implementation (GPU: pallas; CPU: xla)", choices=ATTN_BACKENDS)
     kv_cache_dtype: str = _opt("auto", "KV cache dtype: auto (the model dtype), fp8 / fp8_e4m3 (float8_e4m3fn with "
-                                       "per-layer scales: twice the blocks in the same memory)",
-                               choices=KV_CACHE_DTYPES)
+                                       "per-layer scales: 2x the blocks in the same memory)", choices=KV_CACHE_DTYPES)
     max_num_seqs: int | None = _opt(None, "most sequences in one step (GPU: 256; CPU: 8)")
     max_num_batched_tokens: int | None = _opt(None, "most prompt tokens in one prefill step (GPU: 16384; CPU: 512)")
     max_model_len: int | None = _opt(None, "longest prompt + output in tokens (default: the model's "
@@ -168,13 +166,14 @@ class EngineConfig:
     num_kvcache_blocks: int | None = _opt(None, "KV cache blocks (default: sized from free device memory)")
     gpu_memory_utilization: float = _opt(0.9, "fraction of the GPU memory JAX may use that the engine takes")
     enable_prefix_caching: bool = _opt(True, "reuse the KV of cached prompt prefixes")
-    decode_buckets: tuple[int, ...] | None = _opt(None, "decode batch sizes to compile, e.g. 8,32,64 "
-                                                        "(default: 8, 32, then powers of two to max_num_seqs)")
+    decode_buckets: tuple[int, ...] | None = _opt(None, "decode batch sizes to compile, e.g. 8,32,64 (default: "
+                                                        "8, 32, then powers of two to max_num_seqs; xla 8 x 8^k)")
     prefill_buckets: tuple[int, ...] | None = _opt(None, "prefill token counts to compile (default: 64 x 4^k, "
                                                          "xla 256 x 8^k, up to max_num_batched_tokens)")
-    context_buckets: tuple[int, ...] | None = _opt(None, "context lengths (tokens) that get a narrower block-table "
-                                                         "width beside max_model_len's (default: pallas 4096; xla "
-                                                         "2048, 8192)")
+    context_buckets: tuple[int, ...] | None = _opt(None, "context lengths (tokens) with a narrower block-table width "
+                                                         "than max_model_len's (default: pallas 4096; xla 2048, 8192)")
+    decode_context_buckets: tuple[int, ...] | None = _opt(None, "xla decode: mean context per row (tokens) of its "
+        "flat tables' page budgets (default 512, 768, 1024, 1536, 2048, 8192); other backends: context_buckets")
     seed: int = _opt(0, "engine seed: draws the seeds of requests that give none")
     async_scheduling: bool = _opt(True, "schedule step N+1 while step N runs (sampled ids stay on the device)")
     num_scheduler_steps: int | None = _opt(None, "decode steps per device call for small batches (default: the "
@@ -204,7 +203,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
         if self.dtype is not None and self.dtype != "auto":
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        for name in ("decode_buckets", "prefill_buckets", "context_buckets"):
+        for name in ("decode_buckets", "prefill_buckets", "context_buckets", "decode_context_buckets"):
             v = getattr(self, name)
             if v is not None:
                 if isinstance(v, int) or not all(isinstance(x, int) and x >= 1 for x in v) or not v:
@@ -261,9 +260,9 @@ class EngineConfig:
         kw["max_model_len"] = mml
         seqs = self.max_num_seqs or kw["max_num_seqs"]
         tokens = self.max_num_batched_tokens or kw["max_num_batched_tokens"]
-        kw["decode_buckets"] = self.decode_buckets or tuple(_decode_buckets(seqs))
         backend = BACKEND_DEFAULTS.get(self.attn_backend or kw["attn_backend"], BACKEND_DEFAULTS["pallas"])
-        kw["prefill_buckets"] = self.prefill_buckets or tuple(_prefill_buckets(tokens, *backend["prefill_ladder"]))
+        kw["decode_buckets"] = self.decode_buckets or tuple(_decode_buckets(seqs, *backend.get("decode_ladder", ())))
+        kw["prefill_buckets"] = self.prefill_buckets or tuple(_ladder(tokens, *backend["prefill_ladder"]))
         kw["context_buckets"] = self.context_buckets or backend["context_buckets"]
         return dataclasses.replace(self, **kw)
 
@@ -271,11 +270,12 @@ class EngineConfig:
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
 
-    def block_table_widths(self) -> tuple[int, ...]:
-        """Block-table widths (blocks) that get compiled steps: each context bucket below max_model_len, and
-        max_model_len's. A step takes the narrowest that holds its longest table (engine/batch.py)."""
-        ctx = self.context_buckets or BACKEND_DEFAULTS.get(self.attn_backend, BACKEND_DEFAULTS["pallas"])[
-            "context_buckets"]
+    def block_table_widths(self, decode: bool = False) -> tuple[int, ...]:
+        """Block-table widths (blocks) with compiled steps: the context buckets below max_model_len, and its own. A
+        step takes the narrowest that holds it (engine/batch.py); `decode`: decode steps' (decode_context_buckets)."""
+        own = BACKEND_DEFAULTS.get(self.attn_backend, BACKEND_DEFAULTS["pallas"])
+        ctx = decode and (self.decode_context_buckets or own.get("decode_context_buckets"))
+        ctx = ctx or self.context_buckets or own["context_buckets"]
         W = self.max_blocks_per_seq
         return tuple(sorted({min(W, -(-c // self.block_size)) for c in ctx} | {W}))
 
@@ -288,13 +288,12 @@ class EngineConfig:
         return dataclasses.replace(self, **kw)
 
 
-def _decode_buckets(n: int) -> list[int]:
-    # 8, 32, 64, 128, 256, ..., n: few buckets (each is a compilation); padding rows cost little (no context,
-    # and the weights dominate). The smallest is 8: XLA pads a bf16 GEMM's rows to 8 for cuBLAS (docs/design.md:
-    # one request decoded at 1.41 ms a token with bucket 8 against 1.64 with bucket 2).
-    return sorted({8, *(32 << i for i in range(32) if 32 << i < n), *([n] if n > 8 else [])})
+def _decode_buckets(n: int, first: int = 32, ratio: int = 2) -> list[int]:
+    # 8, 32, 64, 128, 256, ..., n (or 8, first * ratio^k, n): few buckets (each is a compilation); padding rows cost
+    # little. The smallest is 8: XLA pads a bf16 GEMM's rows to 8 for cuBLAS (batch 1: 1.41 ms a token, 1.64 with 2).
+    return sorted({8, *(b for b in _ladder(n, first, ratio) if b > 8)})
 
 
-def _prefill_buckets(n: int, first: int = 64, ratio: int = 4) -> list[int]:
-    # Few buckets keep start-up compilation short: ratio-x steps from `first` tokens (BACKEND_DEFAULTS).
+def _ladder(n: int, first: int, ratio: int) -> list[int]:
+    # Few buckets keep start-up compilation short: ratio-x steps from `first` (BACKEND_DEFAULTS), then n.
     return [first * ratio ** i for i in range(64) if first * ratio ** i < n] + [n]

@@ -66,15 +66,16 @@ def make_multistep(config: ModelConfig, B: int, W: int, K: int, backend: str, in
         remaining = packed[lay["remaining"][0]:lay["remaining"][0] + B]
         prev = base["prev_row"]
         tok0 = jnp.where(prev >= 0, prev_ids[jnp.maximum(prev, 0)], base["token_ids"])           # [B]
-        start, tables = base["positions"], base["block_tables"]                                 # [B], [B, W]
+        start, pages = base["positions"], base["block_tables"].reshape(-1)                      # [B], [B * W]
         P, bs = kv_caches[0][0].shape[:2]
-        rows = jnp.arange(B)
         # a row whose input token (sampled by the step before, still on the device) was a stop id is done
         active0 = (base["seq_lens"] > 0) & (remaining > 0) & ~jnp.any(tok0[:, None] == stop, axis=-1)
 
         def one(k, tok, active, caches):
             pos = start + k
-            slot = tables[rows, jnp.minimum(pos // bs, W - 1)] * bs + pos % bs
+            # row b's pages start at table_start[b] (engine/batch.py); the host reserved the call's look-ahead
+            # blocks, so an active row's position is inside its own pages (inactive rows write nowhere)
+            slot = pages[jnp.clip(base["table_start"] + pos // bs, 0, B * W - 1)] * bs + pos % bs
             meta = dict(base, positions=pos, slot_mapping=jnp.where(active, slot, P * bs),
                         seq_lens=jnp.where(active, pos + 1, 0))
             attn = paged_attention_layer("decode", backend, meta, interpret, mesh, kv_scales(params))

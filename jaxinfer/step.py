@@ -21,7 +21,7 @@ from jaxinfer.model.qwen3 import compute_logits, forward, tp_size
 from jaxinfer.sampling import apply_penalties, logprob_stats, sample, sample_sharded
 
 _INT_FIELDS = ("token_ids", "positions", "slot_mapping", "prev_row")           # [T]
-_ROW_FIELDS = ("seq_lens", "attn_order", "sample_idx", "top_k", "seeds", "counters",
+_ROW_FIELDS = ("seq_lens", "attn_order", "sample_idx", "top_k", "seeds", "counters", "table_start",
                "temperature", "top_p", "min_p")                                 # [B]
 FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 # the extras variant's fields, after the base layout: per row, then per prompt-logprob token [Tp]
@@ -59,7 +59,9 @@ def _place(layout: dict, off: int, fields) -> int:
 
 
 def batch_layout(T: int, B: int, W: int) -> dict[str, tuple[int, int]]:
-    """field -> (offset, length) in the packed int32 array; block_tables is [B, W] row-major."""
+    """field -> (offset, length) in the packed int32 array; block_tables is [B, W] row-major, and row b's pages
+    start at table_start[b] of it flattened: b * W, or (flat tables of the xla decode, engine/batch.py) the rows'
+    tables one after another."""
     layout = {}
     off = _place(layout, 0, [*((f, T) for f in _INT_FIELDS), ("cu_seqlens", B + 1),
                              *((f, B) for f in _ROW_FIELDS), ("block_tables", B * W)])

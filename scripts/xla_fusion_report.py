@@ -145,6 +145,9 @@ def step_reports(a, cfg, platform: str, hlo_dir: str | None) -> dict:
     return out
 
 
+FORMS = ("einsum", "reduce", "reduce_per_group", "mixed")     # the forms that read every page of a row's width
+
+
 def attention_cases(a, cfg):
     """(label, fn, args, kv bytes needed) of the attention call alone, per shape and variant. The cache is a
     pool of --pool-tokens like the engine's: XLA fuses a gather into its consumer only when the gather's
@@ -168,9 +171,10 @@ def attention_cases(a, cfg):
         for pad in (1, 2):                      # tight table, and a bucket twice as wide (padding -> block 0)
             tables = np.zeros((B, n * pad), np.int32)
             tables[:, :n] = 1 + np.arange(B * n).reshape(B, n)
-            for form in ("reduce", "reduce_per_group", "einsum", "mixed"):
-                fn = (lambda form: lambda q, k, v, t, s: paged_decode_xla(q, k, v, t, s, form=form))(form)
-                cases.append((f"decode {form} B={B} ctx={ctx} width={n * pad * bs}", fn,
+            for form, chunk in (("chunks", 128), ("chunks", 256), ("chunks", 512), *((f, None) for f in FORMS)):
+                fn = (lambda form, chunk: lambda q, k, v, t, s: paged_decode_xla(q, k, v, t, s, form=form,
+                                                                                 chunk=chunk))(form, chunk)
+                cases.append((f"decode {form}{chunk or ''} B={B} ctx={ctx} width={n * pad * bs}", fn,
                               (q, cache, cache, jnp.asarray(tables), lens), need))
     for T, rows, prompt in a.prefill_shapes:
         n = -(-prompt // bs)
@@ -226,6 +230,7 @@ def main(argv=None) -> dict:
                     "(the engine's Qwen3-0.6B pool on an H200 holds ~800k tokens)")
     ap.add_argument("--time", action="store_true", help="also time the attention call per shape")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script on a CPU")
+    ap.add_argument("--decode-only", action="store_true", help="time no prefill attention calls")
     ap.add_argument("--skip-steps", action="store_true", help="only the attention call (no whole steps)")
     ap.add_argument("--hlo-dir", default=None, help="write the steps' optimised HLO text here")
     ap.add_argument("--json", default=None)
@@ -243,7 +248,7 @@ def main(argv=None) -> dict:
         a.decode_shapes, a.prefill_shapes, a.pool_tokens = [(8, 64)], [(64, 8, 16)], 4096
     else:
         a.decode_shapes = [(64, 1024), (256, 1024), (256, 2048)]
-        a.prefill_shapes = [(2048, 256, 512), (16384, 256, 512), (16384, 256, 1024)]
+        a.prefill_shapes = [] if a.decode_only else [(2048, 256, 512), (16384, 256, 512), (16384, 256, 1024)]
     platform = jax.devices()[0].platform
     print(f"{cfg.name}: {cfg.num_hidden_layers} layers, H={cfg.num_attention_heads} K={cfg.num_key_value_heads} "
           f"D={cfg.head_dim}, {a.dtype}, on {jax.devices()[0].device_kind} ({jax.__version__})")

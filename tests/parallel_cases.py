@@ -184,7 +184,7 @@ def test_data_parallel_equals_one_replica(ckpts, tp1, prompts):
 def test_a_replica_launch_that_fails_is_raised_and_loses_nothing(ckpts, tp1, prompts, monkeypatch):
     """Replicas launch their device calls from threads at once (DPEngine._launch_all): when replica 1's launch
     raises, LLM.generate raises that error, every KV block returns, and the next generate gives the tokens."""
-    dp = LLM(ckpts["gqa_v509"], data_parallel_size=2, **BASE)
+    dp = LLM(ckpts["gqa_v509"], data_parallel_size=2, num_scheduler_steps=1, **BASE)   # a launch per token
     r1 = dp.engine.replicas[1].runner
     calls = {"n": 0}
     real = r1.run

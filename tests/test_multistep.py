@@ -133,7 +133,8 @@ def test_no_compilation_after_warmup(tiny_dir):
     afterwards no K, sampling variant or batch size compiles anything."""
     llm = LLM(tiny_dir, **{**BASE, "warmup": True})
     st = llm.stats()
-    assert st["compiled_multistep"] == 2 * len(llm.engine.runner.widths)
+    r = llm.engine.runner
+    assert r.multistep_ks() == (16,) and st["compiled_multistep"] == len(r.widths)       # xla: the largest K only
     assert st["generated_tokens"] == 0 and st["kv_blocks_free"] == st["kv_blocks_total"]
     ps, sps = _requests()
     _generate(llm, ps, sps)                                                   # auto K (4 and 16)
@@ -152,6 +153,20 @@ def test_pallas_backend_same_tokens(tiny_dir):
     outs = {K: _generate(LLM(tiny_dir, **{**cfg, "num_scheduler_steps": K}), ps, sps) for K in (1, 16)}
     assert outs[16][0] == outs[1][0]
     assert outs[16][1]["multistep_calls"] > 0 and outs[1][1]["multistep_calls"] == 0
+
+
+@pytest.mark.parametrize("K", (1, 16))
+def test_xla_chunks_over_flat_tables_same_tokens(tiny_dir, reference, monkeypatch, K):
+    """The xla decode in chunks of 8 tokens (2 blocks) over flat tables (engine/batch.py): rows span several
+    chunks, widths are budgets narrower than the longest row, and the K-step call writes its look-ahead slots
+    through table_start. Same tokens as one chunk a row."""
+    import jaxinfer.model.xla_attention as xa
+    monkeypatch.setattr(xa, "DECODE_CHUNK", 8)
+    llm = LLM(tiny_dir, **{**BASE, "num_scheduler_steps": K, "decode_context_buckets": (16, 32)})
+    assert llm.engine.runner.chunk_pages == 2 and llm.engine.runner.widths == (4, 8, 16)
+    out, st = _generate(llm, *_requests())
+    assert out == reference and (st["multistep_calls"] > 0) == (K > 1)
+    assert any(k[0] in ("decode", "multistep") and k[3] < 16 for k in llm.engine.runner.compiled)
 
 
 def test_k_choice():

@@ -50,7 +50,7 @@ def test_query_tiles_layout():
     assert len(set(slot[:41].tolist())) == 41 and (pos >= 0).sum() == 41
 
 
-@pytest.mark.parametrize("form", ["reduce", "reduce_per_group", "einsum", "mixed"])
+@pytest.mark.parametrize("form", ["chunks", "reduce", "reduce_per_group", "einsum", "mixed"])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, TOL), (jnp.bfloat16, dict(atol=2e-2, rtol=2e-2))])
 def test_decode_forms_equal_reference(form, dtype, tol):
     rng = np.random.default_rng(1)
@@ -64,6 +64,34 @@ def test_decode_forms_equal_reference(form, dtype, tol):
     per_row = 2 * tables.shape[1] * 4 * 2 * 16 * 4                     # rows in groups of 2 (lax.map): same
     grouped = paged_decode_xla(q, k, v, tables, seq_lens, form=form, gather_budget_bytes=2 * per_row)
     np.testing.assert_allclose(np.asarray(grouped, np.float32), np.asarray(got, np.float32), **tol)
+
+
+@pytest.mark.parametrize("budget", [2**30, 3000])
+def test_decode_chunks_over_flat_tables(monkeypatch, budget):
+    """The "chunks" form with chunks of 2 pages (8 tokens): rows of several chunks, a row ending inside a chunk,
+    one on a chunk boundary, a padding row, in ordinary [B, W] tables and in flat tables (the rows' pages one
+    after another from table_start, as the engine packs them, W then a per-row budget); in one group and in
+    several (lax.map under a small budget). All equal the reference."""
+    import jaxinfer.model.xla_attention as xa
+    monkeypatch.setattr(xa, "DECODE_CHUNK", 8)
+    rng = np.random.default_rng(4)
+    lens = [1, 8, 13, 0, 31, 17]
+    k, v, tables, seq_lens = make_paged(rng, lens, 4, 2, 16, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((6, 4, 16)), jnp.float32)
+    ref = np.asarray(paged_attention_reference(q, k, v, tables, seq_lens))
+    got = paged_decode_xla(q, k, v, tables, seq_lens, form="chunks", gather_budget_bytes=budget)
+    np.testing.assert_allclose(np.asarray(got), ref, **TOL)
+    cp, t = 2, np.asarray(tables)
+    blocks = [-(-n // 4) for n in lens]
+    start = np.concatenate([[0], np.cumsum([-(-b // cp) * cp for b in blocks])[:-1]]).astype(np.int32)
+    W = 4                                                    # 24 pages for 18 used: narrower than the longest row (8)
+    flat = np.zeros(6 * W, np.int32)
+    for b, n in enumerate(blocks):
+        flat[start[b]:start[b] + n] = t[b, :n]
+    got = paged_decode_xla(q, k, v, jnp.asarray(flat.reshape(6, W)), seq_lens, form="chunks",
+                           table_start=jnp.asarray(start), gather_budget_bytes=budget)
+    np.testing.assert_allclose(np.asarray(got), ref, **TOL)
+    assert float(jnp.abs(got[3]).max()) == 0.0
 
 
 @pytest.mark.parametrize("per_head", [False, True])
@@ -81,7 +109,7 @@ def test_fp8_cache_equals_reference(per_head):
     ref = flash_attention_reference(q, k8, v8, tables, cu, lens, **scales)
     np.testing.assert_allclose(np.asarray(got[:41]), np.asarray(ref[:41]), atol=1e-4, rtol=1e-4)
     qd, dl = q[:6], jnp.asarray([9, 33, 5, 8, 0, 1], jnp.int32)
-    for form in ("reduce", "reduce_per_group", "einsum", "mixed"):
+    for form in ("chunks", "reduce", "reduce_per_group", "einsum", "mixed"):
         got = paged_decode_xla(qd, k8, v8, tables, dl, form=form, **scales)
         ref = paged_attention_reference(qd, k8, v8, tables, dl, **scales)
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=1e-4)
@@ -89,10 +117,14 @@ def test_fp8_cache_equals_reference(per_head):
 
 def test_block_table_widths_per_backend():
     """xla: a ladder of widths below max_model_len and fewer prefill buckets; pallas: one narrow width; an
-    explicit context_buckets wins."""
+    explicit context_buckets (decode_context_buckets) wins."""
     m = preset("qwen3-0.6b")
     xla = EngineConfig(attn_backend="xla").resolve("gpu", m)
     assert xla.block_table_widths() == (128, 512, 2560) and xla.prefill_buckets == (256, 2048, 16384)
+    # the xla decode: flat tables, so W is a page budget per row (decode_context_buckets), and few row buckets
+    assert xla.block_table_widths(decode=True) == (32, 48, 64, 96, 128, 512, 2560) and xla.decode_buckets == (8, 64, 256)
+    assert EngineConfig(attn_backend="xla", decode_context_buckets=(100,)).resolve("gpu", m).block_table_widths(
+        decode=True) == (7, 2560)
     pallas = EngineConfig(attn_backend="pallas", max_model_len=4096).resolve("gpu", m)
     assert pallas.block_table_widths() == (256,) and pallas.prefill_buckets[0] == 64
     own = EngineConfig(attn_backend="xla", max_model_len=4096, context_buckets=(1000,)).resolve("gpu", m)
@@ -107,15 +139,19 @@ def test_block_table_widths_per_backend():
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_engine_with_narrow_widths_equals_transformers(tiny_dir, backend):
+def test_engine_with_narrow_widths_equals_transformers(tiny_dir, backend, monkeypatch):
     """The engine moves rows between block-table widths as contexts grow (16 / 48 tokens, then the full
     128; block size 4): greedy tokens still equal transformers', for a prompt crossing a width while it
     decodes, one filling a width exactly, and a repeated prompt (a prefix-cache hit). pallas (interpret):
-    prefill steps run at the full width only, decode steps at the narrow ones."""
+    prefill steps run at the full width only, decode steps at the narrow ones. xla: decode in chunks of 8 tokens
+    over flat tables, the widths then budgets of pages per row."""
     from helpers import TINY_ENGINE, hf_greedy, hf_model
 
+    import jaxinfer.model.xla_attention as xa
     from jaxinfer import LLM, SamplingParams
+    monkeypatch.setattr(xa, "DECODE_CHUNK", 8)
     llm = LLM(tiny_dir, **{**TINY_ENGINE, "context_buckets": (16, 48), "attn_backend": backend,
+                           "decode_context_buckets": (16, 48),
                            "prefill_buckets": (16, 2048)})
     assert llm.engine.runner.widths == (4, 12, 32)
     cfg = llm.engine.config

@@ -24,34 +24,54 @@ def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
     return buckets[i]
 
 
-def bucket_for(config: EngineConfig, widths: tuple[int, ...], batch: ScheduledBatch) -> tuple[str, int, int, int]:
-    """(kind, T, B, W) of the compiled step that runs this batch (`widths`: decode's; prefill's are the config's)."""
-    longest = max([len(s.block_table) for s in batch.seqs])
+def flat_pages(seqs, chunk_pages: int) -> np.ndarray:
+    """Pages each row takes in flat tables: its table rounded up to whole chunks of `chunk_pages`."""
+    n = np.fromiter((len(s.block_table) for s in seqs), np.int64, len(seqs))
+    return -(-n // chunk_pages) * chunk_pages
+
+
+def bucket_for(config: EngineConfig, widths: tuple[int, ...], batch: ScheduledBatch,
+               chunk_pages: int = 0) -> tuple[str, int, int, int]:
+    """(kind, T, B, W) of the compiled step that runs this batch (`widths`: decode's; prefill's are the config's).
+    chunk_pages > 0 (the xla decode's flat tables, see `pack`): W is the smallest width whose B * W pages hold all
+    rows' tables, each rounded up to whole chunks."""
     if batch.is_prefill:
         T = pick_bucket(config.prefill_buckets, sum(batch.num_new_tokens))
-        W = pick_bucket(config.prefill_table_widths(T), longest)
+        W = pick_bucket(config.prefill_table_widths(T), max([len(s.block_table) for s in batch.seqs]))
         return "prefill", T, min(config.max_num_seqs, T), W
     B = pick_bucket(config.decode_buckets, len(batch.seqs))
-    return "decode", B, B, pick_bucket(widths, longest)
+    if chunk_pages:
+        return "decode", B, B, pick_bucket(widths, -(-int(flat_pages(batch.seqs, chunk_pages).sum()) // B))
+    return "decode", B, B, pick_bucket(widths, max([len(s.block_table) for s in batch.seqs]))
 
 
-def _tables(seqs, B: int, W: int) -> np.ndarray:
-    """Block tables [B, W] (each sequence's numpy copy is cached by the sequence until its table changes)."""
-    tables = np.zeros((B, W), np.int32)
+def _tables(seqs, B: int, W: int, chunk_pages: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Block tables [B, W] and each row's start in them flattened (each sequence's numpy copy is cached by the
+    sequence until its table changes). chunk_pages > 0: flat tables, the rows' pages one after another, each
+    row's starting on a chunk boundary (W is then a budget per row, not the longest row's width)."""
+    tables = np.zeros(B * W, np.int32)
+    start = np.arange(B, dtype=np.int64) * W
+    if chunk_pages:
+        pages = flat_pages(seqs, chunk_pages)
+        start[:] = 0
+        start[:len(seqs)] = np.cumsum(pages) - pages
     for i, seq in enumerate(seqs):
         t = seq.block_table_array()
-        tables[i, :len(t)] = t
-    return tables
+        tables[start[i]:start[i] + len(t)] = t
+    return tables, start
 
 
-def pack(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slots: int) -> np.ndarray:
+def pack(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slots: int,
+         chunk_pages: int = 0) -> np.ndarray:
+    """chunk_pages > 0 and a decode batch: flat block tables (`_tables`), for the xla backend's chunked decode."""
     layout = batch_layout(T, B, W)
     buf = np.zeros(layout["_size"][0], np.int32)
     f = {name: buf[off:off + n] for name, (off, n) in layout.items() if name != "_size"}
     seqs, counts = batch.seqs, batch.num_new_tokens
     n = len(seqs)
-    tables = _tables(seqs, B, W)
-    f["block_tables"][:] = tables.reshape(-1)
+    tables, table_start = _tables(seqs, B, W, 0 if batch.is_prefill else chunk_pages)
+    f["block_tables"][:] = tables
+    f["table_start"][:] = table_start
     start = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, n)
     count = np.asarray(counts, np.int32)
     ends = np.cumsum(count, dtype=np.int32)
@@ -72,7 +92,7 @@ def pack(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slo
         f["prev_row"][:n] = [s.row if t == PLACEHOLDER else -1 for s, t in zip(seqs, last)]
         row, pos = np.arange(n), start
     f["positions"][:used] = pos
-    f["slot_mapping"][:used] = tables[row, pos // block_size] * block_size + pos % block_size
+    f["slot_mapping"][:used] = tables[table_start[row] + pos // block_size] * block_size + pos % block_size
     f["cu_seqlens"][1:n + 1] = ends
     f["cu_seqlens"][n + 1:] = used
     f["seq_lens"][:n] = start + count
@@ -98,12 +118,12 @@ def pack(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slo
 
 
 def pack_multistep(batch: ScheduledBatch, B: int, W: int, block_size: int, num_slots: int,
-                   stop_ids: list[list[int]], remaining: list[int]) -> np.ndarray:
+                   stop_ids: list[list[int]], remaining: list[int], chunk_pages: int = 0) -> np.ndarray:
     """A K-step decode call's batch (multistep.py): step 0 as `pack`, then stop_ids [B, STOP_IDS] (-1 pads)
     and remaining [B] (0 for padding rows). Block tables include the look-ahead blocks."""
     layout = multistep_layout(B, W)
     buf = np.zeros(layout["_size"][0], np.int32)
-    base = pack(batch, B, B, W, block_size, num_slots)
+    base = pack(batch, B, B, W, block_size, num_slots, chunk_pages)
     buf[:len(base)] = base
     stop = np.full((B, STOP_IDS), -1, np.int32)
     for i, ids in enumerate(stop_ids):
@@ -116,14 +136,14 @@ def pack_multistep(batch: ScheduledBatch, B: int, W: int, block_size: int, num_s
 
 
 def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slots: int, extras: Extras,
-                pen_slots: list[int], num_pen_slots: int) -> tuple[np.ndarray, list[tuple]]:
+                pen_slots: list[int], num_pen_slots: int, chunk_pages: int = 0) -> tuple[np.ndarray, list[tuple]]:
     """The extras variant's batch (step.make_extras_step): `pack`'s fields, then per row its penalty slot
     (pen_slots; num_pen_slots = none), prompt length and penalties, then the prompt tokens whose logprobs
     this step computes: their index in the step's tokens and the prompt token that follows each. Returns
     (packed, [(seq, position of the token whose logprob it is), ...] per prompt-logprob entry)."""
     layout = extras_layout(T, B, W, extras)
     buf = np.zeros(layout["_size"][0], np.int32)
-    base = pack(batch, T, B, W, block_size, num_slots)
+    base = pack(batch, T, B, W, block_size, num_slots, chunk_pages)
     buf[:len(base)] = base
     f = {name: buf[off:off + n] for name, (off, n) in layout.items() if name != "_size"}
     seqs, n = batch.seqs, len(batch.seqs)

@@ -129,7 +129,7 @@ class ExtrasRunner:
         r = self.runner
         kind, T, B, W, filtered, extras = key
         packed, where = pack_extras(batch, T, B, W, block_size, r.num_slots, extras,
-                                    self.slots(batch.seqs), self.num_slots)
+                                    self.slots(batch.seqs), self.num_slots, r.chunk_pages)
         exe = self.compile(key)
         counts = self._counts() if extras.penalties else None
         r.last_ids, r.kv_caches, counts, out = exe(r.params, r.kv_caches, r.put(packed), r.last_ids, counts)

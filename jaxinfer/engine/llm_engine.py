@@ -184,18 +184,18 @@ class LLMEngine:
             if done is not None:
                 return lambda: done
             raise RuntimeError("scheduler found no work although requests are pending (pool too small?)")
-        key = bucket_for(self.config, self.runner.widths, batch)
+        key = bucket_for(self.config, (r := self.runner).widths, batch, r.chunk_pages)
         K = self._plan_steps(batch, key)
         extras = extras_mod.choose(batch) if K == 1 else None       # penalties / logprobs: K = 1 (scheduler)
         if extras is not None:
             packed = None                                            # packed and sent by ExtrasRunner
         elif K > 1:
-            key = bucket_for(self.config, self.runner.widths, batch)     # the look-ahead blocks may widen W
+            key = bucket_for(self.config, r.widths, batch, r.chunk_pages)     # the look-ahead blocks may widen W
             s = self.scheduler
-            packed = pack_multistep(batch, key[2], key[3], self.config.block_size, self.runner.num_slots,
-                                    [s.stop_ids(q) for q in batch.seqs], [s.remaining(q) for q in batch.seqs])
+            packed = pack_multistep(batch, key[2], key[3], self.config.block_size, r.num_slots, [s.stop_ids(q) for q in
+                                    batch.seqs], [s.remaining(q) for q in batch.seqs], r.chunk_pages)
         else:
-            packed = pack(batch, key[1], key[2], key[3], self.config.block_size, self.runner.num_slots)
+            packed = pack(batch, key[1], key[2], key[3], self.config.block_size, r.num_slots, r.chunk_pages)
         # a K-step call: step k reads k more tokens per row (rows that stop early read less: an upper bound)
         new_tokens = sum(batch.num_new_tokens)
         ctx = sum([s.num_computed_tokens for s in batch.seqs]) + new_tokens

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model import layers
+from jaxinfer.model import xla_attention as xa
 from jaxinfer.model.kv_scales import kv_cache_dtype, with_kv_scales
 from jaxinfer.parallel import Placement, kv_heads, make_placements
 from jaxinfer.parallel.layout import KV_SPEC
@@ -43,6 +44,14 @@ def compile_threads() -> int:
     """Steps compiled at once at warm-up: COMPILE_THREADS, or one per two CPU cores (up to 32). A compile keeps
     about two cores busy: on the H200's 16-core host 16 threads made each compile twice as long as 8 did."""
     return max(1, COMPILE_THREADS or min(32, (os.cpu_count() or 1) // 2))
+
+
+def decode_chunk_pages(engine: EngineConfig) -> int:
+    """Pages a chunk of the xla backend's chunked decode reads (model/xla_attention.py), whose steps take flat
+    block tables; 0 for the other backends and decode forms (tables of one row each)."""
+    if engine.attn_backend != "xla" or xa.DECODE_FORM != "chunks":
+        return 0
+    return max(1, min(xa.DECODE_CHUNK // engine.block_size, engine.max_blocks_per_seq))
 
 
 def rows_out(kind: str) -> bool:
@@ -79,7 +88,12 @@ class ModelRunner:
         # xla reads all W pages of a row: a ladder of narrower tables lets short contexts read less. The kernels
         # read only the pages a row needs, but a [B, W] table for a 40k-token model (W = 2560) would be sent and
         # packed every step: they get one narrow width beside the full one (config.BACKEND_DEFAULTS).
-        self.widths = engine.block_table_widths()
+        # The xla decode ("chunks" form) takes flat tables (engine/batch.py): its W is a budget of pages per row
+        # on average, in whole chunks of `chunk_pages`.
+        self.widths = engine.block_table_widths(decode=True)
+        self.chunk_pages = decode_chunk_pages(engine)
+        if self.chunk_pages:
+            self.widths = tuple(sorted({-(-w // self.chunk_pages) * self.chunk_pages for w in self.widths}))
         self.compiled: dict[tuple[str, int, int, int, bool], object] = {}
         self.compile_s: dict[tuple, float] = {}      # seconds each step took to compile (or to load: relocate.py)
         self.max_rows = max(engine.max_num_seqs, *engine.decode_buckets)   # a bucket may exceed max_num_seqs
@@ -112,9 +126,11 @@ class ModelRunner:
                       for K in self.multistep_ks()]
 
     def multistep_ks(self) -> tuple[int, ...]:
-        """Steps per call that get a compiled variant: num_scheduler_steps, or MULTISTEP_KS (auto)."""
+        """Steps per call that get a compiled variant: num_scheduler_steps, or MULTISTEP_KS (auto; the xla backend
+        the largest alone: its K-step programs, one per decode width, took a third of its warm-up)."""
         n = self.engine.num_scheduler_steps
-        return MULTISTEP_KS if n is None else (() if n == 1 else (n,))
+        auto = MULTISTEP_KS[-1:] if self.engine.attn_backend == "xla" else MULTISTEP_KS
+        return auto if n is None else (() if n == 1 else (n,))
 
     def multistep_buckets(self) -> tuple[int, ...]:
         return tuple(B for B in self.engine.decode_buckets if B <= MULTISTEP_MAX_ROWS) if self.multistep_ks() else ()

@@ -5,9 +5,9 @@ Token t of a step goes to flat slot `slot_mapping[t]` = block_id * block_size + 
 point one past the last slot and their writes are dropped.
 
 Backends take the same arguments (the contracts of pallas_kernels/):
-- "xla": plain jnp (model/xla_attention.py): decode as an einsum over the gathered pages (the fastest of its
-  three forms on the H200), prefill per query tile of one sequence with einsum and a causal offset mask: the readable
-  reference, and the "XLA fusion" side of the kernel comparison.
+- "xla": plain jnp (model/xla_attention.py): decode as einsums over a flat list of context chunks (the rows'
+  tables packed one after another, from `table_start`), prefill per query tile of one sequence with einsum and a
+  causal offset mask: the readable reference, and the "XLA fusion" side of the kernel comparison.
 - "pallas": the hand-written kernels (flash_attention for prefill, paged_attention for decode). In a decode
   step one kernel (paged_attention_qkv) takes the raw qkv projection, applies q/k RMSNorm and RoPE, writes the
   new token's K/V and attends: no norm, rope, slice or scatter kernels around it.
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from jax.sharding import PartitionSpec as P
 
+from jaxinfer.model import xla_attention
 from jaxinfer.model.xla_attention import layer_scales, paged_decode_xla, prefill_xla  # noqa: F401 (re-exported)
 from jaxinfer.parallel import shard_map
 from jaxinfer.parallel.layout import KV_SPEC
@@ -99,11 +100,19 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
     def fp8_kwargs(meta, l) -> dict:
         return {} if "k_scale" not in meta else dict(k_scale=meta["k_scale"], v_scale=meta["v_scale"], layer=l)
 
+    memo = {}       # the xla decode's work list, traced at the first layer (the model's layers are one trace)
+
     def attn_local(meta, l, q, k, v, cache):
         scales = fp8_kwargs(meta, l)
         write_scales = layer_scales(meta["k_scale"], meta["v_scale"], l) if scales else ()
         k_cache, v_cache = write_kv(*cache, k, v, meta["slot_mapping"], *write_scales)
-        if kind == "decode":
+        if kind == "decode" and backend == "xla":       # flat tables: rows' pages from table_start (engine/batch.py)
+            if "work" not in memo and xla_attention.DECODE_FORM == "chunks":    # once a step, for every layer
+                memo["work"] = xla_attention.decode_work_list(meta["block_tables"], meta["seq_lens"],
+                                                              meta.get("table_start"), k_cache.shape[1])
+            o = decode_fn(q, k_cache, v_cache, meta["block_tables"], meta["seq_lens"], table_start=meta.get(
+                "table_start"), work=memo.get("work"), **scales)
+        elif kind == "decode":
             o = decode_fn(q, k_cache, v_cache, meta["block_tables"], meta["seq_lens"], **scales)
         else:
             o = prefill_fn(q, k_cache, v_cache, meta["block_tables"], meta["cu_seqlens"], meta["seq_lens"], **scales)

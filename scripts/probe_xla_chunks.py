@@ -1,0 +1,143 @@
+"""Where the xla backend's chunked decode ("chunks" form, model/xla_attention.py) spends its time, against the
+einsum form, at one shape (every row's context the same, tight tables: both read exactly the rows' tokens):
+
+    PYTHONPATH=. python scripts/probe_xla_chunks.py [--batch 256] [--context 1024] [--chunk 256] [--json PATH]
+                                                    [--hlo-dir DIR]
+
+Variants (us a call, one layer's attention; back-to-back dispatch):
+  einsum        each row's pages gathered ([B, S, K, D]), two batched GEMMs, softmax over S
+  chunks        the flat work list (decode_work_list, materialised), per-chunk softmax, merged per row by scatter
+                (the engine's form)
+  chunks_given  `chunks` with the work list made outside the call (as the engine makes it once a step)
+  chunks_sorted / chunks_onehot  `chunks` with the other merges (xla_attention.merge_chunks)
+  chunks_fixed  the same chunks, but each row's chunks taken straight from its [B, W] table (no work list, no
+                merge: per-chunk partials combined by a reshape): the cost of the chunk-shaped GEMMs alone
+  chunks_fused  `chunks` with the work list left for XLA to fuse into the page gathers (2x slower on the H200:
+                it is recomputed per gathered element)
+  chunks_nomerge  `chunks` without the merge (the partial outputs summed): the cost of the scatters
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+
+def variants(chunk: int):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.model import xla_attention as xa
+
+    def chunks_fixed(q, k_cache, v_cache, tables, lens):
+        B, H, D = q.shape
+        _, bs, K, _ = k_cache.shape
+        cp = chunk // bs
+        n = tables.shape[1] // cp
+        pages = tables.reshape(B * n, cp)
+        row = jnp.repeat(jnp.arange(B), n)
+        tok = (jnp.arange(B * n) % n)[:, None] * chunk + jnp.arange(chunk)
+        visible = tok < lens[row][:, None]
+        m, l, o = xa.attend_chunk(q[row], xa.gather_pages(k_cache, pages), xa.gather_pages(v_cache, pages), visible,
+                                  D ** -0.5)
+        m, l, o = m.reshape(B, n, K, -1), l.reshape(B, n, K, -1), o.reshape(B, n, K, H // K, D)
+        w = jnp.exp(m - m.max(axis=1, keepdims=True))
+        return ((o * w[..., None]).sum(1) / (l * w).sum(1)[..., None]).reshape(B, H, D).astype(q.dtype)
+
+    def chunks_split(barrier: bool, merge: bool):
+        def fn(q, k_cache, v_cache, tables, lens):
+            B, H, D = q.shape
+            _, bs, K, _ = k_cache.shape
+            cp = chunk // bs
+            flat = tables.reshape(-1)
+            start = jnp.arange(B, dtype=jnp.int32) * tables.shape[1]
+            row, pages, visible = xa.chunk_items(lens, start, B * (tables.shape[1] // cp), cp, flat.shape[0], bs)
+            ids = flat[pages]
+            if barrier:
+                row, ids, visible = jax.lax.optimization_barrier((row, ids, visible))
+            qi = q[row]
+            m, l, o = xa.attend_chunk(qi, xa.gather_pages(k_cache, ids), xa.gather_pages(v_cache, ids), visible,
+                                      D ** -0.5)
+            if not merge:
+                return (o.sum(0) / l.sum(0)[..., None]).reshape(1, H, D).astype(q.dtype) + jnp.zeros_like(q)
+            mx = jnp.full((B, K, H // K), xa._NEG, jnp.float32).at[row].max(m)
+            w = jnp.exp(m - mx[row])
+            total = jnp.zeros((B, K, H // K), jnp.float32).at[row].add(l * w)
+            out = jnp.zeros((B, K, H // K, D), jnp.float32).at[row].add(o * w[..., None])
+            return (out / total[..., None]).reshape(B, H, D).astype(q.dtype)
+        return fn
+
+    work = {}
+
+    def chunks_given(q, k, v, t, s):     # the work list made once outside the call, as the engine does a step
+        if "w" not in work:
+            work["w"] = jax.tree.map(np.asarray, xa.decode_work_list(t, s, None, k.shape[1], chunk))
+        return xa.paged_decode_xla(q, k, v, t, s, form="chunks", work=tuple(map(jnp.asarray, work["w"])))
+
+    return {
+        "einsum": lambda q, k, v, t, s: xa.paged_decode_xla(q, k, v, t, s, form="einsum"),
+        "chunks": lambda q, k, v, t, s: xa.paged_decode_xla(q, k, v, t, s, form="chunks", chunk=chunk),
+        "chunks_given": chunks_given,
+        "chunks_sorted": lambda q, k, v, t, s: xa.paged_decode_xla(q, k, v, t, s, form="chunks", chunk=chunk,
+                                                                   merge="sorted"),
+        "chunks_onehot": lambda q, k, v, t, s: xa.paged_decode_xla(q, k, v, t, s, form="chunks", chunk=chunk,
+                                                                   merge="onehot"),
+        "chunks_fixed": chunks_fixed,
+        "chunks_fused": chunks_split(False, True),
+        "chunks_nomerge": chunks_split(True, False),
+    }
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--pool-tokens", type=int, default=800_000)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the script)")
+    ap.add_argument("--hlo-dir", default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+
+    from bench import write_json
+    from timing import time_loop
+    H, K, D = 16, 8, 128
+    if a.smoke:
+        a.batch, a.context, a.chunk, a.block_size, a.pool_tokens, H, K, D = 4, 64, 32, 8, 1024, 4, 2, 16
+    bs, B = a.block_size, a.batch
+    n = a.context // bs
+    blocks = max(B * n + 1, a.pool_tokens // bs)
+    cache = jax.random.normal(jax.random.PRNGKey(0), (blocks, bs, K, D), jnp.float32).astype(jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    tables = jnp.asarray(1 + rng.permutation(B * n).reshape(B, n), jnp.int32)
+    lens = jnp.full((B,), a.context, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((B, H, D)), jnp.bfloat16)
+    need = 2 * B * a.context * K * D * 2
+    fns = variants(a.chunk)
+    ref = np.asarray(fns["einsum"](q, cache, cache, tables, lens), np.float32)
+    rows = {}
+    for name, fn in fns.items():
+        if a.hlo_dir:
+            os.makedirs(a.hlo_dir, exist_ok=True)
+            text = jax.jit(fn).lower(q, cache, cache, tables, lens).compile().as_text()
+            with open(os.path.join(a.hlo_dir, f"{name}.txt"), "w") as f:
+                f.write(text)
+        err = float(np.abs(np.asarray(fn(q, cache, cache, tables, lens), np.float32) - ref).max())
+        s = time_loop(lambda q, *rest: fn(q, *rest), q, cache, cache, tables, lens, est_s=1e-3)
+        rows[name] = dict(us=s * 1e6, gbps=need / s / 1e9, max_abs_diff_vs_einsum=err)
+        print(f"{name:16s} {s * 1e6:9.1f} us  {need / s / 1e9:6.0f} GB/s of the rows' K/V  (|diff| {err:.1e})")
+    out = dict(batch=B, context=a.context, chunk=a.chunk, device=jax.devices()[0].device_kind, variants=rows)
+    write_json(a.json, out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
