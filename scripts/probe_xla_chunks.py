@@ -1,4 +1,4 @@
-"""Where the xla backend's chunked decode ("chunks" form, model/xla_attention.py) spends its time, against the
+"""Where the xla backend's chunked decode ("chunks" form, model/xla_decode.py) spends its time, against the
 einsum form, at one shape (every row's context the same, tight tables: both read exactly the rows' tokens):
 
     PYTHONPATH=. python scripts/probe_xla_chunks.py [--batch 256] [--context 1024] [--chunk 256] [--json PATH]
@@ -9,7 +9,7 @@ Variants (us a call, one layer's attention; back-to-back dispatch):
   chunks        the flat work list (decode_work_list, materialised), per-chunk softmax, merged per row by scatter
                 (the engine's form)
   chunks_given  `chunks` with the work list made outside the call (as the engine makes it once a step)
-  chunks_sorted / chunks_onehot  `chunks` with the other merges (xla_attention.merge_chunks)
+  chunks_sorted / chunks_onehot  `chunks` with the other merges (xla_decode.merge_chunks)
   chunks_fixed  the same chunks, but each row's chunks taken straight from its [B, W] table (no work list, no
                 merge: per-chunk partials combined by a reshape): the cost of the chunk-shaped GEMMs alone
   chunks_fused  `chunks` with the work list left for XLA to fuse into the page gathers (2x slower on the H200:
@@ -33,6 +33,7 @@ def variants(chunk: int):
     import jax.numpy as jnp
 
     from jaxinfer.model import xla_attention as xa
+    from jaxinfer.model import xla_decode as xd
 
     def chunks_fixed(q, k_cache, v_cache, tables, lens):
         B, H, D = q.shape
@@ -43,7 +44,7 @@ def variants(chunk: int):
         row = jnp.repeat(jnp.arange(B), n)
         tok = (jnp.arange(B * n) % n)[:, None] * chunk + jnp.arange(chunk)
         visible = tok < lens[row][:, None]
-        m, l, o = xa.attend_chunk(q[row], xa.gather_pages(k_cache, pages), xa.gather_pages(v_cache, pages), visible,
+        m, l, o = xd.attend_chunk(q[row], xa.gather_pages(k_cache, pages), xa.gather_pages(v_cache, pages), visible,
                                   D ** -0.5)
         m, l, o = m.reshape(B, n, K, -1), l.reshape(B, n, K, -1), o.reshape(B, n, K, H // K, D)
         w = jnp.exp(m - m.max(axis=1, keepdims=True))
@@ -56,12 +57,12 @@ def variants(chunk: int):
             cp = chunk // bs
             flat = tables.reshape(-1)
             start = jnp.arange(B, dtype=jnp.int32) * tables.shape[1]
-            row, pages, visible = xa.chunk_items(lens, start, B * (tables.shape[1] // cp), cp, flat.shape[0], bs)
+            row, pages, visible = xd.chunk_items(lens, start, B * (tables.shape[1] // cp), cp, flat.shape[0], bs)
             ids = flat[pages]
             if barrier:
                 row, ids, visible = jax.lax.optimization_barrier((row, ids, visible))
             qi = q[row]
-            m, l, o = xa.attend_chunk(qi, xa.gather_pages(k_cache, ids), xa.gather_pages(v_cache, ids), visible,
+            m, l, o = xd.attend_chunk(qi, xa.gather_pages(k_cache, ids), xa.gather_pages(v_cache, ids), visible,
                                       D ** -0.5)
             if not merge:
                 return (o.sum(0) / l.sum(0)[..., None]).reshape(1, H, D).astype(q.dtype) + jnp.zeros_like(q)
@@ -76,16 +77,16 @@ def variants(chunk: int):
 
     def chunks_given(q, k, v, t, s):     # the work list made once outside the call, as the engine does a step
         if "w" not in work:
-            work["w"] = jax.tree.map(np.asarray, xa.decode_work_list(t, s, None, k.shape[1], chunk))
-        return xa.paged_decode_xla(q, k, v, t, s, form="chunks", work=tuple(map(jnp.asarray, work["w"])))
+            work["w"] = jax.tree.map(np.asarray, xd.decode_work_list(t, s, None, k.shape[1], chunk))
+        return xd.paged_decode_xla(q, k, v, t, s, form="chunks", work=tuple(map(jnp.asarray, work["w"])))
 
     return {
-        "einsum": lambda q, k, v, t, s: xa.paged_decode_xla(q, k, v, t, s, form="einsum"),
-        "chunks": lambda q, k, v, t, s: xa.paged_decode_xla(q, k, v, t, s, form="chunks", chunk=chunk),
+        "einsum": lambda q, k, v, t, s: xd.paged_decode_xla(q, k, v, t, s, form="einsum"),
+        "chunks": lambda q, k, v, t, s: xd.paged_decode_xla(q, k, v, t, s, form="chunks", chunk=chunk),
         "chunks_given": chunks_given,
-        "chunks_sorted": lambda q, k, v, t, s: xa.paged_decode_xla(q, k, v, t, s, form="chunks", chunk=chunk,
+        "chunks_sorted": lambda q, k, v, t, s: xd.paged_decode_xla(q, k, v, t, s, form="chunks", chunk=chunk,
                                                                    merge="sorted"),
-        "chunks_onehot": lambda q, k, v, t, s: xa.paged_decode_xla(q, k, v, t, s, form="chunks", chunk=chunk,
+        "chunks_onehot": lambda q, k, v, t, s: xd.paged_decode_xla(q, k, v, t, s, form="chunks", chunk=chunk,
                                                                    merge="onehot"),
         "chunks_fixed": chunks_fixed,
         "chunks_fused": chunks_split(False, True),

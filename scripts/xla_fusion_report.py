@@ -156,7 +156,8 @@ def attention_cases(a, cfg):
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.model.xla_attention import paged_decode_xla, prefill_xla
+    from jaxinfer.model.xla_attention import prefill_xla
+    from jaxinfer.model.xla_decode import paged_decode_xla
     H, K, D, bs, dtype = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, a.block_size, jnp.dtype(a.dtype)
     rng = np.random.default_rng(0)
     need_blocks = max([B * -(-c // bs) for B, c in a.decode_shapes] + [T // p * -(-p // bs) for T, _, p in a.prefill_shapes])

@@ -180,8 +180,8 @@ def test_gpu_backend_generates_like_pallas(tiny_dir, backend, monkeypatch):
     """Greedy tokens through LLM() in bf16 agree with the pallas backend's (a bf16 near-tie may split a path:
     agreement is counted up to each output's first difference). xla: decode in 32-token chunks over flat tables,
     so rows span several chunks."""
-    import jaxinfer.model.xla_attention as xa
-    monkeypatch.setattr(xa, "DECODE_CHUNK", 32)
+    import jaxinfer.model.xla_decode as xd
+    monkeypatch.setattr(xd, "DECODE_CHUNK", 32)
     prompts = [[1 + i, 7, 30 + i, 2, 9] * (1 + i) for i in range(6)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     opts = {**TINY_ENGINE, "dtype": "bfloat16", "block_size": 16, "num_kvcache_blocks": 64}   # the engine's page

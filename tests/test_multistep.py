@@ -160,8 +160,8 @@ def test_xla_chunks_over_flat_tables_same_tokens(tiny_dir, reference, monkeypatc
     """The xla decode in chunks of 8 tokens (2 blocks) over flat tables (engine/batch.py): rows span several
     chunks, widths are budgets narrower than the longest row, and the K-step call writes its look-ahead slots
     through table_start. Same tokens as one chunk a row."""
-    import jaxinfer.model.xla_attention as xa
-    monkeypatch.setattr(xa, "DECODE_CHUNK", 8)
+    import jaxinfer.model.xla_decode as xd
+    monkeypatch.setattr(xd, "DECODE_CHUNK", 8)
     llm = LLM(tiny_dir, **{**BASE, "num_scheduler_steps": K, "decode_context_buckets": (16, 32)})
     assert llm.engine.runner.chunk_pages == 2 and llm.engine.runner.widths == (4, 8, 16)
     out, st = _generate(llm, *_requests())

@@ -7,7 +7,8 @@ from helpers import make_paged
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.model.presets import preset
-from jaxinfer.model.xla_attention import paged_decode_xla, prefill_xla, query_tiles
+from jaxinfer.model.xla_attention import prefill_xla, query_tiles
+from jaxinfer.model.xla_decode import paged_decode_xla
 from pallas_kernels.flash_attention import flash_attention_reference
 from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.quant import quantize
@@ -72,8 +73,8 @@ def test_decode_chunks_over_flat_tables(monkeypatch, budget):
     one on a chunk boundary, a padding row, in ordinary [B, W] tables and in flat tables (the rows' pages one
     after another from table_start, as the engine packs them, W then a per-row budget); in one group and in
     several (lax.map under a small budget). All equal the reference."""
-    import jaxinfer.model.xla_attention as xa
-    monkeypatch.setattr(xa, "DECODE_CHUNK", 8)
+    import jaxinfer.model.xla_decode as xd
+    monkeypatch.setattr(xd, "DECODE_CHUNK", 8)
     rng = np.random.default_rng(4)
     lens = [1, 8, 13, 0, 31, 17]
     k, v, tables, seq_lens = make_paged(rng, lens, 4, 2, 16, jnp.float32)
@@ -147,9 +148,9 @@ def test_engine_with_narrow_widths_equals_transformers(tiny_dir, backend, monkey
     over flat tables, the widths then budgets of pages per row."""
     from helpers import TINY_ENGINE, hf_greedy, hf_model
 
-    import jaxinfer.model.xla_attention as xa
+    import jaxinfer.model.xla_decode as xd
     from jaxinfer import LLM, SamplingParams
-    monkeypatch.setattr(xa, "DECODE_CHUNK", 8)
+    monkeypatch.setattr(xd, "DECODE_CHUNK", 8)
     llm = LLM(tiny_dir, **{**TINY_ENGINE, "context_buckets": (16, 48), "attn_backend": backend,
                            "decode_context_buckets": (16, 48),
                            "prefill_buckets": (16, 2048)})

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model import layers
-from jaxinfer.model import xla_attention as xa
+from jaxinfer.model import xla_decode
 from jaxinfer.model.kv_scales import kv_cache_dtype, with_kv_scales
 from jaxinfer.parallel import Placement, kv_heads, make_placements
 from jaxinfer.parallel.layout import KV_SPEC
@@ -47,11 +47,11 @@ def compile_threads() -> int:
 
 
 def decode_chunk_pages(engine: EngineConfig) -> int:
-    """Pages a chunk of the xla backend's chunked decode reads (model/xla_attention.py), whose steps take flat
+    """Pages a chunk of the xla backend's chunked decode reads (model/xla_decode.py), whose steps take flat
     block tables; 0 for the other backends and decode forms (tables of one row each)."""
-    if engine.attn_backend != "xla" or xa.DECODE_FORM != "chunks":
+    if engine.attn_backend != "xla" or xla_decode.DECODE_FORM != "chunks":
         return 0
-    return max(1, min(xa.DECODE_CHUNK // engine.block_size, engine.max_blocks_per_seq))
+    return max(1, min(xla_decode.DECODE_CHUNK // engine.block_size, engine.max_blocks_per_seq))
 
 
 def rows_out(kind: str) -> bool:

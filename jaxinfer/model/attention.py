@@ -5,7 +5,7 @@ Token t of a step goes to flat slot `slot_mapping[t]` = block_id * block_size + 
 point one past the last slot and their writes are dropped.
 
 Backends take the same arguments (the contracts of pallas_kernels/):
-- "xla": plain jnp (model/xla_attention.py): decode as einsums over a flat list of context chunks (the rows'
+- "xla": plain jnp (model/xla_attention.py, model/xla_decode.py): decode as einsums over a flat list of context chunks (the rows'
   tables packed one after another, from `table_start`), prefill per query tile of one sequence with einsum and a
   causal offset mask: the readable reference, and the "XLA fusion" side of the kernel comparison.
 - "pallas": the hand-written kernels (flash_attention for prefill, paged_attention for decode). In a decode
@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.model import xla_attention
-from jaxinfer.model.xla_attention import layer_scales, paged_decode_xla, prefill_xla  # noqa: F401 (re-exported)
+from jaxinfer.model import xla_decode
+from jaxinfer.model.xla_attention import layer_scales, prefill_xla  # noqa: F401 (re-exported)
+from jaxinfer.model.xla_decode import paged_decode_xla  # noqa: F401 (re-exported)
 from jaxinfer.parallel import shard_map
 from jaxinfer.parallel.layout import KV_SPEC
 from pallas_kernels.quant import quantize
@@ -107,9 +108,9 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
         write_scales = layer_scales(meta["k_scale"], meta["v_scale"], l) if scales else ()
         k_cache, v_cache = write_kv(*cache, k, v, meta["slot_mapping"], *write_scales)
         if kind == "decode" and backend == "xla":       # flat tables: rows' pages from table_start (engine/batch.py)
-            if "work" not in memo and xla_attention.DECODE_FORM == "chunks":    # once a step, for every layer
-                memo["work"] = xla_attention.decode_work_list(meta["block_tables"], meta["seq_lens"],
-                                                              meta.get("table_start"), k_cache.shape[1])
+            if "work" not in memo and xla_decode.DECODE_FORM == "chunks":    # once a step, for every layer
+                memo["work"] = xla_decode.decode_work_list(meta["block_tables"], meta["seq_lens"],
+                                                           meta.get("table_start"), k_cache.shape[1])
             o = decode_fn(q, k_cache, v_cache, meta["block_tables"], meta["seq_lens"], table_start=meta.get(
                 "table_start"), work=memo.get("work"), **scales)
         elif kind == "decode":
