@@ -196,6 +196,8 @@ def test_k_choice():
     assert sch.plan_steps(batch, (4, 16), 4) == 4                                  # 7 left: 16 would waste 9
     sch, _, batch = setup(max_tokens=(2, 2))
     assert sch.plan_steps(batch, (4, 16), 4) == 4                                  # none fits: the smallest
+    sch, _, batch = setup(max_tokens=(8, 3))
+    assert sch.plan_steps(batch, (16,), 4) == 1                 # xla's K = 16 alone: 7 left would waste 9 steps
     sch, _, batch = setup(top_p=0.5)
     assert sch.plan_steps(batch, (4, 16), 4) == 1                                  # filtered sampling
     sch, _, batch = setup(stop_token_ids=[1, 2, 3, 4])                             # + EOS: 5 stop ids

@@ -147,7 +147,8 @@ class Scheduler:
         """Steps for this decode batch: 1, or a K of `ks` (sorted) with look-ahead blocks reserved for it.
         K = 1 while requests wait (they join at the next call), when a row samples with top-k / top-p / min-p
         or has more than max_stop_ids stop ids, or when the pool lacks the look-ahead blocks. Otherwise the
-        largest K that no row's remaining tokens fall short of (steps past them would be wasted), else the smallest."""
+        largest K that no row's remaining tokens fall short of (steps past them would be wasted), else the smallest
+        if that wastes at most 3 steps, else 1."""
         if batch.is_prefill or not ks or self.waiting:
             return 1
         # penalties and logprobs run one step per call (their step variant has no K-step form)
@@ -155,7 +156,8 @@ class Scheduler:
                or s.params.logprobs is not None for s in batch.seqs):
             return 1
         rem = [self.remaining(s) for s in batch.seqs]
-        K = max((k for k in ks if k <= max(rem)), default=ks[0])
+        # none fits: the smallest K, unless it would run more than 3 masked steps (xla compiles K = 16 alone)
+        K = max((k for k in ks if k <= max(rem)), default=ks[0] if ks[0] - max(rem) <= 3 else 1)
         if K <= 1:
             return 1
         bs = self.config.block_size
