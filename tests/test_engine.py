@@ -83,6 +83,22 @@ def test_preemption(tiny_dir, alone):
     assert llm.stats()["preemptions"] > 0
 
 
+@pytest.mark.parametrize("chunk,opts", [(8, {"num_kvcache_blocks": 24}), (12, {}), (4, {"max_num_seqs": 3}),
+                                        (256, {"block_size": 16, "num_kvcache_blocks": 64})])
+def test_xla_chunked_decode_over_flat_tables(tiny_dir, alone, monkeypatch, chunk, opts):
+    """The xla decode in chunks of a few pages over flat tables whose per-row budgets are narrower than the
+    longest rows (decode_context_buckets 8 / 16 tokens): with preemption (a 24-block pool), chunks of 3 pages,
+    1-page chunks with rows queued behind others, and 16-token blocks. Shared prefixes put the same blocks in
+    several rows' tables. Same tokens as each prompt alone."""
+    import jaxinfer.model.xla_decode as xd
+    monkeypatch.setattr(xd, "DECODE_CHUNK", chunk)
+    ps, ref = alone
+    llm = LLM(tiny_dir, **{**BASE, "attn_backend": "xla", "decode_context_buckets": (8, 16), **opts})
+    assert tokens(llm, ps) == ref
+    if opts.get("num_kvcache_blocks") == 24:
+        assert llm.stats()["preemptions"] > 0
+
+
 def test_block_size_one_and_sixteen(tiny_dir, alone):
     ps, ref = alone
     for bs in (1, 16):
