@@ -123,7 +123,8 @@ def test_block_table_widths_per_backend():
     xla = EngineConfig(attn_backend="xla").resolve("gpu", m)
     assert xla.block_table_widths() == (128, 512, 2560) and xla.prefill_buckets == (256, 2048, 16384)
     # the xla decode: flat tables, so W is a page budget per row (decode_context_buckets), and few row buckets
-    assert xla.block_table_widths(decode=True) == (32, 48, 64, 96, 128, 512, 2560) and xla.decode_buckets == (8, 64, 256)
+    assert xla.block_table_widths(decode=True) == (32, 48, 64, 96, 128, 512, 2560)
+    assert xla.decode_buckets == (8, 64, 256)
     assert EngineConfig(attn_backend="xla", decode_context_buckets=(100,)).resolve("gpu", m).block_table_widths(
         decode=True) == (7, 2560)
     pallas = EngineConfig(attn_backend="pallas", max_model_len=4096).resolve("gpu", m)

@@ -5,9 +5,9 @@ Token t of a step goes to flat slot `slot_mapping[t]` = block_id * block_size + 
 point one past the last slot and their writes are dropped.
 
 Backends take the same arguments (the contracts of pallas_kernels/):
-- "xla": plain jnp (model/xla_attention.py, model/xla_decode.py): decode as einsums over a flat list of context chunks (the rows'
-  tables packed one after another, from `table_start`), prefill per query tile of one sequence with einsum and a
-  causal offset mask: the readable reference, and the "XLA fusion" side of the kernel comparison.
+- "xla": plain jnp (model/xla_attention.py, model/xla_decode.py): decode as einsums over a flat list of context
+  chunks (the rows' tables packed one after another, from `table_start`), prefill per query tile of one sequence
+  with einsum and a causal offset mask: the readable reference, and the "XLA fusion" side of the kernel comparison.
 - "pallas": the hand-written kernels (flash_attention for prefill, paged_attention for decode). In a decode
   step one kernel (paged_attention_qkv) takes the raw qkv projection, applies q/k RMSNorm and RoPE, writes the
   new token's K/V and attends: no norm, rope, slice or scatter kernels around it.

@@ -191,7 +191,8 @@ def paged_decode_xla(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None,
     S = block_tables.shape[1] * k_cache.shape[1]
     fp8 = layer_scales(k_scale, v_scale, layer)
     if form == "chunks":
-        work = work if work is not None else decode_work_list(block_tables, seq_lens, table_start, k_cache.shape[1], chunk)
+        if work is None:
+            work = decode_work_list(block_tables, seq_lens, table_start, k_cache.shape[1], chunk)
         out = decode_chunks(q, k_cache, v_cache, work, scale, fp8, gather_budget_bytes, merge)
         return jnp.where((seq_lens > 0)[:, None, None], out, 0).astype(q.dtype)
 
