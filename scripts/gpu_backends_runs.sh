@@ -8,6 +8,8 @@
 #                                                                       # 21), the xla backend's GPU fusions
 #   ONLY="xla_fusion w_xla_fp8" bash scripts/gpu_backends_runs.sh      # ~6 min; the xla decode forms timed (incl.
 #                                                                       # "mixed"), W on xla with fp8 pages
+#   ONLY="probe_chunks w_xla" bash scripts/gpu_backends_runs.sh         # ~3 min; the chunked xla decode against
+#                                                                       # einsum (scripts/probe_xla_chunks.py), W on xla
 # (the device machine takes 10-minute commands: run them one by one). Results: $OUT (default out_backends)
 # *.json, *.log and the executed notebook (copy them to scripts/results/ and notebooks/ here). Run the W runs
 # first and commit their JSON, so the notebook's W section finds them. Needs .whl/ carried along: jax-triton
@@ -35,6 +37,8 @@ run kernels  480 python scripts/bench_kernels.py --quick --json scripts/results/
 run w_cudnn  280 python scripts/bench.py --attn-backend cudnn --json scripts/results/h200_w_backend_cudnn.json
 run w_triton 280 python scripts/bench.py --attn-backend triton --json scripts/results/h200_w_backend_triton.json
 run w_mosaic 200 python scripts/bench.py --attn-backend mosaic --json scripts/results/h200_w_backend_mosaic.json
+run probe_chunks 90 python scripts/probe_xla_chunks.py --json "$OUT/probe_xla_chunks.json"
+run w_xla    220 python scripts/bench.py --attn-backend xla --json scripts/results/h200_w_backend_xla.json
 run xla_fusion 240 python scripts/xla_fusion_report.py --batch 256 --json "$OUT/xla_fusion.json" --time
 run w_xla_fp8 280 python scripts/bench.py --attn-backend xla --kv-cache-dtype fp8 --json "$OUT/w_xla_fp8.json"
 run notebook 560 python scripts/run_notebook.py notebooks/xla_vs_pallas.ipynb -o "$OUT/xla_vs_pallas.ipynb"
