@@ -172,8 +172,8 @@ class EngineConfig:
                                                          "xla 256 x 8^k, up to max_num_batched_tokens)")
     context_buckets: tuple[int, ...] | None = _opt(None, "context lengths (tokens) with a narrower block-table width "
                                                          "than max_model_len's (default: pallas 4096; xla 2048, 8192)")
-    decode_context_buckets: tuple[int, ...] | None = _opt(None, "xla decode: mean context per row (tokens) of its "
-        "flat tables' page budgets (default 512, 768, 1024, 1536, 2048, 8192); other backends: context_buckets")
+    decode_context_buckets: tuple[int, ...] | None = _opt(None, "decode steps' context buckets (default: xla 512, "
+        "768, 1024, 1536, 2048, 8192: mean tokens a row of its flat tables; other backends: context_buckets)")
     seed: int = _opt(0, "engine seed: draws the seeds of requests that give none")
     async_scheduling: bool = _opt(True, "schedule step N+1 while step N runs (sampled ids stay on the device)")
     num_scheduler_steps: int | None = _opt(None, "decode steps per device call for small batches (default: the "
