@@ -114,23 +114,6 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
 STEP_LOG_COLUMNS = ("kind", "rows", "bucket", "schedule_s", "dispatch_s", "wait_s", "apply_s", "transfer_s")
 
 
-def step_log_summary(log: list) -> dict:
-    """Host ms per step for each (kind, bucket) of the engine's step log: where `wait` is ~0 the host, not the
-    GPU, set the pace of those steps."""
-    groups: dict[str, list] = {}
-    for kind, _, bucket, *times in log:
-        groups.setdefault(f"{kind} {bucket}", []).append(times)
-    out = {}
-    print("host ms per step by bucket (schedule / dispatch (of it: transfer) / wait / apply):")
-    for name, rows in sorted(groups.items(), key=lambda kv: (kv[0].split()[0], int(kv[0].split()[1]))):
-        mean = np.mean(np.asarray(rows), axis=0) * 1e3
-        out[name] = dict(steps=len(rows), **dict(zip(("schedule", "dispatch", "wait", "apply", "transfer"),
-                                                     mean.tolist())))
-        print(f"  {name:>14}: {len(rows):5d} steps  {mean[0]:6.2f} / {mean[1]:6.2f} ({mean[4]:5.2f}) / {mean[2]:6.2f}"
-              f" / {mean[3]:6.2f}")
-    return out
-
-
 def build(args):
     """The LLM as a user gets it: the engine options given here, the engine's defaults for the rest."""
     from jaxinfer import LLM
@@ -178,6 +161,7 @@ def run_throughput(args) -> dict:
         print(f"wall of each of the {args.repeats} repeats: " + ", ".join(f"{w:.2f} s" for w in walls) +
               " (the median is reported)")
     if args.step_log:
+        from timing import step_log_summary
         r["host_ms_by_bucket"] = step_log_summary(llm.engine.step_log)
         write_json(args.step_log, dict(columns=STEP_LOG_COLUMNS, steps=llm.engine.step_log))
     if args.profile:

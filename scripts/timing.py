@@ -1,4 +1,5 @@
-"""Device timers shared by the bench scripts: back-to-back dispatch timing and the in-process copy bandwidth."""
+"""Timers shared by the bench scripts: back-to-back dispatch timing, the in-process copy bandwidth, where warm-up
+went, and the engine step log by bucket."""
 from __future__ import annotations
 
 import statistics
@@ -6,6 +7,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def time_loop(fn, x, *args, est_s: float, repeats: int = 7, donate: bool = False) -> float:
@@ -57,3 +59,20 @@ def warmup_breakdown(llm, total_s: float) -> dict:
                 compile_sum_s=sum(runner.compile_s.values()), compile_by_kind=by_kind,
                 slowest=[{"step": "/".join(map(str, k[:4])) + ("/filtered" if k[4] else "") +
                           "".join(f"/{x}" for x in k[5:]), "s": s} for k, s in slow])
+
+
+def step_log_summary(log: list) -> dict:
+    """Host ms per step for each (kind, bucket) of the engine's step log: where `wait` is ~0 the host, not the
+    GPU, set the pace of those steps."""
+    groups: dict[str, list] = {}
+    for kind, _, bucket, *times in log:
+        groups.setdefault(f"{kind} {bucket}", []).append(times)
+    out = {}
+    print("host ms per step by bucket (schedule / dispatch (of it: transfer) / wait / apply):")
+    for name, rows in sorted(groups.items(), key=lambda kv: (kv[0].split()[0], int(kv[0].split()[1]))):
+        mean = np.mean(np.asarray(rows), axis=0) * 1e3
+        out[name] = dict(steps=len(rows), **dict(zip(("schedule", "dispatch", "wait", "apply", "transfer"),
+                                                     mean.tolist())))
+        print(f"  {name:>14}: {len(rows):5d} steps  {mean[0]:6.2f} / {mean[1]:6.2f} ({mean[4]:5.2f}) / {mean[2]:6.2f}"
+              f" / {mean[3]:6.2f}")
+    return out
