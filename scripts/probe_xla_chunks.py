@@ -53,7 +53,7 @@ def variants(chunk: int):
     def chunks_split(barrier: bool, merge: bool):
         def fn(q, k_cache, v_cache, tables, lens):
             B, H, D = q.shape
-            _, bs, K, _ = k_cache.shape
+            bs = k_cache.shape[1]
             cp = chunk // bs
             flat = tables.reshape(-1)
             start = jnp.arange(B, dtype=jnp.int32) * tables.shape[1]
@@ -66,11 +66,7 @@ def variants(chunk: int):
                                       D ** -0.5)
             if not merge:
                 return (o.sum(0) / l.sum(0)[..., None]).reshape(1, H, D).astype(q.dtype) + jnp.zeros_like(q)
-            mx = jnp.full((B, K, H // K), xa._NEG, jnp.float32).at[row].max(m)
-            w = jnp.exp(m - mx[row])
-            total = jnp.zeros((B, K, H // K), jnp.float32).at[row].add(l * w)
-            out = jnp.zeros((B, K, H // K, D), jnp.float32).at[row].add(o * w[..., None])
-            return (out / total[..., None]).reshape(B, H, D).astype(q.dtype)
+            return xd.merge_chunks(row, m, l, o, B, "scatter").reshape(B, H, D).astype(q.dtype)
         return fn
 
     work = {}
