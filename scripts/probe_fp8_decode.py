@@ -1,12 +1,16 @@
 """Why the decode kernel reads fp8 pages slower than bf16 ones (docs/fp8_kv_cache.md, "GPU").
 
     python scripts/probe_fp8_decode.py layout [--json PATH]     # H200: ~1 min; CPU: a small interpret-mode check
+    python scripts/probe_fp8_decode.py forms [--json PATH]      # H200: ~2 min; CPU: a small interpret-mode check
     XLA_FLAGS=--xla_gpu_enable_command_buffer= ncu --kernel-name regex:paged_attention --launch-skip 2 \
         --launch-count 1 --clock-control none --set full -o FILE python scripts/probe_fp8_decode.py ncu fp8|bf16 [B CTX]
 
 layout: a stripped decode kernel (no context splits, no prologue; Qwen3-0.6B heads, 16-token pages) timed with
 V pages as the engine stores them ([P, bs, K, D]) and token-minor ([P, K, D, bs], so that the P.V dot's
 operand pairs are adjacent bytes), on fp8 and bf16 pages; TB/s of the bytes read.
+forms: the same stripped kernel with the dots replaced by broadcast multiplies and sums over the GQA group's
+rows only (no tensor cores, so no 16-row padding and no transposed 8-bit operand), P.V summed in fp32 or fp16,
+against the dot form at several tile choices.
 ncu: four calls of the engine's kernel (paged_attention_qkv) on fp8 or bf16 pages, for Nsight Compute.
 """
 import argparse
@@ -67,6 +71,50 @@ def kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, vt, block_n, rows, g
     o_ref[b, head[:, None], dcol[None, :]] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
 
 
+def kernel_ew(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_n, group, pv16):
+    """No dots: s[g, n] = sum_d q[g, d] k[n, d] and pv[g, d] = sum_n p[g, n] v[n, d] as broadcast multiplies
+    and sums, over the group's own rows; pages converted in registers (fp32; P.V's product in fp16 if pv16)."""
+    kh, b = pl.program_id(0), pl.program_id(1)
+    n = lens_ref[b]
+    head = kh * group + jnp.arange(group)
+    dcol = jnp.arange(D)
+    q = q_ref[b, head[:, None], dcol[None, :]].astype(jnp.float32) * (D ** -0.5 * LOG2E)    # [G, D]
+    vdtype = jnp.float16 if pv16 else jnp.float32
+
+    def body(i, carry):
+        acc, m, l = carry
+        tok = i * block_n + jnp.arange(block_n)
+        valid = tok < n
+        t = jnp.minimum(tok, n - 1)
+        page, slot = bt_ref[b, t // BS], t % BS
+        k = k_ref[page, slot, kh, :].astype(jnp.float32)                                  # [N, D]
+        s = jnp.sum(q[:, None, :] * k[None, :, :], axis=2)                                # [G, N]
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l = l * alpha + p.sum(axis=1)
+        v = v_ref[page, slot, kh, :].astype(vdtype)                                       # [N, D]
+        pv = jnp.sum(p.astype(vdtype)[:, :, None] * v[None, :, :], axis=1).astype(jnp.float32)   # [G, D]
+        return acc * alpha[:, None] + pv, m_new, l
+
+    acc = jnp.zeros((group, D), jnp.float32)
+    m = jnp.full((group,), -1e30, jnp.float32)
+    l = jnp.zeros((group,), jnp.float32)
+    acc, m, l = jax.lax.fori_loop(0, pl.cdiv(n, block_n), body, (acc, m, l))
+    o_ref[b, head[:, None], dcol[None, :]] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "warps", "stages", "pv16"))
+def decode_ew(q, kc, vc, bt, lens, block_n=32, warps=4, stages=3, pv16=False):
+    B = q.shape[0]
+    return pl.pallas_call(
+        functools.partial(kernel_ew, block_n=block_n, group=H // K, pv16=pv16),
+        grid=(K, B), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages), interpret=interp,
+        name="ew_probe")(lens, bt, q, kc, vc)
+
+
 @functools.partial(jax.jit, static_argnames=("vt", "block_n", "warps", "stages"))
 def decode(q, kc, vc, bt, lens, vt=False, block_n=64, warps=2, stages=3):
     B = q.shape[0]
@@ -117,6 +165,40 @@ def layout(json_path):
             json.dump(rows, f, indent=1)
 
 
+def forms(json_path):
+    """The dot form against the broadcast-sum form, fp8 and bf16 pages, TB/s of the bytes read."""
+    rows = []
+    shapes = [(4, 100)] if interp else [(256, 1024), (64, 1024), (64, 4096)]
+    variants = [("dot", dict(block_n=64, warps=2, stages=3)), ("dot", dict(block_n=64, warps=2, stages=1))]
+    variants += [(f, dict(block_n=n, warps=w, stages=3)) for f in ("ew", "ew16") for n in (32, 64) for w in (2, 4)]
+    if interp:
+        variants = [variants[0], ("ew", dict(block_n=32, warps=4, stages=3)), ("ew16", dict(block_n=32, warps=4,
+                                                                                           stages=3))]
+    for B, ctx in shapes:
+        for dtype in ("fp8", "bf16"):
+            q, kc, vc, bt, lens = case(B, ctx, dtype)
+            scales = dict(k_scale=1.0, v_scale=1.0) if dtype == "fp8" else {}
+            r0 = paged_attention_reference(q.astype(jnp.float32), kc, vc, bt, lens, **scales)
+            nbytes = B * ctx * K * D * 2 * kc.dtype.itemsize
+            for form, kw in variants:
+                if form == "dot":
+                    fn = functools.partial(decode, **kw)
+                else:
+                    fn = functools.partial(decode_ew, pv16=form == "ew16", **kw)
+                try:
+                    out = fn(q, kc, vc, bt, lens)
+                    err = float(jnp.abs(out.astype(jnp.float32) - r0).max())
+                    s = time_loop(fn, q, kc, vc, bt, lens, est_s=nbytes / 3e12)
+                    row = dict(us=s * 1e6, tbps=nbytes / s / 1e12, max_err=err)
+                except Exception as e:     # a tile that does not compile (registers, shared memory) is reported
+                    row = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
+                rows.append(dict(B=B, ctx=ctx, dtype=dtype, form=form, **kw, **row))
+                print(rows[-1], flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def ncu_calls(dtype: str, B: int, ctx: int):
     """Four calls of the engine's decode kernel, for a profiler to pick one (pages made on the host: under ncu
     an XLA fp8 convert kernel crashed the process)."""
@@ -146,7 +228,7 @@ def ncu_calls(dtype: str, B: int, ctx: int):
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["layout", "ncu"])
+    ap.add_argument("what", choices=["layout", "forms", "ncu"])
     ap.add_argument("dtype", nargs="?", default="fp8", choices=["fp8", "bf16"])
     ap.add_argument("batch", nargs="?", type=int, default=256)
     ap.add_argument("ctx", nargs="?", type=int, default=1024)
@@ -154,5 +236,7 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if a.what == "layout":
         layout(a.json)
+    elif a.what == "forms":
+        forms(a.json)
     else:
         ncu_calls(a.dtype, a.batch, a.ctx)
