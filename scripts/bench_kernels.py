@@ -50,6 +50,13 @@ def machine_ceilings(smoke: bool) -> dict:
     return {"copy_tbps": copy / 1e12, "matmul_tflops": 2 * m ** 3 / mm_s / 1e12}
 
 
+def set_heads(h: int, k: int) -> None:
+    """Another model's head counts for every column (and for kernel_sweep, which imports this module)."""
+    import bench_kernels
+    global H, K
+    H, K = bench_kernels.H, bench_kernels.K = h, k
+
+
 def paged_cache(key, batch, max_blocks):
     """A pool of batch * max_blocks + 16 pages (more than the tables use, as in the engine: cuDNN then reads
     the shared pool, not a private set per row), each row's pages scattered by a permutation."""
@@ -234,7 +241,11 @@ def main():
                     + ",".join(DECODE_IMPLS) + "; prefill: " + ",".join(PREFILL_IMPLS))
     ap.add_argument("--json", help="write all results to this path")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shapes (checks the script)")
+    ap.add_argument("--heads", default=None, metavar="H,K",
+                    help="q and kv heads (default 16,8: Qwen3-0.6B; 32,8 is Qwen3-8B's GQA group of 4)")
     args = ap.parse_args()
+    if args.heads:
+        set_heads(*(int(x) for x in args.heads.split(",")))
     picked = None if args.impls is None else set(args.impls.split(","))
     unknown = (picked or set()) - set(DECODE_IMPLS) - set(PREFILL_IMPLS)
     if unknown:
