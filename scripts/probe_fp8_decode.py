@@ -35,74 +35,58 @@ H, K, D, BS = 16, 8, 128, 16
 LOG2E = 1.4426950408889634
 
 
-def kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, vt, block_n, rows, group, cdtype):
-    kh, b = pl.program_id(0), pl.program_id(1)
-    n = lens_ref[b]
-    g = jnp.arange(rows)
-    head = kh * group + jnp.minimum(g, group - 1)
-    dcol = jnp.arange(D)
-    q = q_ref[b, head[:, None], dcol[None, :]].astype(cdtype)
-
+def softmax_loop(n, page_slot, k_of, rows, block_n, scores, pv):
+    """The online-softmax loop over block_n-token tiles shared by the probe's kernels: page_slot(t) -> (page, slot);
+    k_of(page, slot) -> the K tile; scores(k) -> [rows, N] log2-scaled; pv(p, page, slot) -> [rows, D]."""
     def body(i, carry):
         acc, m, l = carry
         tok = i * block_n + jnp.arange(block_n)
-        valid = tok < n
-        t = jnp.minimum(tok, n - 1)
-        page, slot = bt_ref[b, t // BS], t % BS
-        k = k_ref[page, slot, kh, :].astype(cdtype)
-        s = plt.dot(q, k, trans_b=True) * (D ** -0.5 * LOG2E)
-        s = jnp.where(valid[None, :], s, -jnp.inf)
+        page, slot = page_slot(jnp.minimum(tok, n - 1))
+        s = jnp.where((tok < n)[None, :], scores(k_of(page, slot)), -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
-        l = l * alpha + p.sum(axis=1)
+        return acc * alpha[:, None] + pv(p, page, slot), m_new, (l * alpha + p.sum(axis=1))
+
+    init = (jnp.zeros((rows, D), jnp.float32), jnp.full((rows,), -1e30, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    acc, m, l = jax.lax.fori_loop(0, pl.cdiv(n, block_n), body, init)
+    return acc / jnp.where(l > 0, l, 1.0)[:, None]
+
+
+def kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, vt, block_n, rows, group, cdtype):
+    kh, b = pl.program_id(0), pl.program_id(1)
+    head = kh * group + jnp.minimum(jnp.arange(rows), group - 1)
+    dcol = jnp.arange(D)
+    q = q_ref[b, head[:, None], dcol[None, :]].astype(cdtype)
+
+    def pv(p, page, slot):
         if vt:
             v = v_ref[page[None, :], kh, dcol[:, None], slot[None, :]].astype(cdtype)   # [D, N]
-            pv = plt.dot(p.astype(cdtype), v, trans_b=True)
-        else:
-            v = v_ref[page, slot, kh, :].astype(cdtype)                                  # [N, D]
-            pv = plt.dot(p.astype(cdtype), v)
-        return acc * alpha[:, None] + pv, m_new, l
+            return plt.dot(p.astype(cdtype), v, trans_b=True)
+        return plt.dot(p.astype(cdtype), v_ref[page, slot, kh, :].astype(cdtype))       # V [N, D]
 
-    acc = jnp.zeros((rows, D), jnp.float32)
-    m = jnp.full((rows,), -1e30, jnp.float32)
-    l = jnp.zeros((rows,), jnp.float32)
-    acc, m, l = jax.lax.fori_loop(0, pl.cdiv(n, block_n), body, (acc, m, l))
-    o_ref[b, head[:, None], dcol[None, :]] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    out = softmax_loop(lens_ref[b], lambda t: (bt_ref[b, t // BS], t % BS), lambda pg, sl: k_ref[pg, sl, kh, :],
+                       rows, block_n, lambda k: plt.dot(q, k.astype(cdtype), trans_b=True) * (D ** -0.5 * LOG2E), pv)
+    o_ref[b, head[:, None], dcol[None, :]] = out.astype(o_ref.dtype)
 
 
 def kernel_ew(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_n, group, pv16):
     """No dots: s[g, n] = sum_d q[g, d] k[n, d] and pv[g, d] = sum_n p[g, n] v[n, d] as broadcast multiplies
     and sums, over the group's own rows; pages converted in registers (fp32; P.V's product in fp16 if pv16)."""
     kh, b = pl.program_id(0), pl.program_id(1)
-    n = lens_ref[b]
     head = kh * group + jnp.arange(group)
     dcol = jnp.arange(D)
     q = q_ref[b, head[:, None], dcol[None, :]].astype(jnp.float32) * (D ** -0.5 * LOG2E)    # [G, D]
     vdtype = jnp.float16 if pv16 else jnp.float32
 
-    def body(i, carry):
-        acc, m, l = carry
-        tok = i * block_n + jnp.arange(block_n)
-        valid = tok < n
-        t = jnp.minimum(tok, n - 1)
-        page, slot = bt_ref[b, t // BS], t % BS
-        k = k_ref[page, slot, kh, :].astype(jnp.float32)                                  # [N, D]
-        s = jnp.sum(q[:, None, :] * k[None, :, :], axis=2)                                # [G, N]
-        s = jnp.where(valid[None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        l = l * alpha + p.sum(axis=1)
-        v = v_ref[page, slot, kh, :].astype(vdtype)                                       # [N, D]
-        pv = jnp.sum(p.astype(vdtype)[:, :, None] * v[None, :, :], axis=1).astype(jnp.float32)   # [G, D]
-        return acc * alpha[:, None] + pv, m_new, l
+    def pv(p, page, slot):                                                                  # [G, N] x [N, D]
+        v = v_ref[page, slot, kh, :].astype(vdtype)
+        return jnp.sum(p.astype(vdtype)[:, :, None] * v[None, :, :], axis=1).astype(jnp.float32)
 
-    acc = jnp.zeros((group, D), jnp.float32)
-    m = jnp.full((group,), -1e30, jnp.float32)
-    l = jnp.zeros((group,), jnp.float32)
-    acc, m, l = jax.lax.fori_loop(0, pl.cdiv(n, block_n), body, (acc, m, l))
-    o_ref[b, head[:, None], dcol[None, :]] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    out = softmax_loop(lens_ref[b], lambda t: (bt_ref[b, t // BS], t % BS), lambda pg, sl: k_ref[pg, sl, kh, :],
+                       group, block_n, lambda k: jnp.sum(q[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=2),
+                       pv)
+    o_ref[b, head[:, None], dcol[None, :]] = out.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "warps", "stages", "pv16"))
