@@ -26,7 +26,7 @@ def fit_history(llm, history: list[dict], kwargs: dict | None, max_tokens: int) 
     """(prompt, turns dropped): the newest turns whose rendered prompt leaves room for a reply of up to
     max_tokens (at least a quarter of max_model_len). The system message and the last user turn stay."""
     limit = llm.config.max_model_len
-    room = max(1, min(max_tokens, limit // 4))
+    room = max(1, min(max_tokens or limit, limit // 4))
     system = history[:1] if history and history[0]["role"] == "system" else []
     turns = history[len(system):]
     dropped = 0

@@ -25,12 +25,31 @@ DEFAULT_MODEL = "qwen3-pydoc"     # the small trained model that ships in jaxinf
 DEFAULT_PROMPTS = ["The json module", "Return the number of", "A dictionary is", "This function raises"]
 
 
+def int_list(text: str) -> tuple[int, ...]:
+    """argparse type of the list options: "8,32,64" -> (8, 32, 64)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 8,32,64)") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
 def _flag_type(annotation: str):
     """(argparse kwargs) for an EngineConfig field's annotation (a string: annotations are postponed)."""
     if "bool" in annotation:
         return dict(action=argparse.BooleanOptionalAction)
     if annotation.startswith("tuple"):
-        return dict(type=lambda s: tuple(int(x) for x in s.split(",")), metavar="N,N,...")
+        return dict(type=int_list, metavar="N,N,...")
     if annotation.startswith("int"):
         return dict(type=int, metavar="N")
     if annotation.startswith("float"):
@@ -214,17 +233,19 @@ def main(argv: list[str] | None = None) -> int:
     from jaxinfer.xla_options import set_process_flags
     set_process_flags()                   # this process is ours: before JAX starts its GPU client
     if argv[:1] == ["bench"]:             # everything after `bench` belongs to the benchmark script
-        return cmd_bench(argv[1:])
-    a = build_parser().parse_args(argv)
-    if getattr(a, "attn_backend", None) == "triton":
-        from jaxinfer.xla_options import use_triton_ptxas
-        use_triton_ptxas()                # jaxlib runs ptxas to load jax-triton kernels (the serving core inherits it)
-    logging.basicConfig(format="%(message)s")
-    logging.getLogger("jaxinfer").setLevel(logging.INFO)   # e.g. "compiling decode step ..." on a CPU
+        command, run = "bench", lambda: cmd_bench(argv[1:])
+    else:
+        a = build_parser().parse_args(argv)
+        if getattr(a, "attn_backend", None) == "triton":
+            from jaxinfer.xla_options import use_triton_ptxas
+            use_triton_ptxas()            # jaxlib runs ptxas to load jax-triton kernels (the serving core inherits it)
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("jaxinfer").setLevel(logging.INFO)   # e.g. "compiling decode step ..." on a CPU
+        command, run = a.command, lambda: a.func(a)
     try:
-        return a.func(a)
+        return run()
     except (ValueError, FileNotFoundError) as e:
-        print(f"jaxinfer {a.command}: error: {e}", file=sys.stderr)
+        print(f"jaxinfer {command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -174,7 +174,7 @@ class EngineConfig:
                                                          "than max_model_len's (default: pallas 4096; xla 2048, 8192)")
     decode_context_buckets: tuple[int, ...] | None = _opt(None, "decode steps' context buckets (default: xla 512, "
         "768, 1024, 1536, 2048, 8192: mean tokens a row of its flat tables; other backends: context_buckets)")
-    seed: int = _opt(0, "engine seed: draws the seeds of requests that give none")
+    seed: int | None = _opt(0, "engine seed: draws the seeds of requests that give none")
     async_scheduling: bool = _opt(True, "schedule step N+1 while step N runs (sampled ids stay on the device)")
     num_scheduler_steps: int | None = _opt(None, "decode steps per device call for small batches (default: the "
                                                  "engine picks 4 or 16 per call when nothing waits; 1: one step)")
@@ -185,18 +185,19 @@ class EngineConfig:
                                       "to the least loaded", aliases=("-dp",))
 
     def __post_init__(self):
-        def positive(name):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name}={v!r} must be a positive integer")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kvcache_blocks",
-                     "tensor_parallel_size", "data_parallel_size", "num_scheduler_steps"):
-            positive(name)
+                     "tensor_parallel_size", "data_parallel_size", "num_scheduler_steps", "seed"):
+            v, least = getattr(self, name), 0 if name == "seed" else 1      # None: the default (seed: a random one)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):
+                raise ValueError(f"{name}={v!r} must be a {'non-negative' if least == 0 else 'positive'} integer")
         bs = self.block_size
         if bs & (bs - 1):
             raise ValueError(f"block_size={bs} must be a power of two")
-        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+        if not isinstance(g := self.gpu_memory_utilization, (int, float)) or isinstance(g, bool) or not 0 < g <= 1:
+            raise ValueError(f"gpu_memory_utilization={g!r} must be in (0, 1]")
+        for name in ("enable_prefix_caching", "async_scheduling", "warmup")[:2 if self.warmup is None else 3]:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.attn_backend is not None and self.attn_backend not in ATTN_BACKENDS:
             raise ValueError(f"attn_backend={self.attn_backend!r} is not one of {ATTN_BACKENDS}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -204,11 +205,11 @@ class EngineConfig:
         if self.dtype is not None and self.dtype != "auto":
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         for name in ("decode_buckets", "prefill_buckets", "context_buckets", "decode_context_buckets"):
-            v = getattr(self, name)
-            if v is not None:
-                if isinstance(v, int) or not all(isinstance(x, int) and x >= 1 for x in v) or not v:
-                    raise ValueError(f"{name}={v!r} must be a non-empty list of positive integers")
-                object.__setattr__(self, name, tuple(sorted(set(v))))
+            if (v := getattr(self, name)) is None:
+                continue
+            if isinstance(v, int) or not all(isinstance(x, int) and x >= 1 for x in v) or not v:
+                raise ValueError(f"{name}={v!r} must be a non-empty list of positive integers")
+            object.__setattr__(self, name, tuple(sorted(set(v))))
         if self.resolved:
             if max(self.decode_buckets) < self.max_num_seqs:
                 raise ValueError(f"decode_buckets={self.decode_buckets} do not reach max_num_seqs={self.max_num_seqs}")

@@ -113,6 +113,9 @@ class LLM:
         """Normalise and validate every request before any is queued (a bad one disturbs no other)."""
         prompts = prompt_forms.as_list(prompts)
         sampling_params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(sampling_params, (SamplingParams, list, tuple)):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__} {sampling_params!r}")
         sampling_params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
             else list(sampling_params)
         if len(sampling_params) != len(prompts):
@@ -254,7 +257,10 @@ class LLM:
                                  prompt_logprobs=prompt_logprobs_of(seq, texts) if start is None else None,
                                  num_cached_tokens=seq.num_cached_tokens)
 
+        ended = set()                             # seq ids whose final delta was yielded (an abort's comes early)
         for k, seq in self._run(seqs):
+            if seq.seq_id in ended:               # aborted after this step's updates were listed: nothing more
+                continue
             d = self._process_text(seq, procs, stream=True)
             if d.text or d.token_ids or d.finish_reason:
                 yield delta(k, seq, d)
@@ -263,6 +269,7 @@ class LLM:
                 for k2, s in enumerate(seqs):
                     if where[k2][0] == i and not is_finished(s):
                         self.engine.abort(s)
+                        ended.add(s.seq_id)
                         yield delta(k2, s, TextDelta("", [], "abort"))
 
     def apply_chat_template(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> str:

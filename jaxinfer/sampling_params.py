@@ -1,6 +1,7 @@
 """Per-request sampling parameters (vLLM names), validated on construction."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
 
 MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
@@ -12,7 +13,7 @@ class SamplingParams:
     top_k: int = 0                    # 0 or -1 disables
     top_p: float = 1.0                # in (0, 1]
     min_p: float = 0.0                # in [0, 1]
-    max_tokens: int = 16
+    max_tokens: int | None = 16       # None: until max_model_len (as vLLM)
     ignore_eos: bool = False
     seed: int | None = None           # makes this request's samples reproducible whatever the batch
     stop: tuple[str, ...] | list[str] | str | None = None
@@ -27,22 +28,29 @@ class SamplingParams:
     def __post_init__(self):
         def bad(name, why):
             raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} {why}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            bad("temperature", "must be a number >= 0 (0 = greedy)")
+        def number(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not number(self.temperature) or not 0 <= self.temperature < float("inf"):
+            bad("temperature", "must be a finite number >= 0 (0 = greedy)")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             bad("top_k", "must be an integer >= -1 (0 or -1 disable it)")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            bad("max_tokens", "must be an integer >= 1")
+        mt = self.max_tokens
+        if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
+            bad("max_tokens", "must be an integer >= 1, or None (up to max_model_len)")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             bad("seed", "must be an integer or None")
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            bad("stop", "must be a string, a list of strings or None")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
             bad("stop", "must be a non-empty string or a list of them")
         object.__setattr__(self, "stop", stop)
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            bad("stop_token_ids", "must be a list of non-negative integers or None")
         ids = tuple(self.stop_token_ids or ())
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
@@ -83,6 +91,11 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    def up_to(self, room: int) -> "SamplingParams":
+        """These params with max_tokens None (vLLM's "until max_model_len") made `room`, the tokens the context
+        has left; unchanged otherwise."""
+        return self if self.max_tokens is not None else replace(self, max_tokens=room)
+
     def for_sample(self, index: int) -> "SamplingParams":
         """The params of completion `index` of an n > 1 request, as one n = 1 request. Sample 0 keeps the
         seed (so n = 1 and sample 0 of n draw the same tokens); sample i > 0 gets a seed derived from
@@ -95,3 +108,11 @@ class SamplingParams:
         if seed is not None and index > 0:
             seed = (seed * 0x9E3779B1 + index * 0x85EBCA77 + 0x632BE5AB) % 0x7FFFFFFF
         return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
+
+
+def device_seed(seed: int) -> int:
+    """A request's seed as the 31-bit one the device's noise takes: the seed itself when it fits, else a hash of
+    all of it (masking the low bits made seeds 0, 2**32 and -2**32 draw the same tokens)."""
+    if 0 <= seed < 2**31:
+        return seed
+    return int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF

@@ -32,10 +32,10 @@ def workload(num_seqs: int, max_input: int, max_output: int, vocab: int = 151936
     taken modulo the vocabulary so tiny test models can run it too."""
     from jaxinfer import SamplingParams
     random.seed(seed)
-    prompts = [[random.randint(0, 10000) % vocab for _ in range(random.randint(100, max_input))]
-               for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, max_output))
-              for _ in range(num_seqs)]
+    prompts = [[random.randint(0, 10000) % vocab for _ in range(random.randint(min(100, max_input), max_input))]
+               for _ in range(num_seqs)]       # (limits below 100: lengths up to them; nano-vllm's needs >= 100)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True,
+                             max_tokens=random.randint(min(100, max_output), max_output)) for _ in range(num_seqs)]
     return prompts, params
 
 
@@ -230,15 +230,15 @@ def host_name() -> str:
 
 
 def parse(argv=None):
-    from jaxinfer.cli import add_engine_args
+    from jaxinfer.cli import add_engine_args, positive_int
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default="qwen3-0.6b",
                     help="checkpoint dir, preset name (random weights) or hub id (default: qwen3-0.6b)")
     ap.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)   # older spelling
     g = ap.add_argument_group("workload (nano-vllm's bench.py)")
-    g.add_argument("--num-seqs", type=int, default=256, help="requests (default: 256)")
-    g.add_argument("--max-input-len", type=int, default=1024, help="longest prompt (default: 1024)")
-    g.add_argument("--max-output-len", type=int, default=1024, help="most output tokens (default: 1024)")
+    g.add_argument("--num-seqs", type=positive_int, default=256, help="requests (default: 256)")
+    g.add_argument("--max-input-len", type=positive_int, default=1024, help="longest prompt (default: 1024)")
+    g.add_argument("--max-output-len", type=positive_int, default=1024, help="most output tokens (default: 1024)")
     add_engine_args(ap, with_model=False)
     ap.add_argument("--latency", action="store_true", help="one request: TTFT and TPOT")
     ap.add_argument("--latency-prompt", type=int, default=1024)

@@ -20,6 +20,8 @@ def llm(tiny_dir):
     ([1, 2, 512], SamplingParams(), "token id 512 outside"),
     ([1, -1], SamplingParams(), "token id -1"),
     ([1, 2], "greedy", "SamplingParams"),
+    ([1, 2], {"max_tokens": 2}, "got dict"),
+    ([1, True], SamplingParams(), "token id True"),
 ])
 def test_bad_requests(llm, prompt, sp, match):
     with pytest.raises(ValueError, match=match):
@@ -28,6 +30,30 @@ def test_bad_requests(llm, prompt, sp, match):
     assert st["waiting"] == st["running"] == 0           # the good neighbour was not queued either
     out = llm.generate([5, 6, 7], SamplingParams(max_tokens=3), use_tqdm=False)[0]
     assert len(out.token_ids) >= 1 and llm.stats()["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_ids_past_int32_in_sampling_params(llm):
+    """A stop token id or a top_k past int32 (vLLM takes any) cannot match or filter anything: the request runs as
+    without them, on the K-step path and the one-step path, instead of failing the step it is packed into."""
+    ps = [[5, 6, 7], [9, 8]]
+    for steps in (None, 1):
+        llm.engine.multistep = steps is None
+        want = llm.generate(ps, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+        got = llm.generate(ps, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[2**31, 2**70]),
+                           use_tqdm=False)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        big = [SamplingParams(temperature=0.8, max_tokens=6, seed=3, top_k=k) for k in (10**6, 2**31)]
+        outs = [llm.generate(ps, sp, use_tqdm=False) for sp in big]
+        assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    llm.engine.multistep = True
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_max_tokens_none_runs_to_max_model_len(llm):
+    """vLLM's max_tokens=None: generate until the context is full (max_model_len=128 here)."""
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 128 - 3 and out.finish_reason == "length"
 
 
 def test_request_larger_than_pool(tiny_dir):
@@ -41,6 +67,9 @@ def test_request_larger_than_pool(tiny_dir):
     (dict(attn_backend="cuda"), "attn_backend='cuda'"), (dict(block_size=3), "block_size=3"),
     (dict(max_num_seqs=0), "max_num_seqs=0"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(dtype="int8"), "dtype='int8'"), (dict(num_kvcache_blocks=0), "num_kvcache_blocks=0"),
+    (dict(seed=-1), "seed=-1"), (dict(seed="a"), "seed='a'"), (dict(seed=1.5), "seed=1.5"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching='no'"), (dict(warmup="yes"), "warmup='yes'"),
+    (dict(async_scheduling=1), "async_scheduling=1"), (dict(gpu_memory_utilization=True), "gpu_memory_utilization"),
 ])
 def test_bad_engine_config(kw, match):
     with pytest.raises(ValueError, match=match):

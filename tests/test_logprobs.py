@@ -147,6 +147,19 @@ def test_abort_ends_a_streamed_request(llm):
             llm.abort(1)
     assert reasons == {0: "length", 1: "abort"} and counts[0] == 20 and counts[1] < 20
     _free(llm)
+    # aborted while the step that updated it is still being yielded (at request 0's first delta): its samples
+    # end with one "abort" delta each, and nothing follows it
+    for n in (1, 2):
+        seen = []
+        for d in llm.stream(PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True, n=n, seed=1, temperature=0.8)):
+            seen.append((d.request_id, d.outputs[0].index, d.finish_reason))
+            if len(seen) == 1:
+                llm.abort(1 - d.request_id)
+        victim = 1 - seen[0][0]
+        for j in range(n):
+            ends = [r for i, k, r in seen if (i, k) == (victim, j)]
+            assert ends[-1] == "abort" and ends.count("abort") == 1, seen
+        _free(llm)
     with pytest.raises(ValueError, match="request_id"):
         llm.abort("x")
 

@@ -110,6 +110,8 @@ def test_top_k_top_p_min_p_restrict_support():
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"),
     (dict(max_tokens=0), "max_tokens"), (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop=5), "stop=5"), (dict(stop_token_ids=5), "stop_token_ids=5"), (dict(temperature=True), "temperature"),
+    (dict(temperature=float("inf")), "temperature"), (dict(top_p=True), "top_p"), (dict(max_tokens=2.0), "max_tokens"),
 ])
 def test_bad_sampling_params(kw, name):
     with pytest.raises(ValueError, match=name):

@@ -215,6 +215,10 @@ def test_disconnect_before_a_plain_answer_aborts_it(url):
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": 42}, "prompt"),
     ({"prompt": [1, 10**9]}, "prompt"),
+    ({"prompt": [True, 2]}, "prompt"),
+    ({"prompt": "hi", "seed": 2**64}, "seed"),
+    ({"prompt": "hi", "top_k": 2**64}, "top_k"),
+    ({"prompt": "hi", "stop_token_ids": [2**64]}, "stop_token_ids"),
     ({"prompt": "x" * 400}, "prompt"),
     ({"prompt": "hi", "max_tokens": 500}, "max_tokens"),
     ({"messages": "hi"}, "messages"),
@@ -234,6 +238,46 @@ def test_invalid_requests_get_400_and_server_keeps_serving(url, bad, param):
     assert err["param"] == param
     ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_ids_past_int32_run_beside_other_requests(url):
+    """top_k and stop token ids past int32 (vLLM takes any) filter and match nothing; a request with them runs
+    beside another one instead of failing the step both are in."""
+    import concurrent.futures as cf
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    odd = {**body, "top_k": 2**31, "stop_token_ids": [2**31, 2**62], "seed": -2**63}
+    with cf.ThreadPoolExecutor(2) as pool:
+        rs = list(pool.map(lambda b: httpx.post(url + "/v1/completions", json=b, timeout=60), (body, odd)))
+    assert [r.status_code for r in rs] == [200, 200], [r.text for r in rs]
+    assert rs[0].json()["choices"][0]["text"] == rs[1].json()["choices"][0]["text"]
+
+
+def test_a_command_that_cannot_be_encoded_fails_alone():
+    """The API process sends each event-loop turn's commands as one message; one that msgpack cannot encode
+    (an int past 64 bits) fails its own request with a 400 and the others still go."""
+    import asyncio
+
+    import msgpack
+
+    from jaxinfer.server.client import Collector, CoreClient
+
+    class Push:
+        sent = []
+
+        def send(self, data):
+            self.sent.append(msgpack.unpackb(data))
+
+    async def go():
+        c = CoreClient.__new__(CoreClient)
+        c._packb, c._push, c._cmds = msgpack.packb, Push(), []
+        good, bad = Collector(1, True), Collector(1, True)
+        c._requests = {1: (good, 0), 2: (bad, 0)}
+        c._cmds = [["add", 1, [1, 2], {"seed": 3}], ["add", 2, [1, 2], {"seed": 2**70}], ["abort", 7]]
+        c._flush()
+        return Push.sent, good, bad, c._requests
+    sent, good, bad, left = asyncio.run(go())
+    assert sent == [[["add", 1, [1, 2], {"seed": 3}], ["abort", 7]]]
+    assert good.error is None and bad.error.status == 400 and "cannot be sent" in str(bad.error) and left == {1: left[1]}
 
 
 def test_openai_client_errors(url, client):

@@ -103,7 +103,7 @@ def pack(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slo
     for i, s in enumerate(seqs):
         s.row = i
     params = [s.params for s in seqs]
-    f["top_k"][:n] = [p.top_k for p in params]
+    f["top_k"][:n] = [min(p.top_k, 2**31 - 1) for p in params]       # past the vocabulary: no filtering
     f["seeds"][:n] = [s.seed for s in seqs]
     # The noise counter is the index of the token this row samples: every output token so far, read back or
     # still on the device. (The read-back count alone depended on whether the previous step had been

@@ -61,7 +61,8 @@ class DPEngine:
                 placements[0].kv_view(model), config, config.dtype, strict=not cap_max_model_len,
                 device=placements[0].local_device))
         # distinct engine seeds: requests without a seed draw different seeds on different replicas
-        self.replicas = [LLMEngine(model, config.replace(seed=config.seed + r), p, eos_token_ids, cap_max_model_len,
+        seeds = [None if config.seed is None else config.seed + r for r in range(len(placements))]
+        self.replicas = [LLMEngine(model, config.replace(seed=seeds[r]), p, eos_token_ids, cap_max_model_len,
                                    placement) for r, (p, placement) in enumerate(zip(params, placements))]
         del params
         self.config = self.replicas[0].config.replace(seed=config.seed)

@@ -21,10 +21,10 @@ from jaxinfer.engine.memory import check_pool_fits, num_blocks_for_memory
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.model.kv_scales import kv_cache_dtype
-from jaxinfer.engine.sequence import Sequence, Status, stamp_token_times
+from jaxinfer.engine.sequence import Sequence, is_finished, stamp_token_times
 from jaxinfer.multistep import STOP_IDS
 from jaxinfer.parallel import Placement
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import SamplingParams, device_seed
 
 
 class LLMEngine:
@@ -111,15 +111,16 @@ class LLMEngine:
         n, V, cfg = len(token_ids), self.model_config.vocab_size, self.config
         if n == 0:
             raise ValueError(f"{where} is empty: give at least one token")
-        bad = [t for t in token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < V)]
+        bad = [t for t in token_ids if isinstance(t, bool) or not (isinstance(t, (int, np.integer)) and 0 <= t < V)]
         if bad:
             raise ValueError(f"{where} has token id {bad[0]!r} outside the vocabulary [0, {V})")
         if n >= cfg.max_model_len:
             raise ValueError(f"{where} has {n} tokens; max_model_len={cfg.max_model_len} leaves no room to "
                              f"generate (the prompt must be shorter than max_model_len)")
-        need = -(-min(n + params.max_tokens, cfg.max_model_len) // cfg.block_size)
+        most = params.up_to(cfg.max_model_len - n).max_tokens
+        need = -(-min(n + most, cfg.max_model_len) // cfg.block_size)
         if need > self.block_manager.num_blocks:
-            raise ValueError(f"{where} needs {need} KV blocks for {n} prompt + {params.max_tokens} output tokens "
+            raise ValueError(f"{where} needs {need} KV blocks for {n} prompt + {most} output tokens "
                              f"but the pool has only {self.block_manager.num_blocks} (num_kvcache_blocks)")
 
     def add_request(self, token_ids: list[int], params: SamplingParams,
@@ -130,8 +131,9 @@ class LLMEngine:
         if params.n != 1:
             raise ValueError(f"LLMEngine.add_request runs one sample, got n={params.n}: add "
                              f"params.for_sample(i) for each i in range(n) (LLM.generate does)")
+        params = params.up_to(self.config.max_model_len - len(token_ids))     # max_tokens None: the rest
         seed = params.seed if params.seed is not None else int(self.rng.integers(0, 2**31 - 1))
-        seq = Sequence([int(t) for t in token_ids], params, seed & 0x7FFFFFFF, self.config.block_size)
+        seq = Sequence([int(t) for t in token_ids], params, device_seed(seed), self.config.block_size)
         seq.arrival_time = time.perf_counter()
         seq.prompt_source = prompt_source
         self.counters["prompt_tokens"] += len(seq)
@@ -294,7 +296,3 @@ class LLMEngine:
                     compiled_extras=len(self.extras.compiled),
                     running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                     **self.counters, **{f"host_{k}": v for k, v in self.host_time.items()})
-
-
-def is_finished(seq: Sequence) -> bool:
-    return seq.status is Status.FINISHED

@@ -135,9 +135,10 @@ class Scheduler:
 
     # -- K-step decode calls (multistep.py) --------------------------------------------------------
     def stop_ids(self, seq: Sequence) -> list[int]:
-        """The ids that end seq (EOS unless ignore_eos, and stop_token_ids), for the device."""
+        """The ids that end seq (EOS unless ignore_eos, and stop_token_ids), for the device. An id past int32
+        (so past any vocabulary) can never be sampled: it is left out."""
         ids = [] if seq.params.ignore_eos else sorted(self.eos)
-        return ids + [t for t in seq.params.stop_token_ids if t not in ids]
+        return ids + [t for t in seq.params.stop_token_ids if t not in ids and t < 2**31]
 
     def remaining(self, seq: Sequence) -> int:
         """Tokens seq may still sample (max_tokens, max_model_len), counting those still on the device."""

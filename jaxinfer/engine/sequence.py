@@ -120,3 +120,7 @@ def stamp_token_times(updated: list[Sequence], now: float, one_each: bool) -> No
                 seq.token_times.extend([now] * new)
         if seq.first_token_time is None:
             seq.first_token_time = now
+
+
+def is_finished(seq: Sequence) -> bool:
+    return seq.status is Status.FINISHED

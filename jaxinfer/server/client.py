@@ -178,7 +178,24 @@ class CoreClient:
     def _flush(self) -> None:
         if self._cmds:
             cmds, self._cmds = self._cmds, []
-            self._push.send(self._packb(cmds))
+            try:
+                self._push.send(self._packb(cmds))
+            except (OverflowError, TypeError, ValueError):    # one command msgpack cannot encode fails alone
+                self._send_each(cmds)
+
+    def _send_each(self, cmds: list) -> None:
+        ok = []
+        for cmd in cmds:
+            try:
+                self._packb([cmd])
+                ok.append(cmd)
+            except (OverflowError, TypeError, ValueError) as e:
+                entry = self._requests.pop(cmd[1], None) if cmd[0] == "add" else None
+                if entry is not None:
+                    entry[0].put(entry[1], [], "rejected", f"the request cannot be sent to the engine: {e}")
+                log.error("dropped an engine command that cannot be encoded (%s): %.200r", e, cmd)
+        if ok:
+            self._push.send(self._packb(ok))
 
     # -- outputs (event loop) -----------------------------------------------------------------------
     def _dispatch(self, msgs: list) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from jaxinfer.sampling_params import SamplingParams
 
@@ -78,17 +78,19 @@ class _Request(BaseModel):
     stream_options: dict | None = Field(None, description='{"include_usage": true}: a last chunk with usage')
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    seed: int | None = Field(None, description="reproducible samples (sample i of n: a seed derived from it)")
+    seed: Annotated[int, Field(ge=-2**63, lt=2**63)] | None = Field(
+        None, description="reproducible samples (sample i of n: a seed derived from it)")
     # vLLM's extensions
-    top_k: int | None = Field(None, description="vLLM: sample among the k most likely (0 or -1: off)")
+    top_k: Annotated[int, Field(lt=2**63)] | None = Field(
+        None, description="vLLM: sample among the k most likely (0 or -1: off)")
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = Field(None, description="vLLM: > 1 discourages repeats")
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(lt=2**63)]] | None = None
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str | list[int]] = Field(
+    prompt: str | list[StrictInt] | list[str | list[StrictInt]] = Field(
         ..., description="a string, token ids, or a list of either (one choice per prompt and n)")
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="default 16")
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
@@ -131,7 +133,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 # -- request -> engine ---------------------------------------------------------------------------------------
