@@ -152,6 +152,12 @@ def test_fp8_pool_holds_twice_the_blocks(tiny_dir):
     bf16 = num_blocks_for_memory(model, engine, kv_cache_dtype("auto", engine.dtype), device=_FakeGPU())
     fp8 = num_blocks_for_memory(model, engine, kv_cache_dtype("fp8_e4m3", engine.dtype), device=_FakeGPU())
     assert abs(fp8 - 2 * bf16) <= 1 and bf16 > 0
+    # on a CPU the pool is the memory max_num_seqs full sequences take in the model's dtype: fp8 gets more blocks
+    cpu = EngineConfig(dtype="bfloat16", max_model_len=128).resolve("cpu", model)
+    assert num_blocks_for_memory(model, cpu, kv_cache_dtype("fp8", "bfloat16")) == \
+        2 * num_blocks_for_memory(model, cpu, kv_cache_dtype("auto", "bfloat16")) == 2 * 8 * 128 // 16
+    totals = [LLM(tiny_dir, max_model_len=128, kv_cache_dtype=d).stats()["kv_blocks_total"] for d in ("auto", "fp8")]
+    assert totals[1] == 4 * totals[0]            # float32 on a CPU: four fp8 blocks in one float32 block's bytes
 
 
 def test_kv_cache_dtype_option():

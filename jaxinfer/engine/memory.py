@@ -76,8 +76,8 @@ def free_memory_bytes(device=None) -> int | None:
 
 
 def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype, strict: bool = True, device=None) -> int:
-    """Size the KV pool from free device memory (GPU), or to fit max_num_seqs full sequences (CPU, at most
-    2 GiB). strict: refuse a pool that cannot hold one max_model_len sequence (else the caller caps it)."""
+    """Size the KV pool from free device memory (GPU), or from the memory max_num_seqs full sequences take in
+    the model's dtype (CPU, at most 2 GiB). strict: refuse a pool that cannot hold one max_model_len sequence (else the caller caps it)."""
     per_block = kv_bytes_per_block(model, engine.block_size, dtype)
     mem = device_memory(device)
     if mem is not None:
@@ -92,8 +92,10 @@ def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype, stric
     if (device or jax.devices()[0]).platform == "gpu":
         raise ValueError("cannot tell how much GPU memory is free (the allocator keeps no stats and NVML "
                          "(nvidia-ml-py) did not answer): give num_kvcache_blocks explicitly")
-    want = engine.max_num_seqs * engine.max_blocks_per_seq
-    return max(1, min(want, int(2 * 2**30 // per_block)))
+    # CPU: the bytes max_num_seqs full sequences take in the model's dtype (at most 2 GiB), so that an fp8 cache
+    # holds more blocks in the same memory here too (twice bf16's, four times float32's)
+    budget = engine.max_num_seqs * engine.max_blocks_per_seq * kv_bytes_per_block(model, engine.block_size, engine.dtype)
+    return max(1, int(min(budget, 2 * 2**30) // per_block))
 
 
 def check_pool_fits(model: ModelConfig, engine: EngineConfig, num_blocks: int, device=None) -> None:
