@@ -60,10 +60,12 @@ def attention_fns(backend: str, interpret: bool):
         from pallas_kernels.flash_attention import flash_attention
         from pallas_kernels.triton_decode import triton_paged_decode
         return functools.partial(flash_attention, interpret=interpret), triton_paged_decode
-    if backend == "mosaic":  # GPU only (Hopper): the Mosaic GPU kernels, prefill and paged decode
-        from pallas_kernels.mosaic.flash_prefill import flash_prefill
+    if backend == "mosaic":  # GPU only (Hopper): the Mosaic GPU paged decode; prefill is the Pallas flash kernel
+        # (the Mosaic prefill kernel, pallas_kernels/mosaic/flash_prefill.py, made an illegal memory access on
+        # the H200 with ragged rows over cached prefixes: docs/kernels.md; it stays in the kernel benches)
+        from pallas_kernels.flash_attention import flash_attention
         from pallas_kernels.mosaic.paged_decode import paged_decode_attention
-        return flash_prefill, paged_decode_attention
+        return functools.partial(flash_attention, interpret=interpret), paged_decode_attention
     raise ValueError(f"attn_backend={backend!r} is not one of ('xla', 'pallas', 'cudnn', 'triton', 'mosaic')")
 
 
