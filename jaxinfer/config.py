@@ -15,6 +15,9 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
            "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
 def canonical_dtype(name: str) -> str:
     """'bf16' / 'torch.bfloat16' / 'bfloat16' -> 'bfloat16'; anything unknown is a ValueError."""
     key = str(name).replace("torch.", "").lower()
@@ -56,13 +59,8 @@ class ModelConfig:
                 raise ValueError(f"{f}={getattr(self, f)!r} must be > 0")
         object.__setattr__(self, "torch_dtype", canonical_dtype(self.torch_dtype))
 
-    @property
-    def q_size(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_key_value_heads * self.head_dim
+    q_size = property(lambda self: self.num_attention_heads * self.head_dim)
+    kv_size = property(lambda self: self.num_key_value_heads * self.head_dim)
 
     def num_params(self) -> int:
         """Parameter count as stored (tied embeddings counted once)."""
@@ -89,9 +87,8 @@ class ModelConfig:
             factor = float(rope.get("factor", scaling.get("factor", 1.0)))
         elif kind != "default":
             raise ValueError(f"rope scaling type {kind!r} is not supported (only 'default' and 'linear')")
-        heads = d["num_attention_heads"]
-        eos = d.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        heads, eos = d["num_attention_heads"], d.get("eos_token_id")
+        eos = tuple(dict.fromkeys(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]) if t is not None))
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
@@ -109,15 +106,22 @@ class ModelConfig:
             raise FileNotFoundError(f"model directory {path!r} does not exist")
         if not os.path.isfile(cfg):
             raise FileNotFoundError(f"{cfg!r} is missing: a checkpoint directory needs config.json")
-        try:
-            with open(cfg) as f:
-                d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg!r} is not valid JSON: {e}") from None
+        d, gen = _read_json(cfg), os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen):     # its EOS ids end generation too (HF's generate, vLLM): Qwen3 lists <|endoftext|>
+            ids = [d.get("eos_token_id"), _read_json(gen).get("eos_token_id")]
+            d = {**d, "eos_token_id": [t for v in ids for t in (v if isinstance(v, (list, tuple)) else [v])]}
         try:
             return cls.from_dict(d, name=os.path.basename(os.path.normpath(path)))
         except KeyError as e:
             raise ValueError(f"{cfg!r} lacks the field {e.args[0]!r}") from None
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path!r} is not valid JSON: {e}") from None
 
 
 ATTN_BACKENDS = ("xla", "pallas", "cudnn", "triton", "mosaic")
@@ -138,10 +142,8 @@ PLATFORM_DEFAULTS = {
     "gpu": dict(dtype="auto", attn_backend="pallas", max_num_seqs=256, max_num_batched_tokens=16384, warmup=True),
     "cpu": dict(dtype="float32", attn_backend="xla", max_num_seqs=8, max_num_batched_tokens=512, warmup=False),
 }
-# Per attention backend (docs/design.md, "Buckets"). context_buckets: context lengths with their own block-table
-# width beside max_model_len's (kernels: one; xla prefill reads every page of the width: a ladder). prefill_ladder /
-# decode_ladder (first, ratio): buckets first * ratio^k (decode: 8 too). narrow_prefill: the largest
-# prefill bucket that also gets the narrow widths (None: all). decode_context_buckets: the xla decode's page budgets.
+# Per attention backend (docs/design.md, "Buckets"): context_buckets (widths beside max_model_len's), prefill_ladder /
+# decode_ladder ((first, ratio): first * ratio^k), narrow_prefill, decode_context_buckets (xla decode's page budgets).
 BACKEND_DEFAULTS = {
     "pallas": dict(context_buckets=(4096,), prefill_ladder=(64, 4), narrow_prefill=1024),
     "xla": dict(context_buckets=(2048, 8192), prefill_ladder=(256, 8), narrow_prefill=None,
@@ -153,21 +155,19 @@ BACKEND_DEFAULTS = {
 class EngineConfig:
     """How the engine runs one model. Names follow vLLM / nano-vllm. A None field takes its platform default
     (PLATFORM_DEFAULTS) when the engine starts: `resolve(platform, model)` returns the concrete config."""
-    dtype: str | None = _opt(None, "weights and KV cache dtype: auto (GPU: the checkpoint's; CPU: float32), "
-                                   "float32, bfloat16, float16", choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str | None = _opt(None, "weights and KV cache dtype: auto (the checkpoint's), float32, bfloat16, float16 "
+                                   "(default: GPU auto, CPU float32)", choices=("auto", *_DTYPE_NAMES))
     attn_backend: str | None = _opt(None, "attention implementation (GPU: pallas; CPU: xla)", choices=ATTN_BACKENDS)
     kv_cache_dtype: str = _opt("auto", "KV cache dtype: auto (the model dtype), fp8 / fp8_e4m3 (float8_e4m3fn with "
                                        "per-layer scales: 2x the blocks in the same memory)", choices=KV_CACHE_DTYPES)
     max_num_seqs: int | None = _opt(None, "most sequences in one step (GPU: 256; CPU: 8)")
     max_num_batched_tokens: int | None = _opt(None, "most prompt tokens in one prefill step (GPU: 16384; CPU: 512)")
-    max_model_len: int | None = _opt(None, "longest prompt + output in tokens (default: the model's "
-                                           "max_position_embeddings, capped by what the KV pool holds)")
+    max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's, capped by the KV pool)")
     block_size: int = _opt(16, "tokens per KV cache block (a power of two)", aliases=("--kvcache-block-size",))
     num_kvcache_blocks: int | None = _opt(None, "KV cache blocks (default: sized from free device memory)")
     gpu_memory_utilization: float = _opt(0.9, "fraction of the GPU memory JAX may use that the engine takes")
     enable_prefix_caching: bool = _opt(True, "reuse the KV of cached prompt prefixes")
-    decode_buckets: tuple[int, ...] | None = _opt(None, "decode batch sizes to compile, e.g. 8,32,64 (default: "
-                                                        "8, 32, then powers of two to max_num_seqs; xla 8 x 8^k)")
+    decode_buckets: tuple[int, ...] | None = _opt(None, "decode batch sizes to compile (default: 8, 32, 2^k; xla 8^k)")
     prefill_buckets: tuple[int, ...] | None = _opt(None, "prefill token counts to compile (default: 64 x 4^k, "
                                                          "xla 256 x 8^k, up to max_num_batched_tokens)")
     context_buckets: tuple[int, ...] | None = _opt(None, "context lengths (tokens) with a narrower block-table width "

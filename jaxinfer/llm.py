@@ -23,7 +23,7 @@ from jaxinfer.hub import resolve_model
 from jaxinfer.model.loader import load_params, random_params
 from jaxinfer.model.presets import is_preset, preset
 from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, logprobs_of, prompt_logprobs_of,
-                                       stop_reason)
+                                       stop_reason, text_ids)
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.prompts import Prompt
 from jaxinfer.sampling_params import SamplingParams
@@ -177,20 +177,13 @@ class LLM:
         finish seq in the engine when a stop string matched."""
         proc = procs.get(seq.seq_id)
         if proc is None:
-            proc = procs[seq.seq_id] = OutputProcessor(self.tokenizer, seq.params.stop, stream=stream)
+            proc = procs[seq.seq_id] = OutputProcessor(self.tokenizer, seq.params.stop, stream=stream,
+                                                       stop_token_ids=seq.params.stop_token_ids)
         new = seq.output_token_ids[len(proc.token_ids):]
-        if not (seq.params.stop and len(new) > 1):
-            delta = proc.update(new, seq.finish_reason)
-        else:   # a K-step call's tokens: one at a time, so a stop string ends at its token; drop those after it
-            parts = []
-            for i, t in enumerate(new):
-                parts.append(proc.update([t], seq.finish_reason if i == len(new) - 1 else None))
-                if proc.stopped:
-                    end = len(seq.token_ids) - seq.num_pending
-                    del seq.token_ids[end - (len(new) - i - 1):end]
-                    break
-            delta = TextDelta("".join(d.text for d in parts), [t for d in parts for t in d.token_ids],
-                              parts[-1].finish_reason)
+        delta = proc.update(new, seq.finish_reason)
+        if proc.stopped and delta.finish_reason and len(delta.token_ids) < len(new):
+            end = len(seq.token_ids) - seq.num_pending      # a stop string ended a K-step call's tokens early:
+            del seq.token_ids[end - (len(new) - len(delta.token_ids)):end]      # those after it are dropped
         if proc.stopped and not is_finished(seq):
             self.engine.scheduler.finish(seq, "stop")
         return delta
@@ -213,7 +206,8 @@ class LLM:
         if proc is not None:      # stop strings: the processor's text (cut before a match) and its reason
             text, reason = proc.text, proc.finish_reason or seq.finish_reason
         else:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            ids = text_ids(seq.output_token_ids, seq.finish_reason, seq.params.stop_token_ids)
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
             reason = seq.finish_reason
         ids = seq.output_token_ids
         lps, cum = logprobs_of(seq, 0, ids, texts)
@@ -275,18 +269,7 @@ class LLM:
     def apply_chat_template(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> str:
         """Render one conversation ([{"role": ..., "content": ...}, ...]) into a prompt string, ending with
         the assistant's turn. `chat_template_kwargs` reach the template (Qwen3: enable_thinking=False)."""
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError(f"a conversation must be a non-empty list of messages, got {messages!r:.80}")
-        for j, m in enumerate(messages):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise ValueError(f"message {j} must be a dict with string 'role' and 'content', got {m!r:.80}")
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise ValueError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
-        if getattr(self.tokenizer, "chat_template", None) is None and hasattr(self.tokenizer, "vocab_size"):
-            raise ValueError("this model's tokenizer has no chat template (tokenizer_config.json "
-                             "'chat_template'); use generate() with a plain prompt")
-        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
-                                                  **(chat_template_kwargs or {}))
+        return prompt_forms.render_chat(self.tokenizer, messages, chat_template_kwargs)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

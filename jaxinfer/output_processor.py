@@ -32,8 +32,9 @@ class TextDelta:
 
 class OutputProcessor:
     def __init__(self, tokenizer, stop: tuple[str, ...] | list[str] = (), *, stream: bool = True,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, stop_token_ids: tuple[int, ...] = ()):
         self.tokenizer = tokenizer
+        self.stop_token_ids = frozenset(stop_token_ids)   # a request that ends on one: its text leaves it out
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop or ())
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
@@ -52,19 +53,34 @@ class OutputProcessor:
 
     def update(self, new_token_ids, finish_reason: str | None = None) -> TextDelta:
         """Consume new token ids (and the engine's finish reason, on its last output). After the request
-        finished (by the engine or by a stop string), further ids are ignored."""
+        finished (by the engine or by a stop string), further ids are ignored. With stop strings, several ids are
+        taken one at a time: the output ends at the token that completes a match (the delta and `token_ids` hold
+        no id after it), however many tokens an update carried (a K-step call, a reader that fell behind)."""
         if self.finished:
             return TextDelta("", [], None)
         new = list(new_token_ids)
+        if self.stop and len(new) > 1:
+            parts = []
+            for i, t in enumerate(new):
+                parts.append(self._update([t], finish_reason if i == len(new) - 1 else None))
+                if self.finished:
+                    break
+            return TextDelta("".join(d.text for d in parts), [t for d in parts for t in d.token_ids],
+                             parts[-1].finish_reason)
+        return self._update(new, finish_reason)
+
+    def _update(self, new: list[int], finish_reason: str | None) -> TextDelta:
         self.token_ids += new
+        shown = text_ids(new, finish_reason, self.stop_token_ids)
         if not self.incremental:
             if finish_reason is not None:
-                self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+                ids = self.token_ids[:len(self.token_ids) - len(new) + len(shown)]
+                self.text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
                 self.finish_reason = finish_reason
                 self._sent_chars = len(self.text)
                 return TextDelta(self.text, new, finish_reason)
             return TextDelta("", new, None)
-        piece = self._detok.add(new) if new else ""
+        piece = self._detok.add(shown) if shown else ""
         if finish_reason is not None:
             piece += self._detok.flush()
         if piece:
@@ -81,6 +97,12 @@ class OutputProcessor:
         end = len(self.text) if self.finished else max(self._sent_chars, len(self.text) - self.holdback)
         text, self._sent_chars = self.text[self._sent_chars:end], end
         return TextDelta(text, new, finish_reason)
+
+
+def text_ids(ids: list[int], finish_reason: str | None, stop_token_ids) -> list[int]:
+    """The ids whose text a request shows: all but a last stop_token_ids token that ended it (vLLM leaves the
+    stop token's text out; its id stays in token_ids)."""
+    return ids[:-1] if finish_reason == "stop" and ids and ids[-1] in stop_token_ids else ids
 
 
 # -- logprobs: engine rows (outputs.py) into vLLM's {token_id: Logprob} ---------------------------------

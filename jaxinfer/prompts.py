@@ -2,13 +2,19 @@
 dict ({"prompt": text} / {"prompt_token_ids": ids}); one prompt or a list of them."""
 from __future__ import annotations
 
+from numbers import Integral
+
 Prompt = str | list[int] | dict     # dict: vLLM's {"prompt": str} or {"prompt_token_ids": [int]}
 
 
 def as_list(prompts) -> list:
     """One prompt (a string, a dict, or a list of ints) or a list of prompts -> a list of prompts."""
+    if not isinstance(prompts, (str, dict, list, tuple)) and not hasattr(prompts, "tolist"):
+        raise ValueError(f"prompts must be a string, a list of token ids, a dict or a list of those, got "
+                         f"{type(prompts).__name__} {prompts!r:.80}")
+    prompts = prompts.tolist() if hasattr(prompts, "tolist") else prompts      # a numpy array of ids
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                            and isinstance(prompts[0], int)):
+                                            and isinstance(prompts[0], Integral)):
         return [prompts]
     return list(prompts)
 
@@ -24,8 +30,8 @@ def token_ids(tokenizer, prompt: Prompt, i: int) -> list[int]:
                          f"'prompt_token_ids' (a list of ints), got keys {sorted(prompt)}")
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt, add_special_tokens=False))
-    if isinstance(prompt, (list, tuple)):
-        return list(prompt)
+    if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
+        return list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
     raise ValueError(f"prompt {i} must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
 
@@ -34,3 +40,20 @@ def text(prompt: Prompt) -> str | None:
     if isinstance(prompt, dict):
         return prompt.get("prompt")
     return prompt if isinstance(prompt, str) else None
+
+
+def render_chat(tokenizer, messages, chat_template_kwargs: dict | None = None) -> str:
+    """One conversation ([{"role": ..., "content": ...}, ...]) rendered by the tokenizer's chat template, ending with
+    the assistant's turn (LLM.apply_chat_template); bad input is a ValueError naming it."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"a conversation must be a non-empty list of messages, got {messages!r:.80}")
+    for j, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"message {j} must be a dict with string 'role' and 'content', got {m!r:.80}")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
+    if getattr(tokenizer, "chat_template", None) is None and hasattr(tokenizer, "vocab_size"):
+        raise ValueError("this model's tokenizer has no chat template (tokenizer_config.json "
+                         "'chat_template'); use generate() with a plain prompt")
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                         **(chat_template_kwargs or {}))

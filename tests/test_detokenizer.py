@@ -126,3 +126,29 @@ def test_non_streaming_without_stop_decodes_once_at_the_end(bpe):
     assert deltas[:-1] == [""] * (len(ids) - 1) and deltas[-1] == text == proc.text
     assert proc.token_ids == ids
     assert proc.update([1, 2], None).token_ids == []             # after the finish, nothing more
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 5, 100])
+def test_stop_string_ends_the_ids_however_they_are_batched(bpe, chunk):
+    """Ids that arrive several at a time (a K-step call, a server reader that fell behind) end at the one that
+    completes the stop string, as when they arrive one by one: the same text, ids and token count."""
+    text = "Hello world! How are you today? I am fine."
+    ids = bpe.encode(text, add_special_tokens=False)
+    one, _ = run_stream(bpe, ids, ("are you",))
+    proc, got_ids, got_text = OutputProcessor(bpe, ("are you",), stream=True), [], ""
+    for i in range(0, len(ids), chunk):
+        d = proc.update(ids[i:i + chunk], "length" if i + chunk >= len(ids) else None)
+        got_ids, got_text = got_ids + d.token_ids, got_text + d.text
+        if d.finish_reason:
+            break
+    assert proc.stopped and proc.token_ids == got_ids == one.token_ids and got_text == one.text == proc.text
+
+
+def test_stop_token_text_is_left_out(bpe):
+    """vLLM: a request that ends on a stop_token_ids token keeps its id but not its text, streamed or not."""
+    ids = bpe.encode("Hello world! How are you", add_special_tokens=False)
+    want = bpe.decode(ids[:-1], skip_special_tokens=True)
+    for stream in (True, False):
+        proc = OutputProcessor(bpe, (), stream=stream, stop_token_ids=(ids[-1],))
+        texts = [proc.update(ids[:-1]).text, proc.update(ids[-1:], "stop").text]
+        assert "".join(texts) == proc.text == want and proc.token_ids == ids, stream

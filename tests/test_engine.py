@@ -168,6 +168,14 @@ def test_stop_strings_and_eos(tiny_dir):
                            use_tqdm=False)[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == eos_tok
     assert stopped.token_ids == full.token_ids[:full.token_ids.index(eos_tok) + 1]
+    # as vLLM: the stop token's id is kept, its text is not; streamed deltas say the same
+    tok = llm.get_tokenizer()
+    assert stopped.text == tok.decode(stopped.token_ids[:-1], skip_special_tokens=True) != full.text
+    sp = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[eos_tok], stop=["no such stop"])
+    for params in (sp, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[eos_tok])):
+        deltas = list(llm.stream(p, params))
+        assert "".join(d.text for d in deltas) == stopped.text, params
+    assert llm.generate(p, sp, use_tqdm=False)[0].text == stopped.text
     # vLLM's stop_reason: the matched stop string, the stop_token_ids entry, None for length (and EOS)
     assert cut.outputs[0].stop_reason == stop and stopped.outputs[0].stop_reason == eos_tok
     assert full.outputs[0].stop_reason is None and full.finish_reason == "length"

@@ -21,7 +21,9 @@ def llm(tiny_dir):
     ([1, -1], SamplingParams(), "token id -1"),
     ([1, 2], "greedy", "SamplingParams"),
     ([1, 2], {"max_tokens": 2}, "got dict"),
-    ([1, True], SamplingParams(), "token id True"),
+    ([1, True], SamplingParams(), "token id True that is not an int"),
+    ([1, 2.0], SamplingParams(), "token id 2.0 that is not an int"),
+    (None, SamplingParams(), "prompt 1 must be a string"),
 ])
 def test_bad_requests(llm, prompt, sp, match):
     with pytest.raises(ValueError, match=match):
@@ -50,10 +52,28 @@ def test_ids_past_int32_in_sampling_params(llm):
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
 
 
+def test_prompts_of_other_types(llm):
+    """None is refused by name; a numpy array of ids is one prompt (as a list of them is)."""
+    import numpy as np
+    with pytest.raises(ValueError, match="prompts must be a string, a list of token ids"):
+        llm.generate(None, use_tqdm=False)
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    want = llm.generate([5, 6, 7], sp, use_tqdm=False)[0].token_ids
+    assert llm.generate(np.array([5, 6, 7]), sp, use_tqdm=False)[0].token_ids == want
+    assert llm.generate([np.array([5, 6, 7])], sp, use_tqdm=False)[0].token_ids == want
+
+
 def test_max_tokens_none_runs_to_max_model_len(llm):
     """vLLM's max_tokens=None: generate until the context is full (max_model_len=128 here)."""
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.token_ids) == 128 - 3 and out.finish_reason == "length"
+
+
+def test_max_tokens_none_with_a_pool_smaller_than_max_model_len(tiny_dir):
+    """... or until the pool is full, when it holds less than max_model_len (8 blocks of 4 tokens here)."""
+    small = LLM(tiny_dir, **{**BASE, "num_kvcache_blocks": 8})
+    out = small.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 8 * 4 - 3 and out.finish_reason == "length"
 
 
 def test_request_larger_than_pool(tiny_dir):

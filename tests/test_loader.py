@@ -47,6 +47,29 @@ def test_missing_config(ckpt):
         ModelConfig.from_pretrained(ckpt + "-nope")
 
 
+def test_generation_config_eos_ids_end_generation(ckpt):
+    """generation_config.json's eos_token_id add to config.json's (as in HF's generate and vLLM): Qwen3 lists
+    <|endoftext|> only there. A broken one is a ValueError naming it."""
+    from helpers import TINY_ENGINE
+
+    from jaxinfer import LLM, SamplingParams
+    free = LLM(ckpt, **TINY_ENGINE).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                             use_tqdm=False)[0].token_ids
+    own = ModelConfig.from_pretrained(ckpt).eos_token_id
+    with open(os.path.join(ckpt, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [free[3], *own]}, f)
+    eos = ModelConfig.from_pretrained(ckpt).eos_token_id
+    assert eos == tuple(dict.fromkeys([*own, free[3]]))
+    out = LLM(ckpt, **TINY_ENGINE).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12),
+                                            use_tqdm=False)[0]
+    end = next(i for i, t in enumerate(free) if t in eos)
+    assert out.token_ids == free[:end + 1] and out.finish_reason == "stop"
+    with open(os.path.join(ckpt, "generation_config.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match="generation_config.json"):
+        ModelConfig.from_pretrained(ckpt)
+
+
 def test_missing_weights_file(ckpt):
     os.remove(os.path.join(ckpt, "model.safetensors"))
     with pytest.raises(FileNotFoundError, match="safetensors"):

@@ -216,6 +216,7 @@ def test_disconnect_before_a_plain_answer_aborts_it(url):
     ({"prompt": 42}, "prompt"),
     ({"prompt": [1, 10**9]}, "prompt"),
     ({"prompt": [True, 2]}, "prompt"),
+    (b'{"prompt": "hi \\ud800"}', "prompt"),                 # a lone surrogate: valid JSON, not encodable text
     ({"prompt": "hi", "seed": 2**64}, "seed"),
     ({"prompt": "hi", "top_k": 2**64}, "top_k"),
     ({"prompt": "hi", "stop_token_ids": [2**64]}, "stop_token_ids"),
@@ -250,6 +251,16 @@ def test_ids_past_int32_run_beside_other_requests(url):
         rs = list(pool.map(lambda b: httpx.post(url + "/v1/completions", json=b, timeout=60), (body, odd)))
     assert [r.status_code for r in rs] == [200, 200], [r.text for r in rs]
     assert rs[0].json()["choices"][0]["text"] == rs[1].json()["choices"][0]["text"]
+
+
+def test_default_max_tokens_is_the_room_the_pool_leaves():
+    """No max_tokens (the openai client's chat default): the rest of the context, which a KV pool smaller than
+    max_model_len limits too, so such a request runs instead of being refused."""
+    from jaxinfer.server import protocol as P
+    req = P.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    assert P.sampling_params(req, 19, 2048, None, pool_tokens=256).max_tokens == 256 - 19
+    assert P.sampling_params(req, 19, 2048, None).max_tokens == 2048 - 19
+    assert P.sampling_params(req, 19, 2048, 16, pool_tokens=256).max_tokens == 16
 
 
 def test_a_command_that_cannot_be_encoded_fails_alone():

@@ -88,8 +88,8 @@ class DPEngine:
                                   **{k: sum(p[k] for p in rest) for k in ("first_runs_s", "warm_requests_s")})
 
     # -- requests ---------------------------------------------------------------------------------
-    def check_request(self, token_ids: list[int], params: SamplingParams, where: str = "prompt") -> None:
-        self.replicas[0].check_request(token_ids, params, where)
+    def check_request(self, token_ids: list[int], params: SamplingParams, where: str = "prompt") -> SamplingParams:
+        return self.replicas[0].check_request(token_ids, params, where)
 
     def add_request(self, token_ids: list[int], params: SamplingParams,
                     prompt_source: Sequence | None = None) -> Sequence:

@@ -104,8 +104,8 @@ class LLMEngine:
         self.host_time = dict.fromkeys(self.host_time, 0.0)
 
     # -- requests ---------------------------------------------------------------------------------
-    def check_request(self, token_ids: list[int], params: SamplingParams, where: str = "prompt") -> None:
-        """Raise ValueError (naming the value) for a request that can never run."""
+    def check_request(self, token_ids: list[int], params: SamplingParams, where: str = "prompt") -> SamplingParams:
+        """ValueError (naming the value) for a request that can never run; else its params, max_tokens None resolved."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
         n, V, cfg = len(token_ids), self.model_config.vocab_size, self.config
@@ -113,25 +113,27 @@ class LLMEngine:
             raise ValueError(f"{where} is empty: give at least one token")
         bad = [t for t in token_ids if isinstance(t, bool) or not (isinstance(t, (int, np.integer)) and 0 <= t < V)]
         if bad:
-            raise ValueError(f"{where} has token id {bad[0]!r} outside the vocabulary [0, {V})")
+            why = "outside the vocabulary" if isinstance(t := bad[0], (int, np.integer)) and not isinstance(t, bool) \
+                else "that is not an int: ids are ints in"
+            raise ValueError(f"{where} has token id {t!r} {why} [0, {V})")
         if n >= cfg.max_model_len:
             raise ValueError(f"{where} has {n} tokens; max_model_len={cfg.max_model_len} leaves no room to "
                              f"generate (the prompt must be shorter than max_model_len)")
-        most = params.up_to(cfg.max_model_len - n).max_tokens
-        need = -(-min(n + most, cfg.max_model_len) // cfg.block_size)
+        params = params.up_to(min(cfg.max_model_len, self.block_manager.num_blocks * cfg.block_size) - n)
+        need = -(-min(n + params.max_tokens, cfg.max_model_len) // cfg.block_size)
         if need > self.block_manager.num_blocks:
-            raise ValueError(f"{where} needs {need} KV blocks for {n} prompt + {most} output tokens "
+            raise ValueError(f"{where} needs {need} KV blocks for {n} prompt + {params.max_tokens} output tokens "
                              f"but the pool has only {self.block_manager.num_blocks} (num_kvcache_blocks)")
+        return params
 
     def add_request(self, token_ids: list[int], params: SamplingParams,
                     prompt_source: Sequence | None = None) -> Sequence:
         """One sequence. An n > 1 request is n of them: add `params.for_sample(i)` for i in range(n), passing
         sample 0 as `prompt_source` of the others (they wait for its prompt KV and reuse it from the cache)."""
-        self.check_request(token_ids, params)
+        params = self.check_request(token_ids, params)      # (max_tokens None: the room the request has)
         if params.n != 1:
             raise ValueError(f"LLMEngine.add_request runs one sample, got n={params.n}: add "
                              f"params.for_sample(i) for each i in range(n) (LLM.generate does)")
-        params = params.up_to(self.config.max_model_len - len(token_ids))     # max_tokens None: the rest
         seed = params.seed if params.seed is not None else int(self.rng.integers(0, 2**31 - 1))
         seq = Sequence([int(t) for t in token_ids], params, device_seed(seed), self.config.block_size)
         seq.arrival_time = time.perf_counter()

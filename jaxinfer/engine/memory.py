@@ -94,8 +94,8 @@ def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype, stric
                          "(nvidia-ml-py) did not answer): give num_kvcache_blocks explicitly")
     # CPU: the bytes max_num_seqs full sequences take in the model's dtype (at most 2 GiB), so that an fp8 cache
     # holds more blocks in the same memory here too (twice bf16's, four times float32's)
-    budget = engine.max_num_seqs * engine.max_blocks_per_seq * kv_bytes_per_block(model, engine.block_size, engine.dtype)
-    return max(1, int(min(budget, 2 * 2**30) // per_block))
+    seqs = engine.max_num_seqs * engine.max_blocks_per_seq * kv_bytes_per_block(model, engine.block_size, engine.dtype)
+    return max(1, int(min(seqs, 2 * 2**30) // per_block))
 
 
 def check_pool_fits(model: ModelConfig, engine: EngineConfig, num_blocks: int, device=None) -> None:

@@ -105,8 +105,14 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
             raise P.RequestError(f"The model `{model}` does not exist; this server serves `{served_model_name}`",
                                  param="model", code="model_not_found", status=404)
 
+    def encode(text: str, special: bool = False, param: str = "prompt") -> list[int]:
+        try:
+            return list(tokenizer.encode(text, add_special_tokens=special))
+        except (TypeError, UnicodeEncodeError, ValueError) as e:   # e.g. a lone surrogate: valid JSON, not UTF-8
+            raise P.RequestError(f"the {param} cannot be tokenized: {str(e)[:120]}", param=param) from None
+
     def tokenize(prompt) -> list[int]:
-        ids = list(tokenizer.encode(prompt, add_special_tokens=False)) if isinstance(prompt, str) else list(prompt)
+        ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise P.RequestError("the prompt is empty", param="prompt")
         if len(ids) >= max_model_len:
@@ -123,7 +129,8 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         ids_list, params = [], []
         for p in prompts:
             ids = tokenize(p)
-            sp = P.sampling_params(req, len(ids), max_model_len, default_max_tokens, logprobs, prompt_logprobs)
+            sp = P.sampling_params(req, len(ids), max_model_len, default_max_tokens, logprobs, prompt_logprobs,
+                                   pool_tokens=limits["num_blocks"] * limits["block_size"])
             P.check_request(ids, sp, limits)
             ids_list.append(ids)
             params.append(sp)
@@ -208,7 +215,7 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
             raise P.RequestError("give exactly one of prompt and messages", param="prompt")
         text = req.prompt if req.messages is None else P.apply_chat_template(
             tokenizer, P.chat_messages(req.messages), req.chat_template_kwargs, req.add_generation_prompt)
-        ids = list(tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
+        ids = encode(text, req.add_special_tokens, "prompt" if req.messages is None else "messages")
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
                 "token_strs": [text_of(t) for t in ids] if req.return_token_strs else None}
 

@@ -61,7 +61,7 @@ def run(client: CoreClient, tokenizer, items: list[tuple], stream: bool, metrics
     first event); the returned iterator yields (choice, delta) as outputs arrive, until all finish. Leaving it
     early (client gone, error) aborts what is still running in the core."""
     t_start = time.perf_counter() if t_start is None else t_start
-    choices = [Choice(i, ids, sp, OutputProcessor(tokenizer, sp.stop, stream=stream))
+    choices = [Choice(i, ids, sp, OutputProcessor(tokenizer, sp.stop, stream=stream, stop_token_ids=sp.stop_token_ids))
                for i, (ids, sp) in enumerate(items)]
     sources = [i - i % n if i % n else None for i in range(len(items))] if n > 1 else None   # sample 0's prompt KV
     coll = client.submit(items, eager=stream or any(sp.stop for _, sp in items), sources=sources)
@@ -84,6 +84,8 @@ async def _follow(client: CoreClient, coll, choices: list[Choice], metrics, t_st
                 if ids and ch.t_first is None:
                     ch.t_first = now
                 d = ch.proc.update(ids, reason)
+                if ch.proc.stopped:                         # no token (or logprob row) past the match counts
+                    del ch.logprobs[len(ch.token_ids):]
                 if ch.proc.stopped and reason is None:      # a stop string matched: end it in the core
                     client.abort(coll, [index])
                 if d.finish_reason is not None:

@@ -143,14 +143,16 @@ _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_max_tokens: int | None,
-                    logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                    logprobs: int | None = None, prompt_logprobs: int | None = None,
+                    pool_tokens: int | None = None) -> SamplingParams:
     """SamplingParams for one prompt of `prompt_len` tokens (with n: choices.expand sends n engine requests,
-    `for_sample(i)`); default_max_tokens None = the rest of the context."""
+    `for_sample(i)`); default_max_tokens None = the rest of the context, which a KV pool of `pool_tokens`
+    smaller than max_model_len limits too."""
     mct = getattr(req, "max_completion_tokens", None)
     key = "max_completion_tokens" if mct is not None else "max_tokens"
     max_tokens = mct if mct is not None else req.max_tokens
-    room = max_model_len - prompt_len
     if max_tokens is None:
+        room = min(max_model_len, pool_tokens or max_model_len) - prompt_len
         max_tokens = default_max_tokens if default_max_tokens is not None else room
         max_tokens = max(1, min(max_tokens, room))
     elif prompt_len + max_tokens > max_model_len:
