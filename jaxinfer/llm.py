@@ -133,7 +133,7 @@ class LLM:
         reqs = self._prepare(prompts, sampling_params)
         groups = self._add(reqs)
         seqs = [s for g in groups for s in g]
-        stop_texts = self.__dict__.setdefault("_stop_texts", {})
+        stop_texts = {}                             # seq_id -> OutputProcessor of requests with stop strings
         with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm or None) as bar:
             for _, seq in self._run(seqs):          # per token: keep it lean (hundreds per step)
                 if seq.params.stop:                 # only these are detokenized as they run (the rest at the end)
@@ -141,7 +141,7 @@ class LLM:
                 if seq.status is Status.FINISHED:
                     bar.update(1)
         texts = TokenTexts(self.tokenizer)
-        return [self._output(p, g, texts) for (p, _, _), g in zip(reqs, groups)]
+        return [self._output(p, g, texts, stop_texts) for (p, _, _), g in zip(reqs, groups)]
 
     def _add(self, reqs) -> list[list[Sequence]]:
         """One sequence per sample: n of them per request (SamplingParams.for_sample); samples 1.. reuse
@@ -188,8 +188,8 @@ class LLM:
             self.engine.scheduler.finish(seq, "stop")
         return delta
 
-    def _output(self, prompt: Prompt, group: list[Sequence], texts: TokenTexts) -> RequestOutput:
-        outs = [self._completion(j, seq, texts) for j, seq in enumerate(group)]
+    def _output(self, prompt: Prompt, group: list[Sequence], texts: TokenTexts, stop_texts: dict) -> RequestOutput:
+        outs = [self._completion(j, seq, texts, stop_texts.get(seq.seq_id)) for j, seq in enumerate(group)]
         seq = group[0]
         m = {}
         if seq.first_token_time is not None:
@@ -201,8 +201,8 @@ class LLM:
                              prompt_logprobs=prompt_logprobs_of(seq, texts),
                              num_cached_tokens=seq.num_cached_tokens, metrics=m)
 
-    def _completion(self, index: int, seq: Sequence, texts: TokenTexts) -> CompletionOutput:
-        proc = self.__dict__.get("_stop_texts", {}).pop(seq.seq_id, None)
+    def _completion(self, index: int, seq: Sequence, texts: TokenTexts,
+                    proc: OutputProcessor | None) -> CompletionOutput:
         if proc is not None:      # stop strings: the processor's text (cut before a match) and its reason
             text, reason = proc.text, proc.finish_reason or seq.finish_reason
         else:

@@ -100,6 +100,24 @@ def _rewrite(path, mutate):
         fh.write(len(raw).to_bytes(8, "little") + raw + data)
 
 
+def test_broken_index(tmp_path):
+    """A sharded checkpoint's index that is not JSON, has no weight_map, or names the wrong shard for a tensor:
+    ValueErrors naming the file and the tensor."""
+    path = make_tiny_model(str(tmp_path / "s"), max_shard_size="100KB")
+    index = os.path.join(path, "model.safetensors.index.json")
+    with open(index) as f:
+        good = json.load(f)
+    shards = sorted(set(good["weight_map"].values()))
+    wrong = {**good, "weight_map": {**good["weight_map"], "model.norm.weight": next(
+        s for s in shards if s != good["weight_map"]["model.norm.weight"])}}
+    for content, match in (("{not json", "not valid JSON"), (json.dumps({"metadata": {}}), "no 'weight_map'"),
+                           (json.dumps(wrong), "'model.norm.weight' is not in")):
+        with open(index, "w") as f:
+            f.write(content)
+        with pytest.raises(ValueError, match=match):
+            load_params(path, dtype=jnp.float32)
+
+
 def test_missing_tensor(ckpt):
     name = "model.layers.1.mlp.up_proj.weight"
     _rewrite(ckpt, lambda h, d: ({k: v for k, v in h.items() if k != name}, d))

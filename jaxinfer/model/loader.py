@@ -65,7 +65,9 @@ class SafetensorsFile:
         return list(self.header)
 
     def get(self, name: str) -> np.ndarray:
-        info = self.header[name]
+        info = self.header.get(name)
+        if info is None:            # a sharded index that names the wrong shard
+            raise ValueError(f"tensor {name!r} is not in {self.path!r}, the file the checkpoint's index names for it")
         dtype = _ST_DTYPES.get(info.get("dtype"))
         if dtype is None:
             raise ValueError(f"tensor {name!r} in {self.path!r} has unsupported dtype {info.get('dtype')!r}")
@@ -87,8 +89,14 @@ def _open_checkpoint(path: str) -> dict[str, SafetensorsFile]:
     """tensor name -> the file holding it, for single-file and sharded checkpoints."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{index!r} is not valid JSON: {e}") from None
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index!r} has no 'weight_map' (tensor name -> file): not a safetensors index")
         files = {}
         for fname in sorted(set(weight_map.values())):
             fpath = os.path.join(path, fname)
