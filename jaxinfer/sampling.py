@@ -52,14 +52,17 @@ def gumbel_at(seeds, counters, ids):
 
 def _filter_sorted(sorted_logits, top_k, top_p, min_p):
     """Mask (to -1e30) the entries of descending-sorted, temperature-scaled logits [B, V] that
-    top-k / top-p / min-p exclude. The top entry always survives."""
+    top-k / top-p / min-p exclude, in vLLM's order: min-p (against the top probability), top-k, then top-p over
+    what those two left, renormalised. The top entry always survives."""
     V = sorted_logits.shape[-1]
     rank = jnp.arange(V)[None, :]
     k = jnp.where(top_k > 0, top_k, V)[:, None]
     probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs                 # exclusive cumulative mass
-    keep = (rank < k) & (mass_before < top_p[:, None]) & (probs >= min_p[:, None] * probs[:, :1])
-    keep = keep | (rank == 0)
+    keep = (rank < k) & (probs >= min_p[:, None] * probs[:, :1])       # a prefix of the sorted row
+    kept = jnp.where(keep, probs, 0.0)
+    kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
+    mass_before = jnp.cumsum(kept, axis=-1) - kept                    # exclusive cumulative mass of the survivors
+    keep = (keep & (mass_before < top_p[:, None])) | (rank == 0)
     return jnp.where(keep, sorted_logits, _NEG)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 
-MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
+MAX_LOGPROBS = 20
+MIN_TEMPERATURE = 0.01     # vLLM's floor for a positive temperature          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,11 @@ class SamplingParams:
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
         object.__setattr__(self, "stop_token_ids", ids)
-        object.__setattr__(self, "temperature", float(self.temperature))
+        # as vLLM: a temperature in (0, 0.01) is 0.01 (logits / 1e-37 overflow to inf and tie); seed -1 is no seed
+        object.__setattr__(self, "temperature", max(float(self.temperature), MIN_TEMPERATURE) if self.temperature
+                           else 0.0)
+        if self.seed == -1:
+            object.__setattr__(self, "seed", None)
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             bad("n", "must be an integer >= 1")
         for name in ("logprobs", "prompt_logprobs"):

@@ -106,6 +106,23 @@ def test_top_k_top_p_min_p_restrict_support():
     assert got[3:].sum() == 0 and got[2] > 0
 
 
+def test_tiny_temperature_and_seed_minus_one_as_vllm():
+    assert SamplingParams(temperature=1e-37).temperature == 0.01 and SamplingParams(temperature=0).greedy
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    row = jnp.array([40.0, 50.0, 0.0])          # 1e-37 would give inf, inf: a tie the argmax breaks to token 0
+    assert _freqs(row, n=8, temperature=SamplingParams(temperature=1e-37).temperature)[1] == 1
+
+
+def test_top_p_applies_to_what_top_k_and_min_p_leave():
+    """vLLM's order: min-p, top-k, then top-p over the survivors renormalised. probs 0.5, 0.3, 0.1, 0.1: after
+    top_k=2 (or min_p=0.3) token 0 alone holds 0.625 >= top_p=0.6 of what is left, so it alone is drawn."""
+    row = jnp.log(jnp.array([0.5, 0.3, 0.1, 0.1]))
+    for kw in (dict(top_k=2), dict(min_p=0.3)):
+        assert _freqs(row, n=500, top_p=0.6, **kw)[1:].sum() == 0, kw
+        got = _freqs(row, n=2000, top_p=0.7, **kw)            # 0.625 < 0.7: tokens 0 and 1, renormalised
+        assert got[2:].sum() == 0 and abs(got[0] - 0.625) < 0.04, (kw, got)
+
+
 @pytest.mark.parametrize("kw, name", [
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"),
