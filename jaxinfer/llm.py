@@ -18,6 +18,7 @@ from jaxinfer import prompts as prompt_forms
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.dp_engine import create_engine
 from jaxinfer.engine.llm_engine import is_finished
+from jaxinfer.engine.one_thread import OneThread
 from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.hub import resolve_model
 from jaxinfer.model.loader import load_params, random_params
@@ -70,7 +71,11 @@ class LLM:
             from pallas_kernels._triton_ffi import check_ready
             check_ready()
         self.model_config, self.tokenizer = model_config, load_tokenizer(path if os.path.isdir(path) else None)
-        load = lambda placement: load_model(path, config.dtype, config.seed, placement)[1]   # noqa: E731
+        self._one_thread = OneThread()            # generate / stream: one thread at a time
+
+        def load(placement):                     # (random weights broadcast: a user's rank-promotion "raise" is theirs)
+            with jax.numpy_rank_promotion("allow"):
+                return load_model(path, config.dtype, config.seed, placement)[1]
         eos = self.model_config.eos_token_id or tuple(
             t for t in [getattr(self.tokenizer, "eos_token_id", None)] if t is not None)
         # max_model_len left unset: the model's limit, capped by what the KV pool holds (as vLLM)
@@ -131,6 +136,10 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order."""
         reqs = self._prepare(prompts, sampling_params)
+        with self._one_thread():
+            return self._generate(reqs, use_tqdm)
+
+    def _generate(self, reqs, use_tqdm: bool) -> list[RequestOutput]:
         groups = self._add(reqs)
         seqs = [s for g in groups for s in g]
         stop_texts = {}                             # seq_id -> OutputProcessor of requests with stop strings
@@ -232,6 +241,10 @@ class LLM:
         Leaving the loop early (break / close) aborts the unfinished requests and frees their KV blocks.
         """
         reqs = self._prepare(prompts, sampling_params)
+        with self._one_thread():
+            yield from self._stream(reqs)
+
+    def _stream(self, reqs) -> Iterator[RequestOutput]:
         groups = self._add(reqs)
         seqs, where = [s for g in groups for s in g], [(i, j) for i, g in enumerate(groups) for j in range(len(g))]
         procs: dict[int, OutputProcessor] = {}

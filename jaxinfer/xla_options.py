@@ -79,8 +79,11 @@ def use_triton_ptxas(env: dict | None = None) -> str | None:
 
 
 def set_process_flags() -> None:
-    """For programs that own their process (the `jaxinfer` commands, a serving core): call before JAX starts."""
+    """For programs that own their process (the `jaxinfer` commands, a serving core): call before JAX starts.
+    Also silences JAX's (once a process) note that the Pallas Triton backend is deprecated: it still runs through
+    JAX 0.12, and docs/kernels.md says what replaces it."""
     os.environ["XLA_FLAGS"] = command_buffer_flags()
+    warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
 
 
 def warn_if_slow_command_buffers() -> None:

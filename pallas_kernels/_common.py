@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.quant import is_fp8
 
-# JAX >= 0.11 warns that the Pallas Triton backend is deprecated; it still works through 0.12.
-warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
+# JAX >= 0.11 warns (once) that the Pallas Triton backend is deprecated; it still works through 0.12. The
+# `jaxinfer` commands silence it in their own process (xla_options.set_process_flags); an importer's process keeps
+# its own warning filters.
 
 LOG2E = math.log2(math.e)
 # Finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) finite when a whole row is masked.

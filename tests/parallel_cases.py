@@ -305,6 +305,16 @@ def test_bad_sizes_are_refused(ckpts, kw, words):
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
+def test_jax_default_device_places_a_one_device_engine(ckpts, tp1, prompts):
+    """LLM() on one device goes where the user's jax.default_device says (else the first device)."""
+    want = run(tp1, prompts)
+    with jax.default_device(jax.devices()[3]):
+        llm = LLM(ckpts["gqa_v509"], **BASE)
+    assert [d.id for d in llm.engine.runner.placement.devices] == [3]
+    assert {d.id for leaf in jax.tree.leaves(llm.engine.runner.params) for d in leaf.devices()} == {3}
+    assert run(llm, prompts) == want
+
+
 def test_kv_heads_neither_dividing_is_refused(tmp_path):
     path = make_tiny_model(str(tmp_path / "h6k3"), num_attention_heads=6, num_key_value_heads=3, head_dim=16,
                            hidden_size=96)

@@ -152,3 +152,44 @@ def test_engine_options_are_the_config_fields():
     assert EngineConfig.from_kwargs(kvcache_block_size=8).block_size == 8
     with pytest.raises(ValueError, match="not both"):
         EngineConfig.from_kwargs(kvcache_block_size=8, block_size=8)
+
+
+def test_a_users_strict_rank_promotion_is_theirs(tiny_dir):
+    """jax_numpy_rank_promotion="raise" in the user's code: the engine's steps (which broadcast) still trace, and
+    give the same tokens; the setting is left as the user set it."""
+    import jax
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM(tiny_dir, **BASE).generate([[5, 6, 7]], sp, use_tqdm=False)[0].token_ids
+    with jax.numpy_rank_promotion("raise"):
+        from jaxinfer.engine.executables import SHARED_EXECUTABLES
+        SHARED_EXECUTABLES.clear()                 # compiled again, under the user's setting
+        got = LLM(tiny_dir, **BASE).generate([[5, 6, 7]], sp, use_tqdm=False)[0].token_ids
+        assert jax.config.jax_numpy_rank_promotion == "raise"
+    assert got == want
+
+
+def test_one_llm_serves_one_thread_at_a_time(llm):
+    """A second thread calling generate while another is inside a stream gets a RuntimeError (not mixed-up
+    batches); the same thread may nest calls, and once the stream ends another thread may go on."""
+    import threading
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    want = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].token_ids
+    it = llm.stream([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True))
+    next(it)                                                                   # this thread is inside a stream
+    assert llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].token_ids == want    # nested on the same thread
+
+    def other(out):
+        try:
+            out.append(llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].token_ids)
+        except RuntimeError as e:
+            out.append(e)
+    out = []
+    t = threading.Thread(target=other, args=(out,))
+    t.start(), t.join()
+    assert isinstance(out[0], RuntimeError) and "another thread" in str(out[0])
+    it.close()
+    t = threading.Thread(target=other, args=(out,))
+    t.start(), t.join()
+    assert out[1] == want
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]

@@ -82,7 +82,7 @@ class DPEngine:
             list(pool.map(lambda r: r.runner.warmup(progress), self.replicas[1:]))
         t2 = time.perf_counter()
         for r in self.replicas:      # compile counters are process-wide: count from the end of every warm-up
-            r.warmup()               # (nothing left to compile: the baseline, then gc.collect + gc.freeze)
+            r.warmup()               # (nothing left to compile: the baseline)
         rest = [r.warmup_phases for r in self.replicas]
         self.warmup_phases = dict(compile_s=t1 - t0, other_replicas_s=t2 - t1,
                                   **{k: sum(p[k] for p in rest) for k in ("first_runs_s", "warm_requests_s")})

@@ -36,7 +36,8 @@ class ExecutableCache:
             other = self._any_devices.get(key)
             exe = relocate(other[1], list(other[0]), list(devices)) if other is not None else None
             if exe is None:
-                exe = build()
+                with jax.numpy_rank_promotion("allow"):     # the step's code broadcasts: a user's "raise" (a
+                    exe = build()                            # thread-local setting) is for their own code
             with self._lock:
                 exe = self._compiled.setdefault(full, exe)
                 self._any_devices.setdefault(key, (tuple(devices), exe))

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import functools
-import gc
 import time
 from typing import Callable
 
@@ -78,11 +77,6 @@ class LLMEngine:
             t.append(time.perf_counter())
         self.warmup_phases = dict(compile_s=t[1] - t[0], first_runs_s=t[2] - t[1], warm_requests_s=t[3] - t[2])
         self.compilations_at_warmup = self.compile_counter.count
-        # Compiling leaves ~300k long-lived Python objects (JAX's caches); a full garbage collection walked them
-        # all (137 ms in the middle of a 5.5 s run on the H200). Freezing moves the survivors out of the
-        # collector's view (as vLLM does after capturing its CUDA graphs); reference counting still frees them.
-        gc.collect()
-        gc.freeze()
 
     def _warm_requests(self) -> None:
         """Run two tiny requests through the whole path (pack, put, prefill, 1- and K-step decode, read back,

@@ -25,12 +25,16 @@ def available_devices() -> list:
 
 
 def make_placements(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None) -> list["Placement"]:
-    """dp placements of tp devices each, from the first tp * dp devices. ValueError naming the numbers
-    when a size is below 1 or there are too few devices."""
+    """dp placements of tp devices each, from the first tp * dp devices (one device: the user's
+    `jax.default_device` when set, as for any JAX computation). ValueError naming the numbers when a size is
+    below 1 or there are too few devices."""
     tp, dp = tensor_parallel_size, data_parallel_size
     for name, v in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name}={v!r} must be an integer >= 1")
+    default = jax.config.jax_default_device
+    if devices is None and tp * dp == 1 and isinstance(default, jax.Device):
+        devices = [default]
     devices = list(devices if devices is not None else available_devices())
     if tp * dp > len(devices):
         raise ValueError(f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {tp * dp} devices but only "
