@@ -105,14 +105,8 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
             raise P.RequestError(f"The model `{model}` does not exist; this server serves `{served_model_name}`",
                                  param="model", code="model_not_found", status=404)
 
-    def encode(text: str, special: bool = False, param: str = "prompt") -> list[int]:
-        try:
-            return list(tokenizer.encode(text, add_special_tokens=special))
-        except (TypeError, UnicodeEncodeError, ValueError) as e:   # e.g. a lone surrogate: valid JSON, not UTF-8
-            raise P.RequestError(f"the {param} cannot be tokenized: {str(e)[:120]}", param=param) from None
-
     def tokenize(prompt) -> list[int]:
-        ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = P.encode(tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise P.RequestError("the prompt is empty", param="prompt")
         if len(ids) >= max_model_len:
@@ -215,7 +209,7 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
             raise P.RequestError("give exactly one of prompt and messages", param="prompt")
         text = req.prompt if req.messages is None else P.apply_chat_template(
             tokenizer, P.chat_messages(req.messages), req.chat_template_kwargs, req.add_generation_prompt)
-        ids = encode(text, req.add_special_tokens, "prompt" if req.messages is None else "messages")
+        ids = P.encode(tokenizer, text, req.add_special_tokens, "prompt" if req.messages is None else "messages")
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
                 "token_strs": [text_of(t) for t in ids] if req.return_token_strs else None}
 

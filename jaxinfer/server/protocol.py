@@ -194,6 +194,15 @@ def check_request(ids: list[int], params: SamplingParams, limits: dict) -> None:
                            f"tokens but the pool has only {nb}", param="prompt")
 
 
+def encode(tokenizer, text: str, special: bool = False, param: str = "prompt") -> list[int]:
+    """Token ids of a request's text; text a tokenizer cannot take (a lone surrogate: valid JSON, not UTF-8) is
+    a 400 naming `param`."""
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=special))
+    except (TypeError, UnicodeEncodeError, ValueError) as e:
+        raise RequestError(f"the {param} cannot be tokenized: {str(e)[:120]}", param=param) from None
+
+
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     p = req.prompt
     prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
