@@ -158,6 +158,7 @@ def test_data_parallel_equals_one_replica(ckpts, tp1, prompts):
           for i in range(len(ps))]
     want = run(tp1, ps, sp)
     dp = LLM(ckpts["gqa_v509"], data_parallel_size=2, **{**BASE, "seed": None})    # seed None: random engine seeds
+    assert dp.stats()["compilations"] == 0          # (warmup=False: nothing compiled for a request yet)
     assert run(dp, ps, sp) == want
     st = dp.stats()
     assert st["data_parallel_size"] == 2 and len(st["replicas"]) == 2

@@ -65,6 +65,8 @@ class DPEngine:
         self.replicas = [LLMEngine(model, config.replace(seed=seeds[r]), p, eos_token_ids, cap_max_model_len,
                                    placement) for r, (p, placement) in enumerate(zip(params, placements))]
         del params
+        for r in self.replicas:      # compile counters are process-wide: replica 0's saw the others' set-up
+            r.compilations_at_warmup = r.compile_counter.count
         self.config = self.replicas[0].config.replace(seed=config.seed)
         self._owner: dict[int, LLMEngine] = {}            # seq_id -> its replica, while unfinished
         self._pool: ThreadPoolExecutor | None = None      # launches replicas 1.. (made at the first step)
