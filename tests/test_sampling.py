@@ -149,3 +149,11 @@ def test_top_n_of_equals_lax_top_k(V, n):
     ref_vals, ref_ids = jax.lax.top_k(x, n)
     np.testing.assert_array_equal(np.asarray(vals), np.asarray(ref_vals))
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+
+
+def test_request_seeds_past_31_bits_are_hashed_not_masked():
+    from jaxinfer.sampling_params import device_seed
+    assert [device_seed(s) for s in (0, 5, 2**31 - 1)] == [0, 5, 2**31 - 1]      # seeds that fit: themselves
+    big = [device_seed(s) for s in (2**32, 2**40, -2**32, 2**31, -1 - 2**70)]
+    assert len(set(big + [0])) == len(big) + 1 and all(0 <= s < 2**31 for s in big)   # no longer all 0
+    assert device_seed(2**40) == device_seed(2**40)
