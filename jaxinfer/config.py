@@ -87,8 +87,8 @@ class ModelConfig:
             factor = float(rope.get("factor", scaling.get("factor", 1.0)))
         elif kind != "default":
             raise ValueError(f"rope scaling type {kind!r} is not supported (only 'default' and 'linear')")
-        heads, eos = d["num_attention_heads"], d.get("eos_token_id")
-        eos = tuple(dict.fromkeys(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]) if t is not None))
+        heads, seq = d["num_attention_heads"], lambda v: v if isinstance(v, (list, tuple)) else [v]
+        eos = tuple(dict.fromkeys(int(t) for v in seq(d.get("eos_token_id")) for t in seq(v) if t is not None))
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
@@ -108,8 +108,7 @@ class ModelConfig:
             raise FileNotFoundError(f"{cfg!r} is missing: a checkpoint directory needs config.json")
         d, gen = _read_json(cfg), os.path.join(path, "generation_config.json")
         if os.path.isfile(gen):     # its EOS ids end generation too (HF's generate, vLLM): Qwen3 lists <|endoftext|>
-            ids = [d.get("eos_token_id"), _read_json(gen).get("eos_token_id")]
-            d = {**d, "eos_token_id": [t for v in ids for t in (v if isinstance(v, (list, tuple)) else [v])]}
+            d = {**d, "eos_token_id": [d.get("eos_token_id"), _read_json(gen).get("eos_token_id")]}   # (flattened)
         try:
             return cls.from_dict(d, name=os.path.basename(os.path.normpath(path)))
         except KeyError as e:
