@@ -30,11 +30,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.attention import paged_attention_layer
 from jaxinfer.model.layers import decode_matmul
 from jaxinfer.model.qwen3 import compute_logits, forward, tp_size
 from jaxinfer.sampling import sample, sample_sharded
-from jaxinfer.step import aligned, batch_layout, kv_scales, unpack
+from jaxinfer.step import aligned, batch_layout, step_attention, unpack
 
 STOP_IDS = 4          # stop ids per row carried on the device; a row with more runs one step per call
 LOOP = "fori"         # "fori" | "unroll" (see above)
@@ -67,7 +66,7 @@ def make_multistep(config: ModelConfig, B: int, W: int, K: int, backend: str, in
         prev = base["prev_row"]
         tok0 = jnp.where(prev >= 0, prev_ids[jnp.maximum(prev, 0)], base["token_ids"])           # [B]
         start, pages = base["positions"], base["block_tables"].reshape(-1)                      # [B], [B * W]
-        P, bs = kv_caches[0][0].shape[:2]
+        P, bs = kv_caches[0][0].shape[:2]      # (stacked caches: P spans all layers; P * bs is still padding)
         # a row whose input token (sampled by the step before, still on the device) was a stop id is done
         active0 = (base["seq_lens"] > 0) & (remaining > 0) & ~jnp.any(tok0[:, None] == stop, axis=-1)
 
@@ -78,7 +77,7 @@ def make_multistep(config: ModelConfig, B: int, W: int, K: int, backend: str, in
             slot = pages[jnp.clip(base["table_start"] + pos // bs, 0, B * W - 1)] * bs + pos % bs
             meta = dict(base, positions=pos, slot_mapping=jnp.where(active, slot, P * bs),
                         seq_lens=jnp.where(active, pos + 1, 0))
-            attn = paged_attention_layer("decode", backend, meta, interpret, mesh, kv_scales(params))
+            attn = step_attention(config, "decode", backend, meta, interpret, mesh, params, caches)
             hidden, caches = forward(config, params, tok, pos, attn, caches, mesh, mm)
             logits = compute_logits(config, params, hidden, mm)                                  # [B, V']
             args = (logits, base["temperature"], base["top_k"], base["top_p"], base["min_p"], base["seeds"],

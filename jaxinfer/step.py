@@ -163,10 +163,19 @@ def _forward(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_
     matmul chosen when the step was built (layers.decode_matmul; None: XLA's dot), not while it is traced."""
     prev = b["prev_row"]
     token_ids = jnp.where(prev >= 0, prev_ids[jnp.maximum(prev, 0)], b["token_ids"])
-    attn = paged_attention_layer(kind, backend, b, interpret, mesh, kv_scales(params))
+    attn = step_attention(config, kind, backend, b, interpret, mesh, params, kv_caches)
     hidden, kv_caches = forward(config, params, token_ids, b["positions"], attn, kv_caches, mesh, mm)
     b["hidden"] = hidden                                                           # [T, E]
     return token_ids, hidden[b["sample_idx"]], kv_caches
+
+
+def step_attention(config, kind, backend, meta, interpret, mesh, params, kv_caches):
+    """The step's attention (model/attention.py) for caches given as a (k, v) pair per layer, or as one pair stacked
+    over the layers (the runner's layout for `attention.stacked_cache` backends; the model then scans its layers)."""
+    L = config.num_hidden_layers
+    stacked = L if len(kv_caches) == 1 and L > 1 else 0
+    return paged_attention_layer(kind, backend, meta, interpret, mesh, kv_scales(params), stacked,
+                                 kv_caches[0][0].shape[1])
 
 
 def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: str, interpret: bool,

@@ -100,7 +100,8 @@ class ExtrasRunner:
         kind, T, B, W, filtered, extras = key
         shared = ("extras", r.model, r.engine.attn_backend, str(r.dtype), str(r.kv_dtype), r.num_blocks,
                   r.engine.block_size, r.interpret, r.max_rows, isinstance(r.params["layers"], tuple),
-                  len(r.placement.devices), self.num_slots, key, layers.GEMV_MAX_ROWS, layers.GEMV_FUSE)  # as the runner's
+                  len(r.kv_caches), len(r.placement.devices), self.num_slots, key, layers.GEMV_MAX_ROWS,
+                  layers.GEMV_FUSE)  # as the runner's
 
         def build():
             step = make_step(r.model, kind, T, B, W, r.engine.attn_backend, r.interpret, r.max_rows, filtered,

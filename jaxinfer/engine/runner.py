@@ -18,6 +18,7 @@ import numpy as np
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model import layers
 from jaxinfer.model import xla_decode
+from jaxinfer.model.attention import stacked_cache
 from jaxinfer.model.kv_scales import kv_cache_dtype, with_kv_scales
 from jaxinfer.parallel import Placement, kv_heads, make_placements
 from jaxinfer.parallel.layout import KV_SPEC
@@ -83,8 +84,12 @@ class ModelRunner:
         # [P, bs, K', D] per layer, split by kv head: each device holds K'/tp heads (parallel/layout.py)
         shape = (num_blocks, engine.block_size, kv_heads(model, tp) if tp > 1 else model.num_key_value_heads,
                  model.head_dim)
-        zeros = self.placement.zeros_kv(shape, self.kv_dtype, 2 * model.num_hidden_layers)
-        self.kv_caches = list(zip(zeros[::2], zeros[1::2]))
+        L = model.num_hidden_layers
+        if stacked_cache(engine.attn_backend):     # one pair [L * P, ...]: the model scans its layers (attention.py)
+            self.kv_caches = [tuple(self.placement.zeros_kv((L * shape[0], *shape[1:]), self.kv_dtype, 2))]
+        else:
+            zeros = self.placement.zeros_kv(shape, self.kv_dtype, 2 * L)
+            self.kv_caches = list(zip(zeros[::2], zeros[1::2]))
         # xla reads all W pages of a row: a ladder of narrower tables lets short contexts read less. The kernels
         # read only the pages a row needs, but a [B, W] table for a 40k-token model (W = 2560) would be sent and
         # packed every step: they get one narrow width beside the full one (config.BACKEND_DEFAULTS).
@@ -140,7 +145,7 @@ class ModelRunner:
             kind, T, B, W, filtered, *K = key
             shared = (self.model, self.engine.attn_backend, str(self.dtype), str(self.kv_dtype), self.num_blocks,
                       self.engine.block_size, self.interpret, self.max_rows,
-                      isinstance(self.params["layers"], tuple), len(self.placement.devices), key,
+                      isinstance(self.params["layers"], tuple), len(self.kv_caches), len(self.placement.devices), key,
                       layers.GEMV_MAX_ROWS, layers.GEMV_FUSE,      # the small-batch matmul choice shapes the program
                       rows_out(kind))
 

@@ -12,6 +12,12 @@ Backends take the same arguments (the contracts of pallas_kernels/):
   step one kernel (paged_attention_qkv) takes the raw qkv projection, applies q/k RMSNorm and RoPE, writes the
   new token's K/V and attends: no norm, rope, slice or scatter kernels around it.
 
+Stacked caches (`stacked_cache(backend)`: the xla backend): the engine holds ONE k and ONE v array for all layers,
+[L * P, bs, K, D], layer l's pages being rows l * P .. l * P + P - 1, and the model runs its layers as a `lax.scan`
+(one compiled layer body instead of L unrolled copies: the xla steps compiled in 12-28 s each unrolled). Attention
+then adds l * P to the page ids and l * P * bs to the slots it is given, which stay per layer ([0, P) and [0, P * bs),
+anything past that is padding and dropped).
+
 FP8 cache (kv_cache_dtype="fp8"): the caches are float8_e4m3fn and `kv_scales` = (k_scale, v_scale) [L, 1]
 (model/kv_scales.py). Writes quantise (write_kv here; the decode kernel in its own body), reads dequantise:
 both backends take the stacked scales and the layer row (`k_scale=, v_scale=, layer=`) and fold them into the
@@ -23,6 +29,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.model import xla_decode
@@ -42,6 +49,24 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
     k_cache = k_cache.reshape(P * bs, K, D).at[slot_mapping].set(k, mode="drop", unique_indices=True)
     v_cache = v_cache.reshape(P * bs, K, D).at[slot_mapping].set(v, mode="drop", unique_indices=True)
     return k_cache.reshape(P, bs, K, D), v_cache.reshape(P, bs, K, D)
+
+
+STACKED_BACKENDS = ("xla",)
+
+
+def stacked_cache(backend: str) -> bool:
+    """Whether the engine keeps this backend's KV cache as one stacked [L * P, bs, K, D] pair and scans over the
+    layers (see the module doc). The kernels' backends keep a pair per layer: each kernel takes its layer's
+    caches aliased, in and out, and the unrolled layers measured fastest for them."""
+    return backend in STACKED_BACKENDS
+
+
+def layer_rows(cache, layers: int, l, slot_mapping):
+    """A stacked cache's layer l: (slot_mapping moved into its rows, the page offset l * P to add to page ids). Slots
+    past one layer's (padding) go past the whole cache, so they stay dropped."""
+    per = cache.shape[0] // layers                        # pages of one layer
+    slots = cache.shape[1] * per
+    return jnp.where(slot_mapping < slots, slot_mapping + l * slots, layers * slots), l * per
 
 
 def attention_fns(backend: str, interpret: bool):
@@ -76,16 +101,19 @@ class LayerAttention:
     attend(l, q, k, v, cache) -> (out, cache): q/k already normed and rotated; writes k/v and attends.
     from_qkv(l, qkv, q_norm, k_norm, row, cos, sin, eps, cache) -> (out, cache), optional: a fused path that
     takes the raw qkv projection and does q/k RMSNorm, RoPE, the K/V write and attention in one kernel; the
-    model uses it when present (3 fewer kernels a layer)."""
+    model uses it when present (3 fewer kernels a layer).
+    stacked_layers: L when the caches are one stacked pair for all layers (`stacked_cache`): the model then scans
+    over its layers and `l` is traced; 0 for a pair per layer."""
     attend: Callable
     from_qkv: Callable | None = None
+    stacked_layers: int = 0
 
     def __call__(self, l, q, k, v, cache):
         return self.attend(l, q, k, v, cache)
 
 
 def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool = False, mesh=None,
-                          kv_scales=None) -> LayerAttention:
+                          kv_scales=None, stacked_layers: int = 0, block_size: int = 0) -> LayerAttention:
     """The model's attention over the paged cache for one step: write K/V, then prefill or decode attention.
 
     A pallas decode step also gets the fused `from_qkv` path: one kernel takes the raw qkv projection,
@@ -95,30 +123,49 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
     inside shard_map on the device's own heads (a kernel cannot be partitioned by XLA); the xla backend is plain
     jnp and is partitioned by XLA like the rest of the step (every op is per head).
 
-    kv_scales: (k_scale, v_scale) [L, 1] of an fp8 cache, else None. They travel in `meta` (replicated)."""
+    kv_scales: (k_scale, v_scale) [L, 1] of an fp8 cache, else None. They travel in `meta` (replicated).
+
+    stacked_layers = L: the caches are one stacked pair ([L * P, bs, K, D], `stacked_cache`), block_size their bs
+    (the xla decode's work list is made here, before the model's scan over layers)."""
     prefill_fn, decode_fn = attention_fns(backend, interpret)
     if kv_scales is not None:
         meta = {**meta, "k_scale": kv_scales[0], "v_scale": kv_scales[1]}
+    if stacked_layers and backend not in STACKED_BACKENDS:
+        raise ValueError(f"attn_backend={backend!r} takes a KV cache per layer, not a stacked one")
 
     def fp8_kwargs(meta, l) -> dict:
         return {} if "k_scale" not in meta else dict(k_scale=meta["k_scale"], v_scale=meta["v_scale"], layer=l)
 
-    memo = {}       # the xla decode's work list, traced at the first layer (the model's layers are one trace)
+    memo = {}       # the xla decode's work list, made once a step (at the first layer, or here when stacked)
+    chunks = kind == "decode" and backend == "xla" and xla_decode.DECODE_FORM == "chunks"
+
+    def work_list(meta, block_size):
+        if "work" not in memo:
+            memo["work"] = xla_decode.decode_work_list(meta["block_tables"], meta["seq_lens"], meta.get("table_start"),
+                                                       block_size)
+        return memo["work"]
+
+    if chunks and stacked_layers:           # outside the scan over layers (a tracer made inside it must not leak)
+        work_list(meta, block_size)
 
     def attn_local(meta, l, q, k, v, cache):
         scales = fp8_kwargs(meta, l)
         write_scales = layer_scales(meta["k_scale"], meta["v_scale"], l) if scales else ()
-        k_cache, v_cache = write_kv(*cache, k, v, meta["slot_mapping"], *write_scales)
+        slots, tables, work = meta["slot_mapping"], meta["block_tables"], None
+        if chunks:
+            work = work_list(meta, cache[0].shape[1])
+        if stacked_layers:                      # this layer's rows of the stacked caches
+            slots, first = layer_rows(cache[0], stacked_layers, l, slots)
+            tables = tables + first
+            work = None if work is None else (work[0], work[1] + first, work[2])
+        k_cache, v_cache = write_kv(*cache, k, v, slots, *write_scales)
         if kind == "decode" and backend == "xla":       # flat tables: rows' pages from table_start (engine/batch.py)
-            if "work" not in memo and xla_decode.DECODE_FORM == "chunks":    # once a step, for every layer
-                memo["work"] = xla_decode.decode_work_list(meta["block_tables"], meta["seq_lens"],
-                                                           meta.get("table_start"), k_cache.shape[1])
-            o = decode_fn(q, k_cache, v_cache, meta["block_tables"], meta["seq_lens"], table_start=meta.get(
-                "table_start"), work=memo.get("work"), **scales)
+            o = decode_fn(q, k_cache, v_cache, tables, meta["seq_lens"], table_start=meta.get("table_start"),
+                          work=work, **scales)
         elif kind == "decode":
-            o = decode_fn(q, k_cache, v_cache, meta["block_tables"], meta["seq_lens"], **scales)
+            o = decode_fn(q, k_cache, v_cache, tables, meta["seq_lens"], **scales)
         else:
-            o = prefill_fn(q, k_cache, v_cache, meta["block_tables"], meta["cu_seqlens"], meta["seq_lens"], **scales)
+            o = prefill_fn(q, k_cache, v_cache, tables, meta["cu_seqlens"], meta["seq_lens"], **scales)
         return o, (k_cache, v_cache)
 
     per_device = mesh is not None and mesh.shape["tp"] > 1 and backend != "xla"    # kernels / custom calls
@@ -148,4 +195,4 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
             return shard_map(f, mesh, (P(), heads, P(), P(), P(), P(), kv), (heads, kv))(
                 meta, qkv, q_norm, k_norm, cos, sin, cache)
         return LayerAttention(attn, from_qkv)
-    return LayerAttention(attn)
+    return LayerAttention(attn, stacked_layers=stacked_layers)
