@@ -132,7 +132,8 @@ def step_reports(a, cfg, platform: str, hlo_dir: str | None) -> dict:
         W = -(-ctx // bs)
         blocks = B * W + 1
         cache = jax.ShapeDtypeStruct((blocks, bs, cfg.num_key_value_heads, cfg.head_dim), dtype)
-        caches = [(cache, cache) for _ in range(L)]
+        caches = [(cache, cache) for _ in range(L)]       # a pair per layer: unrolled, so counts per layer read
+        #                                                   directly (the engine scans the same layer body)
         packed = jax.ShapeDtypeStruct((batch_layout(T, B, W)["_size"][0],), jnp.int32)
         prev = jax.ShapeDtypeStruct((B,), jnp.int32)
         text = compile_text(make_step(cfg, kind, T, B, W, "xla"), params, caches, packed, prev, platform=platform)
