@@ -79,14 +79,15 @@ def check_paged_inputs(name: str, q_heads: int, head_dim: int, q_dtype, k_cache,
         raise ValueError(f"{name}: seq_lens must be int32, got {seq_lens.dtype}")
 
 
-def load_kv_tile(k_ref, v_ref, bt_ref, b, kh, tok, block_size: int, dtype):
+def load_kv_tile(k_ref, v_ref, bt_ref, b, kh, tok, block_size: int, dtype, page_offset: int = 0):
     """Gathers K and V rows of context positions `tok` ([N] int32, all < seq_len) of sequence b, kv head kh.
 
     Each row is read straight from its page through the block table: no gathered copy in HBM. fp8 pages are
     converted to `dtype` in registers (their scales are applied by the caller, once per program).
+    page_offset: added to every page id (a layer's pages in a cache stacked over the layers).
     Returns k, v: [N, D] in `dtype`.
     """
-    page = bt_ref[b, tok // block_size]  # [N] physical block ids (each repeated block_size times)
+    page = bt_ref[b, tok // block_size] + page_offset  # [N] physical block ids (each repeated block_size times)
     slot = tok % block_size  # [N]
     return k_ref[page, slot, kh, :].astype(dtype), v_ref[page, slot, kh, :].astype(dtype)
 

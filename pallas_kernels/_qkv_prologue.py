@@ -11,7 +11,7 @@ from pallas_kernels.quant import quantize_in_kernel
 
 
 def new_token(qkv_ref, k_out_ref, v_out_ref, kw_ref, rope, bt_ref, b, kh, heads, kv_heads, dcol, split, seq_len,
-              block_size, scales=None):
+              block_size, scales=None, page_offset: int = 0):
     """The new token's k (normalised, rotated) and v [1, D] of kv head kh, stored into the cache at position
     seq_len - 1 (split 0 of a real row only). The context loop never reads that position.
     scales = (k_scale, v_scale) for an fp8 cache: k/v are quantised before the store, and returned as stored
@@ -21,7 +21,7 @@ def new_token(qkv_ref, k_out_ref, v_out_ref, kw_ref, rope, bt_ref, b, kh, heads,
     active = (split == 0) & (seq_len > 0)
     if scales is not None:
         kn, vn = quantize_in_kernel(kn, scales[0]), quantize_in_kernel(vn, scales[1])  # [1, D] fp8
-    write_new_token(kn, vn, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, seq_len - 1, block_size, active)
+    write_new_token(kn, vn, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, seq_len - 1, block_size, active, page_offset)
     if scales is not None:
         kn, vn = kn.astype(jnp.float32), vn.astype(jnp.float32)
     return kn, vn, active
@@ -58,11 +58,12 @@ def attend_new_token(acc, m, l, q, kn, vn, qk_scale, active):
     return (jnp.where(active, acc2, acc), jnp.where(active, m_new, m), jnp.where(active, l * alpha + p, l))
 
 
-def write_new_token(kn, vn, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, pos, block_size, active):
-    """Store the new token's K/V [1, D] of kv head kh into its slot: page bt[b, pos // bs], row pos % bs."""
+def write_new_token(kn, vn, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, pos, block_size, active, page_offset: int = 0):
+    """Store the new token's K/V [1, D] of kv head kh into its slot: page bt[b, pos // bs] (+ page_offset), row
+    pos % bs."""
     @pl.when(active)
     def _():
         p = jnp.maximum(pos, 0)
-        page, slot = bt_ref[b, p // block_size], p % block_size
+        page, slot = bt_ref[b, p // block_size] + page_offset, p % block_size
         k_out_ref[page, slot, kh, dcol[None, :]] = kn
         v_out_ref[page, slot, kh, dcol[None, :]] = vn

@@ -58,7 +58,7 @@ def choose_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int 
 
 def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
                    scale: float, block_size: int, group: int, rows: int, block_n: int, num_splits: int,
-                   fused: bool, quantized: bool, ordered: bool, eps: float):
+                   fused: bool, quantized: bool, ordered: bool, eps: float, page_offset: int):
     # refs: [5 prologue inputs if fused] [3 fp8 scale inputs if quantized] [order if ordered] o, lse
     #       [k_out, v_out if fused]
     if fused:   # q_ref holds the raw qkv projection [B, H + 2K, D]; the caches are also (aliased) outputs
@@ -102,7 +102,8 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
         tok = start + i * block_n + jnp.arange(block_n)  # [N]
         valid = tok < end
         # Positions past the end read the last real row (in bounds, finite) and are masked below.
-        k, v = load_kv_tile(k_ref, v_ref, bt_ref, b, kh, jnp.minimum(tok, length - 1), block_size, cdtype)
+        k, v = load_kv_tile(k_ref, v_ref, bt_ref, b, kh, jnp.minimum(tok, length - 1), block_size, cdtype,
+                            page_offset)
         s = plt.dot(q, k, trans_b=True, precision=prec) * qk_scale  # [rows, N] fp32
         s = jnp.where(valid[None, :], s, -jnp.inf)
         return online_softmax_update(acc, m, l, s, v, prec)
@@ -112,7 +113,8 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
         # the q prologue's instead of adding a second wait after the loop: on the H200 256 x 1024 took 295.8
         # instead of 322.6 us, and the whole benchmark ran 25,768 against 25,147 tok/s (same machine).
         kn, vn, active = new_token(q_ref, k_out_ref, v_out_ref, kw_ref, rope, bt_ref, b, kh, heads, kv_heads, dcol,
-                                   split, seq_len, block_size, (k_scale, v_scale) if quantized else None)
+                                   split, seq_len, block_size, (k_scale, v_scale) if quantized else None,
+                                   page_offset)
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), NEG_BIG, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
@@ -131,12 +133,13 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_n", "num_splits", "num_warps",
-                                             "num_stages", "eps"))
+                                             "num_stages", "eps", "page_offset"))
 def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None, order=None, scales=None, *, scale,
-                     interpret, block_n, num_splits, num_warps, num_stages, eps=0.0):
+                     interpret, block_n, num_splits, num_warps, num_stages, eps=0.0, page_offset=0):
     """q [B, H, D], or with `prologue` = (q_norm [L, D], k_norm [L, D], layer [1], cos, sin) the raw qkv
     projection [B, H + 2K, D]. order [B] int32: the row each program index runs (None: row = index).
-    scales: (k_scale [L, C], v_scale [L, C], layer [1]) of fp8 caches (quant.kv_scales), else None."""
+    scales: (k_scale [L, C], v_scale [L, C], layer [1]) of fp8 caches (quant.kv_scales), else None.
+    page_offset: added to every block-table entry (a constant of the kernel)."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     fused = prologue is not None
     batch = q.shape[0]
@@ -148,7 +151,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None,
     part_dtype = q.dtype if num_splits == 1 else jnp.float32
     kernel = functools.partial(_decode_kernel, scale=scale, block_size=block_size, group=group, rows=rows,
                                block_n=block_n, num_splits=num_splits, fused=fused, quantized=scales is not None,
-                               ordered=order is not None, eps=eps)
+                               ordered=order is not None, eps=eps, page_offset=page_offset)
     out_shape = (jax.ShapeDtypeStruct((batch, num_splits, heads, head_dim), part_dtype),  # [B, S, H, D]
                  jax.ShapeDtypeStruct((batch, num_splits, heads), jnp.float32))  # [B, S, H]
     args = (seq_lens, block_tables, q, k_cache, v_cache)
@@ -207,7 +210,7 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
                         eps: float, layer: int | jax.Array = 0, order: jax.Array | None = None,
                         scale: float | None = None, k_scale: jax.Array | None = None,
                         v_scale: jax.Array | None = None, scale_layer: int | jax.Array | None = None,
-                        interpret: bool = False,
+                        page_offset: int = 0, interpret: bool = False,
                         block_n: int | None = None, num_splits: int | None = None,
                         num_warps: int | None = None, num_stages: int | None = None
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -222,9 +225,12 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
     cache plus the new token. `order`: as in paged_attention. fp8 caches: k_scale / v_scale as in paged_attention
     (row `scale_layer`, default `layer`: per-layer norm weights may come one layer at a time while the scales
     stay stacked); the new token's k/v are quantised in the kernel, and attended as stored (quantised), so this
-    step sees the token as every later step will. Returns (out [B, H, D], k_cache, v_cache); donate the caches
-    to update in place.
+    step sees the token as every later step will. page_offset (a static int >= 0): added to every block-table
+    entry, for caches that hold several layers' pages (the engine's cache stacked over the layers: layer l's
+    pages start at l * P). Returns (out [B, H, D], k_cache, v_cache); donate the caches to update in place.
     """
+    if not isinstance(page_offset, int) or isinstance(page_offset, bool) or page_offset < 0:
+        raise ValueError(f"paged_attention_qkv: page_offset must be a static int >= 0, got {page_offset!r}")
     B, K, D = qkv.shape[0], k_cache.shape[2], qkv.shape[-1]
     if qkv.ndim != 3 or qkv.shape[1] <= 2 * K:
         raise ValueError(f"paged_attention_qkv: qkv must be [B, H + 2K, D] with K={K} kv heads, got {qkv.shape}")
@@ -246,7 +252,8 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
     layer = jnp.asarray(layer, jnp.int32).reshape(1)                              # a constant: no kernel
     norms = (q_norm, k_norm, layer, cos.astype(jnp.float32), sin.astype(jnp.float32))
     return _paged_attention(qkv, k_cache, v_cache, block_tables, seq_lens, norms, order, scales,
-                            scale=_scale(scale, qkv), interpret=interpret, eps=float(eps), **tiles)
+                            scale=_scale(scale, qkv), interpret=interpret, eps=float(eps), page_offset=page_offset,
+                            **tiles)
 
 
 def _scale(scale, q) -> float:

@@ -200,31 +200,34 @@ def test_gathered_pages_are_counted_at_their_converted_size():
     assert gathered_itemsize(jnp.zeros((4, 4, 2, 16), jnp.float32), q.astype(jnp.float32)) == 4
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_stacked_caches_give_the_per_layer_tokens(tiny_dirs, kv, monkeypatch):
-    """The xla backend keeps one (k, v) pair stacked over the layers ([L * P, bs, K, D]) and scans the layers; with a
-    pair per layer (unrolled layers, as the kernels' backends run) every token is the same: greedy and seeded,
+@pytest.mark.parametrize("backend,kv", [("xla", "auto"), ("xla", "fp8"), ("pallas", "auto"), ("pallas", "fp8")])
+def test_stacked_caches_give_the_per_layer_tokens(tiny_dirs, backend, kv, monkeypatch):
+    """The xla and pallas backends keep one (k, v) pair stacked over the layers ([L * P, bs, K, D]) and scan the
+    layers (pallas: prefill; its decode kernel takes each layer's page offset, layers unrolled); with a pair per
+    layer (unrolled layers, as the other kernels' backends run) every token is the same: greedy and seeded,
     prompts over several steps' chunks and a prefix-cache hit, one step and K steps per call, fp8 pages too, and
     the stacked cache's padding slots write nowhere (all blocks come back)."""
     import jaxinfer.model.attention as attention
     from helpers import TINY_ENGINE
 
     from jaxinfer import LLM, SamplingParams
-    path = tiny_dirs["gqa4_wide_head"]                                  # 3 layers, GQA group 4, head_dim 24
+    # xla: 3 layers, GQA group 4, head_dim 24; pallas (head_dim a power of two): 2 layers, GQA group 2
+    path = tiny_dirs["gqa4_wide_head" if backend == "xla" else "gqa2"]
+    L = 3 if backend == "xla" else 2
     rng = np.random.default_rng(7)
     ps = [rng.integers(0, 512, n).tolist() for n in (5, 70, 33)]
     ps.append(ps[1][:40])
     params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=11, max_tokens=9, ignore_eos=True)]
-    kw = {**TINY_ENGINE, "attn_backend": "xla", "kv_cache_dtype": kv, "max_num_batched_tokens": 32}
+    kw = {**TINY_ENGINE, "attn_backend": backend, "kv_cache_dtype": kv, "max_num_batched_tokens": 32}
     got = {}
     for stacked in (True, False):
-        monkeypatch.setattr(attention, "STACKED_BACKENDS", ("xla",) if stacked else ())
+        monkeypatch.setattr(attention, "STACKED_BACKENDS", (backend,) if stacked else ())
         for steps in (1, 4):
             llm = LLM(path, **kw, num_scheduler_steps=steps)
             caches = llm.engine.runner.kv_caches
-            assert len(caches) == (1 if stacked else 3)
-            assert caches[0][0].shape[0] == (3 if stacked else 1) * llm.stats()["kv_blocks_total"]
+            assert len(caches) == (1 if stacked else L)
+            assert caches[0][0].shape[0] == (L if stacked else 1) * llm.stats()["kv_blocks_total"]
             got[stacked, steps] = [[o.token_ids for o in llm.generate(ps, p, use_tqdm=False)] for p in params]
             st = llm.stats()
             assert st["kv_blocks_free"] == st["kv_blocks_total"]

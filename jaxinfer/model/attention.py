@@ -51,7 +51,7 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
     return k_cache.reshape(P, bs, K, D), v_cache.reshape(P, bs, K, D)
 
 
-STACKED_BACKENDS = ("xla",)
+STACKED_BACKENDS = ("xla", "pallas")
 
 
 def stacked_cache(backend: str) -> bool:
@@ -102,11 +102,14 @@ class LayerAttention:
     from_qkv(l, qkv, q_norm, k_norm, row, cos, sin, eps, cache) -> (out, cache), optional: a fused path that
     takes the raw qkv projection and does q/k RMSNorm, RoPE, the K/V write and attention in one kernel; the
     model uses it when present (3 fewer kernels a layer).
-    stacked_layers: L when the caches are one stacked pair for all layers (`stacked_cache`): the model then scans
-    over its layers and `l` is traced; 0 for a pair per layer."""
+    stacked_layers: L when the caches are one stacked pair for all layers (`stacked_cache`), 0 for a pair per
+    layer. scan: with stacked caches, the model runs its layers as a `lax.scan` (`l` is then traced); else it
+    unrolls them and threads the one pair through (the pallas decode: its kernel takes l's page offset as a
+    constant, and one CUDA graph a step stays one)."""
     attend: Callable
     from_qkv: Callable | None = None
     stacked_layers: int = 0
+    scan: bool = False
 
     def __call__(self, l, q, k, v, cache):
         return self.attend(l, q, k, v, cache)
@@ -174,17 +177,20 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
     def attn(l, q, k, v, cache):
         if not per_device:
             return attn_local(meta, l, q, k, v, cache)
-        f = lambda m, q, k, v, c: attn_local(m, l, q, k, v, c)
-        return shard_map(f, mesh, (P(), heads, heads, heads, kv), (heads, kv))(meta, q, k, v, cache)
+        # the layer goes in as an argument: under the scan it is traced, and shard_map must not close over it
+        f = lambda m, l, q, k, v, c: attn_local(m, l, q, k, v, c)
+        return shard_map(f, mesh, (P(), P(), heads, heads, heads, kv), (heads, kv))(meta, jnp.asarray(l), q, k, v,
+                                                                                     cache)
 
     if kind == "decode" and backend == "pallas":
         from pallas_kernels.paged_attention import paged_attention_qkv
 
         def qkv_local(meta, l, row, qkv, q_norm, k_norm, cos, sin, eps, cache):   # row b's new token: seq_lens[b] - 1
             scales = {k: v for k, v in fp8_kwargs(meta, l).items() if k != "layer"}     # stacked scales: their row is l
+            first = l * (cache[0].shape[0] // stacked_layers) if stacked_layers else 0   # static: layers unrolled
             o, k_cache, v_cache = paged_attention_qkv(qkv, q_norm, k_norm, cos, sin, *cache, meta["block_tables"],
                                                       meta["seq_lens"], eps=eps, layer=row, order=meta["attn_order"],
-                                                      interpret=interpret, scale_layer=l, **scales)
+                                                      interpret=interpret, scale_layer=l, page_offset=first, **scales)
             return o, (k_cache, v_cache)
 
         def from_qkv(l, qkv, q_norm, k_norm, row, cos, sin, eps, cache):
@@ -194,5 +200,5 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
             f = lambda m, qkv, qn, kn, cos, sin, c: qkv_local(m, l, row, qkv, qn, kn, cos, sin, eps, c)
             return shard_map(f, mesh, (P(), heads, P(), P(), P(), P(), kv), (heads, kv))(
                 meta, qkv, q_norm, k_norm, cos, sin, cache)
-        return LayerAttention(attn, from_qkv)
-    return LayerAttention(attn, stacked_layers=stacked_layers)
+        return LayerAttention(attn, from_qkv, stacked_layers)      # unrolled layers (page offsets are constants)
+    return LayerAttention(attn, stacked_layers=stacked_layers, scan=bool(stacked_layers))

@@ -105,14 +105,16 @@ def forward(c: ModelConfig, params: dict, token_ids, positions, attn: Callable, 
     layers, tp = params["layers"], tp_size(mesh)
     x = embed(params["embed_tokens"], token_ids, mesh)                         # [..., E]
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling_factor)
-    if kv_caches is not None and getattr(attn, "stacked_layers", 0):       # (XLA's dots: `matmul` is not used)
+    stacked = kv_caches is not None and getattr(attn, "stacked_layers", 0)
+    if stacked and attn.scan:                                          # (XLA's dots: `matmul` is not used)
         x, caches = _scan_layers(c, layers, x, cos, sin, attn, kv_caches, tp)
         return rms_norm(x, params["norm"], c.rms_norm_eps), caches
     caches = list(kv_caches) if kv_caches is not None else [None] * c.num_hidden_layers
     for l in range(c.num_hidden_layers):
         w, qk_norms = {k: v[l] for k, v in layers.items()}, (layers["q_norm"], layers["k_norm"], l)
         mm = None if matmul is None else functools.partial(_project, matmul, layers, l, c.rms_norm_eps)
-        x, caches[l] = _decoder_layer(c, w, x, cos, sin, attn, l, caches[l], qk_norms, tp, mm)
+        i = 0 if stacked else l                                        # stacked: one pair, threaded through
+        x, caches[i] = _decoder_layer(c, w, x, cos, sin, attn, l, caches[i], qk_norms, tp, mm)
     return rms_norm(x, params["norm"], c.rms_norm_eps), caches
 
 
