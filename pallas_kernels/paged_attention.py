@@ -58,11 +58,13 @@ def choose_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int 
 
 def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
                    scale: float, block_size: int, group: int, rows: int, block_n: int, num_splits: int,
-                   fused: bool, quantized: bool, ordered: bool, eps: float, page_offset: int):
-    # refs: [5 prologue inputs if fused] [3 fp8 scale inputs if quantized] [order if ordered] o, lse
+                   fused: bool, quantized: bool, ordered: bool, eps: float):
+    # refs: [6 prologue inputs if fused] [3 fp8 scale inputs if quantized] [order if ordered] o, lse
     #       [k_out, v_out if fused]
+    page_offset = 0   # fused: a layer's first page in a cache stacked over the layers (an operand)
     if fused:   # q_ref holds the raw qkv projection [B, H + 2K, D]; the caches are also (aliased) outputs
-        (qw_ref, kw_ref, layer_ref, cos_ref, sin_ref), refs = refs[:5], refs[5:]
+        (qw_ref, kw_ref, layer_ref, cos_ref, sin_ref, first_ref), refs = refs[:6], refs[6:]
+        page_offset = first_ref[0]
     scale_refs = None
     if quantized:   # fp8 pages: k_scale [L, C], v_scale [L, C], layer [1]
         scale_refs, refs = refs[:3], refs[3:]
@@ -133,13 +135,12 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_n", "num_splits", "num_warps",
-                                             "num_stages", "eps", "page_offset"))
+                                             "num_stages", "eps"))
 def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None, order=None, scales=None, *, scale,
-                     interpret, block_n, num_splits, num_warps, num_stages, eps=0.0, page_offset=0):
-    """q [B, H, D], or with `prologue` = (q_norm [L, D], k_norm [L, D], layer [1], cos, sin) the raw qkv
-    projection [B, H + 2K, D]. order [B] int32: the row each program index runs (None: row = index).
-    scales: (k_scale [L, C], v_scale [L, C], layer [1]) of fp8 caches (quant.kv_scales), else None.
-    page_offset: added to every block-table entry (a constant of the kernel)."""
+                     interpret, block_n, num_splits, num_warps, num_stages, eps=0.0):
+    """q [B, H, D], or with `prologue` = (q_norm [L, D], k_norm [L, D], layer [1], cos, sin, page_offset [1]) the
+    raw qkv projection [B, H + 2K, D]. order [B] int32: the row each program index runs (None: row = index).
+    scales: (k_scale [L, C], v_scale [L, C], layer [1]) of fp8 caches (quant.kv_scales), else None."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     fused = prologue is not None
     batch = q.shape[0]
@@ -151,7 +152,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None,
     part_dtype = q.dtype if num_splits == 1 else jnp.float32
     kernel = functools.partial(_decode_kernel, scale=scale, block_size=block_size, group=group, rows=rows,
                                block_n=block_n, num_splits=num_splits, fused=fused, quantized=scales is not None,
-                               ordered=order is not None, eps=eps, page_offset=page_offset)
+                               ordered=order is not None, eps=eps)
     out_shape = (jax.ShapeDtypeStruct((batch, num_splits, heads, head_dim), part_dtype),  # [B, S, H, D]
                  jax.ShapeDtypeStruct((batch, num_splits, heads), jnp.float32))  # [B, S, H]
     args = (seq_lens, block_tables, q, k_cache, v_cache)
@@ -225,12 +226,13 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
     cache plus the new token. `order`: as in paged_attention. fp8 caches: k_scale / v_scale as in paged_attention
     (row `scale_layer`, default `layer`: per-layer norm weights may come one layer at a time while the scales
     stay stacked); the new token's k/v are quantised in the kernel, and attended as stored (quantised), so this
-    step sees the token as every later step will. page_offset (a static int >= 0): added to every block-table
-    entry, for caches that hold several layers' pages (the engine's cache stacked over the layers: layer l's
-    pages start at l * P). Returns (out [B, H, D], k_cache, v_cache); donate the caches to update in place.
+    step sees the token as every later step will. page_offset (an int >= 0): added to every block-table entry, for
+    caches that hold several layers' pages (the engine's cache stacked over the layers: layer l's pages start at
+    l * P). It is an operand, not a constant of the kernel, so every layer runs the same compiled kernel.
+    Returns (out [B, H, D], k_cache, v_cache); donate the caches to update in place.
     """
-    if not isinstance(page_offset, int) or isinstance(page_offset, bool) or page_offset < 0:
-        raise ValueError(f"paged_attention_qkv: page_offset must be a static int >= 0, got {page_offset!r}")
+    if isinstance(page_offset, bool) or (isinstance(page_offset, int) and page_offset < 0):
+        raise ValueError(f"paged_attention_qkv: page_offset must be an int >= 0, got {page_offset!r}")
     B, K, D = qkv.shape[0], k_cache.shape[2], qkv.shape[-1]
     if qkv.ndim != 3 or qkv.shape[1] <= 2 * K:
         raise ValueError(f"paged_attention_qkv: qkv must be [B, H + 2K, D] with K={K} kv heads, got {qkv.shape}")
@@ -250,10 +252,10 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
     scales = kv_scales("paged_attention_qkv", k_cache, k_scale, v_scale, layer if scale_layer is None else scale_layer)
     q_norm, k_norm = (jnp.atleast_2d(w).astype(qkv.dtype) for w in (q_norm, k_norm))   # [L, D]
     layer = jnp.asarray(layer, jnp.int32).reshape(1)                              # a constant: no kernel
-    norms = (q_norm, k_norm, layer, cos.astype(jnp.float32), sin.astype(jnp.float32))
+    first = jnp.asarray(page_offset, jnp.int32).reshape(1)
+    norms = (q_norm, k_norm, layer, cos.astype(jnp.float32), sin.astype(jnp.float32), first)
     return _paged_attention(qkv, k_cache, v_cache, block_tables, seq_lens, norms, order, scales,
-                            scale=_scale(scale, qkv), interpret=interpret, eps=float(eps), page_offset=page_offset,
-                            **tiles)
+                            scale=_scale(scale, qkv), interpret=interpret, eps=float(eps), **tiles)
 
 
 def _scale(scale, q) -> float:
