@@ -5,9 +5,8 @@ Design (flash-decoding):
     (GQA group, padded to >= 16 rows for the tensor-core dot), so every K/V byte is read from HBM once.
   * The program walks its share of the context in tiles of `block_n` tokens; each row is gathered from its
     page through the block table inside the kernel (several pages per tile, no gathered copy in HBM).
-  * Online softmax in fp32. With S > 1 each split writes a normalised partial output and its log-sum-exp;
-    a tiny jnp combine (inside the same jit) merges them. S is static, chosen from B and the max context so
-    small batches with long contexts still fill the GPU; each sequence's split size follows its real length.
+  * Online softmax in fp32. With S > 1 each split writes a normalised partial output and its log-sum-exp; a
+    tiny jnp combine merges them. S is static (from B and the max context); splits follow each row's length.
   * `order` (optional, [B]): row order[i] is the i-th sequence whose programs start. Longest contexts first
     (the engine passes rows by decreasing length) shortens the tail where a few long programs run alone: on
     the H200, the benchmark's real lengths at batch 59-256 took 2-7% less time than in arrival order.
@@ -46,10 +45,7 @@ MIN_TOKENS_PER_SPLIT = 512
 
 def choose_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int = DEFAULT_BLOCK_N) -> int:
     """Static split count: at most about 4 programs per SM, rounded DOWN to a power of two, and no split
-    shorter than 512 tokens of the table's width. Over-splitting was slower on the H200 (28 chained calls,
-    table width 4096): batch 32 x 512 took 30.6 us with 8 splits and 27.7 with 2; batch 8 x 1024 11.3 us
-    with 8 and 14.8 with 16; batch 64 x 1024 77.8 with 4 and 76.0 with 2; and on the benchmark's lengths
-    at step 800 (59 rows of 900-1800 tokens, bucket 64) one split took 96.5 us, two 102.0."""
+    shorter than 512 tokens of the table's width (over-splitting was slower on the H200: docs/kernels.md)."""
     programs = batch * kv_heads
     want = max(1, 4 * NUM_SMS // programs)
     most = max(1, max_context // max(MIN_TOKENS_PER_SPLIT, block_n))
@@ -61,7 +57,7 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
                    fused: bool, quantized: bool, ordered: bool, eps: float):
     # refs: [6 prologue inputs if fused] [3 fp8 scale inputs if quantized] [order if ordered] o, lse
     #       [k_out, v_out if fused]
-    page_offset = 0   # fused: a layer's first page in a cache stacked over the layers (an operand)
+    page_offset = 0   # fused: the layer's first page in a cache stacked over the layers (an operand)
     if fused:   # q_ref holds the raw qkv projection [B, H + 2K, D]; the caches are also (aliased) outputs
         (qw_ref, kw_ref, layer_ref, cos_ref, sin_ref, first_ref), refs = refs[:6], refs[6:]
         page_offset = first_ref[0]
@@ -209,11 +205,10 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
 def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: jax.Array, sin: jax.Array,
                         k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
                         eps: float, layer: int | jax.Array = 0, order: jax.Array | None = None,
-                        scale: float | None = None, k_scale: jax.Array | None = None,
-                        v_scale: jax.Array | None = None, scale_layer: int | jax.Array | None = None,
-                        page_offset: int = 0, interpret: bool = False,
-                        block_n: int | None = None, num_splits: int | None = None,
-                        num_warps: int | None = None, num_stages: int | None = None
+                        scale: float | None = None, k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+                        scale_layer: int | jax.Array | None = None, page_offset: int = 0, interpret: bool = False,
+                        block_n: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
+                        num_stages: int | None = None
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A Qwen3 decode layer's attention, from the qkv projection to the attention output, in ONE kernel.
 
@@ -270,12 +265,9 @@ def _tiles(name, q, heads, k_cache, v_cache, block_tables, seq_lens, block_n, nu
         raise ValueError(f"{name}: order must be int32 of shape {seq_lens.shape} like seq_lens, got "
                          f"{order.dtype} {order.shape}")
     fp8 = is_fp8(k_cache.dtype)
-    if block_n is None:
-        block_n = DEFAULT_BLOCK_N_FP8 if fp8 else DEFAULT_BLOCK_N
-    if num_warps is None:
-        num_warps = DEFAULT_NUM_WARPS_FP8 if fp8 else DEFAULT_NUM_WARPS
-    if num_stages is None:
-        num_stages = DEFAULT_NUM_STAGES_FP8 if fp8 else DEFAULT_NUM_STAGES
+    block_n = (DEFAULT_BLOCK_N_FP8 if fp8 else DEFAULT_BLOCK_N) if block_n is None else block_n
+    num_warps = (DEFAULT_NUM_WARPS_FP8 if fp8 else DEFAULT_NUM_WARPS) if num_warps is None else num_warps
+    num_stages = (DEFAULT_NUM_STAGES_FP8 if fp8 else DEFAULT_NUM_STAGES) if num_stages is None else num_stages
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{name}: block_n must be a power of two >= 16, got {block_n}")
     if num_splits is None:
