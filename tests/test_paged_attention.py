@@ -102,6 +102,34 @@ def test_qkv_kernel_takes_stacked_norm_weights(traced):
     check_qkv(fused, qkv, norms, k, v, tables, lens, TOL[jnp.float32])
 
 
+def check_stacked_layer(qkv, norms, k, v, tables, lens, tol, interpret: bool, theta=10_000.0):
+    """The fused kernel on layer 1 of a cache stacked over two layers ([2P, ...], layer 1's pages from P:
+    page_offset=P) gives what it gives on that layer's own cache, and leaves layer 0's pages as they were."""
+    other_k, other_v = k[::-1] * 0.5, v[::-1] * 0.5                      # layer 0: any other values
+    P = k.shape[0]
+
+    def fused(qkv, qn, kn, cos, sin, k, v, tables, seq_lens):
+        out, k2, v2 = paged_attention_qkv(qkv, qn, kn, cos, sin, jnp.concatenate([other_k, k]),
+                                          jnp.concatenate([other_v, v]), tables, seq_lens, eps=1e-6, page_offset=P,
+                                          interpret=interpret, block_n=16 if interpret else None)
+        np.testing.assert_array_equal(np.asarray(k2[:P]), np.asarray(other_k))
+        np.testing.assert_array_equal(np.asarray(v2[:P]), np.asarray(other_v))
+        return out, k2[P:], v2[P:]
+    check_qkv(fused, qkv, norms, k, v, tables, lens, tol, theta=theta)
+
+
+def test_qkv_kernel_reads_one_layer_of_a_stacked_cache():
+    lens, block_size, heads, kv_heads, head_dim = CASES[0]
+    rng = np.random.default_rng(9)
+    k, v, tables, _ = make_paged(rng, lens, block_size, kv_heads, head_dim, jnp.float32)
+    qkv = jnp.asarray(rng.standard_normal((len(lens), heads + 2 * kv_heads, head_dim)), jnp.float32)
+    norms = tuple(jnp.asarray(1 + 0.3 * rng.standard_normal(head_dim), jnp.float32) for _ in range(2))
+    check_stacked_layer(qkv, norms, k, v, tables, lens, TOL[jnp.float32], interpret=True)
+    with pytest.raises(ValueError, match="page_offset"):
+        paged_attention_qkv(qkv, *norms, jnp.zeros((len(lens), head_dim)), jnp.zeros((len(lens), head_dim)), k, v,
+                            tables, jnp.asarray(lens, jnp.int32), eps=1e-6, page_offset=-1, interpret=True)
+
+
 def check_qkv(fused, qkv, norms, k, v, tables, lens, tol, theta=10_000.0, eps=1e-6, scales=None):
     """fused(qkv, q_norm, k_norm, cos, sin, k, v, tables, seq_lens) == norm + rope (model/layers.py), writing
     k/v at position len-1, then the reference attention. scales = (k_scale, v_scale) of fp8 caches: the new
@@ -258,3 +286,4 @@ def test_gpu_compiled(dtype, batch, max_len, block_size):
     order = jnp.asarray(np.argsort(-lens, kind="stable"), jnp.int32)     # rows longest first
     check_qkv(jax.jit(lambda qkv, qn, kn, *a: paged_attention_qkv(qkv, *stacked, *a, eps=1e-6, layer=1, order=order)),
               qkv, norms, k, v, tables, lens, tol, theta=1e6)
+    check_stacked_layer(qkv, norms, k, v, tables, lens, tol, interpret=False, theta=1e6)   # the engine's cache
