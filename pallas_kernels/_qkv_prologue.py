@@ -58,7 +58,7 @@ def attend_new_token(acc, m, l, q, kn, vn, qk_scale, active):
     return (jnp.where(active, acc2, acc), jnp.where(active, m_new, m), jnp.where(active, l * alpha + p, l))
 
 
-def write_new_token(kn, vn, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, pos, block_size, active, page_offset: int = 0):
+def write_new_token(kn, vn, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, pos, block_size, active, page_offset=0):
     """Store the new token's K/V [1, D] of kv head kh into its slot: page bt[b, pos // bs] (+ page_offset), row
     pos % bs."""
     @pl.when(active)

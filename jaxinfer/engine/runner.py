@@ -81,7 +81,8 @@ class ModelRunner:
         self.params = self._place(params)
         self.num_blocks = num_blocks
         self.num_slots = num_blocks * engine.block_size
-        # [P, bs, K', D] per layer, split by kv head: each device holds K'/tp heads (parallel/layout.py)
+        # [P, bs, K', D] pages per layer (xla, pallas: one pair [L * P, ...] for all layers), split by kv head: each
+        # device holds K'/tp heads (parallel/layout.py)
         shape = (num_blocks, engine.block_size, kv_heads(model, tp) if tp > 1 else model.num_key_value_heads,
                  model.head_dim)
         L = model.num_hidden_layers

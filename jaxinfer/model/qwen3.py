@@ -120,9 +120,9 @@ def forward(c: ModelConfig, params: dict, token_ids, positions, attn: Callable, 
 
 def _scan_layers(c: ModelConfig, layers: dict, x, cos, sin, attn, kv_caches, tp: int):
     """The layers as one `lax.scan` over the stacked weights, for caches stacked over the layers (one [L * P, ...]
-    pair: attention.stacked_cache). XLA compiles one layer body instead of L copies: the xla backend's steps,
-    20-30 fusions a layer, compiled in 12-28 s each unrolled on the H200 host. The scan's trip count is static, so
-    the loop reads no predicate back to the host."""
+    pair: attention.stacked_cache; the xla steps and the pallas prefill steps). XLA compiles one layer body instead
+    of L copies: the xla backend's steps, 20-30 fusions a layer, compiled in 12-28 s each unrolled on the H200 host.
+    The scan's trip count is static, so the loop reads no predicate back to the host."""
     if len(kv_caches) != 1:
         raise ValueError(f"stacked caches are one (k, v) pair for all layers, got {len(kv_caches)} pairs")
     qk = (layers["q_norm"], layers["k_norm"])
