@@ -99,6 +99,7 @@ def bench_steps(a, cfg, params, out: dict) -> None:
     from jaxinfer.engine.batch import pack, pack_multistep
     from jaxinfer.engine.scheduler import ScheduledBatch
     from jaxinfer.model import layers
+    from jaxinfer.model.attention import cache_layout
     from jaxinfer.multistep import make_multistep
     from jaxinfer.step import jit_step, make_step
     from jaxinfer.xla_options import step_compiler_options
@@ -122,8 +123,8 @@ def bench_steps(a, cfg, params, out: dict) -> None:
         built.setdefault((B, call, mm, unroll), jit_step(f))
     layers.GEMV_MAX_ROWS, layers.GEMV_FUSE = 0, True
     batch, blocks = decode_batch(n_max, a.context, bs, K)
-    kv_shape = (blocks, bs, cfg.num_key_value_heads, cfg.head_dim)
-    fresh = lambda: [(jnp.zeros(kv_shape, a.dtype), jnp.zeros(kv_shape, a.dtype)) for _ in range(L)]  # noqa: E731
+    kv_shape, pairs = cache_layout("pallas", L, (blocks, bs, cfg.num_key_value_heads, cfg.head_dim))  # the engine's
+    fresh = lambda: [(jnp.zeros(kv_shape, a.dtype), jnp.zeros(kv_shape, a.dtype)) for _ in range(pairs)]  # noqa: E731
 
     def packed_for(n, B, call):
         sub = ScheduledBatch(batch.seqs[:n], [1] * n, False)

@@ -150,7 +150,7 @@ def main(argv=None) -> dict:
     from jaxinfer.engine.batch import pack
     from jaxinfer.engine.memory import kv_bytes_per_block
     from jaxinfer.llm import load_model
-    from jaxinfer.model.attention import attention_fns, write_kv
+    from jaxinfer.model.attention import attention_fns, cache_layout, write_kv
     from jaxinfer.model.qwen3 import compute_logits, forward
     from jaxinfer.sampling import sample
     from jaxinfer.step import jit_step, make_step, unpack
@@ -162,7 +162,9 @@ def main(argv=None) -> dict:
     packed = jnp.asarray(pack(batch, B, B, W, bs, num_blocks * bs))
     shape = (num_blocks, bs, cfg.num_key_value_heads, cfg.head_dim)
     dtype = jnp.dtype(a.dtype)
-    fresh_kv = lambda: [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(L)]
+    step_shape, pairs = cache_layout(a.attn_backend, L, shape)          # the step: the engine's cache layout
+    fresh_step_kv = lambda: [(jnp.zeros(step_shape, dtype), jnp.zeros(step_shape, dtype)) for _ in range(pairs)]
+    fresh_kv = lambda: [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(L)]   # the parts: per layer
     interpret = jax.devices()[0].platform != "gpu"
     prev = jnp.zeros((B,), jnp.int32)
     f = unpack(packed, B, B, W)
@@ -185,7 +187,7 @@ def main(argv=None) -> dict:
     hidden = jnp.ones((B, cfg.hidden_size), dtype)
     opts = {k: _option_value(v) for k, v in (kv.split("=", 1) for kv in a.compiler_option)}
     step = jit_step(make_step(cfg, "decode", B, B, W, a.attn_backend, interpret, B)).lower(
-        params, fresh_kv(), packed, prev).compile(compiler_options=opts or None)
+        params, fresh_step_kv(), packed, prev).compile(compiler_options=opts or None)
     if a.kernels:
         text = step.as_text()
         with open(a.kernels, "w") as fh:
@@ -194,10 +196,10 @@ def main(argv=None) -> dict:
         print(f"kernels in the compiled step: {sum(counts.values())} ({sum(counts.values()) / L:.1f} per layer)")
         for k, n in sorted(counts.items(), key=lambda kv: -kv[1]):
             print(f"  {n:5d}  {k}")
-    times = {"step": median_time(step, (params, fresh_kv(), packed, prev), a.iters, {1: 1})}
-    times["dispatch"] = idle_dispatch(step, (params, fresh_kv(), packed, prev), a.iters)
-    times["pipelined"], _ = back_to_back(step, (params, fresh_kv(), packed, prev), a.iters)
-    times["engine"], times["engine_dispatch"] = back_to_back(step, (params, fresh_kv(), np.asarray(packed), prev),
+    times = {"step": median_time(step, (params, fresh_step_kv(), packed, prev), a.iters, {1: 1})}
+    times["dispatch"] = idle_dispatch(step, (params, fresh_step_kv(), packed, prev), a.iters)
+    times["pipelined"], _ = back_to_back(step, (params, fresh_step_kv(), packed, prev), a.iters)
+    times["engine"], times["engine_dispatch"] = back_to_back(step, (params, fresh_step_kv(), np.asarray(packed), prev),
                                                              a.iters, like_engine=True)
     if not a.only_step:
         times["layers"] = median_time(jax.jit(layers_only, donate_argnums=1),
@@ -208,7 +210,7 @@ def main(argv=None) -> dict:
     if a.profile:
         from trace_summary import profiled, summarize_profile
         with profiled(a.profile):
-            median_time(step, (params, fresh_kv(), packed, prev), a.iters, {1: 1})
+            median_time(step, (params, fresh_step_kv(), packed, prev), a.iters, {1: 1})
         profile = summarize_profile(a.profile, a.iters + 2)
 
     bw = copy_bandwidth(2**30 if not interpret else 2**22)

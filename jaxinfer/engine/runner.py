@@ -18,7 +18,7 @@ import numpy as np
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model import layers
 from jaxinfer.model import xla_decode
-from jaxinfer.model.attention import stacked_cache
+from jaxinfer.model.attention import cache_layout
 from jaxinfer.model.kv_scales import kv_cache_dtype, with_kv_scales
 from jaxinfer.parallel import Placement, kv_heads, make_placements
 from jaxinfer.parallel.layout import KV_SPEC
@@ -85,12 +85,9 @@ class ModelRunner:
         # device holds K'/tp heads (parallel/layout.py)
         shape = (num_blocks, engine.block_size, kv_heads(model, tp) if tp > 1 else model.num_key_value_heads,
                  model.head_dim)
-        L = model.num_hidden_layers
-        if stacked_cache(engine.attn_backend):     # one pair [L * P, ...]: the model scans its layers (attention.py)
-            self.kv_caches = [tuple(self.placement.zeros_kv((L * shape[0], *shape[1:]), self.kv_dtype, 2))]
-        else:
-            zeros = self.placement.zeros_kv(shape, self.kv_dtype, 2 * L)
-            self.kv_caches = list(zip(zeros[::2], zeros[1::2]))
+        kv_shape, pairs = cache_layout(engine.attn_backend, model.num_hidden_layers, shape)
+        zeros = self.placement.zeros_kv(kv_shape, self.kv_dtype, 2 * pairs)
+        self.kv_caches = list(zip(zeros[::2], zeros[1::2]))
         # xla reads all W pages of a row: a ladder of narrower tables lets short contexts read less. The kernels
         # read only the pages a row needs, but a [B, W] table for a 40k-token model (W = 2560) would be sent and
         # packed every step: they get one narrow width beside the full one (config.BACKEND_DEFAULTS).

@@ -61,6 +61,14 @@ def stacked_cache(backend: str) -> bool:
     return backend in STACKED_BACKENDS
 
 
+def cache_layout(backend: str, layers: int, shape: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """The engine's KV cache for a backend, from one layer's page array shape [P, bs, K, D]: (the shape of each k
+    and v array, how many (k, v) pairs). Stacked: one pair [L * P, bs, K, D]; else L pairs of `shape`."""
+    if stacked_cache(backend):
+        return (layers * shape[0], *shape[1:]), 1
+    return tuple(shape), layers
+
+
 def layer_rows(cache, layers: int, l, slot_mapping):
     """A stacked cache's layer l: (slot_mapping moved into its rows, the page offset l * P to add to page ids). Slots
     past one layer's (padding) go past the whole cache, so they stay dropped."""
