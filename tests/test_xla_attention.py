@@ -232,3 +232,18 @@ def test_stacked_caches_give_the_per_layer_tokens(tiny_dirs, backend, kv, monkey
             st = llm.stats()
             assert st["kv_blocks_free"] == st["kv_blocks_total"]
     assert got[True, 1] == got[False, 1] == got[True, 4] == got[False, 4]
+
+
+def test_cache_layout_keeps_pallas_offsets_exact():
+    """One stacked pair, except a pallas fp8 array of 2-4 GiB a device (Pallas' Triton lowering would index it with
+    32-bit element offsets, which overflow past 2^31): a pair per layer then. bf16, xla and other sizes stack."""
+    from jaxinfer.model.attention import cache_layout
+    page = (16, 8, 128)                                   # 16 KiB of one-byte elements a page
+    small, mid, big = 2**31 // 2**14 // 28, 3 * 2**32 // 4 // 2**14 // 28, 2**32 // 2**14 // 28 + 1
+    assert cache_layout("pallas", 28, (small, *page), 1) == ((28 * small, *page), 1)
+    assert cache_layout("pallas", 28, (mid, *page), 1) == ((mid, *page), 28)          # 3 GiB stacked: per layer
+    assert cache_layout("pallas", 28, (mid, *page), 1, shards=2) == ((28 * mid, *page), 1)   # 1.5 GiB a device
+    assert cache_layout("pallas", 28, (big, *page), 1) == ((28 * big, *page), 1)      # > 4 GiB: 64-bit offsets
+    assert cache_layout("pallas", 28, (mid, *page), 2) == ((28 * mid, *page), 1)      # bf16
+    assert cache_layout("xla", 28, (mid, *page), 1) == ((28 * mid, *page), 1)
+    assert cache_layout("cudnn", 28, (small, *page), 2) == ((small, *page), 28)

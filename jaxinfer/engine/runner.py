@@ -85,7 +85,8 @@ class ModelRunner:
         # device holds K'/tp heads (parallel/layout.py)
         shape = (num_blocks, engine.block_size, kv_heads(model, tp) if tp > 1 else model.num_key_value_heads,
                  model.head_dim)
-        kv_shape, pairs = cache_layout(engine.attn_backend, model.num_hidden_layers, shape)
+        kv_shape, pairs = cache_layout(engine.attn_backend, model.num_hidden_layers, shape,
+                                       jnp.dtype(self.kv_dtype).itemsize, tp)
         zeros = self.placement.zeros_kv(kv_shape, self.kv_dtype, 2 * pairs)
         self.kv_caches = list(zip(zeros[::2], zeros[1::2]))
         # xla reads all W pages of a row: a ladder of narrower tables lets short contexts read less. The kernels

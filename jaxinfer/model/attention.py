@@ -27,6 +27,7 @@ scores and the output instead of converting whole pages.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,11 +62,17 @@ def stacked_cache(backend: str) -> bool:
     return backend in STACKED_BACKENDS
 
 
-def cache_layout(backend: str, layers: int, shape: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
-    """The engine's KV cache for a backend, from one layer's page array shape [P, bs, K, D]: (the shape of each k
-    and v array, how many (k, v) pairs). Stacked: one pair [L * P, bs, K, D]; else L pairs of `shape`."""
-    if stacked_cache(backend):
-        return (layers * shape[0], *shape[1:]), 1
+def cache_layout(backend: str, layers: int, shape: tuple[int, ...], itemsize: int = 2,
+                 shards: int = 1) -> tuple[tuple[int, ...], int]:
+    """The engine's KV cache for a backend, from one layer's page array shape [P, bs, K, D] of `itemsize`-byte
+    elements, split over `shards` devices: (the shape of each k and v array, how many (k, v) pairs). Stacked: one
+    pair [L * P, bs, K, D]; else L pairs of `shape`. A stacked fp8 array of 2-4 GiB a device stays per layer on the
+    kernels' backend: Pallas' Triton lowering indexes an array of up to 2^32 bytes with 32-bit element offsets,
+    which overflow past 2^31 one-byte elements (wider elements, or larger arrays, get exact offsets)."""
+    stacked = (layers * shape[0], *shape[1:])
+    overflow = backend != "xla" and itemsize == 1 and 2**31 < math.prod(stacked) // shards <= 2**32
+    if stacked_cache(backend) and not overflow:
+        return stacked, 1
     return tuple(shape), layers
 
 

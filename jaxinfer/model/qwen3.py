@@ -106,7 +106,7 @@ def forward(c: ModelConfig, params: dict, token_ids, positions, attn: Callable, 
     x = embed(params["embed_tokens"], token_ids, mesh)                         # [..., E]
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling_factor)
     stacked = kv_caches is not None and getattr(attn, "stacked_layers", 0)
-    if stacked and attn.scan:                                          # (XLA's dots: `matmul` is not used)
+    if stacked and attn.scan and matmul is None:       # (a gemv `matmul` takes static rows: layers unrolled)
         x, caches = _scan_layers(c, layers, x, cos, sin, attn, kv_caches, tp)
         return rms_norm(x, params["norm"], c.rms_norm_eps), caches
     caches = list(kv_caches) if kv_caches is not None else [None] * c.num_hidden_layers
