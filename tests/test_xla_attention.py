@@ -247,3 +247,21 @@ def test_cache_layout_keeps_pallas_offsets_exact():
     assert cache_layout("pallas", 28, (mid, *page), 2) == ((28 * mid, *page), 1)      # bf16
     assert cache_layout("xla", 28, (mid, *page), 1) == ((28 * mid, *page), 1)
     assert cache_layout("cudnn", 28, (small, *page), 2) == ((small, *page), 28)
+
+
+def test_one_layer_fp8_pool_that_pallas_cannot_index_is_refused():
+    """A one-layer model's fp8 pallas page array of 2^31-2^32 elements (inexact 32-bit offsets in the kernels): an
+    explicit num_kvcache_blocks there is a ValueError naming the sizes that work; memory sizing stays under it."""
+    import dataclasses
+
+    from jaxinfer.engine.memory import check_pool_fits, inexact_offsets
+    m = dataclasses.replace(preset("qwen3-0.6b"), num_hidden_layers=1)
+    e = EngineConfig(attn_backend="pallas", kv_cache_dtype="fp8", block_size=16).resolve("gpu", m)
+    per_block = 16 * m.num_key_value_heads * m.head_dim                  # 16 Ki one-byte elements a block
+    assert inexact_offsets(m, e, jnp.float8_e4m3fn, 2**31 // per_block) is None
+    assert inexact_offsets(m, e, jnp.float8_e4m3fn, 2**32 // per_block + 1) is None
+    assert inexact_offsets(m, e, jnp.float8_e4m3fn, 3 * 2**30 // per_block)[1:] == (2**31 // per_block,
+                                                                                    2**32 // per_block + 1)
+    assert inexact_offsets(m, e, jnp.bfloat16, 3 * 2**30 // per_block) is None
+    with pytest.raises(ValueError, match="num_kvcache_blocks=196608 .* at most 131072 blocks, or at least 262145"):
+        check_pool_fits(m, e, 3 * 2**30 // per_block)

@@ -88,7 +88,8 @@ def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype, stric
                              f"for {max(blocks, 0)} KV blocks, fewer than one max_model_len={engine.max_model_len} "
                              f"sequence needs ({engine.max_blocks_per_seq}); lower max_model_len or raise "
                              f"gpu_memory_utilization")
-        return blocks
+        inexact = inexact_offsets(model, engine, dtype, blocks)
+        return inexact[1] if inexact else blocks
     if (device or jax.devices()[0]).platform == "gpu":
         raise ValueError("cannot tell how much GPU memory is free (the allocator keeps no stats and NVML "
                          "(nvidia-ml-py) did not answer): give num_kvcache_blocks explicitly")
@@ -98,9 +99,28 @@ def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype, stric
     return max(1, int(min(seqs, 2 * 2**30) // per_block))
 
 
+def inexact_offsets(model: ModelConfig, engine: EngineConfig, dtype, num_blocks: int) -> tuple[int, int, int] | None:
+    """A one-layer model's fp8 pallas pool whose page array (one device's) has 2^31-2^32 one-byte elements: Pallas'
+    Triton lowering would index it with 32-bit offsets that overflow (an illegal address on the H200, measured);
+    `model` is one device's view. Returns (its elements, the most blocks under that range, the fewest past it), else
+    None. Models of more layers stack their caches past that range or keep them per layer under it
+    (attention.cache_layout)."""
+    per_block = engine.block_size * model.num_key_value_heads * model.head_dim
+    n = num_blocks * per_block
+    if engine.attn_backend == "pallas" and jnp.dtype(dtype).itemsize == 1 and model.num_hidden_layers == 1 \
+            and 2**31 < n <= 2**32:
+        return n, 2**31 // per_block, 2**32 // per_block + 1
+    return None
+
+
 def check_pool_fits(model: ModelConfig, engine: EngineConfig, num_blocks: int, device=None) -> None:
     """A KV pool larger than free memory fails here, with the numbers, not deep inside XLA."""
     kv_dtype = kv_cache_dtype(engine.kv_cache_dtype, engine.dtype)
+    inexact = inexact_offsets(model, engine, kv_dtype, num_blocks)
+    if inexact:
+        raise ValueError(f"num_kvcache_blocks={num_blocks} gives a one-layer fp8 page array of {inexact[0]} elements, "
+                         f"which the Pallas kernels cannot index exactly (2^31 to 2^32); use at most {inexact[1]} "
+                         f"blocks, or at least {inexact[2]} (docs/kernels.md)")
     need = num_blocks * kv_bytes_per_block(model, engine.block_size, kv_dtype)
     free = free_memory_bytes(device)
     if free is not None and need > free:        # None: a GPU that cannot tell; XLA will fail if it is too big
