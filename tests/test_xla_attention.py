@@ -205,7 +205,7 @@ def test_stacked_caches_give_the_per_layer_tokens(tiny_dirs, backend, kv, monkey
     """The xla and pallas backends keep one (k, v) pair stacked over the layers ([L * P, bs, K, D]) and scan the
     layers (pallas: prefill; its decode kernel takes each layer's page offset, layers unrolled); with a pair per
     layer (unrolled layers, as the other kernels' backends run) every token is the same: greedy and seeded,
-    prompts over several steps' chunks and a prefix-cache hit, one step and K steps per call, fp8 pages too, and
+    prompts over several steps' chunks and a prefix-cache hit, one step and K steps per call (fp8 pages: K), and
     the stacked cache's padding slots write nowhere (all blocks come back)."""
     import jaxinfer.model.attention as attention
     from helpers import TINY_ENGINE
@@ -223,7 +223,7 @@ def test_stacked_caches_give_the_per_layer_tokens(tiny_dirs, backend, kv, monkey
     got = {}
     for stacked in (True, False):
         monkeypatch.setattr(attention, "STACKED_BACKENDS", (backend,) if stacked else ())
-        for steps in (1, 4):
+        for steps in ((1, 4) if kv == "auto" else (4,)):     # fp8: the K-step call only (CI time)
             llm = LLM(path, **kw, num_scheduler_steps=steps)
             caches = llm.engine.runner.kv_caches
             assert len(caches) == (1 if stacked else L)
@@ -231,7 +231,7 @@ def test_stacked_caches_give_the_per_layer_tokens(tiny_dirs, backend, kv, monkey
             got[stacked, steps] = [[o.token_ids for o in llm.generate(ps, p, use_tqdm=False)] for p in params]
             st = llm.stats()
             assert st["kv_blocks_free"] == st["kv_blocks_total"]
-    assert got[True, 1] == got[False, 1] == got[True, 4] == got[False, 4]
+    assert len({str(v) for v in got.values()}) == 1, "the tokens differ between the layouts or the K of a call"
 
 
 def test_cache_layout_keeps_pallas_offsets_exact():
