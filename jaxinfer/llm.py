@@ -163,22 +163,7 @@ class LLM:
         return groups
 
     def _run(self, seqs: list[Sequence]) -> Iterator[tuple[int, Sequence]]:
-        """Step the engine until every seq finishes, yielding (index in seqs, seq) for each new token.
-        However it ends (done, error, or the caller leaving early), nothing is left holding KV blocks."""
-        index = {s.seq_id: i for i, s in enumerate(seqs)}
-        first = 0           # seqs[:first] are finished, and stay so: no rescan of every sequence per step
-        try:
-            while first < len(seqs):
-                if seqs[first].status is Status.FINISHED:
-                    first += 1
-                    continue
-                for seq in self.engine.step():
-                    if seq.seq_id in index:
-                        yield index[seq.seq_id], seq
-        finally:
-            for seq in seqs:
-                if not is_finished(seq):
-                    self.engine.abort(seq)
+        return self._one_thread.run(self.engine, seqs)
 
     # -- text ---------------------------------------------------------------------------------------
     def _process_text(self, seq: Sequence, procs: dict[int, OutputProcessor], stream: bool) -> TextDelta:

@@ -193,3 +193,29 @@ def test_one_llm_serves_one_thread_at_a_time(llm):
     assert out[1] == want
     st = llm.stats()
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_a_generate_inside_a_stream_loses_none_of_the_stream(llm):
+    """A generate (or a second stream) run on the same thread while a stream waits steps the engine for the stream's
+    requests too: the stream still yields all of their tokens, each request's final delta once, and its text equals
+    generate's."""
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ps = [[1, 2, 3], [9, 8, 7, 6]]
+    want = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+    for inner in ("generate", "stream"):
+        it = llm.stream(ps, sp)
+        got, finals = {0: [], 1: []}, []
+        d = next(it)
+        got[d.request_id] += d.outputs[0].token_ids
+        nested = SamplingParams(max_tokens=30, ignore_eos=True)
+        if inner == "generate":                         # runs past the stream's 6 tokens: both of them finish in it
+            llm.generate([[4, 4]], nested, use_tqdm=False)
+        else:
+            assert sum(len(x.outputs[0].token_ids) for x in llm.stream([[4, 4]], nested)) == 30
+        for d in it:
+            got[d.request_id] += d.outputs[0].token_ids
+            if d.outputs[0].finish_reason:
+                finals.append(d.request_id)
+        assert [got[0], got[1]] == want and sorted(finals) == [0, 1], inner
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]

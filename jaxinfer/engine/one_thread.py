@@ -1,15 +1,20 @@
 """OneThread: an LLM's engine is driven by one thread at a time (its scheduler and block manager are not
 thread-safe). A second thread that calls generate / stream while another one is inside gets a clear error instead
-of silently mixed-up batches; the same thread may nest calls (a generate inside a stream's loop)."""
+of silently mixed-up batches; the same thread may nest calls (a generate inside a stream's loop), and `run`, the
+loop that steps the engine for a call, then still delivers what the nested call's steps did to its sequences."""
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
+
+from jaxinfer.engine.sequence import Sequence, is_finished
 
 
 class OneThread:
     def __init__(self):
         self._lock, self._owner, self._depth = threading.Lock(), None, 0
+        self.steps = 0          # engine steps its holder ran (LLM._run: a nested call's steps show up here)
 
     @contextlib.contextmanager
     def __call__(self):
@@ -26,3 +31,35 @@ class OneThread:
                 self._depth -= 1
                 if self._depth == 0:
                     self._owner = None
+
+    def run(self, engine, seqs: list[Sequence]) -> Iterator[tuple[int, Sequence]]:
+        """Step `engine` until every seq finishes, yielding (index in seqs, seq) for each new token.
+        However it ends (done, error, or the caller leaving early), nothing is left holding KV blocks.
+        The caller may run the engine itself while a yield is pending (a nested call on the same thread): then
+        seqs that moved meanwhile are yielded too, each finished one once."""
+        index = {s.seq_id: i for i, s in enumerate(seqs)}
+        first = 0           # seqs[:first] are finished, and stay so: no rescan of every sequence per step
+        done = set()        # finished seqs yielded
+        try:
+            while first < len(seqs):
+                if is_finished(seqs[first]):
+                    first += 1
+                    continue
+                self.steps += 1
+                for seq in engine.step():
+                    if seq.seq_id in index:
+                        mark = self.steps
+                        if is_finished(seq):
+                            done.add(seq.seq_id)
+                        yield index[seq.seq_id], seq
+                        while self.steps != mark:            # the caller stepped the engine meanwhile
+                            mark = self.steps
+                            for i, s in enumerate(seqs):
+                                if s.seq_id not in done:
+                                    if is_finished(s):
+                                        done.add(s.seq_id)
+                                    yield i, s
+        finally:
+            for seq in seqs:
+                if not is_finished(seq):
+                    engine.abort(seq)
