@@ -222,6 +222,7 @@ def test_disconnect_before_a_plain_answer_aborts_it(url):
     ({"prompt": "hi", "stop_token_ids": [2**64]}, "stop_token_ids"),
     ({"prompt": "x" * 400}, "prompt"),
     ({"prompt": "hi", "max_tokens": 500}, "max_tokens"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),     # without stream (as vLLM)
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice"),

@@ -238,3 +238,13 @@ def test_server_options():
     for bad in [dict(max_waiting_requests=-1), dict(shutdown_timeout=-2), dict(api_key=""), dict(nope=1)]:
         with pytest.raises(ValueError, match=next(iter(bad))):
             ServerOptions.create(env={}, **bad)
+
+
+def test_chat_text_parts_join_with_newlines():
+    """A message's text parts are joined by newlines, as vLLM renders them (so the prompt tokens match vLLM's)."""
+    from jaxinfer.server.protocol import ChatCompletionRequest, chat_messages
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                                      {"type": "text", "text": "there"}]},
+                                          {"role": "assistant", "content": "ok"}])
+    assert chat_messages(req.messages) == [{"role": "user", "content": "Hi\nthere"},
+                                           {"role": "assistant", "content": "ok"}]

@@ -62,6 +62,8 @@ def check_unsupported(req: BaseModel) -> None:
     if unknown:
         raise RequestError(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0],
                            code="unrecognized_parameter")
+    if getattr(req, "stream_options", None) is not None and not getattr(req, "stream", False):    # as vLLM
+        raise RequestError("stream_options can only be given when stream is true", param="stream_options")
 
 
 class _Request(BaseModel):
@@ -213,15 +215,15 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """[{"role", "content": str}]: text parts joined. Fields beyond role and content (tool_calls, name, ...)
-    are refused: the chat template would drop them."""
+    """[{"role", "content": str}]: text parts joined by newlines (as vLLM). Fields beyond role and content
+    (tool_calls, name, ...) are refused: the chat template would drop them."""
     out = []
     for i, m in enumerate(messages):
         extra = [k for k, v in (m.model_extra or {}).items() if v is not None]
         if extra:
             raise RequestError(f"messages[{i}].{extra[0]} is not supported by this server", param="messages")
         c = m.content
-        out.append({"role": m.role, "content": "".join(p.text for p in c) if isinstance(c, list) else (c or "")})
+        out.append({"role": m.role, "content": "\n".join(p.text for p in c) if isinstance(c, list) else (c or "")})
     return out
 
 
