@@ -171,8 +171,11 @@ class LLM:
         finish seq in the engine when a stop string matched."""
         proc = procs.get(seq.seq_id)
         if proc is None:
-            proc = procs[seq.seq_id] = OutputProcessor(self.tokenizer, seq.params.stop, stream=stream,
-                                                       stop_token_ids=seq.params.stop_token_ids)
+            p = seq.params
+            proc = procs[seq.seq_id] = OutputProcessor(self.tokenizer, p.stop, stream=stream,
+                                                       stop_token_ids=p.stop_token_ids,
+                                                       skip_special_tokens=p.skip_special_tokens,
+                                                       include_stop_str_in_output=p.include_stop_str_in_output)
         new = seq.output_token_ids[len(proc.token_ids):]
         delta = proc.update(new, seq.finish_reason)
         if proc.stopped and delta.finish_reason and len(delta.token_ids) < len(new):
@@ -200,8 +203,10 @@ class LLM:
         if proc is not None:      # stop strings: the processor's text (cut before a match) and its reason
             text, reason = proc.text, proc.finish_reason or seq.finish_reason
         else:
-            ids = text_ids(seq.output_token_ids, seq.finish_reason, seq.params.stop_token_ids)
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            p = seq.params
+            ids = text_ids(seq.output_token_ids, seq.finish_reason, () if p.include_stop_str_in_output else
+                           p.stop_token_ids)
+            text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
             reason = seq.finish_reason
         ids = seq.output_token_ids
         lps, cum = logprobs_of(seq, 0, ids, texts)

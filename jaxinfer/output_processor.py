@@ -32,9 +32,12 @@ class TextDelta:
 
 class OutputProcessor:
     def __init__(self, tokenizer, stop: tuple[str, ...] | list[str] = (), *, stream: bool = True,
-                 skip_special_tokens: bool = True, stop_token_ids: tuple[int, ...] = ()):
+                 skip_special_tokens: bool = True, stop_token_ids: tuple[int, ...] = (),
+                 include_stop_str_in_output: bool = False):
         self.tokenizer = tokenizer
-        self.stop_token_ids = frozenset(stop_token_ids)   # a request that ends on one: its text leaves it out
+        self.include_stop = include_stop_str_in_output    # the text keeps a matched stop string / stop token
+        # a request that ends on one of these: its text leaves it out (unless include_stop)
+        self.stop_token_ids = frozenset(() if include_stop_str_in_output else stop_token_ids)
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop or ())
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
@@ -90,7 +93,7 @@ class OutputProcessor:
                 hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
                 if hits:
                     at, self.stop_string = min(hits, key=lambda h: h[0])     # the earliest; ties: listed first
-                    self.text = self.text[:at]
+                    self.text = self.text[:at + len(self.stop_string) if self.include_stop else at]
                     self.stopped = True
                     finish_reason = "stop"
         self.finish_reason = finish_reason

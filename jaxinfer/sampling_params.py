@@ -25,6 +25,8 @@ class SamplingParams:
     presence_penalty: float = 0.0     # subtract from tokens that appeared in the output (in [-2, 2])
     frequency_penalty: float = 0.0    # subtract, times the token's count in the output (in [-2, 2])
     repetition_penalty: float = 1.0   # > 0: divide positive / multiply negative logits of prompt + output tokens
+    skip_special_tokens: bool = True  # the output text leaves special tokens out (as vLLM)
+    include_stop_str_in_output: bool = False   # the text keeps the stop string (or stop token) that ended it
 
     def __post_init__(self):
         def bad(name, why):
@@ -77,6 +79,9 @@ class SamplingParams:
         if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not 0 < rp < float("inf"):
             bad("repetition_penalty", "must be a number > 0 (1 = no penalty)")
         object.__setattr__(self, "repetition_penalty", float(rp))
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be True or False")
 
     @property
     def greedy(self) -> bool:

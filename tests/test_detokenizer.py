@@ -152,3 +152,22 @@ def test_stop_token_text_is_left_out(bpe):
         proc = OutputProcessor(bpe, (), stream=stream, stop_token_ids=(ids[-1],))
         texts = [proc.update(ids[:-1]).text, proc.update(ids[-1:], "stop").text]
         assert "".join(texts) == proc.text == want and proc.token_ids == ids, stream
+
+
+def test_include_stop_str_and_special_tokens(bpe):
+    """vLLM's include_stop_str_in_output keeps the matched stop string (and a stop token's text) in the text, and
+    skip_special_tokens=False keeps special tokens' text; streamed or not, the deltas add up to the text."""
+    text = "Hello world! How are you today?"
+    ids = bpe.encode(text, add_special_tokens=False)
+    for stream in (True, False):
+        proc = OutputProcessor(bpe, ("are you",), stream=stream, include_stop_str_in_output=True)
+        got = "".join(proc.update([t], "length" if i == len(ids) - 1 else None).text for i, t in enumerate(ids)
+                      if not proc.finished)
+        assert proc.stopped and got == proc.text == "Hello world! How are you", stream
+        proc = OutputProcessor(bpe, (), stream=stream, stop_token_ids=(ids[-1],), include_stop_str_in_output=True)
+        got = proc.update(ids[:-1]).text + proc.update(ids[-1:], "stop").text
+        assert got == proc.text == text, stream
+        eos = bpe.convert_tokens_to_ids("<|im_end|>")
+        proc = OutputProcessor(bpe, (), stream=stream, skip_special_tokens=False)
+        got = proc.update(ids).text + proc.update([eos], "stop").text
+        assert got == proc.text == text + "<|im_end|>", stream

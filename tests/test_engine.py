@@ -182,6 +182,17 @@ def test_stop_strings_and_eos(tiny_dir):
     assert full.outputs[0].stop_reason is None and full.finish_reason == "length"
     last = [d for d in llm.stream(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))][-1]
     assert last.finish_reason == "stop" and last.outputs[0].stop_reason == stop
+    # include_stop_str_in_output (vLLM): the stop string, or the stop token's text, stays in the text
+    inc = dict(temperature=0, max_tokens=24, include_stop_str_in_output=True)
+    kept = llm.generate(p, SamplingParams(**inc, ignore_eos=True, stop=[stop]), use_tqdm=False)[0]
+    assert kept.text == full.text[:full.text.find(stop) + len(stop)] and kept.token_ids == cut.token_ids
+    assert "".join(d.text for d in llm.stream(p, SamplingParams(**inc, ignore_eos=True, stop=[stop]))) == kept.text
+    kept = llm.generate(p, SamplingParams(**inc, stop_token_ids=[eos_tok]), use_tqdm=False)[0]
+    assert kept.text == tok.decode(stopped.token_ids, skip_special_tokens=True)
+    with pytest.raises(ValueError, match="include_stop_str_in_output"):
+        SamplingParams(include_stop_str_in_output="yes")
+    with pytest.raises(ValueError, match="skip_special_tokens"):
+        SamplingParams(skip_special_tokens=None)
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 

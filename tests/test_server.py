@@ -328,6 +328,10 @@ def test_stop_string_cuts_text_and_aborts_in_the_core(url, client, stream):
     st = wait_idle(url)
     assert st["api_aborts"] == before + 1, "the stop string did not end the request in the core"
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
+    kept = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True,
+                                                              "skip_special_tokens": True}}, stop=[stop], stream=stream)
+    kept = "".join(c.choices[0].text for c in kept) if stream else kept.choices[0].text
+    assert kept == expected + stop                                    # vLLM's include_stop_str_in_output
 
 
 @pytest.mark.parametrize("text", ["", "plain", 'quote " backslash \\ newline \n tab \t', "你好 😀 \u2028", "\x00\x1f"])

@@ -89,6 +89,8 @@ class _Request(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0)] | None = Field(None, description="vLLM: > 1 discourages repeats")
     ignore_eos: bool | None = None
     stop_token_ids: list[Annotated[int, Field(lt=2**63)]] | None = None
+    skip_special_tokens: bool | None = Field(None, description="vLLM: leave special tokens out of the text (default)")
+    include_stop_str_in_output: bool | None = Field(None, description="vLLM: keep the stop string in the text")
 
 
 class CompletionRequest(_Request):
@@ -140,7 +142,8 @@ class DetokenizeRequest(BaseModel):
 
 # -- request -> engine ---------------------------------------------------------------------------------------
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
-                "presence_penalty", "frequency_penalty", "repetition_penalty")
+                "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens",
+                "include_stop_str_in_output")
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
