@@ -80,5 +80,9 @@ def chat_loop(llm, sp, system: str | None = None, thinking: bool = True) -> int:
         except KeyboardInterrupt:
             stream.close()                # aborts the request: its KV blocks go back
             print(" [stopped]", end="")
+        except ValueError as e:           # this message cannot be answered (longer than max_model_len, ...):
+            print(f"error: {e}", file=sys.stderr)       # it leaves the conversation, and the session goes on
+            history.pop()
+            continue
         print()
         history.append({"role": "assistant", "content": "".join(reply)})

@@ -33,6 +33,17 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 8,32,64)") from None
 
 
+def port(text: str) -> int:
+    """argparse type: a TCP port, 0-65535 (0: any free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:
@@ -211,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve /v1/models, /v1/completions, /v1/chat/completions, /health, /stats.")
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    s.add_argument("--port", type=port, default=8000, help="port to listen on (default: 8000)")
     s.add_argument("--served-model-name", help="the model id clients send (default: MODEL as given)")
     s.add_argument("--api-server-count", type=int, default=1,
                    help="API processes sharing the port (HTTP, tokenization, detokenization); the engine core is "

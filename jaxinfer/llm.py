@@ -277,7 +277,8 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              chat_template_kwargs: dict | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate the assistant's reply to one conversation or to a list of conversations (one output each).
+        """Generate the assistant's reply to one conversation or to a list of conversations (one output each). A
+        message's content is a string or a list of text parts (joined by newlines, as vLLM).
 
             llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=64),
                      chat_template_kwargs={"enable_thinking": False})

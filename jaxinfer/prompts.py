@@ -42,14 +42,25 @@ def text(prompt: Prompt) -> str | None:
     return prompt if isinstance(prompt, str) else None
 
 
+def _text_message(j: int, m) -> dict:
+    """A message with string content; OpenAI-style text parts ([{"type": "text", "text": ...}]) are joined by
+    newlines, as vLLM's LLM.chat and server do."""
+    c = m.get("content") if isinstance(m, dict) else None
+    if isinstance(c, (list, tuple)) and c and all(isinstance(p, dict) and p.get("type") == "text" and
+                                                  isinstance(p.get("text"), str) for p in c):
+        m = {**m, "content": "\n".join(p["text"] for p in c)}
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+        raise ValueError(f"message {j} must be a dict with string 'role' and 'content' (a string or a list of "
+                         f"text parts), got {m!r:.80}")
+    return m
+
+
 def render_chat(tokenizer, messages, chat_template_kwargs: dict | None = None) -> str:
     """One conversation ([{"role": ..., "content": ...}, ...]) rendered by the tokenizer's chat template, ending with
     the assistant's turn (LLM.apply_chat_template); bad input is a ValueError naming it."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"a conversation must be a non-empty list of messages, got {messages!r:.80}")
-    for j, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ValueError(f"message {j} must be a dict with string 'role' and 'content', got {m!r:.80}")
+    messages = [_text_message(j, m) for j, m in enumerate(messages)]
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise ValueError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
     if getattr(tokenizer, "chat_template", None) is None and hasattr(tokenizer, "vocab_size"):

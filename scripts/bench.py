@@ -241,9 +241,10 @@ def parse(argv=None):
     g.add_argument("--max-output-len", type=positive_int, default=1024, help="most output tokens (default: 1024)")
     add_engine_args(ap, with_model=False)
     ap.add_argument("--latency", action="store_true", help="one request: TTFT and TPOT")
-    ap.add_argument("--latency-prompt", type=int, default=1024)
-    ap.add_argument("--latency-output", type=int, default=256)
-    ap.add_argument("--latency-batch", type=int, default=1, help="--latency: requests decoded together (default 1)")
+    ap.add_argument("--latency-prompt", type=positive_int, default=1024)
+    ap.add_argument("--latency-output", type=positive_int, default=256)
+    ap.add_argument("--latency-batch", type=positive_int, default=1,
+                    help="--latency: requests decoded together (default 1)")
     ap.add_argument("--peer", choices=["hf"], default=None,
                     help="also run HF transformers' continuous batching on a subset (scripts/bench_peer.py)")
     ap.add_argument("--peer-num-seqs", type=int, default=64)
@@ -258,7 +259,7 @@ def parse(argv=None):
                    help="every request has presence_penalty=X (cost of penalties; default: 0)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P",
                    help="every request has top_p=P (cost of filtered sampling; default: 1, no filter)")
-    ap.add_argument("--repeats", type=int, default=1,
+    ap.add_argument("--repeats", type=positive_int, default=1,
                     help="time the workload this many times; report the median wall (A/B runs: less noise)")
     ap.add_argument("--step-log", default=None, metavar="PATH",
                     help="log every step's host times (schedule, dispatch, wait, apply) to PATH; print them by bucket")

@@ -3,6 +3,8 @@ compiles nothing after warm-up. (Speed itself is only measured on the GPU machin
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import bench  # noqa: E402
 
@@ -106,6 +108,9 @@ def test_skip_temp_mode_follows_jaxlib(monkeypatch):
 
 
 def test_bench_takes_the_engine_flags_and_defaults():
+    for flag in ("--repeats", "--latency-batch", "--latency-prompt", "--latency-output"):
+        with pytest.raises(SystemExit):
+            bench.parse([flag, "0"])
     a = bench.parse(["qwen3-8b", "--max-num-seqs", "4"])
     from jaxinfer.cli import engine_kwargs
     assert a.model == "qwen3-8b" and engine_kwargs(a) == {"max_num_seqs": 4}   # the rest: the engine's defaults

@@ -73,10 +73,15 @@ def test_chat_applies_the_template(llm):
     assert nothink.prompt == out.prompt + "<think>\n\n</think>\n\n"
     many = llm.chat([conv, conv[1:]], sp, use_tqdm=False)
     assert len(many) == 2 and many[0].token_ids == out.token_ids
+    # OpenAI-style text parts, joined by newlines (as vLLM)
+    parts = [conv[0], {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world!"}]}]
+    [joined] = llm.chat(parts, sp, use_tqdm=False)
+    assert joined.prompt == out.prompt.replace("Hello world!", "Hello\nworld!")
     assert idle(llm)
 
 
-@pytest.mark.parametrize("bad", [[], "hello", [{"role": "user"}], [{"content": "x"}], [[]]])
+@pytest.mark.parametrize("bad", [[], "hello", [{"role": "user"}], [{"content": "x"}], [[]],
+                                 [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]])
 def test_chat_rejects_bad_messages(llm, bad):
     with pytest.raises(ValueError, match="message|conversation"):
         llm.chat(bad, use_tqdm=False)

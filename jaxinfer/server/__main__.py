@@ -5,6 +5,7 @@ import json
 import logging
 import sys
 
+from jaxinfer.cli import port
 from jaxinfer.server.launch import serve
 from jaxinfer.server.options import add_server_args, server_options
 
@@ -14,7 +15,7 @@ def main(argv=None) -> int:
     ap.add_argument("model", help="checkpoint directory, preset name or Hugging Face hub id")
     ap.add_argument("--engine", type=json.loads, default={}, help='engine options as JSON, e.g. \'{"max_num_seqs": 64}\'')
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=port, default=8000)
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--api-server-count", type=int, default=1)
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
