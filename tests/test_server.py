@@ -316,18 +316,21 @@ def test_stop_string_cuts_text_and_aborts_in_the_core(url, client, stream):
     full = client.completions.create(**kw).choices[0].text
     stop = full[6:8]
     expected = full[:full.find(stop)]
-    before = wait_idle(url)["api_aborts"]
-    if stream:
-        chunks = list(client.completions.create(**kw, stop=[stop], stream=True))
-        text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
-        stop_reason = chunks[-1].choices[0].model_extra["stop_reason"]
-    else:
-        out = client.completions.create(**kw, stop=[stop]).choices[0]
-        text, reason, stop_reason = out.text, out.finish_reason, out.model_extra["stop_reason"]
-    assert (text, reason, stop_reason) == (expected, "stop", stop)     # vLLM's stop_reason: the matched string
-    st = wait_idle(url)
-    assert st["api_aborts"] == before + 1, "the stop string did not end the request in the core"
-    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+    for attempt in range(3):      # on a loaded machine (CI) the core may finish the ~90 tokens before the abort lands
+        before = wait_idle(url)["api_aborts"]
+        if stream:
+            chunks = list(client.completions.create(**kw, stop=[stop], stream=True))
+            text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+            stop_reason = chunks[-1].choices[0].model_extra["stop_reason"]
+        else:
+            out = client.completions.create(**kw, stop=[stop]).choices[0]
+            text, reason, stop_reason = out.text, out.finish_reason, out.model_extra["stop_reason"]
+        assert (text, reason, stop_reason) == (expected, "stop", stop)     # vLLM's stop_reason: the matched string
+        st = wait_idle(url)
+        assert st["kv_blocks_free"] == st["kv_blocks_total"]
+        if st["api_aborts"] == before + 1:
+            break
+    assert st["api_aborts"] == before + 1, "the stop string did not end the request in the core (3 tries)"
     kept = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True,
                                                               "skip_special_tokens": True}}, stop=[stop], stream=stream)
     kept = "".join(c.choices[0].text for c in kept) if stream else kept.choices[0].text
