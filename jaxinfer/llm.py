@@ -171,11 +171,7 @@ class LLM:
         finish seq in the engine when a stop string matched."""
         proc = procs.get(seq.seq_id)
         if proc is None:
-            p = seq.params
-            proc = procs[seq.seq_id] = OutputProcessor(self.tokenizer, p.stop, stream=stream,
-                                                       stop_token_ids=p.stop_token_ids,
-                                                       skip_special_tokens=p.skip_special_tokens,
-                                                       include_stop_str_in_output=p.include_stop_str_in_output)
+            proc = procs[seq.seq_id] = OutputProcessor.for_params(self.tokenizer, seq.params, stream)
         new = seq.output_token_ids[len(proc.token_ids):]
         delta = proc.update(new, seq.finish_reason)
         if proc.stopped and delta.finish_reason and len(delta.token_ids) < len(new):

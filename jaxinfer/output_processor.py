@@ -50,6 +50,13 @@ class OutputProcessor:
         self.stop_string: str | None = None   # the one that matched
         self._sent_chars = 0
 
+    @classmethod
+    def for_params(cls, tokenizer, params, stream: bool) -> "OutputProcessor":
+        """The processor of a request with these SamplingParams (its stop strings, stop ids and text options)."""
+        return cls(tokenizer, params.stop, stream=stream, stop_token_ids=params.stop_token_ids,
+                   skip_special_tokens=params.skip_special_tokens,
+                   include_stop_str_in_output=params.include_stop_str_in_output)
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -4,8 +4,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 
-MAX_LOGPROBS = 20
-MIN_TEMPERATURE = 0.01     # vLLM's floor for a positive temperature          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
+MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
+MIN_TEMPERATURE = 0.01     # vLLM's floor for a positive temperature
 
 
 @dataclass(frozen=True)

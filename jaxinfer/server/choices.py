@@ -61,9 +61,7 @@ def run(client: CoreClient, tokenizer, items: list[tuple], stream: bool, metrics
     first event); the returned iterator yields (choice, delta) as outputs arrive, until all finish. Leaving it
     early (client gone, error) aborts what is still running in the core."""
     t_start = time.perf_counter() if t_start is None else t_start
-    choices = [Choice(i, ids, sp, OutputProcessor(tokenizer, sp.stop, stream=stream, stop_token_ids=sp.stop_token_ids,
-                                                  skip_special_tokens=sp.skip_special_tokens,
-                                                  include_stop_str_in_output=sp.include_stop_str_in_output))
+    choices = [Choice(i, ids, sp, OutputProcessor.for_params(tokenizer, sp, stream))
                for i, (ids, sp) in enumerate(items)]
     sources = [i - i % n if i % n else None for i in range(len(items))] if n > 1 else None   # sample 0's prompt KV
     coll = client.submit(items, eager=stream or any(sp.stop for _, sp in items), sources=sources)
