@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.quant import quantize_in_kernel
+from pallas_kernels._common import out_columns
+from pallas_kernels.quant import is_pairs, pack_in_kernel, quantize_in_kernel
 
 
 def new_token(qkv_ref, k_out_ref, v_out_ref, kw_ref, rope, bt_ref, b, kh, heads, kv_heads, dcol, split, seq_len,
@@ -15,15 +16,19 @@ def new_token(qkv_ref, k_out_ref, v_out_ref, kw_ref, rope, bt_ref, b, kh, heads,
     """The new token's k (normalised, rotated) and v [1, D] of kv head kh, stored into the cache at position
     seq_len - 1 (split 0 of a real row only). The context loop never reads that position.
     scales = (k_scale, v_scale) for an fp8 cache: k/v are quantised before the store, and returned as stored
-    (fp8 values in fp32, scales not applied: the caller folds them in as it does for the cached tokens)."""
+    (fp8 values in fp32, scales not applied: the caller folds them in as it does for the cached tokens).
+    v comes back in the parts of the running output (acc_zeros): ([1, D],), or its even and odd dimensions
+    ([1, D/2] each) for V pages in pairs, which are packed into uint16 for the store."""
     kn = norm_rope(qkv_ref, b, jnp.full((1,), heads + kh, jnp.int32), kw_ref, *rope)  # [1, D]
-    vn = qkv_ref[b, heads + kv_heads + kh, dcol[None, :]]  # [1, D]
+    parts = 2 if is_pairs(v_out_ref.dtype) else 1
+    vn = tuple(qkv_ref[b, heads + kv_heads + kh, cols[None, :]] for cols in out_columns(dcol.shape[0], parts))
     active = (split == 0) & (seq_len > 0)
     if scales is not None:
-        kn, vn = quantize_in_kernel(kn, scales[0]), quantize_in_kernel(vn, scales[1])  # [1, D] fp8
+        kn = quantize_in_kernel(kn, scales[0])    # [1, D] fp8
+        vn = tuple(quantize_in_kernel(x, scales[1]) for x in vn)
     write_new_token(kn, vn, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, seq_len - 1, block_size, active, page_offset)
     if scales is not None:
-        kn, vn = kn.astype(jnp.float32), vn.astype(jnp.float32)
+        kn, vn = kn.astype(jnp.float32), tuple(x.astype(jnp.float32) for x in vn)
     return kn, vn, active
 
 
@@ -49,21 +54,25 @@ def norm_rope(qkv_ref, b, heads, w_ref, layer, cos_ref, sin_ref, row, eps):
 
 
 def attend_new_token(acc, m, l, q, kn, vn, qk_scale, active):
-    """Fold the new token (one key kn [1, D], value vn [1, D], in registers) into the online softmax state."""
+    """Fold the new token (one key kn [1, D], value vn in the parts of acc, in registers) into the online softmax
+    state."""
     s = jnp.sum(q.astype(jnp.float32) * kn.astype(jnp.float32), axis=1) * qk_scale  # [rows]
     m_new = jnp.maximum(m, s)
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new)
-    acc2 = acc * alpha[:, None] + p[:, None] * vn.astype(jnp.float32)
-    return (jnp.where(active, acc2, acc), jnp.where(active, m_new, m), jnp.where(active, l * alpha + p, l))
+    acc = tuple(jnp.where(active, a * alpha[:, None] + p[:, None] * v.astype(jnp.float32), a) for a, v in zip(acc, vn))
+    return acc, jnp.where(active, m_new, m), jnp.where(active, l * alpha + p, l)
 
 
 def write_new_token(kn, vn, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, pos, block_size, active, page_offset=0):
-    """Store the new token's K/V [1, D] of kv head kh into its slot: page bt[b, pos // bs] (+ page_offset), row
-    pos % bs."""
+    """Store the new token's K [1, D] and V (its parts, new_token) of kv head kh into its slot: page
+    bt[b, pos // bs] (+ page_offset), row pos % bs."""
     @pl.when(active)
     def _():
         p = jnp.maximum(pos, 0)
         page, slot = bt_ref[b, p // block_size] + page_offset, p % block_size
         k_out_ref[page, slot, kh, dcol[None, :]] = kn
-        v_out_ref[page, slot, kh, dcol[None, :]] = vn
+        if len(vn) == 2:      # pairs: element j holds dimensions 2j (low byte) and 2j + 1
+            v_out_ref[page, slot, kh, jnp.arange(dcol.shape[0] // 2)[None, :]] = pack_in_kernel(*vn)
+        else:
+            v_out_ref[page, slot, kh, dcol[None, :]] = vn[0]

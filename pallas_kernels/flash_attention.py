@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._common import (LOG2E, NEG_BIG, check_cu_seqlens, check_paged_inputs, dot_precision, load_kv_tile,
-                                    online_softmax_update)
+from pallas_kernels._common import (LOG2E, NEG_BIG, acc_zeros, check_cu_seqlens, check_paged_inputs, dot_precision,
+                                    load_kv_tile, online_softmax_update, out_columns)
 from pallas_kernels.quant import compute_dtype, dequantize_cache, kv_scales, load_scales
 
 DEFAULT_BLOCK_Q = 128
@@ -96,7 +96,7 @@ def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, seq_lens
                 s = jnp.where(t[None, :] <= pos[:, None], s, -jnp.inf)
             return online_softmax_update(acc, m, l, s, v, prec)
 
-        carry = (jnp.zeros((block_q, head_dim), jnp.float32), jnp.full((block_q,), NEG_BIG, jnp.float32),
+        carry = (acc_zeros(block_q, head_dim, v_ref.dtype), jnp.full((block_q,), NEG_BIG, jnp.float32),
                  jnp.zeros((block_q,), jnp.float32))
         num_full = (first_pos + 1) // block_k  # key tiles every row of this q tile sees entirely
         last_pos = ctx_start + jnp.minimum(first + block_q, end) - 1 - q_start
@@ -104,8 +104,9 @@ def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, seq_lens
         carry = jax.lax.fori_loop(0, num_full, functools.partial(body, masked=False), carry)
         acc, m, l = jax.lax.fori_loop(num_full, num_all, functools.partial(body, masked=True), carry)
         norm = jnp.where(l > 0, l, 1.0)
-        out = acc * (v_scale / norm)[:, None] if scale_refs is not None else acc / norm[:, None]
-        o_ref[rows[:, None], h, dcol[None, :]] = out.astype(o_ref.dtype)
+        for cols, part in zip(out_columns(head_dim, len(acc)), acc):     # V pages in pairs: two halves
+            out = part * (v_scale / norm)[:, None] if scale_refs is not None else part / norm[:, None]
+            o_ref[rows[:, None], h, cols[None, :]] = out.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_q", "block_k", "num_warps",
@@ -139,7 +140,8 @@ def flash_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
     Sequence b's new tokens are q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] (cu_seqlens_q[0] == 0) at absolute
     positions seq_lens[b] - n_new .. seq_lens[b] - 1; each sees its own sequence's keys up to its position.
     Rows past cu_seqlens_q[-1] are padding and get zeros. float8_e4m3fn caches need k_scale / v_scale
-    (pallas_kernels/quant.py: [] or [K], or [L, 1] / [L, K] with row `layer`). Tile options: block_q, block_k
+    (pallas_kernels/quant.py: [] or [K], or [L, 1] / [L, K] with row `layer`); their V pages may also come in
+    pairs (quant.py: uint16 [P, block_size, K, D/2], the engine's layout). Tile options: block_q, block_k
     (powers of two >= 16), num_warps, num_stages. Returns [T, H, D] in q's dtype.
     """
     if q.ndim != 3:
@@ -147,7 +149,7 @@ def flash_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
     num_tokens, heads, head_dim = q.shape
     batch = seq_lens.shape[0] if seq_lens.ndim == 1 else -1
     check_paged_inputs("flash_attention", heads, head_dim, q.dtype, k_cache, v_cache, block_tables, seq_lens,
-                       batch)
+                       batch, pairs=True)
     check_cu_seqlens("flash_attention", cu_seqlens_q, batch)
     for name, size in (("block_q", block_q), ("block_k", block_k)):
         if size < 16 or size & (size - 1):

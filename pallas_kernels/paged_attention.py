@@ -23,15 +23,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._common import (LOG2E, NEG_BIG, check_paged_inputs, dot_precision, load_kv_tile, next_pow2,
-                                    online_softmax_update, prev_pow2)
+from pallas_kernels import _common
+from pallas_kernels._common import (LOG2E, NEG_BIG, acc_zeros, check_paged_inputs, dot_precision, load_kv_tile,
+                                    next_pow2, online_softmax_update, out_columns, prev_pow2)
 from pallas_kernels._qkv_prologue import attend_new_token, new_token, norm_rope
-from pallas_kernels.quant import compute_dtype, dequantize_cache, is_fp8, kv_scales, load_scales
+from pallas_kernels.quant import compute_dtype, is_fp8, kv_scales, load_scales
 
+paged_attention_reference = _common.paged_attention_reference    # plain jnp, the same contract (kept in _common)
 NUM_SMS = 132  # H200; only used to pick the number of context splits.
 DEFAULT_BLOCK_N = 64  # tokens per tile (4 pages of 16)
-# fp8 pages: a tile of 64 tokens is half the bytes; untuned (the bench_kernels sweep times the fp8 engine kernel
-# at each tile choice: set this from it)
+# fp8 pages (bench_kernels.py's sweep times the fp8 engine kernel at each tile choice)
 DEFAULT_BLOCK_N_FP8 = 64
 DEFAULT_NUM_WARPS_FP8 = 2
 DEFAULT_NUM_STAGES_FP8 = 3
@@ -113,7 +114,7 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
         kn, vn, active = new_token(q_ref, k_out_ref, v_out_ref, kw_ref, rope, bt_ref, b, kh, heads, kv_heads, dcol,
                                    split, seq_len, block_size, (k_scale, v_scale) if quantized else None,
                                    page_offset)
-    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    acc = acc_zeros(rows, head_dim, v_ref.dtype)   # V pages in pairs: two halves (quant.py)
     m = jnp.full((rows,), NEG_BIG, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
     acc, m, l = jax.lax.fori_loop(0, num_tiles, body, (acc, m, l))
@@ -122,11 +123,12 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
 
     nonempty = l > 0
     norm = jnp.where(nonempty, l, 1.0)  # empty split / padding row -> zeros
-    out = acc * (v_scale / norm)[:, None] if quantized else acc / norm[:, None]
     lse = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), NEG_BIG)  # base-2 log-sum-exp
     # Padding rows hold exact copies of the last real head's row, so their (duplicate) stores write the same
     # values to the same place: no mask needed.
-    o_ref[b, split, head[:, None], dcol[None, :]] = out.astype(o_ref.dtype)
+    for cols, part in zip(out_columns(head_dim, len(acc)), acc):
+        out = part * (v_scale / norm)[:, None] if quantized else part / norm[:, None]
+        o_ref[b, split, head[:, None], cols[None, :]] = out.astype(o_ref.dtype)
     lse_ref[b, split, head] = lse
 
 
@@ -189,7 +191,8 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
     seq_lens[b] counts the context including the new token (already written); 0 marks a padding row (zeros out).
     order [B] int32, optional: a permutation of the rows, the order their programs start in (longest
     context first shortens the tail; rows left out of it are not computed). float8_e4m3fn caches need
-    k_scale / v_scale (see quant.py: [] or [K], or [L, 1] / [L, K] with row `layer`). Tile options: block_n
+    k_scale / v_scale (see quant.py: [] or [K], or [L, 1] / [L, K] with row `layer`); their V pages may come in
+    pairs (quant.py: uint16 [P, block_size, K, D/2], the engine's layout, read ~25% faster on the H200). Tile options: block_n
     (tokens per tile, power of two >= 16; None: the cache dtype's default), num_splits (context splits, None =
     auto), num_warps, num_stages (None: the cache dtype's defaults). Returns [B, H, D] in q's dtype.
     """
@@ -260,7 +263,8 @@ def _scale(scale, q) -> float:
 def _tiles(name, q, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits, order, num_warps=None,
            num_stages=None) -> dict:
     """Validation shared by both entry points; returns the static tile choices (None: the cache dtype's default)."""
-    check_paged_inputs(name, heads, q.shape[-1], q.dtype, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
+    check_paged_inputs(name, heads, q.shape[-1], q.dtype, k_cache, v_cache, block_tables, seq_lens, q.shape[0],
+                       pairs=True)
     if order is not None and (order.shape != seq_lens.shape or order.dtype != jnp.int32):
         raise ValueError(f"{name}: order must be int32 of shape {seq_lens.shape} like seq_lens, got "
                          f"{order.dtype} {order.shape}")
@@ -276,25 +280,3 @@ def _tiles(name, q, heads, k_cache, v_cache, block_tables, seq_lens, block_n, nu
     if num_splits < 1:
         raise ValueError(f"{name}: num_splits must be >= 1, got {num_splits}")
     return dict(block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
-
-
-def paged_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
-                              seq_lens: jax.Array, *, scale: float | None = None, k_scale: jax.Array | None = None,
-                              v_scale: jax.Array | None = None, layer: int | jax.Array = 0) -> jax.Array:
-    """Plain jnp decode attention: gathers each sequence's pages, masks positions >= seq_len, fp32 softmax.
-    fp8 caches are dequantised to fp32 first (scales as in paged_attention)."""
-    k_cache, v_cache = dequantize_cache(k_cache, v_cache, k_scale, v_scale, layer, "paged_attention_reference")
-    batch, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
-    scale = head_dim ** -0.5 if scale is None else scale
-    k = k_cache[block_tables].reshape(batch, -1, kv_heads, head_dim)  # [B, S, K, D]
-    v = v_cache[block_tables].reshape(batch, -1, kv_heads, head_dim)
-    qg = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)  # [B, K, G, D]
-    s = jnp.einsum("bkgd,bskd->bkgs", qg, k, precision=jax.lax.Precision.HIGHEST,
-                   preferred_element_type=jnp.float32) * scale  # [B, K, G, S]
-    valid = jnp.arange(k.shape[1])[None, :] < seq_lens[:, None]  # [B, S]
-    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
-    p = jnp.exp(s - jnp.maximum(s.max(axis=-1, keepdims=True), -1e30))  # all-masked rows -> p = 0
-    p = p / jnp.maximum(p.sum(axis=-1, keepdims=True), 1e-30)
-    out = jnp.einsum("bkgs,bskd->bkgd", p, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    return out.reshape(batch, heads, head_dim).astype(q.dtype)

@@ -121,9 +121,48 @@ def quantize_in_kernel(x, scale):
 
 def dequantize_cache(k_cache, v_cache, k_scale=None, v_scale=None, layer=0, name: str = "reference"):
     """For the jnp references: (k, v) caches in float32 when they are fp8 (row `layer` of the scales), else
-    unchanged."""
+    unchanged. V pages in pairs (uint16) are unpacked first."""
     scales = kv_scales(name, k_cache, k_scale, v_scale, layer)
     if scales is None:
         return k_cache, v_cache
     ks, vs, row = scales
+    v_cache = unpack_pairs(v_cache) if is_pairs(v_cache.dtype) else v_cache
     return dequantize(k_cache, ks[row[0]]), dequantize(v_cache, vs[row[0]])
+
+
+# -- fp8 V pages in pairs ----------------------------------------------------------------------------
+# The Pallas kernels' P.V dot takes V with its token axis as the contracted one, while a page stores each token's
+# D values side by side. For bf16 pages Triton loads that operand transposed from shared memory (ldmatrix.trans);
+# it has no 8-bit form, so fp8 pages were read one byte at a time (docs/fp8_kv_cache.md). The same bytes viewed
+# as uint16 [P, bs, K, D/2] (head dimensions 2j and 2j+1 of a token in one element, 2j in the low byte) make the
+# operand 16-bit: the kernels then do two dots, one over the even dimensions (low bytes) and one over the odd ones
+# (high bytes), and store the two halves of the output interleaved. The engine keeps fp8 V pages of the pallas
+# backend this way ("pairs"); K pages stay float8_e4m3fn [P, bs, K, D] (their dot needs no transpose).
+PAIRS_DTYPE = jnp.dtype(jnp.uint16)
+
+
+def is_pairs(dtype) -> bool:
+    return jnp.dtype(dtype) == PAIRS_DTYPE
+
+
+def pack_pairs(x: jax.Array) -> jax.Array:
+    """fp8 [..., D] -> the same bytes as uint16 [..., D/2] (element j: dimension 2j low, 2j + 1 high)."""
+    u = jax.lax.bitcast_convert_type(x.astype(FP8_DTYPE), jnp.uint8).astype(jnp.uint16)
+    return u[..., 0::2] | (u[..., 1::2] << 8)
+
+
+def unpack_pairs(u: jax.Array) -> jax.Array:
+    """uint16 [..., D/2] -> fp8 [..., D] (pack_pairs undone)."""
+    b = jnp.stack([(u & 0xFF).astype(jnp.uint8), (u >> 8).astype(jnp.uint8)], axis=-1)
+    return jax.lax.bitcast_convert_type(b.reshape(*u.shape[:-1], 2 * u.shape[-1]), FP8_DTYPE)
+
+
+def pair_halves(u, dtype):
+    """Inside a kernel: a uint16 tile [..., D/2] -> (even dimensions, odd dimensions), each [..., D/2] in `dtype`."""
+    return tuple(jax.lax.bitcast_convert_type(x.astype(jnp.uint8), FP8_DTYPE).astype(dtype) for x in (u & 0xFF, u >> 8))
+
+
+def pack_in_kernel(even, odd):
+    """Inside a kernel: fp8 values of the even and odd dimensions [..., D/2] -> their uint16 pairs."""
+    lo, hi = (jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint16) for x in (even, odd))
+    return lo | (hi << 8)

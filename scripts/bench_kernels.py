@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxinfer.model.attention import attention_fns  # noqa: E402
 from pallas_kernels.flash_attention import flash_attention  # noqa: E402
 from pallas_kernels.paged_attention import paged_attention, paged_attention_qkv  # noqa: E402
-from pallas_kernels.quant import quantize, scale_for_amax  # noqa: E402
+from pallas_kernels.quant import pack_pairs, quantize, scale_for_amax  # noqa: E402
 
 from bench import write_json  # noqa: E402
 from kernel_tables import print_decode, print_prefill  # noqa: E402
@@ -117,7 +117,9 @@ def fp8_pages(k, v):
     return quantize(k, ks), quantize(v, vs), dict(k_scale=ks, v_scale=vs)
 
 
-DECODE_IMPLS = ("xla", "pallas", "pallas_qkv", "cudnn", "triton", "triton_jt", "mosaic", "fp8", "fp8_qkv")
+# fp8: paged_attention on fp8 pages; fp8_qkv: the engine kernel on the engine's fp8 layout (V in pairs); fp8_qkv_plain:
+# the engine kernel with V as plain fp8 pages (the layout before pairs: the A/B)
+DECODE_IMPLS = ("xla", "pallas", "pallas_qkv", "cudnn", "triton", "triton_jt", "mosaic", "fp8", "fp8_qkv", "fp8_qkv_plain")
 
 
 def bench_decode(batch, ctx, ceil, opts, smoke, impls=DECODE_IMPLS):
@@ -145,14 +147,16 @@ def bench_decode(batch, ctx, ceil, opts, smoke, impls=DECODE_IMPLS):
             print(f"  decode {name} B={batch} ctx={ctx} failed: {type(err).__name__}: {str(err)[:300]}")
     qkv = jax.random.normal(jax.random.PRNGKey(3), (batch, H + 2 * K, D), DTYPE)
     norm, cos = jnp.ones((D,), DTYPE), jnp.ones((batch, D), jnp.float32)
-    kq, vq, fp8 = fp8_pages(k, v) if {"fp8", "fp8_qkv"} & set(impls) else (None, None, {})
+    kq, vq, fp8 = fp8_pages(k, v) if {"fp8", "fp8_qkv", "fp8_qkv_plain"} & set(impls) else (None, None, {})
     runs = {"pallas_qkv": lambda: time_loop(qkv_decode(opts, smoke), (k, v), qkv, norm, cos, tables, lens,
                                             est_s=est, donate=True),
             "fp8": lambda: time_loop(lambda q, k, v, t, l: paged_attention(q, k, v, t, l, interpret=smoke, **opts,
                                                                            **fp8), q, kq, vq, tables, lens,
                                      est_s=est / 2),
-            "fp8_qkv": lambda: time_loop(qkv_decode(opts, smoke, **fp8), (kq, vq), qkv, norm, cos, tables, lens,
-                                         est_s=est / 2, donate=True)}
+            "fp8_qkv": lambda: time_loop(qkv_decode(opts, smoke, **fp8), (jnp.copy(kq), pack_pairs(vq)), qkv, norm,
+                                         cos, tables, lens, est_s=est / 2, donate=True),
+            "fp8_qkv_plain": lambda: time_loop(qkv_decode(opts, smoke, **fp8), (kq, vq), qkv, norm, cos, tables, lens,
+                                               est_s=est / 2, donate=True)}
     for name, run in runs.items():
         if name in impls:
             try:
@@ -161,7 +165,7 @@ def bench_decode(batch, ctx, ceil, opts, smoke, impls=DECODE_IMPLS):
                 row[name + "_s"] = None
                 print(f"  decode {name} B={batch} ctx={ctx} failed: {type(err).__name__}: {str(err)[:300]}")
     reads = {name: nbytes for name in ("xla", "pallas", "pallas_qkv", "cudnn", "triton", "triton_jt", "mosaic")}
-    for name, read in {**reads, "fp8": nbytes // 2, "fp8_qkv": nbytes // 2}.items():
+    for name, read in {**reads, "fp8": nbytes // 2, "fp8_qkv": nbytes // 2, "fp8_qkv_plain": nbytes // 2}.items():
         if row.get(name + "_s"):      # bytes actually read: fp8 pages are half of bf16's
             row[name + "_tbps"] = read / row[name + "_s"] / 1e12
     if row.get("pallas_s"):

@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxinfer.model.attention import paged_attention_layer  # noqa: E402
+from jaxinfer.model.attention import paged_attention_layer, v_pages  # noqa: E402
 from jaxinfer.model.kv_scales import BOUND_MARGIN, bound_amax, calibrated_amax, with_kv_scales  # noqa: E402
 from jaxinfer.model.qwen3 import compute_logits, forward  # noqa: E402
 from jaxinfer.step import kv_scales  # noqa: E402
@@ -47,7 +47,8 @@ def paged_logits(config, params, ids, kv_dtype, backend: str, chunk: int = 256, 
         params = {**params, "k_scale": jnp.asarray(scales[0]), "v_scale": jnp.asarray(scales[1])}
     pages = -(-S // BLOCK) + 1
     shape = (pages, BLOCK, config.num_key_value_heads, config.head_dim)
-    caches = [(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)) for _ in range(L)]
+    v_shape, v_dtype = v_pages(backend, shape, kv_dtype)         # the engine's layout (pallas fp8: V in pairs)
+    caches = [(jnp.zeros(shape, kv_dtype), jnp.zeros(v_shape, v_dtype)) for _ in range(L)]
     step = _prefill_step(config, backend, chunk, pages, jax.devices()[0].platform != "gpu")
     out = []
     for start in range(0, S, chunk):

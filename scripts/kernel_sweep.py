@@ -6,7 +6,7 @@ from bench_kernels import PREFILL_CASES, bench_decode, bench_prefill
 
 DECODE_SWEEP_SHAPES = ((32, 2048), (64, 1024), (128, 1024), (256, 1024))
 DECODE_SWEEP_TILES = tuple(dict(block_n=n, num_warps=w, num_stages=s) for n, w, s in (    # the default first
-    (64, 2, 3), (64, 4, 3), (64, 2, 4), (32, 2, 3), (128, 4, 2), (128, 2, 3), (128, 4, 3), (256, 4, 2)))
+    (64, 2, 3), (64, 4, 3), (64, 2, 4), (32, 2, 3), (128, 4, 2), (128, 2, 3), (128, 4, 3), (256, 4, 2), (128, 2, 2)))
 DECODE_SWEEP_SPLITS = (None, 1, 2, 4, 8)   # None: choose_num_splits
 
 

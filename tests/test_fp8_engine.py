@@ -16,7 +16,7 @@ from jaxinfer.model.kv_scales import bound_amax, calibrated_amax, kv_cache_dtype
 from jaxinfer.model.loader import load_params
 from jaxinfer.model.qwen3 import dense_logits
 from jaxinfer.parallel.layout import map_params, to_tp
-from pallas_kernels.quant import FP8_DTYPE
+from pallas_kernels.quant import FP8_DTYPE, PAIRS_DTYPE
 from scripts.fp8_accuracy import compare, paged_logits
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -78,6 +78,8 @@ def test_pallas_fp8_equals_xla_fp8(tiny_dir, fp8_xla, full):
     that quantises the new token itself) give the xla backend's greedy tokens on the fp8 cache."""
     llm = LLM(tiny_dir, **{**FP8, **PALLAS})
     assert llm.stats()["kv_cache_dtype"] == "float8_e4m3fn"
+    k_cache, v_cache = llm.engine.runner.kv_caches[0]       # V pages in pairs: the same bytes as fp8 [..., D]
+    assert k_cache.dtype == FP8_DTYPE and v_cache.dtype == PAIRS_DTYPE and v_cache.shape[-1] * 2 == k_cache.shape[-1]
     assert tokens(llm, full[0][:4]) == fp8_xla[1][:4]
 
 

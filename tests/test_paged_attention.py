@@ -10,7 +10,7 @@ from helpers import assert_lowers_to_triton, make_paged
 from jaxinfer.model.layers import apply_rope, rms_norm, rope_cos_sin
 from pallas_kernels.paged_attention import (choose_num_splits, paged_attention, paged_attention_qkv,
                                             paged_attention_reference)
-from pallas_kernels.quant import quantize
+from pallas_kernels.quant import is_pairs, quantize, unpack_pairs
 
 TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -136,6 +136,8 @@ def check_qkv(fused, qkv, norms, k, v, tables, lens, tol, theta=10_000.0, eps=1e
     k/v are written quantised (tests/test_fp8_kernels.py)."""
     block_size, K = k.shape[1], k.shape[2]
     H = qkv.shape[1] - 2 * K
+    pairs = is_pairs(v.dtype)               # fp8 V pages in pairs (pallas_kernels/quant.py): compared unpacked
+    v_in, v = v, unpack_pairs(v) if pairs else v
     pos = np.maximum(np.asarray(lens) - 1, 0)
     cos, sin = rope_cos_sin(jnp.asarray(pos), qkv.shape[-1], theta)
     q = apply_rope(rms_norm(qkv[:, :H], norms[0], eps), cos, sin)
@@ -148,7 +150,10 @@ def check_qkv(fused, qkv, norms, k, v, tables, lens, tol, theta=10_000.0, eps=1e
     k_ref = k.at[pages[real], pos[real] % block_size].set(kn[real])
     v_ref = v.at[pages[real], pos[real] % block_size].set(vn[real])
     seq_lens = jnp.asarray(lens, jnp.int32)
-    out, k2, v2 = fused(qkv, *norms, cos, sin, k, v, tables, seq_lens)
+    out, k2, v2 = fused(qkv, *norms, cos, sin, k, v_in, tables, seq_lens)
+    if pairs:
+        assert is_pairs(v2.dtype) and v2.shape == v_in.shape
+        v2 = unpack_pairs(v2)
     exact = qkv.dtype == jnp.float32 and jax.default_backend() == "cpu"
     if scales is None:
         cache_tol = dict(atol=1e-6, rtol=1e-6) if qkv.dtype == jnp.float32 else dict(atol=1e-2, rtol=1e-2)

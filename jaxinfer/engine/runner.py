@@ -18,7 +18,7 @@ import numpy as np
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model import layers
 from jaxinfer.model import xla_decode
-from jaxinfer.model.attention import cache_layout
+from jaxinfer.model.attention import cache_layout, v_pages
 from jaxinfer.model.kv_scales import kv_cache_dtype, with_kv_scales
 from jaxinfer.parallel import Placement, kv_heads, make_placements
 from jaxinfer.parallel.layout import KV_SPEC
@@ -87,8 +87,9 @@ class ModelRunner:
                  model.head_dim)
         kv_shape, pairs = cache_layout(engine.attn_backend, model.num_hidden_layers, shape,
                                        jnp.dtype(self.kv_dtype).itemsize, tp)
-        zeros = self.placement.zeros_kv(kv_shape, self.kv_dtype, 2 * pairs)
-        self.kv_caches = list(zip(zeros[::2], zeros[1::2]))
+        v_shape, v_dtype = v_pages(engine.attn_backend, kv_shape, self.kv_dtype)     # pallas fp8: V in pairs
+        self.kv_caches = list(zip(self.placement.zeros_kv(kv_shape, self.kv_dtype, pairs),
+                                  self.placement.zeros_kv(v_shape, v_dtype, pairs)))
         # xla reads all W pages of a row: a ladder of narrower tables lets short contexts read less. The kernels
         # read only the pages a row needs, but a [B, W] table for a 40k-token model (W = 2560) would be sent and
         # packed every step: they get one narrow width beside the full one (config.BACKEND_DEFAULTS).

@@ -39,18 +39,31 @@ from jaxinfer.model.xla_attention import layer_scales, prefill_xla  # noqa: F401
 from jaxinfer.model.xla_decode import paged_decode_xla  # noqa: F401 (re-exported)
 from jaxinfer.parallel import shard_map
 from jaxinfer.parallel.layout import KV_SPEC
-from pallas_kernels.quant import quantize
+from pallas_kernels.quant import PAIRS_DTYPE, is_fp8, is_pairs, pack_pairs, quantize
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
     """k/v [T, K, D] into caches [P, bs, K, D] at flat slots [T]; out-of-range slots are dropped. fp8 caches:
-    k / k_scale and v / v_scale ([] or [1] or [K]) are quantised first."""
+    k / k_scale and v / v_scale ([] or [1] or [K]) are quantised first; V pages in pairs (uint16 [P, bs, K, D/2],
+    `v_pages`) get each token's fp8 values packed."""
     if k_scale is not None:
-        k, v = quantize(k, k_scale, k_cache.dtype), quantize(v, v_scale, v_cache.dtype)
+        k, v = quantize(k, k_scale, k_cache.dtype), quantize(v, v_scale, k_cache.dtype)
+    if is_pairs(v_cache.dtype):
+        v = pack_pairs(v)
     P, bs, K, D = k_cache.shape
+    Dv = v_cache.shape[-1]
     k_cache = k_cache.reshape(P * bs, K, D).at[slot_mapping].set(k, mode="drop", unique_indices=True)
-    v_cache = v_cache.reshape(P * bs, K, D).at[slot_mapping].set(v, mode="drop", unique_indices=True)
-    return k_cache.reshape(P, bs, K, D), v_cache.reshape(P, bs, K, D)
+    v_cache = v_cache.reshape(P * bs, K, Dv).at[slot_mapping].set(v, mode="drop", unique_indices=True)
+    return k_cache.reshape(P, bs, K, D), v_cache.reshape(P, bs, K, Dv)
+
+
+def v_pages(backend: str, shape: tuple[int, ...], kv_dtype) -> tuple[tuple[int, ...], object]:
+    """The V cache array (shape, dtype) beside K pages of `shape` [..., D] in `kv_dtype`. The pallas backend keeps
+    fp8 V pages in pairs: the same bytes as uint16 [..., D/2] (pallas_kernels/quant.py), which its kernels read
+    ~25% faster than plain fp8 pages (the P.V dot's operand becomes 16-bit: docs/fp8_kv_cache.md)."""
+    if backend == "pallas" and is_fp8(kv_dtype):
+        return (*shape[:-1], shape[-1] // 2), PAIRS_DTYPE
+    return tuple(shape), kv_dtype
 
 
 STACKED_BACKENDS = ("xla", "pallas")
