@@ -2,7 +2,6 @@
 
     python scripts/probe_fp8_decode.py layout [--json PATH]     # H200: ~1 min; CPU: a small interpret-mode check
     python scripts/probe_fp8_decode.py forms [--json PATH]      # H200: ~2 min; CPU: a small interpret-mode check
-    python scripts/probe_fp8_decode.py pairs [--json PATH]      # H200: ~1 min; CPU: a small interpret-mode check
     XLA_FLAGS=--xla_gpu_enable_command_buffer= ncu --kernel-name regex:paged_attention --launch-skip 2 \
         --launch-count 1 --clock-control none --set full -o FILE python scripts/probe_fp8_decode.py ncu fp8|bf16 [B CTX]
 
@@ -12,10 +11,6 @@ operand pairs are adjacent bytes), on fp8 and bf16 pages; TB/s of the bytes read
 forms: the same stripped kernel with the dots replaced by broadcast multiplies and sums over the GQA group's
 rows only (no tensor cores, so no 16-row padding and no transposed 8-bit operand), P.V summed in fp32 or fp16,
 against the dot form at several tile choices.
-pairs: V pages stored as pairs of tokens per head dimension ([P, bs/2, K, D] uint16: token 2i in the low byte,
-2i+1 in the high one), so that the P.V operand is a 16-bit array (ldmatrix.trans works for it) and each half is
-converted in registers ("cvt": byte -> fp8 -> fp16; "bits": the e4m3 bits moved into an fp16's, x 2^-8); the
-tile's even and odd tokens are two dots. Against today's layout, fp8 and bf16.
 ncu: four calls of the engine's kernel (paged_attention_qkv) on fp8 or bf16 pages, for Nsight Compute.
 """
 import argparse
@@ -188,151 +183,6 @@ def forms(json_path):
             json.dump(rows, f, indent=1)
 
 
-def kernel_pairs(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_n, rows, group, conv):
-    """V as uint16 token pairs [P, bs/2, K, D]; K as stored [P, bs, K, D] fp8. Even and odd tokens of a tile are
-    scored and multiplied separately, so each P.V dot takes one byte of every pair, converted to fp16."""
-    kh, b = pl.program_id(0), pl.program_id(1)
-    head = kh * group + jnp.minimum(jnp.arange(rows), group - 1)
-    dcol = jnp.arange(D)
-    q = q_ref[b, head[:, None], dcol[None, :]].astype(jnp.float16)
-    n = lens_ref[b]
-    half = block_n // 2
-    qk = D ** -0.5 * LOG2E
-
-    def half16(u, hi):          # [N/2, D] uint16 -> one byte of each pair as fp16 (x 2^-8 for "bits")
-        if conv == "bits":
-            x = (((u & 0x7F00) >> 1) | (u & 0x8000)) if hi else (((u & 0x7F) << 7) | ((u & 0x80) << 8))
-            return jax.lax.bitcast_convert_type(x, jnp.float16)
-        byte = (u >> 8 if hi else u & 0xFF).astype(jnp.uint8)
-        return jax.lax.bitcast_convert_type(byte, jnp.float8_e4m3fn).astype(jnp.float16)
-
-    def body(i, carry):
-        acc, m, l = carry
-        tok = i * block_n + 2 * jnp.arange(half)                    # even tokens; odd = tok + 1
-        te, to = jnp.minimum(tok, n - 1), jnp.minimum(tok + 1, n - 1)
-        pe, po = bt_ref[b, te // BS], bt_ref[b, to // BS]
-        ke, ko = k_ref[pe, te % BS, kh, :].astype(jnp.float16), k_ref[po, to % BS, kh, :].astype(jnp.float16)
-        se = jnp.where((tok < n)[None, :], plt.dot(q, ke, trans_b=True) * qk, -jnp.inf)
-        so = jnp.where((tok + 1 < n)[None, :], plt.dot(q, ko, trans_b=True) * qk, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.maximum(se.max(axis=1), so.max(axis=1)))
-        alpha = jnp.exp2(m - m_new)
-        p_e, p_o = jnp.exp2(se - m_new[:, None]), jnp.exp2(so - m_new[:, None])
-        u = v_ref[pe, (te % BS) // 2, kh, :]                        # [N/2, D] uint16
-        pv = plt.dot(p_e.astype(jnp.float16), half16(u, False)) + plt.dot(p_o.astype(jnp.float16), half16(u, True))
-        return acc * alpha[:, None] + pv, m_new, l * alpha + p_e.sum(axis=1) + p_o.sum(axis=1)
-
-    init = (jnp.zeros((rows, D), jnp.float32), jnp.full((rows,), -1e30, jnp.float32), jnp.zeros((rows,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(0, pl.cdiv(n, block_n), body, init)
-    out = acc * ((256.0 if conv == "bits" else 1.0) / jnp.where(l > 0, l, 1.0))[:, None]
-    o_ref[b, head[:, None], dcol[None, :]] = out.astype(o_ref.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("conv", "block_n", "warps", "stages"))
-def decode_pairs(q, kc, vp, bt, lens, conv="cvt", block_n=64, warps=2, stages=3):
-    B = q.shape[0]
-    return pl.pallas_call(
-        functools.partial(kernel_pairs, block_n=block_n, rows=16, group=H // K, conv=conv),
-        grid=(K, B), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages), interpret=interp,
-        name="pairs_probe")(lens, bt, q, kc, vp)
-
-
-def kernel_dpairs(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_n, rows, group):
-    """V as stored, viewed as uint16 [P, bs, K, D/2] (head dimensions 2j and 2j+1 of a token in one element):
-    the P.V dot is two dots, one over the even head dimensions (low bytes) and one over the odd ones."""
-    kh, b = pl.program_id(0), pl.program_id(1)
-    head = kh * group + jnp.minimum(jnp.arange(rows), group - 1)
-    dcol, hcol = jnp.arange(D), jnp.arange(D // 2)
-    q = q_ref[b, head[:, None], dcol[None, :]].astype(jnp.float16)
-    n = lens_ref[b]
-    qk = D ** -0.5 * LOG2E
-
-    def half16(u, hi):
-        byte = (u >> 8 if hi else u & 0xFF).astype(jnp.uint8)
-        return jax.lax.bitcast_convert_type(byte, jnp.float8_e4m3fn).astype(jnp.float16)
-
-    def body(i, carry):
-        acc_e, acc_o, m, l = carry
-        tok = i * block_n + jnp.arange(block_n)
-        t = jnp.minimum(tok, n - 1)
-        page, slot = bt_ref[b, t // BS], t % BS
-        k = k_ref[page, slot, kh, :].astype(jnp.float16)
-        s = jnp.where((tok < n)[None, :], plt.dot(q, k, trans_b=True) * qk, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        u = v_ref[page, slot, kh, :]                                  # [N, D/2] uint16
-        p16 = p.astype(jnp.float16)
-        return (acc_e * alpha[:, None] + plt.dot(p16, half16(u, False)),
-                acc_o * alpha[:, None] + plt.dot(p16, half16(u, True)), m_new, l * alpha + p.sum(axis=1))
-
-    z = jnp.zeros((rows, D // 2), jnp.float32)
-    acc_e, acc_o, m, l = jax.lax.fori_loop(0, pl.cdiv(n, block_n), body,
-                                           (z, z, jnp.full((rows,), -1e30, jnp.float32), jnp.zeros((rows,), jnp.float32)))
-    inv = (1.0 / jnp.where(l > 0, l, 1.0))[:, None]
-    o_ref[b, head[:, None], 2 * hcol[None, :]] = (acc_e * inv).astype(o_ref.dtype)
-    o_ref[b, head[:, None], 2 * hcol[None, :] + 1] = (acc_o * inv).astype(o_ref.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("block_n", "warps", "stages"))
-def decode_dpairs(q, kc, vd, bt, lens, block_n=64, warps=2, stages=3):
-    B = q.shape[0]
-    return pl.pallas_call(
-        functools.partial(kernel_dpairs, block_n=block_n, rows=16, group=H // K),
-        grid=(K, B), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages), interpret=interp,
-        name="dpairs_probe")(lens, bt, q, kc, vd)
-
-
-def to_dpairs(vc):
-    """fp8 [P, bs, K, D] -> the same bytes as uint16 [P, bs, K, D/2]."""
-    u8 = jax.lax.bitcast_convert_type(vc, jnp.uint8).astype(jnp.uint16)
-    return u8[..., 0::2] | (u8[..., 1::2] << 8)
-
-
-def to_pairs(vc):
-    """fp8 [P, bs, K, D] -> uint16 [P, bs/2, K, D]: token 2i in the low byte, 2i+1 in the high one."""
-    P = vc.shape[0]
-    u8 = jax.lax.bitcast_convert_type(vc, jnp.uint8).reshape(P, BS // 2, 2, K, D).astype(jnp.uint16)
-    return u8[:, :, 0] | (u8[:, :, 1] << 8)
-
-
-def pairs(json_path):
-    rows = []
-    shapes = [(4, 100)] if interp else [(256, 1024), (128, 1024), (64, 1024), (64, 4096), (32, 2048)]
-    tiles = [dict(block_n=64, warps=2, stages=3)]
-    if not interp:
-        tiles += [dict(block_n=128, warps=4, stages=3), dict(block_n=64, warps=4, stages=3),
-                  dict(block_n=128, warps=2, stages=2), dict(block_n=128, warps=2, stages=3),
-                  dict(block_n=128, warps=4, stages=2), dict(block_n=64, warps=2, stages=2)]
-    for B, ctx in shapes:
-        q, kc, vc, bt, lens = case(B, ctx, "fp8")
-        r0 = paged_attention_reference(q.astype(jnp.float32), kc, vc, bt, lens, k_scale=1.0, v_scale=1.0)
-        vp = to_pairs(vc)
-        nbytes = B * ctx * K * D * 2
-        variants = [("today_fp8", decode, vc, {}), ("today_bf16", decode, None, {})]
-        variants += [(f"pairs_{c}", functools.partial(decode_pairs, conv=c), vp, t) for c in ("cvt",)
-                     for t in tiles]
-        variants += [("dpairs", decode_dpairs, to_dpairs(vc), t) for t in tiles]
-        for name, fn, v_in, kw in variants:
-            qq, kk, vv, nb = q, kc, v_in, nbytes
-            if v_in is None:        # bf16 pages of the same values
-                kk, vv, nb = kc.astype(jnp.bfloat16), vc.astype(jnp.bfloat16), nbytes * 2
-            f = functools.partial(fn, **kw)
-            try:
-                out = f(qq, kk, vv, bt, lens)
-                err = float(jnp.abs(out.astype(jnp.float32) - r0).max())
-                s = time_loop(f, qq, kk, vv, bt, lens, est_s=nb / 3e12)
-                row = dict(us=s * 1e6, tbps=nb / s / 1e12, max_err=err)
-            except Exception as e:
-                row = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
-            rows.append(dict(B=B, ctx=ctx, form=name, **kw, **row))
-            print(rows[-1], flush=True)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=1)
-
-
 def ncu_calls(dtype: str, B: int, ctx: int):
     """Four calls of the engine's decode kernel, for a profiler to pick one (pages made on the host: under ncu
     an XLA fp8 convert kernel crashed the process)."""
@@ -362,7 +212,7 @@ def ncu_calls(dtype: str, B: int, ctx: int):
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["layout", "forms", "pairs", "ncu"])
+    ap.add_argument("what", choices=["layout", "forms", "ncu"])
     ap.add_argument("dtype", nargs="?", default="fp8", choices=["fp8", "bf16"])
     ap.add_argument("batch", nargs="?", type=int, default=256)
     ap.add_argument("ctx", nargs="?", type=int, default=1024)
@@ -372,7 +222,5 @@ if __name__ == "__main__":
         layout(a.json)
     elif a.what == "forms":
         forms(a.json)
-    elif a.what == "pairs":
-        pairs(a.json)
     else:
         ncu_calls(a.dtype, a.batch, a.ctx)
