@@ -13,8 +13,6 @@ from dataclasses import dataclass, field, fields
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
            "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
-
-
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
@@ -251,6 +249,8 @@ class EngineConfig:
                                  f"(kv_cache_dtype={self.kv_cache_dtype!r}): use 'pallas' or 'xla' for fp8")
         kw = {k: v for k, v in PLATFORM_DEFAULTS["gpu" if platform == "gpu" else "cpu"].items()
               if getattr(self, k) is None}
+        if "attn_backend" in kw and model.head_dim & (model.head_dim - 1):
+            kw["attn_backend"] = "xla"     # the kernels tile a power-of-two head_dim (model/attention.check_backend)
         if (self.dtype or kw.get("dtype")) == "auto":
             kw["dtype"] = model.torch_dtype
         mml = self.max_model_len or model.max_position_embeddings

@@ -105,6 +105,18 @@ def test_bad_model_paths(tmp_path):
         LLM(path, **{**BASE, "max_model_len": 4096})
 
 
+def test_kernel_backends_need_a_power_of_two_head_dim(tiny_dirs):
+    """head_dim 24: a kernel backend chosen by the user is refused at LLM() (not at the first request); left to
+    the engine on a GPU, the backend falls back to xla, which takes any head_dim."""
+    from jaxinfer.config import ModelConfig
+    path = tiny_dirs["gqa4_wide_head"]
+    with pytest.raises(ValueError, match="power-of-two head_dim; this model's head_dim=24"):
+        LLM(path, **{**TINY_ENGINE, "attn_backend": "pallas"})
+    model = ModelConfig.from_pretrained(path)
+    assert EngineConfig().resolve("gpu", model).attn_backend == "xla"
+    assert EngineConfig().resolve("gpu", ModelConfig.from_pretrained(tiny_dirs["gqa2"])).attn_backend == "pallas"
+
+
 def test_kv_pool_larger_than_memory(tiny_dir):
     with pytest.raises(ValueError, match=r"num_kvcache_blocks=1000000000000 needs .* GiB"):
         LLM(tiny_dir, **{**BASE, "num_kvcache_blocks": 10**12})

@@ -83,6 +83,18 @@ def test_pallas_fp8_equals_xla_fp8(tiny_dir, fp8_xla, full):
     assert tokens(llm, full[0][:4]) == fp8_xla[1][:4]
 
 
+def test_plain_and_paired_v_pages_do_not_share_executables(tiny_dir, monkeypatch):
+    """The shared executable cache keys on the cache arrays' layout: an engine with plain fp8 V pages (the A/B
+    script's patch) after one with pairs, in one process, compiles its own steps and gives the same tokens."""
+    import jaxinfer.engine.runner as runner
+    ps = prompts(512, [9, 20], seed=1)
+    paired = tokens(LLM(tiny_dir, **{**FP8, **PALLAS}), ps)
+    monkeypatch.setattr(runner, "v_pages", lambda backend, shape, kv_dtype: (tuple(shape), kv_dtype))
+    llm = LLM(tiny_dir, **{**FP8, **PALLAS})
+    assert llm.engine.runner.kv_caches[0][1].dtype == FP8_DTYPE
+    assert tokens(llm, ps) == paired
+
+
 @pytest.mark.parametrize("name", ["gqa4_wide_head"])
 def test_fp8_logits_within_bound(tiny_dirs, name):
     """Teacher-forced logits through the paged fp8 cache (chunked prefill, scales from the weight bound) against

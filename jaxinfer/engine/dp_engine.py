@@ -24,6 +24,7 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.memory import num_blocks_for_memory
 from jaxinfer.engine.sequence import Sequence
+from jaxinfer.model.attention import check_backend
 from jaxinfer.parallel import Placement, make_placements
 from jaxinfer.sampling_params import SamplingParams
 
@@ -37,6 +38,7 @@ def create_engine(model: ModelConfig, config: EngineConfig, load: Callable[[Plac
     load(placement) -> params placed on that placement's devices (e.g. `load_params(..., placement=p)`)."""
     placements = make_placements(config.tensor_parallel_size, config.data_parallel_size)
     placements[0].check(model)            # heads that do not divide: before any weight is read
+    check_backend(config.attn_backend, model)
     if len(placements) == 1:
         return LLMEngine(model, config, load(placements[0]), eos_token_ids, cap_max_model_len, placements[0])
     return DPEngine(model, config, load, eos_token_ids, placements, cap_max_model_len)

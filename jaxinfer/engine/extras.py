@@ -101,7 +101,7 @@ class ExtrasRunner:
         kind, T, B, W, filtered, extras = key
         shared = ("extras", r.model, r.engine.attn_backend, str(r.dtype), str(r.kv_dtype), r.num_blocks,
                   r.engine.block_size, r.interpret, r.max_rows, isinstance(r.params["layers"], tuple),
-                  len(r.kv_caches), len(r.placement.devices), self.num_slots, key, layers.GEMV_MAX_ROWS,
+                  r.cache_kind, len(r.placement.devices), self.num_slots, key, layers.GEMV_MAX_ROWS,
                   layers.GEMV_FUSE, xla_options.TRITON_GEMM_MAX_ROWS)  # as the runner's
 
         def build():

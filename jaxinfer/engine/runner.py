@@ -91,6 +91,8 @@ class ModelRunner:
         v_shape, v_dtype = v_pages(engine.attn_backend, kv_shape, self.kv_dtype)     # pallas fp8: V in pairs
         self.kv_caches = list(zip(self.placement.zeros_kv(kv_shape, self.kv_dtype, pairs),
                                   self.placement.zeros_kv(v_shape, v_dtype, pairs)))
+        # what a compiled step's cache arguments are: part of the shared executables' key
+        self.cache_kind = (pairs, kv_shape, str(self.kv_dtype), v_shape, str(v_dtype))
         # xla reads all W pages of a row: a ladder of narrower tables lets short contexts read less. The kernels
         # read only the pages a row needs, but a [B, W] table for a 40k-token model (W = 2560) would be sent and
         # packed every step: they get one narrow width beside the full one (config.BACKEND_DEFAULTS).
@@ -146,7 +148,7 @@ class ModelRunner:
             kind, T, B, W, filtered, *K = key
             shared = (self.model, self.engine.attn_backend, str(self.dtype), str(self.kv_dtype), self.num_blocks,
                       self.engine.block_size, self.interpret, self.max_rows,
-                      isinstance(self.params["layers"], tuple), len(self.kv_caches), len(self.placement.devices), key,
+                      isinstance(self.params["layers"], tuple), self.cache_kind, len(self.placement.devices), key,
                       layers.GEMV_MAX_ROWS, layers.GEMV_FUSE,      # the small-batch matmul choice shapes the program
                       xla_options.TRITON_GEMM_MAX_ROWS, rows_out(kind))
 

@@ -66,6 +66,15 @@ def v_pages(backend: str, shape: tuple[int, ...], kv_dtype) -> tuple[tuple[int, 
     return tuple(shape), kv_dtype
 
 
+def check_backend(backend: str, model) -> None:
+    """ValueError, at LLM() rather than at the first request, when the backend's kernels cannot take the model: every
+    backend but xla (plain jnp) tiles the head dimension and needs a power of two."""
+    D = model.head_dim
+    if backend != "xla" and D & (D - 1):
+        raise ValueError(f"attn_backend={backend!r} needs a power-of-two head_dim; this model's head_dim={D} "
+                         f"(attn_backend='xla' takes any)")
+
+
 STACKED_BACKENDS = ("xla", "pallas")
 
 
