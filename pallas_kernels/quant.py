@@ -43,8 +43,13 @@ def quantize(x: jax.Array, scale, dtype=FP8_DTYPE) -> jax.Array:
     [K] (per kv head). The division is IEEE in XLA; the Pallas decode kernel does the same division, so on
     the CPU (interpret mode) both give the same bits (on the GPU Triton's division may differ in the last
     fp32 bit, i.e. rarely by one fp8 step)."""
-    y = x.astype(jnp.float32) / _per_head(scale, x)
-    return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(dtype)
+    y = x.astype(jnp.float32)
+    if jnp.dtype(x.dtype).itemsize < 4:
+        # Round to x's own precision explicitly: XLA may keep a bf16 value in fp32 inside a fusion (excess precision),
+        # so without this the bytes written depended on where a fusion ended (e.g. tensor-parallel vs not).
+        info = jnp.finfo(x.dtype)
+        y = jax.lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return jnp.clip(y / _per_head(scale, x), -FP8_MAX, FP8_MAX).astype(dtype)
 
 
 def dequantize(x: jax.Array, scale, dtype=jnp.float32) -> jax.Array:

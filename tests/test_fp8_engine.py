@@ -189,6 +189,9 @@ def test_kv_cache_dtype_option():
 
 _TP_SCRIPT = """
 import json, sys
+import jax
+import jax.numpy as jnp
+import numpy as np
 sys.path.insert(0, "tests")
 from helpers import TINY_ENGINE
 from jaxinfer import LLM, SamplingParams
@@ -202,6 +205,13 @@ for backend, extra in (("pallas", dict(block_size=16, num_kvcache_blocks=64)),):
         out[f"{backend}_tp{tp}"] = [o.token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
         st = llm.stats()
         assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["kv_cache_dtype"] == "float8_e4m3fn"
+caches = {}        # bf16 model: the fp8 bytes written must not depend on where XLA ends a fusion (quant.quantize)
+for tp in (1, 2):
+    llm = LLM(path, **{**TINY_ENGINE, "block_size": 16, "num_kvcache_blocks": 64, "dtype": "bfloat16"},
+              attn_backend="pallas", kv_cache_dtype="fp8", tensor_parallel_size=tp)
+    llm.generate(ps, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    caches[tp] = [np.asarray(jax.lax.bitcast_convert_type(c, jnp.uint8)) for c in llm.engine.runner.kv_caches[0]]
+out["bf16_cache_bytes_differ"] = [int((a != b).sum()) for a, b in zip(caches[1], caches[2])]
 llm = LLM(path, **TINY_ENGINE, kv_cache_dtype="fp8", data_parallel_size=2)
 out["xla_dp2"] = [o.token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
 assert llm.stats()["kv_cache_dtype"] == "float8_e4m3fn"
@@ -212,7 +222,8 @@ print("RESULT" + json.dumps(out))
 def test_fp8_cache_under_tensor_parallelism(tiny_dir):
     """tp=2 on two CPU devices (own process): the per-layer scales are replicated (the Pallas kernels get them
     inside shard_map with the step's metadata): tokens equal tp=1's on the fp8 cache; and two data-parallel
-    replicas (xla) give them too. (The xla backend under tp is plain jnp partitioned by XLA.)"""
+    replicas (xla) give them too. (The xla backend under tp is plain jnp partitioned by XLA.) With a bf16 model the
+    cache bytes after a prefill are the same at tp=2 as at tp=1."""
     import json
     import subprocess
     import sys
@@ -224,6 +235,7 @@ def test_fp8_cache_under_tensor_parallelism(tiny_dir):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     out = json.loads(proc.stdout.split("RESULT")[-1])
     assert out["pallas_tp2"] == out["pallas_tp1"] == out["xla_dp2"], out
+    assert out["bf16_cache_bytes_differ"] == [0, 0], out
 
 
 def test_multistep_decode_on_fp8_cache(tiny_dir, fp8_xla, full):
