@@ -77,8 +77,9 @@ def decode_pairs(q, kc, vp, bt, lens, conv="cvt", block_n=64, warps=2, stages=3)
 
 
 def kernel_dpairs(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_n, rows, group, parts=2):
-    """V as stored, viewed as uint16 [P, bs, K, D/2] (head dimensions 2j and 2j+1 of a token in one element):
-    the P.V dot is two dots, one over the even head dimensions (low bytes) and one over the odd ones."""
+    """V as stored, viewed as uint16 [P, bs, K, D/2] (head dimensions 2j and 2j+1 of a token in one element; parts=4:
+    uint32, four dimensions): the P.V dot is `parts` dots, one over each byte of the elements (dimensions
+    parts * h + j)."""
     kh, b = pl.program_id(0), pl.program_id(1)
     head = kh * group + jnp.minimum(jnp.arange(rows), group - 1)
     dcol, hcol = jnp.arange(D), jnp.arange(D // parts)
@@ -86,38 +87,12 @@ def kernel_dpairs(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_n, rows
     n = lens_ref[b]
     qk = D ** -0.5 * LOG2E
 
-    def part16(u, j):
+    def part16(u, j):                                                 # byte j of each element, as fp16
         byte = ((u >> (8 * j)) & 0xFF).astype(jnp.uint8)
         return jax.lax.bitcast_convert_type(byte, jnp.float8_e4m3fn).astype(jnp.float16)
 
-    if parts == 4:
-        def body4(i, carry):
-            accs, m, l = carry
-            tok = i * block_n + jnp.arange(block_n)
-            t = jnp.minimum(tok, n - 1)
-            page, slot = bt_ref[b, t // BS], t % BS
-            k = k_ref[page, slot, kh, :].astype(jnp.float16)
-            s = jnp.where((tok < n)[None, :], plt.dot(q, k, trans_b=True) * qk, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - m_new[:, None])
-            u = v_ref[page, slot, kh, :]
-            p16 = p.astype(jnp.float16)
-            accs = tuple(a * alpha[:, None] + plt.dot(p16, part16(u, j)) for j, a in enumerate(accs))
-            return accs, m_new, l * alpha + p.sum(axis=1)
-        z = jnp.zeros((rows, D // 4), jnp.float32)
-        accs, m, l = jax.lax.fori_loop(0, pl.cdiv(n, block_n), body4, ((z,) * 4, jnp.full((rows,), -1e30, jnp.float32),
-                                                                       jnp.zeros((rows,), jnp.float32)))
-        inv = (1.0 / jnp.where(l > 0, l, 1.0))[:, None]
-        for j, a in enumerate(accs):
-            o_ref[b, head[:, None], 4 * hcol[None, :] + j] = (a * inv).astype(o_ref.dtype)
-        return
-
-    def half16(u, hi):
-        return part16(u, 1 if hi else 0)
-
     def body(i, carry):
-        acc_e, acc_o, m, l = carry
+        accs, m, l = carry
         tok = i * block_n + jnp.arange(block_n)
         t = jnp.minimum(tok, n - 1)
         page, slot = bt_ref[b, t // BS], t % BS
@@ -126,17 +101,17 @@ def kernel_dpairs(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_n, rows
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
-        u = v_ref[page, slot, kh, :]                                  # [N, D/2] uint16
+        u = v_ref[page, slot, kh, :]                                  # [N, D/parts] uint16 / uint32
         p16 = p.astype(jnp.float16)
-        return (acc_e * alpha[:, None] + plt.dot(p16, half16(u, False)),
-                acc_o * alpha[:, None] + plt.dot(p16, half16(u, True)), m_new, l * alpha + p.sum(axis=1))
+        accs = tuple(a * alpha[:, None] + plt.dot(p16, part16(u, j)) for j, a in enumerate(accs))
+        return accs, m_new, l * alpha + p.sum(axis=1)
 
-    z = jnp.zeros((rows, D // 2), jnp.float32)
-    acc_e, acc_o, m, l = jax.lax.fori_loop(0, pl.cdiv(n, block_n), body,
-                                           (z, z, jnp.full((rows,), -1e30, jnp.float32), jnp.zeros((rows,), jnp.float32)))
+    z = jnp.zeros((rows, D // parts), jnp.float32)
+    accs, m, l = jax.lax.fori_loop(0, pl.cdiv(n, block_n), body, ((z,) * parts, jnp.full((rows,), -1e30, jnp.float32),
+                                                                  jnp.zeros((rows,), jnp.float32)))
     inv = (1.0 / jnp.where(l > 0, l, 1.0))[:, None]
-    o_ref[b, head[:, None], 2 * hcol[None, :]] = (acc_e * inv).astype(o_ref.dtype)
-    o_ref[b, head[:, None], 2 * hcol[None, :] + 1] = (acc_o * inv).astype(o_ref.dtype)
+    for j, a in enumerate(accs):                                      # dimension parts * h + j
+        o_ref[b, head[:, None], parts * hcol[None, :] + j] = (a * inv).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "warps", "stages"))

@@ -190,20 +190,26 @@ def test_prefill_on_fp8_pages(dtype, case, per_head):
     assert not out[int(cu[-1]):].any(), "padding tokens must be zeros"
 
 
-def test_fp8_lowers_to_triton():
-    """fp8 pages lower to Triton IR for CUDA (direct float8_e4m3fn loads, tt.fp_to_fp conversions)."""
+def assert_kernels_lower(k_cache, v_cache, scales=None):
+    """The three Pallas kernels lower to Triton IR for CUDA on these page arrays (ShapeDtypeStructs)."""
     sd = jax.ShapeDtypeStruct
-    cache = sd((64, 16, 8, 128), FP8_DTYPE)
-    scales = dict(k_scale=jnp.ones((28, 8)), v_scale=jnp.ones((28, 8)), layer=27)
+    scales = scales or dict(k_scale=jnp.ones((28, 8)), v_scale=jnp.ones((28, 8)), layer=27)
     tables, lens = sd((8, 8), jnp.int32), sd((8,), jnp.int32)
     assert_lowers_to_triton(functools.partial(paged_attention, **scales),
-                            (sd((8, 16, 128), jnp.bfloat16), cache, cache, tables, lens))
+                            (sd((8, 16, 128), jnp.bfloat16), k_cache, v_cache, tables, lens))
     stacked, rope = sd((28, 128), jnp.bfloat16), sd((8, 128), jnp.float32)
     assert_lowers_to_triton(functools.partial(paged_attention_qkv, eps=1e-6, **scales),
-                            (sd((8, 32, 128), jnp.bfloat16), stacked, stacked, rope, rope, cache, cache, tables, lens))
+                            (sd((8, 32, 128), jnp.bfloat16), stacked, stacked, rope, rope, k_cache, v_cache, tables,
+                             lens))
     assert_lowers_to_triton(functools.partial(flash_attention, k_scale=jnp.ones(()), v_scale=jnp.ones(())),
-                            (sd((512, 16, 128), jnp.bfloat16), cache, cache, sd((4, 16), jnp.int32),
+                            (sd((512, 16, 128), jnp.bfloat16), k_cache, v_cache, sd((4, 16), jnp.int32),
                              sd((5,), jnp.int32), sd((4,), jnp.int32)))
+
+
+def test_fp8_lowers_to_triton():
+    """fp8 pages lower to Triton IR for CUDA (direct float8_e4m3fn loads, tt.fp_to_fp conversions)."""
+    cache = jax.ShapeDtypeStruct((64, 16, 8, 128), FP8_DTYPE)
+    assert_kernels_lower(cache, cache)
 
 
 @pytest.mark.gpu

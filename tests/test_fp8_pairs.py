@@ -7,9 +7,9 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_lowers_to_triton, make_paged
+from helpers import make_paged
 from test_flash_attention import CASES as PREFILL_CASES, make_prefill
-from test_fp8_kernels import SAME, fp8_cache
+from test_fp8_kernels import SAME, assert_kernels_lower, fp8_cache
 from test_paged_attention import CASES, check_qkv
 
 from pallas_kernels._common import check_paged_inputs
@@ -92,17 +92,8 @@ def test_pairs_errors_name_the_value():
 
 def test_pairs_lower_to_triton():
     sd = jax.ShapeDtypeStruct
-    k, v = sd((64, 16, 8, 128), FP8_DTYPE), sd((64, 16, 8, 64), PAIRS_DTYPE)
-    scales = dict(k_scale=jnp.ones((28, 1)), v_scale=jnp.ones((28, 1)), layer=3)
-    tables, lens = sd((8, 8), jnp.int32), sd((8,), jnp.int32)
-    assert_lowers_to_triton(functools.partial(paged_attention, **scales),
-                            (sd((8, 16, 128), jnp.bfloat16), k, v, tables, lens))
-    stacked, rope = sd((28, 128), jnp.bfloat16), sd((8, 128), jnp.float32)
-    assert_lowers_to_triton(functools.partial(paged_attention_qkv, eps=1e-6, **scales),
-                            (sd((8, 32, 128), jnp.bfloat16), stacked, stacked, rope, rope, k, v, tables, lens))
-    assert_lowers_to_triton(functools.partial(flash_attention, k_scale=jnp.ones(()), v_scale=jnp.ones(())),
-                            (sd((512, 16, 128), jnp.bfloat16), k, v, sd((4, 16), jnp.int32), sd((5,), jnp.int32),
-                             sd((4,), jnp.int32)))
+    assert_kernels_lower(sd((64, 16, 8, 128), FP8_DTYPE), sd((64, 16, 8, 64), PAIRS_DTYPE),
+                         dict(k_scale=jnp.ones((28, 1)), v_scale=jnp.ones((28, 1)), layer=3))
 
 
 @pytest.mark.gpu
