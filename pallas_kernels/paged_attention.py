@@ -192,9 +192,10 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
     order [B] int32, optional: a permutation of the rows, the order their programs start in (longest
     context first shortens the tail; rows left out of it are not computed). float8_e4m3fn caches need
     k_scale / v_scale (see quant.py: [] or [K], or [L, 1] / [L, K] with row `layer`); their V pages may come in
-    pairs (quant.py: uint16 [P, block_size, K, D/2], the engine's layout, read ~25% faster on the H200). Tile options: block_n
-    (tokens per tile, power of two >= 16; None: the cache dtype's default), num_splits (context splits, None =
-    auto), num_warps, num_stages (None: the cache dtype's defaults). Returns [B, H, D] in q's dtype.
+    pairs (quant.py: uint16 [P, block_size, K, D/2], the engine's layout, read faster: docs/fp8_kv_cache.md).
+    Tile options: block_n (tokens per tile, power of two >= 16; None: the cache dtype's default), num_splits
+    (context splits, None = auto), num_warps, num_stages (None: the cache dtype's defaults). Returns [B, H, D] in
+    q's dtype.
     """
     if q.ndim != 3:
         raise ValueError(f"paged_attention: q must be [B, H, D], got shape {q.shape}")
