@@ -212,6 +212,8 @@ for tp in (1, 2):
     llm.generate(ps, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
     caches[tp] = [np.asarray(jax.lax.bitcast_convert_type(c, jnp.uint8)) for c in llm.engine.runner.kv_caches[0]]
 out["bf16_cache_bytes_differ"] = [int((a != b).sum()) for a, b in zip(caches[1], caches[2])]
+out["dp2_blocks"] = [LLM(path, max_model_len=128, kv_cache_dtype=d, data_parallel_size=2).stats()["replicas"][0][
+    "kv_blocks_total"] for d in ("auto", "fp8")]       # a replica's pool sized from memory: fp8 holds more blocks
 llm = LLM(path, **TINY_ENGINE, kv_cache_dtype="fp8", data_parallel_size=2)
 out["xla_dp2"] = [o.token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
 assert llm.stats()["kv_cache_dtype"] == "float8_e4m3fn"
@@ -236,6 +238,7 @@ def test_fp8_cache_under_tensor_parallelism(tiny_dir):
     out = json.loads(proc.stdout.split("RESULT")[-1])
     assert out["pallas_tp2"] == out["pallas_tp1"] == out["xla_dp2"], out
     assert out["bf16_cache_bytes_differ"] == [0, 0], out
+    assert out["dp2_blocks"][1] == 4 * out["dp2_blocks"][0], out     # float32 on a CPU, as with one replica
 
 
 def test_multistep_decode_on_fp8_cache(tiny_dir, fp8_xla, full):

@@ -25,6 +25,7 @@ from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.memory import num_blocks_for_memory
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.model.attention import check_backend
+from jaxinfer.model.kv_scales import kv_cache_dtype
 from jaxinfer.parallel import Placement, make_placements
 from jaxinfer.sampling_params import SamplingParams
 
@@ -59,8 +60,9 @@ class DPEngine:
         if not config.num_kvcache_blocks:
             # size the pool once, from replica 0's device after every replica's weights are in but before any
             # pool is: every replica gets the same pool (and the same max_model_len cap)
+            kv_dtype = kv_cache_dtype(config.kv_cache_dtype, config.dtype)     # fp8: twice the blocks of bf16
             config = config.replace(num_kvcache_blocks=num_blocks_for_memory(
-                placements[0].kv_view(model), config, config.dtype, strict=not cap_max_model_len,
+                placements[0].kv_view(model), config, kv_dtype, strict=not cap_max_model_len,
                 device=placements[0].local_device))
         # distinct engine seeds: requests without a seed draw different seeds on different replicas
         seeds = [None if config.seed is None else config.seed + r for r in range(len(placements))]
