@@ -288,4 +288,8 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:       # a bad engine value: its message, as `jaxinfer bench` prints it
+        print(f"bench.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,6 +1,7 @@
 """bench.py stays honest: the benchmark code path runs on a tiny model, counts every output token and
 compiles nothing after warm-up. (Speed itself is only measured on the GPU machine.)"""
 import os
+import subprocess
 import sys
 
 import pytest
@@ -152,6 +153,15 @@ def test_bench_kernels_smoke_writes_json(tmp_path):
                           "pallas,nope"], env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"},
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "nope" in bad.stderr
+
+
+def test_bench_script_reports_bad_engine_values_without_a_traceback():
+    """python scripts/bench.py with a value the engine refuses: its message and exit status 2, as `jaxinfer bench`."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bad = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench.py"), "-tp", "0"], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert "tensor_parallel_size=0" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_trace_summary_needs_a_trace(tmp_path):
