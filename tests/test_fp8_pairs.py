@@ -75,6 +75,16 @@ def test_prefill_pairs_equal_fp8_pages(dtype, case):
     assert not got[int(cu[-1]):].any(), "padding tokens must be zeros"
 
 
+def test_engine_layout_of_v_pages():
+    """The engine keeps fp8 V pages in pairs on the pallas backend only, and only where each half-dot keeps the
+    16 columns Triton's dots need (head_dim >= 32)."""
+    from jaxinfer.model.attention import v_pages
+    assert v_pages("pallas", (8, 16, 2, 128), FP8_DTYPE) == ((8, 16, 2, 64), PAIRS_DTYPE)
+    assert v_pages("pallas", (8, 16, 2, 16), FP8_DTYPE) == ((8, 16, 2, 16), FP8_DTYPE)
+    assert v_pages("xla", (8, 16, 2, 128), FP8_DTYPE) == ((8, 16, 2, 128), FP8_DTYPE)
+    assert v_pages("pallas", (8, 16, 2, 128), jnp.bfloat16) == ((8, 16, 2, 128), jnp.bfloat16)
+
+
 def test_pairs_errors_name_the_value():
     k8 = jnp.zeros((4, 4, 2, 16), FP8_DTYPE)
     u = jnp.zeros((4, 4, 2, 8), PAIRS_DTYPE)

@@ -61,7 +61,7 @@ def v_pages(backend: str, shape: tuple[int, ...], kv_dtype) -> tuple[tuple[int, 
     """The V cache array (shape, dtype) beside K pages of `shape` [..., D] in `kv_dtype`. The pallas backend keeps
     fp8 V pages in pairs: the same bytes as uint16 [..., D/2] (pallas_kernels/quant.py), which its kernels read
     faster than plain fp8 pages (the P.V dot's operand becomes 16-bit; W +8% on the H200: docs/fp8_kv_cache.md)."""
-    if backend == "pallas" and is_fp8(kv_dtype):
+    if backend == "pallas" and is_fp8(kv_dtype) and shape[-1] >= 32:    # each half-dot keeps Triton's 16 columns
         return (*shape[:-1], shape[-1] // 2), PAIRS_DTYPE
     return tuple(shape), kv_dtype
 
