@@ -117,9 +117,10 @@ def fp8_pages(k, v):
     return quantize(k, ks), quantize(v, vs), dict(k_scale=ks, v_scale=vs)
 
 
-# fp8: paged_attention on fp8 pages; fp8_qkv: the engine kernel on the engine's fp8 layout (V in pairs); fp8_qkv_plain:
-# the engine kernel with V as plain fp8 pages (the layout before pairs: the A/B)
-DECODE_IMPLS = ("xla", "pallas", "pallas_qkv", "cudnn", "triton", "triton_jt", "mosaic", "fp8", "fp8_qkv", "fp8_qkv_plain")
+# fp8: paged_attention on fp8 pages; fp8_qkv: the engine kernel on the engine's fp8 layout (V in pairs); fp8_qkv_plain
+# (only when named in --impls): the engine kernel with V as plain fp8 pages (the layout before pairs: the A/B)
+DECODE_IMPLS = ("xla", "pallas", "pallas_qkv", "cudnn", "triton", "triton_jt", "mosaic", "fp8", "fp8_qkv")
+EXTRA_DECODE_IMPLS = ("fp8_qkv_plain",)
 
 
 def bench_decode(batch, ctx, ceil, opts, smoke, impls=DECODE_IMPLS):
@@ -242,7 +243,7 @@ def main():
     ap.add_argument("--only-sweep", action="store_true", help="run only the tile-size sweep")
     ap.add_argument("--decode-only", action="store_true", help="with a sweep: leave out the prefill tiles")
     ap.add_argument("--impls", default=None, help="comma-separated columns to time (default: all); decode: "
-                    + ",".join(DECODE_IMPLS) + "; prefill: " + ",".join(PREFILL_IMPLS))
+                    + ",".join(DECODE_IMPLS + EXTRA_DECODE_IMPLS) + "; prefill: " + ",".join(PREFILL_IMPLS))
     ap.add_argument("--json", help="write all results to this path")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shapes (checks the script)")
     ap.add_argument("--heads", default=None, metavar="H,K",
@@ -251,10 +252,10 @@ def main():
     if args.heads:
         set_heads(*(int(x) for x in args.heads.split(",")))
     picked = None if args.impls is None else set(args.impls.split(","))
-    unknown = (picked or set()) - set(DECODE_IMPLS) - set(PREFILL_IMPLS)
+    unknown = (picked or set()) - set(DECODE_IMPLS + EXTRA_DECODE_IMPLS) - set(PREFILL_IMPLS)
     if unknown:
         raise SystemExit(f"--impls: unknown column(s) {sorted(unknown)}")
-    dec_impls = DECODE_IMPLS if picked is None else tuple(i for i in DECODE_IMPLS if i in picked)
+    dec_impls = DECODE_IMPLS if picked is None else tuple(i for i in DECODE_IMPLS + EXTRA_DECODE_IMPLS if i in picked)
     pre_impls = PREFILL_IMPLS if picked is None else tuple(i for i in PREFILL_IMPLS if i in picked)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     ceil = machine_ceilings(args.smoke)
