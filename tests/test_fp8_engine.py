@@ -84,12 +84,12 @@ def test_pallas_fp8_equals_xla_fp8(tiny_dir, fp8_xla, full):
 
 
 def test_plain_and_paired_v_pages_do_not_share_executables(tiny_dir, monkeypatch):
-    """The shared executable cache keys on the cache arrays' layout: an engine with plain fp8 V pages (the A/B
-    script's patch) after one with pairs, in one process, compiles its own steps and gives the same tokens."""
-    import jaxinfer.engine.runner as runner
+    """The shared executable cache keys on the cache arrays' layout: an engine with plain fp8 V pages (the
+    A/B's switch) after one with pairs, in one process, compiles its own steps and gives the same tokens."""
+    import jaxinfer.model.attention as attention
     ps = prompts(512, [9, 20], seed=1)
     paired = tokens(LLM(tiny_dir, **{**FP8, **PALLAS}), ps)
-    monkeypatch.setattr(runner, "v_pages", lambda backend, shape, kv_dtype: (tuple(shape), kv_dtype))
+    monkeypatch.setattr(attention, "PAIRS_MIN_HEAD_DIM", 10**6)       # no pairs at any head_dim
     llm = LLM(tiny_dir, **{**FP8, **PALLAS})
     assert llm.engine.runner.kv_caches[0][1].dtype == FP8_DTYPE
     assert tokens(llm, ps) == paired

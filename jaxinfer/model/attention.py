@@ -57,11 +57,14 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
     return k_cache.reshape(P, bs, K, D), v_cache.reshape(P, bs, K, Dv)
 
 
+PAIRS_MIN_HEAD_DIM = 32   # pairs only from this head_dim on: each half-dot keeps the 16 columns Triton's dots need
+
+
 def v_pages(backend: str, shape: tuple[int, ...], kv_dtype) -> tuple[tuple[int, ...], object]:
     """The V cache array (shape, dtype) beside K pages of `shape` [..., D] in `kv_dtype`. The pallas backend keeps
     fp8 V pages in pairs: the same bytes as uint16 [..., D/2] (pallas_kernels/quant.py), which its kernels read
     faster than plain fp8 pages (the P.V dot's operand becomes 16-bit; W +8% on the H200: docs/fp8_kv_cache.md)."""
-    if backend == "pallas" and is_fp8(kv_dtype) and shape[-1] >= 32:    # each half-dot keeps Triton's 16 columns
+    if backend == "pallas" and is_fp8(kv_dtype) and shape[-1] >= PAIRS_MIN_HEAD_DIM:
         return (*shape[:-1], shape[-1] // 2), PAIRS_DTYPE
     return tuple(shape), kv_dtype
 
