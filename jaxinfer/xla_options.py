@@ -20,24 +20,21 @@ from importlib.metadata import PackageNotFoundError, version
 SKIP_TEMP = "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
 ENABLE_LINE = f'os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " {SKIP_TEMP}"'
 _warned = False
-# Decode programs of at most this many rows compile with XLA's Triton GEMMs, which take the elementwise ops around
-# a matmul into it (0: none). On the H200 a batch-8 step took 1.402 ms with them against 1.505 with cuBLAS
-# (scripts/bench_step.py A/B, docs/performance.md, sixteenth run); their warm-up (autotuning) and TPOT through
-# LLM() are not measured yet, so they stay off.
-TRITON_GEMM_MAX_ROWS = 0
 
 
-def step_compiler_options(platform: str, num_devices: int = 1, decode_rows: int | None = None) -> dict:
-    """Options for every compiled step (decode_rows: the rows of a decode program, None for other programs).
+def step_compiler_options(platform: str, num_devices: int = 1) -> dict:
+    """Options for every compiled step.
     - XLA's Triton GEMM autotuning made start-up compile ~30 s per bucket on the H200; cuBLAS GEMMs compile in
-      a fraction of that and ran as fast at W's batch sizes (see TRITON_GEMM_MAX_ROWS for small ones).
+      a fraction of that and ran as fast at W's batch sizes. In small decode programs they cut a batch-8 step's
+      GPU time by 7%, yet batch-1 TPOT through `LLM()` was 1.70 ms against 1.37 with cuBLAS and warm-up 91 s
+      against 21 s (docs/performance.md, seventeenth run), so they are off everywhere.
     - A tensor-parallel step: each all-reduce ends a CUDA graph, and XLA leaves runs shorter than 5 ops (the
       MLP between two all-reduces) outside any graph, launching them one by one. With every run in a graph,
       Qwen3-0.6B at tp=2 (128 rows) took 4.05 ms a step instead of 5.7 on 2 H200s (scripts/probe_dispatch.py,
       docs/performance.md)."""
     if platform != "gpu":
         return {}
-    opts = {"xla_gpu_enable_triton_gemm": decode_rows is not None and decode_rows <= TRITON_GEMM_MAX_ROWS}
+    opts = {"xla_gpu_enable_triton_gemm": False}
     if num_devices > 1:
         opts["xla_gpu_graph_min_graph_size"] = 1
     return opts

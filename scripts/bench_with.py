@@ -1,7 +1,7 @@
 """scripts/bench.py with module constants set first: the other side of an A/B on an engine switch.
 
     PYTHONPATH=. python scripts/bench_with.py MODULE.NAME=VALUE [...] [bench.py's arguments]
-    e.g. PYTHONPATH=. python scripts/bench_with.py jaxinfer.xla_options.TRITON_GEMM_MAX_ROWS=32 --latency
+    e.g. PYTHONPATH=. python scripts/bench_with.py jaxinfer.model.xla_decode.DECODE_CHUNK=128 --attn-backend xla
 
 VALUE is read as a Python literal when it is one (32, 1.5, "x", ()), else kept as a string.
 """

@@ -108,15 +108,11 @@ def test_skip_temp_mode_follows_jaxlib(monkeypatch):
     assert xla_options.command_buffer_flags({"XLA_FLAGS": mode}) == mode       # the user's choice stands
 
 
-def test_step_options_triton_gemms_only_for_small_decode_programs(monkeypatch):
+def test_step_options():
     from jaxinfer.xla_options import step_compiler_options
-    from jaxinfer import xla_options
-    assert step_compiler_options("cpu", 1, 8) == {}
-    assert step_compiler_options("gpu", 1, 8) == {"xla_gpu_enable_triton_gemm": False}     # off by default
-    monkeypatch.setattr(xla_options, "TRITON_GEMM_MAX_ROWS", 8)
-    assert step_compiler_options("gpu", 1, 8)["xla_gpu_enable_triton_gemm"] is True
-    assert step_compiler_options("gpu", 2, 32) == {"xla_gpu_enable_triton_gemm": False, "xla_gpu_graph_min_graph_size": 1}
-    assert step_compiler_options("gpu", 1, None)["xla_gpu_enable_triton_gemm"] is False    # prefill, resample
+    assert step_compiler_options("cpu", 1) == {}
+    assert step_compiler_options("gpu", 1) == {"xla_gpu_enable_triton_gemm": False}
+    assert step_compiler_options("gpu", 2) == {"xla_gpu_enable_triton_gemm": False, "xla_gpu_graph_min_graph_size": 1}
 
 
 def test_bench_takes_the_engine_flags_and_defaults():

@@ -27,7 +27,6 @@ from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.model import layers
 from jaxinfer.parallel.layout import KV_SPEC
 from jaxinfer.step import Extras, extras_layout, idle_batch, make_step
-from jaxinfer import xla_options
 from jaxinfer.xla_options import step_compiler_options
 
 LOGPROB_WIDTHS = (5, 20)        # static top-N widths: a batch asking N logprobs computes the smallest >= N
@@ -102,7 +101,7 @@ class ExtrasRunner:
         shared = ("extras", r.model, r.engine.attn_backend, str(r.dtype), str(r.kv_dtype), r.num_blocks,
                   r.engine.block_size, r.interpret, r.max_rows, isinstance(r.params["layers"], tuple),
                   r.cache_kind, len(r.placement.devices), self.num_slots, key, layers.GEMV_MAX_ROWS,
-                  layers.GEMV_FUSE, xla_options.TRITON_GEMM_MAX_ROWS)  # as the runner's
+                  layers.GEMV_FUSE)  # as the runner's
 
         def build():
             step = make_step(r.model, kind, T, B, W, r.engine.attn_backend, r.interpret, r.max_rows, filtered,
@@ -114,7 +113,7 @@ class ExtrasRunner:
             jitted = jax.jit(step, donate_argnums=(1, 4), out_shardings=out)
             lowered = jitted.lower(r.params, r.kv_caches, packed, r.last_ids, counts)
             return lowered.compile(compiler_options=step_compiler_options(
-                r.placement.devices[0].platform, len(r.placement.devices), B if kind == "decode" else None))
+                r.placement.devices[0].platform, len(r.placement.devices)))
         exe = self.compiled[key] = r.executables.get(shared, r.placement.devices, build)
         return exe
 

@@ -26,7 +26,6 @@ from jaxinfer.multistep import make_multistep, multistep_layout
 from jaxinfer.step import RESAMPLE_FIELDS, batch_layout, idle_batch, jit_step, make_resample, make_step, \
     resample_fields
 from jaxinfer.engine.executables import SHARED_EXECUTABLES, ExecutableCache
-from jaxinfer import xla_options
 from jaxinfer.xla_options import step_compiler_options
 
 log = logging.getLogger(__name__)
@@ -150,12 +149,11 @@ class ModelRunner:
                       self.engine.block_size, self.interpret, self.max_rows,
                       isinstance(self.params["layers"], tuple), self.cache_kind, len(self.placement.devices), key,
                       layers.GEMV_MAX_ROWS, layers.GEMV_FUSE,      # the small-batch matmul choice shapes the program
-                      xla_options.TRITON_GEMM_MAX_ROWS, rows_out(kind))
+                      rows_out(kind))
 
             def build():
                 rep = self.placement.replicated
-                options = step_compiler_options(self.placement.devices[0].platform, len(self.placement.devices),
-                                                B if kind in ("decode", "multistep") else None)
+                options = step_compiler_options(self.placement.devices[0].platform, len(self.placement.devices))
                 if kind == "resample":
                     rows = jax.ShapeDtypeStruct(self.rows.shape, self.dtype, sharding=rep)
                     fields = jax.ShapeDtypeStruct((len(RESAMPLE_FIELDS) * B,), jnp.int32, sharding=rep)
