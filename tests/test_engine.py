@@ -155,6 +155,21 @@ def test_no_compilation_after_warmup(tiny_dir):
     assert runner() is None          # frozen objects are still freed: a deleted engine's KV cache goes back
 
 
+def test_compilations_count_only_the_engines_own(tiny_dir):
+    """A user's own jitted code and a second LLM's compilations are not the first engine's (stats() counted every
+    compilation in the process)."""
+    import jax
+    import jax.numpy as jnp
+    llm = LLM(tiny_dir, **BASE)                      # (warmup=False: requests compile lazily, and count)
+    tokens(llm, ["a b c"], SamplingParams(temperature=0, max_tokens=3))
+    before = llm.stats()["compilations"]
+    jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.ones(7)).block_until_ready()
+    other = LLM(tiny_dir, **{**BASE, "max_num_seqs": 5, "max_num_batched_tokens": 76})   # shapes no other test uses
+    tokens(other, ["a b c"], SamplingParams(temperature=0, max_tokens=3))
+    assert other.stats()["compilations"] > 0
+    assert llm.stats()["compilations"] == before
+
+
 def test_stop_strings_and_eos(tiny_dir):
     llm = LLM(tiny_dir, **BASE)
     p = "Hello world"

@@ -69,8 +69,6 @@ class DPEngine:
         self.replicas = [LLMEngine(model, config.replace(seed=seeds[r]), p, eos_token_ids, cap_max_model_len,
                                    placement) for r, (p, placement) in enumerate(zip(params, placements))]
         del params
-        for r in self.replicas:      # compile counters are process-wide: replica 0's saw the others' set-up
-            r.compilations_at_warmup = r.compile_counter.count
         self.config = self.replicas[0].config.replace(seed=config.seed)
         self._owner: dict[int, LLMEngine] = {}            # seq_id -> its replica, while unfinished
         self._pool: ThreadPoolExecutor | None = None      # launches replicas 1.. (made at the first step)
@@ -87,8 +85,8 @@ class DPEngine:
         with ThreadPoolExecutor(len(self.replicas) - 1) as pool:
             list(pool.map(lambda r: r.runner.warmup(progress), self.replicas[1:]))
         t2 = time.perf_counter()
-        for r in self.replicas:      # compile counters are process-wide: count from the end of every warm-up
-            r.warmup()               # (nothing left to compile: the baseline)
+        for r in self.replicas:      # first runs and tiny requests; compilations count from the end of these
+            r.warmup()
         rest = [r.warmup_phases for r in self.replicas]
         self.warmup_phases = dict(compile_s=t1 - t0, other_replicas_s=t2 - t1,
                                   **{k: sum(p[k] for p in rest) for k in ("first_runs_s", "warm_requests_s")})

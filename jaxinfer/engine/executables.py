@@ -2,11 +2,13 @@
 
 `ExecutableCache`: every compiled step, keyed by what shapes the program and by its devices; a step wanted on
 other devices than those it was compiled for is loaded there from the compiled one (parallel/relocate.py).
-`CompileCounter`: counts XLA compilations in the process while an engine lives (a stray one after warm-up
-shows up in `LLM.stats()`).
+`CompileCounter`: counts the XLA compilations an engine's own calls make (a stray one after warm-up shows up in
+`LLM.stats()`); a user's own JAX code, or a second engine in the process, does not count.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 import weakref
 
@@ -52,9 +54,14 @@ class ExecutableCache:
 SHARED_EXECUTABLES = ExecutableCache()
 
 
+_owner = threading.local()      # .counter: the CompileCounter whose engine code this thread is running
+
+
 class CompileCounter:
-    """Counts XLA compilations in this process while it lives (a JAX monitoring listener, removed by
-    `close()` or when the counter is collected: the listener holds only a weak reference to it)."""
+    """Counts the XLA compilations made while this thread runs code of the counter's engine (`owning`, or a method
+    decorated with `counts_compiles`): JAX reports every compilation in the process to a monitoring listener, and
+    only those made inside the engine's own calls are its own. The listener is removed by `close()` or when the
+    counter is collected (it holds only a weak reference to it)."""
     _EVENT = "/jax/core/compile/backend_compile_duration"
 
     def __init__(self):
@@ -64,11 +71,21 @@ class CompileCounter:
 
         def listener(event: str, *args, **kwargs) -> None:
             counter = me()
-            if counter is not None and event == CompileCounter._EVENT:
+            if counter is not None and event == CompileCounter._EVENT and getattr(_owner, "counter", None) is counter:
                 with counter._lock:
                     counter.count += 1
         self._listener = listener
         jax.monitoring.register_event_duration_secs_listener(listener)
+
+    @contextlib.contextmanager
+    def owning(self):
+        """Compilations on this thread inside the block are this counter's."""
+        prev = getattr(_owner, "counter", None)
+        _owner.counter = self
+        try:
+            yield
+        finally:
+            _owner.counter = prev
 
     def close(self) -> None:
         listener, self._listener = self._listener, None
@@ -83,3 +100,12 @@ class CompileCounter:
             self.close()
         except Exception:       # at interpreter exit jax.monitoring may already be torn down
             pass
+
+
+def counts_compiles(method):
+    """Decorator for an engine method (the engine has `compile_counter`): what it compiles is the engine's."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with self.compile_counter.owning():
+            return method(self, *args, **kwargs)
+    return wrapped

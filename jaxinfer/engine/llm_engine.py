@@ -15,7 +15,7 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.batch import StepPlan, bucket_for, pack, pack_multistep
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine import extras as extras_mod
-from jaxinfer.engine.executables import CompileCounter
+from jaxinfer.engine.executables import CompileCounter, counts_compiles
 from jaxinfer.engine.memory import check_pool_fits, num_blocks_for_memory
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.scheduler import Scheduler
@@ -68,6 +68,7 @@ class LLMEngine:
         # per-step host times (s) when a list: [kind, rows, bucket, schedule, dispatch, wait, apply, transfer]
         self.step_log: list | None = None
 
+    @counts_compiles
     def warmup(self, progress=None) -> None:
         """Compile every step, run each once (its first execution loads kernels), run two tiny requests; the
         phases' seconds go to `warmup_phases` (scripts/bench.py reports them with runner.compile_s)."""
@@ -164,6 +165,7 @@ class LLMEngine:
         self.launch(plan)
         return self.finish_dispatch(plan)
 
+    @counts_compiles
     def prepare(self):
         """Host work before the device call: read what must be read first, schedule, pack. Returns a read
         function when there is nothing to launch, else the plan that `launch` and `finish_dispatch` take."""
@@ -204,6 +206,7 @@ class LLMEngine:
         return StepPlan(batch, key, K, any(s.needs_filter for s in batch.seqs), extras, packed, done, t0,
                         time.perf_counter())
 
+    @counts_compiles
     def launch(self, plan: StepPlan) -> None:
         """The device call of a prepared step (asynchronous): its sampled ids go to `plan.ids`."""
         key, plan.t_launch = plan.key, time.perf_counter()     # (replicas launch once all have prepared)
@@ -243,6 +246,7 @@ class LLMEngine:
         prev, self.in_flight = self.in_flight, None
         return self._apply(*prev)
 
+    @counts_compiles
     def _apply(self, batch, ids, entry=None, pending=None) -> list[Sequence]:
         """Read a dispatched step's sampled ids (blocks until it ran) and apply them."""
         t0 = time.perf_counter()
@@ -264,6 +268,7 @@ class LLMEngine:
         self.counters["generated_tokens"] += count
         return updated
 
+    @counts_compiles
     def warmup_extras(self, params: SamplingParams) -> int:
         """Compile (and run once) the penalty / logprob step variants that requests like `params` need, for
         every bucket, so they are not compiled mid-run (e.g. before a benchmark). Returns how many."""
