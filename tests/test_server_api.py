@@ -76,6 +76,27 @@ def test_completion_echo_logprobs_match_transformers(client, ref, tok):
                                         json={"tokens": PROMPT}).json()["prompt"])
 
 
+def test_completion_echo_only_scores_the_prompt(url, client, ref):
+    """max_tokens=0 with echo (vLLM's prompt scoring): the prompt's text and logprobs, nothing generated, streamed
+    or not; max_tokens=0 without echo is a 400 naming it; a bad value's 400 names the value."""
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, temperature=0, logprobs=1, echo=True)
+    c, want = r.choices[0], ref(PROMPT)
+    assert len(c.logprobs.tokens) == len(PROMPT) and c.logprobs.token_logprobs[0] is None
+    np.testing.assert_allclose(c.logprobs.token_logprobs[1:], [want[k - 1, PROMPT[k]] for k in range(1, len(PROMPT))],
+                               atol=2e-3)
+    assert c.text == "".join(c.logprobs.tokens) and c.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(PROMPT), 0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, logprobs=1, echo=True,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
+    assert [t for ch in chunks if ch.choices for t in ch.choices[0].logprobs.tokens] == c.logprobs.tokens
+    assert chunks[-1].usage.completion_tokens == 0
+    bad = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 0})
+    assert bad.status_code == 400 and "echo" in bad.json()["error"]["message"]
+    bad = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "temperature": -1.5})
+    assert bad.status_code == 400 and "-1.5" in bad.json()["error"]["message"], bad.json()
+
+
 def test_chat_logprobs_and_stream_agree(client, ref):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=4, temperature=0,
               logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})

@@ -81,7 +81,8 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         loc = [x for x in err.get("loc", ()) if x != "body"]
         param = loc[0] if loc and isinstance(loc[0], str) and err.get("type") != "json_invalid" else None
         where = ".".join(str(x) for x in loc if not isinstance(x, str) or not x[:1].isupper() and "[" not in x)
-        msg = f"{where}: {err.get('msg')}" if param else f"the request body is invalid: {err.get('msg')}"
+        got = f" (got {err['input']!r:.80})" if param and "input" in err and err.get("type") != "missing" else ""
+        msg = f"{where}: {err.get('msg')}{got}" if param else f"the request body is invalid: {err.get('msg')}"
         if err.get("type") == "json_invalid":
             msg = f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
         return JSONResponse(P.error_body(msg, param), status_code=400)
@@ -243,7 +244,7 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         for ch in done:                           # prompt logprobs are computed for sample 0 of each prompt
             ch.prompt_logprobs = done[ch.index - ch.index % n].prompt_logprobs
         return R.completion(rid, model, [streams.completion_choice(ch, prompts[ch.index // n], req, text_of, tokenizer)
-                                         for ch in done], streams.total_usage(prompts, done))
+                                         for ch in done], streams.total_usage(prompts, done, req))
 
     @app.post("/v1/chat/completions", responses={200: {"model": R.ChatCompletionResponse}, **ERRORS})
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):

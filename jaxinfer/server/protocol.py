@@ -96,7 +96,8 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: str | list[StrictInt] | list[str | list[StrictInt]] = Field(
         ..., description="a string, token ids, or a list of either (one choice per prompt and n)")
-    max_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="default 16")
+    max_tokens: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="default 16; 0 only with echo (the prompt and its logprobs, nothing generated: vLLM's)")
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
         None, description="log-probabilities of the sampled tokens and this many most likely ones")
     echo: bool | None = Field(False, description="prepend the prompt to the text (and its logprobs)")
@@ -156,6 +157,11 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
     mct = getattr(req, "max_completion_tokens", None)
     key = "max_completion_tokens" if mct is not None else "max_tokens"
     max_tokens = mct if mct is not None else req.max_tokens
+    if max_tokens == 0:            # completions: echo only (streams.echo_only) runs one token and drops it
+        if not getattr(req, "echo", False):
+            raise RequestError("max_tokens=0 needs echo=true (the prompt's logprobs, nothing generated); "
+                               "else give max_tokens >= 1", param="max_tokens")
+        max_tokens = 1
     if max_tokens is None:
         room = min(max_model_len, pool_tokens or max_model_len) - prompt_len
         max_tokens = default_max_tokens if default_max_tokens is not None else room

@@ -14,9 +14,15 @@ from jaxinfer.server import responses as R
 from jaxinfer.server.choices import Choice
 
 
-def total_usage(prompts: list[list[int]], done) -> dict:
+def echo_only(req) -> bool:
+    """A completion with echo and max_tokens=0 (vLLM's prompt scoring, e.g. lm-evaluation-harness): its one
+    generated token is dropped, so the choice is the prompt, its logprobs the prompt's, and 0 completion tokens."""
+    return bool(getattr(req, "echo", False)) and getattr(req, "max_tokens", None) == 0
+
+
+def total_usage(prompts: list[list[int]], done, req=None) -> dict:
     """Prompt tokens once per prompt (whatever n), completion tokens of every choice."""
-    return R.usage(sum(len(p) for p in prompts), sum(len(ch.token_ids) for ch in done))
+    return R.usage(sum(len(p) for p in prompts), 0 if echo_only(req) else sum(len(ch.token_ids) for ch in done))
 
 
 def _prompt_part(ch: Choice, prompt_ids: list[int], req, text_of, tokenizer, offset: int = 0):
@@ -36,6 +42,8 @@ def completion_choice(ch: Choice, prompt_ids: list[int], req, text_of, tokenizer
     text, lp = ch.proc.text, None
     if req.echo:
         head, lp = _prompt_part(ch, prompt_ids, req, text_of, tokenizer)
+        if echo_only(req):
+            return {"index": ch.index, "text": head, "logprobs": lp, "finish_reason": "length", "stop_reason": None}
         text = head + text
     if req.logprobs is not None:
         offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"] else 0
@@ -62,8 +70,17 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
 
     async def events():
         done, offsets = {}, {}
+        only = echo_only(req)
         async for ch, d in run:
             done[ch.index] = ch
+            if only:                                     # the echo in its first chunk, then only the end
+                first, fin = ch.index not in offsets, "length" if d.finish_reason is not None else None
+                offsets[ch.index] = 0
+                if first or fin:
+                    text, lp = _prompt_part(ch, prompts[ch.index // n], req, text_of, tokenizer) if first else ("", None)
+                    yield enc.completion(ch.index, text, fin) if k is None else enc.completion_lp(
+                        ch.index, text, fin, lp or R.completion_logprobs(text_of, [], [], k))
+                continue
             text, lp = d.text, None
             stop = ch.stop_reason if d.finish_reason is not None else None
             if ch.index not in offsets:                  # this choice's first chunk
@@ -81,7 +98,7 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
             else:               # (an event per update, even when the text is held back: a client sees progress)
                 yield enc.completion(ch.index, text, d.finish_reason, stop)
         if (req.stream_options or {}).get("include_usage"):
-            yield R.sse(R.usage_chunk(rid, model, "text_completion", total_usage(prompts, done.values())))
+            yield R.sse(R.usage_chunk(rid, model, "text_completion", total_usage(prompts, done.values(), req)))
     return sse_response(events())
 
 
