@@ -25,7 +25,8 @@ from jaxinfer.model.xla_attention import (GATHER_BUDGET, _NEG, _scales, attend_e
 # copied) | "reduce" (XLA may fuse the gather into the reductions) | "reduce_per_group" (no K/V broadcast over the
 # GQA group) | "mixed" (reduce for the scores, einsum for the output). docs/kernels.md has their H200 times.
 DECODE_FORM = "chunks"
-DECODE_CHUNK = 256     # tokens a decode work item reads ("chunks" form): a multiple of the block size
+DECODE_CHUNK = 128     # tokens a decode work item reads ("chunks" form): a multiple of the block size; W on the H200:
+                       # 6,214 tok/s with 128 against 6,092 with 256 (docs/performance.md, seventeenth run)
 MERGE = "scatter"      # how the "chunks" form merges a row's chunks (merge_chunks)
 
 
