@@ -20,6 +20,7 @@ from jaxinfer.engine.dp_engine import create_engine
 from jaxinfer.engine.llm_engine import is_finished
 from jaxinfer.engine.one_thread import OneThread
 from jaxinfer.engine.sequence import Sequence, Status
+from jaxinfer.generation_config import sampling_defaults
 from jaxinfer.hub import resolve_model
 from jaxinfer.model.loader import load_params, random_params
 from jaxinfer.model.presets import is_preset, preset
@@ -60,12 +61,15 @@ class LLM:
     max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_kvcache_blocks,
     gpu_memory_utilization, enable_prefix_caching, seed, async_scheduling, warmup, ...). Options left unset
     take the platform's defaults (`PLATFORM_DEFAULTS`: the benchmarked configuration on a GPU, small
-    settings on a CPU); `llm.config` shows what was chosen.
+    settings on a CPU); `llm.config` shows what was chosen. `generation_config`: where the defaults of
+    `generate(prompts)` without sampling params come from (`get_default_sampling_params`; generation_config.py).
     """
 
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str, generation_config: str = "auto", **kwargs):
         requested = EngineConfig.from_kwargs(**kwargs)
         path, model_config = model_config_for(model)
+        self.default_sampling_params = sampling_defaults(path if os.path.isdir(path) else None, generation_config)
+        self._default_params = SamplingParams(**self.default_sampling_params)
         config = requested.resolve(jax.default_backend(), model_config)
         if config.attn_backend == "triton":       # (on a GPU) its packages and ptxas, before anything loads
             from pallas_kernels._triton_ffi import check_ready
@@ -106,6 +110,11 @@ class LLM:
                              f"got {request_id!r}")
         self.__dict__.setdefault("_aborts", set()).add(request_id)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` / `stream` / `chat` use without sampling params (vLLM's): SamplingParams() with the
+        model's generation_config.json recommendations (temperature, top_p, top_k, ...) applied, if it has any."""
+        return self._default_params
+
     def get_tokenizer(self):
         """The tokenizer (a Hugging Face tokenizer for checkpoints; a byte-level stand-in for presets)."""
         return self.tokenizer
@@ -117,7 +126,7 @@ class LLM:
     def _prepare(self, prompts, sampling_params) -> list[tuple[Prompt, list[int], SamplingParams]]:
         """Normalise and validate every request before any is queued (a bad one disturbs no other)."""
         prompts = prompt_forms.as_list(prompts)
-        sampling_params = SamplingParams() if sampling_params is None else sampling_params
+        sampling_params = self._default_params if sampling_params is None else sampling_params
         if not isinstance(sampling_params, (SamplingParams, list, tuple)):
             raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
                              f"{type(sampling_params).__name__} {sampling_params!r}")

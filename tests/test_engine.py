@@ -1,6 +1,7 @@
 """End to end on tiny checkpoints (fp32): the engine equals transformers, and a sequence's output does not
 depend on its batch neighbours, chunking, prefix-cache hits or preemption. Every run returns all blocks."""
 import gc
+import os
 import weakref
 
 import numpy as np
@@ -168,6 +169,30 @@ def test_compilations_count_only_the_engines_own(tiny_dir):
     tokens(other, ["a b c"], SamplingParams(temperature=0, max_tokens=3))
     assert other.stats()["compilations"] > 0
     assert llm.stats()["compilations"] == before
+
+
+def test_generation_config_gives_the_default_sampling_params(tiny_dir, tmp_path):
+    """As vLLM: generate() without sampling params uses the checkpoint's recommended values (values equal to
+    HF's own defaults are not overrides); generation_config="vllm" ignores them; a bad value is refused."""
+    import json
+    import shutil
+    from jaxinfer.generation_config import sampling_defaults
+    d = str(tmp_path / "ckpt")
+    shutil.copytree(tiny_dir, d)
+    with open(os.path.join(d, "generation_config.json")) as f:
+        gen = json.load(f)
+    with open(os.path.join(d, "generation_config.json"), "w") as f:
+        json.dump({**gen, "temperature": 0.0, "top_k": 50, "top_p": 0.9, "max_new_tokens": 5}, f)
+    assert sampling_defaults(d) == {"temperature": 0.0, "top_p": 0.9, "max_tokens": 5}
+    assert sampling_defaults(d, "vllm") == {} and sampling_defaults(tiny_dir) == {}
+    llm = LLM(d, **BASE)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, top_p=0.9, max_tokens=5)
+    out = llm.generate(["Hello world"])[0].outputs[0]
+    greedy = llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=5))[0].outputs[0]
+    assert out.token_ids == greedy.token_ids and len(out.token_ids) <= 5
+    assert LLM(d, generation_config="vllm", **BASE).get_default_sampling_params() == SamplingParams()
+    with pytest.raises(ValueError, match="generation_config='nowhere'"):
+        LLM(d, generation_config="nowhere", **BASE)
 
 
 def test_stop_strings_and_eos(tiny_dir):

@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from jaxinfer.generation_config import sampling_defaults
 from jaxinfer.server import choices as C
 from jaxinfer.server import protocol as P
 from jaxinfer.server import responses as R
@@ -51,6 +52,7 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
     options = options or ServerOptions()
     limits = info.limits
     max_model_len = limits["max_model_len"]
+    defaults = sampling_defaults(info.model if os.path.isdir(info.model) else None, options.generation_config)
     metrics = ServerMetrics(served_model_name)
     text_of = R.TokenTexts(tokenizer)
 
@@ -125,7 +127,7 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         for p in prompts:
             ids = tokenize(p)
             sp = P.sampling_params(req, len(ids), max_model_len, default_max_tokens, logprobs, prompt_logprobs,
-                                   pool_tokens=limits["num_blocks"] * limits["block_size"])
+                                   pool_tokens=limits["num_blocks"] * limits["block_size"], defaults=defaults)
             P.check_request(ids, sp, limits)
             ids_list.append(ids)
             params.append(sp)

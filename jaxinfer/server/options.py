@@ -33,6 +33,8 @@ class ServerOptions:
                                          "end with finish_reason 'abort' (new requests get 503 meanwhile)")
     max_request_body_bytes: int = _opt(32 << 20, "larger request bodies get 413")
     retry_after_s: int = _opt(1, "the Retry-After header of a 503 (seconds)")
+    generation_config: str = _opt("auto", "sampling defaults for fields a request leaves out: 'auto' (the model's "
+                                          "generation_config.json, as vLLM), 'vllm' (none) or a folder")
 
     def __post_init__(self):
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
@@ -41,6 +43,9 @@ class ServerOptions:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name}={v!r} must be an integer >= 0")
+        g = self.generation_config
+        if not isinstance(g, str) or g not in ("auto", "vllm") and not os.path.isdir(g):
+            raise ValueError(f"generation_config={g!r} must be 'auto', 'vllm' or a folder")
         if not isinstance(self.shutdown_timeout, (int, float)) or self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout!r} must be a number >= 0")
 

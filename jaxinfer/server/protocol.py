@@ -150,10 +150,12 @@ _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_max_tokens: int | None,
                     logprobs: int | None = None, prompt_logprobs: int | None = None,
-                    pool_tokens: int | None = None) -> SamplingParams:
+                    pool_tokens: int | None = None, defaults: dict | None = None) -> SamplingParams:
     """SamplingParams for one prompt of `prompt_len` tokens (with n: choices.expand sends n engine requests,
     `for_sample(i)`); default_max_tokens None = the rest of the context, which a KV pool of `pool_tokens`
-    smaller than max_model_len limits too."""
+    smaller than max_model_len limits too. `defaults`: the model's recommended values for the fields the
+    request leaves out (generation_config.py; its max_tokens caps the default one)."""
+    defaults = defaults or {}
     mct = getattr(req, "max_completion_tokens", None)
     key = "max_completion_tokens" if mct is not None else "max_tokens"
     max_tokens = mct if mct is not None else req.max_tokens
@@ -165,13 +167,14 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
     if max_tokens is None:
         room = min(max_model_len, pool_tokens or max_model_len) - prompt_len
         max_tokens = default_max_tokens if default_max_tokens is not None else room
-        max_tokens = max(1, min(max_tokens, room))
+        max_tokens = max(1, min(max_tokens, room, defaults.get("max_tokens", room)))
     elif prompt_len + max_tokens > max_model_len:
         raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
                            f"completion). Please reduce the prompt or {key}.", param=key,
                            code="context_length_exceeded")
-    kw = {k: getattr(req, k) for k in _PASSTHROUGH if getattr(req, k) is not None}
+    kw = {**{k: v for k, v in defaults.items() if k != "max_tokens"},
+          **{k: getattr(req, k) for k in _PASSTHROUGH if getattr(req, k) is not None}}
     if kw.get("top_k") == -1:
         kw["top_k"] = 0
     if logprobs is not None:
