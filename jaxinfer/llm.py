@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from jaxinfer import prompts as prompt_forms
+from jaxinfer.compat import pop_vllm_options
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.dp_engine import create_engine
 from jaxinfer.engine.llm_engine import is_finished
@@ -66,6 +67,7 @@ class LLM:
     """
 
     def __init__(self, model: str, generation_config: str = "auto", **kwargs):
+        tokenizer = pop_vllm_options(kwargs)      # vLLM options with no meaning here are accepted (compat.py)
         requested = EngineConfig.from_kwargs(**kwargs)
         path, model_config = model_config_for(model)
         self.default_sampling_params = sampling_defaults(path if os.path.isdir(path) else None, generation_config)
@@ -74,7 +76,8 @@ class LLM:
         if config.attn_backend == "triton":       # (on a GPU) its packages and ptxas, before anything loads
             from pallas_kernels._triton_ffi import check_ready
             check_ready()
-        self.model_config, self.tokenizer = model_config, load_tokenizer(path if os.path.isdir(path) else None)
+        self.model_config = model_config
+        self.tokenizer = load_tokenizer(tokenizer or (path if os.path.isdir(path) else None))
         self._one_thread = OneThread()            # generate / stream: one thread at a time
 
         def load(placement):                     # (random weights broadcast: a user's rank-promotion "raise" is theirs)
@@ -104,16 +107,16 @@ class LLM:
     def abort(self, request_id: int) -> None:
         """Stop a request of the `stream` in progress (its request_id: the prompt's index), from the loop's
         body or another thread: its samples end with finish_reason "abort" and free their KV blocks before
-        the next step. Unknown or finished ids are ignored (as vLLM)."""
+        the next step. Unknown or finished ids are ignored (as vLLM). vLLM's string form ("3") is taken too."""
+        request_id = int(request_id) if isinstance(request_id, str) and request_id.isdigit() else request_id
         if not isinstance(request_id, int) or isinstance(request_id, bool):
-            raise ValueError(f"request_id must be an int (a RequestOutput.request_id of LLM.stream), "
-                             f"got {request_id!r}")
+            raise ValueError(f"request_id must be an int (RequestOutput.request_id of LLM.stream), got {request_id!r}")
         self.__dict__.setdefault("_aborts", set()).add(request_id)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` / `stream` / `chat` use without sampling params (vLLM's): SamplingParams() with the
         model's generation_config.json recommendations (temperature, top_p, top_k, ...) applied, if it has any."""
-        return self._default_params
+        return self._default_params.clone()
 
     def get_tokenizer(self):
         """The tokenizer (a Hugging Face tokenizer for checkpoints; a byte-level stand-in for presets)."""

@@ -30,8 +30,18 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it (None: EOS, length)
 
     @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    def finished(self) -> "Flag":
+        """Whether it ended: `o.finished()` as vLLM's method, or `o.finished` as RequestOutput's attribute."""
+        return Flag(self.finish_reason is not None)
+
+
+class Flag(int):
+    """A bool that can also be called (vLLM's CompletionOutput.finished is a method, RequestOutput's an attribute)."""
+    def __call__(self) -> bool:
+        return bool(self)
+
+    def __repr__(self) -> str:
+        return repr(bool(self))
 
 
 @dataclass

@@ -22,12 +22,13 @@ def as_list(prompts) -> list:
 def token_ids(tokenizer, prompt: Prompt, i: int) -> list[int]:
     """The prompt's token ids (text is encoded without special tokens). Raises ValueError naming prompt i."""
     if isinstance(prompt, dict):       # vLLM's TextPrompt / TokensPrompt
-        if set(prompt) == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], (list, tuple)):
+        if "prompt_token_ids" in prompt and set(prompt) <= {"prompt_token_ids", "prompt"} and \
+                isinstance(prompt["prompt_token_ids"], (list, tuple)):      # (vLLM: the ids win; "prompt" is shown)
             return list(prompt["prompt_token_ids"])
         if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
             return token_ids(tokenizer, prompt["prompt"], i)
-        raise ValueError(f"prompt {i}: a dict prompt holds exactly one of 'prompt' (a string) or "
-                         f"'prompt_token_ids' (a list of ints), got keys {sorted(prompt)}")
+        raise ValueError(f"prompt {i}: a dict prompt holds 'prompt' (a string) or 'prompt_token_ids' (a list of "
+                         f"ints; with it, 'prompt' is only shown), got keys {sorted(prompt)}")
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt, add_special_tokens=False))
     if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
 MIN_TEMPERATURE = 0.01     # vLLM's floor for a positive temperature
 
 
-@dataclass(frozen=True)
+@dataclass(eq=True)
 class SamplingParams:
+    """Validated on construction, and again when a field is set afterwards (`sp.max_tokens = 5`, as vLLM's allow)."""
     temperature: float = 1.0          # 0 means greedy
     top_k: int = 0                    # 0 or -1 disables
     top_p: float = 1.0                # in (0, 1]
@@ -83,6 +84,26 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be True or False")
 
+    def __setattr__(self, name, value):
+        if _FIELD_NAMES[-1] not in self.__dict__:      # (during __init__: its fields are set in order)
+            return object.__setattr__(self, name, value)
+        if name not in _FIELD_NAMES:
+            raise AttributeError(f"SamplingParams has no field {name!r}")
+        checked = replace(self, **{name: value})       # validated (and normalised) as a new one would be
+        for f in _FIELD_NAMES:
+            object.__setattr__(self, f, getattr(checked, f))
+
+    __hash__ = None                                    # mutable, as vLLM's
+
+    def clone(self) -> "SamplingParams":
+        """A copy (vLLM's)."""
+        return replace(self)
+
+    @classmethod
+    def from_optional(cls, **kwargs) -> "SamplingParams":
+        """vLLM's: keyword arguments that are None take the defaults."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -118,6 +139,9 @@ class SamplingParams:
         if seed is not None and index > 0:
             seed = (seed * 0x9E3779B1 + index * 0x85EBCA77 + 0x632BE5AB) % 0x7FFFFFFF
         return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
 
 
 def device_seed(seed: int) -> int:

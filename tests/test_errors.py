@@ -231,3 +231,23 @@ def test_a_generate_inside_a_stream_loses_none_of_the_stream(llm):
         assert [got[0], got[1]] == want and sorted(finals) == [0, 1], inner
     st = llm.stats()
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_vllm_options_a_ported_script_passes(tiny_dir, llm):
+    """vLLM's trust_remote_code / enforce_eager / disable_log_stats / swap_space mean nothing here and are
+    accepted (checked by type); tokenizer= loads that folder's; a dict with both prompt forms uses the ids (as
+    vLLM); CompletionOutput.finished() is a method as in vLLM and RequestOutput.finished an attribute."""
+    other = LLM(tiny_dir, trust_remote_code=True, enforce_eager=True, disable_log_stats=True, swap_space=4,
+                tokenizer=tiny_dir, **BASE)
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    out = other.generate({"prompt": "shown", "prompt_token_ids": [5, 6, 7]}, sp, use_tqdm=False)[0]
+    assert out.prompt == "shown" and out.prompt_token_ids == [5, 6, 7]
+    assert out.token_ids == llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].token_ids
+    assert out.finished and out.outputs[0].finished() is True and out.outputs[0].finished
+    with pytest.raises(ValueError, match="enforce_eager='yes'"):
+        LLM(tiny_dir, enforce_eager="yes", **BASE)
+    with pytest.raises(ValueError, match="tokenizer='/nowhere'"):
+        LLM(tiny_dir, tokenizer="/nowhere", **BASE)
+    llm.abort("3")                          # vLLM's request ids are strings
+    with pytest.raises(ValueError, match="request_id must be an int"):
+        llm.abort("x")

@@ -157,3 +157,20 @@ def test_request_seeds_past_31_bits_are_hashed_not_masked():
     big = [device_seed(s) for s in (2**32, 2**40, -2**32, 2**31, -1 - 2**70)]
     assert len(set(big + [0])) == len(big) + 1 and all(0 <= s < 2**31 for s in big)   # no longer all 0
     assert device_seed(2**40) == device_seed(2**40)
+
+
+def test_sampling_params_set_after_construction_are_checked_as_vllm_allows():
+    """vLLM's SamplingParams can be changed after construction; here a change is validated (and normalised) like
+    a new one, and clone() / from_optional() are vLLM's."""
+    sp = SamplingParams(temperature=0.5)
+    sp.max_tokens, sp.stop = 5, "x"
+    assert sp == SamplingParams(temperature=0.5, max_tokens=5, stop=["x"]) and sp.stop == ("x",)
+    with pytest.raises(ValueError, match="SamplingParams.top_p=0"):
+        sp.top_p = 0
+    with pytest.raises(AttributeError, match="no field 'max_new_tokens'"):
+        sp.max_new_tokens = 3
+    assert sp.top_p == 1.0 and SamplingParams(**{**sp.__dict__, "seed": 3}).seed == 3
+    c = sp.clone()
+    c.max_tokens = 9
+    assert sp.max_tokens == 5
+    assert SamplingParams.from_optional(temperature=None, top_k=None, max_tokens=3) == SamplingParams(max_tokens=3)
