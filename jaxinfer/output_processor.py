@@ -33,8 +33,9 @@ class TextDelta:
 class OutputProcessor:
     def __init__(self, tokenizer, stop: tuple[str, ...] | list[str] = (), *, stream: bool = True,
                  skip_special_tokens: bool = True, stop_token_ids: tuple[int, ...] = (),
-                 include_stop_str_in_output: bool = False):
+                 include_stop_str_in_output: bool = False, min_tokens: int = 0):
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens                      # stop strings count only after this many tokens
         self.include_stop = include_stop_str_in_output    # the text keeps a matched stop string / stop token
         # a request that ends on one of these: its text leaves it out (unless include_stop)
         self.stop_token_ids = frozenset(() if include_stop_str_in_output else stop_token_ids)
@@ -55,7 +56,7 @@ class OutputProcessor:
         """The processor of a request with these SamplingParams (its stop strings, stop ids and text options)."""
         return cls(tokenizer, params.stop, stream=stream, stop_token_ids=params.stop_token_ids,
                    skip_special_tokens=params.skip_special_tokens,
-                   include_stop_str_in_output=params.include_stop_str_in_output)
+                   include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
 
     @property
     def finished(self) -> bool:
@@ -96,7 +97,7 @@ class OutputProcessor:
         if piece:
             start = max(0, len(self.text) - self.holdback)     # a match may straddle the old end
             self.text += piece
-            if self.stop:
+            if self.stop and len(self.token_ids) > self.min_tokens:
                 hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
                 if hits:
                     at, self.stop_string = min(hits, key=lambda h: h[0])     # the earliest; ties: listed first

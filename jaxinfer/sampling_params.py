@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields, replace
 
 MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
 MIN_TEMPERATURE = 0.01     # vLLM's floor for a positive temperature
+MAX_STOP_IDS_WITH_MIN_TOKENS = 16   # the step bans them (and EOS) per row until min_tokens: step.BAN_WIDTH ids
 
 
 @dataclass(eq=True)
@@ -28,6 +29,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # > 0: divide positive / multiply negative logits of prompt + output tokens
     skip_special_tokens: bool = True  # the output text leaves special tokens out (as vLLM)
     include_stop_str_in_output: bool = False   # the text keeps the stop string (or stop token) that ended it
+    min_tokens: int = 0               # EOS, stop_token_ids and stop strings cannot end the output before this many
 
     def __post_init__(self):
         def bad(name, why):
@@ -83,6 +85,11 @@ class SamplingParams:
         for name in ("skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be True or False")
+        m = self.min_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0 or (mt is not None and m > mt):
+            bad("min_tokens", f"must be an integer in [0, max_tokens={mt}]")
+        if m and len(ids) > MAX_STOP_IDS_WITH_MIN_TOKENS:
+            bad("stop_token_ids", f"holds {len(ids)} ids: with min_tokens at most {MAX_STOP_IDS_WITH_MIN_TOKENS}")
 
     def __setattr__(self, name, value):
         if _FIELD_NAMES[-1] not in self.__dict__:      # (during __init__: its fields are set in order)
@@ -115,8 +122,9 @@ class SamplingParams:
 
     @property
     def needs_extras(self) -> bool:
-        """Penalties or logprobs: the request runs the step's extras variant (step.Extras)."""
-        return self.has_penalties or self.logprobs is not None or self.prompt_logprobs is not None
+        """Penalties, logprobs or min_tokens: the request may run the step's extras variant (step.Extras)."""
+        return self.has_penalties or self.logprobs is not None or self.prompt_logprobs is not None or \
+            self.min_tokens > 0
 
     @property
     def has_penalties(self) -> bool:

@@ -28,6 +28,8 @@ FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 _EXTRA_ROW_FIELDS = ("pen_slot", "num_prompt", "repetition", "frequency", "presence")   # [B]
 _EXTRA_TOKEN_FIELDS = ("plp_idx", "plp_target")                                          # [Tp]
 _ALL_FLOATS = FLOAT_FIELDS + ("repetition", "frequency", "presence")
+BAN_WIDTH = 32        # ids a row may ban (min_tokens: its stop_token_ids and EOS ids); BAN_PAD pads (dropped)
+BAN_PAD = 2**30
 
 
 class Extras(NamedTuple):
@@ -35,11 +37,13 @@ class Extras(NamedTuple):
     batches without penalties or logprobs run the plain step and pay nothing).
     penalties: presence / frequency / repetition penalties from the per-slot token counts (a device state
     updated in the step). logprobs: the sampled tokens' logprobs and ranks. top_n: top logprobs per token
-    (a width of LOGPROB_WIDTHS). prompt_rows: prefill only: prompt tokens whose logprobs are computed."""
+    (a width of LOGPROB_WIDTHS). prompt_rows: prefill only: prompt tokens whose logprobs are computed.
+    bans: per row up to BAN_WIDTH token ids that cannot be sampled (min_tokens: EOS and stop ids until then)."""
     penalties: bool = False
     logprobs: bool = False
     top_n: int = 0
     prompt_rows: int = 0
+    bans: bool = False
 
 
 ALIGN = 64   # int32s: every field starts at a multiple of 256 bytes of the packed array (Mosaic GPU kernels
@@ -73,7 +77,8 @@ def extras_layout(T: int, B: int, W: int, extras: Extras) -> dict[str, tuple[int
     """batch_layout plus the extras fields at its end (the plain step's layout is unchanged)."""
     layout = dict(batch_layout(T, B, W))
     off = _place(layout, layout.pop("_size")[0], [*((f, B) for f in _EXTRA_ROW_FIELDS),
-                                                 *((f, extras.prompt_rows) for f in _EXTRA_TOKEN_FIELDS)])
+                                                 *((f, extras.prompt_rows) for f in _EXTRA_TOKEN_FIELDS),
+                                                 *([("ban_ids", B * BAN_WIDTH)] if extras.bans else [])])
     layout["_size"] = (off, 0)
     return layout
 
@@ -203,6 +208,9 @@ def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, bac
             slot = b["pen_slot"]
             seen, outs = (jnp.take(c, slot, axis=0, mode="fill", fill_value=0) for c in counts)   # [B, V] each
             logits = apply_penalties(logits, seen, outs, b["repetition"], b["frequency"], b["presence"])
+        if extras.bans:                                    # (BAN_PAD is out of range: dropped)
+            ban = b["ban_ids"].reshape(B, BAN_WIDTH)
+            logits = logits.at[jnp.arange(B)[:, None], ban].set(-jnp.inf, mode="drop")
         ids = sample(logits, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["counters"],
                      filtered)
         stats = []

@@ -13,7 +13,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine.scheduler import ScheduledBatch
 from jaxinfer.engine.sequence import PLACEHOLDER
 from jaxinfer.multistep import STOP_IDS, multistep_layout
-from jaxinfer.step import FLOAT_FIELDS, Extras, batch_layout, extras_layout
+from jaxinfer.step import BAN_PAD, BAN_WIDTH, FLOAT_FIELDS, Extras, batch_layout, extras_layout
 
 
 def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -136,10 +136,12 @@ def pack_multistep(batch: ScheduledBatch, B: int, W: int, block_size: int, num_s
 
 
 def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slots: int, extras: Extras,
-                pen_slots: list[int], num_pen_slots: int, chunk_pages: int = 0) -> tuple[np.ndarray, list[tuple]]:
+                pen_slots: list[int], num_pen_slots: int, chunk_pages: int = 0,
+                eos=frozenset()) -> tuple[np.ndarray, list[tuple]]:
     """The extras variant's batch (step.make_extras_step): `pack`'s fields, then per row its penalty slot
     (pen_slots; num_pen_slots = none), prompt length and penalties, then the prompt tokens whose logprobs
-    this step computes: their index in the step's tokens and the prompt token that follows each. Returns
+    this step computes: their index in the step's tokens and the prompt token that follows each; with bans, the
+    ids each row may not sample (min_tokens not reached: its stop_token_ids and the `eos` ids). Returns
     (packed, [(seq, position of the token whose logprob it is), ...] per prompt-logprob entry)."""
     layout = extras_layout(T, B, W, extras)
     buf = np.zeros(layout["_size"][0], np.int32)
@@ -155,6 +157,13 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
     rep[:n] = [s.params.repetition_penalty for s in seqs]
     f["frequency"].view(np.float32)[:n] = [s.params.frequency_penalty for s in seqs]
     f["presence"].view(np.float32)[:n] = [s.params.presence_penalty for s in seqs]
+    if extras.bans:
+        ban = f["ban_ids"].reshape(B, BAN_WIDTH)
+        ban[:] = BAN_PAD
+        for i, seq in enumerate(seqs):
+            if seq.banning:
+                ids = sorted(set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(eos)))
+                ban[i, :len(ids[:BAN_WIDTH])] = ids[:BAN_WIDTH]
     where: list[tuple] = []
     if extras.prompt_rows:
         t = 0

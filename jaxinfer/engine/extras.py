@@ -40,11 +40,13 @@ def choose(batch) -> Extras | None:
     penalties = any(p.has_penalties for p in ps)
     asks = [p.logprobs for p in ps if p.logprobs is not None]
     prompt = batch.is_prefill and any(p.prompt_logprobs is not None for p in ps)
-    if not (penalties or asks or prompt):
+    bans = any(s.banning for s in batch.seqs)
+    if not (penalties or asks or prompt or bans):
         return None
     n = max(asks + [p.prompt_logprobs for p in ps if prompt and p.prompt_logprobs is not None], default=0)
     top_n = next(w for w in LOGPROB_WIDTHS if w >= n)
-    return Extras(penalties, bool(asks), top_n, -1 if prompt else 0)   # -1: from the bucket (`key_for`)
+    return Extras(penalties, bool(asks), top_n, -1 if prompt else 0, bans)   # -1: from the bucket (`key_for`)
+
 
 
 class ExtrasRunner:
@@ -124,13 +126,13 @@ class ExtrasRunner:
             self.counts = (put(np.zeros((S, V), bool)), put(np.zeros((S, V), np.int32)))
         return self.counts
 
-    def dispatch(self, batch, key: tuple, block_size: int):
+    def dispatch(self, batch, key: tuple, block_size: int, eos=frozenset()):
         """Pack, send and run one extras step (asynchronous). Returns (key, device logprob rows or None,
         [(seq, prompt position)] of its prompt-logprob rows), for `apply`."""
         r = self.runner
         kind, T, B, W, filtered, extras = key
         packed, where = pack_extras(batch, T, B, W, block_size, r.num_slots, extras,
-                                    self.slots(batch.seqs), self.num_slots, r.chunk_pages)
+                                    self.slots(batch.seqs), self.num_slots, r.chunk_pages, eos)
         exe = self.compile(key)
         counts = self._counts() if extras.penalties else None
         r.last_ids, r.kv_caches, counts, out = exe(r.params, r.kv_caches, r.put(packed), r.last_ids, counts)
@@ -172,8 +174,9 @@ class ExtrasRunner:
 def warmup_keys(cfg, widths: tuple[int, ...], runner: "ExtrasRunner", params) -> list:
     """The step variants (every bucket) that requests like `params` (penalties / logprobs) need; [] if none."""
     e = Extras(params.has_penalties, params.logprobs is not None,
-               next(w for w in LOGPROB_WIDTHS if w >= max(params.logprobs or 0, params.prompt_logprobs or 0)), 0)
-    if not (e.penalties or e.logprobs or params.prompt_logprobs is not None):
+               next(w for w in LOGPROB_WIDTHS if w >= max(params.logprobs or 0, params.prompt_logprobs or 0)), 0,
+               params.min_tokens > 0)
+    if not (e.penalties or e.logprobs or e.bans or params.prompt_logprobs is not None):
         return []
     f = params.needs_filter
     keys = [("decode", B, B, W, f, e) for B in cfg.decode_buckets for W in widths]

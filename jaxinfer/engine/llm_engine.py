@@ -214,7 +214,7 @@ class LLMEngine:
         plan.t_put = time.perf_counter() - plan.t_launch
         if plan.extras is not None:
             xkey = self.extras.key_for(key + (plan.filtered,), plan.extras)
-            plan.pending = self.extras.dispatch(plan.batch, xkey, self.config.block_size)
+            plan.pending = self.extras.dispatch(plan.batch, xkey, self.config.block_size, self.scheduler.eos)
             ids = self.extras.sampled_ids()
         elif plan.K > 1:
             ids = self.runner.run(("multistep", *key[1:], False, plan.K), packed)

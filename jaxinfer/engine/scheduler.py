@@ -152,9 +152,9 @@ class Scheduler:
         if that wastes at most 3 steps, else 1."""
         if batch.is_prefill or not ks or self.waiting:
             return 1
-        # penalties and logprobs run one step per call (their step variant has no K-step form)
+        # penalties, logprobs and min_tokens bans run one step per call (their step variant has no K-step form)
         if any(s.needs_filter or len(self.stop_ids(s)) > max_stop_ids or s.params.has_penalties
-               or s.params.logprobs is not None for s in batch.seqs):
+               or s.params.logprobs is not None or s.banning for s in batch.seqs):
             return 1
         rem = [self.remaining(s) for s in batch.seqs]
         # none fits: the smallest K, unless it would run more than 3 masked steps (xla compiles K = 16 alone)

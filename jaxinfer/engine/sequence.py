@@ -63,6 +63,12 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def banning(self) -> bool:
+        """Whether the token this sequence samples next must not end it (min_tokens not reached; counted with the
+        tokens still on the device, as a step is packed before the one in flight is read back)."""
+        return self.params.min_tokens > self.num_scheduled_outputs
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
 
