@@ -91,6 +91,7 @@ def test_bad_min_tokens(kw, match):
 
 
 def test_server_passes_min_tokens():
+    pytest.importorskip("fastapi")
     from jaxinfer.server import protocol as P
     req = P.CompletionRequest(prompt="a", max_tokens=8, min_tokens=3)
     P.check_unsupported(req)

@@ -97,6 +97,12 @@ def test_completion_echo_only_scores_the_prompt(url, client, ref):
     assert bad.status_code == 400 and "-1.5" in bad.json()["error"]["message"], bad.json()
 
 
+def test_models_retrieve(client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other-model")
+
+
 def test_chat_logprobs_and_stream_agree(client, ref):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=4, temperature=0,
               logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})

@@ -29,6 +29,7 @@ from jaxinfer.server.gate import Gate
 from jaxinfer.server.metrics import ServerMetrics
 from jaxinfer.server.options import ServerOptions
 from jaxinfer.server.process import CoreInfo
+from jaxinfer.server.tokens import add_token_routes
 from jaxinfer.tokenizer import load_tokenizer
 
 DISCONNECT_POLL_S = 0.25      # how often a plain (non-streaming) handler checks that its client is still there
@@ -199,38 +200,21 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         body, ctype = metrics.render(await core_stats())
         return Response(body, media_type=ctype)
 
+    def model_card() -> dict:
+        return {"id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxinfer",
+                "max_model_len": max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "jaxinfer", "max_model_len": max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
 
-    @app.post("/tokenize")
-    async def tokenize_route(req: P.TokenizeRequest):
-        """vLLM's /tokenize: `prompt`, or `messages` rendered with the chat template."""
-        check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise P.RequestError("give exactly one of prompt and messages", param="prompt")
-        text = req.prompt if req.messages is None else P.apply_chat_template(
-            tokenizer, P.chat_messages(req.messages), req.chat_template_kwargs, req.add_generation_prompt)
-        ids = P.encode(tokenizer, text, req.add_special_tokens, "prompt" if req.messages is None else "messages")
-        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
-                "token_strs": [text_of(t) for t in ids] if req.return_token_strs else None}
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        """OpenAI's retrieve (the openai client's `models.retrieve`): 404 for another model."""
+        check_model(model)
+        return model_card()
 
-    @app.get("/tokenizer_info")
-    async def tokenizer_info():
-        """vLLM's: what a client needs to tokenize as the server does (lm-evaluation-harness' remote tokenizer
-        backend uses it with /tokenize and /detokenize)."""
-        return {"tokenizer_class": type(tokenizer).__name__, "model_max_length": max_model_len,
-                **{k: getattr(tokenizer, k, None) for k in ("eos_token", "bos_token", "pad_token", "chat_template")}}
-
-    @app.post("/detokenize")
-    async def detokenize_route(req: P.DetokenizeRequest):
-        check_model(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < limits["vocab_size"]]
-        if bad:
-            raise P.RequestError(f"token id {bad[0]} is outside the vocabulary [0, {limits['vocab_size']})",
-                                 param="tokens")
-        return {"prompt": tokenizer.decode(req.tokens)}
+    add_token_routes(app, tokenizer, text_of, check_model, max_model_len, limits["vocab_size"])
 
     @app.post("/v1/completions", responses={200: {"model": R.CompletionResponse}, **ERRORS})
     async def completions(req: P.CompletionRequest, request: Request):
