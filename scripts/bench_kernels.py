@@ -36,6 +36,7 @@ from pallas_kernels.quant import pack_pairs, quantize, scale_for_amax  # noqa: E
 
 from bench import write_json  # noqa: E402
 from kernel_tables import print_decode, print_prefill  # noqa: E402
+import timing  # noqa: E402
 from timing import copy_bandwidth, time_loop  # noqa: E402
 
 H, K, D, PAGE, DTYPE = 16, 8, 128, 16, jnp.bfloat16
@@ -258,6 +259,7 @@ def main():
     dec_impls = DECODE_IMPLS if picked is None else tuple(i for i in DECODE_IMPLS + EXTRA_DECODE_IMPLS if i in picked)
     pre_impls = PREFILL_IMPLS if picked is None else tuple(i for i in PREFILL_IMPLS if i in picked)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    timing.ONE_CALL = args.smoke
     ceil = machine_ceilings(args.smoke)
     print(f"measured ceilings: XLA elementwise copy {ceil['copy_tbps']:.2f} TB/s (read + write; a raw device copy "
           f"reaches ~4.3 TB/s on an H200), bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s")

@@ -10,6 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 
+ONE_CALL = False    # scripts' --smoke (CPU, interpret mode: a call takes ~1 s): time a single call, checking only that it runs
+
+
 def time_loop(fn, x, *args, est_s: float, repeats: int = 7, donate: bool = False) -> float:
     """Seconds per application of fn(x, *args) -> same structure as x: the jitted fn is dispatched n times in a
     row, each output fed back as the next x, and timed to the last result. Dispatch is asynchronous, so for
@@ -17,7 +20,8 @@ def time_loop(fn, x, *args, est_s: float, repeats: int = 7, donate: bool = False
     per iteration on the H200: its loop condition goes through the host, which understated short kernels by
     10-20%, measured 2026-11-29.) `donate`: x is donated, so caches it carries are updated in place, as in
     the engine."""
-    n = int(min(200, max(3, 3e-3 / max(est_s, 1e-7))))
+    n = int(min(200, max(3, 3e-3 / max(est_s, 1e-7)))) if not ONE_CALL else 1
+    repeats = 1 if ONE_CALL else repeats
     step = jax.jit(fn, donate_argnums=0) if donate else jax.jit(fn)
     x = jax.block_until_ready(step(x, *args))  # compile + warm up
     times = []
