@@ -29,7 +29,7 @@ from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, l
                                        stop_reason, text_ids)
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.prompts import Prompt
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import SamplingParams, truncate
 from jaxinfer.tokenizer import load_tokenizer
 from jaxinfer.xla_options import warn_if_slow_command_buffers
 
@@ -139,7 +139,7 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
         reqs = []
         for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
-            ids = self._tokenize(p, i)
+            ids = truncate(self._tokenize(p, i), sp.truncate_prompt_tokens, self.config.max_model_len)
             self.engine.check_request(ids, sp, where=f"prompt {i}")
             reqs.append((p, ids, sp))
         return reqs
@@ -214,7 +214,7 @@ class LLM:
             p = seq.params
             ids = text_ids(seq.output_token_ids, seq.finish_reason, () if p.include_stop_str_in_output else
                            p.stop_token_ids)
-            text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+            text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens) if p.detokenize else ""
             reason = seq.finish_reason
         ids = seq.output_token_ids
         lps, cum = logprobs_of(seq, 0, ids, texts)

@@ -33,7 +33,7 @@ class TextDelta:
 class OutputProcessor:
     def __init__(self, tokenizer, stop: tuple[str, ...] | list[str] = (), *, stream: bool = True,
                  skip_special_tokens: bool = True, stop_token_ids: tuple[int, ...] = (),
-                 include_stop_str_in_output: bool = False, min_tokens: int = 0):
+                 include_stop_str_in_output: bool = False, min_tokens: int = 0, detokenize: bool = True):
         self.tokenizer = tokenizer
         self.min_tokens = min_tokens                      # stop strings count only after this many tokens
         self.include_stop = include_stop_str_in_output    # the text keeps a matched stop string / stop token
@@ -42,7 +42,8 @@ class OutputProcessor:
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop or ())
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
-        self.incremental = stream or bool(self.stop)
+        self.detokenize = detokenize                       # False: token ids only, the text stays ""
+        self.incremental = (stream or bool(self.stop)) and detokenize
         self._detok = make_detokenizer(tokenizer, skip_special_tokens) if self.incremental else None
         self.token_ids: list[int] = []
         self.text = ""                # output text so far, cut before a matched stop string
@@ -56,7 +57,8 @@ class OutputProcessor:
         """The processor of a request with these SamplingParams (its stop strings, stop ids and text options)."""
         return cls(tokenizer, params.stop, stream=stream, stop_token_ids=params.stop_token_ids,
                    skip_special_tokens=params.skip_special_tokens,
-                   include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
+                   include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens,
+                   detokenize=params.detokenize)
 
     @property
     def finished(self) -> bool:
@@ -86,7 +88,8 @@ class OutputProcessor:
         if not self.incremental:
             if finish_reason is not None:
                 ids = self.token_ids[:len(self.token_ids) - len(new) + len(shown)]
-                self.text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+                self.text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) \
+                    if self.detokenize else ""
                 self.finish_reason = finish_reason
                 self._sent_chars = len(self.text)
                 return TextDelta(self.text, new, finish_reason)

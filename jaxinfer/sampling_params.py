@@ -30,6 +30,8 @@ class SamplingParams:
     skip_special_tokens: bool = True  # the output text leaves special tokens out (as vLLM)
     include_stop_str_in_output: bool = False   # the text keeps the stop string (or stop token) that ended it
     min_tokens: int = 0               # EOS, stop_token_ids and stop strings cannot end the output before this many
+    detokenize: bool = True           # False: outputs carry token ids only (text "")
+    truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens (-1: max_model_len of them)
 
     def __post_init__(self):
         def bad(name, why):
@@ -85,6 +87,13 @@ class SamplingParams:
         for name in ("skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be True or False")
+        if not isinstance(self.detokenize, bool):
+            bad("detokenize", "must be True or False")
+        if not self.detokenize and stop:
+            bad("detokenize", "cannot be False with stop strings (they are matched in the text)")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1)):
+            bad("truncate_prompt_tokens", "must be None, an integer >= 1 or -1 (max_model_len)")
         m = self.min_tokens
         if not isinstance(m, int) or isinstance(m, bool) or m < 0 or (mt is not None and m > mt):
             bad("min_tokens", f"must be an integer in [0, max_tokens={mt}]")
@@ -150,6 +159,12 @@ class SamplingParams:
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
+
+
+def truncate(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """A prompt's ids cut to its last `keep` (SamplingParams.truncate_prompt_tokens; -1: max_model_len)."""
+    keep = max_model_len if keep == -1 else keep
+    return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
 
 
 def device_seed(seed: int) -> int:

@@ -251,3 +251,22 @@ def test_vllm_options_a_ported_script_passes(tiny_dir, llm):
     llm.abort("3")                          # vLLM's request ids are strings
     with pytest.raises(ValueError, match="request_id must be an int"):
         llm.abort("x")
+
+
+def test_detokenize_false_and_truncated_prompts(llm):
+    """vLLM's detokenize=False (token ids only, text "") and truncate_prompt_tokens (the prompt's last k tokens,
+    also past max_model_len), in generate and stream."""
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    full = llm.generate([[5, 6, 7, 8, 9]], sp, use_tqdm=False)[0]
+    ids = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                         detokenize=False), use_tqdm=False)[0]
+    assert ids.token_ids == full.token_ids and ids.text == "" and full.text
+    streamed = list(llm.stream([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                                  detokenize=False)))
+    assert "".join(d.outputs[0].text for d in streamed) == "" and sum(len(d.outputs[0].token_ids) for d in streamed) == 4
+    cut = llm.generate([[1, 2, 3, 5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                                 truncate_prompt_tokens=5), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == [5, 6, 7, 8, 9] and cut.token_ids == full.token_ids
+    long = llm.generate([list(range(1, 300))], SamplingParams(max_tokens=2, truncate_prompt_tokens=100),
+                        use_tqdm=False)[0]
+    assert long.prompt_token_ids == list(range(200, 300)) and len(long.token_ids) == 2

@@ -174,3 +174,12 @@ def test_sampling_params_set_after_construction_are_checked_as_vllm_allows():
     c.max_tokens = 9
     assert sp.max_tokens == 5
     assert SamplingParams.from_optional(temperature=None, top_k=None, max_tokens=3) == SamplingParams(max_tokens=3)
+
+
+def test_detokenize_and_truncate_prompt_tokens_are_checked():
+    assert SamplingParams(detokenize=False, truncate_prompt_tokens=-1).truncate_prompt_tokens == -1
+    for kw, name in ((dict(detokenize=False, stop="x"), "detokenize"), (dict(detokenize=1), "detokenize"),
+                     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+                     (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens")):
+        with pytest.raises(ValueError, match=f"SamplingParams.{name}="):
+            SamplingParams(**kw)

@@ -103,6 +103,13 @@ def test_models_retrieve(client):
         client.models.retrieve("other-model")
 
 
+def test_truncate_prompt_tokens(url, client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"truncate_prompt_tokens": 4})
+    assert r.usage.prompt_tokens == 4
+    bad = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_chat_logprobs_and_stream_agree(client, ref):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=4, temperature=0,
               logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})

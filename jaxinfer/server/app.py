@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from jaxinfer.generation_config import sampling_defaults
+from jaxinfer.sampling_params import truncate
 from jaxinfer.server import choices as C
 from jaxinfer.server import protocol as P
 from jaxinfer.server import responses as R
@@ -109,8 +110,11 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
             raise P.RequestError(f"The model `{model}` does not exist; this server serves `{served_model_name}`",
                                  param="model", code="model_not_found", status=404)
 
-    def tokenize(prompt) -> list[int]:
-        ids = P.encode(tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+    def tokenize(prompt, keep: int | None = None) -> list[int]:
+        if keep == 0:
+            raise P.RequestError("truncate_prompt_tokens=0 would leave no prompt: give k >= 1, or -1",
+                                 param="truncate_prompt_tokens")
+        ids = truncate(P.encode(tokenizer, prompt) if isinstance(prompt, str) else list(prompt), keep, max_model_len)
         if not ids:
             raise P.RequestError("the prompt is empty", param="prompt")
         if len(ids) >= max_model_len:
@@ -126,7 +130,7 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         check_model(req.model)
         ids_list, params = [], []
         for p in prompts:
-            ids = tokenize(p)
+            ids = tokenize(p, req.truncate_prompt_tokens)
             sp = P.sampling_params(req, len(ids), max_model_len, default_max_tokens, logprobs, prompt_logprobs,
                                    pool_tokens=limits["num_blocks"] * limits["block_size"], defaults=defaults)
             P.check_request(ids, sp, limits)

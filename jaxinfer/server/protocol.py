@@ -93,6 +93,8 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool | None = Field(None, description="vLLM: keep the stop string in the text")
     min_tokens: Annotated[int, Field(ge=0)] | None = Field(
         None, description="vLLM: EOS, stop_token_ids and stop strings end the output only after this many tokens")
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = Field(
+        None, description="vLLM: keep only the prompt's last k tokens (-1: max_model_len of them)")
 
 
 class CompletionRequest(_Request):
@@ -146,7 +148,7 @@ class DetokenizeRequest(BaseModel):
 # -- request -> engine ---------------------------------------------------------------------------------------
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
                 "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens",
-                "include_stop_str_in_output", "min_tokens")
+                "include_stop_str_in_output", "min_tokens", "truncate_prompt_tokens")
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
