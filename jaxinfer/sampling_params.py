@@ -35,7 +35,7 @@ class SamplingParams:
 
     def __post_init__(self):
         def bad(name, why):
-            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} {why}")
+            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r:.100} {why}")
         def number(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool)
         if not number(self.temperature) or not 0 <= self.temperature < float("inf"):
