@@ -149,7 +149,7 @@ class ModelRunner:
                       self.engine.block_size, self.interpret, self.max_rows,
                       isinstance(self.params["layers"], tuple), self.cache_kind, len(self.placement.devices), key,
                       layers.GEMV_MAX_ROWS, layers.GEMV_FUSE,      # the small-batch matmul choice shapes the program
-                      rows_out(kind))
+                      rows_out(kind), xla_decode.DECODE_FORM, xla_decode.DECODE_CHUNK, xla_decode.MERGE)
 
             def build():
                 rep = self.placement.replicated
