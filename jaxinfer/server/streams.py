@@ -16,7 +16,8 @@ from jaxinfer.server.choices import Choice
 
 def echo_only(req) -> bool:
     """A completion with echo and max_tokens=0 (vLLM's prompt scoring, e.g. lm-evaluation-harness): its one
-    generated token is dropped, so the choice is the prompt, its logprobs the prompt's, and 0 completion tokens."""
+    generated token is dropped, so the choice is the prompt, its logprobs the prompt's, and 0 completion tokens;
+    the finish reason is that token's, as vLLM reports it ("length", or "stop" on EOS)."""
     return bool(getattr(req, "echo", False)) and getattr(req, "max_tokens", None) == 0
 
 
@@ -43,7 +44,8 @@ def completion_choice(ch: Choice, prompt_ids: list[int], req, text_of, tokenizer
     if req.echo:
         head, lp = _prompt_part(ch, prompt_ids, req, text_of, tokenizer)
         if echo_only(req):
-            return {"index": ch.index, "text": head, "logprobs": lp, "finish_reason": "length", "stop_reason": None}
+            return {"index": ch.index, "text": head, "logprobs": lp, "finish_reason": ch.proc.finish_reason,
+                    "stop_reason": ch.stop_reason}
         text = head + text
     if req.logprobs is not None:
         offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"] else 0
@@ -74,7 +76,7 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
         async for ch, d in run:
             done[ch.index] = ch
             if only:                                     # the echo in its first chunk, then only the end
-                first, fin = ch.index not in offsets, "length" if d.finish_reason is not None else None
+                first, fin = ch.index not in offsets, d.finish_reason
                 offsets[ch.index] = 0
                 if first or fin:
                     text, lp = _prompt_part(ch, prompts[ch.index // n], req, text_of, tokenizer) if first else ("", None)
