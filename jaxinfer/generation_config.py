@@ -16,16 +16,20 @@ FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_n
 HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 
 
+def check(generation_config) -> None:
+    """ValueError unless the value is "auto", "vllm" or an existing folder."""
+    g = generation_config
+    if not isinstance(g, str) or g not in ("auto", "vllm") and not os.path.isdir(g):
+        raise ValueError(f"generation_config={g!r} must be 'auto', 'vllm' or a folder")
+
+
 def sampling_defaults(model_dir: str | None, generation_config: str = "auto") -> dict:
     """SamplingParams keyword defaults (max_new_tokens as max_tokens) from `generation_config`: "auto" (the
     model folder's file, if any), "vllm" (none: {}), or a folder holding a generation_config.json."""
-    if not isinstance(generation_config, str) or not generation_config:
-        raise ValueError(f"generation_config={generation_config!r} must be 'auto', 'vllm' or a folder")
+    check(generation_config)
     if generation_config == "vllm":
         return {}
     folder = model_dir if generation_config == "auto" else generation_config
-    if generation_config != "auto" and not os.path.isdir(folder):
-        raise ValueError(f"generation_config={generation_config!r} is not 'auto', 'vllm' or a folder")
     path = os.path.join(folder, "generation_config.json") if folder and os.path.isdir(folder) else None
     if path is None or not os.path.isfile(path):
         return {}

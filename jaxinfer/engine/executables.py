@@ -7,7 +7,6 @@ other devices than those it was compiled for is loaded there from the compiled o
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import weakref
@@ -58,8 +57,8 @@ _owner = threading.local()      # .counter: the CompileCounter whose engine code
 
 
 class CompileCounter:
-    """Counts the XLA compilations made while this thread runs code of the counter's engine (`owning`, or a method
-    decorated with `counts_compiles`): JAX reports every compilation in the process to a monitoring listener, and
+    """Counts the XLA compilations made while this thread runs a method of the counter's engine decorated with
+    `counts_compiles`: JAX reports every compilation in the process to a monitoring listener, and
     only those made inside the engine's own calls are its own. The listener is removed by `close()` or when the
     counter is collected (it holds only a weak reference to it)."""
     _EVENT = "/jax/core/compile/backend_compile_duration"
@@ -76,16 +75,6 @@ class CompileCounter:
                     counter.count += 1
         self._listener = listener
         jax.monitoring.register_event_duration_secs_listener(listener)
-
-    @contextlib.contextmanager
-    def owning(self):
-        """Compilations on this thread inside the block are this counter's."""
-        prev = getattr(_owner, "counter", None)
-        _owner.counter = self
-        try:
-            yield
-        finally:
-            _owner.counter = prev
 
     def close(self) -> None:
         listener, self._listener = self._listener, None
@@ -105,7 +94,7 @@ class CompileCounter:
 def counts_compiles(method):
     """Decorator for an engine method (the engine has `compile_counter`): what it compiles is the engine's."""
     @functools.wraps(method)
-    def wrapped(self, *args, **kwargs):         # (owning() inlined: it runs a few times every step)
+    def wrapped(self, *args, **kwargs):         # (a few times every step: no context-manager object)
         prev = getattr(_owner, "counter", None)
         _owner.counter = self.compile_counter
         try:

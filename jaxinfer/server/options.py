@@ -16,6 +16,8 @@ import argparse
 import os
 from dataclasses import MISSING, dataclass, field, fields, replace
 
+from jaxinfer.generation_config import check as check_generation_config
+
 API_KEY_ENV = "JAXINFER_API_KEY"
 
 
@@ -43,9 +45,7 @@ class ServerOptions:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name}={v!r} must be an integer >= 0")
-        g = self.generation_config
-        if not isinstance(g, str) or g not in ("auto", "vllm") and not os.path.isdir(g):
-            raise ValueError(f"generation_config={g!r} must be 'auto', 'vllm' or a folder")
+        check_generation_config(self.generation_config)
         if not isinstance(self.shutdown_timeout, (int, float)) or self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout!r} must be a number >= 0")
 
