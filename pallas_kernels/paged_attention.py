@@ -42,22 +42,30 @@ DEFAULT_NUM_STAGES_FP8 = 3
 DEFAULT_NUM_WARPS = 2
 DEFAULT_NUM_STAGES = 3
 MIN_TOKENS_PER_SPLIT = 512
+PROGRAMS_PER_SM = 4
+# With `context_total` (balanced splits): the static split count allows this many programs per SM, and each row
+# gets the splits its share of the batch's context needs, aiming at PROGRAMS_PER_SM programs per SM in all. On the
+# H200, W ran at 26,224 / 33,404 tok/s (bf16 / fp8 pages) with 8 splits' worth of programs against 25,952 / 32,622
+# with today's count (docs/kernels.md, "Context splits").
+BALANCED_PROGRAMS_PER_SM = 8
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int = DEFAULT_BLOCK_N) -> int:
-    """Static split count: at most about 4 programs per SM, rounded DOWN to a power of two, and no split
-    shorter than 512 tokens of the table's width (over-splitting was slower on the H200: docs/kernels.md)."""
+def choose_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int = DEFAULT_BLOCK_N,
+                      programs_per_sm: int | None = None) -> int:
+    """Static split count: at most about `programs_per_sm` (default PROGRAMS_PER_SM) programs per SM, rounded DOWN
+    to a power of two, and no split shorter than 512 tokens of the table's width (over-splitting was slower on the
+    H200: docs/kernels.md)."""
     programs = batch * kv_heads
-    want = max(1, 4 * NUM_SMS // programs)
+    want = max(1, (programs_per_sm or PROGRAMS_PER_SM) * NUM_SMS // programs)
     most = max(1, max_context // max(MIN_TOKENS_PER_SPLIT, block_n))
     return min(prev_pow2(want), next_pow2(most))
 
 
 def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
                    scale: float, block_size: int, group: int, rows: int, block_n: int, num_splits: int,
-                   fused: bool, quantized: bool, ordered: bool, eps: float):
-    # refs: [6 prologue inputs if fused] [3 fp8 scale inputs if quantized] [order if ordered] o, lse
-    #       [k_out, v_out if fused]
+                   fused: bool, quantized: bool, ordered: bool, balanced: bool, eps: float):
+    # refs: [6 prologue inputs if fused] [3 fp8 scale inputs if quantized] [order if ordered]
+    #       [context_total if balanced] o, lse [k_out, v_out if fused]
     page_offset = 0   # fused: the layer's first page in a cache stacked over the layers (an operand)
     if fused:   # q_ref holds the raw qkv projection [B, H + 2K, D]; the caches are also (aliased) outputs
         (qw_ref, kw_ref, layer_ref, cos_ref, sin_ref, first_ref), refs = refs[:6], refs[6:]
@@ -68,6 +76,9 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     kh, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if ordered:   # program slot b runs row order[b]
         b, refs = refs[0][b], refs[1:]
+    total_ref = None
+    if balanced:
+        total_ref, refs = refs[0], refs[1:]
     o_ref, lse_ref, *caches = refs
     if fused:
         k_out_ref, v_out_ref = caches
@@ -76,7 +87,11 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     # fused: the cache holds only the first seq_len - 1 positions; the last one is computed here
     length = jnp.maximum(seq_len - 1, 0) if fused else seq_len
     # This split's token range; splits follow the real length so the work is balanced for every sequence.
-    chunk = pl.cdiv(pl.cdiv(length, num_splits), block_n) * block_n
+    splits = num_splits
+    if balanced:   # as many splits as this row's share of the batch's context needs (the rest are empty)
+        per = jnp.maximum(pl.cdiv(total_ref[0], max(1, PROGRAMS_PER_SM * NUM_SMS // k_ref.shape[2])), block_n)
+        splits = jnp.clip(pl.cdiv(length, per), 1, num_splits)
+    chunk = pl.cdiv(pl.cdiv(length, splits), block_n) * block_n
     start = split * chunk
     end = jnp.minimum(start + chunk, length)
     num_tiles = jnp.maximum(pl.cdiv(end - start, block_n), 0)
@@ -134,11 +149,12 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_n", "num_splits", "num_warps",
                                              "num_stages", "eps"))
-def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None, order=None, scales=None, *, scale,
-                     interpret, block_n, num_splits, num_warps, num_stages, eps=0.0):
+def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None, order=None, scales=None, total=None, *,
+                     scale, interpret, block_n, num_splits, num_warps, num_stages, eps=0.0):
     """q [B, H, D], or with `prologue` = (q_norm [L, D], k_norm [L, D], layer [1], cos, sin, page_offset [1]) the
     raw qkv projection [B, H + 2K, D]. order [B] int32: the row each program index runs (None: row = index).
-    scales: (k_scale [L, C], v_scale [L, C], layer [1]) of fp8 caches (quant.kv_scales), else None."""
+    scales: (k_scale [L, C], v_scale [L, C], layer [1]) of fp8 caches (quant.kv_scales), else None.
+    total: the batch's context_total [1] int32 (balanced splits), else None."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     fused = prologue is not None
     batch = q.shape[0]
@@ -150,7 +166,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None,
     part_dtype = q.dtype if num_splits == 1 else jnp.float32
     kernel = functools.partial(_decode_kernel, scale=scale, block_size=block_size, group=group, rows=rows,
                                block_n=block_n, num_splits=num_splits, fused=fused, quantized=scales is not None,
-                               ordered=order is not None, eps=eps)
+                               ordered=order is not None, balanced=total is not None, eps=eps)
     out_shape = (jax.ShapeDtypeStruct((batch, num_splits, heads, head_dim), part_dtype),  # [B, S, H, D]
                  jax.ShapeDtypeStruct((batch, num_splits, heads), jnp.float32))  # [B, S, H]
     args = (seq_lens, block_tables, q, k_cache, v_cache)
@@ -162,6 +178,8 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None,
         args += tuple(scales)
     if order is not None:
         args += (order,)
+    if total is not None:
+        args += (total,)
     res = pl.pallas_call(
         kernel,
         grid=(kv_heads, num_splits, batch),
@@ -185,7 +203,8 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
                     seq_lens: jax.Array, *, order: jax.Array | None = None, scale: float | None = None,
                     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, layer: int | jax.Array = 0,
                     interpret: bool = False, block_n: int | None = None, num_splits: int | None = None,
-                    num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
+                    num_warps: int | None = None, num_stages: int | None = None,
+                    context_total: jax.Array | int | None = None) -> jax.Array:
     """Decode attention: q [B, H, D] (one token per sequence) over the paged cache [P, block_size, K, D].
 
     seq_lens[b] counts the context including the new token (already written); 0 marks a padding row (zeros out).
@@ -196,13 +215,18 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
     Tile options: block_n (tokens per tile, power of two >= 16; None: the cache dtype's default), num_splits
     (context splits, None = auto), num_warps, num_stages (None: the cache dtype's defaults). Returns [B, H, D] in
     q's dtype.
+    context_total (optional; int or int32 [] / [1]): the sum of seq_lens, for balanced splits: each row's context
+    is then cut into as many splits as its share of the batch's work needs (up to num_splits, whose default is
+    then larger), so that long and short rows' programs take about the same time. Without it every row is cut
+    into num_splits equal parts. Any value gives the same result; only the speed depends on it.
     """
     if q.ndim != 3:
         raise ValueError(f"paged_attention: q must be [B, H, D], got shape {q.shape}")
+    total = _total("paged_attention", context_total)
     tiles = _tiles("paged_attention", q, q.shape[1], k_cache, v_cache, block_tables, seq_lens, block_n, num_splits,
-                   order, num_warps, num_stages)
+                   order, num_warps, num_stages, total is not None)
     scales = kv_scales("paged_attention", k_cache, k_scale, v_scale, layer)
-    return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, order=order, scales=scales,
+    return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, order=order, scales=scales, total=total,
                             scale=_scale(scale, q), interpret=interpret, **tiles)
 
 
@@ -212,7 +236,7 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
                         scale: float | None = None, k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
                         scale_layer: int | jax.Array | None = None, page_offset: int = 0, interpret: bool = False,
                         block_n: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
-                        num_stages: int | None = None
+                        num_stages: int | None = None, context_total: jax.Array | int | None = None
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A Qwen3 decode layer's attention, from the qkv projection to the attention output, in ONE kernel.
 
@@ -228,6 +252,7 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
     step sees the token as every later step will. page_offset (an int >= 0): added to every block-table entry, for
     caches that hold several layers' pages (the engine's cache stacked over the layers: layer l's pages start at
     l * P). It is an operand, not a constant of the kernel, so every layer runs the same compiled kernel.
+    context_total: balanced splits, as in paged_attention (the engine passes it, summed once a step).
     Returns (out [B, H, D], k_cache, v_cache); donate the caches to update in place.
     """
     if isinstance(page_offset, bool) or (isinstance(page_offset, int) and page_offset < 0):
@@ -246,14 +271,15 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
     if isinstance(layer, int) and not 0 <= layer < rows:
         raise ValueError(f"paged_attention_qkv: layer={layer} is outside the {rows} rows of q_norm/k_norm")
     heads = qkv.shape[1] - 2 * K
+    total = _total("paged_attention_qkv", context_total)
     tiles = _tiles("paged_attention_qkv", qkv, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits,
-                   order, num_warps, num_stages)
+                   order, num_warps, num_stages, total is not None)
     scales = kv_scales("paged_attention_qkv", k_cache, k_scale, v_scale, layer if scale_layer is None else scale_layer)
     q_norm, k_norm = (jnp.atleast_2d(w).astype(qkv.dtype) for w in (q_norm, k_norm))   # [L, D]
     layer = jnp.asarray(layer, jnp.int32).reshape(1)                              # a constant: no kernel
     first = jnp.asarray(page_offset, jnp.int32).reshape(1)
     norms = (q_norm, k_norm, layer, cos.astype(jnp.float32), sin.astype(jnp.float32), first)
-    return _paged_attention(qkv, k_cache, v_cache, block_tables, seq_lens, norms, order, scales,
+    return _paged_attention(qkv, k_cache, v_cache, block_tables, seq_lens, norms, order, scales, total,
                             scale=_scale(scale, qkv), interpret=interpret, eps=float(eps), **tiles)
 
 
@@ -261,8 +287,20 @@ def _scale(scale, q) -> float:
     return float(q.shape[-1] ** -0.5 if scale is None else scale)
 
 
+def _total(name, context_total):
+    """context_total -> int32 [1], or None."""
+    if context_total is None:
+        return None
+    if isinstance(context_total, bool) or (isinstance(context_total, int) and context_total < 0):
+        raise ValueError(f"{name}: context_total must be an int >= 0 or an int32 array, got {context_total!r}")
+    total = jnp.asarray(context_total)
+    if total.dtype != jnp.int32 or total.size != 1:
+        raise ValueError(f"{name}: context_total must be one int32 value, got {total.dtype} {total.shape}")
+    return total.reshape(1)
+
+
 def _tiles(name, q, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits, order, num_warps=None,
-           num_stages=None) -> dict:
+           num_stages=None, balanced: bool = False) -> dict:
     """Validation shared by both entry points; returns the static tile choices (None: the cache dtype's default)."""
     check_paged_inputs(name, heads, q.shape[-1], q.dtype, k_cache, v_cache, block_tables, seq_lens, q.shape[0],
                        pairs=True)
@@ -277,7 +315,7 @@ def _tiles(name, q, heads, k_cache, v_cache, block_tables, seq_lens, block_n, nu
         raise ValueError(f"{name}: block_n must be a power of two >= 16, got {block_n}")
     if num_splits is None:
         num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1],
-                                       block_n)
+                                       block_n, BALANCED_PROGRAMS_PER_SM if balanced else None)
     if num_splits < 1:
         raise ValueError(f"{name}: num_splits must be >= 1, got {num_splits}")
     return dict(block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)

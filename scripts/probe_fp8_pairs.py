@@ -6,6 +6,7 @@ bf16 kernels (probe_fp8_decode.py's):
   dpairs     pairs of head dimensions: the SAME bytes as the fp8 pages viewed as uint16 [P, bs, K, D/2] (the
              engine's layout), each dot over the even or odd dimensions, the output halves stored interleaved;
   dquads     the same with four dimensions per uint32 element, four dots.
+  dpairs_f8qk  dpairs with q quantised per row to e4m3, so Q.K^T is an fp8 x fp8 dot (no K conversion).
 
     python scripts/probe_fp8_pairs.py [--json PATH]      # H200: ~2.5 min; CPU: a small interpret-mode check
 """
@@ -76,7 +77,7 @@ def decode_pairs(q, kc, vp, bt, lens, conv="cvt", block_n=64, warps=2, stages=3)
         name="pairs_probe")(lens, bt, q, kc, vp)
 
 
-def kernel_dpairs(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_n, rows, group, parts=2):
+def kernel_dpairs(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_n, rows, group, parts=2, f8qk=False):
     """V as stored, viewed as uint16 [P, bs, K, D/2] (head dimensions 2j and 2j+1 of a token in one element; parts=4:
     uint32, four dimensions): the P.V dot is `parts` dots, one over each byte of the elements (dimensions
     parts * h + j)."""
@@ -87,6 +88,11 @@ def kernel_dpairs(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_n, rows
     n = lens_ref[b]
     qk = D ** -0.5 * LOG2E
 
+    if f8qk:      # q quantised per row to e4m3 (as FA3's fp8 mode and vLLM do), so Q.K^T is an fp8 x fp8 dot
+        qs = jnp.maximum(jnp.max(jnp.abs(q.astype(jnp.float32)), axis=1), 1e-20) / 448.0            # [rows]
+        q = (q.astype(jnp.float32) / qs[:, None]).astype(jnp.float8_e4m3fn)
+        qk = qk * qs[:, None]
+
     def part16(u, j):                                                 # byte j of each element, as fp16
         byte = ((u >> (8 * j)) & 0xFF).astype(jnp.uint8)
         return jax.lax.bitcast_convert_type(byte, jnp.float8_e4m3fn).astype(jnp.float16)
@@ -96,7 +102,8 @@ def kernel_dpairs(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_n, rows
         tok = i * block_n + jnp.arange(block_n)
         t = jnp.minimum(tok, n - 1)
         page, slot = bt_ref[b, t // BS], t % BS
-        k = k_ref[page, slot, kh, :].astype(jnp.float16)
+        k = k_ref[page, slot, kh, :]
+        k = k if f8qk else k.astype(jnp.float16)
         s = jnp.where((tok < n)[None, :], plt.dot(q, k, trans_b=True) * qk, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
@@ -114,11 +121,12 @@ def kernel_dpairs(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_n, rows
         o_ref[b, head[:, None], parts * hcol[None, :] + j] = (a * inv).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "warps", "stages"))
-def decode_dpairs(q, kc, vd, bt, lens, block_n=64, warps=2, stages=3):
+@functools.partial(jax.jit, static_argnames=("block_n", "warps", "stages", "f8qk"))
+def decode_dpairs(q, kc, vd, bt, lens, block_n=64, warps=2, stages=3, f8qk=False):
     B = q.shape[0]
     return pl.pallas_call(
-        functools.partial(kernel_dpairs, block_n=block_n, rows=16, group=H // K, parts=4 if vd.dtype == jnp.uint32 else 2),
+        functools.partial(kernel_dpairs, block_n=block_n, rows=16, group=H // K, parts=4 if vd.dtype == jnp.uint32 else 2,
+                          f8qk=f8qk),
         grid=(K, B), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages), interpret=interp,
         name="dpairs_probe")(lens, bt, q, kc, vd)
@@ -160,6 +168,7 @@ def pairs(json_path):
                      for t in tiles[:1]]
         variants += [("dpairs", decode_dpairs, to_dpairs(vc), t) for t in tiles]
         variants += [("dquads", decode_dpairs, to_dquads(vc), t) for t in tiles]
+        variants += [("dpairs_f8qk", decode_dpairs, to_dpairs(vc), dict(t, f8qk=True)) for t in tiles]
         for name, fn, v_in, kw in variants:
             qq, kk, vv, nb = q, kc, v_in, nbytes
             if v_in is None:        # bf16 pages of the same values

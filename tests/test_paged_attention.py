@@ -223,6 +223,36 @@ def test_program_order_changes_no_result(fused):
         run(longest_first[:2])
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_balanced_splits_change_no_result(fused):
+    """context_total only changes how rows' contexts are cut into splits (a row of n tokens gets min(num_splits,
+    ceil(n / per)) of them, the rest empty): any total, traced or not, gives the reference's result."""
+    lens, block_size, heads, kv_heads, head_dim = [40, 3, 0, 17, 64, 1], 4, 4, 2, 16
+    rng = np.random.default_rng(12)
+    k, v, tables, seq_lens = make_paged(rng, lens, block_size, kv_heads, head_dim, jnp.float32)
+    opts = dict(interpret=True, block_n=16, num_splits=4)
+    if fused:
+        qkv = jnp.asarray(rng.standard_normal((len(lens), heads + 2 * kv_heads, head_dim)), jnp.float32)
+        norm, cos = jnp.ones((head_dim,), jnp.float32), jnp.ones((len(lens), head_dim), jnp.float32)
+        run = jax.jit(lambda total: paged_attention_qkv(qkv, norm, norm, cos, cos, k, v, tables, seq_lens, eps=1e-6,
+                                                        context_total=total, **opts))
+    else:
+        q = jnp.asarray(rng.standard_normal((len(lens), heads, head_dim)), jnp.float32)
+        run = jax.jit(lambda total: (paged_attention(q, k, v, tables, seq_lens, context_total=total, **opts),))
+    base = run(None)
+    # 0: every row splits as far as it can; 125: the real total; 10**6: one split each
+    for total in (0, sum(lens), 10**6, jnp.int32(sum(lens))):
+        for a, b in zip(base, run(total)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+    if not fused:
+        ref = paged_attention_reference(q, k, v, tables, seq_lens)
+        np.testing.assert_allclose(np.asarray(run(0)[0]), np.asarray(ref), atol=1e-5, rtol=1e-5)
+    for bad in (-1, True, jnp.float32(3), jnp.zeros((2,), jnp.int32)):
+        with pytest.raises(ValueError, match="context_total"):
+            paged_attention(jnp.zeros((len(lens), heads, head_dim), jnp.float32), k, v, tables, seq_lens,
+                            context_total=bad, interpret=True)
+
+
 def test_choose_num_splits():
     assert choose_num_splits(batch=256, kv_heads=8, max_context=4096) == 1
     assert choose_num_splits(batch=1, kv_heads=8, max_context=4096) == 8
@@ -231,6 +261,9 @@ def test_choose_num_splits():
     # ~4 programs per SM rounded down: over-splitting a moderate batch was slower on the H200
     assert choose_num_splits(batch=32, kv_heads=8, max_context=4096) == 2
     assert choose_num_splits(batch=8, kv_heads=8, max_context=4096) == 8
+    # balanced splits (context_total) allow twice the programs: short rows leave theirs empty
+    assert choose_num_splits(batch=64, kv_heads=8, max_context=4096, programs_per_sm=8) == 2
+    assert choose_num_splits(batch=32, kv_heads=8, max_context=4096, programs_per_sm=8) == 4
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -258,6 +291,7 @@ def test_lowers_to_triton():
     args = (sd((8, 16, 128), jnp.bfloat16), sd((64, 16, 8, 128), jnp.bfloat16), sd((64, 16, 8, 128), jnp.bfloat16),
             sd((8, 8), jnp.int32), sd((8,), jnp.int32))
     assert_lowers_to_triton(paged_attention, args)
+    assert_lowers_to_triton(functools.partial(paged_attention, context_total=1000), args)
     vec, rope = sd((128,), jnp.bfloat16), sd((8, 128), jnp.float32)
     assert_lowers_to_triton(functools.partial(paged_attention_qkv, eps=1e-6),
                             (sd((8, 32, 128), jnp.bfloat16), vec, vec, rope, rope, *args[1:]))
@@ -291,4 +325,10 @@ def test_gpu_compiled(dtype, batch, max_len, block_size):
     order = jnp.asarray(np.argsort(-lens, kind="stable"), jnp.int32)     # rows longest first
     check_qkv(jax.jit(lambda qkv, qn, kn, *a: paged_attention_qkv(qkv, *stacked, *a, eps=1e-6, layer=1, order=order)),
               qkv, norms, k, v, tables, lens, tol, theta=1e6)
+    total = jnp.int32(int(lens.sum()))                                   # balanced splits, as the engine runs them
+    check_qkv(jax.jit(lambda qkv, qn, kn, *a: paged_attention_qkv(qkv, *stacked, *a, eps=1e-6, layer=1, order=order,
+                                                                  context_total=total)),
+              qkv, norms, k, v, tables, lens, tol, theta=1e6)
+    out = jax.jit(functools.partial(paged_attention, context_total=total))(q, k, v, tables, seq_lens)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tol)
     check_stacked_layer(qkv, norms, k, v, tables, lens, tol, interpret=False, theta=1e6)   # the engine's cache

@@ -21,10 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine.batch import pack_extras
-from jaxinfer.engine.runner import compile_threads
+from jaxinfer.engine.runner import compile_threads, program_switches
 from jaxinfer.engine.scheduler import PROMPT_LOGPROB_TOKENS
 from jaxinfer.engine.sequence import Sequence, Status
-from jaxinfer.model import layers, xla_decode
 from jaxinfer.parallel.layout import KV_SPEC
 from jaxinfer.step import Extras, extras_layout, idle_batch, make_step
 from jaxinfer.xla_options import step_compiler_options
@@ -102,9 +101,7 @@ class ExtrasRunner:
         kind, T, B, W, filtered, extras = key
         shared = ("extras", r.model, r.engine.attn_backend, str(r.dtype), str(r.kv_dtype), r.num_blocks,
                   r.engine.block_size, r.interpret, r.max_rows, isinstance(r.params["layers"], tuple),
-                  r.cache_kind, len(r.placement.devices), self.num_slots, key, layers.GEMV_MAX_ROWS,
-                  layers.GEMV_FUSE, xla_decode.DECODE_FORM, xla_decode.DECODE_CHUNK,
-                  xla_decode.MERGE)  # as the runner's
+                  r.cache_kind, len(r.placement.devices), self.num_slots, key, *program_switches())
 
         def build():
             step = make_step(r.model, kind, T, B, W, r.engine.attn_backend, r.interpret, r.max_rows, filtered,

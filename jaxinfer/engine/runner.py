@@ -18,6 +18,7 @@ import numpy as np
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model import layers
 from jaxinfer.model import xla_decode
+from jaxinfer.model import attention
 from jaxinfer.model.attention import cache_layout, v_pages
 from jaxinfer.model.kv_scales import kv_cache_dtype, with_kv_scales
 from jaxinfer.parallel import Placement, kv_heads, make_placements
@@ -53,6 +54,13 @@ def decode_chunk_pages(engine: EngineConfig) -> int:
     if engine.attn_backend != "xla" or xla_decode.DECODE_FORM != "chunks":
         return 0
     return max(1, min(xla_decode.DECODE_CHUNK // engine.block_size, engine.max_blocks_per_seq))
+
+
+def program_switches() -> tuple:
+    """The module switches a compiled step depends on (part of every executables key): the small-batch matmul
+    choice, the xla decode's form, chunk and merge, the pallas decode's balanced splits."""
+    return (layers.GEMV_MAX_ROWS, layers.GEMV_FUSE, xla_decode.DECODE_FORM, xla_decode.DECODE_CHUNK,
+            xla_decode.MERGE, attention.BALANCED_SPLITS)
 
 
 def rows_out(kind: str) -> bool:
@@ -148,8 +156,7 @@ class ModelRunner:
             shared = (self.model, self.engine.attn_backend, str(self.dtype), str(self.kv_dtype), self.num_blocks,
                       self.engine.block_size, self.interpret, self.max_rows,
                       isinstance(self.params["layers"], tuple), self.cache_kind, len(self.placement.devices), key,
-                      layers.GEMV_MAX_ROWS, layers.GEMV_FUSE,      # the small-batch matmul choice shapes the program
-                      rows_out(kind), xla_decode.DECODE_FORM, xla_decode.DECODE_CHUNK, xla_decode.MERGE)
+                      rows_out(kind), *program_switches())
 
             def build():
                 rep = self.placement.replicated
