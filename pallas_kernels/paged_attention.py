@@ -44,9 +44,8 @@ DEFAULT_NUM_STAGES = 3
 MIN_TOKENS_PER_SPLIT = 512
 PROGRAMS_PER_SM = 4
 # With `context_total` (balanced splits): the static split count allows this many programs per SM, and each row
-# gets the splits its share of the batch's context needs, aiming at PROGRAMS_PER_SM programs per SM in all. On the
-# H200, W ran at 26,224 / 33,404 tok/s (bf16 / fp8 pages) with 8 splits' worth of programs against 25,952 / 32,622
-# with today's count (docs/kernels.md, "Context splits").
+# gets the splits its share of the batch's context needs (whole tiles), aiming at PROGRAMS_PER_SM programs per SM
+# in all (docs/kernels.md, "Context splits").
 BALANCED_PROGRAMS_PER_SM = 8
 
 
@@ -89,7 +88,8 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     # This split's token range; splits follow the real length so the work is balanced for every sequence.
     splits = num_splits
     if balanced:   # as many splits as this row's share of the batch's context needs (the rest are empty)
-        per = jnp.maximum(pl.cdiv(total_ref[0], max(1, PROGRAMS_PER_SM * NUM_SMS // k_ref.shape[2])), block_n)
+        per = pl.cdiv(pl.cdiv(total_ref[0], max(1, PROGRAMS_PER_SM * NUM_SMS // k_ref.shape[2])), block_n) * block_n
+        per = jnp.maximum(per, block_n)
         splits = jnp.clip(pl.cdiv(length, per), 1, num_splits)
     chunk = pl.cdiv(pl.cdiv(length, splits), block_n) * block_n
     start = split * chunk

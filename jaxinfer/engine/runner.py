@@ -18,7 +18,6 @@ import numpy as np
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model import layers
 from jaxinfer.model import xla_decode
-from jaxinfer.model import attention
 from jaxinfer.model.attention import cache_layout, v_pages
 from jaxinfer.model.kv_scales import kv_cache_dtype, with_kv_scales
 from jaxinfer.parallel import Placement, kv_heads, make_placements
@@ -58,9 +57,9 @@ def decode_chunk_pages(engine: EngineConfig) -> int:
 
 def program_switches() -> tuple:
     """The module switches a compiled step depends on (part of every executables key): the small-batch matmul
-    choice, the xla decode's form, chunk and merge, the pallas decode's balanced splits."""
+    choice, the xla decode's form, chunk and merge."""
     return (layers.GEMV_MAX_ROWS, layers.GEMV_FUSE, xla_decode.DECODE_FORM, xla_decode.DECODE_CHUNK,
-            xla_decode.MERGE, attention.BALANCED_SPLITS)
+            xla_decode.MERGE)
 
 
 def rows_out(kind: str) -> bool:

@@ -37,11 +37,6 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer.model import xla_decode
 from jaxinfer.model.xla_attention import layer_scales, prefill_xla  # noqa: F401 (re-exported)
 from jaxinfer.model.xla_decode import paged_decode_xla  # noqa: F401 (re-exported)
-
-# The pallas decode kernel balances its context splits by the batch's total context (paged_attention's
-# context_total): on W's mixed lengths 1-2.4% faster on the H200 (docs/kernels.md, "Context splits"). False:
-# every row cut into the same number of splits (the A/B's other side).
-BALANCED_SPLITS = True
 from jaxinfer.parallel import shard_map
 from jaxinfer.parallel.layout import KV_SPEC
 from pallas_kernels.quant import PAIRS_DTYPE, is_fp8, is_pairs, pack_pairs, quantize
@@ -229,17 +224,13 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
 
     if kind == "decode" and backend == "pallas":
         from pallas_kernels.paged_attention import paged_attention_qkv
-        # the batch's total context, summed once a step: every layer's kernel balances its context splits by it
-        total = jnp.sum(meta["seq_lens"], dtype=jnp.int32) if BALANCED_SPLITS else None
-        meta = {**meta, "context_total": total}
 
         def qkv_local(meta, l, row, qkv, q_norm, k_norm, cos, sin, eps, cache):   # row b's new token: seq_lens[b] - 1
             scales = {k: v for k, v in fp8_kwargs(meta, l).items() if k != "layer"}     # stacked scales: their row is l
             first = l * (cache[0].shape[0] // stacked_layers) if stacked_layers else 0   # the layer's first page
             o, k_cache, v_cache = paged_attention_qkv(qkv, q_norm, k_norm, cos, sin, *cache, meta["block_tables"],
                                                       meta["seq_lens"], eps=eps, layer=row, order=meta["attn_order"],
-                                                      interpret=interpret, scale_layer=l, page_offset=first,
-                                                      context_total=meta["context_total"], **scales)
+                                                      interpret=interpret, scale_layer=l, page_offset=first, **scales)
             return o, (k_cache, v_cache)
 
         def from_qkv(l, qkv, q_norm, k_norm, row, cos, sin, eps, cache):
