@@ -266,7 +266,8 @@ def test_default_max_tokens_is_the_room_the_pool_leaves():
 
 def test_model_sampling_defaults_fill_what_a_request_leaves_out(tmp_path):
     """The model's generation_config.json (vLLM's --generation-config auto) gives the fields a request does not
-    set; its max_new_tokens caps the default max_tokens; a bad --generation-config is refused by name."""
+    set; its max_new_tokens caps max_tokens, the default and a request's own (vLLM's get_max_tokens); a bad
+    --generation-config is refused by name."""
     from jaxinfer.server import protocol as P
     from jaxinfer.server.options import ServerOptions
     defaults = {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 7}
@@ -274,7 +275,9 @@ def test_model_sampling_defaults_fill_what_a_request_leaves_out(tmp_path):
     sp = P.sampling_params(chat, 19, 2048, None, defaults=defaults)
     assert (sp.temperature, sp.top_k, sp.top_p, sp.max_tokens) == (0.6, 5, 0.95, 7)
     sp = P.sampling_params(P.CompletionRequest(prompt="a", temperature=0, max_tokens=30), 1, 2048, 16, defaults=defaults)
-    assert (sp.temperature, sp.max_tokens) == (0.0, 30)
+    assert (sp.temperature, sp.max_tokens) == (0.0, 7)
+    sp = P.sampling_params(P.CompletionRequest(prompt="a", max_tokens=3), 1, 2048, 16, defaults=defaults)
+    assert sp.max_tokens == 3
     assert ServerOptions(generation_config=str(tmp_path)).generation_config == str(tmp_path)
     with pytest.raises(ValueError, match="generation_config='nowhere'"):
         ServerOptions(generation_config="nowhere")

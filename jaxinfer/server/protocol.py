@@ -158,7 +158,7 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
     """SamplingParams for one prompt of `prompt_len` tokens (with n: choices.expand sends n engine requests,
     `for_sample(i)`); default_max_tokens None = the rest of the context, which a KV pool of `pool_tokens`
     smaller than max_model_len limits too. `defaults`: the model's recommended values for the fields the
-    request leaves out (generation_config.py; its max_tokens caps the default one)."""
+    request leaves out (generation_config.py; its max_tokens caps the request's, given or not, as vLLM's does)."""
     defaults = defaults or {}
     mct = getattr(req, "max_completion_tokens", None)
     key = "max_completion_tokens" if mct is not None else "max_tokens"
@@ -177,6 +177,8 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
                            f"completion). Please reduce the prompt or {key}.", param=key,
                            code="context_length_exceeded")
+    else:                          # as vLLM: the model's max_new_tokens caps an explicit max_tokens too
+        max_tokens = min(max_tokens, defaults.get("max_tokens", max_tokens))
     kw = {**{k: v for k, v in defaults.items() if k != "max_tokens"},
           **{k: getattr(req, k) for k in _PASSTHROUGH if getattr(req, k) is not None}}
     if kw.get("top_k") == -1:
