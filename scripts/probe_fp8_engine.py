@@ -99,20 +99,28 @@ def shapes():
     return out
 
 
+def record(rows: list, fn, **ident):
+    """Append fn()'s row (or the error it raised, with ident) to rows, and print it."""
+    try:
+        r = fn()
+    except Exception as e:  # noqa: BLE001
+        r = dict(ident, error=f"{type(e).__name__}: {str(e)[:300]}")
+    rows.append(r)
+    print(r, flush=True)
+
+
+def save(json_path, what: str, rows: list):
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(what=what, rows=rows), f, indent=1)
+
+
 def time_all(json_path):
     rows = []
     for kind, B, lens in shapes():
         for variant in VARIANTS:
-            try:
-                r = dict(kind=kind, **time_variant(variant, B, lens))
-            except Exception as e:  # noqa: BLE001
-                r = dict(kind=kind, variant=variant, B=B, error=f"{type(e).__name__}: {str(e)[:300]}")
-            rows.append(r)
-            print(r, flush=True)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(dict(what="fp8 engine decode kernel: prologue, splits, tiles (28 calls chained in one jit)",
-                           rows=rows), f, indent=1)
+            record(rows, lambda: dict(kind=kind, **time_variant(variant, B, lens)), kind=kind, variant=variant, B=B)
+    save(json_path, "fp8 engine decode kernel: prologue, splits, tiles (28 calls chained in one jit)", rows)
 
 
 def splits(json_path):
@@ -126,16 +134,9 @@ def splits(json_path):
             tiles = [{}] + ([dict(block_n=128, num_warps=2, num_stages=3)] if variant == "qkv_fp8" else [])
             for t in tiles:
                 for n in (1, 2) if interp else (1, 2, 4, 8, 16):
-                    try:
-                        r = time_variant(variant, B, lens, dict(t, num_splits=n))
-                    except Exception as e:  # noqa: BLE001
-                        r = dict(variant=variant, B=B, num_splits=n, error=f"{type(e).__name__}: {str(e)[:300]}")
-                    rows.append(r)
-                    print(r, flush=True)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(dict(what="engine decode kernel: context splits on W-like lengths (28 calls chained)",
-                           rows=rows), f, indent=1)
+                    record(rows, lambda: time_variant(variant, B, lens, dict(t, num_splits=n)), variant=variant, B=B,
+                           num_splits=n)
+    save(json_path, "engine decode kernel: context splits on W-like lengths (28 calls chained)", rows)
 
 
 def ncu_calls(variant: str, B: int, ctx: int):
