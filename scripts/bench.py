@@ -251,8 +251,8 @@ def parse(argv=None):
     ap.add_argument("--peer-max-tokens", type=int, default=256)
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--reference-bw", type=float, default=4.3,
-                    help="TB/s for a second floor: XLA's own pass reaches less than the HBM can (default 4.3, "
-                         "a torch device copy on the H200)")
+                    help="TB/s per device for a second floor (times the devices used): XLA's own pass reaches "
+                         "less than the HBM can (default 4.3, a torch device copy on the H200)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="every request asks for N logprobs per token (cost of logprobs; default: none)")
     g.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
