@@ -103,6 +103,18 @@ def check_paged_inputs(name: str, q_heads: int, head_dim: int, q_dtype, k_cache,
         raise ValueError(f"{name}: seq_lens must be int32, got {seq_lens.dtype}")
 
 
+def context_total_operand(name: str, context_total):
+    """A decode kernel's context_total (balanced splits) -> int32 [1], or None; ValueError unless one int >= 0."""
+    if context_total is None:
+        return None
+    if isinstance(context_total, bool) or (isinstance(context_total, int) and context_total < 0):
+        raise ValueError(f"{name}: context_total must be an int >= 0 or an int32 array, got {context_total!r}")
+    total = jnp.asarray(context_total)
+    if total.dtype != jnp.int32 or total.size != 1:
+        raise ValueError(f"{name}: context_total must be one int32 value, got {total.dtype} {total.shape}")
+    return total.reshape(1)
+
+
 def load_kv_tile(k_ref, v_ref, bt_ref, b, kh, tok, block_size: int, dtype, page_offset: int = 0):
     """Gathers K and V rows of context positions `tok` ([N] int32, all < seq_len) of sequence b, kv head kh.
 

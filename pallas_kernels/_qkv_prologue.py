@@ -76,3 +76,23 @@ def write_new_token(kn, vn, k_out_ref, v_out_ref, bt_ref, b, kh, dcol, pos, bloc
             v_out_ref[page, slot, kh, jnp.arange(dcol.shape[0] // 2)[None, :]] = pack_in_kernel(*vn)
         else:
             v_out_ref[page, slot, kh, dcol[None, :]] = vn[0]
+
+
+def check_qkv_inputs(qkv, q_norm, k_norm, cos, sin, K: int, layer, page_offset) -> None:
+    """paged_attention_qkv's own arguments (the paged ones are checked with paged_attention's): ValueError naming
+    the one that does not fit."""
+    if isinstance(page_offset, bool) or (isinstance(page_offset, int) and page_offset < 0):
+        raise ValueError(f"paged_attention_qkv: page_offset must be an int >= 0, got {page_offset!r}")
+    B, D = qkv.shape[0], qkv.shape[-1]
+    if qkv.ndim != 3 or qkv.shape[1] <= 2 * K:
+        raise ValueError(f"paged_attention_qkv: qkv must be [B, H + 2K, D] with K={K} kv heads, got {qkv.shape}")
+    for name, x in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if x.shape[-1:] != (D,) or x.ndim not in (1, 2) or x.shape != q_norm.shape:
+            raise ValueError(f"paged_attention_qkv: {name} must have shape ({D},) or (L, {D}) like q_norm, "
+                             f"got {x.shape}")
+    for name, x in (("cos", cos), ("sin", sin)):
+        if x.shape != (B, D):
+            raise ValueError(f"paged_attention_qkv: {name} must have shape {(B, D)}, got {x.shape}")
+    rows = q_norm.shape[0] if q_norm.ndim == 2 else 1
+    if isinstance(layer, int) and not 0 <= layer < rows:
+        raise ValueError(f"paged_attention_qkv: layer={layer} is outside the {rows} rows of q_norm/k_norm")

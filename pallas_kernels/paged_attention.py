@@ -24,9 +24,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import _common
-from pallas_kernels._common import (LOG2E, NEG_BIG, acc_zeros, check_paged_inputs, dot_precision, load_kv_tile,
-                                    next_pow2, online_softmax_update, out_columns, prev_pow2)
-from pallas_kernels._qkv_prologue import attend_new_token, new_token, norm_rope
+from pallas_kernels._common import (LOG2E, NEG_BIG, acc_zeros, check_paged_inputs, context_total_operand,
+                                    dot_precision, load_kv_tile, next_pow2, online_softmax_update, out_columns,
+                                    prev_pow2)
+from pallas_kernels._qkv_prologue import attend_new_token, check_qkv_inputs, new_token, norm_rope
 from pallas_kernels.quant import compute_dtype, is_fp8, kv_scales, load_scales
 
 paged_attention_reference = _common.paged_attention_reference    # plain jnp, the same contract (kept in _common)
@@ -36,16 +37,14 @@ DEFAULT_BLOCK_N = 64  # tokens per tile (4 pages of 16)
 DEFAULT_BLOCK_N_FP8 = 64
 DEFAULT_NUM_WARPS_FP8 = 2
 DEFAULT_NUM_STAGES_FP8 = 3
-# 2 warps, not 4: on the H200 the engine kernel took 9-12% less time on the benchmark's real lengths (tile
-# sweep, rows longest first) and the whole benchmark ran at 25,556 tok/s against 24,549 with 4 warps (one
-# machine, same run). 4 stages measured the same within noise (25,671) but needs 128 KiB of shared memory.
+# 2 warps, not 4: W ran 25,556 against 24,549 tok/s on one H200; 4 stages the same as 3 but with 128 KiB of shared
+# memory (docs/kernels.md).
 DEFAULT_NUM_WARPS = 2
 DEFAULT_NUM_STAGES = 3
 MIN_TOKENS_PER_SPLIT = 512
 PROGRAMS_PER_SM = 4
-# With `context_total` (balanced splits): the static split count allows this many programs per SM, and each row
-# gets the splits its share of the batch's context needs (whole tiles), aiming at PROGRAMS_PER_SM programs per SM
-# in all (docs/kernels.md, "Context splits").
+# Balanced splits (`context_total`): up to this many programs per SM, each row getting the splits its share of the
+# batch's context needs, PROGRAMS_PER_SM per SM in all (docs/kernels.md, "Balanced splits").
 BALANCED_PROGRAMS_PER_SM = 8
 
 
@@ -222,7 +221,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
     """
     if q.ndim != 3:
         raise ValueError(f"paged_attention: q must be [B, H, D], got shape {q.shape}")
-    total = _total("paged_attention", context_total)
+    total = context_total_operand("paged_attention", context_total)
     tiles = _tiles("paged_attention", q, q.shape[1], k_cache, v_cache, block_tables, seq_lens, block_n, num_splits,
                    order, num_warps, num_stages, total is not None)
     scales = kv_scales("paged_attention", k_cache, k_scale, v_scale, layer)
@@ -252,26 +251,13 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
     step sees the token as every later step will. page_offset (an int >= 0): added to every block-table entry, for
     caches that hold several layers' pages (the engine's cache stacked over the layers: layer l's pages start at
     l * P). It is an operand, not a constant of the kernel, so every layer runs the same compiled kernel.
-    context_total: balanced splits, as in paged_attention (the engine passes it, summed once a step).
+    context_total: balanced splits, as in paged_attention.
     Returns (out [B, H, D], k_cache, v_cache); donate the caches to update in place.
     """
-    if isinstance(page_offset, bool) or (isinstance(page_offset, int) and page_offset < 0):
-        raise ValueError(f"paged_attention_qkv: page_offset must be an int >= 0, got {page_offset!r}")
-    B, K, D = qkv.shape[0], k_cache.shape[2], qkv.shape[-1]
-    if qkv.ndim != 3 or qkv.shape[1] <= 2 * K:
-        raise ValueError(f"paged_attention_qkv: qkv must be [B, H + 2K, D] with K={K} kv heads, got {qkv.shape}")
-    for name, x in (("q_norm", q_norm), ("k_norm", k_norm)):
-        if x.shape[-1:] != (D,) or x.ndim not in (1, 2) or x.shape != q_norm.shape:
-            raise ValueError(f"paged_attention_qkv: {name} must have shape ({D},) or (L, {D}) like q_norm, "
-                             f"got {x.shape}")
-    for name, x in (("cos", cos), ("sin", sin)):
-        if x.shape != (B, D):
-            raise ValueError(f"paged_attention_qkv: {name} must have shape {(B, D)}, got {x.shape}")
-    rows = q_norm.shape[0] if q_norm.ndim == 2 else 1
-    if isinstance(layer, int) and not 0 <= layer < rows:
-        raise ValueError(f"paged_attention_qkv: layer={layer} is outside the {rows} rows of q_norm/k_norm")
+    K = k_cache.shape[2]
+    check_qkv_inputs(qkv, q_norm, k_norm, cos, sin, K, layer, page_offset)
     heads = qkv.shape[1] - 2 * K
-    total = _total("paged_attention_qkv", context_total)
+    total = context_total_operand("paged_attention_qkv", context_total)
     tiles = _tiles("paged_attention_qkv", qkv, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits,
                    order, num_warps, num_stages, total is not None)
     scales = kv_scales("paged_attention_qkv", k_cache, k_scale, v_scale, layer if scale_layer is None else scale_layer)
@@ -285,18 +271,6 @@ def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, co
 
 def _scale(scale, q) -> float:
     return float(q.shape[-1] ** -0.5 if scale is None else scale)
-
-
-def _total(name, context_total):
-    """context_total -> int32 [1], or None."""
-    if context_total is None:
-        return None
-    if isinstance(context_total, bool) or (isinstance(context_total, int) and context_total < 0):
-        raise ValueError(f"{name}: context_total must be an int >= 0 or an int32 array, got {context_total!r}")
-    total = jnp.asarray(context_total)
-    if total.dtype != jnp.int32 or total.size != 1:
-        raise ValueError(f"{name}: context_total must be one int32 value, got {total.dtype} {total.shape}")
-    return total.reshape(1)
 
 
 def _tiles(name, q, heads, k_cache, v_cache, block_tables, seq_lens, block_n, num_splits, order, num_warps=None,
