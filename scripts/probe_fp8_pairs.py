@@ -7,6 +7,8 @@ bf16 kernels (probe_fp8_decode.py's):
              engine's layout), each dot over the even or odd dimensions, the output halves stored interleaved;
   dquads     the same with four dimensions per uint32 element, four dots.
   dpairs_f8qk  dpairs with q quantised per row to e4m3, so Q.K^T is an fp8 x fp8 dot (no K conversion).
+  e5m2_kcvt / e5m2_kpairs  float8_e5m2 pages: V's pairs become fp16 with a shift and a mask (an e5m2 byte is the
+             top byte of an fp16), no cvt; K by cvt, or as pairs too (Q.K^T as two dots over even / odd dims).
 
     python scripts/probe_fp8_pairs.py [--json PATH]      # H200: ~2.5 min; CPU: a small interpret-mode check
 """
@@ -132,6 +134,62 @@ def decode_dpairs(q, kc, vd, bt, lens, block_n=64, warps=2, stages=3, f8qk=False
         name="dpairs_probe")(lens, bt, q, kc, vd)
 
 
+def kernel_e5m2(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, block_n, rows, group, k_pairs):
+    """float8_e5m2 pages: an e5m2 byte is the top byte of an fp16 of the same value (same exponent bias), so a uint16
+    pair of them gives two fp16 values with a shift and a mask, no cvt. V as uint16 pairs [P, bs, K, D/2] (two dots,
+    as dpairs); K as e5m2 bytes converted by cvt, or (k_pairs) as pairs too, Q.K^T then two dots over the even and
+    odd dimensions."""
+    kh, b = pl.program_id(0), pl.program_id(1)
+    head = kh * group + jnp.minimum(jnp.arange(rows), group - 1)
+    dcol, hcol = jnp.arange(D), jnp.arange(D // 2)
+    if k_pairs:
+        qe, qo = (q_ref[b, head[:, None], 2 * hcol[None, :] + j].astype(jnp.float16) for j in (0, 1))
+    else:
+        q = q_ref[b, head[:, None], dcol[None, :]].astype(jnp.float16)
+    n = lens_ref[b]
+    qk = D ** -0.5 * LOG2E
+
+    def halves(u):                                                     # uint16 [N, D/2] -> even, odd dims as fp16
+        return (jax.lax.bitcast_convert_type(u << 8, jnp.float16),
+                jax.lax.bitcast_convert_type(u & 0xFF00, jnp.float16))
+
+    def body(i, carry):
+        accs, m, l = carry
+        tok = i * block_n + jnp.arange(block_n)
+        t = jnp.minimum(tok, n - 1)
+        page, slot = bt_ref[b, t // BS], t % BS
+        if k_pairs:
+            ke, ko = halves(k_ref[page, slot, kh, :])
+            s = plt.dot(qe, ke, trans_b=True) + plt.dot(qo, ko, trans_b=True)
+        else:
+            s = plt.dot(q, k_ref[page, slot, kh, :].astype(jnp.float16), trans_b=True)
+        s = jnp.where((tok < n)[None, :], s * qk, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        p16 = p.astype(jnp.float16)
+        accs = tuple(a * alpha[:, None] + plt.dot(p16, x) for a, x in zip(accs, halves(v_ref[page, slot, kh, :])))
+        return accs, m_new, l * alpha + p.sum(axis=1)
+
+    z = jnp.zeros((rows, D // 2), jnp.float32)
+    accs, m, l = jax.lax.fori_loop(0, pl.cdiv(n, block_n), body, ((z, z), jnp.full((rows,), -1e30, jnp.float32),
+                                                                  jnp.zeros((rows,), jnp.float32)))
+    inv = (1.0 / jnp.where(l > 0, l, 1.0))[:, None]
+    for j, a in enumerate(accs):
+        o_ref[b, head[:, None], 2 * hcol[None, :] + j] = (a * inv).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "warps", "stages"))
+def decode_e5m2(q, kc, vd, bt, lens, block_n=64, warps=2, stages=3):
+    """kc: float8_e5m2 [P, bs, K, D], or its uint16 pairs [P, bs, K, D/2]; vd: uint16 pairs of e5m2 values."""
+    B = q.shape[0]
+    return pl.pallas_call(
+        functools.partial(kernel_e5m2, block_n=block_n, rows=16, group=H // K, k_pairs=kc.dtype == jnp.uint16),
+        grid=(K, B), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages), interpret=interp,
+        name="e5m2_probe")(lens, bt, q, kc, vd)
+
+
 def to_dquads(vc):
     """fp8 [P, bs, K, D] -> the same bytes as uint32 [P, bs, K, D/4] (dimension 4j + i in byte i)."""
     u8 = jax.lax.bitcast_convert_type(vc, jnp.uint8).astype(jnp.uint32)
@@ -169,14 +227,20 @@ def pairs(json_path):
         variants += [("dpairs", decode_dpairs, to_dpairs(vc), t) for t in tiles]
         variants += [("dquads", decode_dpairs, to_dquads(vc), t) for t in tiles]
         variants += [("dpairs_f8qk", decode_dpairs, to_dpairs(vc), dict(t, f8qk=True)) for t in tiles]
+        k5, v5 = (x.astype(jnp.float32).astype(jnp.float8_e5m2) for x in (kc, vc))
+        r5 = paged_attention_reference(q.astype(jnp.float32), k5.astype(jnp.float32), v5.astype(jnp.float32), bt, lens)
+        variants += [(f"e5m2_{kf}", decode_e5m2, (kin, to_dpairs(v5)), t)
+                     for kf, kin in (("kcvt", k5), ("kpairs", to_dpairs(k5))) for t in tiles]
         for name, fn, v_in, kw in variants:
-            qq, kk, vv, nb = q, kc, v_in, nbytes
+            qq, kk, vv, nb, ref = q, kc, v_in, nbytes, r0
             if v_in is None:        # bf16 pages of the same values
                 kk, vv, nb = kc.astype(jnp.bfloat16), vc.astype(jnp.bfloat16), nbytes * 2
+            elif isinstance(v_in, tuple):       # (k, v) pages of their own (e5m2), against their own reference
+                (kk, vv), ref = v_in, r5
             f = functools.partial(fn, **kw)
             try:
                 out = f(qq, kk, vv, bt, lens)
-                err = float(jnp.abs(out.astype(jnp.float32) - r0).max())
+                err = float(jnp.abs(out.astype(jnp.float32) - ref).max())
                 s = time_loop(f, qq, kk, vv, bt, lens, est_s=nb / 3e12)
                 row = dict(us=s * 1e6, tbps=nb / s / 1e12, max_err=err)
             except Exception as e:
