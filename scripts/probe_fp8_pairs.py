@@ -209,7 +209,7 @@ def to_pairs(vc):
     return u8[:, :, 0] | (u8[:, :, 1] << 8)
 
 
-def pairs(json_path):
+def pairs(json_path, forms=None):
     rows = []
     shapes = [(4, 100)] if interp else [(256, 1024), (128, 1024), (64, 1024), (64, 4096), (32, 2048)]
     tiles = [dict(block_n=64, warps=2, stages=3)]
@@ -232,6 +232,8 @@ def pairs(json_path):
         variants += [(f"e5m2_{kf}", decode_e5m2, (kin, to_dpairs(v5)), t)
                      for kf, kin in (("kcvt", k5), ("kpairs", to_dpairs(k5))) for t in tiles]
         for name, fn, v_in, kw in variants:
+            if forms and name not in forms:
+                continue
             qq, kk, vv, nb, ref = q, kc, v_in, nbytes, r0
             if v_in is None:        # bf16 pages of the same values
                 kk, vv, nb = kc.astype(jnp.bfloat16), vc.astype(jnp.bfloat16), nbytes * 2
@@ -256,4 +258,6 @@ def pairs(json_path):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
-    pairs(ap.parse_args().json)
+    ap.add_argument("--forms", default="", help="comma-separated form names to run (default: all)")
+    a = ap.parse_args()
+    pairs(a.json, [f for f in a.forms.split(",") if f])
