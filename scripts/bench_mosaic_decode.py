@@ -25,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels.mosaic import _common  # noqa: E402
 from pallas_kernels.mosaic.paged_decode import paged_decode_attention, smem_bytes, MAX_SMEM  # noqa: E402
-from pallas_kernels.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
+from pallas_kernels.paged_attention import choose_num_splits, paged_attention, paged_attention_reference  # noqa: E402
 from pallas_kernels.quant import quantize, scale_for_amax  # noqa: E402
 
 from bench import write_json  # noqa: E402
@@ -36,6 +36,7 @@ SHAPES = [(64, 1024), (64, 4096), (256, 1024), (256, 4096), (1, 4096), (8, 4096)
 QUICK = [(64, 1024), (256, 4096), (8, 4096)]
 # (block_n, num_stages): Mosaic tile choices; the first is the kernel's default
 TILES = [(64, 2), (64, 3), (64, 4), (128, 2), (64, 1), (128, 1)]
+SPLITS = [1, 2, 4, 8]     # context splits tried with the default tile (beside the automatic choice)
 
 
 def case(batch, ctx):
@@ -84,6 +85,11 @@ def main():
                 continue
             fn = lambda *a, bn=block_n, st=stages: paged_decode_attention(*a, block_n=bn, num_stages=st)
             res.append(measure(f"mosaic n{block_n} s{stages}", fn, q, k, v, tables, lens, ref, nbytes, copy_tbps))
+        auto = choose_num_splits(batch, K, tables.shape[1] * PAGE, TILES[0][0])
+        for splits in [] if args.quick else [n for n in SPLITS if n != auto]:   # the default tile, other splits
+            fn = lambda *a, ns=splits: paged_decode_attention(*a, num_splits=ns)
+            res.append(measure(f"mosaic n{TILES[0][0]} s{TILES[0][1]} x{splits}", fn, q, k, v, tables, lens, ref,
+                               nbytes, copy_tbps))
         ks, vs = (scale_for_amax(jnp.abs(x.astype(jnp.float32)).max((0, 1, 3))) for x in (k, v))
         kq, vq, fp8 = quantize(k, ks), quantize(v, vs), dict(k_scale=ks, v_scale=vs)
         ref8 = paged_attention_reference(q, kq, vq, tables, lens, **fp8).astype(jnp.float32)
