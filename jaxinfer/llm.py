@@ -212,8 +212,7 @@ class LLM:
             text, reason = proc.text, proc.finish_reason or seq.finish_reason
         else:
             p = seq.params
-            ids = text_ids(seq.output_token_ids, seq.finish_reason, () if p.include_stop_str_in_output else
-                           p.stop_token_ids)
+            ids = text_ids(seq.output_token_ids, seq.finish_reason, p.include_stop_str_in_output)
             text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens) if p.detokenize else ""
             reason = seq.finish_reason
         ids = seq.output_token_ids

@@ -32,13 +32,10 @@ class TextDelta:
 
 class OutputProcessor:
     def __init__(self, tokenizer, stop: tuple[str, ...] | list[str] = (), *, stream: bool = True,
-                 skip_special_tokens: bool = True, stop_token_ids: tuple[int, ...] = (),
-                 include_stop_str_in_output: bool = False, min_tokens: int = 0, detokenize: bool = True):
+                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False, min_tokens: int = 0, detokenize: bool = True):
         self.tokenizer = tokenizer
         self.min_tokens = min_tokens                      # stop strings count only after this many tokens
         self.include_stop = include_stop_str_in_output    # the text keeps a matched stop string / stop token
-        # a request that ends on one of these: its text leaves it out (unless include_stop)
-        self.stop_token_ids = frozenset(() if include_stop_str_in_output else stop_token_ids)
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop or ())
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
@@ -55,8 +52,7 @@ class OutputProcessor:
     @classmethod
     def for_params(cls, tokenizer, params, stream: bool) -> "OutputProcessor":
         """The processor of a request with these SamplingParams (its stop strings, stop ids and text options)."""
-        return cls(tokenizer, params.stop, stream=stream, stop_token_ids=params.stop_token_ids,
-                   skip_special_tokens=params.skip_special_tokens,
+        return cls(tokenizer, params.stop, stream=stream, skip_special_tokens=params.skip_special_tokens,
                    include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens,
                    detokenize=params.detokenize)
 
@@ -84,7 +80,7 @@ class OutputProcessor:
 
     def _update(self, new: list[int], finish_reason: str | None) -> TextDelta:
         self.token_ids += new
-        shown = text_ids(new, finish_reason, self.stop_token_ids)
+        shown = text_ids(new, finish_reason, self.include_stop)
         if not self.incremental:
             if finish_reason is not None:
                 ids = self.token_ids[:len(self.token_ids) - len(new) + len(shown)]
@@ -113,10 +109,11 @@ class OutputProcessor:
         return TextDelta(text, new, finish_reason)
 
 
-def text_ids(ids: list[int], finish_reason: str | None, stop_token_ids) -> list[int]:
-    """The ids whose text a request shows: all but a last stop_token_ids token that ended it (vLLM leaves the
-    stop token's text out; its id stays in token_ids)."""
-    return ids[:-1] if finish_reason == "stop" and ids and ids[-1] in stop_token_ids else ids
+def text_ids(ids: list[int], finish_reason: str | None, include_stop: bool) -> list[int]:
+    """The ids whose text a request shows: all but the token that ended it on a stop condition (the engine's
+    finish reason "stop": an EOS id or a stop_token_ids entry), unless include_stop. vLLM leaves that token's
+    text out (even with skip_special_tokens=False); its id stays in token_ids."""
+    return ids[:-1] if finish_reason == "stop" and ids and not include_stop else ids
 
 
 # -- logprobs: engine rows (outputs.py) into vLLM's {token_id: Logprob} ---------------------------------

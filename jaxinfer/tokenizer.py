@@ -25,8 +25,11 @@ class ByteTokenizer:
         out.append(raw.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kwargs):
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, continue_final_message=False,
+                            **kwargs):
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        if continue_final_message:                     # the last message stays open
+            text = text[:-len("<|im_end|>\n")]
         text += "<|im_start|>assistant\n" if add_generation_prompt else ""
         return self.encode(text) if tokenize else text
 

@@ -145,18 +145,20 @@ def test_stop_string_ends_the_ids_however_they_are_batched(bpe, chunk):
 
 
 def test_stop_token_text_is_left_out(bpe):
-    """vLLM: a request that ends on a stop_token_ids token keeps its id but not its text, streamed or not."""
+    """vLLM: a request that ends on a stop condition (a stop_token_ids token or EOS: the engine's "stop") keeps the
+    token's id but not its text, streamed or not."""
     ids = bpe.encode("Hello world! How are you", add_special_tokens=False)
     want = bpe.decode(ids[:-1], skip_special_tokens=True)
     for stream in (True, False):
-        proc = OutputProcessor(bpe, (), stream=stream, stop_token_ids=(ids[-1],))
+        proc = OutputProcessor(bpe, (), stream=stream)
         texts = [proc.update(ids[:-1]).text, proc.update(ids[-1:], "stop").text]
         assert "".join(texts) == proc.text == want and proc.token_ids == ids, stream
 
 
 def test_include_stop_str_and_special_tokens(bpe):
     """vLLM's include_stop_str_in_output keeps the matched stop string (and a stop token's text) in the text, and
-    skip_special_tokens=False keeps special tokens' text; streamed or not, the deltas add up to the text."""
+    skip_special_tokens=False keeps special tokens' text, except an EOS that ended the request (vLLM's detokenizer
+    leaves the stop-terminating token out); streamed or not, the deltas add up to the text."""
     text = "Hello world! How are you today?"
     ids = bpe.encode(text, add_special_tokens=False)
     for stream in (True, False):
@@ -164,10 +166,16 @@ def test_include_stop_str_and_special_tokens(bpe):
         got = "".join(proc.update([t], "length" if i == len(ids) - 1 else None).text for i, t in enumerate(ids)
                       if not proc.finished)
         assert proc.stopped and got == proc.text == "Hello world! How are you", stream
-        proc = OutputProcessor(bpe, (), stream=stream, stop_token_ids=(ids[-1],), include_stop_str_in_output=True)
+        proc = OutputProcessor(bpe, (), stream=stream, include_stop_str_in_output=True)
         got = proc.update(ids[:-1]).text + proc.update(ids[-1:], "stop").text
         assert got == proc.text == text, stream
         eos = bpe.convert_tokens_to_ids("<|im_end|>")
-        proc = OutputProcessor(bpe, (), stream=stream, skip_special_tokens=False)
+        proc = OutputProcessor(bpe, (), stream=stream, skip_special_tokens=False)   # EOS ends it: text left out
+        got = proc.update(ids).text + proc.update([eos], "stop").text
+        assert got == proc.text == text and proc.token_ids == ids + [eos], stream
+        proc = OutputProcessor(bpe, (), stream=stream, skip_special_tokens=False, include_stop_str_in_output=True)
         got = proc.update(ids).text + proc.update([eos], "stop").text
         assert got == proc.text == text + "<|im_end|>", stream
+        proc = OutputProcessor(bpe, (), stream=stream, skip_special_tokens=False)   # not the end: EOS text kept
+        got = proc.update(ids + [eos]).text + proc.update(ids[:1], "length").text
+        assert got == proc.text == text + "<|im_end|>" + bpe.decode(ids[:1]), stream

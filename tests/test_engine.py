@@ -217,6 +217,8 @@ def test_stop_strings_and_eos(tiny_dir):
         deltas = list(llm.stream(p, params))
         assert "".join(d.text for d in deltas) == stopped.text, params
     assert llm.generate(p, sp, use_tqdm=False)[0].text == stopped.text
+    raw = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[eos_tok], skip_special_tokens=False)
+    assert llm.generate(p, raw, use_tqdm=False)[0].text == tok.decode(stopped.token_ids[:-1])   # (also for EOS)
     # vLLM's stop_reason: the matched stop string, the stop_token_ids entry, None for length (and EOS)
     assert cut.outputs[0].stop_reason == stop and stopped.outputs[0].stop_reason == eos_tok
     assert full.outputs[0].stop_reason is None and full.finish_reason == "length"

@@ -264,21 +264,35 @@ def test_body_size_limit(server, url):
     assert r2.status_code == 413
 
 
-def test_server_options():
-    from jaxinfer.server.options import ServerOptions
-    assert ServerOptions.create(env={"JAXINFER_API_KEY": "k"}).api_key == "k"
-    assert ServerOptions.create(env={"JAXINFER_API_KEY": "k"}, api_key="flag").api_key == "flag"
-    assert ServerOptions.create(env={}).api_key is None
-    for bad in [dict(max_waiting_requests=-1), dict(shutdown_timeout=-2), dict(api_key=""), dict(nope=1)]:
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            ServerOptions.create(env={}, **bad)
-
-
-def test_chat_text_parts_join_with_newlines():
-    """A message's text parts are joined by newlines, as vLLM renders them (so the prompt tokens match vLLM's)."""
-    from jaxinfer.server.protocol import ChatCompletionRequest, chat_messages
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"},
-                                                                      {"type": "text", "text": "there"}]},
-                                          {"role": "assistant", "content": "ok"}])
-    assert chat_messages(req.messages) == [{"role": "user", "content": "Hi\nthere"},
-                                           {"role": "assistant", "content": "ok"}]
+def test_vllm_request_fields_cors_ping_and_empty_model(url, client):
+    """vLLM's chat fields (add_generation_prompt, continue_final_message, echo; chat_template_kwargs over them),
+    add_special_tokens, model "" (the served model), a browser's CORS preflight without the API key, /ping."""
+    msgs = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi th"}]
+    tok = lambda **kw: httpx.post(url + "/tokenize", json={"messages": msgs, **kw}).json()["tokens"]   # noqa: E731
+    kw = dict(model=MODEL, messages=msgs, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    cont = client.chat.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "add_generation_prompt": False,
+                                                                  "continue_final_message": True, "echo": True}})
+    msg = cont.choices[0].message         # the last message, left open, is continued; echo puts its text first
+    assert msg.role == "assistant" and msg.content.startswith("Hi th") and len(msg.content) > len("Hi th")
+    assert cont.usage.prompt_tokens == len(tok(add_generation_prompt=False)) - 2       # without "<|im_end|>\n"
+    same = client.chat.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "chat_template_kwargs": {
+        "add_generation_prompt": False, "continue_final_message": True}}})
+    assert "Hi th" + same.choices[0].message.content == msg.content
+    chunks = list(client.chat.completions.create(**{**kw, "stream": True, "extra_body": {
+        "ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True, "echo": True}}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    plain = client.chat.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "echo": True}})
+    assert plain.usage.prompt_tokens == len(tok()) and plain.choices[0].message.content.startswith("Hi th")
+    user = client.chat.completions.create(**{**kw, "messages": msgs[:1], "extra_body": {"echo": True}})
+    assert not user.choices[0].message.content.startswith("Hello")        # the answer's role is not the user's
+    both = httpx.post(url + "/v1/chat/completions", json={"messages": msgs, "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    r = httpx.post(url + "/v1/completions", json={"model": "", "prompt": PROMPT, "max_tokens": 1,
+                                                  "add_special_tokens": True})
+    assert r.status_code == 200 and r.json()["model"] == MODEL
+    pre = httpx.options(url + "/v1/completions", headers={"Origin": "http://example.com",
+                                                          "Access-Control-Request-Method": "POST"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+    assert httpx.get(url + "/ping").json() == httpx.post(url + "/ping").json() == {"status": "ok"}
+    big = httpx.post(url + "/v1/completions", json={"prompt": "a", "truncate_prompt_tokens": 10**5})
+    assert big.status_code == 400 and big.json()["error"]["param"] == "truncate_prompt_tokens"

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
@@ -72,6 +73,8 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
                   redoc_url=None, description="OpenAI-compatible API of jaxinfer (see docs/serving.md).")
     app.state.client, app.state.options, app.state.draining, app.state.active = None, options, False, 0
     app.add_middleware(Gate, state=app.state)
+    if options.origins():          # outside the Gate: a browser's preflight needs no API key (as vLLM)
+        app.add_middleware(CORSMiddleware, allow_origins=options.origins(), allow_methods=["*"], allow_headers=["*"])
     add_docs(app)
 
     # -- errors: OpenAI's shape for all of them ----------------------------------------------------------
@@ -106,15 +109,19 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         return c
 
     def check_model(model: str | None) -> None:
-        if model is not None and model != served_model_name:
+        if model and model != served_model_name:          # (no name, or "": the served model, as vLLM)
             raise P.RequestError(f"The model `{model}` does not exist; this server serves `{served_model_name}`",
                                  param="model", code="model_not_found", status=404)
 
-    def tokenize(prompt, keep: int | None = None) -> list[int]:
+    def tokenize(prompt, keep: int | None = None, special: bool = False) -> list[int]:
         if keep == 0:
             raise P.RequestError("truncate_prompt_tokens=0 would leave no prompt: give k >= 1, or -1",
                                  param="truncate_prompt_tokens")
-        ids = truncate(P.encode(tokenizer, prompt) if isinstance(prompt, str) else list(prompt), keep, max_model_len)
+        ids = P.encode(tokenizer, prompt, special) if isinstance(prompt, str) else list(prompt)
+        try:
+            ids = truncate(ids, keep, max_model_len)
+        except ValueError as e:
+            raise P.RequestError(str(e), param="truncate_prompt_tokens") from None
         if not ids:
             raise P.RequestError("the prompt is empty", param="prompt")
         if len(ids) >= max_model_len:
@@ -130,7 +137,7 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         check_model(req.model)
         ids_list, params = [], []
         for p in prompts:
-            ids = tokenize(p, req.truncate_prompt_tokens)
+            ids = tokenize(p, req.truncate_prompt_tokens, req.add_special_tokens)
             sp = P.sampling_params(req, len(ids), max_model_len, default_max_tokens, logprobs, prompt_logprobs,
                                    pool_tokens=limits["num_blocks"] * limits["block_size"], defaults=defaults)
             P.check_request(ids, sp, limits)
@@ -177,6 +184,9 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         if c is None or c.dead:
             return JSONResponse({"status": "error", "message": c.dead if c else "starting"}, status_code=503)
         return {"status": "ok"}
+
+    app.get("/ping")(health)              # vLLM's /ping (load balancers' health check, GET or POST)
+    app.post("/ping", operation_id="ping_post")(health)
 
     @app.get("/version")
     async def version():
@@ -241,7 +251,7 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         t0 = time.perf_counter()
         P.check_unsupported(req)
         check_model(req.model)
-        prompt = P.apply_chat_template(tokenizer, P.chat_messages(req.messages), req.chat_template_kwargs)
+        prompt, role, echo = P.chat_prompt(tokenizer, req)
         k = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
             raise P.RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
@@ -249,9 +259,9 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         rid, model = R.new_id("chatcmpl"), served_model_name
         if req.stream:
             run = C.run(client(), tokenizer, items, True, metrics, t0, len(items))
-            return streams.chat_stream(run, rid, model, prompts, len(items), req, text_of)
+            return streams.chat_stream(run, rid, model, prompts, len(items), req, text_of, role, echo)
         done = await collect(items, request, t0, len(items))
-        return R.chat_completion(rid, model, [streams.chat_choice(ch, k, text_of) for ch in done],
+        return R.chat_completion(rid, model, [streams.chat_choice(ch, k, text_of, role, echo) for ch in done],
                                  streams.total_usage(prompts, done))
 
     # -- SIGTERM: drain ---------------------------------------------------------------------------------

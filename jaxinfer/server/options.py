@@ -13,6 +13,7 @@ What guards memory, per request and in all:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import MISSING, dataclass, field, fields, replace
 
@@ -35,6 +36,8 @@ class ServerOptions:
                                          "end with finish_reason 'abort' (new requests get 503 meanwhile)")
     max_request_body_bytes: int = _opt(32 << 20, "larger request bodies get 413")
     retry_after_s: int = _opt(1, "the Retry-After header of a 503 (seconds)")
+    allowed_origins: str = _opt("*", "CORS: the origins browsers may call the API from, comma-separated or a "
+                                     "JSON list, as vLLM's --allowed-origins; '' turns CORS off")
     generation_config: str = _opt("auto", "sampling defaults for fields a request leaves out: 'auto' (the model's "
                                           "generation_config.json, as vLLM), 'vllm' (none) or a folder")
 
@@ -46,6 +49,7 @@ class ServerOptions:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name}={v!r} must be an integer >= 0")
         check_generation_config(self.generation_config)
+        self.origins()
         if not isinstance(self.shutdown_timeout, (int, float)) or self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout!r} must be a number >= 0")
 
@@ -60,6 +64,20 @@ class ServerOptions:
         if "api_key" not in kw and env.get(API_KEY_ENV):
             kw["api_key"] = env[API_KEY_ENV]
         return cls(**kw)
+
+    def origins(self) -> list[str]:
+        """allowed_origins as a list (a JSON list, or comma-separated)."""
+        v = (self.allowed_origins or "").strip()
+        if v.startswith("["):
+            try:
+                out = json.loads(v)
+            except ValueError:
+                out = None
+            if not isinstance(out, list) or not all(isinstance(o, str) for o in out):
+                raise ValueError(f"allowed_origins={self.allowed_origins!r} must be a JSON list of strings or "
+                                 f"comma-separated origins")
+            return out
+        return [o.strip() for o in v.split(",") if o.strip()]
 
     def replace(self, **kw) -> "ServerOptions":
         return replace(self, **kw)

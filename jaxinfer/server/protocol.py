@@ -105,6 +105,8 @@ class CompletionRequest(_Request):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
         None, description="log-probabilities of the sampled tokens and this many most likely ones")
     echo: bool | None = Field(False, description="prepend the prompt to the text (and its logprobs)")
+    add_special_tokens: bool = Field(True, description="vLLM: the tokenizer's special tokens (e.g. BOS) around a "
+                                                       "text prompt")
 
 
 class TextPart(BaseModel):
@@ -124,7 +126,13 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    chat_template_kwargs: dict | None = Field(None, description='e.g. {"enable_thinking": false} (Qwen3)')
+    chat_template_kwargs: dict | None = Field(None, description='e.g. {"enable_thinking": false} (Qwen3); '
+                                                                 'overrides the two fields below')
+    add_generation_prompt: bool = Field(True, description="vLLM: end the prompt with the assistant's turn")
+    continue_final_message: bool = Field(False, description="vLLM: leave the last message open, to be continued")
+    echo: bool = Field(False, description="vLLM: the answer starts with the last message's text, if it has the "
+                                          "answer's role")
+    add_special_tokens: bool = Field(False, description="vLLM: special tokens around the templated prompt")
 
 
 class TokenizeRequest(BaseModel):
@@ -245,14 +253,38 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
+def chat_template_kwargs(req: ChatCompletionRequest) -> dict:
+    """The template's keyword arguments: add_generation_prompt and continue_final_message, then the request's
+    chat_template_kwargs over them (as vLLM); both True is a 400."""
+    kw = {"add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message,
+          **(req.chat_template_kwargs or {})}
+    if kw["add_generation_prompt"] and kw["continue_final_message"]:
+        raise RequestError("cannot set both continue_final_message and add_generation_prompt to true",
+                           param="continue_final_message")
+    return kw
+
+
+def chat_prompt(tokenizer, req: ChatCompletionRequest) -> tuple[str, str, str]:
+    """(prompt, the answer's role, the text it starts with): with add_generation_prompt the role is the
+    assistant's, else the last message's; `echo` starts the answer with the last message's text if that message
+    has the answer's role (vLLM's)."""
+    messages, kw = chat_messages(req.messages), chat_template_kwargs(req)
+    role = "assistant" if kw["add_generation_prompt"] else messages[-1]["role"]
+    echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == role else ""
+    return apply_chat_template(tokenizer, messages, kw), role, echo
+
+
 def apply_chat_template(tokenizer, messages: list[dict], kwargs: dict | None,
                         add_generation_prompt: bool = True) -> str:
-    """The conversation as a prompt string ending with the assistant's turn (as `LLM.apply_chat_template`)."""
+    """The conversation as a prompt string ending with the assistant's turn (as `LLM.apply_chat_template`);
+    `kwargs` (chat_template_kwargs) may override add_generation_prompt."""
     if getattr(tokenizer, "chat_template", None) is None and hasattr(tokenizer, "vocab_size"):
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions", param="messages")
+    kw = {"add_generation_prompt": add_generation_prompt, **(kwargs or {})}
+    if not kw.get("continue_final_message", True):
+        del kw["continue_final_message"]          # (the default: not passed, for templates that predate it)
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **(kwargs or {}))
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kw)
     except Exception as e:            # template errors (jinja) as well as our ValueErrors
         raise RequestError(f"cannot apply the chat template: {e}", param="messages") from None
 

@@ -54,9 +54,10 @@ def completion_choice(ch: Choice, prompt_ids: list[int], req, text_of, tokenizer
             "stop_reason": ch.stop_reason}
 
 
-def chat_choice(ch: Choice, k: int | None, text_of) -> dict:
+def chat_choice(ch: Choice, k: int | None, text_of, role: str = "assistant", echo: str = "") -> dict:
+    """A chat choice; `echo`: text that goes before the generated text (the request's echo, vLLM's)."""
     lp = None if k is None else R.chat_logprobs(text_of, ch.token_ids, ch.logprobs, k)
-    return {"index": ch.index, "message": {"role": "assistant", "content": ch.proc.text}, "logprobs": lp,
+    return {"index": ch.index, "message": {"role": role, "content": echo + ch.proc.text}, "logprobs": lp,
             "finish_reason": ch.proc.finish_reason, "stop_reason": ch.stop_reason}
 
 
@@ -104,13 +105,16 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
     return sse_response(events())
 
 
-def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, text_of):
+def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, text_of, role: str = "assistant",
+                echo: str = ""):
     enc = R.ChunkEncoder(rid, model, "chat.completion.chunk")
     k = (req.top_logprobs or 0) if req.logprobs else None
 
     async def events():
         for i in range(n):
-            yield R.sse(R.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, i))
+            yield R.sse(R.chat_chunk(rid, model, {"role": role, "content": ""}, None, i))
+        for i in range(n if echo else 0):         # echo: the last message's text first (vLLM)
+            yield enc.chat_content(echo, i)
         done = {}
         async for ch, d in run:
             done[ch.index] = ch

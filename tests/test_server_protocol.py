@@ -1,0 +1,52 @@
+"""The server's request translation without a server: ServerOptions, chat messages and template arguments."""
+import pytest
+
+from jaxinfer.sampling_params import truncate
+from jaxinfer.tokenizer import ByteTokenizer
+
+
+def test_server_options():
+    from jaxinfer.server.options import ServerOptions
+    assert ServerOptions.create(env={"JAXINFER_API_KEY": "k"}).api_key == "k"
+    assert ServerOptions.create(env={"JAXINFER_API_KEY": "k"}, api_key="flag").api_key == "flag"
+    assert ServerOptions.create(env={}).api_key is None
+    for bad in [dict(max_waiting_requests=-1), dict(shutdown_timeout=-2), dict(api_key=""), dict(nope=1)]:
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ServerOptions.create(env={}, **bad)
+
+
+def test_chat_text_parts_join_with_newlines():
+    """A message's text parts are joined by newlines, as vLLM renders them (so the prompt tokens match vLLM's)."""
+    from jaxinfer.server.protocol import ChatCompletionRequest, chat_messages
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                                      {"type": "text", "text": "there"}]},
+                                          {"role": "assistant", "content": "ok"}])
+    assert chat_messages(req.messages) == [{"role": "user", "content": "Hi\nthere"},
+                                           {"role": "assistant", "content": "ok"}]
+
+
+def test_chat_template_kwargs_and_continue_final_message():
+    from jaxinfer.server.protocol import ChatCompletionRequest, RequestError, apply_chat_template, chat_template_kwargs
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    req = lambda **kw: ChatCompletionRequest(messages=msgs, **kw)     # noqa: E731
+    assert chat_template_kwargs(req()) == {"add_generation_prompt": True, "continue_final_message": False}
+    kw = chat_template_kwargs(req(add_generation_prompt=False, continue_final_message=True))
+    text = apply_chat_template(ByteTokenizer(), msgs, kw)
+    assert text.endswith("<|im_start|>assistant\nHel")
+    over = chat_template_kwargs(req(chat_template_kwargs={"add_generation_prompt": False, "enable_thinking": False}))
+    assert over == {"add_generation_prompt": False, "continue_final_message": False, "enable_thinking": False}
+    assert apply_chat_template(ByteTokenizer(), msgs, over).endswith("Hel<|im_end|>\n")
+    with pytest.raises(RequestError, match="continue_final_message"):
+        chat_template_kwargs(req(continue_final_message=True))
+
+
+def test_truncate_refuses_more_than_max_model_len_and_cors_origins():
+    assert truncate([1, 2, 3], 2, 8) == [2, 3] and truncate([1, 2, 3], -1, 2) == [2, 3]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens=9 is greater than max_model_len=8"):
+        truncate([1, 2, 3], 9, 8)
+    from jaxinfer.server.options import ServerOptions
+    assert ServerOptions().origins() == ["*"] and ServerOptions(allowed_origins="").origins() == []
+    assert ServerOptions(allowed_origins='["http://a", "http://b"]').origins() == ["http://a", "http://b"]
+    assert ServerOptions(allowed_origins="http://a, http://b").origins() == ["http://a", "http://b"]
+    with pytest.raises(ValueError, match="allowed_origins"):
+        ServerOptions(allowed_origins="[1]")
