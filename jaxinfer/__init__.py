@@ -7,7 +7,8 @@ first used.
 import importlib
 
 _EXPORTS = {"LLM": "jaxinfer.llm", "SamplingParams": "jaxinfer.sampling_params",
-            "RequestOutput": "jaxinfer.outputs",
+            "RequestOutput": "jaxinfer.outputs", "CompletionOutput": "jaxinfer.outputs",
+            "TextPrompt": "jaxinfer.prompts", "TokensPrompt": "jaxinfer.prompts",
             "EngineConfig": "jaxinfer.config"}
 __all__ = list(_EXPORTS)
 

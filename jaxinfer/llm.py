@@ -29,7 +29,7 @@ from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, l
                                        stop_reason, text_ids)
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.prompts import Prompt
-from jaxinfer.sampling_params import SamplingParams, truncate
+from jaxinfer.sampling_params import SamplingParams, per_prompt, truncate
 from jaxinfer.tokenizer import load_tokenizer
 from jaxinfer.xla_options import warn_if_slow_command_buffers
 
@@ -129,14 +129,7 @@ class LLM:
     def _prepare(self, prompts, sampling_params) -> list[tuple[Prompt, list[int], SamplingParams]]:
         """Normalise and validate every request before any is queued (a bad one disturbs no other)."""
         prompts = prompt_forms.as_list(prompts)
-        sampling_params = self._default_params if sampling_params is None else sampling_params
-        if not isinstance(sampling_params, (SamplingParams, list, tuple)):
-            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
-                             f"{type(sampling_params).__name__} {sampling_params!r}")
-        sampling_params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
-            else list(sampling_params)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
+        sampling_params = per_prompt(sampling_params, len(prompts), self._default_params)
         reqs = []
         for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
             ids = truncate(self._tokenize(p, i), sp.truncate_prompt_tokens, self.config.max_model_len)
@@ -282,17 +275,21 @@ class LLM:
         return prompt_forms.render_chat(self.tokenizer, messages, chat_template_kwargs)
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             chat_template_kwargs: dict | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool | dict = True,
+             lora_request=None, chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools=None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation or to a list of conversations (one output each). A
-        message's content is a string or a list of text parts (joined by newlines, as vLLM).
+        message's content is a string or a list of text parts (joined by newlines, as vLLM). vLLM's signature;
+        a dict as the third argument is taken as chat_template_kwargs (`chat(messages, params, kwargs)`).
 
             llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=64),
                      chat_template_kwargs={"enable_thinking": False})
         """
-        convs = [messages] if messages and isinstance(messages, (list, tuple)) and isinstance(messages[0], dict) \
-            else messages
-        if not isinstance(convs, (list, tuple)) or not convs:
-            raise ValueError(f"messages must be a conversation (list of dicts) or a list of them, got {messages!r:.80}")
-        prompts = [self.apply_chat_template(c, chat_template_kwargs) for c in convs]
+        if isinstance(use_tqdm, dict):
+            use_tqdm, chat_template_kwargs = True, {**use_tqdm, **(chat_template_kwargs or {})}
+        prompts = prompt_forms.chat_prompts(self.tokenizer, messages, chat_template_kwargs, lora_request=lora_request,
+                                            tools=tools, chat_template_content_format=chat_template_content_format,
+                                            chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message)
         return self.generate(prompts, sampling_params, use_tqdm)

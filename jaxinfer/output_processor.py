@@ -150,6 +150,7 @@ def logprobs_of(seq, start: int, token_ids: list[int], texts: TokenTexts, cum_be
     if n is None:
         return None, None
     rows = seq.logprob_rows[start:start + len(token_ids)]
+    texts = texts if seq.params.detokenize else None              # detokenize=False: decoded_token None (vLLM)
     return LogprobsList(rows, list(token_ids), n, texts), cum_before + cumulative_logprob(rows)
 
 
@@ -158,4 +159,5 @@ def prompt_logprobs_of(seq, texts: TokenTexts):
     rows = seq.prompt_logprob_rows
     if rows is None:
         return None
-    return LogprobsList(rows, seq.token_ids[:seq.num_prompt_tokens], seq.params.prompt_logprobs, texts)
+    return LogprobsList(rows, seq.token_ids[:seq.num_prompt_tokens], seq.params.prompt_logprobs,
+                        texts if seq.params.detokenize else None)

@@ -3,8 +3,20 @@ dict ({"prompt": text} / {"prompt_token_ids": ids}); one prompt or a list of the
 from __future__ import annotations
 
 from numbers import Integral
+from typing import TypedDict
 
 Prompt = str | list[int] | dict     # dict: vLLM's {"prompt": str} or {"prompt_token_ids": [int]}
+
+
+class TextPrompt(TypedDict):
+    """vLLM's TextPrompt: `TextPrompt(prompt="Hello")` is the dict {"prompt": "Hello"}."""
+    prompt: str
+
+
+class TokensPrompt(TypedDict, total=False):
+    """vLLM's TokensPrompt: `TokensPrompt(prompt_token_ids=[1, 2])`; an optional "prompt" is only shown."""
+    prompt_token_ids: list[int]
+    prompt: str
 
 
 def as_list(prompts) -> list:
@@ -56,9 +68,11 @@ def _text_message(j: int, m) -> dict:
     return m
 
 
-def render_chat(tokenizer, messages, chat_template_kwargs: dict | None = None) -> str:
+def render_chat(tokenizer, messages, chat_template_kwargs: dict | None = None, **template_args) -> str:
     """One conversation ([{"role": ..., "content": ...}, ...]) rendered by the tokenizer's chat template, ending with
-    the assistant's turn (LLM.apply_chat_template); bad input is a ValueError naming it."""
+    the assistant's turn (LLM.apply_chat_template); bad input is a ValueError naming it. `template_args`:
+    add_generation_prompt, continue_final_message, chat_template (vLLM's LLM.chat arguments), under
+    chat_template_kwargs."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"a conversation must be a non-empty list of messages, got {messages!r:.80}")
     messages = [_text_message(j, m) for j, m in enumerate(messages)]
@@ -67,5 +81,27 @@ def render_chat(tokenizer, messages, chat_template_kwargs: dict | None = None) -
     if getattr(tokenizer, "chat_template", None) is None and hasattr(tokenizer, "vocab_size"):
         raise ValueError("this model's tokenizer has no chat template (tokenizer_config.json "
                          "'chat_template'); use generate() with a plain prompt")
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
-                                         **(chat_template_kwargs or {}))
+    kw = {"add_generation_prompt": True, **{k: v for k, v in template_args.items() if v is not None},
+          **(chat_template_kwargs or {})}
+    if kw["add_generation_prompt"] and kw.get("continue_final_message"):
+        raise ValueError("continue_final_message=True needs add_generation_prompt=False (as vLLM)")
+    if not kw.get("continue_final_message", True):
+        del kw["continue_final_message"]          # (the default: not passed, for templates that predate it)
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, **kw)
+
+
+def chat_prompts(tokenizer, messages, chat_template_kwargs: dict | None, *, lora_request, tools,
+                 chat_template_content_format: str, **template_args) -> list[str]:
+    """LLM.chat's prompts: one conversation or a list of them, rendered (render_chat); what vLLM's LLM.chat
+    takes and jaxinfer does not (LoRA, tools) is a ValueError naming it."""
+    for name, v in (("lora_request", lora_request), ("tools", tools)):
+        if v is not None:
+            raise ValueError(f"LLM.chat: {name}={v!r:.80} is not supported by jaxinfer")
+    if chat_template_content_format not in ("auto", "string", "openai"):
+        raise ValueError(f"LLM.chat: chat_template_content_format={chat_template_content_format!r} must be 'auto', "
+                         f"'string' or 'openai'")
+    convs = [messages] if messages and isinstance(messages, (list, tuple)) and isinstance(messages[0], dict) \
+        else messages
+    if not isinstance(convs, (list, tuple)) or not convs:
+        raise ValueError(f"messages must be a conversation (list of dicts) or a list of them, got {messages!r:.80}")
+    return [render_chat(tokenizer, c, chat_template_kwargs, **template_args) for c in convs]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import numbers
 from dataclasses import dataclass, fields, replace
 
 MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
@@ -19,8 +20,8 @@ class SamplingParams:
     max_tokens: int | None = 16       # None: until max_model_len (as vLLM)
     ignore_eos: bool = False
     seed: int | None = None           # makes this request's samples reproducible whatever the batch
-    stop: tuple[str, ...] | list[str] | str | None = None
-    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    stop: list[str] | str | None = None          # a list after construction (a string becomes [string])
+    stop_token_ids: list[int] | None = None      # a list after construction
     n: int = 1                        # completions per prompt (they differ; a seed repeats all of them)
     logprobs: int | None = None       # per generated token: the sampled token's logprob + the top-N (N = logprobs)
     prompt_logprobs: int | None = None   # per prompt token (the first is None): its logprob + the top-N
@@ -34,6 +35,15 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens (-1: max_model_len of them)
 
     def __post_init__(self):
+        for f in _INT_FIELDS:          # numpy integers / floats (e.g. seed=np.random.randint(...)) as Python's
+            v = getattr(self, f)
+            if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
+                object.__setattr__(self, f, int(v))
+        for f in _FLOAT_FIELDS:
+            v = getattr(self, f)
+            if isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)):
+                object.__setattr__(self, f, float(v))
+
         def bad(name, why):
             raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r:.100} {why}")
         def number(v):
@@ -56,10 +66,11 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
             bad("stop", "must be a non-empty string or a list of them")
-        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop", list(stop))           # lists, as vLLM's
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             bad("stop_token_ids", "must be a list of non-negative integers or None")
-        ids = tuple(self.stop_token_ids or ())
+        ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
+               for t in self.stop_token_ids or ()]
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
         object.__setattr__(self, "stop_token_ids", ids)
@@ -159,6 +170,24 @@ class SamplingParams:
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
+_INT_FIELDS = ("top_k", "max_tokens", "seed", "n", "logprobs", "prompt_logprobs", "min_tokens", "truncate_prompt_tokens")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def per_prompt(params, count: int, default: SamplingParams) -> list[SamplingParams]:
+    """One SamplingParams per prompt, from `params`: one (shared), a list of `count`, or None (`default`);
+    anything else is a ValueError naming it."""
+    params = default if params is None else params
+    if not isinstance(params, (SamplingParams, list, tuple)):
+        raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__} "
+                         f"{params!r:.80}")
+    params = [params] * count if isinstance(params, SamplingParams) else list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    bad = next((i for i, sp in enumerate(params) if not isinstance(sp, SamplingParams)), None)
+    if bad is not None:
+        raise ValueError(f"sampling_params[{bad}] must be a SamplingParams, got {params[bad]!r:.80}")
+    return params
 
 
 def truncate(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

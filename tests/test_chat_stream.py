@@ -80,6 +80,28 @@ def test_chat_applies_the_template(llm):
     assert idle(llm)
 
 
+def test_chat_takes_vllms_arguments(llm):
+    """vLLM's LLM.chat signature: use_tqdm third (a dict there is chat_template_kwargs, the older form),
+    add_generation_prompt, continue_final_message, chat_template; LoRA and tools are refused by name."""
+    conv = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi th"}]
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    [plain] = llm.chat(conv[:1], sp, False)
+    assert plain.prompt.endswith("<|im_start|>assistant\n")
+    [nothink] = llm.chat(conv[:1], sp, {"enable_thinking": False})
+    assert nothink.prompt == plain.prompt + "<think>\n\n</think>\n\n"
+    [cont] = llm.chat(conv, sp, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert cont.prompt.endswith("<|im_start|>assistant\nHi th")
+    [closed] = llm.chat(conv, sp, use_tqdm=False, add_generation_prompt=False)
+    assert closed.prompt == cont.prompt + "<|im_end|>\n"
+    [own] = llm.chat(conv[:1], sp, use_tqdm=False, chat_template="{% for m in messages %}{{ m['content'] }}|{% endfor %}")
+    assert own.prompt == "Hello|"
+    for kw, word in [(dict(continue_final_message=True), "continue_final_message"), (dict(lora_request=1), "lora"),
+                     (dict(tools=[{}]), "tools"), (dict(chat_template_content_format="x"), "content_format")]:
+        with pytest.raises(ValueError, match=word):
+            llm.chat(conv, sp, use_tqdm=False, **kw)
+    assert idle(llm)
+
+
 @pytest.mark.parametrize("bad", [[], "hello", [{"role": "user"}], [{"content": "x"}], [[]],
                                  [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]])
 def test_chat_rejects_bad_messages(llm, bad):
