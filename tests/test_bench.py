@@ -52,9 +52,9 @@ def test_workload_is_nano_vllms():
 
 def test_peer_hf_runs_same_subset(tiny_dir, tmp_path):
     args = ["--model", tiny_dir, "--dtype", "float32", "--attn-backend", "xla", "--num-seqs", "3",
-            "--max-input-len", "120", "--max-output-len", "110", "--max-num-seqs", "4",
-            "--max-num-batched-tokens", "512", "--prefill-buckets", "512", "--decode-buckets", "4",
-            "--max-model-len", "256", "--block-size", "64", "--peer", "hf", "--peer-num-seqs", "2",
+            "--max-input-len", "40", "--max-output-len", "20", "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "128", "--prefill-buckets", "128", "--decode-buckets", "4",
+            "--max-model-len", "128", "--block-size", "16", "--peer", "hf", "--peer-num-seqs", "2",
             "--peer-max-tokens", "6"]
     peer = bench.main(args)["peer"]
     assert peer["peer_output_tokens"] == peer["ours_output_tokens"] == 2 * 6

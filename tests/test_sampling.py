@@ -164,7 +164,7 @@ def test_sampling_params_set_after_construction_are_checked_as_vllm_allows():
     a new one, and clone() / from_optional() are vLLM's."""
     sp = SamplingParams(temperature=0.5)
     sp.max_tokens, sp.stop = 5, "x"
-    assert sp == SamplingParams(temperature=0.5, max_tokens=5, stop=["x"]) and sp.stop == ("x",)
+    assert sp == SamplingParams(temperature=0.5, max_tokens=5, stop=["x"]) and sp.stop == ["x"]
     with pytest.raises(ValueError, match="SamplingParams.top_p=0"):
         sp.top_p = 0
     with pytest.raises(AttributeError, match="no field 'max_new_tokens'"):
