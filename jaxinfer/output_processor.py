@@ -32,7 +32,8 @@ class TextDelta:
 
 class OutputProcessor:
     def __init__(self, tokenizer, stop: tuple[str, ...] | list[str] = (), *, stream: bool = True,
-                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False, min_tokens: int = 0, detokenize: bool = True):
+                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False, min_tokens: int = 0,
+                 detokenize: bool = True):
         self.tokenizer = tokenizer
         self.min_tokens = min_tokens                      # stop strings count only after this many tokens
         self.include_stop = include_stop_str_in_output    # the text keeps a matched stop string / stop token

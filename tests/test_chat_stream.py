@@ -93,7 +93,8 @@ def test_chat_takes_vllms_arguments(llm):
     assert cont.prompt.endswith("<|im_start|>assistant\nHi th")
     [closed] = llm.chat(conv, sp, use_tqdm=False, add_generation_prompt=False)
     assert closed.prompt == cont.prompt + "<|im_end|>\n"
-    [own] = llm.chat(conv[:1], sp, use_tqdm=False, chat_template="{% for m in messages %}{{ m['content'] }}|{% endfor %}")
+    own_template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+    [own] = llm.chat(conv[:1], sp, use_tqdm=False, chat_template=own_template)
     assert own.prompt == "Hello|"
     for kw, word in [(dict(continue_final_message=True), "continue_final_message"), (dict(lora_request=1), "lora"),
                      (dict(tools=[{}]), "tools"), (dict(chat_template_content_format="x"), "content_format")]:
