@@ -78,6 +78,14 @@ def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None
         p.add_argument("model", nargs="?", default=None,
                        help=f"checkpoint directory, preset name (random weights) or Hugging Face hub id (default: "
                             f"{DEFAULT_MODEL}, the small trained demo model that ships with jaxinfer)")
+        p.add_argument("--model", dest="model_flag", metavar="MODEL", help="the same as the positional MODEL (vLLM)")
+    v = p.add_argument_group("vLLM options accepted for compatibility (jaxinfer/compat.py)")
+    for name in ("trust_remote_code", "enforce_eager", "disable_log_stats", "disable_log_requests",
+                 "enable_log_requests", "disable_uvicorn_access_log"):       # no meaning here
+        v.add_argument("--" + name.replace("_", "-"), dest="vllm_" + name, action="store_true", help=argparse.SUPPRESS)
+    for name, typ in (("enable_chunked_prefill", _bool), ("max_logprobs", int), ("quantization", str), ("task", str),
+                      ("load_format", str), ("tokenizer_mode", str), ("revision", str), ("max_log_len", int)):
+        v.add_argument("--" + name.replace("_", "-"), dest="vllm_" + name, type=typ, help=argparse.SUPPRESS)
     g = p.add_argument_group("engine options (jaxinfer.config.EngineConfig; unset: the platform's defaults)")
     for f in fields(EngineConfig):
         help_text = f.metadata.get("help", "")
@@ -90,9 +98,25 @@ def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None
         g.add_argument(*names, dest=f.name, default=None, help=help_text, **kw)
 
 
+def _bool(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1")
+
+
+def check_vllm_flags(a: argparse.Namespace) -> None:
+    """vLLM flags given a value: checked as `LLM()` checks the same options (compat.py), then dropped."""
+    from jaxinfer.compat import FIXED, pop_vllm_options
+    kw = {k[5:]: v for k, v in vars(a).items() if k.startswith("vllm_") and k[5:] in FIXED and v is not None}
+    pop_vllm_options(kw)
+
+
 def model_arg(a: argparse.Namespace) -> str:
-    """The model the user named, else the shipped demo model's directory."""
-    if getattr(a, "model", None):
+    """The model the user named (positional or --model), else the shipped demo model's directory."""
+    if getattr(a, "model", None) and getattr(a, "model_flag", None) and a.model != a.model_flag:
+        raise ValueError(f"two models given: {a.model!r} and --model {a.model_flag!r}")
+    a.model = getattr(a, "model", None) or getattr(a, "model_flag", None)
+    if a.model:
         return a.model
     from jaxinfer.assets import demo_model_path
     return demo_model_path()
@@ -165,9 +189,10 @@ def cmd_chat(a: argparse.Namespace) -> int:
 def cmd_serve(a: argparse.Namespace) -> int:
     from jaxinfer.server import serve
     # The engine core loads the model in its own process; this one serves HTTP. Exit 1: the core died.
+    model = model_arg(a)
     name = a.served_model_name or a.model or DEFAULT_MODEL
     from jaxinfer.server.options import server_options
-    return serve(model_arg(a), engine_kwargs(a), host=a.host, port=a.port, served_model_name=name,
+    return serve(model, engine_kwargs(a), host=a.host, port=a.port, served_model_name=name,
                  log_level=a.log_level, api_server_count=a.api_server_count, options=server_options(a))
 
 
@@ -223,11 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     s.add_argument("--port", type=port, default=8000, help="port to listen on (default: 8000)")
-    s.add_argument("--served-model-name", help="the model id clients send (default: MODEL as given)")
+    s.add_argument("--served-model-name", nargs="+", help="the model ids clients may send; answers carry the "
+                                                          "first (default: MODEL as given)")
     s.add_argument("--api-server-count", type=int, default=1,
                    help="API processes sharing the port (HTTP, tokenization, detokenization); the engine core is "
                         "one process (default: 1)")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+    s.add_argument("--log-level", "--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default: info)")
     from jaxinfer.server.options import add_server_args
     add_server_args(s)                    # --api-key, --max-waiting-requests, --shutdown-timeout, ...
@@ -252,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             use_triton_ptxas()            # jaxlib runs ptxas to load jax-triton kernels (the serving core inherits it)
         logging.basicConfig(format="%(message)s")
         logging.getLogger("jaxinfer").setLevel(logging.INFO)   # e.g. "compiling decode step ..." on a CPU
-        command, run = a.command, lambda: a.func(a)
+        command, run = a.command, lambda: check_vllm_flags(a) or a.func(a)
     try:
         return run()
     except (ValueError, FileNotFoundError) as e:

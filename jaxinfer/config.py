@@ -153,7 +153,7 @@ class EngineConfig:
     """How the engine runs one model. Names follow vLLM / nano-vllm. A None field takes its platform default
     (PLATFORM_DEFAULTS) when the engine starts: `resolve(platform, model)` returns the concrete config."""
     dtype: str | None = _opt(None, "weights and KV cache dtype: auto (the checkpoint's), float32, bfloat16, float16 "
-                                   "(default: GPU auto, CPU float32)", choices=("auto", *_DTYPE_NAMES))
+                                   "(default: GPU auto, CPU float32)", choices=("auto", *_DTYPE_NAMES, "half", "float"))
     attn_backend: str | None = _opt(None, "attention implementation (GPU: pallas; CPU: xla)", choices=ATTN_BACKENDS)
     kv_cache_dtype: str = _opt("auto", "KV cache dtype: auto (the model dtype), fp8 / fp8_e4m3 (float8_e4m3fn with "
                                        "per-layer scales: 2x the blocks in the same memory)", choices=KV_CACHE_DTYPES)

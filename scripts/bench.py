@@ -117,7 +117,8 @@ STEP_LOG_COLUMNS = ("kind", "rows", "bucket", "schedule_s", "dispatch_s", "wait_
 def build(args):
     """The LLM as a user gets it: the engine options given here, the engine's defaults for the rest."""
     from jaxinfer import LLM
-    from jaxinfer.cli import engine_kwargs
+    from jaxinfer.cli import check_vllm_flags, engine_kwargs
+    check_vllm_flags(args)
     t = time.perf_counter()
     llm = LLM(args.model, **engine_kwargs(args))
     args.warmup_s = time.perf_counter() - t

@@ -1,6 +1,5 @@
 """The `jaxinfer` command end to end on a tiny checkpoint (subprocesses), plus --help and errors in-process."""
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -53,37 +52,51 @@ def test_chat_streams_and_keeps_history(tiny_dir):
 
 
 def test_serve(tiny_dir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """`jaxinfer serve` with vLLM's flag forms: --model, --port 0 (the log says where it listens), several
+    --served-model-name, --chat-template given inline, flags with no meaning here; a bad vLLM value is refused."""
+    import re
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer", "serve", tiny_dir, "--port", str(port),
-                             "--served-model-name", "tiny", "--log-level", "warning", *SMALL],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}|"
+    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer", "serve", "--model", tiny_dir, "--port", "0",
+                             "--served-model-name", "tiny", "other", "--uvicorn-log-level", "warning",
+                             "--chat-template", template, "--trust-remote-code", "--enable-chunked-prefill", "true",
+                             *SMALL], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        url, end = f"http://127.0.0.1:{port}", time.time() + 180
+        lines = []
+        while not (m := re.search(r"API server on (http://127\.0\.0\.1:\d+)", lines[-1] if lines else "")):
+            lines.append(proc.stdout.readline())
+            assert lines[-1], "".join(lines)               # EOF: the server exited
+        url, end = m.group(1), time.time() + 60
         while True:
-            assert proc.poll() is None, proc.stdout.read()
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             assert time.time() < end, "server did not come up"
-            time.sleep(0.5)
+            time.sleep(0.2)
+        assert [d["id"] for d in httpx.get(url + "/v1/models").json()["data"]] == ["tiny", "other"]
         r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-            "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
-        assert r.status_code == 200, r.text
+            "model": "other", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
         assert r.json()["usage"]["completion_tokens"] >= 1
+        want = httpx.post(url + "/tokenize", json={"prompt": "Hi|"}).json()["count"]
+        assert r.json()["usage"]["prompt_tokens"] == want          # the template given on the command line
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    assert cli.main(["serve", tiny_dir, "--max-logprobs", "5"]) == 2          # before anything loads
 
 
 def test_bad_input_is_a_clear_error(tmp_path):
     r = jaxinfer("generate", str(tmp_path / "missing-dir"), *SMALL, timeout=120)
     assert r.returncode == 2 and "error:" in r.stderr and "missing-dir" in r.stderr
     assert cli.main(["generate", "--temperature", "-1"]) == 2       # fails before loading any model
+    assert cli.build_parser().parse_args(["serve", "--dtype", "half"]).dtype == "half"     # vLLM's dtype names
+    from jaxinfer.server.__main__ import main as server_main
+    with pytest.raises(SystemExit) as e:
+        server_main(["m", "--engine", "[1]"])
+    assert e.value.code == 2
 
 
 def test_bench_delegates_or_explains(monkeypatch, tmp_path, capsys):

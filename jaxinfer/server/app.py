@@ -44,7 +44,7 @@ def load_model_tokenizer(model: str):
     return load_tokenizer(model if os.path.isdir(model) else None)
 
 
-def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tokenizer=None,
+def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: int = 0, tokenizer=None,
               alive: Callable[[], bool] | None = None, on_dead: Callable[[str], None] | None = None,
               options: ServerOptions | None = None) -> FastAPI:
     """A FastAPI app serving the engine core described by `info` (from `CoreProcess(...).info`) under the
@@ -56,6 +56,10 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
     limits = info.limits
     max_model_len = limits["max_model_len"]
     defaults = sampling_defaults(info.model if os.path.isdir(info.model) else None, options.generation_config)
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    served_model_name = names[0]                  # answers carry the first (vLLM: several names allowed)
+    if options.chat_template:                     # --chat-template: a file or the template itself
+        tokenizer.chat_template = options.template_text()
     metrics = ServerMetrics(served_model_name)
     text_of = R.TokenTexts(tokenizer)
 
@@ -109,8 +113,8 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         return c
 
     def check_model(model: str | None) -> None:
-        if model and model != served_model_name:          # (no name, or "": the served model, as vLLM)
-            raise P.RequestError(f"The model `{model}` does not exist; this server serves `{served_model_name}`",
+        if model and model not in names:          # (no name, or "": the served model, as vLLM)
+            raise P.RequestError(f"The model `{model}` does not exist; this server serves `{'`, `'.join(names)}`",
                                  param="model", code="model_not_found", status=404)
 
     def tokenize(prompt, keep: int | None = None, special: bool = False) -> list[int]:
@@ -214,19 +218,19 @@ def build_app(info: CoreInfo, served_model_name: str, *, api_index: int = 0, tok
         body, ctype = metrics.render(await core_stats())
         return Response(body, media_type=ctype)
 
-    def model_card() -> dict:
-        return {"id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxinfer",
-                "max_model_len": max_model_len}
+    def model_card(name: str) -> dict:             # (vLLM's fields: root is the model served)
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "jaxinfer",
+                "root": info.model, "parent": None, "max_model_len": max_model_len}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(n) for n in names]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
         """OpenAI's retrieve (the openai client's `models.retrieve`): 404 for another model."""
         check_model(model)
-        return model_card()
+        return model_card(model)
 
     add_token_routes(app, tokenizer, text_of, check_model, max_model_len, limits["vocab_size"])
 

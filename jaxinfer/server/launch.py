@@ -25,7 +25,7 @@ EXIT_GRACE_S = 1.0      # after the core died: time for error events to reach cl
 
 
 def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1", port: int = 8000,
-          served_model_name: str | None = None, log_level: str = "info", api_server_count: int = 1,
+          served_model_name: str | list[str] | None = None, log_level: str = "info", api_server_count: int = 1,
           options: ServerOptions | None = None) -> int:
     """Serve `model` (directory, preset or hub id; engine options as for `LLM`) until SIGTERM / SIGINT or the
     engine core dies; returns the exit code (see the module docstring). `options`: ServerOptions (default:
@@ -33,7 +33,7 @@ def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1"
     if not isinstance(api_server_count, int) or api_server_count < 1:
         raise ValueError(f"api_server_count={api_server_count!r} must be a positive integer")
     options = options if options is not None else ServerOptions.create()
-    name = served_model_name or model
+    name = served_model_name or model          # (a list: several names, the first in answers)
     sock = bind(host, port)                    # a port in use fails now, not after loading the model
     main = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGTERM, _interrupt) if main else None   # while loading: stop the load
@@ -43,6 +43,9 @@ def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1"
             # while the core loads the model: this process's own start-up (transformers' import: seconds)
             tokenizer = load_model_tokenizer(core.model) if api_server_count == 1 else None
             core.wait_ready()
+            where = f"[{host}]" if ":" in host else host
+            log.info("jaxinfer API server on http://%s:%d (model %s)", where, sock.getsockname()[1],
+                     name if isinstance(name, str) else ", ".join(name))
             if main:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)    # uvicorn's handler drains; re-raised after
             if api_server_count == 1:

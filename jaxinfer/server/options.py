@@ -38,6 +38,8 @@ class ServerOptions:
     retry_after_s: int = _opt(1, "the Retry-After header of a 503 (seconds)")
     allowed_origins: str = _opt("*", "CORS: the origins browsers may call the API from, comma-separated or a "
                                      "JSON list, as vLLM's --allowed-origins; '' turns CORS off")
+    chat_template: str | None = _opt(None, "the chat template for /v1/chat/completions: a file, or the Jinja "
+                                           "template itself (default: the tokenizer's)")
     generation_config: str = _opt("auto", "sampling defaults for fields a request leaves out: 'auto' (the model's "
                                           "generation_config.json, as vLLM), 'vllm' (none) or a folder")
 
@@ -49,6 +51,10 @@ class ServerOptions:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name}={v!r} must be an integer >= 0")
         check_generation_config(self.generation_config)
+        if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template
+                                               or ("{" not in self.chat_template and not
+                                                   os.path.isfile(self.chat_template))):
+            raise ValueError(f"chat_template={self.chat_template!r:.80} must be a template file or a Jinja template")
         self.origins()
         if not isinstance(self.shutdown_timeout, (int, float)) or self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout!r} must be a number >= 0")
@@ -64,6 +70,14 @@ class ServerOptions:
         if "api_key" not in kw and env.get(API_KEY_ENV):
             kw["api_key"] = env[API_KEY_ENV]
         return cls(**kw)
+
+    def template_text(self) -> str | None:
+        """chat_template's text: the file's content if it names a file, else the string itself."""
+        t = self.chat_template
+        if t and os.path.isfile(t):
+            with open(t, encoding="utf-8") as f:
+                return f.read()
+        return t
 
     def origins(self) -> list[str]:
         """allowed_origins as a list (a JSON list, or comma-separated)."""
