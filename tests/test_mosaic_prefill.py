@@ -142,12 +142,13 @@ def check(out, args, scales, tol=2e-2):
 
 @needs_interpreter
 @pytest.mark.parametrize("n_new,prefix,block_size,heads,fp8", [
-    ([40, 1], [30, 4], 16, 2, False),  # GQA 2 (two heads a program), a tile ending mid-way, a 1-token chunk
-    ([65, 3], [10, 0], 8, 1, True),  # no GQA (two 64-row halves of a tile), fp8 pages, 8 copies a tile
+    # no GQA (two 64-row halves of a tile, the second with one row), fp8 pages, 8 copies a tile, a 1-token chunk
+    ([65, 1], [10, 4], 8, 1, True),
 ])
 def test_interpreter_matches_reference(n_new, prefix, block_size, heads, fp8):
     """Mosaic GPU's interpreter (the warpgroups as threads, TMA, mbarriers, every barrier phase observed; wgmma
-    as dots), permuted block tables, cached prefixes, padding rows. ~20 s each on 2 cores."""
+    as dots), permuted block tables, cached prefixes, padding rows. ~20 s on 2 cores. (One case, for CI time:
+    the paired-heads layout, the GPU default, is lowered here and run compiled by the GPU-marked tests.)"""
     args, scales = make_prefill(np.random.default_rng(3), n_new, prefix, block_size, heads, 1, 64, pad_tokens=3,
                                 fp8=fp8)
     check(flash_prefill(*args, interpret=True, block_kv=64, **scales), args, scales)
