@@ -26,7 +26,7 @@ from jaxinfer.server import responses as R
 from jaxinfer.server import streams
 from jaxinfer.server.admission import Admission
 from jaxinfer.server.client import CoreClient, EngineDeadError, RequestFailed
-from jaxinfer.server.docs import add_docs
+from jaxinfer.server.docs import add_docs, package_version
 from jaxinfer.server.gate import Gate
 from jaxinfer.server.metrics import ServerMetrics
 from jaxinfer.server.options import ServerOptions
@@ -73,7 +73,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         client.close()
 
     from contextlib import asynccontextmanager
-    app = FastAPI(title="jaxinfer", version=_version(), lifespan=asynccontextmanager(lifespan), docs_url=None,
+    app = FastAPI(title="jaxinfer", version=package_version(), lifespan=asynccontextmanager(lifespan), docs_url=None,
                   redoc_url=None, description="OpenAI-compatible API of jaxinfer (see docs/serving.md).")
     app.state.client, app.state.options, app.state.draining, app.state.active = None, options, False, 0
     app.add_middleware(Gate, state=app.state)
@@ -194,7 +194,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
 
     @app.get("/version")
     async def version():
-        return {"version": _version()}
+        return {"version": package_version()}
 
     async def core_stats() -> dict:
         try:
@@ -292,10 +292,3 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
     app.state.start_drain = start_drain
     return app
 
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-        return version("jaxinfer")
-    except Exception:
-        return "0+unknown"

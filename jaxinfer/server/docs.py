@@ -45,3 +45,12 @@ def add_docs(app) -> None:
         return get_redoc_html(openapi_url=app.openapi_url, title="jaxinfer API",
                               redoc_js_url=f"{STATIC}/redoc.standalone.js", redoc_favicon_url=f"{STATIC}/favicon.png",
                               with_google_fonts=False)
+
+
+def package_version() -> str:
+    """jaxinfer's installed version (the OpenAPI schema's and /version's)."""
+    try:
+        from importlib.metadata import version
+        return version("jaxinfer")
+    except Exception:
+        return "0+unknown"

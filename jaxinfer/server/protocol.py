@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from jaxinfer.prompts import render_chat
 from jaxinfer.sampling_params import SamplingParams
 
 MAX_N = 128                      # OpenAI's bound on n: it multiplies the engine requests of one HTTP request
@@ -280,12 +281,9 @@ def apply_chat_template(tokenizer, messages: list[dict], kwargs: dict | None,
     `kwargs` (chat_template_kwargs) may override add_generation_prompt."""
     if getattr(tokenizer, "chat_template", None) is None and hasattr(tokenizer, "vocab_size"):
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions", param="messages")
-    kw = {"add_generation_prompt": add_generation_prompt, **(kwargs or {})}
-    if not kw.get("continue_final_message", True):
-        del kw["continue_final_message"]          # (the default: not passed, for templates that predate it)
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, **kw)
-    except Exception as e:            # template errors (jinja) as well as our ValueErrors
+    try:                              # LLM.chat's rendering (prompts.render_chat)
+        return render_chat(tokenizer, messages, kwargs, add_generation_prompt=add_generation_prompt)
+    except Exception as e:            # template errors (jinja) as well as its ValueErrors
         raise RequestError(f"cannot apply the chat template: {e}", param="messages") from None
 
 
