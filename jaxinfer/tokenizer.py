@@ -40,5 +40,37 @@ def load_tokenizer(path: str | None):
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
                                                                   "vocab.json")):
         raise FileNotFoundError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {path!r}")
+    cls = _direct_class(path)
+    if cls is not None:
+        return cls.from_pretrained(path)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
+
+
+# The classes AutoTokenizer resolves Qwen3's `tokenizer_class` names to in transformers >= 5, where every fast
+# tokenizer derives from TokenizersBackend. Importing one of them directly gives the same object without
+# AutoTokenizer's import of the configuration machinery, which imports torch (~3 s at every `LLM()`, CLI and server
+# start). Other names, and transformers 4 (whose Qwen2Tokenizer is the slow Python one), go through AutoTokenizer.
+_DIRECT = {"Qwen2Tokenizer": ("transformers.models.qwen2.tokenization_qwen2", "Qwen2Tokenizer"),
+           "Qwen2TokenizerFast": ("transformers.models.qwen2.tokenization_qwen2", "Qwen2Tokenizer"),
+           "PreTrainedTokenizerFast": ("transformers", "PreTrainedTokenizerFast"),
+           "TokenizersBackend": ("transformers", "PreTrainedTokenizerFast")}
+
+
+def _direct_class(path: str):
+    """The tokenizer class AutoTokenizer would pick for `path`, when it can be imported without torch; else None."""
+    import importlib
+    import importlib.metadata
+    import json
+    try:
+        if int(importlib.metadata.version("transformers").split(".")[0]) < 5:
+            return None
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError, importlib.metadata.PackageNotFoundError):
+        return None
+    name = config.get("tokenizer_class") if isinstance(config, dict) else None
+    if name not in _DIRECT or not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return None
+    module, attr = _DIRECT[name]
+    return getattr(importlib.import_module(module), attr, None)

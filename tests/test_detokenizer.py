@@ -1,6 +1,8 @@
 """Incremental detokenization: streamed pieces concatenate to exactly the full decode (multi-byte UTF-8,
 BPE merges, special tokens) with both decoders (HF DecodeStream and the window decoder), and the output
 processor cuts stop strings without ever streaming a part of them."""
+import os
+
 import numpy as np
 import pytest
 from helpers import make_tiny_model  # noqa: F401  (puts the repo root on sys.path)
@@ -179,3 +181,37 @@ def test_include_stop_str_and_special_tokens(bpe):
         proc = OutputProcessor(bpe, (), stream=stream, skip_special_tokens=False)   # not the end: EOS text kept
         got = proc.update(ids + [eos]).text + proc.update(ids[:1], "length").text
         assert got == proc.text == text + "<|im_end|>" + bpe.decode(ids[:1]), stream
+
+
+@pytest.mark.parametrize("tokenizer_class", ["Qwen2Tokenizer", "PreTrainedTokenizerFast", "GPT2Tokenizer"])
+def test_load_tokenizer_matches_auto_tokenizer_without_torch(tmp_path, tokenizer_class):
+    """load_tokenizer imports Qwen3's tokenizer classes directly (no torch import); it must give what
+    AutoTokenizer gives: the same class, ids, text and chat prompt. Other classes still go through AutoTokenizer."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from transformers import AutoTokenizer
+    from jaxinfer.tokenizer import load_tokenizer
+    demo = os.path.join(os.path.dirname(__file__), "..", "jaxinfer", "assets", "qwen3-pydoc")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(demo, name), tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": tokenizer_class}))
+    ours, auto = load_tokenizer(str(tmp_path)), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert type(ours) is type(auto)
+    texts = ["def f(x):\n    return x  # ok\n", "héllo wörld 你好 🙂", "<|im_start|>user\nhi<|im_end|>", "  \n\n\t x"]
+    for text in texts:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == auto.encode(text, add_special_tokens=False)
+        assert ours.decode(ids) == auto.decode(ids) and ours.decode(ids, skip_special_tokens=True) == \
+            auto.decode(ids, skip_special_tokens=True)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert ours.eos_token_id == auto.eos_token_id and ours.all_special_ids == auto.all_special_ids
+    if tokenizer_class != "GPT2Tokenizer":
+        code = f"import sys; from jaxinfer.tokenizer import load_tokenizer; load_tokenizer({str(tmp_path)!r}); " \
+               "print('torch' in sys.modules)"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == "False", out.stderr[-2000:]
