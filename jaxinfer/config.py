@@ -11,6 +11,8 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 
+from jaxinfer.model.rope import rope_fields
+
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
            "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -36,7 +38,9 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
-    rope_scaling_factor: float = 1.0       # "linear" rope scaling; 1.0 = none
+    rope_scaling_factor: float = 1.0       # "linear" or "yarn" rope scaling factor; 1.0 = none
+    rope_yarn: tuple = ()                  # YaRN: (original_max_position_embeddings, beta_fast, beta_slow,
+                                           # attention_factor, truncate); () = not YaRN (model/layers.rope_inv_freq)
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
     torch_dtype: str = "bfloat16"
@@ -58,6 +62,9 @@ class ModelConfig:
         object.__setattr__(self, "torch_dtype", canonical_dtype(self.torch_dtype))
 
     q_size = property(lambda self: self.num_attention_heads * self.head_dim)
+    # the longest context, as vLLM derives it: scaled rope stretches the trained length by its factor
+    max_length = property(lambda self: int((self.rope_yarn[0] if self.rope_yarn else self.max_position_embeddings)
+                                           * self.rope_scaling_factor))
     kv_size = property(lambda self: self.num_key_value_heads * self.head_dim)
 
     def num_params(self) -> int:
@@ -75,16 +82,6 @@ class ModelConfig:
         for key, why in (("attention_bias", " (Qwen3 checkpoints have none)"), ("use_sliding_window", "")):
             if d.get(key):
                 raise ValueError(f"{key}=True is not supported{why}")
-        # transformers < 5 writes rope_theta/rope_scaling; >= 5 writes rope_parameters.
-        rope = dict(d.get("rope_parameters") or {})
-        scaling = d.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        kind = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-        factor = 1.0
-        if kind == "linear":
-            factor = float(rope.get("factor", scaling.get("factor", 1.0)))
-        elif kind != "default":
-            raise ValueError(f"rope scaling type {kind!r} is not supported (only 'default' and 'linear')")
         heads, seq = d["num_attention_heads"], lambda v: v if isinstance(v, (list, tuple)) else [v]
         eos = tuple(dict.fromkeys(int(t) for v in seq(d.get("eos_token_id")) for t in seq(v) if t is not None))
         return cls(
@@ -92,8 +89,8 @@ class ModelConfig:
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
-            rope_scaling_factor=factor, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), **rope_fields(d),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_position_embeddings=d.get("max_position_embeddings", 40960),
             torch_dtype=d.get("dtype") or d.get("torch_dtype") or "bfloat16", eos_token_id=eos, name=name)
 
@@ -253,10 +250,10 @@ class EngineConfig:
             kw["attn_backend"] = "xla"     # the kernels tile a power-of-two head_dim (model/attention.check_backend)
         if (self.dtype or kw.get("dtype")) == "auto":
             kw["dtype"] = model.torch_dtype
-        mml = self.max_model_len or model.max_position_embeddings
-        if mml > model.max_position_embeddings:
-            raise ValueError(f"max_model_len={mml} exceeds the model's max_position_embeddings="
-                             f"{model.max_position_embeddings}")
+        mml = self.max_model_len or model.max_length
+        if mml > model.max_length:
+            raise ValueError(f"max_model_len={mml} exceeds the model's longest context, {model.max_length} "
+                             f"(max_position_embeddings, times the rope scaling factor where there is one)")
         kw["max_model_len"] = mml
         seqs = self.max_num_seqs or kw["max_num_seqs"]
         tokens = self.max_num_batched_tokens or kw["max_num_batched_tokens"]

@@ -22,6 +22,14 @@ ENABLE_LINE = f'os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " {S
 _warned = False
 
 
+# XLA passes no step needs. "rematerialization" tries to fit a program in 75% of the GPU's memory by recomputing
+# values. A step's operands include the KV pool, which the engine sizes to most of that memory (donated, updated
+# in place), so the pass cannot succeed: on the H200 it printed "Can't reduce memory use below 109.72GiB ...; only
+# reduced to 271.45GiB" 14 times at start-up, and W's warm-up took 22.3 s (141 s of compile time summed) against
+# 19.7 s (112 s) without it, the same tokens/s (docs/performance.md, twentieth run).
+DISABLED_PASSES = ("rematerialization",)
+
+
 def step_compiler_options(platform: str, num_devices: int = 1) -> dict:
     """Options for every compiled step.
     - XLA's Triton GEMM autotuning made start-up compile ~30 s per bucket on the H200; cuBLAS GEMMs compile in
@@ -35,6 +43,8 @@ def step_compiler_options(platform: str, num_devices: int = 1) -> dict:
     if platform != "gpu":
         return {}
     opts = {"xla_gpu_enable_triton_gemm": False}
+    if DISABLED_PASSES:
+        opts["xla_disable_hlo_passes"] = ",".join(DISABLED_PASSES)
     if num_devices > 1:
         opts["xla_gpu_graph_min_graph_size"] = 1
     return opts

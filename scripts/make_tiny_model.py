@@ -50,7 +50,8 @@ def make_tiny_model(path: str, *, vocab_size: int = 512, hidden_size: int = 64, 
                     num_hidden_layers: int = 2, num_attention_heads: int = 4, num_key_value_heads: int = 2,
                     head_dim: int = 32, rope_theta: float = 10000.0, tie_word_embeddings: bool = False,
                     max_position_embeddings: int = 2048, dtype: str = "float32", seed: int = 0,
-                    max_shard_size: str | None = None, init_std: float = 0.1, norm_std: float = 0.2) -> str:
+                    max_shard_size: str | None = None, init_std: float = 0.1, norm_std: float = 0.2,
+                    rope_parameters: dict | None = None) -> str:
     """Create the checkpoint directory and return its path. `init_std` > HF's 0.02 gives the random
     model peaked next-token distributions, so greedy decoding is not decided by float rounding. RMSNorm
     weights are 1 + N(0, norm_std) (HF initialises them to ones, which would hide a norm weight taken
@@ -64,7 +65,7 @@ def make_tiny_model(path: str, *, vocab_size: int = 512, hidden_size: int = 64, 
     config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                          num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
                          num_key_value_heads=num_key_value_heads, head_dim=head_dim,
-                         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+                         rope_parameters={"rope_type": "default", "rope_theta": rope_theta, **(rope_parameters or {})},
                          tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_position_embeddings,
                          eos_token_id=eos, bos_token_id=None, pad_token_id=tokenizer.pad_token_id,
                          initializer_range=init_std)

@@ -285,3 +285,19 @@ def test_xla_prefill_chunks_under_a_memory_budget():
     chunked = prefill_xla(q, k, v, tables, cu, lens, gather_budget_bytes=5 * per_token)  # chunks of 4
     np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), atol=1e-6, rtol=1e-6)
     assert float(jnp.abs(whole[20:]).max()) == 0.0
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_yarn_model_equals_transformers_past_its_original_length(tmp_path, backend):
+    """A YaRN checkpoint (Qwen3's long-context setting, scaled down: 32 trained positions, factor 4): prompts and
+    decoded tokens past position 32 equal transformers' greedy tokens on both backends (pallas: the decode kernel
+    rotates q/k with the same tables), and max_model_len may reach 4 x 32."""
+    from helpers import make_tiny_model
+    path = make_tiny_model(str(tmp_path / "m"), max_position_embeddings=64, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+    llm = LLM(path, **{**BASE, "attn_backend": backend})
+    assert llm.config.max_model_len == 128
+    ps = prompts(llm.model_config.vocab_size, [5, 30, 70])
+    ref = hf_model(path)
+    for p, o in zip(ps, tokens(llm, ps)):
+        assert o == hf_greedy(ref, p, 12), f"prompt of {len(p)} tokens"

@@ -41,12 +41,48 @@ def _base(**kw):
 def test_config_refuses_other_models_and_rope_kinds():
     with pytest.raises(ValueError, match="llama"):
         ModelConfig.from_dict(_base(model_type="llama"))
-    with pytest.raises(ValueError, match="yarn"):
-        ModelConfig.from_dict(_base(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
-    with pytest.raises(ValueError, match="yarn"):
-        ModelConfig.from_dict(_base(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6}))
+    with pytest.raises(ValueError, match="'dynamic' is not supported"):
+        ModelConfig.from_dict(_base(rope_scaling={"rope_type": "dynamic", "factor": 4.0}))
+    with pytest.raises(ValueError, match="longrope"):
+        ModelConfig.from_dict(_base(rope_parameters={"rope_type": "longrope", "rope_theta": 1e6}))
     # old-style (transformers 4) fields are read too
     c = ModelConfig.from_dict(_base(rope_theta=123.0, rope_scaling={"type": "linear", "factor": 2.0}))
     assert c.rope_theta == 123.0 and c.rope_scaling_factor == 2.0
     with pytest.raises(ValueError, match="num_key_value_heads=3"):
         ModelConfig.from_dict(_base(num_key_value_heads=3))
+
+
+def test_yarn_fields_as_qwen3_documents_them():
+    """Qwen3's model card: rope_scaling {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
+    32768} for 131,072 tokens. The fields and defaults are transformers'; the longest context is vLLM's."""
+    c = ModelConfig.from_dict(_base(max_position_embeddings=40960, rope_theta=1e6, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}))
+    assert c.rope_scaling_factor == 4.0 and c.rope_theta == 1e6
+    assert c.rope_yarn == (32768, 32.0, 1.0, pytest.approx(0.1 * np.log(4.0) + 1.0), True)
+    assert c.max_length == 131072
+    assert ModelConfig.from_dict(_base(max_position_embeddings=512)).max_length == 512
+    assert ModelConfig.from_dict(_base(max_position_embeddings=512, rope_scaling={
+        "type": "linear", "factor": 2.0})).max_length == 1024
+    # transformers >= 5's form, with the optional fields given
+    c = ModelConfig.from_dict(_base(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
+                                                     "original_max_position_embeddings": 64, "beta_fast": 16,
+                                                     "attention_factor": 1.5, "truncate": False}))
+    assert c.rope_yarn == (64, 16.0, 1.0, 1.5, False)
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("rope", [YARN, {**YARN, "truncate": False, "beta_fast": 8.0}, {"rope_type": "linear",
+                                                                                          "factor": 3.0}])
+def test_scaled_rope_logits_match_transformers(tmp_path, rope):
+    """YaRN and linear rope against transformers past the original length (32 tokens here), where the
+    interpolated frequencies and YaRN's attention factor decide the logits."""
+    from helpers import make_tiny_model
+    path = make_tiny_model(str(tmp_path / "m"), max_position_embeddings=64, rope_parameters=rope)
+    cfg = ModelConfig.from_pretrained(path)
+    assert (cfg.rope_yarn != ()) == (rope["rope_type"] == "yarn")
+    params = load_params(path, cfg, dtype=jnp.float32)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, size=90).tolist()
+    ours = np.asarray(dense_logits(cfg, params, jnp.array([ids])))[0]
+    np.testing.assert_allclose(ours, hf_logits(hf_model(path), ids), atol=1e-4, rtol=1e-4)

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import pytest
 from helpers import assert_lowers_to_triton, make_paged
 
-from jaxinfer.model.layers import apply_rope, rms_norm, rope_cos_sin
+from jaxinfer.model.layers import apply_rope, rms_norm
+from jaxinfer.model.rope import rope_cos_sin
 from pallas_kernels.paged_attention import (choose_num_splits, paged_attention, paged_attention_qkv,
                                             paged_attention_reference)
 from pallas_kernels.quant import is_pairs, quantize, unpack_pairs

@@ -14,14 +14,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, scaling: float = 1.0):
-    """cos/sin tables [..., D] for integer positions [...] (HF's default / linear rope)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs = (positions.astype(jnp.float32) / scaling)[..., None] * inv_freq      # [..., D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)                               # [..., D]
-    return jnp.cos(emb), jnp.sin(emb)
-
-
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x [..., N, D] rotated by the half-split ("rotate_half") convention; cos/sin [..., D]."""
     half = x.shape[-1] // 2

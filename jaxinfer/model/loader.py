@@ -209,6 +209,18 @@ def _draw_layer(buf, l, key, std: float):
     return jax.lax.dynamic_update_index_in_dim(buf, _draw(key, buf.shape[1:], buf.dtype, std), l, 0)
 
 
+def rope_parameters(c: ModelConfig) -> dict:
+    """config.json's rope_parameters (transformers >= 5) for c: the inverse of model/rope.rope_fields."""
+    if c.rope_yarn:
+        orig, fast, slow, attention, truncate = c.rope_yarn
+        return {"rope_type": "yarn", "rope_theta": c.rope_theta, "factor": c.rope_scaling_factor,
+                "original_max_position_embeddings": orig, "beta_fast": fast, "beta_slow": slow,
+                "attention_factor": attention, "truncate": truncate}
+    if c.rope_scaling_factor != 1.0:
+        return {"rope_type": "linear", "rope_theta": c.rope_theta, "factor": c.rope_scaling_factor}
+    return {"rope_type": "default", "rope_theta": c.rope_theta}
+
+
 def save_checkpoint(params: dict, config: ModelConfig, path: str, dtype: str = "bfloat16") -> str:
     """Write params as a Hugging Face Qwen3 checkpoint (config.json + model.safetensors), the inverse of
     `load_params` through the same name table: lets transformers run a preset's random weights."""
@@ -238,7 +250,7 @@ def save_checkpoint(params: dict, config: ModelConfig, path: str, dtype: str = "
           "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
           "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
           "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
-          "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+          "rope_theta": c.rope_theta, "rope_parameters": rope_parameters(c),
           "tie_word_embeddings": c.tie_word_embeddings, "max_position_embeddings": c.max_position_embeddings,
           "hidden_act": "silu", "attention_bias": False, "torch_dtype": dtype, "dtype": dtype,
           "eos_token_id": list(c.eos_token_id) or None}

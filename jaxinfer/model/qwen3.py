@@ -25,7 +25,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.attention import LayerAttention
-from jaxinfer.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from jaxinfer.model.layers import apply_rope, rms_norm, swiglu
+from jaxinfer.model.rope import rope_cos_sin
 from jaxinfer.parallel import kv_heads, shard_map
 
 INIT_STD = 0.02   # HF's initializer_range; keeps random-weight logits O(1), finite in bf16
@@ -104,7 +105,7 @@ def forward(c: ModelConfig, params: dict, token_ids, positions, attn: Callable, 
     `mesh` (axis "tp"): params are in the tensor-parallel layout of parallel/layout.py (None: one device)."""
     layers, tp = params["layers"], tp_size(mesh)
     x = embed(params["embed_tokens"], token_ids, mesh)                         # [..., E]
-    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling_factor)
+    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling_factor, c.rope_yarn)
     stacked = kv_caches is not None and getattr(attn, "stacked_layers", 0)
     if stacked and attn.scan and matmul is None:       # (a gemv `matmul` takes static rows: layers unrolled)
         x, caches = _scan_layers(c, layers, x, cos, sin, attn, kv_caches, tp)

@@ -1,0 +1,75 @@
+"""Rotary position embedding: the rope fields of a Hugging Face config.json, and the cos/sin tables.
+
+Three kinds, as transformers computes them (modeling_rope_utils) and vLLM accepts them:
+- "default": inv_freq[i] = theta^(-2i/D);
+- "linear": positions divided by `factor`;
+- "yarn" (Qwen3's documented way past 32k tokens: rope_scaling {"rope_type": "yarn", "factor": 4.0,
+  "original_max_position_embeddings": 32768}): low frequencies interpolated by `factor`, high ones kept, a linear
+  ramp between (beta_fast / beta_slow rotations over the original length), and cos/sin scaled by an attention
+  factor (0.1 ln(factor) + 1 unless given).
+The tables are computed once per step from the positions and passed to every layer and kernel, so a kind changes
+nothing else. This module imports no JAX at import time: config.py reads the fields through it.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+KINDS = ("default", "linear", "yarn")
+
+
+def rope_fields(d: dict) -> dict:
+    """ModelConfig's rope fields (rope_theta, rope_scaling_factor, rope_yarn) from a config.json dict:
+    transformers < 5 writes rope_theta / rope_scaling, >= 5 rope_parameters. YaRN's fields and defaults are
+    transformers' (_compute_yarn_parameters); rope_yarn = (original_max_position_embeddings, beta_fast, beta_slow,
+    attention_factor, truncate), () for the other kinds."""
+    rope = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind not in KINDS:
+        raise ValueError(f"rope scaling type {kind!r} is not supported (only 'default', 'linear' and 'yarn')")
+    theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+    if kind != "yarn":
+        return dict(rope_theta=theta, rope_scaling_factor=float(rope.get("factor", 1.0)) if kind == "linear" else 1.0)
+    longest = d.get("max_position_embeddings", 40960)
+    orig = int(rope.get("original_max_position_embeddings") or d.get("original_max_position_embeddings") or longest)
+    factor = float(rope.get("factor") or longest / orig)
+    mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    attention = rope.get("attention_factor") or (mscale(rope["mscale"]) / mscale(rope["mscale_all_dim"])
+                                                 if rope.get("mscale") and rope.get("mscale_all_dim") else mscale(1.0))
+    yarn = (orig, float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1), float(attention),
+            bool(rope.get("truncate", True)))
+    return dict(rope_theta=theta, rope_scaling_factor=factor, rope_yarn=yarn)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: float = 1.0, yarn: tuple = ()) -> tuple[np.ndarray, float]:
+    """(inv_freq [D/2] float32, factor cos/sin are multiplied by). Linear scaling is applied to the positions
+    (rope_cos_sin), YaRN here."""
+    dim = head_dim
+    pos_freqs = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    if not yarn:
+        return (np.float32(1.0) / pos_freqs).astype(np.float32), 1.0
+    orig, beta_fast, beta_slow, attention, truncate = yarn
+    # the dimension at which a frequency turns `rotations` times over the original length
+    at = lambda rotations: dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = at(beta_fast), at(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / ((high + 0.001 if low == high else high) - low),
+                   0, 1)
+    keep = (1 - ramp).astype(np.float32)                            # 1: extrapolate (high frequencies kept)
+    inv = (1.0 / (scaling * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv.astype(np.float32), float(attention)
+
+
+def rope_cos_sin(positions, head_dim: int, theta: float, scaling: float = 1.0, yarn: tuple = ()):
+    """cos/sin tables [..., D] for integer positions [...] (HF's default, linear and YaRN rope)."""
+    import jax.numpy as jnp
+    inv_freq, attention = rope_inv_freq(head_dim, theta, scaling, yarn)
+    pos = positions.astype(jnp.float32) / (1.0 if yarn else scaling)
+    freqs = pos[..., None] * jnp.asarray(inv_freq)                                 # [..., D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)                                 # [..., D]
+    if attention == 1.0:
+        return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * attention, jnp.sin(emb) * attention
