@@ -68,6 +68,11 @@ def test_yarn_fields_as_qwen3_documents_them():
                                                      "original_max_position_embeddings": 64, "beta_fast": 16,
                                                      "attention_factor": 1.5, "truncate": False}))
     assert c.rope_yarn == (64, 16.0, 1.0, 1.5, False)
+    # a checkpoint written by transformers 5 (rope_parameters) with rope_scaling added by hand: rope_scaling wins
+    c = ModelConfig.from_dict(_base(rope_theta=5e5, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                                    rope_scaling={"rope_type": "yarn", "factor": 2.0,
+                                                  "original_max_position_embeddings": 64}))
+    assert c.rope_yarn[0] == 64 and c.rope_scaling_factor == 2.0 and c.rope_theta == 5e5
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}

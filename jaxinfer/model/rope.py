@@ -21,10 +21,11 @@ KINDS = ("default", "linear", "yarn")
 
 def rope_fields(d: dict) -> dict:
     """ModelConfig's rope fields (rope_theta, rope_scaling_factor, rope_yarn) from a config.json dict:
-    transformers < 5 writes rope_theta / rope_scaling, >= 5 rope_parameters. YaRN's fields and defaults are
+    transformers < 5 writes rope_theta / rope_scaling, >= 5 rope_parameters; as in transformers 5, a rope_scaling
+    given (say, added by hand as Qwen3's card says) wins over rope_parameters. YaRN's fields and defaults are
     transformers' (_compute_yarn_parameters); rope_yarn = (original_max_position_embeddings, beta_fast, beta_slow,
     attention_factor, truncate), () for the other kinds."""
-    rope = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+    rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind not in KINDS:
         raise ValueError(f"rope scaling type {kind!r} is not supported (only 'default', 'linear' and 'yarn')")
