@@ -21,51 +21,10 @@ import os
 import sys
 import time
 
+from jaxinfer.cli_types import bool_arg, flag_type, json_object, port
+
 DEFAULT_MODEL = "qwen3-pydoc"     # the small trained model that ships in jaxinfer/assets/ (no download)
 DEFAULT_PROMPTS = ["The json module", "Return the number of", "A dictionary is", "This function raises"]
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    """argparse type of the list options: "8,32,64" -> (8, 32, 64)."""
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 8,32,64)") from None
-
-
-def port(text: str) -> int:
-    """argparse type: a TCP port, 0-65535 (0: any free one)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
-
-def _flag_type(annotation: str):
-    """(argparse kwargs) for an EngineConfig field's annotation (a string: annotations are postponed)."""
-    if "bool" in annotation:
-        return dict(action=argparse.BooleanOptionalAction)
-    if annotation.startswith("tuple"):
-        return dict(type=int_list, metavar="N,N,...")
-    if annotation.startswith("int"):
-        return dict(type=int, metavar="N")
-    if annotation.startswith("float"):
-        return dict(type=float, metavar="X")
-    return dict(type=str)
 
 
 def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None:
@@ -83,25 +42,22 @@ def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None
     for name in ("trust_remote_code", "enforce_eager", "disable_log_stats", "disable_log_requests",
                  "enable_log_requests", "disable_uvicorn_access_log"):       # no meaning here
         v.add_argument("--" + name.replace("_", "-"), dest="vllm_" + name, action="store_true", help=argparse.SUPPRESS)
-    for name, typ in (("enable_chunked_prefill", _bool), ("max_logprobs", int), ("quantization", str), ("task", str),
+    for name, typ in (("enable_chunked_prefill", bool_arg), ("max_logprobs", int), ("quantization", str), ("task", str),
                       ("load_format", str), ("tokenizer_mode", str), ("revision", str), ("max_log_len", int)):
         v.add_argument("--" + name.replace("_", "-"), dest="vllm_" + name, type=typ, help=argparse.SUPPRESS)
+    v.add_argument("--hf-overrides", dest="hf_overrides", type=json_object, metavar="JSON",
+                   help='config.json fields to replace (vLLM\'s), e.g. \'{"rope_scaling": {"rope_type": "yarn", '
+                        '"factor": 4.0, "original_max_position_embeddings": 32768}}\'')
     g = p.add_argument_group("engine options (jaxinfer.config.EngineConfig; unset: the platform's defaults)")
     for f in fields(EngineConfig):
         help_text = f.metadata.get("help", "")
         if f.default is not MISSING and f.default is not None and "default" not in help_text:
             help_text += f" (default: {f.default})"
-        kw = _flag_type(str(f.type))
+        kw = flag_type(str(f.type))
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
         names = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         g.add_argument(*names, dest=f.name, default=None, help=help_text, **kw)
-
-
-def _bool(text: str) -> bool:
-    if text.lower() not in ("true", "false", "1", "0"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return text.lower() in ("true", "1")
 
 
 def check_vllm_flags(a: argparse.Namespace) -> None:
@@ -127,7 +83,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     from dataclasses import fields
 
     from jaxinfer.config import EngineConfig
-    return {f.name: getattr(a, f.name) for f in fields(EngineConfig) if getattr(a, f.name, None) is not None}
+    kw = {f.name: getattr(a, f.name) for f in fields(EngineConfig) if getattr(a, f.name, None) is not None}
+    return {**kw, "hf_overrides": a.hf_overrides} if getattr(a, "hf_overrides", None) else kw
 
 
 def build_llm(a: argparse.Namespace):

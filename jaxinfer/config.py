@@ -95,7 +95,9 @@ class ModelConfig:
             torch_dtype=d.get("dtype") or d.get("torch_dtype") or "bfloat16", eos_token_id=eos, name=name)
 
     @classmethod
-    def from_pretrained(cls, path: str) -> "ModelConfig":
+    def from_pretrained(cls, path: str, hf_overrides: dict | None = None) -> "ModelConfig":
+        """From path/config.json (and generation_config.json's EOS ids); `hf_overrides` (vLLM's) replaces its
+        top-level fields, e.g. {"rope_scaling": {"rope_type": "yarn", ...}} or {"max_position_embeddings": N}."""
         cfg = os.path.join(path, "config.json")
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model directory {path!r} does not exist")
@@ -105,7 +107,7 @@ class ModelConfig:
         if os.path.isfile(gen):     # its EOS ids end generation too (HF's generate, vLLM): Qwen3 lists <|endoftext|>
             d = {**d, "eos_token_id": [d.get("eos_token_id"), _read_json(gen).get("eos_token_id")]}   # (flattened)
         try:
-            return cls.from_dict(d, name=os.path.basename(os.path.normpath(path)))
+            return cls.from_dict({**d, **(hf_overrides or {})}, name=os.path.basename(os.path.normpath(path)))
         except KeyError as e:
             raise ValueError(f"{cfg!r} lacks the field {e.args[0]!r}") from None
 

@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import os
 import re
+from typing import TYPE_CHECKING
 
 from jaxinfer.assets import DEMO_MODEL, demo_model_path
 from jaxinfer.model.presets import PRESETS, is_preset
+
+if TYPE_CHECKING:
+    from jaxinfer.config import ModelConfig
 
 # What a checkpoint needs: config, tokenizer, weights (never *.bin / *.pth / optimizer state).
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
@@ -76,3 +80,37 @@ def _how_to_get(repo_id: str, why: str) -> str:
     return (f"cannot load hub model {repo_id!r}: {why}. Get the files on a machine with network access with "
             f"`huggingface-cli download {repo_id}` (or `hf download {repo_id}`) and copy the Hugging Face cache "
             f"(~/.cache/huggingface/hub), or pass a local checkpoint directory{preset_hint}")
+
+
+def model_config_for(model: str, hf_overrides: dict | None = None) -> tuple[str, "ModelConfig"]:
+    """(resolved path or preset name, ModelConfig) of a checkpoint directory, an embedded preset (random
+    weights) or a Hugging Face hub id. Reads config.json only. `hf_overrides` (vLLM's option): config.json fields
+    that replace the checkpoint's (a preset's own fields are written as its config.json first)."""
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.model.presets import preset
+    if hf_overrides is not None and not isinstance(hf_overrides, dict):
+        raise ValueError(f"hf_overrides={hf_overrides!r:.80} must be a dict of config.json fields")
+    model = resolve_model(model)
+    if os.path.isdir(model):
+        return model, ModelConfig.from_pretrained(model, hf_overrides)
+    if not is_preset(model):
+        raise FileNotFoundError(f"model {model!r} is neither a checkpoint directory nor an embedded preset")
+    if not hf_overrides:
+        return model, preset(model)
+    from jaxinfer.model.loader import hf_config
+    return model, ModelConfig.from_dict({**hf_config(preset(model)), **hf_overrides}, name=model)
+
+
+def load_model(model: str, dtype: str, seed: int = 0, placement=None, config=None):
+    """(ModelConfig, params, tokenizer) of `model` (see `model_config_for`; `config`: the one to load it as, e.g.
+    with hf_overrides applied); presets get random weights. placement (parallel.Placement): params go to its
+    devices, split for tensor parallelism."""
+    import jax.numpy as jnp
+
+    from jaxinfer.model.loader import load_params, random_params
+    from jaxinfer.tokenizer import load_tokenizer
+    model, own = model_config_for(model)
+    config = config or own
+    if os.path.isdir(model):
+        return config, load_params(model, config, jnp.dtype(dtype), placement), load_tokenizer(model)
+    return config, random_params(config, jnp.dtype(dtype), seed, placement), load_tokenizer(None)

@@ -11,20 +11,17 @@ from collections.abc import Iterator
 from typing import Sequence as Seq
 
 import jax
-import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from jaxinfer import prompts as prompt_forms
 from jaxinfer.compat import pop_vllm_options
-from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.config import EngineConfig
 from jaxinfer.engine.dp_engine import create_engine
 from jaxinfer.engine.llm_engine import is_finished
 from jaxinfer.engine.one_thread import OneThread
 from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.generation_config import sampling_defaults
-from jaxinfer.hub import resolve_model
-from jaxinfer.model.loader import load_params, random_params
-from jaxinfer.model.presets import is_preset, preset
+from jaxinfer.hub import load_model, model_config_for
 from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, logprobs_of, prompt_logprobs_of,
                                        stop_reason, text_ids)
 from jaxinfer.outputs import CompletionOutput, RequestOutput
@@ -32,26 +29,6 @@ from jaxinfer.prompts import Prompt
 from jaxinfer.sampling_params import SamplingParams, per_prompt, truncate
 from jaxinfer.tokenizer import load_tokenizer
 from jaxinfer.xla_options import warn_if_slow_command_buffers
-
-
-def model_config_for(model: str) -> tuple[str, ModelConfig]:
-    """(resolved path or preset name, ModelConfig) of a checkpoint directory, an embedded preset (random
-    weights) or a Hugging Face hub id (see jaxinfer.hub). Reads config.json only."""
-    model = resolve_model(model)
-    if os.path.isdir(model):
-        return model, ModelConfig.from_pretrained(model)
-    if is_preset(model):
-        return model, preset(model)
-    raise FileNotFoundError(f"model {model!r} is neither a checkpoint directory nor an embedded preset")
-
-
-def load_model(model: str, dtype: str, seed: int = 0, placement=None):
-    """(ModelConfig, params, tokenizer) of `model` (see `model_config_for`); presets get random weights.
-    placement (parallel.Placement): params go to its devices, split for tensor parallelism."""
-    model, config = model_config_for(model)
-    if os.path.isdir(model):
-        return config, load_params(model, config, jnp.dtype(dtype), placement), load_tokenizer(model)
-    return config, random_params(config, jnp.dtype(dtype), seed, placement), load_tokenizer(None)
 
 
 class LLM:
@@ -68,8 +45,9 @@ class LLM:
 
     def __init__(self, model: str, generation_config: str = "auto", **kwargs):
         tokenizer = pop_vllm_options(kwargs)      # vLLM options with no meaning here are accepted (compat.py)
+        hf_overrides = kwargs.pop("hf_overrides", None)      # vLLM's: config.json fields replaced (hub.py)
         requested = EngineConfig.from_kwargs(**kwargs)
-        path, model_config = model_config_for(model)
+        path, model_config = model_config_for(model, hf_overrides)
         self.default_sampling_params = sampling_defaults(path if os.path.isdir(path) else None, generation_config)
         self._default_params = SamplingParams(**self.default_sampling_params)
         config = requested.resolve(jax.default_backend(), model_config)
@@ -82,7 +60,7 @@ class LLM:
 
         def load(placement):                     # (random weights broadcast: a user's rank-promotion "raise" is theirs)
             with jax.numpy_rank_promotion("allow"):
-                return load_model(path, config.dtype, config.seed, placement)[1]
+                return load_model(path, config.dtype, config.seed, placement, model_config)[1]
         eos = self.model_config.eos_token_id or tuple(
             t for t in [getattr(self.tokenizer, "eos_token_id", None)] if t is not None)
         # max_model_len left unset: the model's limit, capped by what the KV pool holds (as vLLM)

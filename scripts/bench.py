@@ -231,7 +231,8 @@ def host_name() -> str:
 
 
 def parse(argv=None):
-    from jaxinfer.cli import add_engine_args, positive_int
+    from jaxinfer.cli import add_engine_args
+    from jaxinfer.cli_types import positive_int
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default="qwen3-0.6b",
                     help="checkpoint dir, preset name (random weights) or hub id (default: qwen3-0.6b)")

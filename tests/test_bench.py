@@ -111,8 +111,9 @@ def test_skip_temp_mode_follows_jaxlib(monkeypatch):
 def test_step_options():
     from jaxinfer.xla_options import step_compiler_options
     assert step_compiler_options("cpu", 1) == {}
-    assert step_compiler_options("gpu", 1) == {"xla_gpu_enable_triton_gemm": False}
-    assert step_compiler_options("gpu", 2) == {"xla_gpu_enable_triton_gemm": False, "xla_gpu_graph_min_graph_size": 1}
+    off = {"xla_gpu_enable_triton_gemm": False, "xla_disable_hlo_passes": "rematerialization"}
+    assert step_compiler_options("gpu", 1) == off
+    assert step_compiler_options("gpu", 2) == {**off, "xla_gpu_graph_min_graph_size": 1}
 
 
 def test_bench_takes_the_engine_flags_and_defaults():

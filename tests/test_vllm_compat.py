@@ -46,3 +46,55 @@ def test_prompt_dicts_bad_params_entry_and_detokenize_false(tiny_dir):
     assert entries and all(lp.decoded_token is None for lp in entries)          # as vLLM: nothing decoded
     assert all(lp.decoded_token is not None for d in b.outputs[0].logprobs for lp in d.values())
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def test_hf_overrides_replace_config_fields(tiny_dir, tmp_path):
+    """vLLM's hf_overrides: a YaRN rope_scaling given that way runs as if config.json said it (same tokens as
+    an edited copy of the checkpoint), and it changes the model's longest context."""
+    import json
+    import shutil
+    edited = str(tmp_path / "yarn")
+    shutil.copytree(tiny_dir, edited)
+    with open(f"{edited}/config.json") as f:
+        config = json.load(f)
+    with open(f"{edited}/config.json", "w") as f:
+        json.dump({**config, "rope_scaling": YARN}, f)
+    engine = {**TINY_ENGINE, "max_model_len": None, "num_kvcache_blocks": 128}      # 128 x 4-token blocks
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [list(range(3, 60)), [7, 8, 9]]
+    llm = LLM(tiny_dir, hf_overrides={"rope_scaling": YARN}, **engine)
+    assert llm.model_config.rope_yarn[:1] == (32,) and llm.model_config.max_length == 128
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in LLM(edited, **engine).generate(prompts, sp, use_tqdm=False)]
+    assert ours == want
+
+
+def test_hf_overrides_on_presets_and_bad_values(tiny_dir):
+    from jaxinfer.hub import model_config_for
+    from jaxinfer.model.presets import preset
+    _, c = model_config_for("qwen3-0.6b", {"num_hidden_layers": 2, "rope_scaling": {**YARN, "factor": 2.0}})
+    want = preset("qwen3-0.6b")
+    assert c.num_hidden_layers == 2 and c.rope_scaling_factor == 2.0 and c.rope_yarn[0] == 32
+    assert (c.vocab_size, c.head_dim, c.eos_token_id, c.rope_theta) == (want.vocab_size, want.head_dim,
+                                                                       want.eos_token_id, want.rope_theta)
+    assert model_config_for("qwen3-0.6b", {})[1] == want
+    with pytest.raises(ValueError, match="hf_overrides='x'"):
+        LLM(tiny_dir, hf_overrides="x", **TINY_ENGINE)
+    with pytest.raises(ValueError, match="llama"):
+        LLM(tiny_dir, hf_overrides={"model_type": "llama"}, **TINY_ENGINE)
+
+
+def test_hf_overrides_flag(tiny_dir, capsys):
+    from jaxinfer import cli
+    a = cli.build_parser().parse_args(["generate", tiny_dir, "--hf-overrides", '{"rope_scaling": {"factor": 2}}',
+                                       "--max-num-seqs", "4"])
+    assert cli.engine_kwargs(a) == {"max_num_seqs": 4, "hf_overrides": {"rope_scaling": {"factor": 2}}}
+    assert "hf_overrides" not in cli.engine_kwargs(cli.build_parser().parse_args(["generate", tiny_dir]))
+    for bad in ("{1:", "[1]"):
+        with pytest.raises(SystemExit) as e:
+            cli.build_parser().parse_args(["serve", tiny_dir, "--hf-overrides", bad])
+        assert e.value.code == 2
+    assert "--hf-overrides" in capsys.readouterr().err

@@ -209,6 +209,19 @@ def _draw_layer(buf, l, key, std: float):
     return jax.lax.dynamic_update_index_in_dim(buf, _draw(key, buf.shape[1:], buf.dtype, std), l, 0)
 
 
+def hf_config(c: ModelConfig, dtype: str | None = None) -> dict:
+    """The config.json of a Hugging Face Qwen3 checkpoint for c (ModelConfig.from_dict's inverse)."""
+    dtype = dtype or c.torch_dtype
+    return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta, "rope_parameters": rope_parameters(c),
+            "tie_word_embeddings": c.tie_word_embeddings, "max_position_embeddings": c.max_position_embeddings,
+            "hidden_act": "silu", "attention_bias": False, "torch_dtype": dtype, "dtype": dtype,
+            "eos_token_id": list(c.eos_token_id) or None}
+
+
 def rope_parameters(c: ModelConfig) -> dict:
     """config.json's rope_parameters (transformers >= 5) for c: the inverse of model/rope.rope_fields."""
     if c.rope_yarn:
@@ -246,14 +259,7 @@ def save_checkpoint(params: dict, config: ModelConfig, path: str, dtype: str = "
                 start += part.shape[-1]
                 tensors[f"model.layers.{l}.{n}"] = np.ascontiguousarray(part.T if transposed else part)
     save_file(tensors, os.path.join(path, "model.safetensors"))
-    hf = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": c.vocab_size,
-          "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-          "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
-          "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
-          "rope_theta": c.rope_theta, "rope_parameters": rope_parameters(c),
-          "tie_word_embeddings": c.tie_word_embeddings, "max_position_embeddings": c.max_position_embeddings,
-          "hidden_act": "silu", "attention_bias": False, "torch_dtype": dtype, "dtype": dtype,
-          "eos_token_id": list(c.eos_token_id) or None}
+    hf = hf_config(c, dtype)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
     return path

@@ -5,7 +5,7 @@ import json
 import logging
 import sys
 
-from jaxinfer.cli import port
+from jaxinfer.cli_types import port
 from jaxinfer.server.launch import serve
 from jaxinfer.server.options import add_server_args, server_options
 

@@ -1,0 +1,64 @@
+"""argparse types of the `jaxinfer` command's flags (cli.py), each naming the bad value."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """argparse type of the list options: "8,32,64" -> (8, 32, 64)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 8,32,64)") from None
+
+
+def port(text: str) -> int:
+    """argparse type: a TCP port, 0-65535 (0: any free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def flag_type(annotation: str):
+    """(argparse kwargs) for an EngineConfig field's annotation (a string: annotations are postponed)."""
+    if "bool" in annotation:
+        return dict(action=argparse.BooleanOptionalAction)
+    if annotation.startswith("tuple"):
+        return dict(type=int_list, metavar="N,N,...")
+    if annotation.startswith("int"):
+        return dict(type=int, metavar="N")
+    if annotation.startswith("float"):
+        return dict(type=float, metavar="X")
+    return dict(type=str)
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def bool_arg(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1")
