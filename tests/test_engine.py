@@ -262,6 +262,24 @@ def test_pallas_backend_equals_xla(tiny_dir, alone):
     assert tokens(llm, ps[:6]) == ref[:6]
 
 
+@pytest.mark.parametrize("budget", [1 << 20, 1 << 14])
+def test_long_context_decode_splits(tiny_dir, alone, monkeypatch, budget):
+    """Decode programs with wide tables cut rows by their share of the batch's context (balanced splits, up to
+    what the partials budget holds: 64 splits, or 4 with the small one): the same greedy tokens."""
+    from jaxinfer.model import attention
+    monkeypatch.setattr(attention, "LONG_DECODE_TOKENS", 16)
+    monkeypatch.setattr(attention, "PARTIALS_BUDGET", budget)
+    monkeypatch.setattr(attention, "LONG_DECODE_GRID", 4096)
+    assert attention.long_decode_tiles(64, 8, 4, 2, 32, np.array([5]))["num_splits"] == (64 if budget > 1 << 14
+                                                                                         else 4)
+    assert attention.long_decode_tiles(64, 256, 4, 2, 32, np.array([5]))["num_splits"] == (8 if budget > 1 << 14
+                                                                                           else 1)
+    assert attention.long_decode_tiles(16, 8, 4, 2, 32, np.array([5])) == {}
+    ps, ref = alone
+    llm = LLM(tiny_dir, **{**BASE, "attn_backend": "pallas"})
+    assert tokens(llm, ps[:6]) == ref[:6]
+
+
 def test_sync_scheduling_gives_same_tokens(tiny_dir, alone):
     """Async scheduling (step N+1 packed while N runs, tokens fed on device) changes nothing."""
     ps, ref = alone

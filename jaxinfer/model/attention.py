@@ -57,6 +57,30 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
     return k_cache.reshape(P, bs, K, D), v_cache.reshape(P, bs, K, Dv)
 
 
+# Decode over long contexts: block tables wider than LONG_DECODE_TOKENS (the engine's wide decode programs, which run
+# only when a row's context outgrows the narrow context bucket) cut each row into as many context splits as its
+# share of the batch's context needs (the kernel's balanced splits), up to LONG_DECODE_SPLITS, to LONG_DECODE_GRID
+# programs (kv heads x splits x rows; splits a row does not need exit at once) and to PARTIALS_BUDGET bytes of fp32
+# partial outputs. The narrow programs' fixed count (8 splits in the 8-row bucket that batch 1 runs in) leaves one
+# long row to 64 programs. On the H200 (docs/performance.md, twentieth run), batch-1 TPOT at 32,000 tokens: 2.97 ms
+# against 4.17 (2.52 with a 2048-program grid, 2.69 with 4096); at 100,000 tokens 4.34 against 10.19 ms (4096).
+# The price: a full 8-row bucket of 32k-token rows takes 8.05 instead of 7.62 ms a step (9 splits a row, 576
+# programs, are a second wave where 8 fit in one); larger grids cost that bucket more (8.95-9.86 ms).
+LONG_DECODE_TOKENS = 4096
+LONG_DECODE_SPLITS = 64
+LONG_DECODE_GRID = 1024
+PARTIALS_BUDGET = 16 << 20
+
+
+def long_decode_tiles(width_tokens: int, rows: int, heads: int, kv_heads: int, head_dim: int, seq_lens) -> dict:
+    """paged_attention_qkv's split options for a decode program whose tables hold `width_tokens` (none: narrow)."""
+    if width_tokens <= LONG_DECODE_TOKENS:
+        return {}
+    fit = min(PARTIALS_BUDGET // (rows * heads * head_dim * 4), LONG_DECODE_GRID // (rows * kv_heads))
+    splits = min(LONG_DECODE_SPLITS, 1 << (max(1, fit).bit_length() - 1))
+    return dict(num_splits=splits, context_total=jnp.sum(seq_lens))
+
+
 PAIRS_MIN_HEAD_DIM = 32   # pairs only from this head_dim on: each half-dot keeps the 16 columns Triton's dots need
 
 
@@ -228,9 +252,13 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
         def qkv_local(meta, l, row, qkv, q_norm, k_norm, cos, sin, eps, cache):   # row b's new token: seq_lens[b] - 1
             scales = {k: v for k, v in fp8_kwargs(meta, l).items() if k != "layer"}     # stacked scales: their row is l
             first = l * (cache[0].shape[0] // stacked_layers) if stacked_layers else 0   # the layer's first page
-            o, k_cache, v_cache = paged_attention_qkv(qkv, q_norm, k_norm, cos, sin, *cache, meta["block_tables"],
-                                                      meta["seq_lens"], eps=eps, layer=row, order=meta["attn_order"],
-                                                      interpret=interpret, scale_layer=l, page_offset=first, **scales)
+            tables, lens = meta["block_tables"], meta["seq_lens"]
+            K = cache[0].shape[2]
+            tiles = long_decode_tiles(tables.shape[1] * cache[0].shape[1], qkv.shape[0], qkv.shape[1] - 2 * K, K,
+                                      qkv.shape[2], lens)
+            o, k_cache, v_cache = paged_attention_qkv(qkv, q_norm, k_norm, cos, sin, *cache, tables, lens, eps=eps,
+                                                      layer=row, order=meta["attn_order"], interpret=interpret,
+                                                      scale_layer=l, page_offset=first, **scales, **tiles)
             return o, (k_cache, v_cache)
 
         def from_qkv(l, qkv, q_norm, k_norm, row, cos, sin, eps, cache):
