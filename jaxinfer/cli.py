@@ -23,6 +23,7 @@ import time
 
 from jaxinfer.cli_types import bool_arg, flag_type, json_object, port
 
+VLLM_MODEL_OPTIONS = ("hf_overrides", "revision", "download_dir", "tokenizer")   # LLM() options beside EngineConfig's
 DEFAULT_MODEL = "qwen3-pydoc"     # the small trained model that ships in jaxinfer/assets/ (no download)
 DEFAULT_PROMPTS = ["The json module", "Return the number of", "A dictionary is", "This function raises"]
 
@@ -43,8 +44,11 @@ def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None
                  "enable_log_requests", "disable_uvicorn_access_log"):       # no meaning here
         v.add_argument("--" + name.replace("_", "-"), dest="vllm_" + name, action="store_true", help=argparse.SUPPRESS)
     for name, typ in (("enable_chunked_prefill", bool_arg), ("max_logprobs", int), ("quantization", str), ("task", str),
-                      ("load_format", str), ("tokenizer_mode", str), ("revision", str), ("max_log_len", int)):
+                      ("load_format", str), ("tokenizer_mode", str), ("max_log_len", int)):
         v.add_argument("--" + name.replace("_", "-"), dest="vllm_" + name, type=typ, help=argparse.SUPPRESS)
+    v.add_argument("--revision", dest="revision", help="the hub model's branch, tag or commit (vLLM's)")
+    v.add_argument("--download-dir", dest="download_dir", help="the Hugging Face cache to use for hub models (vLLM's)")
+    v.add_argument("--tokenizer", dest="tokenizer", help="a folder to load the tokenizer from (vLLM's)")
     v.add_argument("--hf-overrides", dest="hf_overrides", type=json_object, metavar="JSON",
                    help='config.json fields to replace (vLLM\'s), e.g. \'{"rope_scaling": {"rope_type": "yarn", '
                         '"factor": 4.0, "original_max_position_embeddings": 32768}}\'')
@@ -84,7 +88,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
 
     from jaxinfer.config import EngineConfig
     kw = {f.name: getattr(a, f.name) for f in fields(EngineConfig) if getattr(a, f.name, None) is not None}
-    return {**kw, "hf_overrides": a.hf_overrides} if getattr(a, "hf_overrides", None) else kw
+    return {**kw, **{k: getattr(a, k) for k in VLLM_MODEL_OPTIONS if getattr(a, k, None)}}
 
 
 def build_llm(a: argparse.Namespace):

@@ -40,7 +40,7 @@ class ModelConfig:
     rope_theta: float = 1_000_000.0
     rope_scaling_factor: float = 1.0       # "linear" or "yarn" rope scaling factor; 1.0 = none
     rope_yarn: tuple = ()                  # YaRN: (original_max_position_embeddings, beta_fast, beta_slow,
-                                           # attention_factor, truncate); () = not YaRN (model/layers.rope_inv_freq)
+                                           # attention_factor, truncate); () = not YaRN (model/rope.py)
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
     torch_dtype: str = "bfloat16"
@@ -56,7 +56,7 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
-        for f in ("rms_norm_eps", "rope_theta"):
+        for f in ("rms_norm_eps", "rope_theta", "rope_scaling_factor"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"{f}={getattr(self, f)!r} must be > 0")
         object.__setattr__(self, "torch_dtype", canonical_dtype(self.torch_dtype))

@@ -82,15 +82,20 @@ def _how_to_get(repo_id: str, why: str) -> str:
             f"(~/.cache/huggingface/hub), or pass a local checkpoint directory{preset_hint}")
 
 
-def model_config_for(model: str, hf_overrides: dict | None = None) -> tuple[str, "ModelConfig"]:
+def model_config_for(model: str, hf_overrides: dict | None = None, revision: str | None = None,
+                     download_dir: str | None = None) -> tuple[str, "ModelConfig"]:
     """(resolved path or preset name, ModelConfig) of a checkpoint directory, an embedded preset (random
-    weights) or a Hugging Face hub id. Reads config.json only. `hf_overrides` (vLLM's option): config.json fields
-    that replace the checkpoint's (a preset's own fields are written as its config.json first)."""
+    weights) or a Hugging Face hub id. Reads config.json only. vLLM's options: `hf_overrides`, config.json fields
+    that replace the checkpoint's (a preset's own fields are written as its config.json first); `revision` and
+    `download_dir` (the Hugging Face cache to use), for hub ids."""
     from jaxinfer.config import ModelConfig
     from jaxinfer.model.presets import preset
     if hf_overrides is not None and not isinstance(hf_overrides, dict):
         raise ValueError(f"hf_overrides={hf_overrides!r:.80} must be a dict of config.json fields")
-    model = resolve_model(model)
+    for name, v in (("revision", revision), ("download_dir", download_dir)):
+        if v is not None and not (isinstance(v, str) and v):
+            raise ValueError(f"{name}={v!r:.80} must be a non-empty string")
+    model = resolve_model(model, revision, os.path.expanduser(download_dir) if download_dir else None)
     if os.path.isdir(model):
         return model, ModelConfig.from_pretrained(model, hf_overrides)
     if not is_preset(model):

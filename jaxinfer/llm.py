@@ -45,9 +45,9 @@ class LLM:
 
     def __init__(self, model: str, generation_config: str = "auto", **kwargs):
         tokenizer = pop_vllm_options(kwargs)      # vLLM options with no meaning here are accepted (compat.py)
-        hf_overrides = kwargs.pop("hf_overrides", None)      # vLLM's: config.json fields replaced (hub.py)
+        hub = {k: kwargs.pop(k) for k in ("hf_overrides", "revision", "download_dir") if k in kwargs}   # (hub.py)
         requested = EngineConfig.from_kwargs(**kwargs)
-        path, model_config = model_config_for(model, hf_overrides)
+        path, model_config = model_config_for(model, **hub)
         self.default_sampling_params = sampling_defaults(path if os.path.isdir(path) else None, generation_config)
         self._default_params = SamplingParams(**self.default_sampling_params)
         config = requested.resolve(jax.default_backend(), model_config)

@@ -262,19 +262,16 @@ def test_pallas_backend_equals_xla(tiny_dir, alone):
     assert tokens(llm, ps[:6]) == ref[:6]
 
 
-@pytest.mark.parametrize("budget", [1 << 20, 1 << 14])
-def test_long_context_decode_splits(tiny_dir, alone, monkeypatch, budget):
+def test_long_context_decode_splits(tiny_dir, alone, monkeypatch):
     """Decode programs with wide tables cut rows by their share of the batch's context (balanced splits, up to
-    what the partials budget holds: 64 splits, or 4 with the small one): the same greedy tokens."""
+    what the grid and the partials budget allow): the same greedy tokens."""
     from jaxinfer.model import attention
-    monkeypatch.setattr(attention, "LONG_DECODE_TOKENS", 16)
-    monkeypatch.setattr(attention, "PARTIALS_BUDGET", budget)
-    monkeypatch.setattr(attention, "LONG_DECODE_GRID", 4096)
-    assert attention.long_decode_tiles(64, 8, 4, 2, 32, np.array([5]))["num_splits"] == (64 if budget > 1 << 14
-                                                                                         else 4)
-    assert attention.long_decode_tiles(64, 256, 4, 2, 32, np.array([5]))["num_splits"] == (8 if budget > 1 << 14
-                                                                                           else 1)
-    assert attention.long_decode_tiles(16, 8, 4, 2, 32, np.array([5])) == {}
+    tiles = lambda width, rows: attention.long_decode_tiles(width, rows, 4, 2, 32, np.array([5])).get("num_splits")
+    assert tiles(4096, 8) is None and tiles(8192, 8) == 64 and tiles(8192, 32) == 16 and tiles(8192, 256) == 2
+    monkeypatch.setattr(attention, "PARTIALS_BUDGET", 1 << 14)
+    assert tiles(8192, 8) == 4 and tiles(8192, 256) == 1
+    monkeypatch.setattr(attention, "LONG_DECODE_TOKENS", 16)       # the tiny model's tables count as wide
+    monkeypatch.setattr(attention, "PARTIALS_BUDGET", 1 << 20)
     ps, ref = alone
     llm = LLM(tiny_dir, **{**BASE, "attn_backend": "pallas"})
     assert tokens(llm, ps[:6]) == ref[:6]
@@ -305,11 +302,11 @@ def test_xla_prefill_chunks_under_a_memory_budget():
     assert float(jnp.abs(whole[20:]).max()) == 0.0
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_yarn_model_equals_transformers_past_its_original_length(tmp_path, backend):
+def test_yarn_model_equals_transformers_past_its_original_length(tmp_path):
     """A YaRN checkpoint (Qwen3's long-context setting, scaled down: 32 trained positions, factor 4): prompts and
-    decoded tokens past position 32 equal transformers' greedy tokens on both backends (pallas: the decode kernel
-    rotates q/k with the same tables), and max_model_len may reach 4 x 32."""
+    decoded tokens past position 32 equal transformers' greedy tokens (pallas: the prefill kernel and the decode
+    kernel, which rotates q/k itself, get the same tables as the xla path), and max_model_len may reach 4 x 32."""
+    backend = "pallas"
     from helpers import make_tiny_model
     path = make_tiny_model(str(tmp_path / "m"), max_position_embeddings=64, rope_parameters={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})

@@ -98,3 +98,27 @@ def test_hf_overrides_flag(tiny_dir, capsys):
             cli.build_parser().parse_args(["serve", tiny_dir, "--hf-overrides", bad])
         assert e.value.code == 2
     assert "--hf-overrides" in capsys.readouterr().err
+
+
+def test_revision_download_dir_and_tokenizer_options(tiny_dir, tmp_path, monkeypatch):
+    """vLLM's download_dir (the Hugging Face cache) and revision reach the hub lookup; --tokenizer / --revision /
+    --download-dir are command-line flags too."""
+    import shutil
+
+    from jaxinfer import cli
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someone--tiny-qwen3"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(tiny_dir, repo / "snapshots" / commit)
+    llm = LLM("someone/tiny-qwen3", download_dir=str(tmp_path / "hub"), revision="main", **TINY_ENGINE)
+    assert llm.model_config.vocab_size == 512
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(FileNotFoundError, match="someone/tiny-qwen3"):
+        LLM("someone/tiny-qwen3", download_dir=str(tmp_path / "hub"), revision="v2", **TINY_ENGINE)
+    with pytest.raises(ValueError, match="revision=3"):
+        LLM(tiny_dir, revision=3, **TINY_ENGINE)
+    a = cli.build_parser().parse_args(["serve", "someone/tiny-qwen3", "--revision", "main", "--download-dir",
+                                       "/d", "--tokenizer", tiny_dir])
+    assert cli.engine_kwargs(a) == {"revision": "main", "download_dir": "/d", "tokenizer": tiny_dir}

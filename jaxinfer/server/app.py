@@ -51,7 +51,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
     model id `served_model_name`. `tokenizer`: default, the model's. `alive` tells whether the core process
     still runs (default: by its pid); `on_dead(reason)` runs on the event loop when the core is found dead.
     `options`: ServerOptions (API key, queue bound, drain timeout, body limit)."""
-    tokenizer = tokenizer if tokenizer is not None else load_model_tokenizer(info.model)
+    tokenizer = tokenizer if tokenizer is not None else load_model_tokenizer(info.tokenizer or info.model)
     options = options or ServerOptions()
     limits = info.limits
     max_model_len = limits["max_model_len"]

@@ -41,7 +41,7 @@ def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1"
         core = CoreProcess(model, engine_kwargs, api_server_count)
         try:
             # while the core loads the model: this process's own start-up (transformers' import: seconds)
-            tokenizer = load_model_tokenizer(core.model) if api_server_count == 1 else None
+            tokenizer = load_model_tokenizer(core.tokenizer) if api_server_count == 1 else None
             core.wait_ready()
             where = f"[{host}]" if ":" in host else host
             log.info("jaxinfer API server on http://%s:%d (model %s)", where, sock.getsockname()[1],

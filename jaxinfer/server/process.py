@@ -16,11 +16,12 @@ log = logging.getLogger("jaxinfer.server")
 
 @dataclass(frozen=True)
 class CoreInfo:
-    model: str                    # resolved: a checkpoint directory or a preset name (the tokenizer's source)
+    model: str                    # resolved: a checkpoint directory or a preset name
     in_addr: str                  # the core's inbox (API processes push)
     out_addrs: tuple[str, ...]    # one per API process (the core pushes)
     pid: int
     limits: dict                  # max_model_len, vocab_size, num_blocks, block_size
+    tokenizer: str | None = None  # the engine's `tokenizer` folder, when one was given (else `model`'s)
 
 
 class CoreProcess:
@@ -32,7 +33,9 @@ class CoreProcess:
 
         from jaxinfer.hub import resolve_model
         from jaxinfer.server.core import run_core
-        resolved = resolve_model(model)           # once, here: every process then reads the same files
+        kw = engine_kwargs or {}                  # resolved once, here: every process then reads the same files
+        resolved = resolve_model(model, kw.get("revision"), kw.get("download_dir"))
+        self.tokenizer = kw.get("tokenizer") or resolved
         self._dir = tempfile.mkdtemp(prefix="jaxinfer-")
         in_addr = f"ipc://{self._dir}/in"
         outs = tuple(f"ipc://{self._dir}/out{i}" for i in range(api_count))
@@ -56,7 +59,7 @@ class CoreProcess:
             except BaseException:                 # load error, or Ctrl-C while loading
                 self.kill()
                 raise
-            self._info = CoreInfo(self.model, *self._addrs, self.proc.pid, msg["limits"])
+            self._info = CoreInfo(self.model, *self._addrs, self.proc.pid, msg["limits"], self.tokenizer)
         return self._info
 
     def _wait_ready(self, recv) -> dict:
