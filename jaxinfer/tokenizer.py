@@ -73,4 +73,7 @@ def _direct_class(path: str):
     if name not in _DIRECT or not os.path.isfile(os.path.join(path, "tokenizer.json")):
         return None
     module, attr = _DIRECT[name]
-    return getattr(importlib.import_module(module), attr, None)
+    try:
+        return getattr(importlib.import_module(module), attr, None)
+    except ImportError:          # a transformers that lays its modules out otherwise: AutoTokenizer decides
+        return None
