@@ -35,6 +35,7 @@ def pop_vllm_options(kwargs: dict) -> str | None:
                 raise ValueError(f"{name}={v!r:.80} is not supported: jaxinfer takes " +
                                  (f"{name}={took} (or leave it out)" if took else f"no {name} (leave it out)"))
     tok = kwargs.pop("tokenizer", None)
+    tok = os.path.expanduser(tok) if isinstance(tok, str) else tok
     if tok is not None and not (isinstance(tok, str) and os.path.isdir(tok)):
         raise ValueError(f"tokenizer={tok!r} must be a folder holding a Hugging Face tokenizer")
     return tok

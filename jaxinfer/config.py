@@ -51,7 +51,7 @@ class ModelConfig:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ModelConfig.{f}={v!r} must be a positive integer")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -88,7 +88,7 @@ class ModelConfig:
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            head_dim=d["hidden_size"] // heads if d.get("head_dim") is None else d["head_dim"],
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), **rope_fields(d),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_position_embeddings=d.get("max_position_embeddings", 40960),
@@ -103,11 +103,11 @@ class ModelConfig:
             raise FileNotFoundError(f"model directory {path!r} does not exist")
         if not os.path.isfile(cfg):
             raise FileNotFoundError(f"{cfg!r} is missing: a checkpoint directory needs config.json")
-        d, gen = _read_json(cfg), os.path.join(path, "generation_config.json")
+        d, gen = {**_read_json(cfg), **(hf_overrides or {})}, os.path.join(path, "generation_config.json")
         if os.path.isfile(gen):     # its EOS ids end generation too (HF's generate, vLLM): Qwen3 lists <|endoftext|>
             d = {**d, "eos_token_id": [d.get("eos_token_id"), _read_json(gen).get("eos_token_id")]}   # (flattened)
         try:
-            return cls.from_dict({**d, **(hf_overrides or {})}, name=os.path.basename(os.path.normpath(path)))
+            return cls.from_dict(d, name=os.path.basename(os.path.normpath(path)))
         except KeyError as e:
             raise ValueError(f"{cfg!r} lacks the field {e.args[0]!r}") from None
 
@@ -255,7 +255,7 @@ class EngineConfig:
         mml = self.max_model_len or model.max_length
         if mml > model.max_length:
             raise ValueError(f"max_model_len={mml} exceeds the model's longest context, {model.max_length} "
-                             f"(max_position_embeddings, times the rope scaling factor where there is one)")
+                             f"(max_position_embeddings; with rope scaling, the trained length times its factor)")
         kw["max_model_len"] = mml
         seqs = self.max_num_seqs or kw["max_num_seqs"]
         tokens = self.max_num_batched_tokens or kw["max_num_batched_tokens"]

@@ -106,16 +106,20 @@ def model_config_for(model: str, hf_overrides: dict | None = None, revision: str
     return model, ModelConfig.from_dict({**hf_config(preset(model)), **hf_overrides}, name=model)
 
 
-def load_model(model: str, dtype: str, seed: int = 0, placement=None, config=None):
-    """(ModelConfig, params, tokenizer) of `model` (see `model_config_for`; `config`: the one to load it as, e.g.
-    with hf_overrides applied); presets get random weights. placement (parallel.Placement): params go to its
-    devices, split for tensor parallelism."""
+def load_weights(model: str, config: "ModelConfig", dtype: str, seed: int = 0, placement=None):
+    """The params of `model` (a resolved directory or a preset: random weights) as `config` describes it.
+    placement (parallel.Placement): params go to its devices, split for tensor parallelism."""
     import jax.numpy as jnp
 
     from jaxinfer.model.loader import load_params, random_params
-    from jaxinfer.tokenizer import load_tokenizer
-    model, own = model_config_for(model)
-    config = config or own
     if os.path.isdir(model):
-        return config, load_params(model, config, jnp.dtype(dtype), placement), load_tokenizer(model)
-    return config, random_params(config, jnp.dtype(dtype), seed, placement), load_tokenizer(None)
+        return load_params(model, config, jnp.dtype(dtype), placement)
+    return random_params(config, jnp.dtype(dtype), seed, placement)
+
+
+def load_model(model: str, dtype: str, seed: int = 0, placement=None):
+    """(ModelConfig, params, tokenizer) of `model` (see `model_config_for`); presets get random weights."""
+    from jaxinfer.tokenizer import load_tokenizer
+    model, config = model_config_for(model)
+    return config, load_weights(model, config, dtype, seed, placement), load_tokenizer(
+        model if os.path.isdir(model) else None)

@@ -21,7 +21,7 @@ from jaxinfer.engine.llm_engine import is_finished
 from jaxinfer.engine.one_thread import OneThread
 from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.generation_config import sampling_defaults
-from jaxinfer.hub import load_model, model_config_for
+from jaxinfer.hub import load_weights, model_config_for
 from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, logprobs_of, prompt_logprobs_of,
                                        stop_reason, text_ids)
 from jaxinfer.outputs import CompletionOutput, RequestOutput
@@ -60,7 +60,7 @@ class LLM:
 
         def load(placement):                     # (random weights broadcast: a user's rank-promotion "raise" is theirs)
             with jax.numpy_rank_promotion("allow"):
-                return load_model(path, config.dtype, config.seed, placement, model_config)[1]
+                return load_weights(path, model_config, config.dtype, config.seed, placement)
         eos = self.model_config.eos_token_id or tuple(
             t for t in [getattr(self.tokenizer, "eos_token_id", None)] if t is not None)
         # max_model_len left unset: the model's limit, capped by what the KV pool holds (as vLLM)

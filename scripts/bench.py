@@ -276,6 +276,8 @@ def parse(argv=None):
 def main(argv=None) -> dict:
     args = parse(argv)
     args.model = args.model_flag or args.model
+    if args.peer and args.hf_overrides:     # transformers would load the checkpoint as its config.json says
+        raise SystemExit("bench.py: --peer hf compares against the checkpoint as it is; drop --hf-overrides")
     from jaxinfer.xla_options import set_process_flags, use_triton_ptxas
     if not args.no_process_flags:
         set_process_flags()      # exactly what the `jaxinfer` commands do: this process is ours

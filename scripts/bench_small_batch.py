@@ -270,7 +270,7 @@ def main(argv=None) -> dict:
         params = init_params(cfg, a.dtype)
         a.batches, a.context, a.width, a.k, a.iters, a.sweep, a.unroll = [1, 8], 48, 4, 2, 2, False, 2
     else:
-        from jaxinfer.llm import load_model
+        from jaxinfer.hub import load_model
         cfg, params, _ = load_model(a.model, "bfloat16")
     out = dict(model=cfg.name, device=str(jax.devices()[0].device_kind), jax=jax.__version__, context=a.context,
                width=a.width, k=a.k, xla_flags=os.environ.get("XLA_FLAGS", ""))

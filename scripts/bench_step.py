@@ -149,7 +149,7 @@ def main(argv=None) -> dict:
     from timing import copy_bandwidth
     from jaxinfer.engine.batch import pack
     from jaxinfer.engine.memory import kv_bytes_per_block
-    from jaxinfer.llm import load_model
+    from jaxinfer.hub import load_model
     from jaxinfer.model.attention import attention_fns, cache_layout, write_kv
     from jaxinfer.model.qwen3 import compute_logits, forward
     from jaxinfer.sampling import sample

@@ -117,7 +117,7 @@ def greedy_agreement(model: str, prompts: list[list[int]], max_tokens: int, engi
 
 
 def load(model: str, dtype: str):
-    from jaxinfer.llm import load_model
+    from jaxinfer.hub import load_model
     config, params, tok = load_model(model, dtype)
     return config, params, tok
 

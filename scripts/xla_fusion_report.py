@@ -240,7 +240,7 @@ def main(argv=None) -> dict:
     import jax
 
     from bench import write_json
-    from jaxinfer.llm import model_config_for
+    from jaxinfer.hub import model_config_for
     cfg = model_config_for(a.model)[1]
     if a.smoke:
         from jaxinfer.model.presets import ModelConfig

@@ -93,3 +93,22 @@ def test_scaled_rope_logits_match_transformers(tmp_path, rope):
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, size=90).tolist()
     ours = np.asarray(dense_logits(cfg, params, jnp.array([ids])))[0]
     np.testing.assert_allclose(ours, hf_logits(hf_model(path), ids), atol=1e-4, rtol=1e-4)
+
+
+def test_bad_rope_fields_name_the_value():
+    yarn = {"rope_type": "yarn", "original_max_position_embeddings": 32}
+    for rope, word in [({**yarn, "factor": 0}, "factor=0"), ({**yarn, "factor": 2.0,
+                        "original_max_position_embeddings": 0}, "original_max_position_embeddings=0"),
+                       ({**yarn, "factor": 2.0, "original_max_position_embeddings": -5}, "=-5"),
+                       ("yarn", "must be a dict"), ([1], "must be a dict")]:
+        with pytest.raises(ValueError, match=word):
+            ModelConfig.from_dict(_base(max_position_embeddings=64, rope_scaling=rope))
+    # attention_factor given as 0.0 is used (as transformers does), not replaced by the default
+    c = ModelConfig.from_dict(_base(rope_scaling={**yarn, "factor": 2.0, "attention_factor": 0.0}))
+    assert c.rope_yarn[3] == 0.0
+    # a top-level original_max_position_embeddings wins over rope_scaling's, as in transformers
+    c = ModelConfig.from_dict(_base(original_max_position_embeddings=16, rope_scaling={**yarn, "factor": 2.0}))
+    assert c.rope_yarn[0] == 16 and c.max_length == 32
+    for key, bad in (("num_hidden_layers", True), ("head_dim", 0)):
+        with pytest.raises(ValueError, match=f"{key}={bad!r}"):
+            ModelConfig.from_dict(_base(**{key: bad}))

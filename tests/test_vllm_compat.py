@@ -1,5 +1,7 @@
 """vLLM's offline API details that ported scripts rely on: numpy numbers and list fields in SamplingParams, the
 prompt TypedDicts, a bad entry in a list of params, LLM options that only describe jaxinfer, detokenize=False."""
+import os
+
 import numpy as np
 import pytest
 from helpers import TINY_ENGINE
@@ -72,7 +74,7 @@ def test_hf_overrides_replace_config_fields(tiny_dir, tmp_path):
     assert ours == want
 
 
-def test_hf_overrides_on_presets_and_bad_values(tiny_dir):
+def test_hf_overrides_on_presets_and_bad_values(tiny_dir, tmp_path):
     from jaxinfer.hub import model_config_for
     from jaxinfer.model.presets import preset
     _, c = model_config_for("qwen3-0.6b", {"num_hidden_layers": 2, "rope_scaling": {**YARN, "factor": 2.0}})
@@ -85,6 +87,13 @@ def test_hf_overrides_on_presets_and_bad_values(tiny_dir):
         LLM(tiny_dir, hf_overrides="x", **TINY_ENGINE)
     with pytest.raises(ValueError, match="llama"):
         LLM(tiny_dir, hf_overrides={"model_type": "llama"}, **TINY_ENGINE)
+    # generation_config.json's EOS ids still end generation when eos_token_id is overridden
+    import json
+    import shutil
+    ckpt = shutil.copytree(tiny_dir, str(tmp_path / "with_generation_config"))
+    with open(os.path.join(ckpt, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2, 0]}, f)
+    assert set(model_config_for(ckpt, {"eos_token_id": 7})[1].eos_token_id) == {7, 2, 0}
 
 
 def test_hf_overrides_flag(tiny_dir, capsys):
@@ -101,9 +110,15 @@ def test_hf_overrides_flag(tiny_dir, capsys):
 
 
 def test_revision_download_dir_and_tokenizer_options(tiny_dir, tmp_path, monkeypatch):
-    """vLLM's download_dir (the Hugging Face cache) and revision reach the hub lookup; --tokenizer / --revision /
-    --download-dir are command-line flags too."""
+    """vLLM's download_dir (the Hugging Face cache) and revision reach the hub lookup; tokenizer=FOLDER serves a
+    checkpoint that has no tokenizer files; --tokenizer / --revision / --download-dir are command-line flags too."""
     import shutil
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(tiny_dir, name), bare / name)
+    llm = LLM(str(bare), tokenizer=tiny_dir, **TINY_ENGINE)
+    assert llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)[0].prompt_token_ids
 
     from jaxinfer import cli
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

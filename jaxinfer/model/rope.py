@@ -25,7 +25,9 @@ def rope_fields(d: dict) -> dict:
     given (say, added by hand as Qwen3's card says) wins over rope_parameters. YaRN's fields and defaults are
     transformers' (_compute_yarn_parameters); rope_yarn = (original_max_position_embeddings, beta_fast, beta_slow,
     attention_factor, truncate), () for the other kinds."""
-    rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+    rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope_scaling / rope_parameters={rope!r:.80} must be a dict (rope_type, factor, ...)")
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind not in KINDS:
         raise ValueError(f"rope scaling type {kind!r} is not supported (only 'default', 'linear' and 'yarn')")
@@ -33,11 +35,20 @@ def rope_fields(d: dict) -> dict:
     if kind != "yarn":
         return dict(rope_theta=theta, rope_scaling_factor=float(rope.get("factor", 1.0)) if kind == "linear" else 1.0)
     longest = d.get("max_position_embeddings", 40960)
-    orig = int(rope.get("original_max_position_embeddings") or d.get("original_max_position_embeddings") or longest)
-    factor = float(rope.get("factor") or longest / orig)
+    # a top-level original_max_position_embeddings wins, as in transformers (standardize_rope_params)
+    orig = d.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", longest))
+    if not isinstance(orig, int) or isinstance(orig, bool) or orig < 1:
+        raise ValueError(f"original_max_position_embeddings={orig!r} must be a positive integer")
+    factor = rope.get("factor")
+    factor = longest / orig if factor is None else factor
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
+        raise ValueError(f"rope scaling factor={factor!r} must be a number > 0")
+    factor = float(factor)
     mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-    attention = rope.get("attention_factor") or (mscale(rope["mscale"]) / mscale(rope["mscale_all_dim"])
-                                                 if rope.get("mscale") and rope.get("mscale_all_dim") else mscale(1.0))
+    attention = rope.get("attention_factor")
+    if attention is None:
+        both = rope.get("mscale") and rope.get("mscale_all_dim")
+        attention = mscale(rope["mscale"]) / mscale(rope["mscale_all_dim"]) if both else mscale(1.0)
     yarn = (orig, float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1), float(attention),
             bool(rope.get("truncate", True)))
     return dict(rope_theta=theta, rope_scaling_factor=factor, rope_yarn=yarn)
