@@ -72,13 +72,14 @@ LONG_DECODE_GRID = 1024
 PARTIALS_BUDGET = 16 << 20
 
 
-def long_decode_tiles(width_tokens: int, rows: int, heads: int, kv_heads: int, head_dim: int, seq_lens) -> dict:
-    """paged_attention_qkv's split options for a decode program whose tables hold `width_tokens` (none: narrow)."""
+def long_decode_tiles(width_tokens: int, rows: int, heads: int, kv_heads: int, head_dim: int, context_total) -> dict:
+    """paged_attention_qkv's split options for a decode program whose tables hold `width_tokens` (none: narrow);
+    context_total: the sum of the step's seq_lens."""
     if width_tokens <= LONG_DECODE_TOKENS:
         return {}
     fit = min(PARTIALS_BUDGET // (rows * heads * head_dim * 4), LONG_DECODE_GRID // (rows * kv_heads))
     splits = min(LONG_DECODE_SPLITS, 1 << (max(1, fit).bit_length() - 1))
-    return dict(num_splits=splits, context_total=jnp.sum(seq_lens))
+    return dict(num_splits=splits, context_total=context_total)
 
 
 PAIRS_MIN_HEAD_DIM = 32   # pairs only from this head_dim on: each half-dot keeps the 16 columns Triton's dots need
@@ -248,6 +249,7 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
 
     if kind == "decode" and backend == "pallas":
         from pallas_kernels.paged_attention import paged_attention_qkv
+        meta = {**meta, "context_total": jnp.sum(meta["seq_lens"]).reshape(1)}   # once a step (long_decode_tiles)
 
         def qkv_local(meta, l, row, qkv, q_norm, k_norm, cos, sin, eps, cache):   # row b's new token: seq_lens[b] - 1
             scales = {k: v for k, v in fp8_kwargs(meta, l).items() if k != "layer"}     # stacked scales: their row is l
@@ -255,7 +257,7 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
             tables, lens = meta["block_tables"], meta["seq_lens"]
             K = cache[0].shape[2]
             tiles = long_decode_tiles(tables.shape[1] * cache[0].shape[1], qkv.shape[0], qkv.shape[1] - 2 * K, K,
-                                      qkv.shape[2], lens)
+                                      qkv.shape[2], meta["context_total"])
             o, k_cache, v_cache = paged_attention_qkv(qkv, q_norm, k_norm, cos, sin, *cache, tables, lens, eps=eps,
                                                       layer=row, order=meta["attn_order"], interpret=interpret,
                                                       scale_layer=l, page_offset=first, **scales, **tiles)
