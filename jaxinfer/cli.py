@@ -21,10 +21,11 @@ import os
 import sys
 import time
 
-from jaxinfer.cli_types import bool_arg, flag_type, json_object, port
+from jaxinfer.cli_types import bare_flags, bool_arg, flag_type, json_object, model_len, port
 
 VLLM_MODEL_OPTIONS = ("hf_overrides", "revision", "download_dir", "tokenizer")   # LLM() options beside EngineConfig's
 DEFAULT_MODEL = "qwen3-pydoc"     # the small trained model that ships in jaxinfer/assets/ (no download)
+CHUNKED = ("--enable-chunked-prefill",)     # vLLM's boolean flag: alone, or with true / false
 DEFAULT_PROMPTS = ["The json module", "Return the number of", "A dictionary is", "This function raises"]
 
 
@@ -43,9 +44,13 @@ def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None
     for name in ("trust_remote_code", "enforce_eager", "disable_log_stats", "disable_log_requests",
                  "enable_log_requests", "disable_uvicorn_access_log"):       # no meaning here
         v.add_argument("--" + name.replace("_", "-"), dest="vllm_" + name, action="store_true", help=argparse.SUPPRESS)
-    for name, typ in (("enable_chunked_prefill", bool_arg), ("max_logprobs", int), ("quantization", str), ("task", str),
+    for name, typ in (("max_logprobs", int), ("quantization", str), ("task", str),
                       ("load_format", str), ("tokenizer_mode", str), ("max_log_len", int)):
         v.add_argument("--" + name.replace("_", "-"), dest="vllm_" + name, type=typ, help=argparse.SUPPRESS)
+    v.add_argument(*CHUNKED, dest="vllm_enable_chunked_prefill", type=bool_arg, nargs="?", const=True,
+                   help=argparse.SUPPRESS)                  # (always on; main() reads a bare flag as true)
+    v.add_argument("--no-enable-chunked-prefill", dest="vllm_enable_chunked_prefill", action="store_const",
+                   const=False, help=argparse.SUPPRESS)
     v.add_argument("--revision", dest="revision", help="the hub model's branch, tag or commit (vLLM's)")
     v.add_argument("--download-dir", dest="download_dir", help="the Hugging Face cache to use for hub models (vLLM's)")
     v.add_argument("--tokenizer", dest="tokenizer", help="a folder to load the tokenizer from (vLLM's)")
@@ -57,7 +62,7 @@ def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None
         help_text = f.metadata.get("help", "")
         if f.default is not MISSING and f.default is not None and "default" not in help_text:
             help_text += f" (default: {f.default})"
-        kw = flag_type(str(f.type))
+        kw = flag_type(str(f.type)) if f.name != "max_model_len" else dict(type=model_len, metavar="N")
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
         names = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
@@ -185,6 +190,8 @@ def cmd_bench(argv: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="jaxinfer", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    from importlib.metadata import version
+    ap.add_argument("-v", "--version", action="version", version=version("jaxinfer"))
     sub = ap.add_subparsers(dest="command", metavar="{generate,chat,serve,bench}")
     sub.required = True
 
@@ -234,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:             # everything after `bench` belongs to the benchmark script
         command, run = "bench", lambda: cmd_bench(argv[1:])
     else:
-        a = build_parser().parse_args(argv)
+        a = build_parser().parse_args(bare_flags(argv, CHUNKED))
         if getattr(a, "attn_backend", None) == "triton":
             from jaxinfer.xla_options import use_triton_ptxas
             use_triton_ptxas()            # jaxlib runs ptxas to load jax-triton kernels (the serving core inherits it)

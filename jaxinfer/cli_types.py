@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -35,6 +36,35 @@ def positive_int(text: str) -> int:
     return value
 
 
+def human_int(text: str) -> int:
+    """argparse type of integer options, as vLLM reads them: 25600, 25.6k (x 1000), 1K (x 1024); m/M and g/G too."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", text.strip())
+    try:
+        if not m:
+            return int(text)
+        number, suffix = m.groups()
+        if suffix.islower():
+            return int(float(number) * 1000 ** "kmg".index(suffix) * 1000)
+        return int(number) * 1024 ** ("KMG".index(suffix) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (e.g. 4096, 4k = 4000, 4K = 4096)") from None
+
+
+def model_len(text: str) -> int | None:
+    """--max-model-len: human_int, or -1 / auto for the default (the model's, capped by the KV pool), as vLLM."""
+    return None if text.strip().lower() in ("-1", "auto") else human_int(text)
+
+
+def bare_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """vLLM's boolean flags given alone (`--enable-chunked-prefill MODEL`): FLAG=true, so that argparse does not
+    take the next word as the flag's value; `FLAG true|false` stays as it is."""
+    out = list(argv)
+    for i, tok in enumerate(out):
+        if tok in flags and (i + 1 == len(out) or out[i + 1].lower() not in ("true", "false", "1", "0")):
+            out[i] = tok + "=true"
+    return out
+
+
 def flag_type(annotation: str):
     """(argparse kwargs) for an EngineConfig field's annotation (a string: annotations are postponed)."""
     if "bool" in annotation:
@@ -42,7 +72,7 @@ def flag_type(annotation: str):
     if annotation.startswith("tuple"):
         return dict(type=int_list, metavar="N,N,...")
     if annotation.startswith("int"):
-        return dict(type=int, metavar="N")
+        return dict(type=human_int, metavar="N")
     if annotation.startswith("float"):
         return dict(type=float, metavar="X")
     return dict(type=str)

@@ -95,6 +95,28 @@ def test_bad_input_is_a_clear_error(tmp_path):
     assert e.value.code == 2
 
 
+def test_vllm_flag_forms(capsys):
+    """Parse-only: --version, the bare boolean --enable-chunked-prefill (vLLM's; the next word stays the model),
+    human-readable integers (1k = 1000, 1K = 1024) and --max-model-len auto / -1 (the default)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip()[:1].isdigit()
+    parse = lambda *a: cli.build_parser().parse_args(cli.bare_flags(list(a), cli.CHUNKED))     # noqa: E731
+    a = parse("serve", "--enable-chunked-prefill", "m", "--max-model-len", "1k", "--max-num-batched-tokens", "2K")
+    assert (a.model, a.vllm_enable_chunked_prefill, a.max_model_len, a.max_num_batched_tokens) == ("m", True, 1000, 2048)
+    assert parse("generate", "m", "--enable-chunked-prefill", "false").vllm_enable_chunked_prefill is False
+    assert parse("generate", "m", "--enable-chunked-prefill").vllm_enable_chunked_prefill is True
+    assert parse("generate", "--max-model-len", "25.6k").max_model_len == 25600
+    assert parse("generate", "--max-model-len", "auto").max_model_len is None
+    assert parse("generate", "--max-model-len", "-1").max_model_len is None
+    assert cli.main(["generate", "m", "--no-enable-chunked-prefill"]) == 2        # refused by name, nothing loaded
+    for bad in ("1.5K", "lots"):
+        with pytest.raises(SystemExit) as e:
+            parse("generate", "--max-model-len", bad)
+        assert e.value.code == 2
+    assert bad in capsys.readouterr().err
+
+
 def test_bench_delegates_or_explains(monkeypatch, tmp_path, capsys):
     script = tmp_path / "bench.py"
     script.write_text("def main(argv):\n    print('BENCH', argv)\n    return 0\n")

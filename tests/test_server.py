@@ -106,6 +106,30 @@ def test_completion_stream_equals_non_stream(url, client):
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
+def test_stream_options_usage_in_every_chunk_and_one_created(url, client):
+    """vLLM's stream_options: given, include_usage defaults to true; continuous_usage_stats puts each choice's
+    usage so far in every chunk; every chunk of a stream has the same `created` (OpenAI)."""
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0, stream=True)
+    full = client.completions.create(**{k: v for k, v in kw.items() if k != "stream"})
+    chunks = list(client.completions.create(**kw, stream_options={}))
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens and not chunks[-1].choices
+    assert all(c.usage is None for c in chunks[:-1])
+    assert not any(c.usage for c in client.completions.create(**kw, stream_options={"include_usage": False}))
+    chunks = list(client.completions.create(**kw, n=2, stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in chunks) and len({c.created for c in chunks}) == 1
+    for i in range(2):
+        mine = [c.usage for c in chunks if c.choices and c.choices[0].index == i]
+        assert all(u.prompt_tokens == full.usage.prompt_tokens for u in mine)
+        assert [u.completion_tokens for u in mine] == sorted(u.completion_tokens for u in mine)
+        assert mine[-1].completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.completion_tokens == 2 * full.usage.completion_tokens
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0, stream=True,
+                logprobs=True, top_logprobs=2, stream_options={"continuous_usage_stats": True})
+    chunks = list(client.chat.completions.create(**chat))
+    assert all(c.usage is not None for c in chunks) and len({c.created for c in chunks}) == 1
+    assert chunks[0].usage.completion_tokens == 0 and chunks[-2].usage.completion_tokens == chunks[-1].usage.completion_tokens
+
+
 def test_chat_stream_equals_non_stream(client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hello world! 你好"}], max_tokens=10,
               temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
@@ -223,6 +247,8 @@ def test_disconnect_before_a_plain_answer_aborts_it(url):
     ({"prompt": "x" * 400}, "prompt"),
     ({"prompt": "hi", "max_tokens": 500}, "max_tokens"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),     # without stream (as vLLM)
+    ({"prompt": "hi", "stream": True, "stream_options": {"bogus": 1}}, "stream_options"),
+    ({"messages": [{"role": "user", "content": "x" * 400}]}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice"),

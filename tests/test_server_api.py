@@ -236,6 +236,14 @@ def test_tokenize_detokenize_version_docs(url):
     assert httpx.post(url + "/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == "Hello world"
     chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat["count"] > t["count"] - 2
+    # vLLM's TokenizeChatRequest fields: null means absent; continue_final_message leaves the last message open
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    open_ = httpx.post(url + "/tokenize", json={"messages": msgs, "add_generation_prompt": False, "tools": None,
+                                                "continue_final_message": True, "chat_template": None}).json()
+    closed = httpx.post(url + "/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()
+    assert open_["tokens"] == closed["tokens"][:open_["count"]] and open_["count"] < closed["count"]
+    bad = httpx.post(url + "/tokenize", json={"messages": msgs, "chat_template": "{{ messages }}"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
     assert httpx.post(url + "/detokenize", json={"tokens": [10**9]}).status_code == 400
     assert "eos_token" in httpx.get(url + "/tokenizer_info").json()
     assert httpx.get(url + "/version").json()["version"]

@@ -117,20 +117,20 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
             raise P.RequestError(f"The model `{model}` does not exist; this server serves `{'`, `'.join(names)}`",
                                  param="model", code="model_not_found", status=404)
 
-    def tokenize(prompt, keep: int | None = None, special: bool = False) -> list[int]:
+    def tokenize(prompt, keep: int | None = None, special: bool = False, param: str = "prompt") -> list[int]:
         if keep == 0:
             raise P.RequestError("truncate_prompt_tokens=0 would leave no prompt: give k >= 1, or -1",
                                  param="truncate_prompt_tokens")
-        ids = P.encode(tokenizer, prompt, special) if isinstance(prompt, str) else list(prompt)
+        ids = P.encode(tokenizer, prompt, special, param) if isinstance(prompt, str) else list(prompt)
         try:
             ids = truncate(ids, keep, max_model_len)
         except ValueError as e:
             raise P.RequestError(str(e), param="truncate_prompt_tokens") from None
         if not ids:
-            raise P.RequestError("the prompt is empty", param="prompt")
+            raise P.RequestError("the prompt is empty", param=param)
         if len(ids) >= max_model_len:
             raise P.RequestError(f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-                                 f"{len(ids)} tokens and leaves no room to generate.", param="prompt",
+                                 f"{len(ids)} tokens and leaves no room to generate.", param=param,
                                  code="context_length_exceeded")
         return ids
 
@@ -140,11 +140,12 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         P.check_unsupported(req)
         check_model(req.model)
         ids_list, params = [], []
+        param = "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"     # (what errors name)
         for p in prompts:
-            ids = tokenize(p, req.truncate_prompt_tokens, req.add_special_tokens)
+            ids = tokenize(p, req.truncate_prompt_tokens, req.add_special_tokens, param)
             sp = P.sampling_params(req, len(ids), max_model_len, default_max_tokens, logprobs, prompt_logprobs,
                                    pool_tokens=limits["num_blocks"] * limits["block_size"], defaults=defaults)
-            P.check_request(ids, sp, limits)
+            P.check_request(ids, sp, limits, param)
             ids_list.append(ids)
             params.append(sp)
         items = C.expand(ids_list, params, req.n or 1, stream_prompt_logprobs=stream)

@@ -67,6 +67,14 @@ def check_unsupported(req: BaseModel) -> None:
         raise RequestError("stream_options can only be given when stream is true", param="stream_options")
 
 
+class StreamOptions(BaseModel):
+    """vLLM's stream options: given at all, a last chunk carries the usage (include_usage defaults to true);
+    continuous_usage_stats: every chunk carries its choice's usage so far."""
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
 class _Request(BaseModel):
     """Fields common to both routes: OpenAI's sampling fields plus vLLM's extensions (top_k, min_p,
     repetition_penalty, ignore_eos, stop_token_ids). Unknown fields are kept (extra='allow') so that
@@ -78,7 +86,8 @@ class _Request(BaseModel):
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(None, description="completions per prompt (default 1)")
     stop: str | list[str] | None = None
     stream: bool | None = False
-    stream_options: dict | None = Field(None, description='{"include_usage": true}: a last chunk with usage')
+    stream_options: StreamOptions | None = Field(None, description='{"include_usage": true}: a last chunk with '
+                                                                     'usage ("continuous_usage_stats": in every chunk)')
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     seed: Annotated[int, Field(ge=-2**63, lt=2**63)] | None = Field(
@@ -134,24 +143,6 @@ class ChatCompletionRequest(_Request):
     echo: bool = Field(False, description="vLLM: the answer starts with the last message's text, if it has the "
                                           "answer's role")
     add_special_tokens: bool = Field(False, description="vLLM: special tokens around the templated prompt")
-
-
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or chat messages (rendered with the chat template)."""
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = False
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict | None = None
-    return_token_strs: bool = False
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    tokens: list[StrictInt]
 
 
 # -- request -> engine ---------------------------------------------------------------------------------------
@@ -210,17 +201,17 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
 _FIELDS = set(SamplingParams.__dataclass_fields__)
 
 
-def check_request(ids: list[int], params: SamplingParams, limits: dict) -> None:
+def check_request(ids: list[int], params: SamplingParams, limits: dict, param: str = "prompt") -> None:
     """The engine's own request check (LLMEngine.check_request), against the limits the core reported, so
     that a bad prompt is a 400 before any streaming starts. The core checks again, authoritatively."""
     V, bs, nb = limits["vocab_size"], limits["block_size"], limits["num_blocks"]
     bad = [t for t in ids if not 0 <= t < V]
     if bad:
-        raise RequestError(f"the prompt has token id {bad[0]!r} outside the vocabulary [0, {V})", param="prompt")
+        raise RequestError(f"the prompt has token id {bad[0]!r} outside the vocabulary [0, {V})", param=param)
     need = -(-min(len(ids) + params.max_tokens, limits["max_model_len"]) // bs)
     if need > nb:
         raise RequestError(f"the request needs {need} KV blocks for {len(ids)} prompt + {params.max_tokens} output "
-                           f"tokens but the pool has only {nb}", param="prompt")
+                           f"tokens but the pool has only {nb}", param=param)
 
 
 def encode(tokenizer, text: str, special: bool = False, param: str = "prompt") -> list[int]:
@@ -288,4 +279,10 @@ def apply_chat_template(tokenizer, messages: list[dict], kwargs: dict | None,
 
 
 def include_usage(req: _Request) -> bool:
-    return bool((req.stream_options or {}).get("include_usage"))
+    """A last chunk with the usage (stream_options given, include_usage not false)."""
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def continuous_usage(req: _Request) -> bool:
+    """Each chunk with its choice's usage so far (vLLM's continuous_usage_stats, which needs include_usage)."""
+    return include_usage(req) and bool(req.stream_options.continuous_usage_stats)

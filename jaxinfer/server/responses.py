@@ -106,14 +106,17 @@ def chat_completion(rid: str, model: str, choices: list[dict], use: dict) -> dic
 
 
 def chat_chunk(rid: str, model: str, delta: dict, reason: str | None, index: int = 0, logprobs=None,
-               stop_reason=None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
-                         "stop_reason": stop_reason}]}
+               stop_reason=None, created: int | None = None, use: dict | None = None) -> dict:
+    """`created`: the stream's (every chunk of a stream has the same); `use`: this chunk's usage, if any."""
+    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created or int(time.time()), "model": model,
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
+                          "stop_reason": stop_reason}]}
+    return chunk if use is None else {**chunk, "usage": use}
 
 
-def usage_chunk(rid: str, model: str, object_: str, use: dict) -> dict:
-    return {"id": rid, "object": object_, "created": int(time.time()), "model": model, "choices": [], "usage": use}
+def usage_chunk(rid: str, model: str, object_: str, use: dict, created: int | None = None) -> dict:
+    return {"id": rid, "object": object_, "created": created or int(time.time()), "model": model, "choices": [],
+            "usage": use}
 
 
 # -- logprobs -----------------------------------------------------------------------------------------------
@@ -168,15 +171,21 @@ class ChunkEncoder:
         self._head = (f'data: {{"id": {json.dumps(rid)}, "object": "{object_}", "created": {self.created}, '
                       f'"model": {json.dumps(model, ensure_ascii=False)}, "choices": [{{"index": ')
 
-    def completion(self, index: int, text: str, reason: str | None, stop_reason=None) -> str:
+    def completion(self, index: int, text: str, reason: str | None, stop_reason=None, use: dict | None = None) -> str:
         return (f'{self._head}{index}, "text": {json.dumps(text, ensure_ascii=False)}, "logprobs": null, '
-                f'"finish_reason": {json.dumps(reason)}, "stop_reason": {json.dumps(stop_reason)}}}]}}\n\n')
+                f'"finish_reason": {json.dumps(reason)}, "stop_reason": {json.dumps(stop_reason)}{_end(use)}')
 
-    def completion_lp(self, index: int, text: str, reason: str | None, logprobs: dict, stop_reason=None) -> str:
+    def completion_lp(self, index: int, text: str, reason: str | None, logprobs: dict, stop_reason=None,
+                      use: dict | None = None) -> str:
         return (f'{self._head}{index}, "text": {json.dumps(text, ensure_ascii=False)}, "logprobs": '
                 f'{json.dumps(logprobs, ensure_ascii=False)}, "finish_reason": {json.dumps(reason)}, '
-                f'"stop_reason": {json.dumps(stop_reason)}}}]}}\n\n')
+                f'"stop_reason": {json.dumps(stop_reason)}{_end(use)}')
 
-    def chat_content(self, text: str, index: int = 0) -> str:
+    def chat_content(self, text: str, index: int = 0, use: dict | None = None) -> str:
         return (f'{self._head}{index}, "delta": {{"content": {json.dumps(text, ensure_ascii=False)}}}, '
-                f'"logprobs": null, "finish_reason": null, "stop_reason": null}}]}}\n\n')
+                f'"logprobs": null, "finish_reason": null, "stop_reason": null{_end(use)}')
+
+
+def _end(use: dict | None) -> str:
+    """The end of an encoded chunk: its choice, the choices list and the chunk closed, with `usage` if given."""
+    return "}]}\n\n" if use is None else f'}}], "usage": {json.dumps(use)}}}\n\n'

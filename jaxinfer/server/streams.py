@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+from jaxinfer.server import protocol as P
 from jaxinfer.server import responses as R
 from jaxinfer.server.choices import Choice
 
@@ -24,6 +25,15 @@ def echo_only(req) -> bool:
 def total_usage(prompts: list[list[int]], done, req=None) -> dict:
     """Prompt tokens once per prompt (whatever n), completion tokens of every choice."""
     return R.usage(sum(len(p) for p in prompts), 0 if echo_only(req) else sum(len(ch.token_ids) for ch in done))
+
+
+def _choice_usage(req, prompts, n: int):
+    """use(ch) -> the usage so far of choice ch (its prompt and its tokens) for every chunk (vLLM's
+    continuous_usage_stats), or None without it."""
+    if not P.continuous_usage(req):
+        return lambda ch: None
+    only = echo_only(req)
+    return lambda ch: R.usage(len(prompts[ch.index // n]), 0 if only else len(ch.token_ids))
 
 
 def _prompt_part(ch: Choice, prompt_ids: list[int], req, text_of, tokenizer, offset: int = 0):
@@ -69,7 +79,7 @@ def _new_logprobs(ch: Choice) -> tuple[list[int], list]:
 
 def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, text_of, tokenizer):
     enc = R.ChunkEncoder(rid, model, "text_completion")
-    k = req.logprobs
+    k, use = req.logprobs, _choice_usage(req, prompts, n)
 
     async def events():
         done, offsets = {}, {}
@@ -81,8 +91,8 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
                 offsets[ch.index] = 0
                 if first or fin:
                     text, lp = _prompt_part(ch, prompts[ch.index // n], req, text_of, tokenizer) if first else ("", None)
-                    yield enc.completion(ch.index, text, fin) if k is None else enc.completion_lp(
-                        ch.index, text, fin, lp or R.completion_logprobs(text_of, [], [], k))
+                    yield enc.completion(ch.index, text, fin, use=use(ch)) if k is None else enc.completion_lp(
+                        ch.index, text, fin, lp or R.completion_logprobs(text_of, [], [], k), use=use(ch))
                 continue
             text, lp = d.text, None
             stop = ch.stop_reason if d.finish_reason is not None else None
@@ -97,11 +107,12 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
                 new = R.completion_logprobs(text_of, ids, entries, k, offsets[ch.index])
                 offsets[ch.index] += sum(len(t) for t in new["tokens"])
                 lp = _merge(lp, new)
-                yield enc.completion_lp(ch.index, text, d.finish_reason, lp, stop)
+                yield enc.completion_lp(ch.index, text, d.finish_reason, lp, stop, use(ch))
             else:               # (an event per update, even when the text is held back: a client sees progress)
-                yield enc.completion(ch.index, text, d.finish_reason, stop)
-        if (req.stream_options or {}).get("include_usage"):
-            yield R.sse(R.usage_chunk(rid, model, "text_completion", total_usage(prompts, done.values(), req)))
+                yield enc.completion(ch.index, text, d.finish_reason, stop, use(ch))
+        if P.include_usage(req):
+            yield R.sse(R.usage_chunk(rid, model, "text_completion", total_usage(prompts, done.values(), req),
+                                      enc.created))
     return sse_response(events())
 
 
@@ -109,12 +120,14 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
                 echo: str = ""):
     enc = R.ChunkEncoder(rid, model, "chat.completion.chunk")
     k = (req.top_logprobs or 0) if req.logprobs else None
+    use, created = _choice_usage(req, prompts, n), enc.created
+    start = R.usage(len(prompts[0]), 0) if P.continuous_usage(req) else None
 
     async def events():
         for i in range(n):
-            yield R.sse(R.chat_chunk(rid, model, {"role": role, "content": ""}, None, i))
+            yield R.sse(R.chat_chunk(rid, model, {"role": role, "content": ""}, None, i, created=created, use=start))
         for i in range(n if echo else 0):         # echo: the last message's text first (vLLM)
-            yield enc.chat_content(echo, i)
+            yield enc.chat_content(echo, i, start)
         done = {}
         async for ch, d in run:
             done[ch.index] = ch
@@ -122,13 +135,15 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
                 ids, entries = _new_logprobs(ch)
                 if d.text or ids:
                     yield R.sse(R.chat_chunk(rid, model, {"content": d.text}, None, ch.index,
-                                             R.chat_logprobs(text_of, ids, entries, k)))
+                                             R.chat_logprobs(text_of, ids, entries, k), created=created, use=use(ch)))
             elif d.text:
-                yield enc.chat_content(d.text, ch.index)
+                yield enc.chat_content(d.text, ch.index, use(ch))
             if d.finish_reason:
-                yield R.sse(R.chat_chunk(rid, model, {}, d.finish_reason, ch.index, stop_reason=ch.stop_reason))
-        if (req.stream_options or {}).get("include_usage"):
-            yield R.sse(R.usage_chunk(rid, model, "chat.completion.chunk", total_usage(prompts, done.values())))
+                yield R.sse(R.chat_chunk(rid, model, {}, d.finish_reason, ch.index, stop_reason=ch.stop_reason,
+                                         created=created, use=use(ch)))
+        if P.include_usage(req):
+            yield R.sse(R.usage_chunk(rid, model, "chat.completion.chunk", total_usage(prompts, done.values()),
+                                      created))
     return sse_response(events())
 
 
