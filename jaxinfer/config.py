@@ -26,6 +26,9 @@ def canonical_dtype(name: str) -> str:
     return _DTYPES[key]
 
 
+QWEN3_DEFAULTS = dict(head_dim=128, max_position_embeddings=32768)   # transformers' Qwen3Config's (so vLLM's)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Every Qwen3 field that changes the math. Names follow HF's Qwen3Config."""
@@ -79,30 +82,29 @@ class ModelConfig:
         if model_type != "qwen3":
             raise ValueError(f"model_type={model_type!r} is not supported: jaxinfer runs Qwen3 dense models "
                              f"(model_type 'qwen3')")
-        for key, why in (("attention_bias", " (Qwen3 checkpoints have none)"), ("use_sliding_window", "")):
-            if d.get(key):
-                raise ValueError(f"{key}=True is not supported{why}")
+        for key, ok, why in (("attention_bias", False, " (Qwen3 checkpoints have none)"), ("use_sliding_window", False, ""),
+                             ("hidden_act", "silu", ": Qwen3's MLP is SwiGLU ('silu')")):
+            if d.get(key, ok) not in (ok, None):
+                raise ValueError(f"{key}={d[key]!r} is not supported{why}")
         heads, seq = d["num_attention_heads"], lambda v: v if isinstance(v, (list, tuple)) else [v]
         eos = tuple(dict.fromkeys(int(t) for v in seq(d.get("eos_token_id")) for t in seq(v) if t is not None))
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
-            head_dim=d["hidden_size"] // heads if d.get("head_dim") is None else d["head_dim"],
+            head_dim=QWEN3_DEFAULTS["head_dim"] if d.get("head_dim") is None else d["head_dim"],
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), **rope_fields(d),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=d.get("max_position_embeddings", 40960),
+            max_position_embeddings=d.get("max_position_embeddings", QWEN3_DEFAULTS["max_position_embeddings"]),
             torch_dtype=d.get("dtype") or d.get("torch_dtype") or "bfloat16", eos_token_id=eos, name=name)
 
     @classmethod
     def from_pretrained(cls, path: str, hf_overrides: dict | None = None) -> "ModelConfig":
         """From path/config.json (and generation_config.json's EOS ids); `hf_overrides` (vLLM's) replaces its
         top-level fields, e.g. {"rope_scaling": {"rope_type": "yarn", ...}} or {"max_position_embeddings": N}."""
-        cfg = os.path.join(path, "config.json")
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"model directory {path!r} does not exist")
-        if not os.path.isfile(cfg):
-            raise FileNotFoundError(f"{cfg!r} is missing: a checkpoint directory needs config.json")
+        if not os.path.isfile(cfg := os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"model directory {path!r} does not exist" if not os.path.isdir(path) else
+                                    f"{cfg!r} is missing: a checkpoint directory needs config.json")
         d, gen = {**_read_json(cfg), **(hf_overrides or {})}, os.path.join(path, "generation_config.json")
         if os.path.isfile(gen):     # its EOS ids end generation too (HF's generate, vLLM): Qwen3 lists <|endoftext|>
             d = {**d, "eos_token_id": [d.get("eos_token_id"), _read_json(gen).get("eos_token_id")]}   # (flattened)

@@ -90,13 +90,18 @@ def render_chat(tokenizer, messages, chat_template_kwargs: dict | None = None, *
     return tokenizer.apply_chat_template(list(messages), tokenize=False, **kw)
 
 
+def check_unsupported(where: str, **options) -> None:
+    """vLLM's arguments jaxinfer accepts only as "not used" (None): another value is a ValueError naming it."""
+    for name, v in options.items():
+        if v is not None:
+            raise ValueError(f"{where}: {name}={v!r:.80} is not supported by jaxinfer")
+
+
 def chat_prompts(tokenizer, messages, chat_template_kwargs: dict | None, *, lora_request, tools,
                  chat_template_content_format: str, **template_args) -> list[str]:
     """LLM.chat's prompts: one conversation or a list of them, rendered (render_chat); what vLLM's LLM.chat
     takes and jaxinfer does not (LoRA, tools) is a ValueError naming it."""
-    for name, v in (("lora_request", lora_request), ("tools", tools)):
-        if v is not None:
-            raise ValueError(f"LLM.chat: {name}={v!r:.80} is not supported by jaxinfer")
+    check_unsupported("LLM.chat", lora_request=lora_request, tools=tools)
     if chat_template_content_format not in ("auto", "string", "openai"):
         raise ValueError(f"LLM.chat: chat_template_content_format={chat_template_content_format!r} must be 'auto', "
                          f"'string' or 'openai'")

@@ -50,6 +50,11 @@ def test_config_refuses_other_models_and_rope_kinds():
     assert c.rope_theta == 123.0 and c.rope_scaling_factor == 2.0
     with pytest.raises(ValueError, match="num_key_value_heads=3"):
         ModelConfig.from_dict(_base(num_key_value_heads=3))
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        ModelConfig.from_dict(_base(hidden_act="gelu"))
+    # fields config.json leaves out take transformers' Qwen3Config defaults (so vLLM's), not hidden / heads
+    c = ModelConfig.from_dict({k: v for k, v in _base(hidden_act="silu").items() if k != "head_dim"})
+    assert (c.head_dim, c.max_position_embeddings) == (128, 32768)
 
 
 def test_yarn_fields_as_qwen3_documents_them():

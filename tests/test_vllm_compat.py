@@ -48,6 +48,13 @@ def test_prompt_dicts_bad_params_entry_and_detokenize_false(tiny_dir):
     assert entries and all(lp.decoded_token is None for lp in entries)          # as vLLM: nothing decoded
     assert all(lp.decoded_token is not None for d in b.outputs[0].logprobs for lp in d.values())
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+    # vLLM's generate arguments: lora_request=None and priority 0 run; anything else is refused by name
+    same = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False, lora_request=None,
+                        priority=[0])[0]
+    assert same.outputs[0].token_ids == b.outputs[0].token_ids
+    for kw, name in ((dict(lora_request=object()), "lora_request"), (dict(priority=[1]), "priority")):
+        with pytest.raises(ValueError, match=name):
+            llm.generate(["a"], sp, use_tqdm=False, **kw)
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
