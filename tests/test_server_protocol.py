@@ -23,6 +23,12 @@ def test_chat_text_parts_join_with_newlines():
                                           {"role": "assistant", "content": "ok"}])
     assert chat_messages(req.messages) == [{"role": "user", "content": "Hi\nthere"},
                                            {"role": "assistant", "content": "ok"}]
+    # a message's name goes to the template (vLLM passes it); other fields are refused by name
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi", "name": "bob"}])
+    assert chat_messages(req.messages) == [{"role": "user", "content": "Hi", "name": "bob"}]
+    from jaxinfer.server.protocol import RequestError
+    with pytest.raises(RequestError, match="tool_calls"):
+        chat_messages(ChatCompletionRequest(messages=[{"role": "assistant", "content": "", "tool_calls": [{}]}]).messages)
 
 
 def test_chat_template_kwargs_and_continue_final_message():

@@ -128,6 +128,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[TextPart] | None = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(_Request):
@@ -233,15 +234,16 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """[{"role", "content": str}]: text parts joined by newlines (as vLLM). Fields beyond role and content
-    (tool_calls, name, ...) are refused: the chat template would drop them."""
+    """[{"role", "content": str}]: text parts joined by newlines (as vLLM); a `name` goes to the chat template as
+    vLLM passes it. Other fields (tool_calls, ...) are refused: the template would drop them."""
     out = []
     for i, m in enumerate(messages):
         extra = [k for k, v in (m.model_extra or {}).items() if v is not None]
         if extra:
             raise RequestError(f"messages[{i}].{extra[0]} is not supported by this server", param="messages")
         c = m.content
-        out.append({"role": m.role, "content": "\n".join(p.text for p in c) if isinstance(c, list) else (c or "")})
+        out.append({"role": m.role, "content": "\n".join(p.text for p in c) if isinstance(c, list) else (c or ""),
+                    **({"name": m.name} if m.name is not None else {})})
     return out
 
 
