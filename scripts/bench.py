@@ -231,7 +231,8 @@ def host_name() -> str:
 
 
 def parse(argv=None):
-    from jaxinfer.cli import add_engine_args
+    from jaxinfer.cli import CHUNKED, add_engine_args
+    from jaxinfer.cli_types import bare_flags
     from jaxinfer.cli_types import positive_int
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default="qwen3-0.6b",
@@ -270,7 +271,7 @@ def parse(argv=None):
     ap.add_argument("--no-process-flags", action="store_true",
                     help="run as a plain `LLM()` in a user's Python does: XLA_FLAGS left as they are (A/B of the "
                          "SKIP_TEMP mode that the jaxinfer commands set)")
-    return ap.parse_args(argv)
+    return ap.parse_args(bare_flags(sys.argv[1:] if argv is None else argv, CHUNKED))
 
 
 def main(argv=None) -> dict:
