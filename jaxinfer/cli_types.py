@@ -36,6 +36,25 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
+    return value
+
+
+def probability(text: str) -> float:
+    """argparse type: a number in (0, 1] (top_p)."""
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not in (0, 1]")
+    return value
+
+
 def human_int(text: str) -> int:
     """argparse type of integer options, as vLLM reads them: 25600, 25.6k (x 1000), 1K (x 1024); m/M and g/G too."""
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", text.strip())

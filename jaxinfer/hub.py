@@ -106,14 +106,15 @@ def model_config_for(model: str, hf_overrides: dict | None = None, revision: str
     return model, ModelConfig.from_dict({**hf_config(preset(model)), **hf_overrides}, name=model)
 
 
-def load_weights(model: str, config: "ModelConfig", dtype: str, seed: int = 0, placement=None):
+def load_weights(model: str, config: "ModelConfig", dtype: str, seed: int = 0, placement=None, kv_scales: bool = True):
     """The params of `model` (a resolved directory or a preset: random weights) as `config` describes it.
-    placement (parallel.Placement): params go to its devices, split for tensor parallelism."""
+    placement (parallel.Placement): params go to its devices, split for tensor parallelism. kv_scales: read a
+    checkpoint's fp8 KV cache scales (loader.load_params)."""
     import jax.numpy as jnp
 
     from jaxinfer.model.loader import load_params, random_params
     if os.path.isdir(model):
-        return load_params(model, config, jnp.dtype(dtype), placement)
+        return load_params(model, config, jnp.dtype(dtype), placement, kv_scales)
     return random_params(config, jnp.dtype(dtype), seed, placement)
 
 

@@ -33,6 +33,13 @@ class SamplingParams:
     min_tokens: int = 0               # EOS, stop_token_ids and stop strings cannot end the output before this many
     detokenize: bool = True           # False: outputs carry token ids only (text "")
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens (-1: max_model_len of them)
+    # vLLM fields accepted with the value that describes jaxinfer (another value is a ValueError naming it):
+    spaces_between_special_tokens: bool = True    # (vLLM applies it to slow tokenizers only; Qwen3's are fast)
+    best_of: int | None = None                    # None or n (vLLM's V1 engine refuses best_of > n too)
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict | None = None
+    logits_processors: list | None = None
 
     def __post_init__(self):
         for f in _INT_FIELDS:          # numpy integers / floats (e.g. seed=np.random.randint(...)) as Python's
@@ -105,6 +112,13 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1)):
             bad("truncate_prompt_tokens", "must be None, an integer >= 1 or -1 (max_model_len)")
+        if not isinstance(self.spaces_between_special_tokens, bool):
+            bad("spaces_between_special_tokens", "must be True or False")
+        if self.best_of not in (None, self.n) or isinstance(self.best_of, bool):
+            bad("best_of", f"is not supported: only None or best_of == n ({self.n})")
+        for name in ("bad_words", "allowed_token_ids", "logit_bias", "logits_processors"):
+            if getattr(self, name):
+                bad(name, "is not supported by jaxinfer (leave it None)")
         m = self.min_tokens
         if not isinstance(m, int) or isinstance(m, bool) or m < 0 or (mt is not None and m > mt):
             bad("min_tokens", f"must be an integer in [0, max_tokens={mt}]")
@@ -166,7 +180,8 @@ class SamplingParams:
         seed = self.seed
         if seed is not None and index > 0:
             seed = (seed * 0x9E3779B1 + index * 0x85EBCA77 + 0x632BE5AB) % 0x7FFFFFFF
-        return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
+        return replace(self, n=1, best_of=None, seed=seed,
+                       prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))

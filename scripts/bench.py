@@ -191,6 +191,9 @@ def with_extras(llm, params, args):
 def run_latency(args) -> dict:
     from jaxinfer import SamplingParams
     llm = build(args)
+    if args.latency_prompt + args.latency_output > llm.config.max_model_len:
+        raise ValueError(f"--latency-prompt {args.latency_prompt} + --latency-output {args.latency_output} tokens "
+                         f"exceed max_model_len={llm.config.max_model_len}: the requests would stop early")
     rng = np.random.default_rng(0)
     V = min(10000, llm.model_config.vocab_size)
     prompt = rng.integers(0, V, args.latency_prompt).tolist()
@@ -232,7 +235,7 @@ def host_name() -> str:
 
 def parse(argv=None):
     from jaxinfer.cli import CHUNKED, add_engine_args
-    from jaxinfer.cli_types import bare_flags
+    from jaxinfer.cli_types import bare_flags, positive_float, probability
     from jaxinfer.cli_types import positive_int
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default="qwen3-0.6b",
@@ -253,14 +256,14 @@ def parse(argv=None):
     ap.add_argument("--peer-num-seqs", type=int, default=64)
     ap.add_argument("--peer-max-tokens", type=int, default=256)
     ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--reference-bw", type=float, default=4.3,
+    ap.add_argument("--reference-bw", type=positive_float, default=4.3,
                     help="TB/s per device for a second floor (times the devices used): XLA's own pass reaches "
                          "less than the HBM can (default 4.3, a torch device copy on the H200)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="every request asks for N logprobs per token (cost of logprobs; default: none)")
     g.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
                    help="every request has presence_penalty=X (cost of penalties; default: 0)")
-    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+    g.add_argument("--top-p", type=probability, default=1.0, metavar="P",
                    help="every request has top_p=P (cost of filtered sampling; default: 1, no filter)")
     ap.add_argument("--repeats", type=positive_int, default=1,
                     help="time the workload this many times; report the median wall (A/B runs: less noise)")

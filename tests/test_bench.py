@@ -117,9 +117,11 @@ def test_step_options():
 
 
 def test_bench_takes_the_engine_flags_and_defaults():
-    for flag in ("--repeats", "--latency-batch", "--latency-prompt", "--latency-output"):
+    for flag, value in (("--repeats", "0"), ("--latency-batch", "0"), ("--latency-prompt", "0"),
+                        ("--latency-output", "0"), ("--top-p", "1.5"), ("--top-p", "nan"), ("--reference-bw", "0"),
+                        ("--reference-bw", "-1")):
         with pytest.raises(SystemExit):
-            bench.parse([flag, "0"])
+            bench.parse([flag, value])
     a = bench.parse(["qwen3-8b", "--max-num-seqs", "4"])
     from jaxinfer.cli import engine_kwargs
     assert a.model == "qwen3-8b" and engine_kwargs(a) == {"max_num_seqs": 4}   # the rest: the engine's defaults
@@ -147,6 +149,13 @@ def test_bench_kernels_smoke_writes_json(tmp_path):
                           "pallas,nope"], env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"},
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "nope" in bad.stderr
+
+
+def test_latency_refuses_requests_that_would_stop_early(tiny_dir):
+    """--latency's TPOT is over --latency-output tokens: a prompt + output past max_model_len is refused, not timed."""
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        bench.run_latency(bench.parse([tiny_dir, "--dtype", "float32", "--latency", "--latency-prompt", "60",
+                                       "--latency-output", "10", "--max-model-len", "64", "--block-size", "4"]))
 
 
 def test_bench_script_reports_bad_engine_values_without_a_traceback():

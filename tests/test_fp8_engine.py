@@ -125,16 +125,19 @@ def test_weight_bound_holds_and_survives_tensor_parallel_layout(tiny_dirs, name)
             np.testing.assert_allclose(np.asarray(a), b, rtol=1e-6)
 
 
-def _with_scale_tensors(src, dst, layers):
-    """A copy of checkpoint `src` carrying vLLM-style k_scale / v_scale tensors for the first `layers` layers."""
+def _with_scale_tensors(src, dst, layers, which=("k", "v"), value=None):
+    """A copy of checkpoint `src` carrying vLLM-style k_scale / v_scale tensors (`which` of them) for the first
+    `layers` layers; `value`: that scale for all of them instead of 0.01 (k) / 0.02 (v) x (l + 1)."""
     import shutil
     from safetensors.numpy import load_file, save_file
     shutil.copytree(src, dst)
     path = os.path.join(dst, "model.safetensors")
     t = load_file(path)
     for l in range(layers):
-        t[f"model.layers.{l}.self_attn.k_scale"] = np.asarray(0.01 * (l + 1), np.float32)
-        t[f"model.layers.{l}.self_attn.v_scale"] = np.asarray(0.02 * (l + 1), np.float32)
+        for w, unit in (("k", 0.01), ("v", 0.02)):
+            if w in which:
+                t[f"model.layers.{l}.self_attn.{w}_scale"] = np.asarray(unit * (l + 1) if value is None else value,
+                                                                        np.float32)
     save_file(t, path)
     return dst
 
@@ -149,6 +152,13 @@ def test_checkpoint_scales_are_used(tiny_dir, tmp_path):
     assert "k_scale" not in LLM(path, **TINY_ENGINE).engine.runner.params, "a full-precision cache needs no scales"
     with pytest.raises(ValueError, match="layers.1.self_attn.k_scale"):
         LLM(_with_scale_tensors(tiny_dir, str(tmp_path / "partial"), 1), **FP8)
+    with pytest.raises(ValueError, match="layers.0.self_attn.k_scale"):         # v_scale alone is a gap too
+        LLM(_with_scale_tensors(tiny_dir, str(tmp_path / "v_only"), 2, which=("v",)), **FP8)
+    # an "auto" cache ignores the checkpoint's scales, even unusable ones (as vLLM); fp8 names the bad tensor
+    bad = _with_scale_tensors(tiny_dir, str(tmp_path / "zero"), 2, value=0.0)
+    assert tokens(LLM(bad, **TINY_ENGINE), [[1, 2, 3]]) == tokens(LLM(tiny_dir, **TINY_ENGINE), [[1, 2, 3]])
+    with pytest.raises(ValueError, match="self_attn.k_scale' must be one positive scale"):
+        LLM(bad, **FP8)
 
 
 class _FakeGPU:

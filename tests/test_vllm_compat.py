@@ -22,6 +22,15 @@ def test_sampling_params_take_numpy_numbers_and_keep_lists():
         SamplingParams(seed=np.float32(1.5))
 
 
+def test_sampling_params_take_vllms_unused_fields_unset():
+    sp = SamplingParams(n=2, best_of=2, spaces_between_special_tokens=False, bad_words=[], logit_bias=None)
+    assert sp.for_sample(1).best_of is None and sp.spaces_between_special_tokens is False
+    for kw in (dict(best_of=3), dict(bad_words=["x"]), dict(allowed_token_ids=[1]), dict(logit_bias={1: 1.0}),
+               dict(logits_processors=[print]), dict(spaces_between_special_tokens=1)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            SamplingParams(**kw)
+
+
 def test_vllm_options_that_describe_jaxinfer():
     kw = dict(enable_chunked_prefill=True, max_logprobs=20, quantization=None, max_seq_len_to_capture=8192,
               task="generate", max_num_seqs=4)

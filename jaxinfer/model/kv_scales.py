@@ -48,18 +48,20 @@ def kv_cache_dtype(name: str, model_dtype) -> jnp.dtype:
 
 def checkpoint_scales(tensors: dict, num_layers: int) -> dict | None:
     """{'k_scale': [L], 'v_scale': [L]} float32 from a checkpoint's tensors (name -> object with .get(name)), or
-    None when it has none. A checkpoint with scales for some layers only is a ValueError naming the first gap."""
+    None when it has none. A checkpoint with some scales but not all (a layer, or k or v, missing) is a ValueError
+    naming the first gap."""
+    names = {which: [next((f"model.layers.{l}.{p.format(which)}" for p in _CHECKPOINT_NAMES
+                           if f"model.layers.{l}.{p.format(which)}" in tensors), None) for l in range(num_layers)]
+             for which in ("k_scale", "v_scale")}
+    if not any(n for ns in names.values() for n in ns):
+        return None
     out = {}
-    for which in ("k_scale", "v_scale"):
+    for which, ns in names.items():
         vals = []
-        for l in range(num_layers):
-            name = next((f"model.layers.{l}.{p.format(which)}" for p in _CHECKPOINT_NAMES
-                         if f"model.layers.{l}.{p.format(which)}" in tensors), None)
+        for l, name in enumerate(ns):
             if name is None:
-                if vals or out:
-                    raise ValueError(f"the checkpoint has KV cache scales for some layers but lacks "
-                                     f"model.layers.{l}.self_attn.{which}")
-                return None
+                raise ValueError(f"the checkpoint has KV cache scales for some layers but lacks "
+                                 f"model.layers.{l}.self_attn.{which}")
             a = np.asarray(tensors[name].get(name), np.float32).reshape(-1)
             if a.size != 1 or not np.isfinite(a[0]) or a[0] <= 0:
                 raise ValueError(f"tensor {name!r} must be one positive scale (per-tensor), got {a.tolist()}")

@@ -115,19 +115,21 @@ def _open_checkpoint(path: str) -> dict[str, SafetensorsFile]:
     return table
 
 
-def load_params(path: str, config: ModelConfig | None = None, dtype=jnp.bfloat16, placement=None) -> dict:
+def load_params(path: str, config: ModelConfig | None = None, dtype=jnp.bfloat16, placement=None,
+                kv_scales: bool = True) -> dict:
     """Read a checkpoint directory into the params pytree of `Qwen3ForCausalLM`, cast to `dtype`.
+    kv_scales: also read its fp8 KV cache scales, if any (False: an "auto" cache, which ignores them, as vLLM).
 
     placement (parallel.Placement): put the weights on its devices in the tensor-parallel layout, each device
     receiving only its own slices; None: the default device, checkpoint layout."""
     config = config or ModelConfig.from_pretrained(path)
     if placement is not None:
         placement.check(config)           # a size that does not divide the heads fails before any reading
-        return placement.place_host_params(config, read_params(path, config, dtype))
-    return jax.tree.map(jax.device_put, read_params(path, config, dtype))
+        return placement.place_host_params(config, read_params(path, config, dtype, kv_scales))
+    return jax.tree.map(jax.device_put, read_params(path, config, dtype, kv_scales))
 
 
-def read_params(path: str, config: ModelConfig, dtype=jnp.bfloat16) -> dict:
+def read_params(path: str, config: ModelConfig, dtype=jnp.bfloat16, kv_scales: bool = True) -> dict:
     """The params pytree as host numpy arrays (checkpoint layout; stacked [L, ...] layers)."""
     tensors = _open_checkpoint(path)
     np_dtype = np.dtype(jnp.dtype(dtype))
@@ -165,7 +167,7 @@ def read_params(path: str, config: ModelConfig, dtype=jnp.bfloat16) -> dict:
         params["lm_head"] = np.ascontiguousarray(fetch("lm_head.weight", (c.vocab_size, E)).T.astype(np_dtype))
     # fp8 KV cache scales of vLLM's checkpoints (model.layers.N.self_attn.k_scale / v_scale), float32 [L]; the
     # engine keeps them only for an fp8 cache (model/kv_scales.py)
-    params.update(checkpoint_scales(tensors, c.num_hidden_layers) or {})
+    params.update((checkpoint_scales(tensors, c.num_hidden_layers) if kv_scales else None) or {})
     return params
 
 
