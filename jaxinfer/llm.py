@@ -60,7 +60,7 @@ class LLM:
 
         def load(placement):                     # (random weights broadcast: a user's rank-promotion "raise" is theirs)
             with jax.numpy_rank_promotion("allow"):
-                return load_weights(path, model_config, config.dtype, config.seed, placement,
+                return load_weights(path, model_config, config.dtype, config.seed or 0, placement,   # (presets)
                                     kv_scales=config.kv_cache_dtype != "auto")
         eos = self.model_config.eos_token_id or tuple(
             t for t in [getattr(self.tokenizer, "eos_token_id", None)] if t is not None)

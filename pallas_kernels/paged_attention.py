@@ -46,9 +46,6 @@ PROGRAMS_PER_SM = 4
 # Balanced splits (`context_total`): up to this many programs per SM, each row getting the splits its share of the
 # batch's context needs, PROGRAMS_PER_SM per SM in all (docs/kernels.md, "Balanced splits").
 BALANCED_PROGRAMS_PER_SM = 8
-# How a balanced row's split count is rounded from length / per: "up" (cdiv) or "nearest". Up gives a full bucket of
-# equal rows one split more than the grid's wave holds when length / per is just past a whole number.
-BALANCED_ROUND = "up"
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int = DEFAULT_BLOCK_N,
@@ -92,8 +89,7 @@ def _decode_kernel(seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     if balanced:   # as many splits as this row's share of the batch's context needs (the rest are empty)
         per = pl.cdiv(pl.cdiv(total_ref[0], max(1, PROGRAMS_PER_SM * NUM_SMS // k_ref.shape[2])), block_n) * block_n
         per = jnp.maximum(per, block_n)
-        want = pl.cdiv(length, per) if BALANCED_ROUND == "up" else (length + per // 2) // per
-        splits = jnp.clip(want, 1, num_splits)
+        splits = jnp.clip(pl.cdiv(length, per), 1, num_splits)
     chunk = pl.cdiv(pl.cdiv(length, splits), block_n) * block_n
     start = split * chunk
     end = jnp.minimum(start + chunk, length)

@@ -22,6 +22,17 @@ def test_sampling_params_take_numpy_numbers_and_keep_lists():
         SamplingParams(seed=np.float32(1.5))
 
 
+def test_preset_with_engine_seed_none_and_a_prompt_past_a_tiny_pool(tiny_dir):
+    tiny = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=16, vocab_size=300)
+    llm = LLM("qwen3-0.6b", hf_overrides=tiny, seed=None, **{**TINY_ENGINE, "dtype": "float32"})
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    # max_tokens=None on a prompt the pool cannot hold: the pool's message, not a made-up max_tokens
+    small = LLM(tiny_dir, **{**TINY_ENGINE, "num_kvcache_blocks": 1})
+    with pytest.raises(ValueError, match="num_kvcache_blocks"):
+        small.generate([list(range(1, 11))], SamplingParams(max_tokens=None), use_tqdm=False)
+
+
 def test_sampling_params_take_vllms_unused_fields_unset():
     sp = SamplingParams(n=2, best_of=2, spaces_between_special_tokens=False, bad_words=[], logit_bias=None)
     assert sp.for_sample(1).best_of is None and sp.spaces_between_special_tokens is False

@@ -114,7 +114,7 @@ class LLMEngine:
         if n >= cfg.max_model_len:
             raise ValueError(f"{where} has {n} tokens; max_model_len={cfg.max_model_len} leaves no room to "
                              f"generate (the prompt must be shorter than max_model_len)")
-        params = params.up_to(min(cfg.max_model_len, self.block_manager.num_blocks * cfg.block_size) - n)
+        params = params.up_to(max(1, min(cfg.max_model_len, self.block_manager.num_blocks * cfg.block_size) - n))
         need = -(-min(n + params.max_tokens, cfg.max_model_len) // cfg.block_size)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"{where} needs {need} KV blocks for {n} prompt + {params.max_tokens} output tokens "
