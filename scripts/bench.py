@@ -21,8 +21,7 @@ import random
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 import numpy as np  # noqa: E402
 
@@ -191,9 +190,8 @@ def with_extras(llm, params, args):
 def run_latency(args) -> dict:
     from jaxinfer import SamplingParams
     llm = build(args)
-    if args.latency_prompt + args.latency_output > llm.config.max_model_len:
-        raise ValueError(f"--latency-prompt {args.latency_prompt} + --latency-output {args.latency_output} tokens "
-                         f"exceed max_model_len={llm.config.max_model_len}: the requests would stop early")
+    if args.latency_prompt + args.latency_output > (mml := llm.config.max_model_len):
+        raise ValueError(f"--latency-prompt + --latency-output exceed max_model_len={mml}: the requests would stop")
     rng = np.random.default_rng(0)
     V = min(10000, llm.model_config.vocab_size)
     prompt = rng.integers(0, V, args.latency_prompt).tolist()
@@ -235,8 +233,7 @@ def host_name() -> str:
 
 def parse(argv=None):
     from jaxinfer.cli import CHUNKED, add_engine_args
-    from jaxinfer.cli_types import bare_flags, positive_float, probability
-    from jaxinfer.cli_types import positive_int
+    from jaxinfer.cli_types import bare_flags, positive_float, positive_int, probability
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default="qwen3-0.6b",
                     help="checkpoint dir, preset name (random weights) or hub id (default: qwen3-0.6b)")
