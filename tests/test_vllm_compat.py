@@ -27,6 +27,7 @@ def test_preset_with_engine_seed_none_and_a_prompt_past_a_tiny_pool(tiny_dir):
                 head_dim=16, vocab_size=300)
     llm = LLM("qwen3-0.6b", hf_overrides=tiny, seed=None, **{**TINY_ENGINE, "dtype": "float32"})
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.llm_engine.has_unfinished_requests() is False            # vLLM's name too
     # max_tokens=None on a prompt the pool cannot hold: the pool's message, not a made-up max_tokens
     small = LLM(tiny_dir, **{**TINY_ENGINE, "num_kvcache_blocks": 1})
     with pytest.raises(ValueError, match="num_kvcache_blocks"):

@@ -113,6 +113,7 @@ class DPEngine:
 
     def has_unfinished(self) -> bool:
         return any(r.has_unfinished() for r in self.replicas)
+    has_unfinished_requests = has_unfinished                  # (vLLM's name)
 
     def warmup_extras(self, params: SamplingParams) -> int:
         """LLMEngine.warmup_extras on every replica; compilations are counted from the end of the last."""

@@ -142,6 +142,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+    has_unfinished_requests = has_unfinished                  # (vLLM's name)
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:

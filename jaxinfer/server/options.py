@@ -55,6 +55,8 @@ class ServerOptions:
                                                or ("{" not in self.chat_template and not
                                                    os.path.isfile(self.chat_template))):
             raise ValueError(f"chat_template={self.chat_template!r:.80} must be a template file or a Jinja template")
+        if self.chat_template is not None:                  # a broken template fails at start-up, not per request
+            check_jinja(self.template_text())
         self.origins()
         if not isinstance(self.shutdown_timeout, (int, float)) or self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout!r} must be a number >= 0")
@@ -111,3 +113,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 def server_options(a: argparse.Namespace) -> ServerOptions:
     return ServerOptions.create(**{f.name: getattr(a, f.name, None) for f in fields(ServerOptions)})
+
+
+def check_jinja(text: str) -> None:
+    """ValueError naming the error when `text` is not a Jinja template transformers could render (its loop
+    controls and its `{% generation %}` tag allowed)."""
+    import jinja2
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        if "generation" not in str(e):
+            raise ValueError(f"chat_template is not a valid Jinja template: {e} (line {e.lineno})") from None
