@@ -164,9 +164,16 @@ GPU_BACKENDS = {
 }
 
 
+def _needs_packages(backend: str) -> None:
+    """The triton backend's optional packages (`.[triton]`): skipped where they are not installed."""
+    if backend.startswith("triton"):
+        pytest.importorskip("jax_triton", reason="attn_backend='triton' needs pip install '.[triton]'")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", list(GPU_BACKENDS))
 def test_gpu_backend_meets_the_contract(backend):
+    _needs_packages(backend)
     prefill_fn, decode_fn = GPU_BACKENDS[backend]()
     if decode_fn is not None:
         check_decode(decode_fn, jnp.bfloat16)
@@ -180,6 +187,7 @@ def test_gpu_backend_generates_like_pallas(tiny_dir, backend, monkeypatch):
     """Greedy tokens through LLM() in bf16 agree with the pallas backend's (a bf16 near-tie may split a path:
     agreement is counted up to each output's first difference). xla: decode in 32-token chunks over flat tables,
     so rows span several chunks."""
+    _needs_packages(backend)
     import jaxinfer.model.xla_decode as xd
     monkeypatch.setattr(xd, "DECODE_CHUNK", 32)
     prompts = [[1 + i, 7, 30 + i, 2, 9] * (1 + i) for i in range(6)]
