@@ -248,6 +248,7 @@ def test_disconnect_before_a_plain_answer_aborts_it(url):
     ({"prompt": "hi", "max_tokens": 500}, "max_tokens"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),     # without stream (as vLLM)
     ({"prompt": "hi", "stream": True, "stream_options": {"bogus": 1}}, "stream_options"),
+    ({"prompt": "hi", "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ({"messages": [{"role": "user", "content": "x" * 400}]}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format"),

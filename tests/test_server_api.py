@@ -280,6 +280,9 @@ def test_vllm_request_fields_cors_ping_and_empty_model(url, client):
     kw = dict(model=MODEL, messages=msgs, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
     cont = client.chat.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "add_generation_prompt": False,
                                                                   "continue_final_message": True, "echo": True}})
+    spaced = client.chat.completions.create(**{**kw, "extra_body": {"ignore_eos": True,
+                                                                    "spaces_between_special_tokens": False}})
+    assert spaced.usage.completion_tokens == 3                          # vLLM's field, accepted
     msg = cont.choices[0].message         # the last message, left open, is continued; echo puts its text first
     assert msg.role == "assistant" and msg.content.startswith("Hi th") and len(msg.content) > len("Hi th")
     assert cont.usage.prompt_tokens == len(tok(add_generation_prompt=False)) - 2       # without "<|im_end|>\n"

@@ -47,7 +47,8 @@ UNSUPPORTED: dict[str, tuple] = {
     "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (), "response_format": ({"type": "text"},),
     "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (), "reasoning_effort": (),
     "logits_processors": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1.0,),
+    "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1.0,), "allowed_token_ids": (),
+    "bad_words": ([],),
 }
 IGNORED = ("user", "store", "metadata", "service_tier")      # bookkeeping fields with no effect on the output
 
@@ -100,6 +101,7 @@ class _Request(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[Annotated[int, Field(lt=2**63)]] | None = None
     skip_special_tokens: bool | None = Field(None, description="vLLM: leave special tokens out of the text (default)")
+    spaces_between_special_tokens: bool | None = None     # vLLM's (slow tokenizers only; Qwen3's are fast)
     include_stop_str_in_output: bool | None = Field(None, description="vLLM: keep the stop string in the text")
     min_tokens: Annotated[int, Field(ge=0)] | None = Field(
         None, description="vLLM: EOS, stop_token_ids and stop strings end the output only after this many tokens")
@@ -149,7 +151,7 @@ class ChatCompletionRequest(_Request):
 # -- request -> engine ---------------------------------------------------------------------------------------
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
                 "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens",
-                "include_stop_str_in_output", "min_tokens", "truncate_prompt_tokens")
+                "spaces_between_special_tokens", "include_stop_str_in_output", "min_tokens", "truncate_prompt_tokens")
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
