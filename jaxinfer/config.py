@@ -45,7 +45,7 @@ class ModelConfig:
     rope_yarn: tuple = ()                  # YaRN: (original_max_position_embeddings, beta_fast, beta_slow,
                                            # attention_factor, truncate); () = not YaRN (model/rope.py)
     tie_word_embeddings: bool = False
-    max_position_embeddings: int = 40960
+    max_position_embeddings: int = QWEN3_DEFAULTS["max_position_embeddings"]
     torch_dtype: str = "bfloat16"
     eos_token_id: tuple[int, ...] = ()
     name: str = "qwen3"
@@ -65,9 +65,8 @@ class ModelConfig:
         object.__setattr__(self, "torch_dtype", canonical_dtype(self.torch_dtype))
 
     q_size = property(lambda self: self.num_attention_heads * self.head_dim)
-    # the longest context, as vLLM derives it: scaled rope stretches the trained length by its factor
     max_length = property(lambda self: int((self.rope_yarn[0] if self.rope_yarn else self.max_position_embeddings)
-                                           * self.rope_scaling_factor))
+                                           * self.rope_scaling_factor))   # the longest context, as vLLM derives it
     kv_size = property(lambda self: self.num_key_value_heads * self.head_dim)
 
     def num_params(self) -> int:
@@ -82,20 +81,21 @@ class ModelConfig:
         if model_type != "qwen3":
             raise ValueError(f"model_type={model_type!r} is not supported: jaxinfer runs Qwen3 dense models "
                              f"(model_type 'qwen3')")
-        for key, ok, why in (("attention_bias", False, " (Qwen3 checkpoints have none)"), ("use_sliding_window", False, ""),
-                             ("hidden_act", "silu", ": Qwen3's MLP is SwiGLU ('silu')")):
+        for key, ok, why in (("attention_bias", False, " (Qwen3 checkpoints have none)"),
+                             ("use_sliding_window", False, ""), ("hidden_act", "silu", ": Qwen3's MLP is SwiGLU")):
             if d.get(key, ok) not in (ok, None):
                 raise ValueError(f"{key}={d[key]!r} is not supported{why}")
+        d = {**QWEN3_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}       # (rope_fields reads them too)
         heads, seq = d["num_attention_heads"], lambda v: v if isinstance(v, (list, tuple)) else [v]
         eos = tuple(dict.fromkeys(int(t) for v in seq(d.get("eos_token_id")) for t in seq(v) if t is not None))
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
-            head_dim=QWEN3_DEFAULTS["head_dim"] if d.get("head_dim") is None else d["head_dim"],
+            head_dim=d["head_dim"],
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), **rope_fields(d),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=d.get("max_position_embeddings", QWEN3_DEFAULTS["max_position_embeddings"]),
+            max_position_embeddings=d["max_position_embeddings"],
             torch_dtype=d.get("dtype") or d.get("torch_dtype") or "bfloat16", eos_token_id=eos, name=name)
 
     @classmethod

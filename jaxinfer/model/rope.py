@@ -34,7 +34,7 @@ def rope_fields(d: dict) -> dict:
     theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
     if kind != "yarn":
         return dict(rope_theta=theta, rope_scaling_factor=float(rope.get("factor", 1.0)) if kind == "linear" else 1.0)
-    longest = d.get("max_position_embeddings", 32768)     # (transformers' Qwen3Config default)
+    longest = d["max_position_embeddings"]          # (ModelConfig.from_dict fills Qwen3Config's default)
     # a top-level original_max_position_embeddings wins, as in transformers (standardize_rope_params)
     orig = d.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", longest))
     if not isinstance(orig, int) or isinstance(orig, bool) or orig < 1:
