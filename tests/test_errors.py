@@ -17,7 +17,7 @@ def llm(tiny_dir):
     ([], SamplingParams(), "empty"),
     ("", SamplingParams(), "empty"),
     (list(range(1, 200)), SamplingParams(), "199 tokens; max_model_len=128"),
-    ([1, 2, 512], SamplingParams(), "token id 512 outside"),
+    ([1, 2, 512], SamplingParams(), "token id 512 out of vocabulary"),
     ([1, -1], SamplingParams(), "token id -1"),
     ([1, 2], "greedy", "SamplingParams"),
     ([1, 2], {"max_tokens": 2}, "got dict"),

@@ -128,6 +128,16 @@ def test_stream_options_usage_in_every_chunk_and_one_created(url, client):
     chunks = list(client.chat.completions.create(**chat))
     assert all(c.usage is not None for c in chunks) and len({c.created for c in chunks}) == 1
     assert chunks[0].usage.completion_tokens == 0 and chunks[-2].usage.completion_tokens == chunks[-1].usage.completion_tokens
+    # vLLM's chat stream: the finish rides on the chunk with the last token, so the usage grows on every chunk
+    # with a choice (before, a separate empty finish chunk repeated the last count)
+    for lp in (False, True):
+        chunks = list(client.chat.completions.create(**dict(chat, max_tokens=10, logprobs=lp, top_logprobs=lp and 2),
+                                                     extra_body={"ignore_eos": True, "min_tokens": 10}))
+        with_choice = [c for c in chunks if c.choices]
+        assert [c.choices[0].finish_reason for c in with_choice].count("length") == 1
+        assert with_choice[-1].choices[0].finish_reason == "length" and not chunks[-1].choices
+        counts = [c.usage.completion_tokens for c in with_choice]
+        assert counts == sorted(set(counts)) and counts[-1] == 10, counts
 
 
 def test_chat_stream_equals_non_stream(client):
@@ -209,9 +219,10 @@ def test_disconnect_mid_stream_frees_blocks(url):
 
 def test_disconnect_before_a_plain_answer_aborts_it(url):
     """No streaming: the handler is not cancelled by Starlette; the server notices the client left."""
-    # 24 prompts, 8 at a time (max_num_seqs): at least 3 x 115 steps, far longer than the client waits
+    # 24 prompts x n=8, 8 at a time (max_num_seqs): at least 24 x 115 steps, far longer than the client waits
+    # (3 x 115 steps once ran to the end within the first 0.25 s poll on a fast CPU)
     body = {"model": MODEL, "prompt": [f"Leave {i}" for i in range(24)], "max_tokens": 115, "temperature": 0,
-            "ignore_eos": True}
+            "ignore_eos": True, "n": 8}
     before = wait_idle(url)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.1))
@@ -219,7 +230,7 @@ def test_disconnect_before_a_plain_answer_aborts_it(url):
     while (st := wait_idle(url))["api_aborts"] == before["api_aborts"]:
         assert time.time() < end, "the disconnect did not abort the request in the core"
         time.sleep(0.05)
-    assert st["generated_tokens"] - before["generated_tokens"] < 24 * 115, "it ran to the end"
+    assert st["generated_tokens"] - before["generated_tokens"] < 24 * 8 * 115, "it ran to the end"
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
 
 
@@ -351,6 +362,12 @@ def test_openai_client_errors(url, client):
     for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)]:
         r = httpx.request(method, url + path)
         assert r.status_code == status and r.json()["error"]["message"]
+    # a lone surrogate in the model name (valid JSON, not encodable as UTF-8): a 404 naming it, not a 500
+    chat = b'"messages": [{"role": "user", "content": "hi"}]'
+    for path, body in (("/v1/completions", b'"prompt": "hi"'), ("/v1/chat/completions", chat)):
+        r = httpx.post(url + path, content=b'{' + body + b', "model": "x\\ud800"}',
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 404 and "\\ud800" in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("stream", [False, True])

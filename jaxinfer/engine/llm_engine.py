@@ -108,8 +108,8 @@ class LLMEngine:
             raise ValueError(f"{where} is empty: give at least one token")
         bad = [t for t in token_ids if isinstance(t, bool) or not (isinstance(t, (int, np.integer)) and 0 <= t < V)]
         if bad:
-            why = "outside the vocabulary" if isinstance(t := bad[0], (int, np.integer)) and not isinstance(t, bool) \
-                else "that is not an int: ids are ints in"
+            why = "out of vocabulary: ids are in" if isinstance(t := bad[0], (int, np.integer)) and \
+                not isinstance(t, bool) else "that is not an int: ids are ints in"
             raise ValueError(f"{where} has token id {t!r} {why} [0, {V})")
         if n >= cfg.max_model_len:
             raise ValueError(f"{where} has {n} tokens; max_model_len={cfg.max_model_len} leaves no room to "

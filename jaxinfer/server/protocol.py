@@ -33,6 +33,8 @@ class RequestError(ValueError):
 
 def error_body(message: str, param: str | None = None, code: str | None = None,
                type_: str = "invalid_request_error") -> dict:
+    # a lone surrogate the client sent (e.g. in `model`) cannot be encoded as UTF-8: written as its escape instead
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -210,7 +212,7 @@ def check_request(ids: list[int], params: SamplingParams, limits: dict, param: s
     V, bs, nb = limits["vocab_size"], limits["block_size"], limits["num_blocks"]
     bad = [t for t in ids if not 0 <= t < V]
     if bad:
-        raise RequestError(f"the prompt has token id {bad[0]!r} outside the vocabulary [0, {V})", param=param)
+        raise RequestError(f"the prompt has token id {bad[0]!r} out of vocabulary: ids are in [0, {V})", param=param)
     need = -(-min(len(ids) + params.max_tokens, limits["max_model_len"]) // bs)
     if need > nb:
         raise RequestError(f"the request needs {need} KV blocks for {len(ids)} prompt + {params.max_tokens} output "

@@ -131,16 +131,16 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
         done = {}
         async for ch, d in run:
             done[ch.index] = ch
-            if k is not None:
-                ids, entries = _new_logprobs(ch)
-                if d.text or ids:
-                    yield R.sse(R.chat_chunk(rid, model, {"content": d.text}, None, ch.index,
-                                             R.chat_logprobs(text_of, ids, entries, k), created=created, use=use(ch)))
+            ids, entries = _new_logprobs(ch) if k is not None else ((), ())
+            if d.finish_reason:    # the finish rides on the chunk with the last text, as in vLLM
+                lp = R.chat_logprobs(text_of, ids, entries, k) if ids else None
+                yield R.sse(R.chat_chunk(rid, model, {"content": d.text} if d.text or ids else {}, d.finish_reason,
+                                         ch.index, lp, stop_reason=ch.stop_reason, created=created, use=use(ch)))
+            elif ids:
+                yield R.sse(R.chat_chunk(rid, model, {"content": d.text}, None, ch.index,
+                                         R.chat_logprobs(text_of, ids, entries, k), created=created, use=use(ch)))
             elif d.text:
                 yield enc.chat_content(d.text, ch.index, use(ch))
-            if d.finish_reason:
-                yield R.sse(R.chat_chunk(rid, model, {}, d.finish_reason, ch.index, stop_reason=ch.stop_reason,
-                                         created=created, use=use(ch)))
         if P.include_usage(req):
             yield R.sse(R.usage_chunk(rid, model, "chat.completion.chunk", total_usage(prompts, done.values()),
                                       created))

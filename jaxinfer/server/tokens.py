@@ -61,5 +61,5 @@ def add_token_routes(app: FastAPI, tokenizer, text_of, check_model, max_model_le
         check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < vocab_size]
         if bad:
-            raise P.RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="tokens")
+            raise P.RequestError(f"token id {bad[0]} is out of vocabulary: ids are in [0, {vocab_size})", param="tokens")
         return {"prompt": tokenizer.decode(req.tokens)}
