@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Iterator
 from typing import Sequence as Seq
@@ -46,6 +47,8 @@ class LLM:
     def __init__(self, model: str, generation_config: str = "auto", **kwargs):
         tokenizer = pop_vllm_options(kwargs)      # vLLM options with no meaning here are accepted (compat.py)
         hub = {k: kwargs.pop(k) for k in ("hf_overrides", "revision", "download_dir") if k in kwargs}   # (hub.py)
+        kwargs = {k: int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v   # numpy ints
+                  for k, v in kwargs.items()}
         requested = EngineConfig.from_kwargs(**kwargs)
         path, model_config = model_config_for(model, **hub)
         self.default_sampling_params = sampling_defaults(path if os.path.isdir(path) else None, generation_config)

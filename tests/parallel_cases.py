@@ -139,6 +139,22 @@ def test_loader_gives_each_device_only_its_slices(ckpts):
         np.testing.assert_array_equal(k, k_cols[0])
 
 
+def test_preset_random_weights_copy_replicated_kv_heads():
+    """A preset's random weights at tp > num_key_value_heads: the replicated kv heads are exact copies (the MQA
+    model its config describes) and tp = 2 and 4 run the same model (same greedy tokens, drawn once per layer in the
+    checkpoint layout)."""
+    tiny = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=1, head_dim=16, vocab_size=301)
+    outs = []
+    for tp in (2, 4):
+        llm = LLM("qwen3-0.6b", hf_overrides=tiny, tensor_parallel_size=tp, **BASE)
+        qkv = np.asarray(llm.engine.runner.params["layers"]["qkv_proj"]).reshape(2, 64, tp, 4 // tp + 2, 16)
+        for i in range(1, tp):
+            np.testing.assert_array_equal(qkv[:, :, i, -2:], qkv[:, :, 0, -2:])      # its k and v heads
+        outs.append(run(llm, [[1, 2, 3], list(range(5, 30))]))
+    assert outs[0] == outs[1]
+
+
 def test_step_collectives_are_small(tp2):
     """The decode step of L layers: 2 all-reduces per layer + 1 for the embedding, and one all-gather (the
     sampler's [tp, 2, B] maxima); no gather of logits, weights or KV cache. (The xla backend, CPU's default, scans

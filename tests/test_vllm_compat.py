@@ -34,6 +34,14 @@ def test_preset_with_engine_seed_none_and_a_prompt_past_a_tiny_pool(tiny_dir):
         small.generate([list(range(1, 11))], SamplingParams(max_tokens=None), use_tqdm=False)
 
 
+def test_engine_options_take_numpy_integers(tiny_dir):
+    llm = LLM(tiny_dir, **{**TINY_ENGINE, "max_num_seqs": np.int64(4), "tensor_parallel_size": np.int32(1),
+                           "data_parallel_size": np.int64(1), "seed": np.uint8(3)})
+    assert (llm.config.max_num_seqs, llm.config.seed) == (4, 3) and type(llm.config.max_num_seqs) is int
+    with pytest.raises(ValueError, match="tensor_parallel_size=0"):
+        LLM(tiny_dir, **{**TINY_ENGINE, "tensor_parallel_size": np.int64(0)})
+
+
 def test_sampling_params_take_vllms_unused_fields_unset():
     sp = SamplingParams(n=2, best_of=2, spaces_between_special_tokens=False, bad_words=[], logit_bias=None)
     assert sp.for_sample(1).best_of is None and sp.spaces_between_special_tokens is False

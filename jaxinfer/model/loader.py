@@ -175,14 +175,17 @@ def random_params(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0, placem
     """A preset's random weights, made on the device(s). One device: `init_params`. With tp > 1 each weight is
     drawn directly in the tensor-parallel layout, sharded, one layer at a time into a donated buffer, so a
     device holds only its own slices plus one layer's temporaries (one jitted `init_params` kept ~5x the
-    model in temporaries when compiled for the CPU; at 32B that cannot fit a GPU). Same distribution as
-    tp = 1 (normal(INIT_STD), norms 1), other numbers."""
+    model in temporaries when compiled for the CPU; at 32B that cannot fit a GPU). Each is drawn in the
+    checkpoint layout and then laid out as a checkpoint's weight is (`to_tp`), so kv heads replicated past
+    num_key_value_heads are exact copies and every tp > 1 gets the same model. Same distribution as tp = 1
+    (normal(INIT_STD), norms 1), other numbers."""
     dtype = jnp.dtype(dtype)
     if placement is None or placement.tp == 1:
         out = None if placement is None else placement.replicated
         return jax.jit(lambda: init_params(config, dtype, seed), out_shardings=out)()
     placement.check(config)
     tp = placement.tp
+    logical = jax.eval_shape(lambda: init_params(config, dtype))                  # the checkpoint layout
     shapes = jax.eval_shape(lambda: map_params(lambda n, w: to_tp(n, w, config, tp, jnp), init_params(config, dtype)))
     key = jax.random.PRNGKey(seed)
 
@@ -193,9 +196,10 @@ def random_params(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0, placem
         if name in _LAYER_TABLE:      # stacked [L, ...]: layer by layer
             buf = jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=sharding)()
             for l in range(s.shape[0]):
-                buf = _draw_layer(buf, jnp.int32(l), jax.random.fold_in(k, l), std)
+                buf = _draw_layer(buf, jnp.int32(l), jax.random.fold_in(k, l), std, name, config, tp)
             return buf
-        return jax.jit(lambda: _draw(k, s.shape, s.dtype, std), out_shardings=sharding)()
+        shape = logical[name].shape
+        return jax.jit(lambda: to_tp(name, _draw(k, shape, s.dtype, std), config, tp, jnp), out_shardings=sharding)()
     return map_params(one, shapes)
 
 
@@ -205,10 +209,12 @@ def _draw(key, shape, dtype, std: float):
     return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
-def _draw_layer(buf, l, key, std: float):
-    """buf [L, ...] (donated, sharded) with layer l drawn in place."""
-    return jax.lax.dynamic_update_index_in_dim(buf, _draw(key, buf.shape[1:], buf.dtype, std), l, 0)
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=(3, 4, 5, 6))
+def _draw_layer(buf, l, key, std: float, name: str, config: ModelConfig, tp: int):
+    """buf [L, ...] (donated, sharded, tp layout) with layer l drawn in place: in the checkpoint layout, then
+    laid out for tp."""
+    w = to_tp(name, _draw(key, layer_shapes(config)[name], buf.dtype, std), config, tp, jnp)
+    return jax.lax.dynamic_update_index_in_dim(buf, w, l, 0)
 
 
 def hf_config(c: ModelConfig, dtype: str | None = None) -> dict:
