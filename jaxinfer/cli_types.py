@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 
 
@@ -111,3 +112,20 @@ def bool_arg(text: str) -> bool:
     if text.lower() not in ("true", "false", "1", "0"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return text.lower() in ("true", "1")
+
+
+def output_path(text: str) -> str:
+    """argparse type of a results file: checked before the run, not after it (a directory, or a missing folder)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text) or not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory" if os.path.isdir(text) else
+                                         f"{text!r}: its folder {folder!r} does not exist")
+    return text
+
+
+def head_counts(text: str) -> tuple[int, int]:
+    """argparse type "H,K": q heads and kv heads, positive, K dividing H."""
+    hk = int_list(text)
+    if len(hk) != 2 or min(hk) < 1 or hk[0] % hk[1]:
+        raise argparse.ArgumentTypeError(f"{text!r} is not H,K: two positive integers, K dividing H (e.g. 16,8)")
+    return hk

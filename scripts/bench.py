@@ -233,7 +233,7 @@ def host_name() -> str:
 
 def parse(argv=None):
     from jaxinfer.cli import CHUNKED, add_engine_args
-    from jaxinfer.cli_types import bare_flags, positive_float, positive_int, probability
+    from jaxinfer.cli_types import bare_flags, output_path, positive_float, positive_int, probability
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default="qwen3-0.6b",
                     help="checkpoint dir, preset name (random weights) or hub id (default: qwen3-0.6b)")
@@ -252,7 +252,7 @@ def parse(argv=None):
                     help="also run HF transformers' continuous batching on a subset (scripts/bench_peer.py)")
     ap.add_argument("--peer-num-seqs", type=int, default=64)
     ap.add_argument("--peer-max-tokens", type=int, default=256)
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--json", type=output_path, default=None, help="write the results here")
     ap.add_argument("--reference-bw", type=positive_float, default=4.3,
                     help="TB/s per device for a second floor (times the devices used): XLA's own pass reaches "
                          "less than the HBM can (default 4.3, a torch device copy on the H200)")

@@ -37,6 +37,7 @@ from pallas_kernels.quant import pack_pairs, quantize, scale_for_amax  # noqa: E
 from bench import write_json  # noqa: E402
 from kernel_tables import print_decode, print_prefill  # noqa: E402
 import timing  # noqa: E402
+from jaxinfer.cli_types import head_counts  # noqa: E402
 from timing import copy_bandwidth, time_loop  # noqa: E402
 
 H, K, D, PAGE, DTYPE = 16, 8, 128, 16, jnp.bfloat16
@@ -44,8 +45,7 @@ H, K, D, PAGE, DTYPE = 16, 8, 128, 16, jnp.bfloat16
 
 def machine_ceilings(smoke: bool) -> dict:
     """Copy bandwidth (read + write bytes of a 2 GiB array) and bf16 matmul rate (8192^3), measured now."""
-    copy = copy_bandwidth(1 << (14 if smoke else 30))
-    m = 256 if smoke else 8192
+    copy, m = copy_bandwidth(1 << (14 if smoke else 30)), 256 if smoke else 8192
     a = jnp.ones((m, m), DTYPE) * 0.001
     mm_s = time_loop(lambda x: jnp.dot(x, a), a, est_s=1.5e-3)
     return {"copy_tbps": copy / 1e12, "matmul_tflops": 2 * m ** 3 / mm_s / 1e12}
@@ -247,11 +247,11 @@ def main():
                     + ",".join(DECODE_IMPLS + EXTRA_DECODE_IMPLS) + "; prefill: " + ",".join(PREFILL_IMPLS))
     ap.add_argument("--json", help="write all results to this path")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shapes (checks the script)")
-    ap.add_argument("--heads", default=None, metavar="H,K",
+    ap.add_argument("--heads", type=head_counts, default=None, metavar="H,K",
                     help="q and kv heads (default 16,8: Qwen3-0.6B; 32,8 is Qwen3-8B's GQA group of 4)")
     args = ap.parse_args()
     if args.heads:
-        set_heads(*(int(x) for x in args.heads.split(",")))
+        set_heads(*args.heads)
     picked = None if args.impls is None else set(args.impls.split(","))
     unknown = (picked or set()) - set(DECODE_IMPLS + EXTRA_DECODE_IMPLS) - set(PREFILL_IMPLS)
     if unknown:

@@ -37,22 +37,13 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
-from serve_load import percentiles, probe_refusals, run_level, summarize  # noqa: E402
+from serve_load import min_lens, percentiles, probe_refusals, run_level, summarize, vocab_size, workload  # noqa: E402
 
 # --quick: two buckets in all (prefill 64, decode 8), compiled by the warm-up requests (tests/test_server.py's
 # engine options: its tests' engine cores leave these steps in a shared compilation cache)
 QUICK_ENGINE = dict(dtype="float32", attn_backend="xla", max_num_seqs=8, max_num_batched_tokens=64,
                     max_model_len=128, kvcache_block_size=4, num_kvcache_blocks=256, warmup=False,
                     num_scheduler_steps=1)
-
-
-def workload(n: int, max_input: int, max_output: int, min_input: int = 100, min_output: int = 100,
-             vocab: int = 151936, seed: int = 0) -> list[tuple[list[int], int]]:
-    """W's lengths (nano-vllm's random calls); token ids modulo the vocabulary so tiny models can run it."""
-    random.seed(seed)
-    prompts = [[random.randint(0, 10000) % vocab for _ in range(random.randint(min_input, max_input))]
-               for _ in range(n)]
-    return [(p, random.randint(min_output, max_output)) for p in prompts]
 
 
 def free_port() -> int:
@@ -129,7 +120,8 @@ def parse(argv=None):
     ap.add_argument("--max-input-len", type=int, default=1024)
     ap.add_argument("--max-output-len", type=int, default=1024)
     ap.add_argument("--client-procs", type=int, default=4)
-    ap.add_argument("--vocab-size", type=int, default=151936, help="prompt ids are taken modulo this (tiny models)")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="prompt ids are taken modulo this (default: the model's vocabulary)")
     ap.add_argument("--no-offline", dest="offline", action="store_false")
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument("--json", default=None, help="default: scripts/results/serve_<model>_<time>.json")
@@ -154,7 +146,7 @@ def parse(argv=None):
 
 
 def build_levels(a, vocab: int) -> list[dict]:
-    lo_in, lo_out = (10, 5) if a.quick else (100, 100)
+    lo_in, lo_out = min_lens(a)
     sizes = [min(a.num_prompts, max(a.min_prompts, 4 * c)) for c in a.concurrency] + [a.rate_prompts] * len(a.request_rates)
     reqs = workload(sum(sizes), a.max_input_len, a.max_output_len, lo_in, lo_out, vocab)
     levels, i = [], 0
@@ -182,14 +174,18 @@ def main(argv=None) -> dict:
     proc, url = (None, a.url) if a.url else start_server(a, env)
     import httpx
     try:
+        a.vocab_size = vocab_size(a)
         levels = build_levels(a, a.vocab_size)
         r["engine_core_xla_flags"] = httpx.get(url + "/stats").json().get("engine_core_xla_flags")
         print(f"engine core XLA_FLAGS: {r['engine_core_xla_flags']!r}", flush=True)
         ctx = mp.get_context("spawn")
         with ctx.Pool(a.client_procs) as pool:
             pool.map(int, range(a.client_procs))                  # start the client processes first
-            warm = workload(2, 64, 8, 16, 4, seed=1)              # one short request through every process
-            run_level(pool, url, a.served_model_name, [(p, m, None) for p, m in warm], 2, a.client_procs)
+            warm = workload(2, 64, 8, 16, 4, vocab=a.vocab_size, seed=1)   # one short request through every process
+            errors = [r["error"] for r in run_level(pool, url, a.served_model_name, [(p, m, None) for p, m in warm],
+                                                    2, a.client_procs) if r["error"]]
+            if errors:
+                raise SystemExit(f"bench_serve.py: the warm-up requests failed: {errors[0]}")
             for lv in levels:
                 rng = random.Random(1)
                 reqs, t = [], 0.0
@@ -229,8 +225,8 @@ def overload_level(a, pool, url: str) -> dict:
     bound; the target: completed + rejected_503 == requests, 0 errors, 0 lost tokens, 503s in well under 1 s."""
     import httpx
     n = a.overload_prompts or 2 * a.overload
-    reqs = [(ids, m, None) for ids, m in workload(n, a.max_input_len, a.max_output_len, *((10, 5) if a.quick else
-                                                  (100, 100)), a.vocab_size, seed=2)]
+    reqs = [(ids, m, None) for ids, m in workload(n, a.max_input_len, a.max_output_len, *min_lens(a), a.vocab_size,
+                                                  seed=2)]
     before = httpx.get(url + "/stats").json()
     stop, probes = threading.Event(), []
     prober = threading.Thread(target=probe_refusals, args=(url, a.served_model_name, stop, probes))

@@ -1,4 +1,5 @@
-"""The load generator of bench_serve.py: client processes streaming /v1/completions, and the metrics.
+"""The load generator of bench_serve.py: the W-shaped requests, client processes streaming /v1/completions, and
+the metrics.
 
 Each client process runs an asyncio loop with one httpx client and streams its share of the requests,
 either with at most `concurrency` in flight, or each request sent at its arrival time (a request-rate run).
@@ -9,12 +10,39 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 
 import numpy as np
 
 # one request: (prompt token ids, max_tokens, arrival offset in s or None)
 Request = tuple[list[int], int, float | None]
+
+
+def workload(n: int, max_input: int, max_output: int, min_input: int = 100, min_output: int = 100,
+             vocab: int = 151936, seed: int = 0) -> list[tuple[list[int], int]]:
+    """W's lengths (nano-vllm's random calls); token ids modulo the vocabulary so tiny models can run it."""
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) % vocab for _ in range(random.randint(min_input, max_input))]
+               for _ in range(n)]
+    return [(p, random.randint(min_output, max_output)) for p in prompts]
+
+
+def vocab_size(a) -> int:
+    """--vocab-size, else the model's (config.json or preset; 151,936, Qwen3's, for a --url server's name)."""
+    if a.vocab_size:
+        return a.vocab_size
+    try:
+        from jaxinfer.hub import model_config_for
+        return model_config_for(a.model)[1].vocab_size
+    except (OSError, ValueError):
+        return 151936
+
+
+def min_lens(a) -> tuple[int, int]:
+    """W's shortest prompt and output (100, 100), capped by --max-input-len / --max-output-len."""
+    lo_in, lo_out = (10, 5) if a.quick else (100, 100)
+    return min(lo_in, a.max_input_len), min(lo_out, a.max_output_len)
 
 
 def run_client(url: str, model: str, requests: list[Request], concurrency: int, t0: float,

@@ -1,5 +1,6 @@
 """bench.py stays honest: the benchmark code path runs on a tiny model, counts every output token and
 compiles nothing after warm-up. (Speed itself is only measured on the GPU machine.)"""
+import argparse
 import os
 import subprocess
 import sys
@@ -119,10 +120,10 @@ def test_step_options():
 def test_bench_takes_the_engine_flags_and_defaults():
     for flag, value in (("--repeats", "0"), ("--latency-batch", "0"), ("--latency-prompt", "0"),
                         ("--latency-output", "0"), ("--top-p", "1.5"), ("--top-p", "nan"), ("--reference-bw", "0"),
-                        ("--reference-bw", "-1")):
+                        ("--reference-bw", "-1"), ("--json", "/"), ("--json", "/no/such/folder/x.json")):
         with pytest.raises(SystemExit):
             bench.parse([flag, value])
-    a = bench.parse(["qwen3-8b", "--max-num-seqs", "4"])
+    a = bench.parse(["qwen3-8b", "--max-num-seqs", "4", "--json", "x.json"])      # (checked before the run)
     from jaxinfer.cli import engine_kwargs
     assert a.model == "qwen3-8b" and engine_kwargs(a) == {"max_num_seqs": 4}   # the rest: the engine's defaults
 
@@ -239,3 +240,11 @@ def test_use_triton_ptxas(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     env = {"PATH": ""}
     assert xla_options.use_triton_ptxas(env) is None and env["PATH"] == ""
+
+
+def test_bench_kernels_heads_flag_names_a_bad_value():
+    from jaxinfer.cli_types import head_counts
+    assert head_counts("32,8") == (32, 8)
+    for bad in ("3", "a,b", "16,3", "0,1"):
+        with pytest.raises(argparse.ArgumentTypeError, match=bad):
+            head_counts(bad)

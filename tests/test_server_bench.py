@@ -31,3 +31,14 @@ def test_bench_serve_quick(tiny_dir, tmp_path, tmp_path_factory, capsys, monkeyp
     assert ov["probe"]["requests"] > 0 and ov["probe"]["errors"] == 0, ov["probe"]   # the idle client's requests
     assert json.loads(out.read_text())["levels"][0]["name"] == "concurrency 1"
     assert "offline batch-1" in capsys.readouterr().out
+
+
+def test_requests_fit_the_model(tiny_dir):
+    """Without --vocab-size the prompt ids are taken modulo the model's own vocabulary (every request to a small
+    model was a 400 before), and lengths below W's 100 are honoured instead of an empty random range."""
+    from argparse import Namespace
+    from serve_load import min_lens, vocab_size, workload
+    a = Namespace(vocab_size=None, model=tiny_dir, quick=False, max_input_len=16, max_output_len=4)
+    assert vocab_size(a) == 512 and vocab_size(Namespace(vocab_size=None, model="served-name")) == 151936
+    reqs = workload(20, a.max_input_len, a.max_output_len, *min_lens(a), vocab_size(a))
+    assert all(len(p) == 16 and m == 4 and max(p) < 512 for p, m in reqs)

@@ -12,7 +12,8 @@ def test_server_options():
     assert ServerOptions.create(env={}).api_key is None
     with pytest.raises(ValueError, match="not a valid Jinja template"):            # at start-up, not per request
         ServerOptions.create(env={}, chat_template="{% for m in messages %}{{ m.content }}")
-    for bad in [dict(max_waiting_requests=-1), dict(shutdown_timeout=-2), dict(api_key=""), dict(nope=1)]:
+    for bad in [dict(max_waiting_requests=-1), dict(shutdown_timeout=-2), dict(shutdown_timeout=float("nan")),
+                dict(api_key=""), dict(nope=1)]:
         with pytest.raises(ValueError, match=next(iter(bad))):
             ServerOptions.create(env={}, **bad)
 

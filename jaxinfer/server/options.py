@@ -58,8 +58,8 @@ class ServerOptions:
         if self.chat_template is not None:                  # a broken template fails at start-up, not per request
             check_jinja(self.template_text())
         self.origins()
-        if not isinstance(self.shutdown_timeout, (int, float)) or self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout={self.shutdown_timeout!r} must be a number >= 0")
+        if not isinstance(self.shutdown_timeout, (int, float)) or not 0 <= self.shutdown_timeout < float("inf"):
+            raise ValueError(f"shutdown_timeout={self.shutdown_timeout!r} must be a finite number >= 0")
 
     @classmethod
     def create(cls, env: dict | None = None, **kw) -> "ServerOptions":
