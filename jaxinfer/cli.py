@@ -42,11 +42,14 @@ def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None
         p.add_argument("--model", dest="model_flag", metavar="MODEL", help="the same as the positional MODEL (vLLM)")
     v = p.add_argument_group("vLLM options accepted for compatibility (jaxinfer/compat.py)")
     for name in ("trust_remote_code", "enforce_eager", "disable_log_stats", "disable_log_requests",
-                 "enable_log_requests", "disable_uvicorn_access_log"):       # no meaning here
-        v.add_argument("--" + name.replace("_", "-"), dest="vllm_" + name, action="store_true", help=argparse.SUPPRESS)
-    for name, typ in (("max_logprobs", int), ("quantization", str), ("task", str),
-                      ("load_format", str), ("tokenizer_mode", str), ("max_log_len", int)):
-        v.add_argument("--" + name.replace("_", "-"), dest="vllm_" + name, type=typ, help=argparse.SUPPRESS)
+                 "enable_log_requests", "disable_uvicorn_access_log"):       # no meaning here (also --no-X)
+        v.add_argument("--" + name.replace("_", "-"), dest="vllm_" + name, action=argparse.BooleanOptionalAction,
+                       help=argparse.SUPPRESS)
+    for name, typ in (("max_logprobs", int), ("quantization", str), ("task", str), ("load_format", str),
+                      ("tokenizer_mode", str), ("max_log_len", int), ("swap_space", float),
+                      ("max_seq_len_to_capture", int), ("pipeline_parallel_size", int)):
+        flags = ["--" + name.replace("_", "-")] + (["-pp"] if name == "pipeline_parallel_size" else [])
+        v.add_argument(*flags, dest="vllm_" + name, type=typ, help=argparse.SUPPRESS)
     v.add_argument(*CHUNKED, dest="vllm_enable_chunked_prefill", type=bool_arg, nargs="?", const=True,
                    help=argparse.SUPPRESS)                  # (always on; main() reads a bare flag as true)
     v.add_argument("--no-enable-chunked-prefill", dest="vllm_enable_chunked_prefill", action="store_const",

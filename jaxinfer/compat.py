@@ -6,7 +6,7 @@
 - max_seq_len_to_capture: vLLM's CUDA-graph capture limit; every jaxinfer step is compiled whole.
 Others are accepted with the value that describes what jaxinfer does (FIXED), and refused by name otherwise:
 chunked prefill is always on, 20 logprobs at most, Hugging Face tokenizers and safetensors weights only, no
-quantisation, text generation only.
+quantisation, text generation only, no pipeline parallelism (tensor and data parallelism instead).
 `tokenizer` (a folder) is used: the tokenizer is loaded from it instead of the model's folder.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ IGNORED = {"trust_remote_code": bool, "enforce_eager": bool, "disable_log_stats"
            "max_seq_len_to_capture": int}
 FIXED = {"enable_chunked_prefill": (True, None), "max_logprobs": (20, None), "tokenizer_mode": ("auto", "hf", None),
          "load_format": ("auto", "safetensors", None), "quantization": (None,), "skip_tokenizer_init": (False, None),
-         "task": ("auto", "generate", None)}
+         "task": ("auto", "generate", None), "pipeline_parallel_size": (1, None)}
 
 
 def pop_vllm_options(kwargs: dict) -> str | None:

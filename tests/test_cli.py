@@ -115,6 +115,12 @@ def test_vllm_flag_forms(capsys):
             parse("generate", "--max-model-len", bad)
         assert e.value.code == 2
     assert bad in capsys.readouterr().err
+    # vLLM's flags that mean nothing here, in both boolean forms and with values; pipeline parallelism only as 1
+    a = parse("serve", "m", "--no-enforce-eager", "--trust-remote-code", "--no-trust-remote-code", "--swap-space", "4",
+              "--max-seq-len-to-capture", "8192", "-pp", "1")
+    assert (a.model, a.vllm_enforce_eager, a.vllm_swap_space, a.vllm_pipeline_parallel_size) == ("m", False, 4.0, 1)
+    assert cli.main(["generate", "m", "--pipeline-parallel-size", "2"]) == 2
+    assert "pipeline_parallel_size=2" in capsys.readouterr().err
 
 
 def test_bench_delegates_or_explains(monkeypatch, tmp_path, capsys):
