@@ -197,10 +197,12 @@ class LLM:
         lps, cum = logprobs_of(seq, 0, ids, texts)
         return CompletionOutput(index, text, ids, cum, lps, reason, stop_reason(seq, proc, self.engine.scheduler.eos))
 
-    def reset_prefix_cache(self) -> int:
+    def reset_prefix_cache(self) -> bool:
         """Forget the cached KV of prompts no request holds (as vLLM's `reset_prefix_cache`): the next
-        identical prompt is computed again, e.g. to time a workload twice. Returns the blocks forgotten."""
-        return self.engine.block_manager.reset_prefix_cache()
+        identical prompt is computed again, e.g. to time a workload twice. Returns True, as vLLM does when it
+        succeeds (blocks that running requests hold keep their KV until those requests end)."""
+        self.engine.block_manager.reset_prefix_cache()
+        return True
 
     def stats(self) -> dict:
         return self.engine.stats()

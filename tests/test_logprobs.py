@@ -96,7 +96,7 @@ def test_prompt_logprobs_chunked_and_after_a_prefix_cache_hit(tiny_dir, ref):
 
 def test_n_samples_differ_and_repeat_with_the_seed(llm):
     sp = SamplingParams(temperature=1.0, max_tokens=8, n=3, seed=5, ignore_eos=True, logprobs=0)
-    llm.reset_prefix_cache()
+    assert llm.reset_prefix_cache() is True                  # vLLM's return value
     hits = llm.stats()["prefix_cache_hit_tokens"]
     a = llm.generate(PROMPTS[:2], sp, use_tqdm=False)
     # samples 1 and 2 reuse sample 0's prompt blocks: 2 full 4-token blocks of the 11-token prompt each
