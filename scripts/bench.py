@@ -239,7 +239,7 @@ def parse(argv=None):
                     help="checkpoint dir, preset name (random weights) or hub id (default: qwen3-0.6b)")
     ap.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)   # older spelling
     g = ap.add_argument_group("workload (nano-vllm's bench.py)")
-    g.add_argument("--num-seqs", type=positive_int, default=256, help="requests (default: 256)")
+    g.add_argument("--num-seqs", "--num-prompts", type=positive_int, default=256, help="requests (default: 256)")
     g.add_argument("--max-input-len", type=positive_int, default=1024, help="longest prompt (default: 1024)")
     g.add_argument("--max-output-len", type=positive_int, default=1024, help="most output tokens (default: 1024)")
     add_engine_args(ap, with_model=False)

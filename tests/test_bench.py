@@ -124,6 +124,7 @@ def test_bench_takes_the_engine_flags_and_defaults():
         with pytest.raises(SystemExit):
             bench.parse([flag, value])
     a = bench.parse(["qwen3-8b", "--max-num-seqs", "4", "--json", "x.json"])      # (checked before the run)
+    assert bench.parse(["--num-prompts", "7"]).num_seqs == 7                         # vLLM's name
     from jaxinfer.cli import engine_kwargs
     assert a.model == "qwen3-8b" and engine_kwargs(a) == {"max_num_seqs": 4}   # the rest: the engine's defaults
 
