@@ -16,7 +16,8 @@ def llm(tiny_dir):
 @pytest.mark.parametrize("prompt, sp, match", [
     ([], SamplingParams(), "empty"),
     ("", SamplingParams(), "empty"),
-    (list(range(1, 200)), SamplingParams(), "199 tokens; max_model_len=128"),
+    (list(range(1, 200)), SamplingParams(), "199 tokens, more than max_model_len=128"),
+    (list(range(1, 130)), SamplingParams(), "129 tokens, more than max_model_len=128"),
     ([1, 2, 512], SamplingParams(), "token id 512 out of vocabulary"),
     ([1, -1], SamplingParams(), "token id -1"),
     ([1, 2], "greedy", "SamplingParams"),
@@ -67,6 +68,22 @@ def test_max_tokens_none_runs_to_max_model_len(llm):
     """vLLM's max_tokens=None: generate until the context is full (max_model_len=128 here)."""
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.token_ids) == 128 - 3 and out.finish_reason == "length"
+
+
+def test_a_prompt_of_exactly_max_model_len_gives_one_token(llm):
+    """vLLM refuses only prompts longer than max_model_len; one that fills it samples one token ("length"), also
+    when queued behind others, streamed, or cut to max_model_len by truncate_prompt_tokens=-1."""
+    full, other = list(range(1, 129)), list(range(3, 60))
+    for mt in (None, 4):
+        sp = SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True)
+        outs = llm.generate([full, other, full[::-1]], sp, use_tqdm=False)
+        assert [len(o.token_ids) for o in outs] == [1, 128 - 57 if mt is None else 4, 1]
+        assert outs[0].finish_reason == outs[2].finish_reason == "length"
+    cut = llm.generate([list(range(1, 300))], SamplingParams(truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert len(cut.prompt_token_ids) == 128 and len(cut.token_ids) == 1
+    assert [d.finish_reason for d in llm.stream([full], SamplingParams(max_tokens=3))][-1] == "length"
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == st["waiting"] == 0
 
 
 def test_max_tokens_none_with_a_pool_smaller_than_max_model_len(tiny_dir):

@@ -111,9 +111,9 @@ class LLMEngine:
             why = "out of vocabulary: ids are in" if isinstance(t := bad[0], (int, np.integer)) and \
                 not isinstance(t, bool) else "that is not an int: ids are ints in"
             raise ValueError(f"{where} has token id {t!r} {why} [0, {V})")
-        if n >= cfg.max_model_len:
-            raise ValueError(f"{where} has {n} tokens; max_model_len={cfg.max_model_len} leaves no room to "
-                             f"generate (the prompt must be shorter than max_model_len)")
+        if n > cfg.max_model_len:        # exactly max_model_len is taken, as vLLM: one token, finish "length"
+            raise ValueError(f"{where} has {n} tokens, more than max_model_len={cfg.max_model_len} (the decoder "
+                             f"prompt is longer than the maximum model length)")
         params = params.up_to(max(1, min(cfg.max_model_len, self.block_manager.num_blocks * cfg.block_size) - n))
         need = -(-min(n + params.max_tokens, cfg.max_model_len) // cfg.block_size)
         if need > self.block_manager.num_blocks:
