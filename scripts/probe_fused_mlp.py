@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 
@@ -118,6 +117,11 @@ def chain_fused(h, g, wgu, wd, eps, tiles, interpret):
     return h
 
 
+def write_json(path, res) -> None:
+    from bench import write_json as write
+    write(path, res)
+
+
 def time_chain(fn, h, iters):
     from bench_small_batch import timed
     return timed(fn, (h,), iters, carry={0: None})
@@ -185,9 +189,7 @@ def main(argv=None):
         if best:
             print(f"M={M}: best fused {best[0] / L * 1e6:.2f} us/layer ({wbytes / best[0] / 1e9:.0f} GB/s) "
                   f"against xla {rows['xla_us']:.2f}: {best[1]}", flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(a.json, res)
     return res
 
 
