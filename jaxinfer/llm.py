@@ -18,6 +18,7 @@ from jaxinfer import prompts as prompt_forms
 from jaxinfer.compat import pop_vllm_options
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.dp_engine import create_engine
+from jaxinfer.engine.executables import engine_numerics
 from jaxinfer.engine.llm_engine import is_finished
 from jaxinfer.engine.one_thread import OneThread
 from jaxinfer.engine.sequence import Sequence, Status
@@ -62,7 +63,7 @@ class LLM:
         self._one_thread = OneThread()            # generate / stream: one thread at a time
 
         def load(placement):                     # (random weights broadcast: a user's rank-promotion "raise" is theirs)
-            with jax.numpy_rank_promotion("allow"):
+            with engine_numerics():
                 return load_weights(path, model_config, config.dtype, config.seed or 0, placement,   # (presets)
                                     kv_scales=config.kv_cache_dtype != "auto")
         eos = self.model_config.eos_token_id or tuple(
@@ -216,8 +217,14 @@ class LLM:
         index in `prompts`, `text` / `token_ids` are the new text and token ids, and `finish_reason` is set
         on the request's last delta. A request's text deltas concatenate to its `generate` text.
         Leaving the loop early (break / close) aborts the unfinished requests and frees their KV blocks.
+        Bad input raises here, at the call; `abort` calls from here on are this stream's (even before the
+        first delta is read).
         """
         reqs = self._prepare(prompts, sampling_params)
+        self.__dict__.setdefault("_aborts", set()).clear()      # (an abort of an earlier stream is not this one's)
+        return self._streaming(reqs)
+
+    def _streaming(self, reqs) -> Iterator[RequestOutput]:
         with self._one_thread():
             yield from self._stream(reqs)
 
@@ -228,7 +235,6 @@ class LLM:
         sent: dict[int, tuple[int, float]] = {}   # seq_id -> (output tokens yielded, their cumulative logprob)
         texts = TokenTexts(self.tokenizer)
         aborts = self.__dict__.setdefault("_aborts", set())
-        aborts.clear()
 
         def delta(k: int, seq: Sequence, d: TextDelta) -> RequestOutput:
             (i, j), (start, before) = where[k], sent.get(seq.seq_id, (None, 0.0))

@@ -125,14 +125,15 @@ def apply_penalties(logits, prompt_seen, output_counts, repetition, frequency, p
     rep = repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     counts = output_counts.astype(jnp.float32)
-    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).astype(jnp.float32)
 
 
 def logprob_stats(logits, token_ids, top_n: int):
     """Raw logprobs (log_softmax of the model's fp32 logits, as vLLM's default) of `token_ids` [R] under
     logits [R, V], packed for one device->host copy as fp32 [R, 2 + 2 * top_n]: the token's logprob, its
     rank (1 + how many tokens have a larger logprob), then the top_n ids (exact in fp32 below 2^24) and
-    their logprobs, best first."""
+    their logprobs, best first. A vocabulary smaller than top_n gives all of it (V columns each)."""
+    top_n = min(top_n, logits.shape[-1])
     lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)                         # [R, 1]
     own = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)                  # [R, 1]
     rank = 1 + jnp.sum(logits > own, axis=-1, keepdims=True)                        # [R, 1]

@@ -197,6 +197,23 @@ def test_a_users_strict_rank_promotion_is_theirs(tiny_dir):
     assert got == want
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_a_users_x64_and_strict_dtype_promotion_are_theirs(tiny_dir, backend):
+    """The user's jax_enable_x64 (the kernels' block tables became int64) and "strict" dtype promotion (penalties
+    mix bool and float) do not reach the engine's programs: the same tokens, with and without penalties."""
+    import jax
+    from jaxinfer.engine.executables import SHARED_EXECUTABLES
+    kw = {**BASE, "attn_backend": backend}
+    sps = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, presence_penalty=0.5, repetition_penalty=1.2)]
+    want = [o.token_ids for o in LLM(tiny_dir, **kw).generate([[5, 6, 7], [9, 8]], sps, use_tqdm=False)]
+    with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
+        SHARED_EXECUTABLES.clear()                 # compiled again, under the user's settings
+        got = [o.token_ids for o in LLM(tiny_dir, **kw).generate([[5, 6, 7], [9, 8]], sps, use_tqdm=False)]
+        assert jax.config.jax_enable_x64 and jax.config.jax_numpy_dtype_promotion == "strict"
+    assert got == want
+
+
 def test_one_llm_serves_one_thread_at_a_time(llm):
     """A second thread calling generate while another is inside a stream gets a RuntimeError (not mixed-up
     batches); the same thread may nest calls, and once the stream ends another thread may go on."""

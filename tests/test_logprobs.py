@@ -160,8 +160,18 @@ def test_abort_ends_a_streamed_request(llm):
             ends = [r for i, k, r in seen if (i, k) == (victim, j)]
             assert ends[-1] == "abort" and ends.count("abort") == 1, seen
         _free(llm)
+    # aborted before the stream's first delta is read (the stream's requests are added then); an abort issued
+    # before a stream was created is not that stream's
+    llm.abort(0)
+    g = llm.stream(PROMPTS[:2], SamplingParams(max_tokens=6, ignore_eos=True))
+    llm.abort(1)
+    ends = {d.request_id: d.finish_reason for d in g if d.finish_reason}
+    assert ends == {0: "length", 1: "abort"}, ends
+    _free(llm)
     with pytest.raises(ValueError, match="request_id"):
         llm.abort("x")
+    with pytest.raises(ValueError, match="empty"):          # bad input raises at the call, not at the first delta
+        llm.stream([[]])
 
 
 def test_engine_core_rows_survive_msgpack(llm, tmp_path):
@@ -216,3 +226,19 @@ def test_logprobs_list_reads_like_a_list():
     assert LogprobsList(rows, [7, 3, 9], 1)[2] == {9: Logprob(-3.0, 5), 3: Logprob(-0.2, 1)}
     with pytest.raises(IndexError):
         lst[3]
+
+
+def test_a_vocabulary_smaller_than_the_logprob_width(tmp_path):
+    """A 7-token vocabulary: logprobs=6 gives 6 entries (the step's top-n width, 20, is cut to the vocabulary
+    instead of failing inside it), logprobs=20 all 7, whose probabilities add up to 1; prompt logprobs too."""
+    from helpers import make_tiny_model
+    path = make_tiny_model(str(tmp_path / "v7"), vocab_size=7, num_hidden_layers=1, intermediate_size=32)
+    llm = LLM(path, **TINY_ENGINE)
+    for n, want in ((6, 6), (20, 7)):
+        o = llm.generate([[0, 1, 3]], SamplingParams(temperature=0, max_tokens=2, logprobs=n, prompt_logprobs=n),
+                         use_tqdm=False)[0]
+        for entries in [*o.outputs[0].logprobs, *o.prompt_logprobs[1:]]:
+            assert len(entries) in (want, want + 1)               # (+1: the token itself, when not in the top n)
+        if want == 7:
+            assert abs(sum(np.exp(lp.logprob) for lp in o.outputs[0].logprobs[0].values()) - 1) < 1e-5
+    _free(llm)

@@ -7,6 +7,7 @@ other devices than those it was compiled for is loaded there from the compiled o
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -37,8 +38,8 @@ class ExecutableCache:
             other = self._any_devices.get(key)
             exe = relocate(other[1], list(other[0]), list(devices)) if other is not None else None
             if exe is None:
-                with jax.numpy_rank_promotion("allow"):     # the step's code broadcasts: a user's "raise" (a
-                    exe = build()                            # thread-local setting) is for their own code
+                with engine_numerics():
+                    exe = build()
             with self._lock:
                 exe = self._compiled.setdefault(full, exe)
                 self._any_devices.setdefault(key, (tuple(devices), exe))
@@ -51,6 +52,16 @@ class ExecutableCache:
 
 
 SHARED_EXECUTABLES = ExecutableCache()
+
+
+def engine_numerics():
+    """The JAX settings the engine's programs are traced under, whatever the user set for their own code (these are
+    thread-local): the steps broadcast (a user's rank promotion "raise"), mix bool and float (a "strict" dtype
+    promotion) and index in int32 (a user's x64 made the kernels' block tables int64)."""
+    stack = contextlib.ExitStack()
+    for setting in (jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"), jax.enable_x64(False)):
+        stack.enter_context(setting)
+    return stack
 
 
 _owner = threading.local()      # .counter: the CompileCounter whose engine code this thread is running
