@@ -71,14 +71,15 @@ def chat_loop(llm, sp, system: str | None = None, thinking: bool = True) -> int:
             del history[keep:keep + 2 * dropped]
             print(f"(dropped the {dropped} oldest turn(s) to fit max_model_len={llm.config.max_model_len})",
                   file=sys.stderr)
-        reply = []
-        stream = llm.stream(prompt, sp)
+        reply, stream = [], None
         try:
+            stream = llm.stream(prompt, sp)       # (bad input raises here)
             for d in stream:
                 print(d.text, end="", flush=True)
                 reply.append(d.text)
         except KeyboardInterrupt:
-            stream.close()                # aborts the request: its KV blocks go back
+            if stream is not None:
+                stream.close()            # aborts the request: its KV blocks go back
             print(" [stopped]", end="")
         except ValueError as e:           # this message cannot be answered (longer than max_model_len, ...):
             print(f"error: {e}", file=sys.stderr)       # it leaves the conversation, and the session goes on
