@@ -45,14 +45,16 @@ class LLM:
     `generate(prompts)` without sampling params come from (`get_default_sampling_params`; generation_config.py).
     """
 
-    def __init__(self, model: str, generation_config: str = "auto", **kwargs):
+    def __init__(self, model: str, generation_config: str = "auto", override_generation_config: dict | None = None,
+                 **kwargs):
         tokenizer = pop_vllm_options(kwargs)      # vLLM options with no meaning here are accepted (compat.py)
         hub = {k: kwargs.pop(k) for k in ("hf_overrides", "revision", "download_dir") if k in kwargs}   # (hub.py)
         kwargs = {k: int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v   # numpy ints
                   for k, v in kwargs.items()}
         requested = EngineConfig.from_kwargs(**kwargs)
         path, model_config = model_config_for(model, **hub)
-        self.default_sampling_params = sampling_defaults(path if os.path.isdir(path) else None, generation_config)
+        self.default_sampling_params = sampling_defaults(path if os.path.isdir(path) else None, generation_config,
+                                                         override_generation_config)
         self._default_params = SamplingParams(**self.default_sampling_params)
         config = requested.resolve(jax.default_backend(), model_config)
         if config.attn_backend == "triton":       # (on a GPU) its packages and ptxas, before anything loads
@@ -270,19 +272,21 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool | dict = True,
              lora_request=None, chat_template: str | None = None, chat_template_content_format: str = "auto",
-             add_generation_prompt: bool = True, continue_final_message: bool = False, tools=None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, mm_processor_kwargs=None) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation or to a list of conversations (one output each). A
-        message's content is a string or a list of text parts (joined by newlines, as vLLM). vLLM's signature;
-        a dict as the third argument is taken as chat_template_kwargs (`chat(messages, params, kwargs)`).
+        message's content is a string or a list of text parts (joined by newlines, as vLLM); `tools` (OpenAI's
+        function schemas) reach the chat template, as in vLLM (no tool-call parsing: the reply is text). vLLM's
+        signature; a dict as the third argument is taken as chat_template_kwargs (`chat(messages, params, kwargs)`).
 
             llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=64),
                      chat_template_kwargs={"enable_thinking": False})
         """
         if isinstance(use_tqdm, dict):
             use_tqdm, chat_template_kwargs = True, {**use_tqdm, **(chat_template_kwargs or {})}
-        prompts = prompt_forms.chat_prompts(self.tokenizer, messages, chat_template_kwargs, lora_request=lora_request,
-                                            tools=tools, chat_template_content_format=chat_template_content_format,
+        prompt_forms.check_unsupported("LLM.chat", lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
+        prompts = prompt_forms.chat_prompts(self.tokenizer, messages, chat_template_kwargs, tools=tools,
+                                            chat_template_content_format=chat_template_content_format,
                                             chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                             continue_final_message=continue_final_message)
         return self.generate(prompts, sampling_params, use_tqdm)

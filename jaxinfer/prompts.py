@@ -55,16 +55,28 @@ def text(prompt: Prompt) -> str | None:
     return prompt if isinstance(prompt, str) else None
 
 
+TEXT_PARTS = ("text", "input_text", "output_text")      # the part types vLLM reads as text
+
+
+def _part_text(p) -> str | None:
+    if isinstance(p, str):
+        return p
+    return p["text"] if isinstance(p, dict) and p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str) \
+        else None
+
+
 def _text_message(j: int, m) -> dict:
-    """A message with string content; OpenAI-style text parts ([{"type": "text", "text": ...}]) are joined by
-    newlines, as vLLM's LLM.chat and server do."""
+    """A message with string content, as vLLM's LLM.chat and server make it: text parts ([{"type": "text", "text":
+    ...}] or plain strings) are joined by newlines, and no content (None, missing, []: e.g. an assistant turn that
+    only has `tool_calls`) is "". Other keys (tool_calls, tool_call_id, name) reach the template as given."""
     c = m.get("content") if isinstance(m, dict) else None
-    if isinstance(c, (list, tuple)) and c and all(isinstance(p, dict) and p.get("type") == "text" and
-                                                  isinstance(p.get("text"), str) for p in c):
-        m = {**m, "content": "\n".join(p["text"] for p in c)}
+    if isinstance(c, (list, tuple)) and all(_part_text(p) is not None for p in c):
+        m = {**m, "content": "\n".join(_part_text(p) for p in c)}
+    elif isinstance(m, dict) and c is None:
+        m = {**m, "content": ""}
     if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-        raise ValueError(f"message {j} must be a dict with string 'role' and 'content' (a string or a list of "
-                         f"text parts), got {m!r:.80}")
+        raise ValueError(f"message {j} must be a dict with a string 'role' and 'content' a string, a list of text "
+                         f"parts or None, got {m!r:.80}")
     return m
 
 
@@ -78,7 +90,8 @@ def render_chat(tokenizer, messages, chat_template_kwargs: dict | None = None, *
     messages = [_text_message(j, m) for j, m in enumerate(messages)]
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise ValueError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
-    if getattr(tokenizer, "chat_template", None) is None and hasattr(tokenizer, "vocab_size"):
+    given = template_args.get("chat_template") or (chat_template_kwargs or {}).get("chat_template")
+    if getattr(tokenizer, "chat_template", None) is None and hasattr(tokenizer, "vocab_size") and not given:
         raise ValueError("this model's tokenizer has no chat template (tokenizer_config.json "
                          "'chat_template'); use generate() with a plain prompt")
     kw = {"add_generation_prompt": True, **{k: v for k, v in template_args.items() if v is not None},
@@ -97,11 +110,14 @@ def check_unsupported(where: str, **options) -> None:
             raise ValueError(f"{where}: {name}={v!r:.80} is not supported by jaxinfer")
 
 
-def chat_prompts(tokenizer, messages, chat_template_kwargs: dict | None, *, lora_request, tools,
+def chat_prompts(tokenizer, messages, chat_template_kwargs: dict | None, *, tools,
                  chat_template_content_format: str, **template_args) -> list[str]:
-    """LLM.chat's prompts: one conversation or a list of them, rendered (render_chat); what vLLM's LLM.chat
-    takes and jaxinfer does not (LoRA, tools) is a ValueError naming it."""
-    check_unsupported("LLM.chat", lora_request=lora_request, tools=tools)
+    """LLM.chat's prompts: one conversation or a list of them (none: no prompts), rendered (render_chat) with
+    `tools` (a list of OpenAI function schemas) given to the template."""
+    if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"LLM.chat: tools={tools!r:.80} must be a list of dicts (OpenAI's function schemas)")
+    if isinstance(messages, (list, tuple)) and not messages:
+        return []                                  # no conversations (vLLM: no outputs)
     if chat_template_content_format not in ("auto", "string", "openai"):
         raise ValueError(f"LLM.chat: chat_template_content_format={chat_template_content_format!r} must be 'auto', "
                          f"'string' or 'openai'")
@@ -109,4 +125,4 @@ def chat_prompts(tokenizer, messages, chat_template_kwargs: dict | None, *, lora
         else messages
     if not isinstance(convs, (list, tuple)) or not convs:
         raise ValueError(f"messages must be a conversation (list of dicts) or a list of them, got {messages!r:.80}")
-    return [render_chat(tokenizer, c, chat_template_kwargs, **template_args) for c in convs]
+    return [render_chat(tokenizer, c, chat_template_kwargs, tools=tools, **template_args) for c in convs]

@@ -97,13 +97,38 @@ def test_chat_takes_vllms_arguments(llm):
     [own] = llm.chat(conv[:1], sp, use_tqdm=False, chat_template=own_template)
     assert own.prompt == "Hello|"
     for kw, word in [(dict(continue_final_message=True), "continue_final_message"), (dict(lora_request=1), "lora"),
-                     (dict(tools=[{}]), "tools"), (dict(chat_template_content_format="x"), "content_format")]:
+                     (dict(tools="f"), "tools"), (dict(chat_template_content_format="x"), "content_format"),
+                     (dict(mm_processor_kwargs={"x": 1}), "mm_processor_kwargs")]:
         with pytest.raises(ValueError, match=word):
             llm.chat(conv, sp, use_tqdm=False, **kw)
+    assert llm.chat([], sp) == [] and llm.chat(conv[:1], sp, use_tqdm=False, mm_processor_kwargs=None)
     assert idle(llm)
 
 
-@pytest.mark.parametrize("bad", [[], "hello", [{"role": "user"}], [{"content": "x"}], [[]],
+def test_chat_passes_tools_and_tool_turns_to_the_template(llm, monkeypatch):
+    """As vLLM's LLM.chat: `tools` reach the template; an assistant turn with only tool_calls (content None or
+    missing) and empty or plain-string content parts render as text; a given chat_template is used even when the
+    tokenizer has none."""
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    template = ("{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}{% for m in messages %}"
+                "{{ m['role'] }}:{{ m['content'] }}{% if m.get('tool_calls') %}<call>{% endif %}|{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    call = [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]
+    conv = [{"role": "user", "content": [{"type": "text", "text": "Paris?"}, "Now"]},
+            {"role": "assistant", "content": None, "tool_calls": call},
+            {"role": "tool", "content": "sunny", "tool_call_id": "c1"}, {"role": "assistant", "tool_calls": call},
+            {"role": "user", "content": []}]
+    [out] = llm.chat(conv, sp, use_tqdm=False, chat_template=template, tools=tools)
+    assert out.prompt == "[weather]user:Paris?\nNow|assistant:<call>|tool:sunny|assistant:<call>|user:|"
+    monkeypatch.setattr(llm.tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat(conv[:1], sp, use_tqdm=False)
+    [own] = llm.chat(conv[:1], sp, use_tqdm=False, chat_template=template)
+    assert own.prompt == "user:Paris?\nNow|"
+    assert idle(llm)
+
+
+@pytest.mark.parametrize("bad", ["hello", [{"role": 1, "content": "x"}], [{"content": "x"}], [[]],
                                  [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]])
 def test_chat_rejects_bad_messages(llm, bad):
     with pytest.raises(ValueError, match="message|conversation"):

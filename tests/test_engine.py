@@ -172,21 +172,32 @@ def test_compilations_count_only_the_engines_own(tiny_dir):
 
 
 def test_generation_config_gives_the_default_sampling_params(tiny_dir, tmp_path):
-    """As vLLM: generate() without sampling params uses the checkpoint's recommended values (values equal to
-    HF's own defaults are not overrides); generation_config="vllm" ignores them; a bad value is refused."""
+    """As vLLM: generate() without sampling params uses the checkpoint's recommended values (the file's difference
+    from the installed transformers' GenerationConfig defaults, as vLLM reads it: transformers 5 has none, so a
+    top_k of 50 counts); generation_config="vllm" ignores them; override_generation_config is merged over them;
+    a bad value is refused."""
     import json
     import shutil
-    from jaxinfer.generation_config import sampling_defaults
+    from transformers import GenerationConfig
+    from jaxinfer.generation_config import FIELDS, sampling_defaults
     d = str(tmp_path / "ckpt")
     shutil.copytree(tiny_dir, d)
     with open(os.path.join(d, "generation_config.json")) as f:
         gen = json.load(f)
     with open(os.path.join(d, "generation_config.json"), "w") as f:
         json.dump({**gen, "temperature": 0.0, "top_k": 50, "top_p": 0.9, "max_new_tokens": 5}, f)
-    assert sampling_defaults(d) == {"temperature": 0.0, "top_p": 0.9, "max_tokens": 5}
+    diff = GenerationConfig.from_pretrained(d).to_diff_dict()              # what vLLM reads
+    want = {("max_tokens" if k == "max_new_tokens" else k): diff[k] for k in FIELDS if diff.get(k) is not None}
+    assert sampling_defaults(d) == want and {"temperature": 0.0, "top_p": 0.9, "max_tokens": 5}.items() <= want.items()
     assert sampling_defaults(d, "vllm") == {} and sampling_defaults(tiny_dir) == {}
     llm = LLM(d, **BASE)
-    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, top_p=0.9, max_tokens=5)
+    assert llm.get_default_sampling_params() == SamplingParams(**want)
+    over = LLM(d, override_generation_config={"top_p": 0.5, "max_new_tokens": 7}, **BASE)
+    assert over.get_default_sampling_params() == SamplingParams(**{**want, "top_p": 0.5, "max_tokens": 7})
+    only = LLM(d, generation_config="vllm", override_generation_config={"temperature": 0.2}, **BASE)
+    assert only.get_default_sampling_params() == SamplingParams(temperature=0.2)
+    with pytest.raises(ValueError, match="override_generation_config"):
+        LLM(d, override_generation_config={"beams": 2}, **BASE)
     out = llm.generate(["Hello world"])[0].outputs[0]
     greedy = llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=5))[0].outputs[0]
     assert out.token_ids == greedy.token_ids and len(out.token_ids) <= 5
