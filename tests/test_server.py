@@ -319,6 +319,15 @@ def test_model_sampling_defaults_fill_what_a_request_leaves_out(tmp_path):
     assert ServerOptions(generation_config=str(tmp_path)).generation_config == str(tmp_path)
     with pytest.raises(ValueError, match="generation_config='nowhere'"):
         ServerOptions(generation_config="nowhere")
+    # vLLM's --override-generation-config JSON: checked at start-up, a JSON object on the command line
+    with pytest.raises(ValueError, match="override_generation_config"):
+        ServerOptions(override_generation_config={"beams": 2})
+    import argparse
+    from jaxinfer.server.options import add_server_args, server_options
+    ap = argparse.ArgumentParser()
+    add_server_args(ap)
+    opts = server_options(ap.parse_args(["--override-generation-config", '{"temperature": 0.5}']))
+    assert opts.override_generation_config == {"temperature": 0.5}
 
 
 def test_a_command_that_cannot_be_encoded_fails_alone():

@@ -55,7 +55,8 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
     options = options or ServerOptions()
     limits = info.limits
     max_model_len = limits["max_model_len"]
-    defaults = sampling_defaults(info.model if os.path.isdir(info.model) else None, options.generation_config)
+    defaults = sampling_defaults(info.model if os.path.isdir(info.model) else None, options.generation_config,
+                                 options.override_generation_config)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     served_model_name = names[0]                  # answers carry the first (vLLM: several names allowed)
     if options.chat_template:                     # --chat-template: a file or the template itself

@@ -17,7 +17,8 @@ import json
 import os
 from dataclasses import MISSING, dataclass, field, fields, replace
 
-from jaxinfer.generation_config import check as check_generation_config
+from jaxinfer.cli_types import json_object
+from jaxinfer.generation_config import check as check_generation_config, sampling_defaults
 
 API_KEY_ENV = "JAXINFER_API_KEY"
 
@@ -42,6 +43,8 @@ class ServerOptions:
                                            "template itself (default: the tokenizer's)")
     generation_config: str = _opt("auto", "sampling defaults for fields a request leaves out: 'auto' (the model's "
                                           "generation_config.json, as vLLM), 'vllm' (none) or a folder")
+    override_generation_config: dict | None = _opt(None, "a JSON object merged over those defaults (vLLM's), e.g. "
+                                                         "'{\"temperature\": 0.5}'")
 
     def __post_init__(self):
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
@@ -51,6 +54,7 @@ class ServerOptions:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name}={v!r} must be an integer >= 0")
         check_generation_config(self.generation_config)
+        sampling_defaults(None, "vllm", self.override_generation_config)        # (checks it)
         if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template
                                                or ("{" not in self.chat_template and not
                                                    os.path.isfile(self.chat_template))):
@@ -104,7 +108,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server options (jaxinfer.server.options.ServerOptions)")
     for f in fields(ServerOptions):
         t = str(f.type)
-        typ = int if t.startswith("int") else float if t.startswith("float") else str
+        typ = int if t.startswith("int") else float if t.startswith("float") else \
+            json_object if t.startswith("dict") else str
         h = f.metadata["help"]
         if f.default is not MISSING and f.default is not None:
             h += f" (default: {f.default})"
