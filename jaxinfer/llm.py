@@ -45,8 +45,7 @@ class LLM:
     `generate(prompts)` without sampling params come from (`get_default_sampling_params`; generation_config.py).
     """
 
-    def __init__(self, model: str, generation_config: str = "auto", override_generation_config: dict | None = None,
-                 **kwargs):
+    def __init__(self, model: str, generation_config: str = "auto", override_generation_config=None, **kwargs):
         tokenizer = pop_vllm_options(kwargs)      # vLLM options with no meaning here are accepted (compat.py)
         hub = {k: kwargs.pop(k) for k in ("hf_overrides", "revision", "download_dir") if k in kwargs}   # (hub.py)
         kwargs = {k: int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v   # numpy ints
@@ -155,8 +154,8 @@ class LLM:
             groups.append(g)
         return groups
 
-    def _run(self, seqs: list[Sequence]) -> Iterator[tuple[int, Sequence]]:
-        return self._one_thread.run(self.engine, seqs)
+    def _run(self, seqs: list[Sequence], before_step=None) -> Iterator[tuple[int, Sequence]]:
+        return self._one_thread.run(self.engine, seqs, before_step)
 
     # -- text ---------------------------------------------------------------------------------------
     def _process_text(self, seq: Sequence, procs: dict[int, OutputProcessor], stream: bool) -> TextDelta:
@@ -219,8 +218,7 @@ class LLM:
         index in `prompts`, `text` / `token_ids` are the new text and token ids, and `finish_reason` is set
         on the request's last delta. A request's text deltas concatenate to its `generate` text.
         Leaving the loop early (break / close) aborts the unfinished requests and frees their KV blocks.
-        Bad input raises here, at the call; `abort` calls from here on are this stream's (even before the
-        first delta is read).
+        Bad input raises here, at the call; `abort` calls from here on are this stream's (even before its first delta).
         """
         reqs = self._prepare(prompts, sampling_params)
         self.__dict__.setdefault("_aborts", set()).clear()      # (an abort of an earlier stream is not this one's)
@@ -249,20 +247,30 @@ class LLM:
                                  prompt_logprobs=prompt_logprobs_of(seq, texts) if start is None else None,
                                  num_cached_tokens=seq.num_cached_tokens)
 
-        ended = set()                             # seq ids whose final delta was yielded (an abort's comes early)
-        for k, seq in self._run(seqs):
-            if seq.seq_id in ended:               # aborted after this step's updates were listed: nothing more
-                continue
-            d = self._process_text(seq, procs, stream=True)
-            if d.text or d.token_ids or d.finish_reason:
-                yield delta(k, seq, d)
-            while aborts:                         # LLM.abort: end those prompts' samples now
+        ended, aborted = set(), []                # seq ids whose final delta was yielded (an abort's comes early)
+
+        def take_aborts():                        # LLM.abort: end those prompts' samples now (before a step too:
+            while aborts:                         # a prompt still being prefilled yields nothing meanwhile)
                 i = aborts.pop()
                 for k2, s in enumerate(seqs):
                     if where[k2][0] == i and not is_finished(s):
                         self.engine.abort(s)
                         ended.add(s.seq_id)
-                        yield delta(k2, s, TextDelta("", [], "abort"))
+                        aborted.append(k2)
+
+        def abort_deltas():
+            take_aborts()
+            while aborted:
+                k2 = aborted.pop(0)
+                yield delta(k2, seqs[k2], TextDelta("", [], "abort"))
+
+        for k, seq in self._run(seqs, take_aborts):
+            if seq.seq_id not in ended:           # (aborted after this step's updates were listed: nothing more)
+                d = self._process_text(seq, procs, stream=True)
+                if d.text or d.token_ids or d.finish_reason:
+                    yield delta(k, seq, d)
+            yield from abort_deltas()
+        yield from abort_deltas()                 # requests that an abort ended before a step (no update came)
 
     def apply_chat_template(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> str:
         """Render one conversation ([{"role": ..., "content": ...}, ...]) into a prompt string, ending with

@@ -304,3 +304,19 @@ def test_detokenize_false_and_truncated_prompts(llm):
     long = llm.generate([list(range(1, 300))], SamplingParams(max_tokens=2, truncate_prompt_tokens=100),
                         use_tqdm=False)[0]
     assert long.prompt_token_ids == list(range(200, 300)) and len(long.token_ids) == 2
+
+
+def test_num_cached_tokens_is_set_at_first_admission(tiny_dir):
+    """RequestOutput.num_cached_tokens counts prompt tokens served from the prefix cache when the request was first
+    scheduled (vLLM's); a preempted request that comes back finds its own blocks, which do not count (it was 16
+    on a 9-token prompt). The stats' hit counter still counts every admission's hits."""
+    import random
+    llm = LLM(tiny_dir, **{**BASE, "num_kvcache_blocks": 16, "max_model_len": 128})
+    random.seed(3)
+    ps = [[random.randrange(3, 500) for _ in range(9)] for _ in range(2)]
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    st = llm.stats()
+    assert st["preemptions"] >= 1 and [o.num_cached_tokens for o in outs] == [0, 0]
+    assert st["prefix_cache_hit_tokens"] > 0 and st["kv_blocks_free"] == st["kv_blocks_total"]
+    again = llm.generate(ps[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 8                   # the first prompt's two full blocks, cached

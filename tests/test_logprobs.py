@@ -172,6 +172,14 @@ def test_abort_ends_a_streamed_request(llm):
         llm.abort("x")
     with pytest.raises(ValueError, match="empty"):          # bad input raises at the call, not at the first delta
         llm.stream([[]])
+    # a prompt that takes several prefill chunks (64-token steps) yields nothing meanwhile: an abort still ends it
+    # before its next step (before, every chunk ran and a token was sampled first)
+    before = llm.stats()["prefill_steps"]
+    g = llm.stream([list(range(1, 121))], SamplingParams(max_tokens=6, ignore_eos=True))
+    llm.abort(0)
+    assert [(d.token_ids, d.finish_reason) for d in g] == [([], "abort")]
+    assert llm.stats()["prefill_steps"] == before
+    _free(llm)
 
 
 def test_engine_core_rows_survive_msgpack(llm, tmp_path):

@@ -107,8 +107,10 @@ class BlockManager:
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return seq.num_blocks_needed - len(hits) + revived <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give seq blocks for all its current tokens, reusing cached prefix blocks."""
+    def allocate(self, seq: Sequence) -> int:
+        """Give seq blocks for all its current tokens, reusing cached prefix blocks; returns the tokens found
+        cached. seq.num_cached_tokens (RequestOutput's, as vLLM's) is set at its first admission only: a
+        preempted sequence that comes back finds its own blocks, not a prompt prefix."""
         assert not seq.block_table, f"{seq} already has blocks"
         hits = self._cached_prefix(seq)
         for bid in hits:
@@ -117,9 +119,12 @@ class BlockManager:
                 del self.free[bid]
             block.ref_count += 1
         seq.block_table = hits + [self._take_free() for _ in range(seq.num_blocks_needed - len(hits))]
-        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = len(hits) * self.block_size
+        if not seq.admitted:
+            seq.num_cached_tokens, seq.admitted = seq.num_computed_tokens, True
         seq.num_hashed_blocks = len(hits)
         seq.last_hash = self.blocks[hits[-1]].hash if hits else None
+        return seq.num_computed_tokens
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for the KV of every current token (a decode step adds one block at most)."""

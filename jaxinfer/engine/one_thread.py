@@ -32,16 +32,19 @@ class OneThread:
                 if self._depth == 0:
                     self._owner = None
 
-    def run(self, engine, seqs: list[Sequence]) -> Iterator[tuple[int, Sequence]]:
+    def run(self, engine, seqs: list[Sequence], before_step=None) -> Iterator[tuple[int, Sequence]]:
         """Step `engine` until every seq finishes, yielding (index in seqs, seq) for each new token.
         However it ends (done, error, or the caller leaving early), nothing is left holding KV blocks.
         The caller may run the engine itself while a yield is pending (a nested call on the same thread): then
-        seqs that moved meanwhile are yielded too, each finished one once."""
+        seqs that moved meanwhile are yielded too, each finished one once. `before_step()`: called before each
+        engine step (LLM.stream's aborts: they take effect even while no token comes, e.g. during a prefill)."""
         index = {s.seq_id: i for i, s in enumerate(seqs)}
         first = 0           # seqs[:first] are finished, and stay so: no rescan of every sequence per step
         done = set()        # finished seqs yielded
         try:
             while first < len(seqs):
+                if before_step is not None:
+                    before_step()
                 if is_finished(seqs[first]):
                     first += 1
                     continue

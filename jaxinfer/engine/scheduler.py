@@ -68,8 +68,7 @@ class Scheduler:
             if not self.bm.can_allocate(seq) or not self._chunk(seq, budget, plp) or self._waits(seq):
                 break
             self.waiting.popleft()
-            self.bm.allocate(seq)
-            self.num_prefix_hit_tokens += seq.num_cached_tokens
+            self.num_prefix_hit_tokens += self.bm.allocate(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             n = self._chunk(seq, budget, plp, take=True)

@@ -32,7 +32,8 @@ class Sequence:
         self.row = -1                     # this sequence's row in the last dispatched step (set by the packer)
         self.num_pending = 0              # trailing PLACEHOLDER tokens (sampled, not yet read back)
         self.num_computed_tokens = 0      # tokens whose KV is in the cache
-        self.num_cached_tokens = 0        # of those, tokens found in the prefix cache at admission
+        self.num_cached_tokens = 0        # of those, tokens found in the prefix cache at (first) admission
+        self.admitted = False             # given blocks once (a preempted sequence keeps num_cached_tokens)
         self.num_hashed_blocks = 0        # leading blocks already registered in the prefix cache
         self.last_hash: int | None = None # chained hash of the last of those
         self.status = Status.WAITING
