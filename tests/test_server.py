@@ -136,6 +136,7 @@ def test_stream_options_usage_in_every_chunk_and_one_created(url, client):
         with_choice = [c for c in chunks if c.choices]
         assert [c.choices[0].finish_reason for c in with_choice].count("length") == 1
         assert with_choice[-1].choices[0].finish_reason == "length" and not chunks[-1].choices
+        assert isinstance(with_choice[-1].choices[0].delta.content, str)      # "" when the last token adds no text
         counts = [c.usage.completion_tokens for c in with_choice]
         assert counts == sorted(set(counts)) and counts[-1] == 10, counts
 

@@ -134,8 +134,8 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
             ids, entries = _new_logprobs(ch) if k is not None else ((), ())
             if d.finish_reason:    # the finish rides on the chunk with the last text, as in vLLM
                 lp = R.chat_logprobs(text_of, ids, entries, k) if ids else None
-                yield R.sse(R.chat_chunk(rid, model, {"content": d.text} if d.text or ids else {}, d.finish_reason,
-                                         ch.index, lp, stop_reason=ch.stop_reason, created=created, use=use(ch)))
+                yield R.sse(R.chat_chunk(rid, model, {"content": d.text}, d.finish_reason, ch.index, lp,   # ("" too)
+                                         stop_reason=ch.stop_reason, created=created, use=use(ch)))
             elif ids:
                 yield R.sse(R.chat_chunk(rid, model, {"content": d.text}, None, ch.index,
                                          R.chat_logprobs(text_of, ids, entries, k), created=created, use=use(ch)))
