@@ -189,7 +189,7 @@ class EngineConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):
                 raise ValueError(f"{name}={v!r} must be a {'non-negative' if least == 0 else 'positive'} integer")
         bs = self.block_size
-        if bs & (bs - 1):
+        if bs is None or bs & (bs - 1):
             raise ValueError(f"block_size={bs} must be a power of two")
         if not isinstance(g := self.gpu_memory_utilization, (int, float)) or isinstance(g, bool) or not 0 < g <= 1:
             raise ValueError(f"gpu_memory_utilization={g!r} must be in (0, 1]")
@@ -205,7 +205,7 @@ class EngineConfig:
         for name in ("decode_buckets", "prefill_buckets", "context_buckets", "decode_context_buckets"):
             if (v := getattr(self, name)) is None:
                 continue
-            if isinstance(v, int) or not all(isinstance(x, int) and x >= 1 for x in v) or not v:
+            if not isinstance(v, (list, tuple)) or not v or not all(isinstance(x, int) and x >= 1 for x in v):
                 raise ValueError(f"{name}={v!r} must be a non-empty list of positive integers")
             object.__setattr__(self, name, tuple(sorted(set(v))))
         if self.resolved:

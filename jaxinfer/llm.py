@@ -125,9 +125,9 @@ class LLM:
                  use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order. vLLM's `lora_request` (None only) and
         `priority` (None, or 0 for every prompt: there is no priority scheduling) are accepted."""
-        zeros = isinstance(priority, (list, tuple)) and not any(priority)
-        prompt_forms.check_unsupported("LLM.generate", lora_request=lora_request, priority=None if zeros else priority)
+        prompt_forms.check_unsupported("LLM.generate", lora_request=lora_request)
         reqs = self._prepare(prompts, sampling_params)
+        prompt_forms.check_priority(priority, len(reqs))
         with self._one_thread():
             return self._generate(reqs, use_tqdm)
 

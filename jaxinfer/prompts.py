@@ -25,6 +25,8 @@ def as_list(prompts) -> list:
         raise ValueError(f"prompts must be a string, a list of token ids, a dict or a list of those, got "
                          f"{type(prompts).__name__} {prompts!r:.80}")
     prompts = prompts.tolist() if hasattr(prompts, "tolist") else prompts      # a numpy array of ids
+    if not isinstance(prompts, (str, dict, list, tuple)):                       # (a numpy scalar)
+        raise ValueError(f"prompts must be a string, a list of token ids, a dict or a list of those, got {prompts!r:.80}")
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                             and isinstance(prompts[0], Integral)):
         return [prompts]
@@ -108,6 +110,16 @@ def check_unsupported(where: str, **options) -> None:
     for name, v in options.items():
         if v is not None:
             raise ValueError(f"{where}: {name}={v!r:.80} is not supported by jaxinfer")
+
+
+def check_priority(priority, n: int) -> None:
+    """vLLM's `priority` of LLM.generate: None, or one entry per prompt, all 0 (there is no priority scheduling)."""
+    if priority is None:
+        return
+    if not isinstance(priority, (list, tuple)) or len(priority) != n:
+        raise ValueError(f"LLM.generate: priority={priority!r:.80} must be a list with one entry per prompt ({n})")
+    if any(p != 0 for p in priority):
+        raise ValueError(f"LLM.generate: priority={priority!r:.80} is not supported by jaxinfer (0 for every prompt)")
 
 
 def chat_prompts(tokenizer, messages, chat_template_kwargs: dict | None, *, tools,

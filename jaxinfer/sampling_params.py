@@ -102,7 +102,7 @@ class SamplingParams:
         if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not 0 < rp < float("inf"):
             bad("repetition_penalty", "must be a number > 0 (1 = no penalty)")
         object.__setattr__(self, "repetition_penalty", float(rp))
-        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be True or False")
         if not isinstance(self.detokenize, bool):
@@ -114,10 +114,12 @@ class SamplingParams:
             bad("truncate_prompt_tokens", "must be None, an integer >= 1 or -1 (max_model_len)")
         if not isinstance(self.spaces_between_special_tokens, bool):
             bad("spaces_between_special_tokens", "must be True or False")
-        if self.best_of not in (None, self.n) or isinstance(self.best_of, bool):
+        b = self.best_of
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b != self.n):
             bad("best_of", f"is not supported: only None or best_of == n ({self.n})")
         for name in ("bad_words", "allowed_token_ids", "logit_bias", "logits_processors"):
-            if getattr(self, name):
+            v = getattr(self, name)                    # None, or empty: nothing to apply
+            if v is not None and not (isinstance(v, (list, tuple, dict)) and not v):
                 bad(name, "is not supported by jaxinfer (leave it None)")
         m = self.min_tokens
         if not isinstance(m, int) or isinstance(m, bool) or m < 0 or (mt is not None and m > mt):

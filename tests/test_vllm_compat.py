@@ -82,9 +82,39 @@ def test_prompt_dicts_bad_params_entry_and_detokenize_false(tiny_dir):
     same = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False, lora_request=None,
                         priority=[0])[0]
     assert same.outputs[0].token_ids == b.outputs[0].token_ids
-    for kw, name in ((dict(lora_request=object()), "lora_request"), (dict(priority=[1]), "priority")):
+    for kw, name in ((dict(lora_request=object()), "lora_request"), (dict(priority=[1]), "priority"),
+                     (dict(priority=[0, 0]), "one entry per prompt"), (dict(priority=0), "priority")):
         with pytest.raises(ValueError, match=name):
             llm.generate(["a"], sp, use_tqdm=False, **kw)
+
+
+def test_bad_values_are_value_errors_naming_them(tiny_dir):
+    """Values the type checks let through before: a stop list edited in place after construction (the request
+    checks its params again), a non-bool ignore_eos, a best_of that only equals n, vLLM's unused fields given
+    something other than None or empty, a numpy scalar as the prompt; engine options block_size=None and a
+    scalar bucket list."""
+    llm = LLM(tiny_dir, **TINY_ENGINE)
+    sp = SamplingParams(stop=["zz"], max_tokens=2)
+    sp.stop.append(5)
+    ids = SamplingParams(min_tokens=1, stop_token_ids=[1], max_tokens=2)
+    ids.stop_token_ids.append("x")
+    for bad, name in ((sp, "stop"), (ids, "stop_token_ids")):
+        with pytest.raises(ValueError, match=name):
+            llm.generate([[5, 6, 7]], bad, use_tqdm=False)
+    for kw in (dict(ignore_eos="False"), dict(best_of=1.0), dict(n=2, best_of=2.0), dict(bad_words=0),
+               dict(logit_bias="x")):
+        with pytest.raises(ValueError, match=next(iter(kw.keys() - {"n"}))):
+            SamplingParams(**kw)
+    assert SamplingParams(bad_words=[], logit_bias={}, best_of=1).best_of == 1
+    with pytest.raises(ValueError, match="prompts must be"):
+        llm.generate(np.int64(5), use_tqdm=False)
+    from jaxinfer.config import EngineConfig
+    for kw, name in ((dict(block_size=None), "block_size"), (dict(decode_buckets=2.0), "decode_buckets"),
+                     (dict(prefill_buckets=np.array(8)), "prefill_buckets")):
+        with pytest.raises(ValueError, match=name):
+            EngineConfig(**kw)
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == st["waiting"] == 0
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}

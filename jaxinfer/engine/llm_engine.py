@@ -59,8 +59,7 @@ class LLMEngine:
         # multistep_calls: K-step decode calls (their steps count in decode_steps)
         self.counters = dict(prompt_tokens=0, generated_tokens=0, prefill_steps=0, decode_steps=0,
                              kv_tokens_read=0, padded_tokens=0, multistep_calls=0)
-        # host seconds spent scheduling + packing, dispatching, waiting for sampled ids, applying them:
-        # if wait is small against the rest, the host (not the GPU) sets the pace
+        # host seconds scheduling + packing, dispatching, waiting for sampled ids, applying them (no wait: host-bound)
         self.host_time = dict(schedule_s=0.0, dispatch_s=0.0, wait_s=0.0, apply_s=0.0)
         self.compile_counter = CompileCounter()     # owned: its listener goes with the engine
         self.compilations_at_warmup = 0
@@ -114,7 +113,8 @@ class LLMEngine:
         if n > cfg.max_model_len:        # exactly max_model_len is taken, as vLLM: one token, finish "length"
             raise ValueError(f"{where} has {n} tokens, more than max_model_len={cfg.max_model_len} (the decoder "
                              f"prompt is longer than the maximum model length)")
-        params = params.up_to(max(1, min(cfg.max_model_len, self.block_manager.num_blocks * cfg.block_size) - n))
+        room = min(cfg.max_model_len, self.block_manager.num_blocks * cfg.block_size) - n
+        params = params.clone().up_to(max(1, room))      # (clone: validated again: a stop list edited in place)
         need = -(-min(n + params.max_tokens, cfg.max_model_len) // cfg.block_size)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"{where} needs {need} KV blocks for {n} prompt + {params.max_tokens} output tokens "
