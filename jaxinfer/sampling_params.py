@@ -40,6 +40,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     logit_bias: dict | None = None
     logits_processors: list | None = None
+    structured_outputs: object = None             # (vLLM's structured output; `guided_decoding` in older vLLM)
+    guided_decoding: object = None
+    extra_args: dict | None = None
+    output_kind: object = None                    # any: vLLM's LLM.generate sets its own (final outputs; stream: deltas)
 
     def __post_init__(self):
         for f in _INT_FIELDS:          # numpy integers / floats (e.g. seed=np.random.randint(...)) as Python's
@@ -117,7 +121,8 @@ class SamplingParams:
         b = self.best_of
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b != self.n):
             bad("best_of", f"is not supported: only None or best_of == n ({self.n})")
-        for name in ("bad_words", "allowed_token_ids", "logit_bias", "logits_processors"):
+        for name in ("bad_words", "allowed_token_ids", "logit_bias", "logits_processors", "structured_outputs",
+                     "guided_decoding", "extra_args"):
             v = getattr(self, name)                    # None, or empty: nothing to apply
             if v is not None and not (isinstance(v, (list, tuple, dict)) and not v):
                 bad(name, "is not supported by jaxinfer (leave it None)")
