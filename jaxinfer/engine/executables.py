@@ -54,14 +54,13 @@ class ExecutableCache:
 SHARED_EXECUTABLES = ExecutableCache()
 
 
+@contextlib.contextmanager
 def engine_numerics():
     """The JAX settings the engine's programs are traced under, whatever the user set for their own code (these are
     thread-local): the steps broadcast (a user's rank promotion "raise"), mix bool and float (a "strict" dtype
     promotion) and index in int32 (a user's x64 made the kernels' block tables int64)."""
-    stack = contextlib.ExitStack()
-    for setting in (jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"), jax.enable_x64(False)):
-        stack.enter_context(setting)
-    return stack
+    with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"), jax.enable_x64(False):
+        yield
 
 
 _owner = threading.local()      # .counter: the CompileCounter whose engine code this thread is running
