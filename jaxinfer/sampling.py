@@ -9,11 +9,17 @@ noise is never written to memory (jax.random's threefry over [256, 151936] cost 
 The full-vocabulary sort that top-k / top-p / min-p need is not in the model's step: a step samples with the
 plain argmax and also returns its sampled rows' hidden states; when some row of the batch asks for a filter
 the engine (decided on the host) runs a small "resample" program (step.make_resample) that computes those rows'
-logits again and draws with `sample(..., filtered=True)`. A device-side `lax.cond` would make XLA copy its
+logits again and draws with `sample(..., filtered=...)`. A row whose top_k is at most TOP_K_CANDIDATES (Qwen3's
+generation config asks for top_k=20, top_p=0.95) needs only its top candidates, not a sorted row: when every
+filtering row of a batch has such a top_k, the draw takes the rows' top candidates (`top_n_of`) and skips the sort
+(filtered="top_k"); otherwise it sorts, and those rows still draw from the sorted row's same first candidates, so
+a row's token never depends on which program its batch ran. A device-side `lax.cond` would make XLA copy its
 predicate to the host and block, which serialised every step with the host (measured on the H200); a filtered
 copy of every model step doubled the programs compiled at start-up.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.parallel import shard_map
+from jaxinfer.sampling_params import TOP_K_CANDIDATES
 
 _NEG = -1e30
 
@@ -66,38 +73,53 @@ def _filter_sorted(sorted_logits, top_k, top_p, min_p):
     return jnp.where(keep, sorted_logits, _NEG)
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: bool = True):
+def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: bool | str = True):
     """logits [B, V] fp32 and per-row parameters [B] -> token ids [B] int32.
 
-    filtered (static): apply top-k / top-p / min-p. With False they are ignored, which is right only when
-    no row sets them (`SamplingParams.needs_filter`); both variants draw the same token for such rows.
-    A greedy row (temperature 0) gets no noise, so one argmax serves greedy and sampled rows alike."""
+    filtered (static): False ignores top-k / top-p / min-p, which is right only when no row sets them
+    (`SamplingParams.needs_filter`); both variants draw the same token for such rows. True sorts each row and
+    applies them. "top_k": every row that filters has 0 < top_k <= TOP_K_CANDIDATES (`SamplingParams.filter_kind`),
+    so its draw needs only its top candidates; the other rows take the plain draw. A row with such a top_k draws
+    the same token in all three variants. A greedy row (temperature 0) gets no noise, so one argmax serves greedy
+    and sampled rows alike."""
     sampled_row = (temperature > 0)[:, None]
     scaled = logits / jnp.where(sampled_row, temperature[:, None], 1.0)
     if not filtered:
         gumbel = jnp.where(sampled_row, gumbel_noise(seeds, counters, logits.shape[-1]), 0.0)
         return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
-    # one stable sort gives the descending values and their ids (ties: lower id first, as a stable argsort);
-    # each sorted entry's noise is computed from its id, so per-token noise stays fixed without a gather
+    n = min(TOP_K_CANDIDATES, scaled.shape[-1])
+    few = (top_k > 0) & (top_k <= TOP_K_CANDIDATES)        # rows whose draw lies among their top n candidates
+    draw = functools.partial(_draw, top_k=top_k, top_p=top_p, min_p=min_p, sampled_row=sampled_row, seeds=seeds,
+                             counters=counters)
+    if filtered == "top_k":
+        plain = sample(logits, temperature, top_k, top_p, min_p, seeds, counters, False)
+        return jnp.where(few, draw(*top_n_of(scaled, n)), plain)
+    # one stable sort gives the descending values and their ids (ties: lower id first, as a stable argsort and
+    # top_n_of); each sorted entry's noise is computed from its id, so per-token noise stays fixed without a gather
     ids = jnp.broadcast_to(jnp.arange(scaled.shape[-1], dtype=jnp.int32), scaled.shape)
     neg_sorted, order = jax.lax.sort((-scaled, ids), dimension=-1, is_stable=True, num_keys=1)
-    masked = _filter_sorted(-neg_sorted, top_k, top_p, min_p)        # a greedy row keeps its top entry
-    noise = jnp.where(sampled_row, gumbel_at(seeds, counters, order), 0.0)
+    return jnp.where(few, draw(-neg_sorted[:, :n], order[:, :n]), draw(-neg_sorted, order))
+
+
+def _draw(values, ids, top_k, top_p, min_p, sampled_row, seeds, counters):
+    """The token drawn from descending scaled logits `values` [B, N] (token `ids` [B, N]), filtered."""
+    masked = _filter_sorted(values, top_k, top_p, min_p)        # a greedy row keeps its top entry
+    noise = jnp.where(sampled_row, gumbel_at(seeds, counters, ids), 0.0)
     pick = jnp.argmax(masked + noise, axis=-1)
-    return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-def sample_sharded(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: bool, mesh,
+def sample_sharded(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: bool | str, mesh,
                    vocab_size: int):
     """`sample` for logits [B, V'] split by vocabulary over the mesh axis "tp" (V' >= vocab_size, padding -inf).
 
     Each device takes argmax(logits / T + gumbel) over its own shard, with the noise of the global token ids
     it holds; then the [tp, B] (max, id) pairs are all-gathered and the first largest wins: the same token
     as `sample` on the whole row (argmax returns the first maximum, and shards are in vocabulary order).
-    The filtered variant (top-k / top-p / min-p) sorts the whole vocabulary: it gathers [B, V] first."""
+    The filtered variants (top-k / top-p / min-p) gather [B, V] first."""
     if filtered:
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))[:, :vocab_size]
-        return sample(logits, temperature, top_k, top_p, min_p, seeds, counters, True)
+        return sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered)
 
     def local(lg, temperature, seeds, counters):                    # lg [B, V'/tp]
         n = lg.shape[-1]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 
 MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
 MIN_TEMPERATURE = 0.01     # vLLM's floor for a positive temperature
+TOP_K_CANDIDATES = 64      # a row with top_k <= this draws among its top candidates, no sort (sampling.py)
 MAX_STOP_IDS_WITH_MIN_TOKENS = 16   # the step bans them (and EOS) per row until min_tokens: step.BAN_WIDTH ids
 
 
@@ -162,6 +163,12 @@ class SamplingParams:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
     @property
+    def filter_kind(self) -> bool | str:
+        """How the draw filters (sampling.sample's `filtered`): False if it does not, "top_k" when its top_k is
+        1..TOP_K_CANDIDATES (it needs only its top candidates), True when it must sort the vocabulary."""
+        return self.needs_filter and ("top_k" if 0 < self.top_k <= TOP_K_CANDIDATES else True)
+
+    @property
     def needs_extras(self) -> bool:
         """Penalties, logprobs or min_tokens: the request may run the step's extras variant (step.Extras)."""
         return self.has_penalties or self.logprobs is not None or self.prompt_logprobs is not None or \
@@ -228,3 +235,10 @@ def device_seed(seed: int) -> int:
     if 0 <= seed < 2**31:
         return seed
     return int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
+
+
+def batch_filter(kinds) -> bool | str:
+    """How a batch draws, from its rows' `filter_kind`s: the sort if any row needs it, else "top_k" if any row
+    filters, else False."""
+    kinds = list(kinds)
+    return True if any(k is True for k in kinds) else ("top_k" if "top_k" in kinds else False)

@@ -146,18 +146,19 @@ def resample_fields(packed: np.ndarray, T: int, B: int, W: int) -> np.ndarray:
     return np.concatenate([packed[layout[f][0]:layout[f][0] + B] for f in RESAMPLE_FIELDS])
 
 
-def make_resample(config: ModelConfig, B: int, max_rows: int, mesh=None):
+def make_resample(config: ModelConfig, B: int, max_rows: int, mesh=None, filtered: bool | str = True):
     """`resample(params, rows, fields) -> ids [max_rows]`: filtered sampling (top-k / top-p / min-p, sampling.py)
     of a step's sampled rows (the first B of `rows` [max_rows, E]: `make_step(..., rows_out=True)`), with the
     sampling fields [6 * B] of its batch (`resample_fields`). A small program per row count: the model's step
     is compiled once per bucket and the few batches that filter pay one more LM-head matmul and the sort. Same
-    draws as sampling inside the step (same logits, same noise per (seed, counter, token id))."""
+    draws as sampling inside the step (same logits, same noise per (seed, counter, token id)). `filtered`: True
+    (sort the vocabulary) or "top_k" (every filtering row has a small top_k: sampling.sample)."""
     def resample(params, rows, fields):
         f = {name: fields[i * B:(i + 1) * B] for i, name in enumerate(RESAMPLE_FIELDS)}
         for name in FLOAT_FIELDS:
             f[name] = jax.lax.bitcast_convert_type(f[name], jnp.float32)
         logits = compute_logits(config, params, rows[:B])
-        args = (logits, f["temperature"], f["top_k"], f["top_p"], f["min_p"], f["seeds"], f["counters"], True)
+        args = (logits, f["temperature"], f["top_k"], f["top_p"], f["min_p"], f["seeds"], f["counters"], filtered)
         ids = sample_sharded(*args, mesh, config.vocab_size) if tp_size(mesh) > 1 else sample(*args)
         return jnp.pad(ids, (0, max_rows - B))
     return resample

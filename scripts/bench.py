@@ -7,7 +7,6 @@
     python scripts/bench.py qwen3-8b -tp 2
 Engine options are the engine's own flags (as `jaxinfer generate --help`), with the engine's defaults: the
 benchmark runs what `LLM(model)` runs.
-
 The roofline: every step must read the weights once and the K/V of every context token it attends to;
 those bytes divided by the HBM bandwidth measured in this process give the floor time.
 """
@@ -155,7 +154,7 @@ def run_throughput(args) -> dict:
     st["compilations"] = after["compilations"]
     r = report(llm, st, outs, wall, measure_bandwidth(), args)
     r.update(logprobs=args.logprobs, presence_penalty=args.presence_penalty, top_p=getattr(args, "top_p", 1.0),
-             compiled_extras=after.get("compiled_extras"))
+             top_k=getattr(args, "top_k", 0), compiled_extras=after.get("compiled_extras"))
     if args.repeats > 1:
         r["walls_s"] = walls
         print(f"wall of each of the {args.repeats} repeats: " + ", ".join(f"{w:.2f} s" for w in walls) +
@@ -173,11 +172,10 @@ def run_throughput(args) -> dict:
 
 
 def with_extras(llm, params, args):
-    """--logprobs / --presence-penalty: every request asks for them (issue 19's A/B on W); their step variants
-    are compiled before the timed run (LLMEngine.warmup_extras), as the plain steps are by LLM()."""
+    """--top-p / --top-k / --logprobs / --presence-penalty: every request asks for them; the extras' step variants
+    are compiled before the timed run (LLMEngine.warmup_extras), as LLM() compiles the plain steps."""
     from dataclasses import replace
-    if getattr(args, "top_p", 1.0) < 1.0:          # filtered sampling: the step, then its resample program
-        params = [replace(p, top_p=args.top_p) for p in params]
+    params = [replace(p, top_p=getattr(args, "top_p", 1.0), top_k=getattr(args, "top_k", 0)) for p in params]
     if args.logprobs is None and not args.presence_penalty:
         return params
     params = [replace(p, logprobs=args.logprobs, presence_penalty=args.presence_penalty) for p in params]
@@ -261,7 +259,9 @@ def parse(argv=None):
     g.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
                    help="every request has presence_penalty=X (cost of penalties; default: 0)")
     g.add_argument("--top-p", type=probability, default=1.0, metavar="P",
-                   help="every request has top_p=P (cost of filtered sampling; default: 1, no filter)")
+                   help="every request has top_p=P (cost of filtered sampling; default: 1, no filter; Qwen3's "
+                   "generation config: --top-k 20 --top-p 0.95)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="every request has top_k=K (default 0)")
     ap.add_argument("--repeats", type=positive_int, default=1,
                     help="time the workload this many times; report the median wall (A/B runs: less noise)")
     ap.add_argument("--step-log", default=None, metavar="PATH",

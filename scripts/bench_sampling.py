@@ -2,8 +2,9 @@
 
     python scripts/bench_sampling.py [--rows 8 64 256] [--vocab 151936] [--json out.json]
 
-Times `sampling.sample` alone on logits already on the device, in ms per call. Half the rows ask for top_k=50,
-all for top_p=0.9 (temperature 0.8). A filtered decode step on W's 256 rows cost ~3.5 ms more than a plain one
+Times `sampling.sample` alone on logits already on the device, in ms per call. "sort": half the rows ask for
+top_k=50, all for top_p=0.9 (temperature 0.8); "qwen3_*": Qwen3's generation config (top_k=20, top_p=0.95,
+temperature 0.6), sorted or by the rows' top candidates (filtered="top_k", `--candidates` of them). A filtered decode step on W's 256 rows cost ~3.5 ms more than a plain one
 on the H200 (docs/performance.md, ninth run); this is the part the draw itself takes. (A sort-free form, radix
 searches over the row in plain jnp, measured 1.3-5.4x slower than the sort at 8-256 rows and was dropped:
 docs/performance.md, tenth run.)
@@ -17,24 +18,30 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def time_forms(rows: int, vocab: int) -> dict:
+def time_forms(rows: int, vocab: int, candidates: tuple[int, ...]) -> dict:
     import jax
     import jax.numpy as jnp
 
     import jaxinfer.sampling as sampling
     from timing import time_loop
     logits = jax.random.normal(jax.random.PRNGKey(rows), (rows, vocab), jnp.float32) * 4
-    per_row = (jnp.full((rows,), 0.8, jnp.float32), jnp.where(jnp.arange(rows) % 2 == 0, 50, 0).astype(jnp.int32),
-               jnp.full((rows,), 0.9, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.arange(rows, dtype=jnp.int32))
+    full = lambda v, dt: jnp.full((rows,), v, dt)
+    mixed = (full(0.8, jnp.float32), jnp.where(jnp.arange(rows) % 2 == 0, 50, 0).astype(jnp.int32),
+             full(0.9, jnp.float32), full(0.0, jnp.float32))
+    qwen3 = (full(0.6, jnp.float32), full(20, jnp.int32), full(0.95, jnp.float32), full(0.0, jnp.float32))
+    forms = [("plain", False, mixed, 0), ("sort", True, mixed, 0), ("qwen3_sort", True, qwen3, 0)]
+    forms += [(f"qwen3_top_k_{n}", "top_k", qwen3, n) for n in candidates]
     out = {}
-    for form, filtered in (("plain", False), ("sort", True)):
-        def draw(state, filtered=filtered):        # the counters move, so every call draws anew
-            lg, counters = state
-            ids = sampling.sample(lg, *per_row[:4], per_row[4], counters, filtered=filtered)
-            return lg, counters + 1 + jnp.minimum(ids, 0)     # (ids >= 0: keeps the draw alive)
-        s = time_loop(draw, (logits, jnp.zeros((rows,), jnp.int32)), est_s=1e-3)
+    for form, filtered, per_row, n in forms:
+        sampling.TOP_K_CANDIDATES = n or sampling.TOP_K_CANDIDATES
+
+        def draw(state, filtered=filtered):     # the counters move: every call draws anew; the parameters are
+            lg, counters, per_row = state        # arguments, not constants XLA could fold, as in the engine
+            ids = sampling.sample(lg, *per_row, jnp.arange(rows, dtype=jnp.int32), counters, filtered=filtered)
+            return lg, counters + 1 + jnp.minimum(ids, 0), per_row     # (ids >= 0: keeps the draw alive)
+        s = time_loop(draw, (logits, jnp.zeros((rows,), jnp.int32), per_row), est_s=1e-3)
         out[form] = s * 1e3
-        print(f"rows {rows:4d}, vocab {vocab}: {form:6s} {s * 1e3:8.3f} ms", flush=True)
+        print(f"rows {rows:4d}, vocab {vocab}: {form:16s} {s * 1e3:8.3f} ms", flush=True)
     return out
 
 
@@ -42,12 +49,14 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 64, 256])
     ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--candidates", type=int, nargs="+", default=[64],
+                    help="TOP_K_CANDIDATES values to time the no-sort draw with (Qwen3's top_k=20, top_p=0.95)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     import jax
     from bench import write_json
     r = dict(device=str(jax.devices()[0]), vocab=a.vocab,
-             ms={str(n): time_forms(n, a.vocab) for n in a.rows})
+             ms={str(n): time_forms(n, a.vocab, tuple(a.candidates)) for n in a.rows})
     write_json(a.json, r)
     return r
 

@@ -140,6 +140,21 @@ def test_filtered_sampling_runs_the_step_then_resample(tiny_dir):
     assert any(k[0] == "resample" for k in runner.compiled)
 
 
+def test_small_top_k_batches_skip_the_sort_with_the_same_tokens(tiny_dir):
+    """Batches whose filtering rows all have a small top_k (Qwen3's generation config: top_k=20, top_p=0.95) run
+    the "top_k" resample program, with no sort; a row draws the same tokens there as beside a top_p-only
+    neighbour, whose batch sorts."""
+    llm = LLM(tiny_dir, **BASE)
+    ps = prompts(512, [5, 11], seed=4)
+    hot = dict(temperature=1.5, max_tokens=12, ignore_eos=True)
+    qwen = SamplingParams(**hot, top_k=20, top_p=0.95, seed=3)
+    alone = tokens(llm, ps[:1], qwen)[0]
+    runner = llm.engine.runner
+    assert {k[4] for k in runner.compiled if k[0] == "resample"} == {"top_k"}
+    beside = tokens(llm, ps, [qwen, SamplingParams(**hot, top_p=0.9, seed=5)])[0]
+    assert beside == alone and True in {k[4] for k in runner.compiled if k[0] == "resample"}
+
+
 def test_no_compilation_after_warmup(tiny_dir):
     gc.unfreeze()
     llm = LLM(tiny_dir, **{**BASE, "warmup": True})

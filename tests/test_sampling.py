@@ -183,3 +183,38 @@ def test_detokenize_and_truncate_prompt_tokens_are_checked():
                      (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens")):
         with pytest.raises(ValueError, match=f"SamplingParams.{name}="):
             SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("V", [40, 1000])
+def test_small_top_k_draws_the_same_without_the_sort(V):
+    """filtered="top_k" (no sort: the rows' top candidates) draws exactly the token of the sorted program for rows
+    with 0 < top_k <= TOP_K_CANDIDATES, whatever their top_p / min_p, and the plain draw for rows that do not
+    filter; so a row's token does not depend on which program its batch ran. Ties (equal logits) included, and a
+    vocabulary smaller than the candidate count."""
+    from jaxinfer.sampling_params import TOP_K_CANDIDATES
+    B = 96
+    x = jax.random.normal(jax.random.PRNGKey(V), (B, V)) * jnp.linspace(0.1, 6, B)[:, None]
+    x = x.at[::7].set(jnp.round(x[::7]))                                   # rows full of ties
+    r = np.random.default_rng(V)
+    top_k = jnp.asarray(np.where(np.arange(B) % 5 == 0, 0, r.integers(1, TOP_K_CANDIDATES + 1, B)), jnp.int32)
+    unfiltered = np.asarray(top_k) == 0
+    top_p = jnp.asarray(np.where(unfiltered | (np.arange(B) % 3 == 0), 1.0, r.uniform(0.3, 1.0, B)), jnp.float32)
+    min_p = jnp.asarray(np.where(unfiltered | (np.arange(B) % 4 != 1), 0.0, r.uniform(0, 0.5, B)), jnp.float32)
+    temperature = jnp.asarray(np.where(np.arange(B) % 11 == 3, 0.0, r.uniform(0.5, 3, B)), jnp.float32)
+    f = jax.jit(sample, static_argnames="filtered")
+    for step in range(4):
+        args = (x, temperature, top_k, top_p, min_p, jnp.arange(B, dtype=jnp.int32), jnp.full(B, step, jnp.int32))
+        fast, sort = np.asarray(f(*args, filtered="top_k")), np.asarray(f(*args, filtered=True))
+        np.testing.assert_array_equal(fast, sort)
+        np.testing.assert_array_equal(fast[unfiltered], np.asarray(f(*args, filtered=False))[unfiltered])
+        assert (fast[np.asarray(top_k) == 1] == np.asarray(jnp.argmax(x, -1))[np.asarray(top_k) == 1]).all()
+
+
+def test_filter_kind_and_batch_filter():
+    from jaxinfer.sampling_params import TOP_K_CANDIDATES, batch_filter
+    kind = lambda **kw: SamplingParams(**kw).filter_kind
+    assert kind() is False and kind(temperature=0.0, top_p=0.5) is False
+    assert kind(top_k=20, top_p=0.95) == "top_k" and kind(top_k=TOP_K_CANDIDATES, min_p=0.1) == "top_k"
+    assert kind(top_k=TOP_K_CANDIDATES + 1) is True and kind(top_p=0.9) is True and kind(min_p=0.1) is True
+    assert batch_filter([False, False]) is False and batch_filter([False, "top_k"]) == "top_k"
+    assert batch_filter(["top_k", True, False]) is True and batch_filter([]) is False

@@ -23,7 +23,7 @@ from jaxinfer.model.kv_scales import kv_cache_dtype
 from jaxinfer.engine.sequence import Sequence, is_finished, stamp_token_times
 from jaxinfer.multistep import STOP_IDS
 from jaxinfer.parallel import Placement
-from jaxinfer.sampling_params import SamplingParams, device_seed
+from jaxinfer.sampling_params import SamplingParams, batch_filter, device_seed
 
 
 class LLMEngine:
@@ -204,7 +204,7 @@ class LLMEngine:
         self.counters["padded_tokens"] += K * (key[1] - new_tokens)
         self.counters["prefill_steps" if batch.is_prefill else "decode_steps"] += K
         self.counters["multistep_calls"] += K > 1
-        return StepPlan(batch, key, K, any(s.needs_filter for s in batch.seqs), extras, packed, done, t0,
+        return StepPlan(batch, key, K, batch_filter(s.filter_kind for s in batch.seqs), extras, packed, done, t0,
                         time.perf_counter())
 
     @counts_compiles
@@ -214,7 +214,7 @@ class LLMEngine:
         packed = self.runner.put(plan.packed) if plan.packed is not None else None
         plan.t_put = time.perf_counter() - plan.t_launch
         if plan.extras is not None:
-            xkey = self.extras.key_for(key + (plan.filtered,), plan.extras)
+            xkey = self.extras.key_for(key + (bool(plan.filtered),), plan.extras)
             plan.pending = self.extras.dispatch(plan.batch, xkey, self.config.block_size, self.scheduler.eos)
             ids = self.extras.sampled_ids()
         elif plan.K > 1:

@@ -129,12 +129,13 @@ class ModelRunner:
         """(kind, T, B, W, filtered) of every program to compile: one model step per bucket (unfiltered
         sampling; it also returns the sampled rows' hidden states), one "resample" program per row count that
         draws those rows again with top-k / top-p / min-p (step.make_resample: a batch that filters runs the
-        step, then it), and the K-step decode calls of small batches."""
+        step, then it; two variants: the vocabulary sorted, or small top_k's candidates), and the K-step decode
+        calls of small batches."""
         e = self.engine
         out = [("prefill", T, min(e.max_num_seqs, T), W, False)
                for T in e.prefill_buckets for W in e.prefill_table_widths(T)]
         out += [("decode", B, B, W, False) for B in e.decode_buckets for W in self.widths]
-        out += [("resample", B, B, 0, True) for B in sorted({k[2] for k in out if rows_out(k[0])})]
+        out += [("resample", B, B, 0, f) for B in sorted({k[2] for k in out if rows_out(k[0])}) for f in (True, "top_k")]
         # K-step decode calls (multistep.py): small batches only (host-bound), unfiltered sampling only
         return out + [("multistep", B, B, W, False, K) for B in self.multistep_buckets() for W in self.widths
                       for K in self.multistep_ks()]
@@ -163,7 +164,7 @@ class ModelRunner:
                 if kind == "resample":
                     rows = jax.ShapeDtypeStruct(self.rows.shape, self.dtype, sharding=rep)
                     fields = jax.ShapeDtypeStruct((len(RESAMPLE_FIELDS) * B,), jnp.int32, sharding=rep)
-                    fn = jax.jit(make_resample(self.model, B, self.max_rows, self.mesh), out_shardings=rep)
+                    fn = jax.jit(make_resample(self.model, B, self.max_rows, self.mesh, filtered), out_shardings=rep)
                     return fn.lower(self.params, rows, fields).compile(compiler_options=options)
                 if kind == "multistep":
                     step = make_multistep(self.model, B, W, K[0], self.engine.attn_backend, self.interpret, filtered,
@@ -249,7 +250,7 @@ class ModelRunner:
                 self.params, self.kv_caches, packed, self.last_ids, self.rows)
             if filtered:
                 fields = resample_fields(np.asarray(packed if source is None else source), T, B, W)
-                self.last_ids = self.compile(("resample", B, B, 0, True))(self.params, self.rows, self.put(fields))
+                self.last_ids = self.compile(("resample", B, B, 0, filtered))(self.params, self.rows, self.put(fields))
             ids = self.last_ids
         # ids are replicated over a mesh that may span hosts: read this host's copy
         return ids.addressable_data(0) if jax.process_count() > 1 else ids
