@@ -51,7 +51,7 @@ def multistep_layout(B: int, W: int) -> dict[str, tuple[int, int]]:
 
 
 def make_multistep(config: ModelConfig, B: int, W: int, K: int, backend: str, interpret: bool = False,
-                   filtered: bool = False, mesh=None, loop: str | None = None, unroll: int = 1):
+                   filtered: bool | str = False, mesh=None, loop: str | None = None, unroll: int = 1):
     """The K-step decode function for B rows and W-block tables (not yet jitted). `unroll`: steps per iteration
     of the fori_loop (K / unroll iterations; scripts/bench_small_batch.py measures whether the per-iteration
     cost of the device loop matters)."""

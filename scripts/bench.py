@@ -190,10 +190,10 @@ def run_latency(args) -> dict:
     llm = build(args)
     if args.latency_prompt + args.latency_output > (mml := llm.config.max_model_len):
         raise ValueError(f"--latency-prompt + --latency-output exceed max_model_len={mml}: the requests would stop")
-    rng = np.random.default_rng(0)
     V = min(10000, llm.model_config.vocab_size)
-    prompt = rng.integers(0, V, args.latency_prompt).tolist()
-    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.latency_output)
+    prompt = np.random.default_rng(0).integers(0, V, args.latency_prompt).tolist()
+    hot = dict(temperature=0.6, top_k=args.top_k, top_p=args.top_p, seed=0) if args.top_k or args.top_p < 1 else {}
+    sp = SamplingParams(**{"temperature": 0.0, **hot}, ignore_eos=True, max_tokens=args.latency_output)
     n = args.latency_batch
     llm.engine.block_manager.prefix_caching = False       # measure cold prompts
     # the first request after LLM(): warm-up must have left nothing lazy
@@ -207,7 +207,7 @@ def run_latency(args) -> dict:
     r = dict(model=args.model, attn_backend=args.attn_backend, prompt_tokens=args.latency_prompt, batch=n,
              tensor_parallel_size=llm.config.tensor_parallel_size, data_parallel_size=llm.config.data_parallel_size,
              num_scheduler_steps=llm.config.num_scheduler_steps, output_tokens=args.latency_output,
-             first_ttft_ms=first, ttft_ms=float(np.median(ttfts)), tpot_ms=float(np.median(tpots)),
+             first_ttft_ms=first, ttft_ms=float(np.median(ttfts)), tpot_ms=float(np.median(tpots)), sampling=hot,
              warmup_s=args.warmup_s, warmup_breakdown=args.warmup_breakdown, compiled_buckets=st["compiled_buckets"],
              compiled_multistep=st.get("compiled_multistep"), multistep_calls=st.get("multistep_calls"),
              decode_steps=st["decode_steps"], compilations_after_warmup=st["compilations"], host=host_name())

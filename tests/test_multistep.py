@@ -75,6 +75,22 @@ def test_stop_ids_and_eos_mid_call(llms, reference, K):
     assert [out[k] for k in others] == [reference[k] for k in others]
 
 
+@pytest.mark.parametrize("K", KS)
+def test_small_top_k_rows_run_k_steps_with_the_same_tokens(llms, K):
+    """Rows with Qwen3's sampling (top_k=20, top_p=0.95) and plain rows decode K steps per call (the "top_k"
+    draw needs no sort) with the tokens of one step per call; top_p-only rows keep their batch at one step."""
+    ps, sps = _requests()
+    sps = [SamplingParams(**{**sp.__dict__, "top_k": 20, "top_p": 0.95}) if i % 3 else sp
+           for i, sp in enumerate(sps)]
+    ref = _generate(llms[1], ps, sps)[0]
+    out, st = _generate(llms[K], ps, sps)
+    assert out == ref and (st["multistep_calls"] > 0) == (K != 1)
+    calls = st["multistep_calls"]
+    top_p = [SamplingParams(**{**sp.__dict__, "temperature": 0.9, "top_k": 0, "top_p": 0.9}) for sp in sps]
+    _generate(llms[K], ps, top_p)
+    assert llms[K].stats()["multistep_calls"] == calls
+
+
 def test_stop_strings(llms):
     """Stop strings are checked on the host after a call: the text and the tokens end at the match."""
     prompt = "def add(a, b):"
@@ -134,11 +150,13 @@ def test_no_compilation_after_warmup(tiny_dir):
     llm = LLM(tiny_dir, **{**BASE, "warmup": True})
     st = llm.stats()
     r = llm.engine.runner
-    assert r.multistep_ks() == (16,) and st["compiled_multistep"] == len(r.widths)       # xla: the largest K only
+    # xla: the largest K only; plain and small-top_k sampling
+    assert r.multistep_ks() == (16,) and st["compiled_multistep"] == 2 * len(r.widths)
     assert st["generated_tokens"] == 0 and st["kv_blocks_free"] == st["kv_blocks_total"]
     ps, sps = _requests()
     _generate(llm, ps, sps)                                                   # auto K (4 and 16)
     _generate(llm, ps[:1], [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6)])   # filtered: K = 1
+    _generate(llm, ps[:2], [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=20)] * 2)  # no sort
     _generate(llm, [list(range(60))], [SamplingParams(max_tokens=4)])        # a wider block table
     st = llm.stats()
     assert st["multistep_calls"] > 0

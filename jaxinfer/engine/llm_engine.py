@@ -218,7 +218,7 @@ class LLMEngine:
             plan.pending = self.extras.dispatch(plan.batch, xkey, self.config.block_size, self.scheduler.eos)
             ids = self.extras.sampled_ids()
         elif plan.K > 1:
-            ids = self.runner.run(("multistep", *key[1:], False, plan.K), packed)
+            ids = self.runner.run(("multistep", *key[1:], plan.filtered, plan.K), packed)
         else:
             ids = self.runner.run(key + (plan.filtered,), packed, plan.packed)
         # start the device -> host copy of the ids now: it runs as soon as the step ends instead of when the host

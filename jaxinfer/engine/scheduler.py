@@ -145,14 +145,14 @@ class Scheduler:
 
     def plan_steps(self, batch: ScheduledBatch, ks: tuple[int, ...], max_stop_ids: int) -> int:
         """Steps for this decode batch: 1, or a K of `ks` (sorted) with look-ahead blocks reserved for it.
-        K = 1 while requests wait (they join at the next call), when a row samples with top-k / top-p / min-p
-        or has more than max_stop_ids stop ids, or when the pool lacks the look-ahead blocks. Otherwise the
+        K = 1 while requests wait (they join at the next call), when a row's filter needs the sorted vocabulary
+        (top-p / min-p without a small top-k: SamplingParams.filter_kind) or has more than max_stop_ids stop ids, or when the pool lacks the look-ahead blocks. Otherwise the
         largest K that no row's remaining tokens fall short of (steps past them would be wasted), else the smallest
         if that wastes at most 3 steps, else 1."""
         if batch.is_prefill or not ks or self.waiting:
             return 1
         # penalties, logprobs and min_tokens bans run one step per call (their step variant has no K-step form)
-        if any(s.needs_filter or len(self.stop_ids(s)) > max_stop_ids or s.params.has_penalties
+        if any(s.filter_kind is True or len(self.stop_ids(s)) > max_stop_ids or s.params.has_penalties
                or s.params.logprobs is not None or s.banning for s in batch.seqs):
             return 1
         rem = [self.remaining(s) for s in batch.seqs]
