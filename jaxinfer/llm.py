@@ -166,11 +166,9 @@ class LLM:
             proc = procs[seq.seq_id] = OutputProcessor.for_params(self.tokenizer, seq.params, stream)
         new = seq.output_token_ids[len(proc.token_ids):]
         delta = proc.update(new, seq.finish_reason)
-        if proc.stopped and delta.finish_reason and len(delta.token_ids) < len(new):
-            end = len(seq.token_ids) - seq.num_pending      # a stop string ended a K-step call's tokens early:
-            del seq.token_ids[end - (len(new) - len(delta.token_ids)):end]      # those after it are dropped
-        if proc.stopped and not is_finished(seq):
-            self.engine.scheduler.finish(seq, "stop")
+        if proc.stopped:      # a stop string; the tokens a K-step call read back after it are dropped
+            drop = len(new) - len(delta.token_ids) if delta.finish_reason else 0
+            self.engine.scheduler.finish(seq, "stop", drop)
         return delta
 
     def _output(self, prompt: Prompt, group: list[Sequence], texts: TokenTexts, stop_texts: dict) -> RequestOutput:

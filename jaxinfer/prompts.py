@@ -36,9 +36,10 @@ def as_list(prompts) -> list:
 def token_ids(tokenizer, prompt: Prompt, i: int) -> list[int]:
     """The prompt's token ids (text is encoded without special tokens). Raises ValueError naming prompt i."""
     if isinstance(prompt, dict):       # vLLM's TextPrompt / TokensPrompt
-        if "prompt_token_ids" in prompt and set(prompt) <= {"prompt_token_ids", "prompt"} and \
-                isinstance(prompt["prompt_token_ids"], (list, tuple)):      # (vLLM: the ids win; "prompt" is shown)
-            return list(prompt["prompt_token_ids"])
+        ids = prompt.get("prompt_token_ids")
+        ids = ids.tolist() if hasattr(ids, "tolist") else ids                      # (a numpy array of ids)
+        if set(prompt) <= {"prompt_token_ids", "prompt"} and isinstance(ids, (list, tuple)):
+            return list(ids)                                        # (vLLM: the ids win; "prompt" is only shown)
         if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
             return token_ids(tokenizer, prompt["prompt"], i)
         raise ValueError(f"prompt {i}: a dict prompt holds 'prompt' (a string) or 'prompt_token_ids' (a list of "

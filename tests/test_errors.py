@@ -86,6 +86,29 @@ def test_a_prompt_of_exactly_max_model_len_gives_one_token(llm):
     assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == st["waiting"] == 0
 
 
+@pytest.mark.parametrize("K", [1, 4])
+def test_a_prompt_of_max_model_len_chunked_down_to_its_last_token(tiny_dir, K):
+    """Chunks of 13 leave such a prompt's last token (40 = 3 x 13 + 1) to a decode step, which must still run it
+    (before, the scheduler found no work and generate raised), also beside a row decoding K steps per call, and
+    when prompt logprobs cap a step's prompt tokens."""
+    llm = LLM(tiny_dir, **{**BASE, "max_model_len": 40, "max_num_batched_tokens": 13, "num_scheduler_steps": K})
+    full, short = list(range(1, 41)), [5, 6, 7]
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    outs = llm.generate([short, full, full[::-1]], sp, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [30, 1, 1] and {o.finish_reason for o in outs} == {"length"}
+    one = llm.generate([full], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0), use_tqdm=False)[0]
+    assert len(one.token_ids) == 1 and len(one.prompt_logprobs) == 40
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == st["waiting"] == 0
+
+
+def test_dict_prompt_with_numpy_ids(llm):
+    import numpy as np
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    a = llm.generate({"prompt_token_ids": np.array([5, 6, 7])}, sp, use_tqdm=False)[0]
+    assert a.prompt_token_ids == [5, 6, 7] and a.token_ids == llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].token_ids
+
+
 def test_max_tokens_none_with_a_pool_smaller_than_max_model_len(tiny_dir):
     """... or until the pool is full, when it holds less than max_model_len (8 blocks of 4 tokens here)."""
     small = LLM(tiny_dir, **{**BASE, "num_kvcache_blocks": 8})

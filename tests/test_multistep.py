@@ -103,6 +103,10 @@ def test_stop_strings(llms):
     assert outs[16].text == outs[1].text == full.text[:8]
     assert outs[16].finish_reason == outs[1].finish_reason == "stop"
     assert outs[16].token_ids == outs[1].token_ids and len(outs[16].token_ids) < 30
+    # tokens read back after the match are not counted as generated
+    before = llms[16].stats()["generated_tokens"]
+    n = len(llms[16].generate([prompt], sp, use_tqdm=False)[0].token_ids)
+    assert llms[16].stats()["generated_tokens"] - before == n
     assert llms[16].stats()["kv_blocks_free"] == llms[16].stats()["kv_blocks_total"]
 
 

@@ -186,9 +186,11 @@ class _SchedulerView:
     def __init__(self, dp: DPEngine):
         self._dp = dp
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, drop: int = 0) -> None:
         if seq.seq_id in self._dp._owner:
-            self._dp._owner.pop(seq.seq_id).scheduler.finish(seq, reason)
+            self._dp._owner.pop(seq.seq_id).scheduler.finish(seq, reason, drop)
+        elif drop:                    # finished already: its tokens are cut, counted on the first replica
+            self._dp.replicas[0].scheduler.finish(seq, reason, drop)
 
     def has_unfinished(self) -> bool:
         return self._dp.has_unfinished()

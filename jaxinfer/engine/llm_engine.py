@@ -55,8 +55,7 @@ class LLMEngine:
         self.scheduler = Scheduler(engine, self.block_manager, eos_token_ids)
         self.extras = extras_mod.ExtrasRunner(self.runner, engine.max_num_seqs)   # penalties / logprobs
         self.rng = np.random.default_rng(engine.seed)
-        # kv_tokens_read: context tokens whose K/V the steps' attention had to read (for the roofline)
-        # multistep_calls: K-step decode calls (their steps count in decode_steps)
+        # kv_tokens_read: context tokens the steps' attention read (roofline); multistep_calls: K-step decode calls
         self.counters = dict(prompt_tokens=0, generated_tokens=0, prefill_steps=0, decode_steps=0,
                              kv_tokens_read=0, padded_tokens=0, multistep_calls=0)
         # host seconds scheduling + packing, dispatching, waiting for sampled ids, applying them (no wait: host-bound)
@@ -287,7 +286,7 @@ class LLMEngine:
         return self.scheduler.plan_steps(batch, self.runner.multistep_ks(), STOP_IDS)
 
     def stats(self) -> dict:
-        bm = self.block_manager
+        bm, s = self.block_manager, self.scheduler
         return dict(kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
                     block_size=self.config.block_size, kv_cache_dtype=str(self.runner.kv_dtype),
                     preemptions=self.scheduler.num_preemptions,
@@ -297,4 +296,5 @@ class LLMEngine:
                     compiled_multistep=sum(k[0] == "multistep" for k in self.runner.compiled),
                     compiled_extras=len(self.extras.compiled),
                     running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                    **self.counters, **{f"host_{k}": v for k, v in self.host_time.items()})
+                    **{**self.counters, "generated_tokens": self.counters["generated_tokens"] - s.num_dropped_tokens},
+                    **{f"host_{k}": v for k, v in self.host_time.items()})

@@ -135,7 +135,8 @@ class ModelRunner:
         out = [("prefill", T, min(e.max_num_seqs, T), W, False)
                for T in e.prefill_buckets for W in e.prefill_table_widths(T)]
         out += [("decode", B, B, W, False) for B in e.decode_buckets for W in self.widths]
-        out += [("resample", B, B, 0, f) for B in sorted({k[2] for k in out if rows_out(k[0])}) for f in (True, "top_k")]
+        out += [("resample", B, B, 0, f) for B in sorted({k[2] for k in out if rows_out(k[0])})
+                for f in (True, "top_k")]
         # K-step decode calls (multistep.py): small batches only (host-bound); unfiltered sampling, or small top_k's
         return out + [("multistep", B, B, W, f, K) for B in self.multistep_buckets() for W in self.widths
                       for K in self.multistep_ks() for f in (False, "top_k")]

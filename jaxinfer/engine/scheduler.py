@@ -38,6 +38,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
+        self.num_dropped_tokens = 0     # read back, then cut by a stop string (not counted as generated)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -96,8 +97,9 @@ class Scheduler:
         for seq in list(self.running):
             n = len(seq.token_ids)
             if seq.status is not Status.RUNNING or seq.num_computed_tokens < n - 1 or \
-                    n - seq.num_prompt_tokens >= seq.params.max_tokens or n >= max_len:
-                continue                        # not running, prefilling, or its last token is sampled already
+                    n - seq.num_prompt_tokens >= seq.params.max_tokens or n >= max_len and n > seq.num_prompt_tokens:
+                continue       # not running, prefilling, or its last token is sampled already (a prompt of max_len
+                # tokens, chunked down to its last one, still computes it and samples one token)
             if -(-n // bs) > len(seq.block_table):      # a new block (or preemption when the pool is empty)
                 while not self.bm.can_append(seq):
                     victim = self.running[-1]
@@ -140,15 +142,18 @@ class Scheduler:
         return ids + [t for t in seq.params.stop_token_ids if t not in ids and t < 2**31]
 
     def remaining(self, seq: Sequence) -> int:
-        """Tokens seq may still sample (max_tokens, max_model_len), counting those still on the device."""
-        return min(seq.params.max_tokens - seq.num_scheduled_outputs, self.config.max_model_len - len(seq))
+        """Tokens seq may still sample (max_tokens, max_model_len), counting those still on the device; a prompt
+        of max_model_len tokens samples one."""
+        room = self.config.max_model_len - len(seq)
+        return min(seq.params.max_tokens - seq.num_scheduled_outputs, room if len(seq) > seq.num_prompt_tokens else
+                   max(room, 1))
 
     def plan_steps(self, batch: ScheduledBatch, ks: tuple[int, ...], max_stop_ids: int) -> int:
         """Steps for this decode batch: 1, or a K of `ks` (sorted) with look-ahead blocks reserved for it.
         K = 1 while requests wait (they join at the next call), when a row's filter needs the sorted vocabulary
-        (top-p / min-p without a small top-k: SamplingParams.filter_kind) or has more than max_stop_ids stop ids, or when the pool lacks the look-ahead blocks. Otherwise the
-        largest K that no row's remaining tokens fall short of (steps past them would be wasted), else the smallest
-        if that wastes at most 3 steps, else 1."""
+        (top-p / min-p without a small top-k: SamplingParams.filter_kind) or has more than max_stop_ids stop
+        ids, or when the pool lacks the look-ahead blocks. Otherwise the largest K that no row's remaining tokens
+        fall short of (steps past them would be wasted), else the smallest if that wastes at most 3 steps, else 1."""
         if batch.is_prefill or not ks or self.waiting:
             return 1
         # penalties, logprobs and min_tokens bans run one step per call (their step variant has no K-step form)
@@ -236,8 +241,13 @@ class Scheduler:
                 self.finish(seq, "length")
         return updated
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence (stop condition, stop string, or abort) and return its blocks to the pool."""
+    def finish(self, seq: Sequence, reason: str, drop: int = 0) -> None:
+        """End a sequence (stop condition, stop string, or abort) and return its blocks to the pool. drop: output
+        tokens read back after a stop string's match (a K-step call's), removed even if seq has finished."""
+        if drop:
+            end = len(seq.token_ids) - seq.num_pending
+            del seq.token_ids[end - drop:end]
+            self.num_dropped_tokens += drop
         if seq.status is Status.FINISHED:
             return
         if seq.num_pending:                               # drop tokens sampled past the end
