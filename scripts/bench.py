@@ -172,10 +172,10 @@ def run_throughput(args) -> dict:
 
 
 def with_extras(llm, params, args):
-    """--top-p / --top-k / --logprobs / --presence-penalty: every request asks for them; the extras' step variants
-    are compiled before the timed run (LLMEngine.warmup_extras), as LLM() compiles the plain steps."""
+    """--top-p / --top-k / --logprobs / --presence-penalty for every request; extras compiled before the timing."""
     from dataclasses import replace
-    params = [replace(p, top_p=getattr(args, "top_p", 1.0), top_k=getattr(args, "top_k", 0)) for p in params]
+    if getattr(args, "top_p", 1.0) < 1.0 or getattr(args, "top_k", 0):     # filtered: the step, then a resample
+        params = [replace(p, top_p=args.top_p, top_k=args.top_k) for p in params]
     if args.logprobs is None and not args.presence_penalty:
         return params
     params = [replace(p, logprobs=args.logprobs, presence_penalty=args.presence_penalty) for p in params]

@@ -209,12 +209,14 @@ def test_bench_host_measures_and_compares(tmp_path):
 
 
 def test_bench_sampling_times_both_draws(tmp_path):
-    """scripts/bench_sampling.py: the plain draw and the filtered one, in ms, written to JSON."""
+    """scripts/bench_sampling.py: the plain draw, the sorted one, and Qwen3's settings sorted and not, in ms, written
+    to JSON."""
     import json
 
     import bench_sampling
-    r = bench_sampling.main(["--rows", "2", "--vocab", "300", "--json", str(tmp_path / "s.json")])
-    assert set(r["ms"]["2"]) == {"plain", "sort"} and all(v > 0 for v in r["ms"]["2"].values())
+    r = bench_sampling.main(["--rows", "2", "--vocab", "300", "--candidates", "16", "--json", str(tmp_path / "s.json")])
+    assert set(r["ms"]["2"]) == {"plain", "sort", "qwen3_sort", "qwen3_top_k_16"}
+    assert all(v > 0 for v in r["ms"]["2"].values())
     assert json.load(open(tmp_path / "s.json"))["vocab"] == 300
 
 
