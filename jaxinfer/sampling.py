@@ -73,22 +73,24 @@ def _filter_sorted(sorted_logits, top_k, top_p, min_p):
     return jnp.where(keep, sorted_logits, _NEG)
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: bool | str = True):
+def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: bool | str = True,
+           candidates: int = TOP_K_CANDIDATES):
     """logits [B, V] fp32 and per-row parameters [B] -> token ids [B] int32.
 
     filtered (static): False ignores top-k / top-p / min-p, which is right only when no row sets them
     (`SamplingParams.needs_filter`); both variants draw the same token for such rows. True sorts each row and
     applies them. "top_k": every row that filters has 0 < top_k <= TOP_K_CANDIDATES (`SamplingParams.filter_kind`),
     so its draw needs only its top candidates; the other rows take the plain draw. A row with such a top_k draws
-    the same token in all three variants. A greedy row (temperature 0) gets no noise, so one argmax serves greedy
-    and sampled rows alike."""
+    the same token in all three variants. `candidates` (static): that bound, the host's
+    (`SamplingParams.filter_kind`) unless timing another. A greedy row (temperature 0) gets no noise, so one
+    argmax serves greedy and sampled rows alike."""
     sampled_row = (temperature > 0)[:, None]
     scaled = logits / jnp.where(sampled_row, temperature[:, None], 1.0)
     if not filtered:
         gumbel = jnp.where(sampled_row, gumbel_noise(seeds, counters, logits.shape[-1]), 0.0)
         return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
-    n = min(TOP_K_CANDIDATES, scaled.shape[-1])
-    few = (top_k > 0) & (top_k <= TOP_K_CANDIDATES)        # rows whose draw lies among their top n candidates
+    n = min(candidates, scaled.shape[-1])
+    few = (top_k > 0) & (top_k <= candidates)              # rows whose draw lies among their top n candidates
     draw = functools.partial(_draw, top_k=top_k, top_p=top_p, min_p=min_p, sampled_row=sampled_row, seeds=seeds,
                              counters=counters)
     if filtered == "top_k":

@@ -33,11 +33,10 @@ def time_forms(rows: int, vocab: int, candidates: tuple[int, ...]) -> dict:
     forms += [(f"qwen3_top_k_{n}", "top_k", qwen3, n) for n in candidates]
     out = {}
     for form, filtered, per_row, n in forms:
-        sampling.TOP_K_CANDIDATES = n or sampling.TOP_K_CANDIDATES
-
-        def draw(state, filtered=filtered):     # the counters move: every call draws anew; the parameters are
-            lg, counters, per_row = state        # arguments, not constants XLA could fold, as in the engine
-            ids = sampling.sample(lg, *per_row, jnp.arange(rows, dtype=jnp.int32), counters, filtered=filtered)
+        def draw(state, filtered=filtered, n=n or sampling.TOP_K_CANDIDATES):  # the counters move: each call draws
+            lg, counters, per_row = state     # anew; the parameters are arguments XLA cannot fold, as in the engine
+            ids = sampling.sample(lg, *per_row, jnp.arange(rows, dtype=jnp.int32), counters, filtered=filtered,
+                                  candidates=n)
             return lg, counters + 1 + jnp.minimum(ids, 0), per_row     # (ids >= 0: keeps the draw alive)
         s = time_loop(draw, (logits, jnp.zeros((rows,), jnp.int32), per_row), est_s=1e-3)
         out[form] = s * 1e3
