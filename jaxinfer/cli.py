@@ -114,25 +114,35 @@ def build_llm(a: argparse.Namespace):
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
-    g = p.add_argument_group("sampling")
+    """Sampling flags. Those not given take the model's generation_config.json recommendations (as vLLM's default
+    sampling params), else these defaults."""
+    g = p.add_argument_group("sampling (defaults: the model's generation_config.json, else those shown)")
     g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens per prompt (default: {max_tokens})")
-    g.add_argument("--temperature", type=float, default=temperature, help=f"0 = greedy (default: {temperature})")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0, off)")
-    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default: 0, off)")
+    g.add_argument("--temperature", type=float, help=f"0 = greedy (default: {temperature})")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass (default: 1.0, off)")
+    g.add_argument("--top-k", type=int, help="sample from the k most likely tokens (default: 0, off)")
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    p.set_defaults(fallback_temperature=temperature)
 
 
-def sampling(a: argparse.Namespace):
+def sampling(a: argparse.Namespace, defaults=None):
+    """The flags as SamplingParams; those not given from `defaults` (LLM.get_default_sampling_params()) where the
+    model's generation config set them, else the flags' own defaults."""
     from jaxinfer import SamplingParams
-    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+    plain = SamplingParams()
+    base = {k: v for k, v in (defaults.__dict__ if defaults is not None else {}).items()
+            if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") and v != getattr(plain, k)}
+    given = {k: getattr(a, k) for k in ("temperature", "top_p", "top_k") if getattr(a, k) is not None}
+    return SamplingParams(**{"temperature": a.fallback_temperature, **base, **given}, max_tokens=a.max_tokens,
                           ignore_eos=a.ignore_eos)
 
 
 # -- commands -----------------------------------------------------------------------------------------------
 def cmd_generate(a: argparse.Namespace) -> int:
     import jax
-    sp = sampling(a)                      # bad values fail before the model loads
+    sampling(a)                           # bad values fail before the model loads
     llm = build_llm(a)
+    sp = sampling(a, llm.get_default_sampling_params())
     prompts = a.prompt or DEFAULT_PROMPTS
     inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts] if a.chat else prompts
     t0 = time.perf_counter()
@@ -151,8 +161,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 def cmd_chat(a: argparse.Namespace) -> int:
     from jaxinfer.chat import chat_loop
-    sp = sampling(a)
-    return chat_loop(build_llm(a), sp, system=a.system, thinking=not a.no_thinking)
+    sampling(a)                           # bad values fail before the model loads
+    llm = build_llm(a)
+    return chat_loop(llm, sampling(a, llm.get_default_sampling_params()), system=a.system,
+                     thinking=not a.no_thinking)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

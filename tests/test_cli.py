@@ -184,3 +184,19 @@ def test_generate_defaults_to_the_demo_model():
     words = sum(len([w for w in o[8:].split() if w.strip("'\".,:;()").isalpha()]) for o in outs)
     assert words >= 8, r.stdout
     assert "qwen3-pydoc" in r.stderr
+
+
+def test_sampling_flags_default_to_the_generation_config():
+    """generate / chat take the sampling flags not given from the model's generation_config.json (vLLM's default
+    sampling params), else their own defaults (generate: greedy; chat: temperature 0.6)."""
+    from jaxinfer import SamplingParams
+    qwen3 = SamplingParams(temperature=0.6, top_k=20, top_p=0.95, max_tokens=99)     # as get_default_sampling_params
+    p = cli.build_parser()
+    gen = cli.sampling(p.parse_args(["generate"]), qwen3)
+    assert (gen.temperature, gen.top_k, gen.top_p, gen.max_tokens) == (0.6, 20, 0.95, 32)
+    mine = cli.sampling(p.parse_args(["generate", "--top-k", "5", "--temperature", "0"]), qwen3)
+    assert (mine.temperature, mine.top_k, mine.top_p) == (0.0, 5, 0.95)
+    plain = cli.sampling(p.parse_args(["generate"]), SamplingParams())
+    assert (plain.temperature, plain.top_k, plain.top_p) == (0.0, 0, 1.0)
+    chat = cli.sampling(p.parse_args(["chat"]), SamplingParams())
+    assert (chat.temperature, chat.top_k, chat.max_tokens) == (0.6, 0, 256)
