@@ -5,7 +5,8 @@
 Times, in ms per call on fp32 logits already on the device, the engine's draw (`sampling.sample`, unfiltered) and
 variants that isolate its parts: the argmax without noise, the maximum alone (one output instead of a value and
 an index), the noise summed alone, and two exact reformulations (a max pass, then the first index reaching it;
-the exponential race argmax(exp(x / T - max) / -log(u)), one log and one exp instead of two logs).
+the exponential race argmax(exp(x / T - max) / -log(u)), one log and one exp instead of two logs); and the
+top-64 candidate search of the no-sort filtered draw (`sampling.top_n_of`) by chunk size.
 """
 from __future__ import annotations
 
@@ -37,8 +38,13 @@ def forms():
         p = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
         return jnp.argmax(p / uniform_neglog(lg, seeds, counters), axis=-1)
 
+    from jaxinfer.sampling import top_n_of
+
+    def top64(chunk):             # the no-sort filtered draw's candidate search (sampling.top_n_of), by chunk size
+        return lambda lg, t, s, c: top_n_of(scaled(lg, t), 64, chunk)[1][:, 0]
+
     zeros = lambda t: jnp.zeros(t.shape, jnp.int32)
-    return {
+    return {**{f"top64_chunk{k}": top64(k) for k in (16, 32, 64, 128, 256)},
         "engine": lambda lg, t, s, c: sample(lg, t, zeros(t), t * 0 + 1, t * 0, s, c, False),
         "argmax_no_noise": lambda lg, t, s, c: jnp.argmax(scaled(lg, t), axis=-1),
         "max_with_noise": lambda lg, t, s, c: jnp.max(scaled(lg, t) + gumbel_noise(s, c, lg.shape[-1]), axis=-1),
