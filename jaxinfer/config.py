@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 
-from jaxinfer.model.rope import rope_fields
+from jaxinfer.model.rope import rope_fields, with_overrides
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
            "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
@@ -105,7 +105,7 @@ class ModelConfig:
         if not os.path.isfile(cfg := os.path.join(path, "config.json")):
             raise FileNotFoundError(f"model directory {path!r} does not exist" if not os.path.isdir(path) else
                                     f"{cfg!r} is missing: a checkpoint directory needs config.json")
-        d, gen = {**_read_json(cfg), **(hf_overrides or {})}, os.path.join(path, "generation_config.json")
+        d, gen = with_overrides(_read_json(cfg), hf_overrides), os.path.join(path, "generation_config.json")
         if os.path.isfile(gen):     # its EOS ids end generation too (HF's generate, vLLM): Qwen3 lists <|endoftext|>
             d = {**d, "eos_token_id": [d.get("eos_token_id"), _read_json(gen).get("eos_token_id")]}   # (flattened)
         try:

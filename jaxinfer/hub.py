@@ -103,7 +103,11 @@ def model_config_for(model: str, hf_overrides: dict | None = None, revision: str
     if not hf_overrides:
         return model, preset(model)
     from jaxinfer.model.loader import hf_config
-    return model, ModelConfig.from_dict({**hf_config(preset(model)), **hf_overrides}, name=model)
+    from jaxinfer.model.rope import with_overrides
+    try:
+        return model, ModelConfig.from_dict(with_overrides(hf_config(preset(model)), hf_overrides), name=model)
+    except KeyError as e:                      # a required field overridden with None
+        raise ValueError(f"hf_overrides leave {model!r} without the field {e.args[0]!r}") from None
 
 
 def load_weights(model: str, config: "ModelConfig", dtype: str, seed: int = 0, placement=None, kv_scales: bool = True):

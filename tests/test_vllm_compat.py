@@ -165,6 +165,26 @@ def test_hf_overrides_on_presets_and_bad_values(tiny_dir, tmp_path):
     assert set(model_config_for(ckpt, {"eos_token_id": 7})[1].eos_token_id) == {7, 2, 0}
 
 
+def test_hf_overrides_rope_theta_beats_rope_parameters(tmp_path):
+    """transformers 5 keeps rope_theta inside rope_parameters (the presets' config.json too): an overridden
+    rope_theta must replace it there, not be shadowed by it. Bad values name the field."""
+    import json
+    from jaxinfer.hub import model_config_for
+    assert model_config_for("qwen3-0.6b", {"rope_theta": 5e5})[1].rope_theta == 5e5
+    ckpt = tmp_path / "v5"
+    ckpt.mkdir()
+    from jaxinfer.model.loader import hf_config
+    from jaxinfer.model.presets import preset
+    cfg = hf_config(preset("qwen3-0.6b"))
+    assert cfg["rope_parameters"]["rope_theta"] == 1e6
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert model_config_for(str(ckpt), {"rope_theta": 2e4})[1].rope_theta == 2e4
+    assert model_config_for(str(ckpt))[1].rope_theta == 1e6
+    for bad, match in (({"rope_theta": "abc"}, "rope_theta='abc'"), ({"hidden_size": None}, "'hidden_size'")):
+        with pytest.raises(ValueError, match=match):
+            model_config_for("qwen3-0.6b", bad)
+
+
 def test_hf_overrides_flag(tiny_dir, capsys):
     from jaxinfer import cli
     a = cli.build_parser().parse_args(["generate", tiny_dir, "--hf-overrides", '{"rope_scaling": {"factor": 2}}',

@@ -19,6 +19,16 @@ import numpy as np
 KINDS = ("default", "linear", "yarn")
 
 
+def with_overrides(d: dict, overrides: dict | None) -> dict:
+    """config.json's fields `d` with vLLM's `hf_overrides` replacing them. A rope_theta given there also replaces
+    the one inside rope_parameters (transformers 5 keeps it there, and rope_fields reads it there first), so that
+    the override is not silently shadowed."""
+    d = {**d, **(overrides or {})}
+    if "rope_theta" in (overrides or {}) and isinstance(d.get("rope_parameters"), dict):
+        d["rope_parameters"] = {**d["rope_parameters"], "rope_theta": overrides["rope_theta"]}
+    return d
+
+
 def rope_fields(d: dict) -> dict:
     """ModelConfig's rope fields (rope_theta, rope_scaling_factor, rope_yarn) from a config.json dict:
     transformers < 5 writes rope_theta / rope_scaling, >= 5 rope_parameters; as in transformers 5, a rope_scaling
@@ -31,7 +41,10 @@ def rope_fields(d: dict) -> dict:
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind not in KINDS:
         raise ValueError(f"rope scaling type {kind!r} is not supported (only 'default', 'linear' and 'yarn')")
-    theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0:
+        raise ValueError(f"rope_theta={theta!r:.80} must be a number > 0")
+    theta = float(theta)
     if kind != "yarn":
         return dict(rope_theta=theta, rope_scaling_factor=float(rope.get("factor", 1.0)) if kind == "linear" else 1.0)
     longest = d["max_position_embeddings"]          # (ModelConfig.from_dict fills Qwen3Config's default)
