@@ -76,7 +76,7 @@ def _filter_sorted(sorted_logits, top_k, top_p, min_p):
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: bool | str = True,
-           candidates: int = TOP_K_CANDIDATES):
+           candidates: int = TOP_K_CANDIDATES, plain=None):
     """logits [B, V] fp32 and per-row parameters [B] -> token ids [B] int32.
 
     filtered (static): False ignores top-k / top-p / min-p, which is right only when no row sets them
@@ -84,8 +84,9 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: 
     applies them. "top_k": every row that filters has 0 < top_k <= TOP_K_CANDIDATES (`SamplingParams.filter_kind`),
     so its draw needs only its top candidates; the other rows take the plain draw. A row with such a top_k draws
     the same token in all three variants. `candidates` (static): that bound, the host's
-    (`SamplingParams.filter_kind`) unless timing another. A greedy row (temperature 0) gets no noise, so one
-    argmax serves greedy and sampled rows alike."""
+    (`SamplingParams.filter_kind`) unless timing another. `plain` [B]: "top_k"'s draw for the rows that do not
+    filter when it was made already (the model step's own ids: the resample program need not draw them again).
+    A greedy row (temperature 0) gets no noise, so one argmax serves greedy and sampled rows alike."""
     sampled_row = (temperature > 0)[:, None]
     scaled = logits / jnp.where(sampled_row, temperature[:, None], 1.0)
     if not filtered:
@@ -96,7 +97,8 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: 
     draw = functools.partial(_draw, top_k=top_k, top_p=top_p, min_p=min_p, sampled_row=sampled_row, seeds=seeds,
                              counters=counters)
     if filtered == "top_k":
-        plain = sample(logits, temperature, top_k, top_p, min_p, seeds, counters, False)
+        if plain is None:
+            plain = sample(logits, temperature, top_k, top_p, min_p, seeds, counters, False)
         return jnp.where(few, draw(*top_n_of(scaled, n, CANDIDATE_CHUNK)), plain)
     # one stable sort gives the descending values and their ids (ties: lower id first, as a stable argsort and
     # top_n_of); each sorted entry's noise is computed from its id, so per-token noise stays fixed without a gather
@@ -114,7 +116,7 @@ def _draw(values, ids, top_k, top_p, min_p, sampled_row, seeds, counters):
 
 
 def sample_sharded(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: bool | str, mesh,
-                   vocab_size: int):
+                   vocab_size: int, plain=None):
     """`sample` for logits [B, V'] split by vocabulary over the mesh axis "tp" (V' >= vocab_size, padding -inf).
 
     Each device takes argmax(logits / T + gumbel) over its own shard, with the noise of the global token ids
@@ -123,7 +125,7 @@ def sample_sharded(logits, temperature, top_k, top_p, min_p, seeds, counters, fi
     The filtered variants (top-k / top-p / min-p) gather [B, V] first."""
     if filtered:
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))[:, :vocab_size]
-        return sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered)
+        return sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered, plain=plain)
 
     def local(lg, temperature, seeds, counters):                    # lg [B, V'/tp]
         n = lg.shape[-1]

@@ -147,19 +147,22 @@ def resample_fields(packed: np.ndarray, T: int, B: int, W: int) -> np.ndarray:
 
 
 def make_resample(config: ModelConfig, B: int, max_rows: int, mesh=None, filtered: bool | str = True):
-    """`resample(params, rows, fields) -> ids [max_rows]`: filtered sampling (top-k / top-p / min-p, sampling.py)
-    of a step's sampled rows (the first B of `rows` [max_rows, E]: `make_step(..., rows_out=True)`), with the
-    sampling fields [6 * B] of its batch (`resample_fields`). A small program per row count: the model's step
+    """`resample(params, rows, fields, ids) -> ids [max_rows]`: filtered sampling (top-k / top-p / min-p,
+    sampling.py) of a step's sampled rows (the first B of `rows` [max_rows, E]: `make_step(..., rows_out=True)`),
+    with the sampling fields [6 * B] of its batch (`resample_fields`) and the step's own ids [max_rows] (the
+    "top_k" variant keeps them for the rows that do not filter). A small program per row count: the model's step
     is compiled once per bucket and the few batches that filter pay one more LM-head matmul and the sort. Same
     draws as sampling inside the step (same logits, same noise per (seed, counter, token id)). `filtered`: True
     (sort the vocabulary) or "top_k" (every filtering row has a small top_k: sampling.sample)."""
-    def resample(params, rows, fields):
+    def resample(params, rows, fields, step_ids):
         f = {name: fields[i * B:(i + 1) * B] for i, name in enumerate(RESAMPLE_FIELDS)}
         for name in FLOAT_FIELDS:
             f[name] = jax.lax.bitcast_convert_type(f[name], jnp.float32)
         logits = compute_logits(config, params, rows[:B])
         args = (logits, f["temperature"], f["top_k"], f["top_p"], f["min_p"], f["seeds"], f["counters"], filtered)
-        ids = sample_sharded(*args, mesh, config.vocab_size) if tp_size(mesh) > 1 else sample(*args)
+        plain = step_ids[:B] if filtered == "top_k" else None
+        ids = sample_sharded(*args, mesh, config.vocab_size, plain) if tp_size(mesh) > 1 else \
+            sample(*args, plain=plain)
         return jnp.pad(ids, (0, max_rows - B))
     return resample
 

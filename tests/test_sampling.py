@@ -207,6 +207,8 @@ def test_small_top_k_draws_the_same_without_the_sort(V):
         fast, sort = np.asarray(f(*args, filtered="top_k")), np.asarray(f(*args, filtered=True))
         np.testing.assert_array_equal(fast, sort)
         np.testing.assert_array_equal(fast[unfiltered], np.asarray(f(*args, filtered=False))[unfiltered])
+        given = np.asarray(sample(*args, filtered="top_k", plain=jnp.full(B, -7, jnp.int32)))   # the step's ids
+        assert (given[unfiltered] == -7).all() and (given[~unfiltered] == fast[~unfiltered]).all()
         assert (fast[np.asarray(top_k) == 1] == np.asarray(jnp.argmax(x, -1))[np.asarray(top_k) == 1]).all()
 
 

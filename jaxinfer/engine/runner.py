@@ -166,7 +166,8 @@ class ModelRunner:
                     rows = jax.ShapeDtypeStruct(self.rows.shape, self.dtype, sharding=rep)
                     fields = jax.ShapeDtypeStruct((len(RESAMPLE_FIELDS) * B,), jnp.int32, sharding=rep)
                     fn = jax.jit(make_resample(self.model, B, self.max_rows, self.mesh, filtered), out_shardings=rep)
-                    return fn.lower(self.params, rows, fields).compile(compiler_options=options)
+                    ids = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=rep)
+                    return fn.lower(self.params, rows, fields, ids).compile(compiler_options=options)
                 if kind == "multistep":
                     step = make_multistep(self.model, B, W, K[0], self.engine.attn_backend, self.interpret, filtered,
                                           self.mesh)
@@ -225,7 +226,7 @@ class ModelRunner:
             if kind == "resample":
                 fields = np.zeros((len(RESAMPLE_FIELDS), B), np.int32)
                 fields[RESAMPLE_FIELDS.index("top_p")] = np.float32(1.0).view(np.int32)
-                self.last_ids = self.compile(key)(self.params, self.rows, self.put(fields.reshape(-1)))
+                self.last_ids = self.compile(key)(self.params, self.rows, self.put(fields.reshape(-1)), self.last_ids)
                 np.asarray(self.last_ids)
             else:
                 size = (multistep_layout(B, W) if kind == "multistep" else batch_layout(T, B, W))["_size"][0]
@@ -251,7 +252,8 @@ class ModelRunner:
                 self.params, self.kv_caches, packed, self.last_ids, self.rows)
             if filtered:
                 fields = resample_fields(np.asarray(packed if source is None else source), T, B, W)
-                self.last_ids = self.compile(("resample", B, B, 0, filtered))(self.params, self.rows, self.put(fields))
+                self.last_ids = self.compile(("resample", B, B, 0, filtered))(self.params, self.rows, self.put(fields),
+                                                                              self.last_ids)
             ids = self.last_ids
         # ids are replicated over a mesh that may span hosts: read this host's copy
         return ids.addressable_data(0) if jax.process_count() > 1 else ids
