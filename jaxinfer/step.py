@@ -188,7 +188,7 @@ def step_attention(config, kind, backend, meta, interpret, mesh, params, kv_cach
 
 
 def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: str, interpret: bool,
-                     max_rows: int, filtered: bool, mesh, extras: Extras):
+                     max_rows: int, filtered: bool | str, mesh, extras: Extras):
     """`step(params, kv_caches, packed, prev_ids, counts) -> (ids, kv_caches, counts, logprobs)`.
 
     counts (penalties only, else None): (prompt_seen [S, V] bool, output_counts [S, V] int32), one row per

@@ -78,6 +78,24 @@ def test_neighbours_asking_logprobs_do_not_change_tokens(llm):
     assert len(mixed[1].outputs[0].logprobs) == 5
 
 
+def test_small_top_k_with_logprobs_skips_the_sort_with_the_same_tokens(tiny_dir):
+    """Qwen3's sampling (top_k 20, top_p 0.95) with logprobs runs the logprobs variant's no-sort draw: the same
+    tokens as without logprobs (the resample program) and beside a top_p-only row (the sort); warmup_extras
+    compiles that variant, so nothing compiles afterwards."""
+    llm = LLM(tiny_dir, **TINY_ENGINE)
+    qwen = SamplingParams(temperature=1.3, top_k=20, top_p=0.95, seed=5, max_tokens=8, ignore_eos=True)
+    with_lp = SamplingParams(**{**qwen.__dict__, "logprobs": 2})
+    assert llm.engine.warmup_extras(with_lp) > 0
+    before = llm.stats()["compilations"]
+    a = llm.generate(PROMPTS[:1], with_lp, use_tqdm=False)[0]
+    assert llm.stats()["compilations"] == before
+    assert {k[4] for k in llm.engine.extras.compiled} == {"top_k"}
+    assert a.token_ids == llm.generate(PROMPTS[:1], qwen, use_tqdm=False)[0].token_ids
+    other = SamplingParams(temperature=1.0, top_p=0.8, seed=1, max_tokens=8, logprobs=1)
+    assert llm.generate(PROMPTS[:2], [with_lp, other], use_tqdm=False)[0].token_ids == a.token_ids
+    _free(llm)
+
+
 def test_prompt_logprobs_chunked_and_after_a_prefix_cache_hit(tiny_dir, ref):
     """Chunked prefill (8-token budget) computes every prompt token's logprob; a prompt cached by an earlier
     request is computed again (no prefix reuse) so none is missing."""

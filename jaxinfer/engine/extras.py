@@ -176,7 +176,7 @@ def warmup_keys(cfg, widths: tuple[int, ...], runner: "ExtrasRunner", params) ->
                params.min_tokens > 0)
     if not (e.penalties or e.logprobs or e.bans or params.prompt_logprobs is not None):
         return []
-    f = params.needs_filter
+    f = params.filter_kind
     keys = [("decode", B, B, W, f, e) for B in cfg.decode_buckets for W in widths]
     pre = e._replace(prompt_rows=-1) if params.prompt_logprobs is not None else e
     return keys + [runner.key_for(("prefill", T, min(cfg.max_num_seqs, T), W, f), pre)

@@ -213,7 +213,7 @@ class LLMEngine:
         packed = self.runner.put(plan.packed) if plan.packed is not None else None
         plan.t_put = time.perf_counter() - plan.t_launch
         if plan.extras is not None:
-            xkey = self.extras.key_for(key + (bool(plan.filtered),), plan.extras)
+            xkey = self.extras.key_for(key + (plan.filtered,), plan.extras)
             plan.pending = self.extras.dispatch(plan.batch, xkey, self.config.block_size, self.scheduler.eos)
             ids = self.extras.sampled_ids()
         elif plan.K > 1:
