@@ -47,8 +47,7 @@ class Sequence:
         self.logprob_rows: list[list[float]] = []
         self.prompt_logprob_rows = [None] * len(token_ids) if params.prompt_logprobs is not None else None
         self.needs_extras = params.needs_extras     # read for every row of every step: computed once
-        self.needs_filter = params.needs_filter     # (likewise)
-        self.filter_kind = params.filter_kind
+        self.filter_kind = params.filter_kind       # (likewise: False, "top_k" or True, SamplingParams.filter_kind)
         self.prompt_source: Sequence | None = None   # sample 0 of an n > 1 request (see waits_for_prompt)
 
     def __len__(self) -> int:
