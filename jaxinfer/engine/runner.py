@@ -39,6 +39,10 @@ MULTISTEP_KS = (4, 16)        # auto: steps per call compiled for small batches 
 # TPOT K-step vs one step per call): batch 1 1.39 vs 1.51 ms, batch 8 1.61 vs 1.64, batch 32 2.44 vs 2.24 ms, so
 # bucket 32 runs one step per call (and warm-up compiles 4 programs fewer).
 MULTISTEP_MAX_ROWS = 8
+# decode buckets of at least this many rows also get a "top_k" step (Qwen3's own sampling settings draw inside
+# the step, sampling.sample), so that their batches skip the "resample" program's second LM-head matmul and
+# launch; smaller buckets and the xla backend (whose warm-up it would push past 60 s) keep the resample
+TOP_K_STEP_MIN_ROWS = 128
 
 
 def compile_threads() -> int:
@@ -117,6 +121,7 @@ class ModelRunner:
         self.rows = self.placement.put(np.zeros((self.max_rows, model.hidden_size), self.dtype))
         self._run_lock = threading.Lock()
         self._ran: set[tuple] = set()                # programs run once (run_once)
+        self.direct_steps = {k for k in self.buckets() if k[0] == "decode" and k[4]}   # filtered inside the step
 
     def _place(self, params):
         """params onto this replica's devices with their tp shardings; arrays already there are kept (no copy,
@@ -129,12 +134,15 @@ class ModelRunner:
         """(kind, T, B, W, filtered) of every program to compile: one model step per bucket (unfiltered
         sampling; it also returns the sampled rows' hidden states), one "resample" program per row count that
         draws those rows again with top-k / top-p / min-p (step.make_resample: a batch that filters runs the
-        step, then it; two variants: the vocabulary sorted, or small top_k's candidates), and the K-step decode
-        calls of small batches."""
+        step, then it; two variants: the vocabulary sorted, or small top_k's candidates), a "top_k" step for the
+        large decode buckets (TOP_K_STEP_MIN_ROWS), and the K-step decode calls of small batches."""
         e = self.engine
         out = [("prefill", T, min(e.max_num_seqs, T), W, False)
                for T in e.prefill_buckets for W in e.prefill_table_widths(T)]
         out += [("decode", B, B, W, False) for B in e.decode_buckets for W in self.widths]
+        if e.attn_backend != "xla":
+            out += [("decode", B, B, W, "top_k") for B in e.decode_buckets if B >= TOP_K_STEP_MIN_ROWS
+                    for W in self.widths]
         out += [("resample", B, B, 0, f) for B in sorted({k[2] for k in out if rows_out(k[0])})
                 for f in (True, "top_k")]
         # K-step decode calls (multistep.py): small batches only (host-bound); unfiltered sampling, or small top_k's
@@ -248,9 +256,10 @@ class ModelRunner:
         if kind == "multistep":        # ids [K, B]; last_ids stay (the host reads this call before the next)
             ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, packed, self.last_ids)
         else:
-            self.last_ids, self.kv_caches, self.rows = self.compile((kind, T, B, W, False))(
+            direct = filtered == "top_k" and (kind, T, B, W, filtered) in self.direct_steps
+            self.last_ids, self.kv_caches, self.rows = self.compile((kind, T, B, W, filtered if direct else False))(
                 self.params, self.kv_caches, packed, self.last_ids, self.rows)
-            if filtered:
+            if filtered and not direct:
                 fields = resample_fields(np.asarray(packed if source is None else source), T, B, W)
                 self.last_ids = self.compile(("resample", B, B, 0, filtered))(self.params, self.rows, self.put(fields),
                                                                               self.last_ids)
