@@ -19,6 +19,7 @@ from jaxinfer.model.attention import paged_attention_layer
 from jaxinfer.model.layers import decode_matmul
 from jaxinfer.model.qwen3 import compute_logits, forward, tp_size
 from jaxinfer.sampling import apply_penalties, logprob_stats, sample, sample_sharded
+from jaxinfer.sampling_params import TOP_K_CANDIDATES
 
 _INT_FIELDS = ("token_ids", "positions", "slot_mapping", "prev_row")           # [T]
 _ROW_FIELDS = ("seq_lens", "attn_order", "sample_idx", "top_k", "seeds", "counters", "table_start",
@@ -144,6 +145,14 @@ def resample_fields(packed: np.ndarray, T: int, B: int, W: int) -> np.ndarray:
     """The sampling fields of a packed batch (bucket T, B, W) as `make_resample` takes them: [6 * B] int32."""
     layout = batch_layout(T, B, W)
     return np.concatenate([packed[layout[f][0]:layout[f][0] + B] for f in RESAMPLE_FIELDS])
+
+
+def draws_from_candidates(fields: np.ndarray, B: int) -> bool:
+    """Whether every row of a batch's sampling fields (`resample_fields`) is greedy or has 1 <= top_k <=
+    TOP_K_CANDIDATES, so that sampling.sample's "top_k_only" draw serves all of them (padding rows are greedy)."""
+    f = {name: fields[i * B:(i + 1) * B] for i, name in enumerate(RESAMPLE_FIELDS)}
+    top_k = f["top_k"]
+    return bool(np.all((f["temperature"].view(np.float32) <= 0) | ((top_k > 0) & (top_k <= TOP_K_CANDIDATES))))
 
 
 def make_resample(config: ModelConfig, B: int, max_rows: int, mesh=None, filtered: bool | str = True):

@@ -156,23 +156,32 @@ def test_small_top_k_batches_skip_the_sort_with_the_same_tokens(tiny_dir):
 
 
 def test_large_decode_buckets_draw_small_top_k_inside_the_step(tiny_dir, monkeypatch):
-    """Decode buckets of TOP_K_STEP_MIN_ROWS rows or more compile a "top_k" step that draws Qwen3's sampling
-    inside it (no resample program after it); a seeded row's tokens are those of the step + resample path (here
-    beside a top_p-only neighbour, whose batch sorts), and a plain neighbour's are those of the plain step."""
+    """Decode buckets of TOP_K_STEP_MIN_ROWS rows or more compile a "top_k_only" step: a batch whose rows are all
+    greedy or have a small top_k draws inside it from their candidates (no plain draw, no resample program). A
+    row's tokens are those of the step + resample path (beside a plain-sampled or a top_p-only neighbour), and a
+    greedy neighbour's are its greedy tokens."""
     from jaxinfer.engine import runner as runner_mod
     monkeypatch.setattr(runner_mod, "TOP_K_STEP_MIN_ROWS", 1)
     llm = LLM(tiny_dir, **{**BASE, "attn_backend": "pallas", "num_scheduler_steps": 1})   # (xla: no such step)
     runner = llm.engine.runner
     assert {k for k in runner.buckets() if k[0] == "decode" and k[4]} == runner.direct_steps != set()
+    assert {k[4] for k in runner.direct_steps} == {"top_k_only"}
+    ran = []
+    compile_ = runner.compile
+    monkeypatch.setattr(runner, "compile", lambda key, *a: ran.append(key) or compile_(key, *a))
     ps = prompts(512, [5, 11, 8], seed=6)
     hot = dict(temperature=1.5, max_tokens=12, ignore_eos=True)
     qwen, plain = SamplingParams(**hot, top_k=20, top_p=0.95, seed=3), SamplingParams(**hot, seed=4)
-    both = tokens(llm, ps[:2], [qwen, plain])
-    assert any(k[0] == "decode" and k[4] == "top_k" for k in runner.compiled)
-    assert tokens(llm, ps[1:2], plain)[0] == both[1]
-    beside = tokens(llm, ps, [qwen, SamplingParams(**hot, top_p=0.9, seed=5), plain])
-    assert beside[0] == both[0] and beside[2] == tokens(llm, ps[2:], plain)[0]
-    assert True in {k[4] for k in runner.compiled if k[0] == "resample"}
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    direct = tokens(llm, ps[:2], [qwen, greedy])
+    assert any(k[0] == "decode" and k[4] == "top_k_only" for k in ran)
+    assert direct[1] == tokens(llm, ps[1:2], greedy)[0]
+    ran.clear()
+    with_plain = tokens(llm, ps[:2], [qwen, plain])            # a plain-sampled row: step + "top_k" resample
+    assert not any(k[4] == "top_k_only" for k in ran) and ("resample", 8, 8, 0, "top_k") in ran
+    assert with_plain[0] == direct[0] and with_plain[1] == tokens(llm, ps[1:2], plain)[0]
+    beside = tokens(llm, ps, [qwen, SamplingParams(**hot, top_p=0.9, seed=5), plain])    # sorted
+    assert beside[0] == direct[0] and beside[2] == tokens(llm, ps[2:], plain)[0]
 
 
 def test_no_compilation_after_warmup(tiny_dir):

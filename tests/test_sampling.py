@@ -210,6 +210,27 @@ def test_small_top_k_draws_the_same_without_the_sort(V):
         given = np.asarray(sample(*args, filtered="top_k", plain=jnp.full(B, -7, jnp.int32)))   # the step's ids
         assert (given[unfiltered] == -7).all() and (given[~unfiltered] == fast[~unfiltered]).all()
         assert (fast[np.asarray(top_k) == 1] == np.asarray(jnp.argmax(x, -1))[np.asarray(top_k) == 1]).all()
+        # "top_k_only" (every row greedy or with such a top_k: no plain draw) on the rows it may take
+        only = ~unfiltered | (np.asarray(temperature) == 0)
+        mine = np.asarray(f(*(a[only] if getattr(a, "ndim", 0) and a.shape[0] == B else a for a in args),
+                            filtered="top_k_only"))
+        np.testing.assert_array_equal(mine, fast[only])
+
+
+def test_draws_from_candidates_checks_every_row():
+    """The host's check for the "top_k_only" step: every row greedy (padding included) or 1 <= top_k <= bound."""
+    from jaxinfer.sampling_params import TOP_K_CANDIDATES
+    from jaxinfer.step import RESAMPLE_FIELDS, draws_from_candidates
+
+    def fields(temperature, top_k):
+        f = np.zeros((len(RESAMPLE_FIELDS), len(top_k)), np.int32)
+        f[RESAMPLE_FIELDS.index("temperature")] = np.asarray(temperature, np.float32).view(np.int32)
+        f[RESAMPLE_FIELDS.index("top_k")] = top_k
+        return f.reshape(-1)
+    assert draws_from_candidates(fields([0.6, 0.0, 0.0], [20, 0, 0]), 3)
+    assert draws_from_candidates(fields([0.6, 1.0], [1, TOP_K_CANDIDATES]), 2)
+    assert not draws_from_candidates(fields([0.6, 0.7], [20, 0]), 2)                 # a plain-sampled row
+    assert not draws_from_candidates(fields([0.6, 0.7], [20, TOP_K_CANDIDATES + 1]), 2)
 
 
 def test_filter_kind_and_batch_filter():

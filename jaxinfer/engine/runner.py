@@ -23,8 +23,8 @@ from jaxinfer.model.kv_scales import kv_cache_dtype, with_kv_scales
 from jaxinfer.parallel import Placement, kv_heads, make_placements
 from jaxinfer.parallel.layout import KV_SPEC
 from jaxinfer.multistep import make_multistep, multistep_layout
-from jaxinfer.step import RESAMPLE_FIELDS, batch_layout, idle_batch, jit_step, make_resample, make_step, \
-    resample_fields
+from jaxinfer.step import RESAMPLE_FIELDS, batch_layout, draws_from_candidates, idle_batch, jit_step, make_resample, \
+    make_step, resample_fields
 from jaxinfer.engine.executables import SHARED_EXECUTABLES, ExecutableCache
 from jaxinfer.xla_options import step_compiler_options
 
@@ -39,9 +39,10 @@ MULTISTEP_KS = (4, 16)        # auto: steps per call compiled for small batches 
 # TPOT K-step vs one step per call): batch 1 1.39 vs 1.51 ms, batch 8 1.61 vs 1.64, batch 32 2.44 vs 2.24 ms, so
 # bucket 32 runs one step per call (and warm-up compiles 4 programs fewer).
 MULTISTEP_MAX_ROWS = 8
-# decode buckets of at least this many rows also get a "top_k" step (Qwen3's own sampling settings draw inside
-# the step, sampling.sample), so that their batches skip the "resample" program's second LM-head matmul and
-# launch; smaller buckets and the xla backend (whose warm-up it would push past 60 s) keep the resample
+# decode buckets of at least this many rows also get a "top_k_only" step: a batch whose rows are all greedy or
+# have a small top_k (Qwen3's own sampling settings) draws inside the step, from its candidates alone
+# (sampling.sample), with no plain draw over the vocabulary and no "resample" program (a second LM-head matmul
+# and launch) after it. Smaller buckets and the xla backend (whose warm-up it would push past 60 s) resample.
 TOP_K_STEP_MIN_ROWS = 128
 
 
@@ -134,14 +135,14 @@ class ModelRunner:
         """(kind, T, B, W, filtered) of every program to compile: one model step per bucket (unfiltered
         sampling; it also returns the sampled rows' hidden states), one "resample" program per row count that
         draws those rows again with top-k / top-p / min-p (step.make_resample: a batch that filters runs the
-        step, then it; two variants: the vocabulary sorted, or small top_k's candidates), a "top_k" step for the
-        large decode buckets (TOP_K_STEP_MIN_ROWS), and the K-step decode calls of small batches."""
+        step, then it; two variants: the vocabulary sorted, or small top_k's candidates), a "top_k_only" step for
+        the large decode buckets (TOP_K_STEP_MIN_ROWS), and the K-step decode calls of small batches."""
         e = self.engine
         out = [("prefill", T, min(e.max_num_seqs, T), W, False)
                for T in e.prefill_buckets for W in e.prefill_table_widths(T)]
         out += [("decode", B, B, W, False) for B in e.decode_buckets for W in self.widths]
         if e.attn_backend != "xla":
-            out += [("decode", B, B, W, "top_k") for B in e.decode_buckets if B >= TOP_K_STEP_MIN_ROWS
+            out += [("decode", B, B, W, "top_k_only") for B in e.decode_buckets if B >= TOP_K_STEP_MIN_ROWS
                     for W in self.widths]
         out += [("resample", B, B, 0, f) for B in sorted({k[2] for k in out if rows_out(k[0])})
                 for f in (True, "top_k")]
@@ -251,16 +252,20 @@ class ModelRunner:
         """Dispatch one step (asynchronous); returns the device array of sampled ids [max_rows]. `packed`: the
         step's batch as `put` gives it. A filtered key (key[4]) runs the bucket's step, then its "resample"
         program on the step's sampled rows, with the sampling fields of `source` (the packed batch as numpy;
-        default `packed`)."""
+        default `packed`); a "top_k" batch whose rows all draw from their candidates runs the bucket's
+        "top_k_only" step alone where it has one (TOP_K_STEP_MIN_ROWS)."""
         kind, T, B, W, filtered = key[:5]
         if kind == "multistep":        # ids [K, B]; last_ids stay (the host reads this call before the next)
             ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, packed, self.last_ids)
         else:
-            direct = filtered == "top_k" and (kind, T, B, W, filtered) in self.direct_steps
-            self.last_ids, self.kv_caches, self.rows = self.compile((kind, T, B, W, filtered if direct else False))(
+            fields = resample_fields(np.asarray(packed if source is None else source), T, B, W) if filtered else None
+            if filtered == "top_k" and (kind, T, B, W, "top_k_only") in self.direct_steps and \
+                    draws_from_candidates(fields, B):
+                filtered = "top_k_only"                    # drawn inside the step: no resample
+            direct = filtered == "top_k_only"
+            self.last_ids, self.kv_caches, self.rows = self.compile((kind, T, B, W, direct and filtered))(
                 self.params, self.kv_caches, packed, self.last_ids, self.rows)
             if filtered and not direct:
-                fields = resample_fields(np.asarray(packed if source is None else source), T, B, W)
                 self.last_ids = self.compile(("resample", B, B, 0, filtered))(self.params, self.rows, self.put(fields),
                                                                               self.last_ids)
             ids = self.last_ids
