@@ -66,6 +66,20 @@ def test_pallas_interpret_tp2_equals_transformers(ckpts, prompts):
     assert run(llm, prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)) == want
 
 
+def test_top_k_only_step_tp2_equals_tp1_resample(ckpts, prompts, monkeypatch):
+    """The large decode buckets' "top_k_only" step (here every bucket's) at tp=2 draws on the gathered logits:
+    Qwen3-style seeded rows beside a greedy one get tp=1's tokens from the step + resample path."""
+    from jaxinfer.engine import runner as runner_mod
+    sp = [SamplingParams(temperature=t, top_k=20, top_p=0.95, seed=s, max_tokens=6, ignore_eos=True)
+          for t, s in ((0.8, 1), (1.5, 2))] + [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    kw = dict(BASE, attn_backend="pallas", num_scheduler_steps=1)
+    want = run(LLM(ckpts["mqa"], **kw), prompts, sp)
+    monkeypatch.setattr(runner_mod, "TOP_K_STEP_MIN_ROWS", 1)
+    llm = LLM(ckpts["mqa"], tensor_parallel_size=2, **kw)
+    assert run(llm, prompts, sp) == want
+    assert any(k[0] == "decode" and k[4] == "top_k_only" for k in llm.engine.runner.compiled)
+
+
 @pytest.fixture(scope="session")
 def tp1(ckpts):
     return LLM(ckpts["gqa_v509"], **BASE)
