@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 
 MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
 MIN_TEMPERATURE = 0.01     # vLLM's floor for a positive temperature
+MAX_TEMPERATURE = 1e30     # float32 holds it and its inverse (1e300 would become inf, -inf logits NaN)
 TOP_K_CANDIDATES = 64      # a row with top_k <= this draws among its top candidates, no sort (sampling.py)
 MAX_STOP_IDS_WITH_MIN_TOKENS = 16   # the step bans them (and EOS) per row until min_tokens: step.BAN_WIDTH ids
 
@@ -86,9 +87,10 @@ class SamplingParams:
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
         object.__setattr__(self, "stop_token_ids", ids)
-        # as vLLM: a temperature in (0, 0.01) is 0.01 (logits / 1e-37 overflow to inf and tie); seed -1 is no seed
-        object.__setattr__(self, "temperature", max(float(self.temperature), MIN_TEMPERATURE) if self.temperature
-                           else 0.0)
+        # as vLLM: a temperature in (0, 0.01) is 0.01 (logits / 1e-37 overflow to inf and tie); seed -1 is no seed.
+        # A temperature past MAX_TEMPERATURE is MAX_TEMPERATURE: the same uniform draw, and float32 keeps it finite.
+        object.__setattr__(self, "temperature", min(max(float(self.temperature), MIN_TEMPERATURE), MAX_TEMPERATURE)
+                           if self.temperature else 0.0)
         if self.seed == -1:
             object.__setattr__(self, "seed", None)
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:

@@ -111,6 +111,9 @@ def test_tiny_temperature_and_seed_minus_one_as_vllm():
     assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
     row = jnp.array([40.0, 50.0, 0.0])          # 1e-37 would give inf, inf: a tie the argmax breaks to token 0
     assert _freqs(row, n=8, temperature=SamplingParams(temperature=1e-37).temperature)[1] == 1
+    huge = SamplingParams(temperature=1e300).temperature                  # float32 keeps it finite: uniform draws
+    freqs = _freqs(jnp.array([40.0, 50.0, -jnp.inf]), n=64, temperature=huge)  # (-inf: a padded vocabulary)
+    assert np.isfinite(np.float32(huge)) and (freqs[:2] > 0.2).all() and freqs[2] == 0
 
 
 def test_top_p_applies_to_what_top_k_and_min_p_leave():
