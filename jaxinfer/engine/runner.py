@@ -122,6 +122,7 @@ class ModelRunner:
         self.rows = self.placement.put(np.zeros((self.max_rows, model.hidden_size), self.dtype))
         self._run_lock = threading.Lock()
         self._ran: set[tuple] = set()                # programs run once (run_once)
+        self.top_k_min_rows = TOP_K_STEP_MIN_ROWS    # fixed for this runner (buckets() and run() agree)
         self.direct_steps = {k for k in self.buckets() if k[0] == "decode" and k[4]}   # filtered inside the step
 
     def _place(self, params):
@@ -132,7 +133,7 @@ class ModelRunner:
                             a.sharding.is_equivalent_to(s, a.ndim) else jax.device_put(a, s), params, targets)
 
     def buckets(self) -> list[tuple[str, int, int, int, bool]]:
-        """(kind, T, B, W, filtered) of every program to compile: one model step per bucket (unfiltered
+        """(kind, T, B, W, filtered[, K]) of every program to compile: one model step per bucket (unfiltered
         sampling; it also returns the sampled rows' hidden states), one "resample" program per row count that
         draws those rows again with top-k / top-p / min-p (step.make_resample: a batch that filters runs the
         step, then it; two variants: the vocabulary sorted, or small top_k's candidates), a "top_k_only" step for
@@ -142,7 +143,7 @@ class ModelRunner:
                for T in e.prefill_buckets for W in e.prefill_table_widths(T)]
         out += [("decode", B, B, W, False) for B in e.decode_buckets for W in self.widths]
         if e.attn_backend != "xla":
-            out += [("decode", B, B, W, "top_k_only") for B in e.decode_buckets if B >= TOP_K_STEP_MIN_ROWS
+            out += [("decode", B, B, W, "top_k_only") for B in e.decode_buckets if B >= self.top_k_min_rows
                     for W in self.widths]
         out += [("resample", B, B, 0, f) for B in sorted({k[2] for k in out if rows_out(k[0])})
                 for f in (True, "top_k")]
