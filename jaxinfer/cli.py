@@ -26,7 +26,7 @@ from jaxinfer.cli_types import bare_flags, bool_arg, flag_type, json_object, mod
 VLLM_MODEL_OPTIONS = ("hf_overrides", "revision", "download_dir", "tokenizer")   # LLM() options beside EngineConfig's
 DEFAULT_MODEL = "qwen3-pydoc"     # the small trained model that ships in jaxinfer/assets/ (no download)
 CHUNKED = ("--enable-chunked-prefill",)     # vLLM's boolean flag: alone, or with true / false
-DEFAULT_PROMPTS = ["The json module", "Return the number of", "A dictionary is", "This function raises"]
+DEFAULT_PROMPTS = ["The json module", "Return the number of", "A dictionary is", "Raise ValueError if"]
 
 
 def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None:
