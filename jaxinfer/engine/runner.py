@@ -264,7 +264,7 @@ class ModelRunner:
                     draws_from_candidates(fields, B):
                 filtered = "top_k_only"                    # drawn inside the step: no resample
             direct = filtered == "top_k_only"
-            self.last_ids, self.kv_caches, self.rows = self.compile((kind, T, B, W, direct and filtered))(
+            self.last_ids, self.kv_caches, self.rows = self.compile((kind, T, B, W, filtered if direct else False))(
                 self.params, self.kv_caches, packed, self.last_ids, self.rows)
             if filtered and not direct:
                 self.last_ids = self.compile(("resample", B, B, 0, filtered))(self.params, self.rows, self.put(fields),
