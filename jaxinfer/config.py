@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 
-from jaxinfer.model.rope import rope_fields, with_overrides
+from jaxinfer.model.rope import flag, number, rope_fields, with_overrides
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
            "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
@@ -87,21 +87,19 @@ class ModelConfig:
                 raise ValueError(f"{key}={d[key]!r} is not supported{why}")
         d = {**QWEN3_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}       # (rope_fields reads them too)
         heads, seq = d["num_attention_heads"], lambda v: v if isinstance(v, (list, tuple)) else [v]
-        eos = tuple(dict.fromkeys(int(t) for v in seq(d.get("eos_token_id")) for t in seq(v) if t is not None))
+        eos = tuple(dict.fromkeys(number({"eos_token_id": t}, "eos_token_id", 0, int)
+                                  for v in seq(d.get("eos_token_id")) for t in seq(v) if t is not None))
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
-            head_dim=d["head_dim"],
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), **rope_fields(d),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=d["max_position_embeddings"],
+            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads), head_dim=d["head_dim"],
+            rms_norm_eps=number(d, "rms_norm_eps", 1e-6), **rope_fields(d),
+            tie_word_embeddings=flag(d, "tie_word_embeddings", False), max_position_embeddings=d["max_position_embeddings"],
             torch_dtype=d.get("dtype") or d.get("torch_dtype") or "bfloat16", eos_token_id=eos, name=name)
 
     @classmethod
     def from_pretrained(cls, path: str, hf_overrides: dict | None = None) -> "ModelConfig":
-        """From path/config.json (and generation_config.json's EOS ids); `hf_overrides` (vLLM's) replaces its
-        top-level fields, e.g. {"rope_scaling": {"rope_type": "yarn", ...}} or {"max_position_embeddings": N}."""
+        """From path/config.json (and generation_config.json's EOS ids), vLLM's `hf_overrides` replacing its fields."""
         if not os.path.isfile(cfg := os.path.join(path, "config.json")):
             raise FileNotFoundError(f"model directory {path!r} does not exist" if not os.path.isdir(path) else
                                     f"{cfg!r} is missing: a checkpoint directory needs config.json")
@@ -117,9 +115,12 @@ class ModelConfig:
 def _read_json(path: str) -> dict:
     try:
         with open(path) as f:
-            return json.load(f)
+            d = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path!r} is not valid JSON: {e}") from None
+    if isinstance(d, dict):
+        return d
+    raise ValueError(f"{path!r} must hold a JSON object, not {type(d).__name__}")
 
 
 ATTN_BACKENDS = ("xla", "pallas", "cudnn", "triton", "mosaic")
@@ -224,8 +225,7 @@ class EngineConfig:
                 if new in kwargs:
                     raise ValueError(f"give {new}= or {old}=, not both")
                 kwargs[new] = kwargs.pop(old)
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
+        if unknown := sorted(set(kwargs) - names):
             hint = difflib.get_close_matches(unknown[0], names, n=1)
             raise ValueError(f"unknown engine option {unknown[0]}={kwargs[unknown[0]]!r}"
                              + (f"; did you mean {hint[0]}?" if hint else f"; the options are {sorted(names)}"))

@@ -111,7 +111,8 @@ def test_broken_index(tmp_path):
     wrong = {**good, "weight_map": {**good["weight_map"], "model.norm.weight": next(
         s for s in shards if s != good["weight_map"]["model.norm.weight"])}}
     for content, match in (("{not json", "not valid JSON"), (json.dumps({"metadata": {}}), "no 'weight_map'"),
-                           (json.dumps(wrong), "'model.norm.weight' is not in")):
+                           (json.dumps(wrong), "'model.norm.weight' is not in"),
+                           (json.dumps({"weight_map": {"model.norm.weight": 5}}), "no 'weight_map'")):
         with open(index, "w") as f:
             f.write(content)
         with pytest.raises(ValueError, match=match):

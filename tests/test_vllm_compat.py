@@ -180,9 +180,19 @@ def test_hf_overrides_rope_theta_beats_rope_parameters(tmp_path):
     (ckpt / "config.json").write_text(json.dumps(cfg))
     assert model_config_for(str(ckpt), {"rope_theta": 2e4})[1].rope_theta == 2e4
     assert model_config_for(str(ckpt))[1].rope_theta == 1e6
-    for bad, match in (({"rope_theta": "abc"}, "rope_theta='abc'"), ({"hidden_size": None}, "'hidden_size'")):
-        with pytest.raises(ValueError, match=match):
+    for bad, match in (({"rope_theta": "abc"}, "rope_theta='abc'"), ({"hidden_size": None}, "'hidden_size'"),
+                       ({"rms_norm_eps": [1]}, r"rms_norm_eps=\[1\]"), ({"rms_norm_eps": "abc"}, "rms_norm_eps='abc'"),
+                       ({"eos_token_id": {"a": 1}}, "eos_token_id="), ({"tie_word_embeddings": "false"}, "tie_word"),
+                       ({"rope_scaling": {"rope_type": "linear", "factor": None}}, "factor=None"),
+                       ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": "x"}}, "beta_fast='x'"),
+                       ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": "no"}}, "truncate='no'")):
+        with pytest.raises(ValueError, match=match):                  # (not a TypeError from float() / int())
             model_config_for("qwen3-0.6b", bad)
+    for name, text in (("config.json", "[1]"), ("generation_config.json", "[1]")):    # JSON, but not an object
+        (ckpt / name).write_text(text)
+        with pytest.raises(ValueError, match=f"{name}' must hold a JSON object"):
+            model_config_for(str(ckpt))
+        (ckpt / name).write_text(json.dumps(cfg if name == "config.json" else {}))
 
 
 def test_hf_overrides_flag(tiny_dir, capsys):

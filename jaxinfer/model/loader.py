@@ -95,8 +95,8 @@ def _open_checkpoint(path: str) -> dict[str, SafetensorsFile]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{index!r} is not valid JSON: {e}") from None
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index!r} has no 'weight_map' (tensor name -> file): not a safetensors index")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index!r} has no 'weight_map' (tensor name -> file name): not a safetensors index")
         files = {}
         for fname in sorted(set(weight_map.values())):
             fpath = os.path.join(path, fname)

@@ -29,6 +29,23 @@ def with_overrides(d: dict, overrides: dict | None) -> dict:
     return d
 
 
+def number(d: dict, key: str, default, cast=float):
+    """d[key] as `cast` (float or int), `default` when absent or None: a ValueError naming the field otherwise."""
+    v = d.get(key)
+    v = default if v is None else v
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or (cast is int and not float(v).is_integer()):
+        raise ValueError(f"{key}={v!r:.80} must be {'an integer' if cast is int else 'a number'}")
+    return cast(v)
+
+
+def flag(d: dict, key: str, default: bool) -> bool:
+    """d[key] as a bool (JSON true / false), `default` when absent or None: "false" is not taken for true."""
+    v = d.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise ValueError(f"{key}={v!r:.80} must be true or false")
+    return default if v is None else v
+
+
 def rope_fields(d: dict) -> dict:
     """ModelConfig's rope fields (rope_theta, rope_scaling_factor, rope_yarn) from a config.json dict:
     transformers < 5 writes rope_theta / rope_scaling, >= 5 rope_parameters; as in transformers 5, a rope_scaling
@@ -46,7 +63,7 @@ def rope_fields(d: dict) -> dict:
         raise ValueError(f"rope_theta={theta!r:.80} must be a number > 0")
     theta = float(theta)
     if kind != "yarn":
-        return dict(rope_theta=theta, rope_scaling_factor=float(rope.get("factor", 1.0)) if kind == "linear" else 1.0)
+        return dict(rope_theta=theta, rope_scaling_factor=number(rope, "factor", None) if kind == "linear" else 1.0)
     longest = d["max_position_embeddings"]          # (ModelConfig.from_dict fills Qwen3Config's default)
     # a top-level original_max_position_embeddings wins, as in transformers (standardize_rope_params)
     orig = d.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", longest))
@@ -61,9 +78,11 @@ def rope_fields(d: dict) -> dict:
     attention = rope.get("attention_factor")
     if attention is None:
         both = rope.get("mscale") and rope.get("mscale_all_dim")
-        attention = mscale(rope["mscale"]) / mscale(rope["mscale_all_dim"]) if both else mscale(1.0)
-    yarn = (orig, float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1), float(attention),
-            bool(rope.get("truncate", True)))
+        attention = mscale(number(rope, "mscale", 1)) / mscale(number(rope, "mscale_all_dim", 1)) if both else \
+            mscale(1.0)
+    # (beta 0 means the default, as transformers' `or`)
+    yarn = (orig, number(rope, "beta_fast", 32) or 32.0, number(rope, "beta_slow", 1) or 1.0,
+            number({"attention_factor": attention}, "attention_factor", 1.0), flag(rope, "truncate", True))
     return dict(rope_theta=theta, rope_scaling_factor=factor, rope_yarn=yarn)
 
 
