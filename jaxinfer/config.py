@@ -13,14 +13,16 @@ from dataclasses import dataclass, field, fields
 
 from jaxinfer.model.rope import flag, number, rope_fields, with_overrides
 
-_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
-           "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32", "bf16": "bfloat16",
+           "fp16": "float16", "half": "float16", "float": "float32"}
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
-def canonical_dtype(name: str) -> str:
-    """'bf16' / 'torch.bfloat16' / 'bfloat16' -> 'bfloat16'; anything unknown is a ValueError."""
+def canonical_dtype(name: str, stored: bool = False) -> str:
+    """'bf16' / 'torch.bfloat16' / 'bfloat16' -> 'bfloat16'; anything unknown is a ValueError. stored: a checkpoint's
+    dtype, where float64 (weights cast on loading) runs as float32, the widest the engine computes in."""
     key = str(name).replace("torch.", "").lower()
+    key = "float32" if stored and key in ("float64", "double", "fp64") else key
     if key not in _DTYPES:
         raise ValueError(f"dtype={name!r} is not supported; use one of 'float32', 'bfloat16', 'float16'")
     return _DTYPES[key]
@@ -62,7 +64,7 @@ class ModelConfig:
         for f in ("rms_norm_eps", "rope_theta", "rope_scaling_factor"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"{f}={getattr(self, f)!r} must be > 0")
-        object.__setattr__(self, "torch_dtype", canonical_dtype(self.torch_dtype))
+        object.__setattr__(self, "torch_dtype", canonical_dtype(self.torch_dtype, stored=True))
 
     q_size = property(lambda self: self.num_attention_heads * self.head_dim)
     max_length = property(lambda self: int((self.rope_yarn[0] if self.rope_yarn else self.max_position_embeddings)
@@ -118,9 +120,9 @@ def _read_json(path: str) -> dict:
             d = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path!r} is not valid JSON: {e}") from None
-    if isinstance(d, dict):
-        return d
-    raise ValueError(f"{path!r} must hold a JSON object, not {type(d).__name__}")
+    if not isinstance(d, dict):
+        raise ValueError(f"{path!r} must hold a JSON object, not {type(d).__name__}")
+    return d
 
 
 ATTN_BACKENDS = ("xla", "pallas", "cudnn", "triton", "mosaic")
@@ -231,11 +233,9 @@ class EngineConfig:
                              + (f"; did you mean {hint[0]}?" if hint else f"; the options are {sorted(names)}"))
         return cls(**kwargs)
 
-    @property
-    def resolved(self) -> bool:
-        return None not in (self.dtype, self.attn_backend, self.max_num_seqs, self.max_num_batched_tokens,
-                            self.max_model_len, self.decode_buckets, self.prefill_buckets, self.warmup) \
-            and self.dtype != "auto"
+    resolved = property(lambda self: self.dtype != "auto" and None not in (
+        self.dtype, self.attn_backend, self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+        self.decode_buckets, self.prefill_buckets, self.warmup))
 
     def resolve(self, platform: str, model: "ModelConfig") -> "EngineConfig":
         """Fill every None field for `platform` ("gpu" or "cpu") and `model`. max_model_len left None becomes the

@@ -34,6 +34,21 @@ def test_sharded_and_bf16_load_same_params(tmp_path):
         np.testing.assert_allclose(a[k], c[k], rtol=1e-2, atol=1e-2, err_msg=k)
 
 
+def test_float64_checkpoint_runs_as_float32(tmp_path):
+    """A float64 checkpoint (config dtype "float64") loads: "auto" runs it as float32, its weights cast."""
+    from safetensors.numpy import load_file
+    f64 = make_tiny_model(str(tmp_path / "f64"), seed=3, dtype="float64")
+    assert ModelConfig.from_pretrained(f64).torch_dtype == "float32"
+    stored = load_file(os.path.join(f64, "model.safetensors"))["model.embed_tokens.weight"]
+    assert stored.dtype == np.float64
+    np.testing.assert_array_equal(load_params(f64, dtype=jnp.float32)["embed_tokens"], stored.astype(np.float32))
+    from jaxinfer import LLM, SamplingParams
+    llm = LLM(f64, max_model_len=64, warmup=False)
+    assert llm.engine.config.dtype == "float32"
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 @pytest.fixture
 def ckpt(tmp_path):
     return make_tiny_model(str(tmp_path / "m"))
