@@ -181,26 +181,29 @@ def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, lens_ref
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
-            def issue(i, slot):
+            def page_ids(i):  # tile i's pages, clamped (real, finite data); read together, so one load latency
+                page0 = lax.div(i * block_kv, block_size)
+                return [bt_ref[b, jnp.minimum(page0 + j, last_page)] for j in range(copies)]
+
+            def issue(i, slot, pages):
                 tok0 = i * block_kv
-                page0 = lax.div(tok0, block_size)
                 src = (pl.ds(pl.multiple_of(lax.rem(tok0, block_size), block_kv), rows) if block_size > block_kv
                        else pl.ds(0, rows))  # a tile inside a bigger page starts at a multiple of block_kv
-                for j in range(copies):
-                    page = bt_ref[b, jnp.minimum(page0 + j, last_page)]  # clamped: real, finite data
+                for j, page in enumerate(pages):
                     dst = pl.ds(j * rows, rows)
                     plgpu.copy_gmem_to_smem(k_ref.at[page, src, kh], k_smem.at[slot, dst], k_bars.at[slot])
                     plgpu.copy_gmem_to_smem(v_ref.at[page, src, kh], v_smem.at[slot, dst], v_bars.at[slot])
 
             for s in range(num_stages):
-                pl.when(s < num_steps)(functools.partial(issue, s, s))
+                pl.when(s < num_steps)(lambda s=s: issue(s, s, page_ids(s)))
 
             @pl.loop(num_stages, jnp.maximum(num_steps, num_stages))
             def _refill(i):
                 slot = lax.rem(i, num_stages)
+                pages = page_ids(i)  # read while the slot is still in use
                 plgpu.barrier_wait(k_free.at[slot])  # both compute warpgroups are done with tile i - stages
                 plgpu.barrier_wait(v_free.at[slot])
-                issue(i, slot)
+                issue(i, slot, pages)
 
             @pl.loop(jnp.maximum(num_steps, num_stages), num_steps + num_stages)
             def _last(i):  # the last tiles' slots: observe their release too (barrier phases stay in step)

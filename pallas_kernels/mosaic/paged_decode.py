@@ -106,15 +106,18 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, b
     copies = max(1, block_n // block_size)  # TMA copies per tile (one per page, or one slice of a big page)
     rows = min(block_n, block_size)  # tokens per copy
 
-    def issue(i, slot):
-        """Starts the copies of tile i (K and V) into ring slot `slot`."""
+    def page_ids(i):
+        """Tile i's page ids (clamped to the row's pages), read together: one load latency, not one per page."""
+        page0 = lax.div(start + i * block_n, block_size)
+        return [bt_ref[b, jnp.minimum(page0 + j, last_page)] for j in range(copies)]
+
+    def issue(i, slot, pages):
+        """Starts the copies of tile i (K and V, on `pages`) into ring slot `slot`."""
         tok0 = start + i * block_n
-        page0 = lax.div(tok0, block_size)
         # A tile inside a bigger page starts at a multiple of block_n (chunks and tiles are whole tiles).
         src_rows = (pl.ds(pl.multiple_of(lax.rem(tok0, block_size), block_n), rows) if block_size > block_n
                     else pl.ds(0, rows))
-        for j in range(copies):
-            page = bt_ref[b, jnp.minimum(page0 + j, last_page)]
+        for j, page in enumerate(pages):
             dst = pl.ds(j * rows, rows)
             plgpu.copy_gmem_to_smem(k_ref.at[page, src_rows, kh], k_smem.at[slot, dst], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[page, src_rows, kh], v_smem.at[slot, dst], v_bar.at[slot])
@@ -122,7 +125,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, b
     g8 = -(-group // 8) * 8  # rows of a group in q_ref [B*K*G8, D]
     plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(pl.multiple_of((b * kv_heads + kh) * g8, 8), ROWS)], q_smem, q_bar)
     for s in range(num_stages):
-        pl.when(s < num_tiles)(functools.partial(issue, s, s))
+        pl.when(s < num_tiles)(lambda s=s: issue(s, s, page_ids(s)))
     plgpu.barrier_wait(q_bar)
 
     # Register layouts of the loop carry (wgmma's accumulator and its rows); the interpreter has no layouts.
@@ -136,6 +139,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, b
     def body(i, carry):
         acc, m, l = carry
         slot = lax.rem(i, num_stages)
+        pages = page_ids(i + num_stages)  # the refill's pages, read now: their latency hides behind this tile
         plgpu.barrier_wait(k_bar.at[slot])
         k_tile = _to_f16_tile(k_smem.at[slot], f16_tiles[0]) if quantized else k_smem.at[slot]
         s = _matmul(q_smem, k_tile, (ROWS, block_n), interpret, transpose_b=True) * qk_scale  # [ROWS, N]
@@ -150,7 +154,7 @@ def _decode_kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, b
         plgpu.barrier_wait(v_bar.at[slot])
         v_tile = _to_f16_tile(v_smem.at[slot], f16_tiles[1]) if quantized else v_smem.at[slot]
         acc = acc + _matmul(p, v_tile, (ROWS, head_dim), interpret)  # waited for: the ring slot is free again
-        pl.when(i + num_stages < num_tiles)(functools.partial(issue, i + num_stages, slot))
+        pl.when(i + num_stages < num_tiles)(lambda: issue(i + num_stages, slot, pages))
         return acc, m_new, l
 
     acc, m, l = lax.fori_loop(0, num_tiles, body, (acc, m, l))
