@@ -2,7 +2,7 @@
 
 Decoding one token at a time is wrong in two ways: a byte-level BPE token can hold part of a multi-byte
 UTF-8 character (decode gives U+FFFD until the rest arrives), and some tokenizers decode a token
-differently depending on its left neighbour (leading-space handling). Two decoders handle both:
+differently depending on its left neighbour (leading-space handling). Three decoders handle both:
 
 - `FastDetokenizer`: HF tokenizers' own `DecodeStream` (Rust; what vLLM uses for fast tokenizers). Used
   whenever the tokenizer is a fast one (it has a `backend_tokenizer`).
@@ -12,7 +12,7 @@ differently depending on its left neighbour (leading-space handling). Two decode
   As vLLM's slow path, it decodes a short *window* of recent tokens and emits only what the window's text
   gained since the last call, holding back a trailing run of U+FFFD (an unfinished character).
 
-Both promise: the pieces returned by `add` and then `flush` concatenate to exactly
+Each promises: the pieces returned by `add` and then `flush` concatenate to exactly
 `tokenizer.decode(all_ids, skip_special_tokens=...)`. `make_detokenizer` picks one.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The user-facing facade: `LLM(model, ...)`, `generate`, `stats`. The only place that sees strings.
+"""The user-facing facade: `LLM(model, ...)`, `generate`, `stats`; below it the engine sees token ids only.
 
     from jaxinfer import LLM, SamplingParams
     llm = LLM("path/to/Qwen3-0.6B", max_model_len=4096)

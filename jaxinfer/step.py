@@ -1,4 +1,5 @@
-"""The pure, jitted prefill / decode step: `step(params, kv_caches, packed, prev_ids) -> (token_ids, kv_caches)`.
+"""The pure, jitted prefill / decode step: `step(params, kv_caches, packed, prev_ids, rows_buf)` -> (token ids,
+kv_caches, rows_buf) (the rows buffer: the sampled rows' hidden states, for the resample program).
 
 All per-step inputs travel as ONE int32 array (one host->device copy); `batch_layout` says where each
 field lives, and `unpack` slices it apart inside the step. Float sampling parameters ride along as their

@@ -152,8 +152,9 @@ class Scheduler:
         """Steps for this decode batch: 1, or a K of `ks` (sorted) with look-ahead blocks reserved for it.
         K = 1 while requests wait (they join at the next call), when a row's filter needs the sorted vocabulary
         (top-p / min-p without a small top-k: SamplingParams.filter_kind) or has more than max_stop_ids stop
-        ids, or when the pool lacks the look-ahead blocks. Otherwise the largest K that no row's remaining tokens
-        fall short of (steps past them would be wasted), else the smallest if that wastes at most 3 steps, else 1."""
+        ids, or when the pool lacks the look-ahead blocks. Otherwise the largest K that the longest row's remaining
+        tokens do not fall short of (rows that end sooner are masked on the device), else the smallest if that
+        wastes at most 3 steps, else 1."""
         if batch.is_prefill or not ks or self.waiting:
             return 1
         # penalties, logprobs and min_tokens bans run one step per call (their step variant has no K-step form)
