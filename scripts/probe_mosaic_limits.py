@@ -52,7 +52,7 @@ def fa3(block_kv: int):
                                         v.astype(jnp.float16), cfg)
 
 
-def prefill_inputs(case: str, on_host: bool = False):
+def prefill_inputs(case: str):
     """q [T, H, D], paged caches, tables, cu_seqlens, lens, and the same K/V dense [B, n, K, D]; visible FLOPs."""
     b, n = map(int, case.split("x"))
     blocks = n // PAGE
