@@ -23,7 +23,9 @@ export PYTHONPATH="$DEPS:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
 # jaxlib runs a `ptxas` program to load jax-triton kernels, and the GPU machine has none on PATH: triton's own
 TRITON_BIN=$(python -c "import os, triton; print(os.path.join(os.path.dirname(triton.__file__), 'backends/nvidia/bin'))" 2>/dev/null)
-[ -x "$TRITON_BIN/ptxas" ] && export PATH="$TRITON_BIN:$PATH"
+# appended, and only without one: Mosaic GPU builds with the first ptxas on PATH, and triton's (CUDA 12.8) miscompiles
+# the Mosaic prefill (pallas_kernels/mosaic/ptxas.py)
+command -v ptxas >/dev/null || { [ -x "$TRITON_BIN/ptxas" ] && export PATH="$PATH:$TRITON_BIN"; }
 T0=$(date +%s)
 SHOW='passed|failed|Error|error|tok/s|warm-up|TB/s|TFLOP/s|us a program|FAILED|skipping|trace:|^ *[0-9]+ +[0-9]+ \||run_notebook'
 MIN_LEFT=30

@@ -6,6 +6,8 @@ private GPU interpret mode: simulated SMEM, TMA copies and mbarriers, against th
 wgmmas are dots of the loaded tiles). The gpu-marked tests run the compiled kernel on the device
 (PYTHONPATH=. python -m pytest -q -m gpu tests/test_mosaic_kernels.py).
 """
+import os
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -250,12 +252,19 @@ def test_mosaic_backend_on_cpu_is_a_clear_error(tiny_dir):
         LLM(tiny_dir, attn_backend="mosaic", **TINY_ENGINE)
 
 
-def test_mosaic_backend_dispatch_and_fp8_refusal(tiny_dir):
+def test_mosaic_backend_dispatch_and_fp8_refusal(tiny_dir, monkeypatch):
     from jaxinfer.config import EngineConfig, ModelConfig
     from jaxinfer.model.attention import attention_fns
-    prefill_fn, decode_fn = attention_fns("mosaic", interpret=False)
     from pallas_kernels.flash_attention import flash_attention
-    # prefill: the Pallas flash kernel (the Mosaic prefill is out of the engine: docs/kernels.md)
+    from pallas_kernels.mosaic import ptxas
+    from pallas_kernels.mosaic.flash_prefill import flash_prefill
+    monkeypatch.setattr(ptxas, "older_ptxas_on_path", lambda: None)
+    prefill_fn, decode_fn = attention_fns("mosaic", interpret=False)
+    assert decode_fn is paged_decode_attention and prefill_fn is flash_prefill
+    # an older ptxas first on PATH (triton's CUDA 12.8 one) miscompiles the Mosaic prefill: the Pallas one, said
+    monkeypatch.setattr(ptxas, "older_ptxas_on_path", lambda: "/x/ptxas (CUDA 12.8, jaxlib is built for CUDA 13)")
+    with pytest.warns(UserWarning, match=r"ptxas on PATH is /x/ptxas \(CUDA 12.8.*Pallas flash kernel"):
+        prefill_fn, decode_fn = attention_fns("mosaic", interpret=False)
     assert decode_fn is paged_decode_attention and prefill_fn.func is flash_attention
     model = ModelConfig.from_pretrained(tiny_dir)
     assert EngineConfig(attn_backend="mosaic").resolve("gpu", model).attn_backend == "mosaic"
@@ -305,11 +314,12 @@ def test_gpu_mosaic_backend_generates_like_pallas(tmp_path):
 
 @needs_mosaic
 def test_mosaic_backend_layer_lowers_for_cuda(monkeypatch):
-    """The engine's attention layer with attn_backend="mosaic" (K/V write, then the Pallas flash prefill or the
-    Mosaic decode, with the engine's argument names) lowers for CUDA: the glue between the engine and the kernels,
-    without a GPU."""
+    """The engine's attention layer with attn_backend="mosaic" (K/V write, then the Mosaic prefill or decode, with
+    the engine's argument names) lowers for CUDA: the glue between the engine and both kernels, without a GPU."""
     from jaxinfer.model.attention import paged_attention_layer
     from pallas_kernels.mosaic import flash_prefill as fp
+    from pallas_kernels.mosaic import ptxas
+    monkeypatch.setattr(ptxas, "older_ptxas_on_path", lambda: None)
     monkeypatch.setattr(paged_decode, "_on_gpu", lambda: True)
     monkeypatch.setattr(fp, "_on_gpu", lambda: True)
     T, B, W, H, K, D, bs = 64, 4, 4, 16, 8, 128, 16
@@ -320,4 +330,25 @@ def test_mosaic_backend_layer_lowers_for_cuda(monkeypatch):
         layer = paged_attention_layer(kind, "mosaic", meta)
         q, k, v = (jnp.zeros((rows, n, D), jnp.bfloat16) for n in (H, K, K))
         text = lowered_text(lambda q, k, v, c: layer(0, q, k, v, c), (q, k, v, caches))
-        assert ("mosaic_gpu" in text) == (kind == "decode"), kind
+        assert "mosaic_gpu" in text and "triton" not in text, kind
+
+
+def test_older_ptxas_on_path(tmp_path):
+    """Which ptxas Mosaic GPU would run: one older than jaxlib's CUDA is named (it miscompiles the Mosaic
+    prefill); the same release or newer, an unreadable version, or none on PATH is not."""
+    from pallas_kernels.mosaic.ptxas import older_ptxas_on_path, ptxas_release
+    def tool(folder, release):
+        (tmp_path / folder).mkdir()
+        path = tmp_path / folder / "ptxas"
+        path.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.1'\n")
+        path.chmod(0o755)
+        return str(tmp_path / folder)
+    old, new = tool("old", "12.8"), tool("new", "13.0")
+    assert ptxas_release(os.path.join(old, "ptxas")) == (12, 8)
+    assert older_ptxas_on_path({"PATH": f"{old}:{new}"}, cuda_major=13) == \
+        f"{old}/ptxas (CUDA 12.8, jaxlib is built for CUDA 13)"
+    assert older_ptxas_on_path({"PATH": f"{new}:{old}"}, cuda_major=13) is None    # the first one counts
+    assert older_ptxas_on_path({"PATH": old}, cuda_major=12) is None
+    assert older_ptxas_on_path({"PATH": str(tmp_path / "none")}, cuda_major=13) is None
+    assert older_ptxas_on_path({"PATH": old}, cuda_major=None) is None             # no CUDA jaxlib: no opinion
+    assert ptxas_release(str(tmp_path / "missing")) is None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -150,11 +151,18 @@ def attention_fns(backend: str, interpret: bool):
         from pallas_kernels.flash_attention import flash_attention
         from pallas_kernels.triton_decode import triton_paged_decode
         return functools.partial(flash_attention, interpret=interpret), triton_paged_decode
-    if backend == "mosaic":  # GPU only (Hopper): the Mosaic GPU paged decode; prefill is the Pallas flash kernel
-        # (the Mosaic prefill kernel, pallas_kernels/mosaic/flash_prefill.py, made an illegal memory access on
-        # the H200 with ragged rows over cached prefixes: docs/kernels.md; it stays in the kernel benches)
-        from pallas_kernels.flash_attention import flash_attention
+    if backend == "mosaic":  # GPU only (Hopper): the Mosaic GPU kernels, prefill and paged decode
+        from pallas_kernels.mosaic.flash_prefill import flash_prefill
         from pallas_kernels.mosaic.paged_decode import paged_decode_attention
+        from pallas_kernels.mosaic.ptxas import older_ptxas_on_path
+        older = older_ptxas_on_path()
+        if older is None:
+            return flash_prefill, paged_decode_attention
+        # assembled by an older ptxas the Mosaic prefill faults (pallas_kernels/mosaic/ptxas.py): the Pallas one
+        warnings.warn(f"attn_backend='mosaic': the first ptxas on PATH is {older}; the Mosaic prefill kernel "
+                      "faults when built by it, so prefill runs the Pallas flash kernel. Put the CUDA toolkit's "
+                      "ptxas first on PATH to use it.", stacklevel=2)
+        from pallas_kernels.flash_attention import flash_attention
         return functools.partial(flash_attention, interpret=interpret), paged_decode_attention
     raise ValueError(f"attn_backend={backend!r} is not one of ('xla', 'pallas', 'cudnn', 'triton', 'mosaic')")
 
