@@ -126,12 +126,12 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: 
 
 
 def sampling(a: argparse.Namespace, defaults=None):
-    """The flags as SamplingParams; those not given from `defaults` (LLM.get_default_sampling_params()) where the
-    model's generation config set them, else the flags' own defaults."""
+    """The flags as SamplingParams; those not given from `defaults` (LLM.default_sampling_params: the fields the
+    model's generation config set, even to a SamplingParams default such as temperature 1.0), else the flags'
+    own defaults."""
     from jaxinfer import SamplingParams
-    plain = SamplingParams()
-    base = {k: v for k, v in (defaults.__dict__ if defaults is not None else {}).items()
-            if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") and v != getattr(plain, k)}
+    base = {k: v for k, v in (defaults or {}).items()          # (LLM.default_sampling_params: what the file set)
+            if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
     given = {k: getattr(a, k) for k in ("temperature", "top_p", "top_k") if getattr(a, k) is not None}
     return SamplingParams(**{"temperature": a.fallback_temperature, **base, **given}, max_tokens=a.max_tokens,
                           ignore_eos=a.ignore_eos)
@@ -142,7 +142,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     import jax
     sampling(a)                           # bad values fail before the model loads
     llm = build_llm(a)
-    sp = sampling(a, llm.get_default_sampling_params())
+    sp = sampling(a, llm.default_sampling_params)
     prompts = a.prompt or DEFAULT_PROMPTS
     inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts] if a.chat else prompts
     t0 = time.perf_counter()
@@ -163,7 +163,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from jaxinfer.chat import chat_loop
     sampling(a)                           # bad values fail before the model loads
     llm = build_llm(a)
-    return chat_loop(llm, sampling(a, llm.get_default_sampling_params()), system=a.system,
+    return chat_loop(llm, sampling(a, llm.default_sampling_params), system=a.system,
                      thinking=not a.no_thinking)
 
 

@@ -189,14 +189,16 @@ def test_generate_defaults_to_the_demo_model():
 def test_sampling_flags_default_to_the_generation_config():
     """generate / chat take the sampling flags not given from the model's generation_config.json (vLLM's default
     sampling params), else their own defaults (generate: greedy; chat: temperature 0.6)."""
-    from jaxinfer import SamplingParams
-    qwen3 = SamplingParams(temperature=0.6, top_k=20, top_p=0.95, max_tokens=99)     # as get_default_sampling_params
+    qwen3 = dict(temperature=0.6, top_k=20, top_p=0.95, max_tokens=99)     # as LLM.default_sampling_params
     p = cli.build_parser()
     gen = cli.sampling(p.parse_args(["generate"]), qwen3)
     assert (gen.temperature, gen.top_k, gen.top_p, gen.max_tokens) == (0.6, 20, 0.95, 32)
     mine = cli.sampling(p.parse_args(["generate", "--top-k", "5", "--temperature", "0"]), qwen3)
     assert (mine.temperature, mine.top_k, mine.top_p) == (0.0, 5, 0.95)
-    plain = cli.sampling(p.parse_args(["generate"]), SamplingParams())
+    plain = cli.sampling(p.parse_args(["generate"]), {})
     assert (plain.temperature, plain.top_k, plain.top_p) == (0.0, 0, 1.0)
-    chat = cli.sampling(p.parse_args(["chat"]), SamplingParams())
+    chat = cli.sampling(p.parse_args(["chat"]), {})
     assert (chat.temperature, chat.top_k, chat.max_tokens) == (0.6, 0, 256)
+    # a file's temperature 1.0 is a recommendation too, though it is SamplingParams' own default
+    one = cli.sampling(p.parse_args(["generate"]), dict(temperature=1.0, top_p=0.9))
+    assert (one.temperature, one.top_p) == (1.0, 0.9)
