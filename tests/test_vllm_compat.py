@@ -236,3 +236,26 @@ def test_revision_download_dir_and_tokenizer_options(tiny_dir, tmp_path, monkeyp
     a = cli.build_parser().parse_args(["serve", "someone/tiny-qwen3", "--revision", "main", "--download-dir",
                                        "/d", "--tokenizer", tiny_dir])
     assert cli.engine_kwargs(a) == {"revision": "main", "download_dir": "/d", "tokenizer": tiny_dir}
+
+
+def test_hf_overrides_rope_scaling_without_rope_theta_says_what_it_does(tmp_path):
+    """YaRN given as hf_overrides (the README's way to 131k tokens) on a checkpoint that keeps rope_theta only inside
+    rope_parameters (transformers 5): rope_theta falls back to 10000 as transformers does (parity), with a warning
+    naming the checkpoint's theta and how to keep it; one given inside rope_scaling wins, silently."""
+    import json
+    import warnings
+    from helpers import make_tiny_model
+    from jaxinfer.config import ModelConfig
+    path = make_tiny_model(str(tmp_path / "m"), max_position_embeddings=64,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    assert "rope_theta" not in json.load(open(os.path.join(path, "config.json")))   # only inside rope_parameters
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    with pytest.warns(UserWarning, match=r'rope_theta is 10000 .*checkpoint.s 1e\+06.*add "rope_theta": 1e\+06'):
+        c = ModelConfig.from_pretrained(path, {"rope_scaling": yarn, "max_position_embeddings": 256})
+    assert c.rope_theta == 10000.0 and c.rope_scaling_factor == 4.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = ModelConfig.from_pretrained(path, {"rope_scaling": {**yarn, "rope_theta": 1e6},
+                                               "max_position_embeddings": 256})
+        assert c.rope_theta == 1e6
+        assert ModelConfig.from_pretrained(path).rope_theta == 1e6

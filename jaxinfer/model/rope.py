@@ -13,6 +13,7 @@ nothing else. This module imports no JAX at import time: config.py reads the fie
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -59,6 +60,13 @@ def rope_fields(d: dict) -> dict:
     if kind not in KINDS:
         raise ValueError(f"rope scaling type {kind!r} is not supported (only 'default', 'linear' and 'yarn')")
     theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+    if rope is not params and params.get("rope_theta", theta) != theta:
+        # as transformers 5 does (and so vLLM): a rope_scaling without rope_theta, on a checkpoint that keeps its
+        # theta only inside rope_parameters, falls back to 10000. Kept for parity, but said
+        warnings.warn(f"rope_scaling {rope!r:.120} has no rope_theta, so rope_theta is {theta:g} (as in "
+                      f"transformers), not the checkpoint's {params['rope_theta']:g} from rope_parameters; add "
+                      f'"rope_theta": {params["rope_theta"]:g} to rope_scaling to keep it', stacklevel=2)
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0:
         raise ValueError(f"rope_theta={theta!r:.80} must be a number > 0")
     theta = float(theta)
