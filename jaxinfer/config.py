@@ -79,10 +79,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict, name: str = "qwen3") -> "ModelConfig":
-        model_type = d.get("model_type")
-        if model_type != "qwen3":
-            raise ValueError(f"model_type={model_type!r} is not supported: jaxinfer runs Qwen3 dense models "
-                             f"(model_type 'qwen3')")
+        model_type, arch = d.get("model_type"), d.get("architectures") or ["Qwen3ForCausalLM"]   # (absent: fine)
+        if model_type != "qwen3" or "Qwen3ForCausalLM" not in arch:
+            raise ValueError(f"model_type={model_type!r} architectures={arch!r} is not supported: jaxinfer runs "
+                             f"Qwen3 dense causal LMs (model_type 'qwen3', Qwen3ForCausalLM)")
         for key, ok, why in (("attention_bias", False, " (Qwen3 checkpoints have none)"),
                              ("use_sliding_window", False, ""), ("hidden_act", "silu", ": Qwen3's MLP is SwiGLU")):
             if d.get(key, ok) not in (ok, None):

@@ -41,6 +41,10 @@ def _base(**kw):
 def test_config_refuses_other_models_and_rope_kinds():
     with pytest.raises(ValueError, match="llama"):
         ModelConfig.from_dict(_base(model_type="llama"))
+    for arch in (["Qwen3MoeForCausalLM"], ["Qwen3ForSequenceClassification"]):   # model_type "qwen3", another head
+        with pytest.raises(ValueError, match=f"architectures=\\['{arch[0]}'\\] is not supported"):
+            ModelConfig.from_dict(_base(architectures=arch))
+    assert ModelConfig.from_dict(_base(architectures=["Qwen3ForCausalLM"])).vocab_size == 10
     with pytest.raises(ValueError, match="'dynamic' is not supported"):
         ModelConfig.from_dict(_base(rope_scaling={"rope_type": "dynamic", "factor": 4.0}))
     with pytest.raises(ValueError, match="longrope"):
