@@ -3,6 +3,7 @@ logprobs (completion and chat shapes) against transformers' fp32 log_softmax, ec
 lm-evaluation-harness' loglikelihood sends), n, seeds, penalties; the API key, the waiting-queue bound, /metrics,
 vLLM's /tokenize, /detokenize, /tokenizer_info, /version, the offline /docs and the body size limit."""
 import asyncio
+import json
 import time
 
 import httpx
@@ -91,6 +92,14 @@ def test_completion_echo_only_scores_the_prompt(url, client, ref):
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
     assert [t for ch in chunks if ch.choices for t in ch.choices[0].logprobs.tokens] == c.logprobs.tokens
     assert chunks[-1].usage.completion_tokens == 0
+    # the dropped token's stop (a stop id here) is reported the same way streamed or not
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True, "temperature": 0,
+            "stop_token_ids": list(range(512))}        # every id of the tiny vocabulary
+    whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert whole["finish_reason"] == "stop" and isinstance(whole["stop_reason"], int), whole
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        last = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")][-1]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", whole["stop_reason"]), last
     bad = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 0})
     assert bad.status_code == 400 and "echo" in bad.json()["error"]["message"]
     bad = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "temperature": -1.5})

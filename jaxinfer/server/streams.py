@@ -91,8 +91,9 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
                 offsets[ch.index] = 0
                 if first or fin:
                     text, lp = _prompt_part(ch, prompts[ch.index // n], req, text_of, tokenizer) if first else ("", None)
-                    yield enc.completion(ch.index, text, fin, use=use(ch)) if k is None else enc.completion_lp(
-                        ch.index, text, fin, lp or R.completion_logprobs(text_of, [], [], k), use=use(ch))
+                    stop = ch.stop_reason if fin is not None else None     # (as the non-streamed choice says)
+                    yield enc.completion(ch.index, text, fin, stop, use(ch)) if k is None else enc.completion_lp(
+                        ch.index, text, fin, lp or R.completion_logprobs(text_of, [], [], k), stop, use(ch))
                 continue
             text, lp = d.text, None
             stop = ch.stop_reason if d.finish_reason is not None else None
