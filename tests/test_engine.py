@@ -200,6 +200,29 @@ def test_no_compilation_after_warmup(tiny_dir):
     assert runner() is None          # frozen objects are still freed: a deleted engine's KV cache goes back
 
 
+def test_executable_cache_shares_live_programs_and_forgets_dropped_ones():
+    """Engines share compiled steps (the second engine of a size starts at once), yet LLMs made and dropped one
+    after another do not keep every program they compiled (a sweep of options ran the process out of memory
+    mappings): the cache holds what live engines hold, and only the `keep` most recently used besides."""
+    from types import SimpleNamespace
+    from jaxinfer.engine.executables import ExecutableCache
+
+    class Exe:        # stands for a jax Compiled (weak-referenceable)
+        pass
+    cache, builds, dev = ExecutableCache(keep=2), [], [SimpleNamespace(id=0)]
+    build = lambda: builds.append(1) or Exe()                           # noqa: E731
+    held = cache.get(("a",), dev, build)                                # an engine holds this one
+    assert cache.get(("a",), dev, build) is held and len(builds) == 1
+    dropped = weakref.ref(cache.get(("b",), dev, build))               # an engine that went away
+    for k in "cde":                                                     # more recent programs push it out
+        cache.get((k,), dev, build)
+    gc.collect()
+    assert dropped() is None and len(builds) == 5
+    assert cache.get(("a",), dev, build) is held and len(builds) == 5   # still held by its engine: shared
+    cache.get(("b",), dev, build)
+    assert len(builds) == 6                                             # compiled again when wanted again
+
+
 def test_compilations_count_only_the_engines_own(tiny_dir):
     """A user's own jitted code and a second LLM's compilations are not the first engine's (stats() counted every
     compilation in the process)."""

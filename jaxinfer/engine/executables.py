@@ -7,6 +7,7 @@ other devices than those it was compiled for is loaded there from the compiled o
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
@@ -22,11 +23,17 @@ class ExecutableCache:
     arguments, so an executable serves any weights of the same shapes: every LLM in a process shares
     `SHARED_EXECUTABLES` by default, and a second LLM of the same size starts at once. A step wanted on other
     devices than those it was compiled for (a data-parallel replica) is loaded there from the compiled one
-    (parallel/relocate.py: milliseconds instead of a compile)."""
+    (parallel/relocate.py: milliseconds instead of a compile).
+    What it keeps: every executable a live engine holds (weakly: the engines hold them), and the `keep` most
+    recently used besides, so that LLMs made and dropped one after another (a notebook, a sweep of options) do not
+    pile up compiled code until the process runs out of memory mappings (~1,300 more for each tiny CPU engine of
+    new shapes, measured; Linux allows 65,530)."""
 
-    def __init__(self):
-        self._compiled: dict[tuple, object] = {}
-        self._any_devices: dict[tuple, tuple] = {}       # program key -> (devices, executable): one to relocate
+    def __init__(self, keep: int = 128):
+        self._compiled = weakref.WeakValueDictionary()   # (key, device ids) -> executable, while anyone holds it
+        self._recent: collections.OrderedDict = collections.OrderedDict()   # the `keep` last used, held
+        self._any_devices: dict[tuple, tuple] = {}       # program key -> (devices, (key, ids)): one to relocate
+        self._keep = keep
         self._lock = threading.Lock()
 
     def get(self, key: tuple, devices: list, build):
@@ -35,19 +42,30 @@ class ExecutableCache:
         full = (key, tuple(d.id for d in devices))
         exe = self._compiled.get(full)
         if exe is None:
-            other = self._any_devices.get(key)
-            exe = relocate(other[1], list(other[0]), list(devices)) if other is not None else None
+            other_devices, other_full = self._any_devices.get(key, ((), None))
+            other = self._compiled.get(other_full) if other_full is not None else None
+            exe = relocate(other, list(other_devices), list(devices)) if other is not None else None
             if exe is None:
                 with engine_numerics():
                     exe = build()
             with self._lock:
                 exe = self._compiled.setdefault(full, exe)
-                self._any_devices.setdefault(key, (tuple(devices), exe))
+                if other is None:
+                    self._any_devices[key] = (tuple(devices), full)
+        with self._lock:
+            self._recent[full] = exe
+            self._recent.move_to_end(full)
+            while len(self._recent) > self._keep:
+                self._recent.popitem(last=False)
         return exe
+
+    def __len__(self) -> int:
+        return len(self._compiled)
 
     def clear(self) -> None:
         with self._lock:
             self._compiled.clear()
+            self._recent.clear()
             self._any_devices.clear()
 
 
