@@ -250,7 +250,7 @@ def test_hf_overrides_rope_scaling_without_rope_theta_says_what_it_does(tmp_path
                            rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     assert "rope_theta" not in json.load(open(os.path.join(path, "config.json")))   # only inside rope_parameters
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
-    with pytest.warns(UserWarning, match=r'rope_theta is 10000 .*checkpoint.s 1e\+06.*add "rope_theta": 1e\+06'):
+    with pytest.warns(UserWarning, match=r'rope_theta is 10000.0 .*checkpoint.s 1000000.0.*add "rope_theta": 1000000.0'):
         c = ModelConfig.from_pretrained(path, {"rope_scaling": yarn, "max_position_embeddings": 256})
     assert c.rope_theta == 10000.0 and c.rope_scaling_factor == 4.0
     with warnings.catch_warnings():

@@ -60,16 +60,16 @@ def rope_fields(d: dict) -> dict:
     if kind not in KINDS:
         raise ValueError(f"rope scaling type {kind!r} is not supported (only 'default', 'linear' and 'yarn')")
     theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0:
+        raise ValueError(f"rope_theta={theta!r:.80} must be a number > 0")
+    theta = float(theta)
     params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
     if rope is not params and params.get("rope_theta", theta) != theta:
         # as transformers 5 does (and so vLLM): a rope_scaling without rope_theta, on a checkpoint that keeps its
         # theta only inside rope_parameters, falls back to 10000. Kept for parity, but said
-        warnings.warn(f"rope_scaling {rope!r:.120} has no rope_theta, so rope_theta is {theta:g} (as in "
-                      f"transformers), not the checkpoint's {params['rope_theta']:g} from rope_parameters; add "
-                      f'"rope_theta": {params["rope_theta"]:g} to rope_scaling to keep it', stacklevel=2)
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0:
-        raise ValueError(f"rope_theta={theta!r:.80} must be a number > 0")
-    theta = float(theta)
+        warnings.warn(f"rope_scaling {rope!r:.120} has no rope_theta, so rope_theta is {theta!r} (as in "
+                      f"transformers), not the checkpoint's {params['rope_theta']!r:.40} from rope_parameters; add "
+                      f'"rope_theta": {params["rope_theta"]!r:.40} to rope_scaling to keep it', stacklevel=2)
     if kind != "yarn":
         return dict(rope_theta=theta, rope_scaling_factor=number(rope, "factor", None) if kind == "linear" else 1.0)
     longest = d["max_position_embeddings"]          # (ModelConfig.from_dict fills Qwen3Config's default)
