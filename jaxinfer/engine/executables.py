@@ -59,9 +59,6 @@ class ExecutableCache:
                 self._recent.popitem(last=False)
         return exe
 
-    def __len__(self) -> int:
-        return len(self._compiled)
-
     def clear(self) -> None:
         with self._lock:
             self._compiled.clear()
