@@ -30,6 +30,7 @@ from jaxinfer.parallel import shard_map
 from jaxinfer.sampling_params import TOP_K_CANDIDATES
 
 _NEG = -1e30
+SORT_KEYS = "uint32"    # the filtered draw's sort keys: "uint32" (CUB's radix sort on the GPU) | "float" (XLA's sort)
 CANDIDATE_CHUNK = 64    # top_n_of's chunk for the no-sort draw's 64 candidates: 0.26 ms at 256 rows on the H200, 0.33
                         # with 128-token chunks (scripts/probe_draw.py)
 
@@ -104,11 +105,34 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: 
         if plain is None:
             plain = sample(logits, temperature, top_k, top_p, min_p, seeds, counters, False)
         return jnp.where(few, draw(*top_n_of(scaled, n, CANDIDATE_CHUNK)), plain)
-    # one stable sort gives the descending values and their ids (ties: lower id first, as a stable argsort and
-    # top_n_of); each sorted entry's noise is computed from its id, so per-token noise stays fixed without a gather
-    ids = jnp.broadcast_to(jnp.arange(scaled.shape[-1], dtype=jnp.int32), scaled.shape)
-    neg_sorted, order = jax.lax.sort((-scaled, ids), dimension=-1, is_stable=True, num_keys=1)
-    return jnp.where(few, draw(-neg_sorted[:, :n], order[:, :n]), draw(-neg_sorted, order))
+    values, order = sort_descending(scaled)
+    return jnp.where(few, draw(values[:, :n], order[:, :n]), draw(values, order))
+
+
+def sort_descending(x):
+    """x [B, V] fp32 -> (its rows sorted by decreasing value, their ids), ties lower id first (a stable sort).
+    Each sorted entry's noise is computed from its id, so per-token noise stays fixed without a gather.
+
+    SORT_KEYS "uint32" sorts unsigned integer keys that order as the floats do (-0.0 as +0.0, as lax.sort's
+    float comparator has it), which XLA GPU hands to CUB's radix sort for wide rows of many rows; float keys
+    with an id payload keep XLA's own sort (its sort rewriter takes float keys only when sorted alone)."""
+    ids = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape)
+    if SORT_KEYS == "float":
+        neg_sorted, order = jax.lax.sort((-x, ids), dimension=-1, is_stable=True, num_keys=1)
+        return -neg_sorted, order
+    keys, order = jax.lax.sort((descending_key(x), ids), dimension=-1, is_stable=True, num_keys=1)
+    return from_descending_key(keys), order
+
+
+def descending_key(x):
+    """fp32 -> uint32 keys whose ascending order is x's descending order (-0.0 keyed as +0.0; no NaNs here)."""
+    u = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x).astype(jnp.float32), jnp.uint32)
+    return jnp.where(u >> 31 == 0, u ^ jnp.uint32(0x7FFFFFFF), u)        # >= +0: flip the magnitude; < 0: as is
+
+
+def from_descending_key(k):
+    """The floats `descending_key` was made from (zeros as +0.0)."""
+    return jax.lax.bitcast_convert_type(jnp.where(k >> 31 == 0, k ^ jnp.uint32(0x7FFFFFFF), k), jnp.float32)
 
 
 def _draw(values, ids, top_k, top_p, min_p, sampled_row, seeds, counters):

@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def time_forms(rows: int, vocab: int, candidates: tuple[int, ...]) -> dict:
+def time_forms(rows: int, vocab: int, candidates: tuple[int, ...], sort_keys: tuple[str, ...] = ("uint32",)) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -29,18 +29,28 @@ def time_forms(rows: int, vocab: int, candidates: tuple[int, ...]) -> dict:
     mixed = (full(0.8, jnp.float32), jnp.where(jnp.arange(rows) % 2 == 0, 50, 0).astype(jnp.int32),
              full(0.9, jnp.float32), full(0.0, jnp.float32))
     qwen3 = (full(0.6, jnp.float32), full(20, jnp.int32), full(0.95, jnp.float32), full(0.0, jnp.float32))
-    forms = [("plain", False, mixed, 0), ("sort", True, mixed, 0), ("qwen3_sort", True, qwen3, 0)]
-    forms += [(f"qwen3_top_k_{n}", "top_k", qwen3, n) for n in candidates]
+    top_p = (full(0.8, jnp.float32), full(0, jnp.int32), full(0.95, jnp.float32), full(0.0, jnp.float32))
+    forms = [("plain", False, mixed, 0, None)]
+    for keys in sort_keys:         # the sort's keys (sampling.SORT_KEYS): "_float" is XLA's sort, "" CUB's radix sort
+        tag = "" if keys == "uint32" else f"_{keys}"
+        forms += [(f"sort{tag}", True, mixed, 0, keys), (f"top_p{tag}", True, top_p, 0, keys),
+                  (f"qwen3_sort{tag}", True, qwen3, 0, keys)]
+    forms += [(f"qwen3_top_k_{n}", "top_k", qwen3, n, None) for n in candidates]
     out = {}
-    for form, filtered, per_row, n in forms:
+    for form, filtered, per_row, n, keys in forms:
+        sampling.SORT_KEYS = keys or "uint32"
         def draw(state, filtered=filtered, n=n or sampling.TOP_K_CANDIDATES):  # the counters move: each call draws
             lg, counters, per_row = state     # anew; the parameters are arguments XLA cannot fold, as in the engine
             ids = sampling.sample(lg, *per_row, jnp.arange(rows, dtype=jnp.int32), counters, filtered=filtered,
                                   candidates=n)
             return lg, counters + 1 + jnp.minimum(ids, 0), per_row     # (ids >= 0: keeps the draw alive)
-        s = time_loop(draw, (logits, jnp.zeros((rows,), jnp.int32), per_row), est_s=1e-3)
+        state = (logits, jnp.zeros((rows,), jnp.int32), per_row)
+        if filtered is True:           # whether XLA handed the sort to CUB (a radix-sort custom call)
+            hlo = jax.jit(draw).lower(state).compile().as_text()
+            out[f"{form}_cub"] = "cub" in hlo.lower() and "radixsort" in hlo.lower()
+        s = time_loop(draw, state, est_s=1e-3)
         out[form] = s * 1e3
-        print(f"rows {rows:4d}, vocab {vocab}: {form:16s} {s * 1e3:8.3f} ms", flush=True)
+        print(f"rows {rows:4d}, vocab {vocab}: {form:16s} {s * 1e3:8.3f} ms {out.get(f'{form}_cub', '')}", flush=True)
     return out
 
 
@@ -50,12 +60,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--candidates", type=int, nargs="+", default=[64],
                     help="TOP_K_CANDIDATES values to time the no-sort draw with (Qwen3's top_k=20, top_p=0.95)")
+    ap.add_argument("--sort-keys", nargs="+", default=["uint32", "float"], choices=["uint32", "float"],
+                    help="sampling.SORT_KEYS values to time the sorted draws with")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     import jax
     from bench import write_json
     r = dict(device=str(jax.devices()[0]), vocab=a.vocab,
-             ms={str(n): time_forms(n, a.vocab, tuple(a.candidates)) for n in a.rows})
+             ms={str(n): time_forms(n, a.vocab, tuple(a.candidates), tuple(a.sort_keys)) for n in a.rows})
     write_json(a.json, r)
     return r
 

@@ -244,3 +244,23 @@ def test_filter_kind_and_batch_filter():
     assert kind(top_k=TOP_K_CANDIDATES + 1) is True and kind(top_p=0.9) is True and kind(min_p=0.1) is True
     assert batch_filter([False, False]) is False and batch_filter([False, "top_k"]) == "top_k"
     assert batch_filter(["top_k", True, False]) is True and batch_filter([]) is False
+
+
+def test_integer_sort_keys_order_as_the_float_sort(monkeypatch):
+    """The filtered draw sorts uint32 keys (CUB's radix sort on the GPU): the same order, ties by lower id, as the
+    stable float sort it replaced, on rows with ties, +-0.0, +-inf and both signs; and the same tokens."""
+    import jaxinfer.sampling as sampling
+    x = jax.random.normal(jax.random.PRNGKey(3), (6, 700)) * 5
+    x = x.at[0, :40].set(0.0).at[0, 40:80].set(-0.0).at[1, ::3].set(1.25).at[2, :4].set(-jnp.inf)
+    x = x.at[3, 5:9].set(jnp.inf).at[4].set(-jnp.abs(x[4])).at[5].set(jnp.abs(x[5]) + 1e-30)
+    got = {}
+    for keys in ("float", "uint32"):
+        monkeypatch.setattr(sampling, "SORT_KEYS", keys)
+        values, order = jax.jit(sampling.sort_descending)(x)
+        got[keys] = (np.asarray(values), np.asarray(order))
+        ref = np.argsort(-np.asarray(x), axis=-1, kind="stable")
+        np.testing.assert_array_equal(got[keys][1], ref)
+        np.testing.assert_array_equal(got[keys][0], np.take_along_axis(np.asarray(x), ref, -1))
+        jax.clear_caches()
+        got[keys + "_ids"] = run(x[1:2].repeat(64, 0), temperature=0.9, top_p=0.7, min_p=0.01)
+    np.testing.assert_array_equal(got["float_ids"], got["uint32_ids"])
