@@ -113,12 +113,12 @@ STEP_LOG_COLUMNS = ("kind", "rows", "bucket", "schedule_s", "dispatch_s", "wait_
 
 
 def build(args):
-    """The LLM as a user gets it: the engine options given here, the engine's defaults for the rest."""
+    """The LLM as a user gets it (the flags given, else defaults), warmed up even where it is lazy by default (CPU)."""
     from jaxinfer import LLM
     from jaxinfer.cli import check_vllm_flags, engine_kwargs
     check_vllm_flags(args)
     t = time.perf_counter()
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(args.model, **{"warmup": True, **engine_kwargs(args)})
     args.warmup_s = time.perf_counter() - t
     args.attn_backend = llm.config.attn_backend
     print(f"engine: {llm.config}", flush=True)

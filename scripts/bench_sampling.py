@@ -1,10 +1,12 @@
 """Filtered sampling on the device: the plain draw against top-k / top-p / min-p (a stable sort of every row).
 
-    python scripts/bench_sampling.py [--rows 8 64 256] [--vocab 151936] [--json out.json]
+    python scripts/bench_sampling.py [--rows 8 64 256] [--vocab 151936] [--sort-keys uint32 float] [--json out.json]
 
 Times `sampling.sample` alone on logits already on the device, in ms per call. "sort": half the rows ask for
-top_k=50, all for top_p=0.9 (temperature 0.8); "qwen3_*": Qwen3's generation config (top_k=20, top_p=0.95,
-temperature 0.6), sorted or by the rows' top candidates (filtered="top_k", `--candidates` of them). A filtered decode step on W's 256 rows cost ~3.5 ms more than a plain one
+top_k=50, all for top_p=0.9 (temperature 0.8); "top_p": top_p=0.95 alone (temperature 0.8); "qwen3_*": Qwen3's
+generation config (top_k=20, top_p=0.95, temperature 0.6), sorted or by the rows' top candidates
+(filtered="top_k", `--candidates` of them). The sorted forms run once per `sampling.SORT_KEYS` ("_float": float keys,
+XLA's sort; the JSON's "cub" says which ones XLA handed to CUB). A filtered decode step on W's 256 rows cost ~3.5 ms more than a plain one
 on the H200 (docs/performance.md, ninth run); this is the part the draw itself takes. (A sort-free form, radix
 searches over the row in plain jnp, measured 1.3-5.4x slower than the sort at 8-256 rows and was dropped:
 docs/performance.md, tenth run.)
@@ -18,7 +20,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def time_forms(rows: int, vocab: int, candidates: tuple[int, ...], sort_keys: tuple[str, ...] = ("uint32",)) -> dict:
+def time_forms(rows: int, vocab: int, candidates: tuple[int, ...], sort_keys: tuple[str, ...] = ("uint32",),
+               cub: dict | None = None) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -47,10 +50,11 @@ def time_forms(rows: int, vocab: int, candidates: tuple[int, ...], sort_keys: tu
         state = (logits, jnp.zeros((rows,), jnp.int32), per_row)
         if filtered is True:           # whether XLA handed the sort to CUB (a radix-sort custom call)
             hlo = jax.jit(draw).lower(state).compile().as_text()
-            out[f"{form}_cub"] = "cub" in hlo.lower() and "radixsort" in hlo.lower()
+            if cub is not None:
+                cub[form] = "cub" in hlo.lower() and "radixsort" in hlo.lower()
         s = time_loop(draw, state, est_s=1e-3)
         out[form] = s * 1e3
-        print(f"rows {rows:4d}, vocab {vocab}: {form:16s} {s * 1e3:8.3f} ms {out.get(f'{form}_cub', '')}", flush=True)
+        print(f"rows {rows:4d}, vocab {vocab}: {form:16s} {s * 1e3:8.3f} ms{' (CUB)' if (cub or {}).get(form) else ''}", flush=True)
     return out
 
 
@@ -66,8 +70,10 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     import jax
     from bench import write_json
-    r = dict(device=str(jax.devices()[0]), vocab=a.vocab,
-             ms={str(n): time_forms(n, a.vocab, tuple(a.candidates), tuple(a.sort_keys)) for n in a.rows})
+    cub = {}           # per row count: which sorted draws XLA handed to CUB's radix sort
+    r = dict(device=str(jax.devices()[0]), vocab=a.vocab, cub=cub,
+             ms={str(n): time_forms(n, a.vocab, tuple(a.candidates), tuple(a.sort_keys), cub.setdefault(str(n), {}))
+                 for n in a.rows})
     write_json(a.json, r)
     return r
 

@@ -15,7 +15,7 @@ def test_bench_runs_and_counts(tiny_dir, tmp_path, capsys):
     args = ["--model", tiny_dir, "--dtype", "float32", "--attn-backend", "xla", "--num-seqs", "5",
             "--max-input-len", "120", "--max-output-len", "110", "--max-num-seqs", "4",
             "--max-num-batched-tokens", "512", "--prefill-buckets", "512", "--decode-buckets", "4",
-            "--max-model-len", "256", "--block-size", "64", "--warmup", "--json", str(tmp_path / "r.json"),
+            "--max-model-len", "256", "--block-size", "64", "--json", str(tmp_path / "r.json"),
             "--step-log", str(tmp_path / "log.json"), "--repeats", "2",
             "--num-scheduler-steps", "1"]     # one step per call: the step log has one entry per step
     r = bench.main(args)
@@ -30,7 +30,7 @@ def test_bench_runs_and_counts(tiny_dir, tmp_path, capsys):
     assert host["schedule"] > 0 and host["dispatch"] > 0
     out = capsys.readouterr().out
     assert "tok/s" in out and "% of the floor" in out and "host ms per step" in out
-    w = r["warmup_breakdown"]         # where LLM()'s warm-up went: compiled with --warmup, so compile time > 0
+    w = r["warmup_breakdown"]         # where LLM()'s warm-up went: bench.py warms up on a CPU too, so compile time > 0
     assert w["compile_s"] > 0 and 0 < len(w["slowest"]) <= min(5, w["programs"])
     assert sum(n for n, _ in w["compile_by_kind"].values()) == w["programs"] and "decode" in w["compile_by_kind"]
     assert abs(sum(v for k, v in w.items() if k.endswith("_s") and k != "compile_sum_s") - r["warmup_s"]) < 1e-6
@@ -209,13 +209,15 @@ def test_bench_host_measures_and_compares(tmp_path):
 
 
 def test_bench_sampling_times_both_draws(tmp_path):
-    """scripts/bench_sampling.py: the plain draw, the sorted one, and Qwen3's settings sorted and not, in ms, written
-    to JSON."""
+    """scripts/bench_sampling.py: the plain draw, the sorted ones (on uint32 and float keys), and Qwen3's settings
+    sorted and not, in ms, written to JSON."""
     import json
 
     import bench_sampling
     r = bench_sampling.main(["--rows", "2", "--vocab", "300", "--candidates", "16", "--json", str(tmp_path / "s.json")])
-    assert set(r["ms"]["2"]) == {"plain", "sort", "qwen3_sort", "qwen3_top_k_16"}
+    assert set(r["ms"]["2"]) == {"plain", "sort", "top_p", "qwen3_sort", "sort_float", "top_p_float", "qwen3_sort_float",
+                                 "qwen3_top_k_16"}
+    assert r["cub"]["2"]["sort"] is False          # a CPU has no CUB
     assert all(v > 0 for v in r["ms"]["2"].values())
     assert json.load(open(tmp_path / "s.json"))["vocab"] == 300
 
