@@ -364,3 +364,35 @@ def test_no_compilation_after_warmup_with_replicas(ckpts):
     st = llm.stats()
     assert st["compilations"] == 0 and all(r["compilations"] == 0 for r in st["replicas"]), st
     assert st["compiled_buckets"] == len(llm.engine.runner.buckets())
+
+
+def test_lazy_replicas_compile_a_step_once(ckpts):
+    """Compiling lazily (the CPU default), replicas that first need the same step in the same engine step (their
+    launches run from threads at once) compile it once: one builds it, the other loads it onto its devices."""
+    kw = {**BASE, "max_num_seqs": 2, "max_num_batched_tokens": 24, "prefill_buckets": (24,)}   # programs of its own
+    llm = LLM(ckpts["mqa"], data_parallel_size=2, **kw)
+    run(llm, [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))
+    per = [r["compilations"] for r in llm.stats()["replicas"]]
+    programs = len(llm.engine.replicas[0].runner.compiled)
+    assert programs == len(llm.engine.replicas[1].runner.compiled) > 0
+    assert sum(per) == programs, per          # each program compiled by one replica, loaded by the other
+
+
+def test_stop_string_cut_is_charged_to_its_replica(ckpts):
+    """A stop string matched inside a K-step call, in the call where the request finishes: the tokens read back
+    after the match are removed from the counts of the replica that ran the request, not another's."""
+    kw = {**BASE, "num_scheduler_steps": 4}
+    ref = LLM(ckpts["gqa_v509"], **kw)
+    tok = ref.get_tokenizer()
+    o = ref.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                     use_tqdm=False)[0].outputs[0]
+    stop = tok.decode([o.token_ids[5]])
+    assert stop and stop not in tok.decode(o.token_ids[:5]), "pick a token whose text first appears at position 6"
+    llm = LLM(ckpts["gqa_v509"], data_parallel_size=2, **kw)
+    outs = llm.generate([list(range(1, 40)), "Hello world"],
+                        [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop])], use_tqdm=False)
+    n = [len(x.outputs[0].token_ids) for x in outs]
+    st = llm.stats()
+    assert st["generated_tokens"] == sum(n)
+    assert sorted(r["generated_tokens"] for r in st["replicas"]) == sorted(n), (n, st["replicas"])

@@ -70,7 +70,8 @@ class DPEngine:
                                    placement) for r, (p, placement) in enumerate(zip(params, placements))]
         del params
         self.config = self.replicas[0].config.replace(seed=config.seed)
-        self._owner: dict[int, LLMEngine] = {}            # seq_id -> its replica, while unfinished
+        self._owner: dict[int, LLMEngine] = {}            # seq_id -> its replica, until a step after it finished
+        self._just_finished: list[Sequence] = []
         self._pool: ThreadPoolExecutor | None = None      # launches replicas 1.. (made at the first step)
         self.scheduler = _SchedulerView(self)
         self.block_manager = _BlockManagerView(self.replicas)
@@ -133,9 +134,9 @@ class DPEngine:
         if error is not None:
             raise error
         updated = [seq for read in reads for seq in read()]
-        for seq in updated:
-            if seq.finish_reason is not None:
-                self._owner.pop(seq.seq_id, None)
+        for seq in self._just_finished:   # kept one step longer: a stop string's cut (LLM._process_text) is theirs
+            self._owner.pop(seq.seq_id, None)
+        self._just_finished = [seq for seq in updated if seq.finish_reason is not None]
         return updated
 
     def _launch_all(self, plans: list) -> Exception | None:
@@ -187,9 +188,10 @@ class _SchedulerView:
         self._dp = dp
 
     def finish(self, seq: Sequence, reason: str, drop: int = 0) -> None:
-        if seq.seq_id in self._dp._owner:
-            self._dp._owner.pop(seq.seq_id).scheduler.finish(seq, reason, drop)
-        elif drop:                    # finished already: its tokens are cut, counted on the first replica
+        owner = self._dp._owner.get(seq.seq_id)
+        if owner is not None:           # (a sequence that finished in the last step: only its cut tokens count)
+            owner.scheduler.finish(seq, reason, drop)
+        elif drop:                      # finished longer ago: its cut tokens are counted on the first replica
             self._dp.replicas[0].scheduler.finish(seq, reason, drop)
 
     def has_unfinished(self) -> bool:

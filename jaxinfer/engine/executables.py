@@ -35,6 +35,7 @@ class ExecutableCache:
         self._any_devices: dict[tuple, tuple] = {}       # program key -> (devices, (key, ids)): one to relocate
         self._keep = keep
         self._lock = threading.Lock()
+        self._building: dict[tuple, threading.Lock] = {}    # program key -> held while one thread builds it
 
     def get(self, key: tuple, devices: list, build):
         """The executable of program `key` on `devices` (a mesh's devices, in order): cached, relocated from
@@ -42,16 +43,12 @@ class ExecutableCache:
         full = (key, tuple(d.id for d in devices))
         exe = self._compiled.get(full)
         if exe is None:
-            other_devices, other_full = self._any_devices.get(key, ((), None))
-            other = self._compiled.get(other_full) if other_full is not None else None
-            exe = relocate(other, list(other_devices), list(devices)) if other is not None else None
-            if exe is None:
-                with engine_numerics():
-                    exe = build()
             with self._lock:
-                exe = self._compiled.setdefault(full, exe)
-                if other is None:
-                    self._any_devices[key] = (tuple(devices), full)
+                gate = self._building.setdefault(key, threading.Lock())
+            with gate:   # one build of a program at a time: replicas wanting it at once (threads) relocate it after
+                exe = self._compiled.get(full)
+                if exe is None:
+                    exe = self._build_or_relocate(key, full, devices, build)
         with self._lock:
             self._recent[full] = exe
             self._recent.move_to_end(full)
@@ -59,11 +56,25 @@ class ExecutableCache:
                 self._recent.popitem(last=False)
         return exe
 
+    def _build_or_relocate(self, key: tuple, full: tuple, devices: list, build):
+        other_devices, other_full = self._any_devices.get(key, ((), None))
+        other = self._compiled.get(other_full) if other_full is not None else None
+        exe = relocate(other, list(other_devices), list(devices)) if other is not None else None
+        if exe is None:
+            with engine_numerics():
+                exe = build()
+        with self._lock:
+            exe = self._compiled.setdefault(full, exe)
+            if other is None:
+                self._any_devices[key] = (tuple(devices), full)
+        return exe
+
     def clear(self) -> None:
         with self._lock:
             self._compiled.clear()
             self._recent.clear()
             self._any_devices.clear()
+            self._building.clear()
 
 
 SHARED_EXECUTABLES = ExecutableCache()
