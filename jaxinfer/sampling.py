@@ -114,8 +114,9 @@ def sort_descending(x):
     Each sorted entry's noise is computed from its id, so per-token noise stays fixed without a gather.
 
     SORT_KEYS "uint32" sorts unsigned integer keys that order as the floats do (-0.0 as +0.0, as lax.sort's
-    float comparator has it), which XLA GPU hands to CUB's radix sort for wide rows of many rows; float keys
-    with an id payload keep XLA's own sort (its sort rewriter takes float keys only when sorted alone)."""
+    float comparator has it), with the ids as payload. Float keys ("float") went through XLA GPU's sort rewriter
+    as uint32 keys with a 64-bit payload (the float and its id), so CUB's radix sort moved more bytes: 2.95 against
+    2.46 ms for the sort alone at 256 rows of 151,936 on the H200 (8 rows, below CUB's threshold: XLA's own sort)."""
     ids = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape)
     if SORT_KEYS == "float":
         neg_sorted, order = jax.lax.sort((-x, ids), dimension=-1, is_stable=True, num_keys=1)
