@@ -30,6 +30,8 @@ from jaxinfer.parallel import shard_map
 from jaxinfer.sampling_params import TOP_K_CANDIDATES
 
 _NEG = -1e30
+SORTED_DRAW = "threshold"   # rows that need the sort: "threshold" sorts values alone (`_draw_by_threshold`), "ids"
+                            # sorts them with their ids (`sort_descending`)
 SORT_KEYS = "uint32"    # the filtered draw's sort keys: "uint32" (CUB's radix sort on the GPU) | "float" (XLA's sort)
 CANDIDATE_CHUNK = 64    # top_n_of's chunk for the no-sort draw's 64 candidates: 0.26 ms at 256 rows on the H200, 0.33
                         # with 128-token chunks (scripts/probe_draw.py)
@@ -62,8 +64,14 @@ def gumbel_at(seeds, counters, ids):
 
 def _filter_sorted(sorted_logits, top_k, top_p, min_p):
     """Mask (to -1e30) the entries of descending-sorted, temperature-scaled logits [B, V] that
-    top-k / top-p / min-p exclude, in vLLM's order: min-p (against the top probability), top-k, then top-p over
-    what those two left, renormalised. The top entry always survives."""
+    top-k / top-p / min-p exclude (`_keep_sorted`)."""
+    return jnp.where(_keep_sorted(sorted_logits, top_k, top_p, min_p), sorted_logits, _NEG)
+
+
+def _keep_sorted(sorted_logits, top_k, top_p, min_p):
+    """Which entries of descending-sorted, temperature-scaled logits [B, V] top-k / top-p / min-p keep (a prefix),
+    in vLLM's order: min-p (against the top probability), top-k, then top-p over what those two left,
+    renormalised. The top entry always survives."""
     V = sorted_logits.shape[-1]
     rank = jnp.arange(V)[None, :]
     k = jnp.where(top_k > 0, top_k, V)[:, None]
@@ -72,8 +80,7 @@ def _filter_sorted(sorted_logits, top_k, top_p, min_p):
     kept = jnp.where(keep, probs, 0.0)
     kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
     mass_before = jnp.cumsum(kept, axis=-1) - kept                    # exclusive cumulative mass of the survivors
-    keep = (keep & (mass_before < top_p[:, None])) | (rank == 0)
-    return jnp.where(keep, sorted_logits, _NEG)
+    return (keep & (mass_before < top_p[:, None])) | (rank == 0)
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: bool | str = True,
@@ -105,8 +112,28 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: 
         if plain is None:
             plain = sample(logits, temperature, top_k, top_p, min_p, seeds, counters, False)
         return jnp.where(few, draw(*top_n_of(scaled, n, CANDIDATE_CHUNK)), plain)
-    values, order = sort_descending(scaled)
-    return jnp.where(few, draw(values[:, :n], order[:, :n]), draw(values, order))
+    if SORTED_DRAW == "ids":
+        values, order = sort_descending(scaled)
+        return jnp.where(few, draw(values[:, :n], order[:, :n]), draw(values, order))
+    return jnp.where(few, draw(*top_n_of(scaled, n, CANDIDATE_CHUNK)),
+                     _draw_by_threshold(scaled, top_k, top_p, min_p, sampled_row, seeds, counters))
+
+
+def _draw_by_threshold(scaled, top_k, top_p, min_p, sampled_row, seeds, counters):
+    """The filtered draw over whole rows with the values sorted alone, not with their ids (CUB's radix sort of
+    keys alone moves half the bytes). `_keep_sorted` gives the kept prefix's length J and its last value tau; the
+    row then draws in its own order among the tokens above tau and, of those equal to tau, the lowest ids up to
+    J: the tokens a stable sort's prefix holds. So the token is `_draw`'s over the sorted row with ids, unless two
+    kept tokens' logit + noise are equal in fp32 (both draws take one of them)."""
+    values = from_descending_key(jax.lax.sort(descending_key(scaled), dimension=-1))
+    J = jnp.sum(_keep_sorted(values, top_k, top_p, min_p), axis=-1, keepdims=True)      # [B, 1], >= 1
+    tau = jnp.take_along_axis(values, J - 1, axis=-1)                                     # the last kept value
+    above, tie = scaled > tau, scaled == tau
+    room = J - jnp.sum(above, axis=-1, keepdims=True)                                   # ties the prefix holds
+    before = jnp.cumsum(tie.astype(jnp.int32), axis=-1) - tie                           # ties with a lower id
+    keep = above | (tie & (before < room))
+    noise = jnp.where(sampled_row, gumbel_noise(seeds, counters, scaled.shape[-1]), 0.0)
+    return jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1).astype(jnp.int32)
 
 
 def sort_descending(x):

@@ -256,6 +256,7 @@ def test_integer_sort_keys_order_as_the_float_sort(monkeypatch):
     got = {}
     for keys in ("float", "uint32"):
         monkeypatch.setattr(sampling, "SORT_KEYS", keys)
+        monkeypatch.setattr(sampling, "SORTED_DRAW", "ids")             # the draw that uses this sort
         values, order = jax.jit(sampling.sort_descending)(x)
         got[keys] = (np.asarray(values), np.asarray(order))
         ref = np.argsort(-np.asarray(x), axis=-1, kind="stable")
@@ -264,3 +265,30 @@ def test_integer_sort_keys_order_as_the_float_sort(monkeypatch):
         jax.clear_caches()
         got[keys + "_ids"] = run(x[1:2].repeat(64, 0), temperature=0.9, top_p=0.7, min_p=0.01)
     np.testing.assert_array_equal(got["float_ids"], got["uint32_ids"])
+
+
+@pytest.mark.parametrize("case", ["random", "ties"])
+def test_threshold_draw_equals_the_sorted_draw_with_ids(monkeypatch, case):
+    """Rows that need the sort draw by threshold (values sorted alone, the draw in the row's own order) and get the
+    tokens of the draw over the row sorted with its ids: every filter and temperature 0, with ties at the kept
+    prefix's end (equal logits: the lowest ids are kept first), top_k past the 64 candidates, min_p, top_p."""
+    import jaxinfer.sampling as sampling
+    rng = np.random.default_rng(5)
+    B, V = 48, 300
+    x = rng.normal(size=(B, V)).astype(np.float32) * 2
+    if case == "ties":                            # values from a few levels: long runs of equal logits
+        x = np.round(x * 1.5) / 1.5
+        x[:8] = 0.0
+    params = (jnp.asarray(rng.choice([0.0, 0.7, 1.0, 1.6], B), jnp.float32),
+              jnp.asarray(rng.choice([0, 0, 3, 70, 200], B), jnp.int32),
+              jnp.asarray(rng.choice([1.0, 0.95, 0.5, 0.12, 0.999], B), jnp.float32),
+              jnp.asarray(rng.choice([0.0, 0.0, 0.05, 0.3], B), jnp.float32))
+    got = {}
+    for form in ("ids", "threshold"):
+        monkeypatch.setattr(sampling, "SORTED_DRAW", form)
+        monkeypatch.setattr(sampling, "SORT_KEYS", "float")      # the sort the draw used before either change
+        f = jax.jit(lambda lg, c: sampling.sample(lg, *params, jnp.arange(B), c, filtered=True))
+        got[form] = np.stack([np.asarray(f(jnp.asarray(x), jnp.full((B,), c, jnp.int32))) for c in range(12)])
+        jax.clear_caches()
+    np.testing.assert_array_equal(got["ids"], got["threshold"])
+    assert len(np.unique(got["ids"][:, 8])) > 1 or params[0][8] == 0       # a tied row still samples
