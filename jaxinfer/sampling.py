@@ -12,8 +12,8 @@ the engine (decided on the host) runs a small "resample" program (step.make_resa
 logits again and draws with `sample(..., filtered=...)`. A row whose top_k is at most TOP_K_CANDIDATES (Qwen3's
 generation config asks for top_k=20, top_p=0.95) needs only its top candidates, not a sorted row: when every
 filtering row of a batch has such a top_k, the draw takes the rows' top candidates (`top_n_of`) and skips the sort
-(filtered="top_k"); otherwise it sorts, and those rows still draw from the sorted row's same first candidates, so
-a row's token never depends on which program its batch ran. A device-side `lax.cond` would make XLA copy its
+(filtered="top_k"); otherwise it sorts the other rows' values (`_draw_by_threshold`) and those rows still draw
+from the same candidates, so a row's token never depends on which program its batch ran. A device-side `lax.cond` would make XLA copy its
 predicate to the host and block, which serialised every step with the host (measured on the H200); a filtered
 copy of every model step doubled the programs compiled at start-up.
 """
@@ -88,8 +88,8 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: 
     """logits [B, V] fp32 and per-row parameters [B] -> token ids [B] int32.
 
     filtered (static): False ignores top-k / top-p / min-p, which is right only when no row sets them
-    (`SamplingParams.needs_filter`); both variants draw the same token for such rows. True sorts each row and
-    applies them. "top_k": every row that filters has 0 < top_k <= TOP_K_CANDIDATES (`SamplingParams.filter_kind`),
+    (`SamplingParams.needs_filter`); both variants draw the same token for such rows. True sorts each row's values
+    and applies them (`_draw_by_threshold`). "top_k": every row that filters has 0 < top_k <= TOP_K_CANDIDATES (`SamplingParams.filter_kind`),
     so its draw needs only its top candidates; the other rows take the plain draw. A row with such a top_k draws
     the same token in all of these variants. "top_k_only": every row is greedy or has such a top_k (the host
     checks, `step.draws_from_candidates`), so no row needs the plain draw over the whole vocabulary. `candidates`

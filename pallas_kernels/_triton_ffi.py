@@ -6,7 +6,7 @@ custom call "triton_kernel_call" with the legacy API (api_version 2, an opaque s
 program of 20 tiny triton_calls + 40 XLA ops took 1.6-2.0 ms against 35 us in pure XLA (docs/kernels.md,
 "Triton through jax-triton"; scripts/probe_triton_call.py measures it). JAX's own Pallas-Triton lowering
 (jaxlib > 0.10.2) hands the same kind of compiled kernel to "triton_kernel_call_ffi", a typed-FFI handler,
-and those kernels are captured in the step's command buffer (docs/gpu-facts.md). `triton_call(..., path="ffi")`
+and those kernels are captured in the step's command buffer (measured on the H200). `triton_call(..., path="ffi")`
 compiles the kernel with jax-triton's own compiler helper and emits that FFI custom call instead.
 
 Importing this module needs only jax; triton and jax_triton are imported on first use, and their absence is

@@ -104,7 +104,7 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
     print(f"roofline: {need / 1e12:.2f} TB must be read (weights once per step + KV of every context token); "
           f"at the measured {bw / 1e12:.2f} TB/s the floor is {floor:.2f} s -> achieved {r['pct_of_floor']:.1f}% "
           f"of the floor ({r['achieved_GBs']:,.0f} GB/s)")
-    print(f"  against the {ref_bw:.1f} TB/s of a raw device copy (--reference-bw; gpu-facts.md) the floor is "
+    print(f"  against the {ref_bw:.1f} TB/s of a raw device copy (--reference-bw; an H200's, measured) the floor is "
           f"{r['floor_s_at_reference']:.2f} s -> {r['pct_of_reference_floor']:.1f}%")
     return r
 

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
-HBM = 4.3e12          # H200 device copy, bytes/s (docs/gpu-facts.md)
+HBM = 4.3e12          # H200 device copy, bytes/s (measured)
 
 
 def timed(fn, args, iters: int, carry=None, read: str | None = None) -> float:
