@@ -9,8 +9,11 @@ call (20 calls after two warm ones) and whether the compiled program calls CUB (
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv=None) -> dict:
@@ -49,9 +52,8 @@ def main(argv=None) -> dict:
             out["ms"].setdefault(name, {})[str(rows)] = ms
             out["cub"].setdefault(name, {})[str(rows)] = cub
             print(f"{name:18s} rows {rows:3d}: {ms:7.3f} ms  cub={cub}", flush=True)
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    from bench import write_json
+    write_json(a.json, out)
     return out
 
 
