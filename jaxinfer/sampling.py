@@ -30,8 +30,11 @@ from jaxinfer.parallel import shard_map
 from jaxinfer.sampling_params import TOP_K_CANDIDATES
 
 _NEG = -1e30
-SORTED_DRAW = "threshold"   # rows that need the sort: "threshold" sorts values alone (`_draw_by_threshold`), "ids"
-                            # sorts them with their ids (`sort_descending`)
+SORTED_DRAW = "auto"    # rows that need the sort: "threshold" sorts values alone (`_draw_by_threshold`), "ids" sorts
+                        # them with their ids (`sort_descending`); "auto": threshold from THRESHOLD_MIN_ROWS rows. Same
+                        # tokens. On the H200 at 151,936 ids, ms, threshold / ids: 2.73 / 3.51 at 256 rows, 1.36 / 1.61
+                        # at 64, 0.66 / 0.58 at 8, where XLA sorts with its own kernel, not CUB (performance.md)
+THRESHOLD_MIN_ROWS = 27         # XLA GPU's rule for CUB on 32-bit keys of more than 2^17: more than 26 rows
 SORT_KEYS = "uint32"    # the filtered draw's sort keys: "uint32" (CUB's radix sort on the GPU) | "float" (XLA's sort)
 CANDIDATE_CHUNK = 64    # top_n_of's chunk for the no-sort draw's 64 candidates: 0.26 ms at 256 rows on the H200, 0.33
                         # with 128-token chunks (scripts/probe_draw.py)
@@ -112,7 +115,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: 
         if plain is None:
             plain = sample(logits, temperature, top_k, top_p, min_p, seeds, counters, False)
         return jnp.where(few, draw(*top_n_of(scaled, n, CANDIDATE_CHUNK)), plain)
-    if SORTED_DRAW == "ids":
+    if SORTED_DRAW == "ids" or (SORTED_DRAW == "auto" and scaled.shape[0] < THRESHOLD_MIN_ROWS):
         values, order = sort_descending(scaled)
         return jnp.where(few, draw(values[:, :n], order[:, :n]), draw(values, order))
     return jnp.where(few, draw(*top_n_of(scaled, n, CANDIDATE_CHUNK)),
@@ -123,8 +126,8 @@ def _draw_by_threshold(scaled, top_k, top_p, min_p, sampled_row, seeds, counters
     """The filtered draw over whole rows with the values sorted alone, not with their ids (CUB's radix sort of
     keys alone moves half the bytes). `_keep_sorted` gives the kept prefix's length J and its last value tau; the
     row then draws in its own order among the tokens above tau and, of those equal to tau, the lowest ids up to
-    J: the tokens a stable sort's prefix holds. So the token is `_draw`'s over the sorted row with ids, unless two
-    kept tokens' logit + noise are equal in fp32 (both draws take one of them)."""
+    J: the tokens a stable sort's prefix holds, and picks as `_draw` does over the sorted row with ids (the largest
+    logit + noise; of equal ones the larger logit, then the lower id), so both give the same token."""
     values = from_descending_key(jax.lax.sort(descending_key(scaled), dimension=-1))
     J = jnp.sum(_keep_sorted(values, top_k, top_p, min_p), axis=-1, keepdims=True)      # [B, 1], >= 1
     tau = jnp.take_along_axis(values, J - 1, axis=-1)                                     # the last kept value
@@ -133,7 +136,10 @@ def _draw_by_threshold(scaled, top_k, top_p, min_p, sampled_row, seeds, counters
     before = jnp.cumsum(tie.astype(jnp.int32), axis=-1) - tie                           # ties with a lower id
     keep = above | (tie & (before < room))
     noise = jnp.where(sampled_row, gumbel_noise(seeds, counters, scaled.shape[-1]), 0.0)
-    return jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1).astype(jnp.int32)
+    z = jnp.where(keep, scaled + noise, -jnp.inf)
+    best = z == jnp.max(z, axis=-1, keepdims=True)       # (two kept tokens' logit + noise equal in fp32: rare)
+    # among the best, the sorted draw's order: the larger logit, then the lower id (argmax takes the first)
+    return jnp.argmax(jnp.where(best, scaled, -jnp.inf), axis=-1).astype(jnp.int32)
 
 
 def sort_descending(x):

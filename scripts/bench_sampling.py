@@ -1,13 +1,13 @@
 """Filtered sampling on the device: the plain draw against top-k / top-p / min-p (a stable sort of every row).
 
-    python scripts/bench_sampling.py [--rows 8 64 256] [--vocab 151936] [--draws threshold ids ids_float] [--json F]
+    python scripts/bench_sampling.py [--rows 8 64 256] [--vocab 151936] [--draws auto threshold ids ids_float] [--json F]
 
 Times `sampling.sample` alone on logits already on the device, in ms per call. "sort": half the rows ask for
 top_k=50, all for top_p=0.9 (temperature 0.8); "top_p": top_p=0.95 alone (temperature 0.8); "qwen3_*": Qwen3's
 generation config (top_k=20, top_p=0.95, temperature 0.6), sorted or by the rows' top candidates
-(filtered="top_k", `--candidates` of them). The sorted forms run once per `--draws` entry: "" the engine's (values
-sorted alone, `sampling.SORTED_DRAW="threshold"`), "_ids" sorted with their ids on uint32 keys, "_ids_float" on
-float keys; the JSON's "cub" says which ones XLA handed to CUB's radix sort. A filtered decode step on W's 256 rows cost ~3.5 ms more than a plain one
+(filtered="top_k", `--candidates` of them). The sorted forms run once per `--draws` entry: "" the engine's
+(`sampling.SORTED_DRAW="auto"`), "_threshold" values sorted alone, "_ids" sorted with their ids on uint32 keys,
+"_ids_float" on float keys; the JSON's "cub" says which ones XLA handed to CUB's radix sort. A filtered decode step on W's 256 rows cost ~3.5 ms more than a plain one
 on the H200 (docs/performance.md, ninth run); this is the part the draw itself takes. (A sort-free form, radix
 searches over the row in plain jnp, measured 1.3-5.4x slower than the sort at 8-256 rows and was dropped:
 docs/performance.md, tenth run.)
@@ -21,10 +21,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-DRAWS = {"threshold": ("threshold", "uint32"), "ids": ("ids", "uint32"), "ids_float": ("ids", "float")}
+DRAWS = {"auto": ("auto", "uint32"), "threshold": ("threshold", "uint32"), "ids": ("ids", "uint32"),
+         "ids_float": ("ids", "float")}
 
 
-def time_forms(rows: int, vocab: int, candidates: tuple[int, ...], draws: tuple[str, ...] = ("threshold",),
+def time_forms(rows: int, vocab: int, candidates: tuple[int, ...], draws: tuple[str, ...] = ("auto",),
                cub: dict | None = None) -> dict:
     import jax
     import jax.numpy as jnp
@@ -39,13 +40,13 @@ def time_forms(rows: int, vocab: int, candidates: tuple[int, ...], draws: tuple[
     top_p = (full(0.8, jnp.float32), full(0, jnp.int32), full(0.95, jnp.float32), full(0.0, jnp.float32))
     forms = [("plain", False, mixed, 0, None)]
     for d in draws:                # how rows that need the sort draw (sampling.SORTED_DRAW, SORT_KEYS): DRAWS
-        tag = "" if d == "threshold" else f"_{d}"
+        tag = "" if d == "auto" else f"_{d}"
         forms += [(f"sort{tag}", True, mixed, 0, d), (f"top_p{tag}", True, top_p, 0, d),
                   (f"qwen3_sort{tag}", True, qwen3, 0, d)]
     forms += [(f"qwen3_top_k_{n}", "top_k", qwen3, n, None) for n in candidates]
     out = {}
     for form, filtered, per_row, n, d in forms:
-        sampling.SORTED_DRAW, sampling.SORT_KEYS = DRAWS[d or "threshold"]
+        sampling.SORTED_DRAW, sampling.SORT_KEYS = DRAWS[d or "auto"]
         def draw(state, filtered=filtered, n=n or sampling.TOP_K_CANDIDATES):  # the counters move: each call draws
             lg, counters, per_row = state     # anew; the parameters are arguments XLA cannot fold, as in the engine
             ids = sampling.sample(lg, *per_row, jnp.arange(rows, dtype=jnp.int32), counters, filtered=filtered,
@@ -69,8 +70,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--candidates", type=int, nargs="+", default=[64],
                     help="TOP_K_CANDIDATES values to time the no-sort draw with (Qwen3's top_k=20, top_p=0.95)")
     ap.add_argument("--draws", nargs="+", default=list(DRAWS), choices=list(DRAWS),
-                    help="how rows that need the sort draw: by threshold (the engine's), sorted with their ids on "
-                         "uint32 keys, or on float keys (the draw before both changes)")
+                    help="how rows that need the sort draw: the engine's choice, by threshold, sorted with their "
+                         "ids on uint32 keys, or on float keys (the draw before both changes)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     import jax

@@ -216,7 +216,7 @@ def test_bench_sampling_times_both_draws(tmp_path):
     import bench_sampling
     r = bench_sampling.main(["--rows", "2", "--vocab", "300", "--candidates", "16", "--json", str(tmp_path / "s.json")])
     assert set(r["ms"]["2"]) == {"plain", "qwen3_top_k_16"} | {f"{f}{d}" for f in ("sort", "top_p", "qwen3_sort")
-                                                                for d in ("", "_ids", "_ids_float")}
+                                                                for d in ("", "_threshold", "_ids", "_ids_float")}
     assert r["cub"]["2"]["sort"] is False          # a CPU has no CUB
     assert all(v > 0 for v in r["ms"]["2"].values())
     assert json.load(open(tmp_path / "s.json"))["vocab"] == 300

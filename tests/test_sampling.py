@@ -292,3 +292,21 @@ def test_threshold_draw_equals_the_sorted_draw_with_ids(monkeypatch, case):
         jax.clear_caches()
     np.testing.assert_array_equal(got["ids"], got["threshold"])
     assert len(np.unique(got["ids"][:, 8])) > 1 or params[0][8] == 0       # a tied row still samples
+
+
+def test_threshold_draw_breaks_equal_logit_plus_noise_as_the_sorted_draw(monkeypatch):
+    """Logit + noise equal in fp32 for several kept tokens: both draws take the larger logit (the sorted order),
+    not the lower id. The noise is replaced by a fixed table that makes ids 0-2 tie."""
+    import jaxinfer.sampling as sampling
+    V = 40
+    x = jnp.full((1, V), -5.0).at[0, :3].set(jnp.asarray([1.0, 3.0, 2.0]))
+    g = jnp.zeros((V,)).at[:3].set(jnp.asarray([2.0, 0.0, 1.0]))          # x + g = 3 for ids 0, 1, 2
+    monkeypatch.setattr(sampling, "gumbel_noise", lambda seeds, counters, n, start=0: jnp.broadcast_to(g, (1, n)))
+    monkeypatch.setattr(sampling, "gumbel_at", lambda seeds, counters, ids: g[ids])
+    one = lambda v, dt: jnp.full((1,), v, dt)
+    got = {}
+    for form in ("ids", "threshold"):
+        monkeypatch.setattr(sampling, "SORTED_DRAW", form)
+        got[form] = int(sampling.sample(x, one(1.0, jnp.float32), one(0, jnp.int32), one(0.999, jnp.float32),
+                                        one(0.0, jnp.float32), one(0, jnp.int32), one(0, jnp.int32), filtered=True)[0])
+    assert got == {"ids": 1, "threshold": 1}
