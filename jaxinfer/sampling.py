@@ -13,9 +13,9 @@ logits again and draws with `sample(..., filtered=...)`. A row whose top_k is at
 generation config asks for top_k=20, top_p=0.95) needs only its top candidates, not a sorted row: when every
 filtering row of a batch has such a top_k, the draw takes the rows' top candidates (`top_n_of`) and skips the sort
 (filtered="top_k"); otherwise it sorts the other rows' values (`_draw_by_threshold`) and those rows still draw
-from the same candidates, so a row's token never depends on which program its batch ran. A device-side `lax.cond` would make XLA copy its
-predicate to the host and block, which serialised every step with the host (measured on the H200); a filtered
-copy of every model step doubled the programs compiled at start-up.
+from the same candidates, so a row's token never depends on which program its batch ran. A device-side `lax.cond`
+would make XLA copy its predicate to the host and block, which serialised every step with the host (measured on
+the H200); a filtered copy of every model step doubled the programs compiled at start-up.
 """
 from __future__ import annotations
 
@@ -92,9 +92,9 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: 
 
     filtered (static): False ignores top-k / top-p / min-p, which is right only when no row sets them
     (`SamplingParams.needs_filter`); both variants draw the same token for such rows. True sorts each row's values
-    and applies them (`_draw_by_threshold`). "top_k": every row that filters has 0 < top_k <= TOP_K_CANDIDATES (`SamplingParams.filter_kind`),
-    so its draw needs only its top candidates; the other rows take the plain draw. A row with such a top_k draws
-    the same token in all of these variants. "top_k_only": every row is greedy or has such a top_k (the host
+    and applies them (`_draw_by_threshold`). "top_k": every row that filters has 0 < top_k <= TOP_K_CANDIDATES
+    (`SamplingParams.filter_kind`), so its draw needs only its top candidates; the other rows take the plain
+    draw. A row with such a top_k draws the same token in all of these variants. "top_k_only": every row is greedy or has such a top_k (the host
     checks, `step.draws_from_candidates`), so no row needs the plain draw over the whole vocabulary. `candidates`
     (static): that bound, the host's (`SamplingParams.filter_kind`) unless timing another. `plain` [B]: "top_k"'s
     draw for the rows that do not filter when it was made already (the model step's own ids: the resample program

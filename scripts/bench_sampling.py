@@ -1,14 +1,16 @@
 """Filtered sampling on the device: the plain draw against top-k / top-p / min-p (a stable sort of every row).
 
-    python scripts/bench_sampling.py [--rows 8 64 256] [--vocab 151936] [--draws auto threshold ids ids_float] [--json F]
+    python scripts/bench_sampling.py [--rows 8 64 256] [--vocab 151936] [--draws auto threshold ids ids_float]
+                                     [--json F]
 
 Times `sampling.sample` alone on logits already on the device, in ms per call. "sort": half the rows ask for
 top_k=50, all for top_p=0.9 (temperature 0.8); "top_p": top_p=0.95 alone (temperature 0.8); "qwen3_*": Qwen3's
 generation config (top_k=20, top_p=0.95, temperature 0.6), sorted or by the rows' top candidates
 (filtered="top_k", `--candidates` of them). The sorted forms run once per `--draws` entry: "" the engine's
 (`sampling.SORTED_DRAW="auto"`), "_threshold" values sorted alone, "_ids" sorted with their ids on uint32 keys,
-"_ids_float" on float keys; the JSON's "cub" says which ones XLA handed to CUB's radix sort. A filtered decode step on W's 256 rows cost ~3.5 ms more than a plain one
-on the H200 (docs/performance.md, ninth run); this is the part the draw itself takes. (A sort-free form, radix
+"_ids_float" on float keys; the JSON's "cub" says which ones XLA handed to CUB's radix sort. A filtered decode
+step on W's 256 rows cost ~3.5 ms more than a plain one on the H200 (docs/performance.md, ninth run); this is the
+part the draw itself takes. (A sort-free form, radix
 searches over the row in plain jnp, measured 1.3-5.4x slower than the sort at 8-256 rows and was dropped:
 docs/performance.md, tenth run.)
 """
@@ -59,7 +61,8 @@ def time_forms(rows: int, vocab: int, candidates: tuple[int, ...], draws: tuple[
                 cub[form] = "cub_sort" in hlo.lower() or "radixsort" in hlo.lower()
         s = time_loop(draw, state, est_s=1e-3)
         out[form] = s * 1e3
-        print(f"rows {rows:4d}, vocab {vocab}: {form:16s} {s * 1e3:8.3f} ms{' (CUB)' if (cub or {}).get(form) else ''}", flush=True)
+        tag = " (CUB)" if (cub or {}).get(form) else ""
+        print(f"rows {rows:4d}, vocab {vocab}: {form:16s} {s * 1e3:8.3f} ms{tag}", flush=True)
     return out
 
 
