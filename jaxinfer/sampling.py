@@ -94,11 +94,11 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: 
     (`SamplingParams.needs_filter`); both variants draw the same token for such rows. True sorts each row's values
     and applies them (`_draw_by_threshold`). "top_k": every row that filters has 0 < top_k <= TOP_K_CANDIDATES
     (`SamplingParams.filter_kind`), so its draw needs only its top candidates; the other rows take the plain
-    draw. A row with such a top_k draws the same token in all of these variants. "top_k_only": every row is greedy or has such a top_k (the host
-    checks, `step.draws_from_candidates`), so no row needs the plain draw over the whole vocabulary. `candidates`
-    (static): that bound, the host's (`SamplingParams.filter_kind`) unless timing another. `plain` [B]: "top_k"'s
-    draw for the rows that do not filter when it was made already (the model step's own ids: the resample program
-    need not draw them again).
+    draw. A row with such a top_k draws the same token in all of these variants. "top_k_only": every row is greedy
+    or has such a top_k (the host checks, `step.draws_from_candidates`), so no row needs the plain draw over the
+    whole vocabulary. `candidates` (static): that bound, the host's (`SamplingParams.filter_kind`) unless timing
+    another. `plain` [B]: "top_k"'s draw for the rows that do not filter when it was made already (the model step's
+    own ids: the resample program need not draw them again).
     A greedy row (temperature 0) gets no noise, so one argmax serves greedy and sampled rows alike."""
     sampled_row = (temperature > 0)[:, None]
     scaled = logits / jnp.where(sampled_row, temperature[:, None], 1.0)
