@@ -1,7 +1,7 @@
 """Server faults, each against a real server process (`python -m jaxinfer.server`) with its engine core:
 the core killed mid-stream (error event, 503s, exit code 1), SIGTERM mid-stream (the stream completes, both
-processes exit 0), a load error (raised before anything listens), and two API processes sharing one port whose
-server is killed (nothing stays behind)."""
+processes exit 0), a load error (raised before anything listens), two API processes sharing one port drained by
+Ctrl-C, and two whose server is killed (nothing stays behind)."""
 import json
 import os
 import signal
@@ -26,14 +26,15 @@ def jax_cache(tmp_path_factory):
     return jax_cache_env(tmp_path_factory)
 
 
-def start_server(model_dir, cache_env, *extra):
+def start_server(model_dir, cache_env, *extra, new_session=False, engine=None):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, **cache_env, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.server", model_dir, "--engine", json.dumps(ENGINE),
+    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.server", model_dir, "--engine", json.dumps(engine or ENGINE),
                              "--port", str(port), "--served-model-name", MODEL, "--log-level", "warning", *extra],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=new_session)
     url, end = f"http://127.0.0.1:{port}", time.time() + 180
     while True:
         assert proc.poll() is None, proc.stdout.read()
@@ -159,6 +160,34 @@ def test_load_error_is_raised_before_serving(tiny_dir):
         CoreProcess(tiny_dir, {**ENGINE, "max_num_seqs": -1}).wait_ready()
     with pytest.raises(FileNotFoundError):
         CoreProcess(os.path.join(tiny_dir, "missing"), ENGINE)
+
+
+def test_ctrl_c_drains_two_api_processes(tiny_dir, jax_cache):
+    """Ctrl-C reaches the whole process group: each API process must drain once (new requests get 503 while
+    the stream in flight completes), not take its parent's forwarded SIGTERM as a second signal and stop."""
+    long = {**ENGINE, "max_model_len": 1024, "num_kvcache_blocks": 600}
+    proc, url = start_server(tiny_dir, jax_cache, "--api-server-count", "2", new_session=True, engine=long)
+    try:
+        usage, n, refused, t = None, 0, [], time.time()
+        with httpx.stream("POST", url + "/v1/completions", json=stream_body(1000), timeout=60) as s:
+            for line in s.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                n += 1
+                if n == 2:
+                    os.killpg(proc.pid, signal.SIGINT)
+                    time.sleep(0.2)
+                    with httpx.Client(timeout=30, limits=httpx.Limits(max_keepalive_connections=0)) as c:
+                        refused = [c.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+                                   for _ in range(2)]     # whichever process answers
+                usage = json.loads(line.removeprefix("data: ")).get("usage") or usage
+        assert [r.status_code for r in refused] == [503, 503], [r.text for r in refused]
+        assert usage["completion_tokens"] == 1000, "the in-flight stream must complete"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
 
 
 def test_two_api_processes_and_a_killed_server(tiny_dir, jax_cache):

@@ -81,9 +81,12 @@ def _interrupt(sig, frame):
 
 
 def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api_index: int = 0,
-            alive=None, sock=None, tokenizer=None, options: ServerOptions | None = None) -> int:
+            alive=None, sock=None, tokenizer=None, options: ServerOptions | None = None,
+            ignore_sigint: bool = False) -> int:
     """One API process: uvicorn on (host, port) or on an inherited listening socket. Returns 1 if the core
-    died, else 0."""
+    died, else 0. ignore_sigint: one of several API processes, whose parent forwards SIGINT (Ctrl-C reaches the
+    whole process group) as SIGTERM; taking both would make the forwarded one a second signal, which stops at
+    once instead of draining."""
     import asyncio
 
     import uvicorn
@@ -98,6 +101,8 @@ def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api
         draining = False
 
         def handle_exit(self, sig, frame):
+            if ignore_sigint and sig == signal.SIGINT:
+                return
             if self.draining or not self.started:
                 return super().handle_exit(sig, frame)
             self.draining = True
@@ -116,10 +121,12 @@ def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api
 def _api_main(info: CoreInfo, name: str, host: str, port: int, log_level: str, api_index: int, sock,
               options: ServerOptions, metrics_dir: str) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)      # uvicorn installs its own while it runs
+    signal.signal(signal.SIGINT, signal.SIG_IGN)       # the parent forwards it (run_api's ignore_sigint)
     # this process is ours: prometheus_client's multiprocess mode (metrics.py), set before it is imported
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     logging.basicConfig(level=log_level.upper(), format=f"%(levelname)s:     [api {api_index}] %(message)s")
-    raise SystemExit(run_api(info, name, host, port, log_level, api_index, sock=sock, options=options))
+    raise SystemExit(run_api(info, name, host, port, log_level, api_index, sock=sock, options=options,
+                             ignore_sigint=True))
 
 
 def _run_api_processes(core: CoreProcess, name: str, host: str, port: int, log_level: str, n: int, sock,
