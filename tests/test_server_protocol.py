@@ -18,6 +18,22 @@ def test_server_options():
             ServerOptions.create(env={}, **bad)
 
 
+def test_queue_bound_shares_add_up():
+    """--max-waiting-requests over N API processes: the shares add up to max_num_seqs + N exactly (a rounded-up
+    share per process let an odd total be exceeded), differ by at most one, and are never 0."""
+    from types import SimpleNamespace
+
+    from jaxinfer.server.admission import Admission
+    from jaxinfer.server.options import ServerOptions
+    for seqs, waiting, procs in [(8, 1, 2), (8, 3, 2), (16, 0, 3), (1, 0, 2), (5, 4, 4)]:
+        state = SimpleNamespace(options=ServerOptions.create(env={}, max_waiting_requests=waiting))
+        caps = [Admission(state, seqs, procs, None, None, api_index=i).capacity() for i in range(procs)]
+        assert max(caps) - min(caps) <= 1 and min(caps) >= 1, caps
+        assert sum(caps) == max(procs, seqs + waiting), (seqs, waiting, procs, caps)
+    state = SimpleNamespace(options=ServerOptions.create(env={}))
+    assert Admission(state, 8, 2, None, None).capacity() is None
+
+
 def test_chat_text_parts_join_with_newlines():
     """A message's text parts are joined by newlines, as vLLM renders them (so the prompt tokens match vLLM's)."""
     from jaxinfer.server.protocol import ChatCompletionRequest, chat_messages

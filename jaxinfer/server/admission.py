@@ -1,7 +1,7 @@
 """The waiting-queue bound of one API process (`--max-waiting-requests`).
 
-Engine requests in flight are bounded by max_num_seqs + max_waiting_requests, split evenly over the API
-processes. Two checks use it:
+Engine requests in flight are bounded by max_num_seqs + max_waiting_requests, split over the API processes
+(shares differ by at most one and add up to the bound; each gets at least one). Two checks use it:
 - `full()`, from the Gate middleware before a generate request's body is read: while this process is at its
   share, the request gets 503 at once, at the cost of one pass through the gate (an overloaded event loop is
   busy with streams, and every further step of a request waits for it);
@@ -10,7 +10,6 @@ processes. Two checks use it:
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from jaxinfer.server import protocol as P
@@ -18,16 +17,19 @@ from jaxinfer.server import protocol as P
 
 class Admission:
     def __init__(self, state, max_num_seqs: int, api_processes: int, metrics,
-                 client: Callable[[], object]):
+                 client: Callable[[], object], api_index: int = 0):
         """`state`: the app's state (.options, .client, read per call: tests swap options); `client()` the
         live CoreClient (raises 503 when the engine is dead)."""
         self.state, self.max_num_seqs, self.api_processes = state, max_num_seqs, api_processes
-        self.metrics, self.client = metrics, client
+        self.metrics, self.client, self.api_index = metrics, client, api_index
 
     def capacity(self) -> int | None:
         """This API process's share of max_num_seqs + max_waiting_requests (None: no bound)."""
         waiting = self.state.options.max_waiting_requests
-        return None if waiting is None else math.ceil((self.max_num_seqs + waiting) / self.api_processes)
+        if waiting is None:
+            return None
+        share, extra = divmod(self.max_num_seqs + waiting, self.api_processes)
+        return max(1, share + (self.api_index < extra))
 
     def _overloaded(self, inflight: int) -> str:
         self.metrics.observe_rejected("queue_full")

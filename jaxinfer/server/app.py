@@ -153,7 +153,8 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         admit(len(items))
         return ids_list, items
 
-    admission = Admission(app.state, limits.get("max_num_seqs", 0), len(info.out_addrs), metrics, client)
+    admission = Admission(app.state, limits.get("max_num_seqs", 0), len(info.out_addrs), metrics, client,
+                          api_index)
     app.state.queue_full = admission.full          # the Gate's check, before a generate request's body is read
     admit = admission.admit
 
