@@ -43,7 +43,7 @@ def _rows(M):
 
 def _load(ref, lead, M, cols):
     """[16, len(cols)] rows of ref[*lead] (clamped to M), bypassing L1: other programs wrote them."""
-    return plt.load(ref.at[(*lead, _rows(M)[:, None], cols[None, :])], cache_modifier=".cg").astype(jnp.float32)
+    return plt.load(ref.at[(*lead, _rows(M)[:, None], cols[None, :])]).astype(jnp.float32)
 
 
 def _inv_rms(x_ref, lead, M, E, BK):
