@@ -31,12 +31,15 @@ from jax.experimental.pallas import triton as plt
 
 NUM_PROGRAMS = 128    # <= the H200's 132 SMs: every program must be resident (they wait for each other)
 MAX_ROWS = 16
+BLOCK_K = 128         # the largest K tile (a power of two dividing E, the q width and I is taken)
+NUM_STAGES = 3
 PHASES = ("B", "C", "D", "A")
 
 
 def _tiles(E: int, NQ: int, I: int, NQKV: int):
     """(block_k, wide block_n for qkv / gate_up, narrow block_n for o_proj / down_proj), or None."""
-    bk = next((b for b in (128, 64, 32, 16) if E % b == 0 and NQ % b == 0 and I % b == 0), None)
+    bk = next((b for b in (512, 256, 128, 64, 32, 16) if b <= BLOCK_K and E % b == 0 and NQ % b == 0
+               and I % b == 0), None)
     wide = next((b for b in (32, 16) if NQKV % b == 0 and I % b == 0), None)
     narrow = 16 if E % 16 == 0 else None
     return None if None in (bk, wide, narrow) else (bk, wide, narrow)
@@ -142,9 +145,11 @@ def _kernel(layer_ref, x, o, g_in, g_post, wqkv, wo, wgu, wd, cnt_in, mid_in, ac
             _barrier(cnt, (k + 1) * programs, gpu)
 
 
-@functools.partial(jax.jit, static_argnames=("phases", "eps", "programs", "num_warps", "num_stages", "interpret"))
-def _call(layer, x, o, g_in, g_post, wqkv, wo, wgu, wd, *, phases, eps, programs, num_warps, num_stages,
+@functools.partial(jax.jit, static_argnames=("phases", "eps", "programs", "num_warps", "num_stages", "block_k",
+                                             "interpret"))
+def _call(layer, x, o, g_in, g_post, wqkv, wo, wgu, wd, *, phases, eps, programs, num_warps, num_stages, block_k,
           interpret):
+    del block_k                                   # (part of the cache key: _tiles reads BLOCK_K)
     M, E = x.shape
     NQ, I, NQKV = wo.shape[1], wd.shape[1], wqkv.shape[2]
     dims = (M, E, NQ, I, NQKV, *_tiles(E, NQ, I, NQKV))
@@ -168,7 +173,8 @@ def _args(layers: dict):
 
 
 def decode_block(x: jax.Array, o: jax.Array, layers: dict, layer, *, eps: float, next_qkv: bool = True,
-                 interpret: bool = False, programs: int | None = None, num_warps: int = 4, num_stages: int = 3):
+                 interpret: bool = False, programs: int | None = None, num_warps: int = 4,
+                 num_stages: int | None = None):
     """x [M, E] (the layer's input residual), o [M, NQ] (its attention output) -> (x' [M, E] the layer's output,
     qkv [M, NQKV] = layer l + 1's RMSNorm(x') @ Wqkv, or None with next_qkv=False). `layers`: the model's stacked
     [L, ...] weights (model/qwen3.py layer_shapes); `layer`: int or int32 array, the layer l."""
@@ -176,15 +182,16 @@ def decode_block(x: jax.Array, o: jax.Array, layers: dict, layer, *, eps: float,
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     p = 1 if interpret else (programs or NUM_PROGRAMS)
     x_new, qkv = _call(layer, x, o, *_args(layers), phases=phases, eps=float(eps), programs=p,
-                       num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                       num_warps=num_warps, num_stages=num_stages or NUM_STAGES, block_k=BLOCK_K,
+                       interpret=interpret)
     return x_new, (qkv if next_qkv else None)
 
 
 def decode_qkv(x: jax.Array, layers: dict, layer, *, eps: float, interpret: bool = False,
-               programs: int | None = None, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+               programs: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> jax.Array:
     """RMSNorm(x) @ Wqkv[layer] for the first layer (phase A alone)."""
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     o = jnp.zeros((x.shape[0], layers["o_proj"].shape[1]), x.dtype)
     p = 1 if interpret else (programs or NUM_PROGRAMS)
     return _call(layer, x, o, *_args(layers), phases=("A",), eps=float(eps), programs=p, num_warps=num_warps,
-                 num_stages=num_stages, interpret=interpret)[1]
+                 num_stages=num_stages or NUM_STAGES, block_k=BLOCK_K, interpret=interpret)[1]

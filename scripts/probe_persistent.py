@@ -16,6 +16,9 @@ Variants, each one jit over all layers:
   split       one pallas_call per phase (4 kernels a layer, norms / SwiGLU / residuals fused in)
   persistent  one pallas_call for everything, P programs, a grid barrier (atomic counter) between phases
   barriers    the persistent kernel's barriers alone (no work): what a barrier costs
+  block       the engine's kernel (pallas_kernels/decode_block.py): one call a layer (B, C, D, then the next
+              layer's A), attention's stand-in being the q part of qkv; its max_err is against `xla`, whose
+              residual stays fp32 (the block's is bf16, as the engine's)
 The persistent kernel needs all P programs resident at once (P <= SMs); it deadlocks in interpret mode, so on
 a CPU (--cpu, tiny sizes) it runs with one program.
 
@@ -166,6 +169,8 @@ def run(x0, params, *, variant, BN=32, BK=128, P=128, num_warps=4, num_stages=3,
     dims = (M, E, NQ, NQKV, I, BN, BK)
     if variant == "xla":
         return _xla(x0, params)
+    if variant == "block":
+        return _block(x0, params, BK, num_stages, interpret)
     cp = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     bufs = _buffers(x0, L, dims)
     layer0 = jnp.zeros((1,), jnp.int32)
@@ -186,6 +191,22 @@ def run(x0, params, *, variant, BN=32, BK=128, P=128, num_warps=4, num_stages=3,
                                   compiler_params=cp, interpret=interpret, name=f"phase{p}")(
                 lid, x0, g1, g2, wqkv, wo, wgu, wd, *bufs)
     return bufs[0][L]
+
+
+def _block(x0, params, BK, num_stages, interpret):
+    """The engine's kernel (pallas_kernels/decode_block.py): the first qkv, then one call per layer (bf16
+    residual), attention's stand-in being the q part of qkv."""
+    import pallas_kernels.decode_block as db
+    g1, g2, wqkv, wo, wgu, wd = params
+    W = dict(zip(("input_layernorm", "post_attention_layernorm", "qkv_proj", "o_proj", "gate_up_proj",
+                  "down_proj"), params))
+    L, NQ, x = wqkv.shape[0], wo.shape[1], x0.astype(jnp.bfloat16)
+    db.BLOCK_K = BK
+    qkv = db.decode_qkv(x, W, 0, eps=EPS, interpret=interpret, num_stages=num_stages)
+    for layer in range(L):
+        x, qkv = db.decode_block(x, qkv[:, :NQ], W, layer, eps=EPS, next_qkv=layer + 1 < L, interpret=interpret,
+                                 num_stages=num_stages)
+    return x.astype(jnp.float32)
 
 
 def _xla(x0, params):
@@ -220,8 +241,7 @@ def make(key, L, E, NQ, NKV, I, M):
 
 
 def time_call(f, n=30):
-    out = f()
-    out.block_until_ready()
+    f().block_until_ready()
     t = time.perf_counter()
     for _ in range(n):
         out = f()
@@ -242,7 +262,7 @@ def main():
     a = ap.parse_args()
     if a.cpu:
         L, E, NQ, NKV, I = 2, 128, 128, 64, 128
-        variants, interp = ["xla", "split", "persistent"], True
+        variants, interp = ["xla", "split", "persistent", "block"], True
         a.programs = [1]                  # programs run one after another in interpret mode: one program only
     else:
         L, E, NQ, NKV, I = a.layers, 1024, 2048, 1024, 3072          # Qwen3-0.6B
