@@ -16,11 +16,12 @@ Variants, each one jit over all layers:
   split       one pallas_call per phase (4 kernels a layer, norms / SwiGLU / residuals fused in)
   persistent  one pallas_call for everything, P programs, a grid barrier (atomic counter) between phases
   barriers    the persistent kernel's barriers alone (no work): what a barrier costs
-  block       the engine's kernel (pallas_kernels/decode_block.py): one call a layer (B, C, D, then the next
-              layer's A), attention's stand-in being the q part of qkv; its max_err is against `xla`, whose
-              residual stays fp32 (the block's is bf16, as the engine's)
 The persistent kernel needs all P programs resident at once (P <= SMs); it deadlocks in interpret mode, so on
 a CPU (--cpu, tiny sizes) it runs with one program.
+
+Result on the H200 (docs/performance.md, twenty-eighth run): ~29-32 us a layer (~1 TB/s) with K tiles of 256 and
+4 stages, no faster than XLA's cuBLAS GEMMs and fusions; and the GPU's values were wrong (the barrier did not hold;
+interpret mode with one program matches), so those times are a lower bound for this design.
 
     python scripts/probe_persistent.py [--rows 1 8] [--json OUT]          (GPU)
     python scripts/probe_persistent.py --cpu                              (CPU check of the split kernels)
@@ -169,8 +170,6 @@ def run(x0, params, *, variant, BN=32, BK=128, P=128, num_warps=4, num_stages=3,
     dims = (M, E, NQ, NQKV, I, BN, BK)
     if variant == "xla":
         return _xla(x0, params)
-    if variant == "block":
-        return _block(x0, params, BK, num_stages, interpret)
     cp = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     bufs = _buffers(x0, L, dims)
     layer0 = jnp.zeros((1,), jnp.int32)
@@ -191,22 +190,6 @@ def run(x0, params, *, variant, BN=32, BK=128, P=128, num_warps=4, num_stages=3,
                                   compiler_params=cp, interpret=interpret, name=f"phase{p}")(
                 lid, x0, g1, g2, wqkv, wo, wgu, wd, *bufs)
     return bufs[0][L]
-
-
-def _block(x0, params, BK, num_stages, interpret):
-    """The engine's kernel (pallas_kernels/decode_block.py): the first qkv, then one call per layer (bf16
-    residual), attention's stand-in being the q part of qkv."""
-    import pallas_kernels.decode_block as db
-    g1, g2, wqkv, wo, wgu, wd = params
-    W = dict(zip(("input_layernorm", "post_attention_layernorm", "qkv_proj", "o_proj", "gate_up_proj",
-                  "down_proj"), params))
-    L, NQ, x = wqkv.shape[0], wo.shape[1], x0.astype(jnp.bfloat16)
-    db.BLOCK_K = BK
-    qkv = db.decode_qkv(x, W, 0, eps=EPS, interpret=interpret, num_stages=num_stages)
-    for layer in range(L):
-        x, qkv = db.decode_block(x, qkv[:, :NQ], W, layer, eps=EPS, next_qkv=layer + 1 < L, interpret=interpret,
-                                 num_stages=num_stages)
-    return x.astype(jnp.float32)
 
 
 def _xla(x0, params):
@@ -262,7 +245,7 @@ def main():
     a = ap.parse_args()
     if a.cpu:
         L, E, NQ, NKV, I = 2, 128, 128, 64, 128
-        variants, interp = ["xla", "split", "persistent", "block"], True
+        variants, interp = ["xla", "split", "persistent"], True
         a.programs = [1]                  # programs run one after another in interpret mode: one program only
     else:
         L, E, NQ, NKV, I = a.layers, 1024, 2048, 1024, 3072          # Qwen3-0.6B

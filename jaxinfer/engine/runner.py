@@ -63,8 +63,8 @@ def decode_chunk_pages(engine: EngineConfig) -> int:
 def program_switches() -> tuple:
     """The module switches a compiled step depends on (part of every executables key): the small-batch matmul
     choice, the xla decode's form, chunk and merge."""
-    return (layers.GEMV_MAX_ROWS, layers.GEMV_FUSE, layers.BLOCK_MAX_ROWS, xla_decode.DECODE_FORM,
-            xla_decode.DECODE_CHUNK, xla_decode.MERGE)
+    return (layers.GEMV_MAX_ROWS, layers.GEMV_FUSE, xla_decode.DECODE_FORM, xla_decode.DECODE_CHUNK,
+            xla_decode.MERGE)
 
 
 def rows_out(kind: str) -> bool:

@@ -37,50 +37,24 @@ GEMV_MAX_ROWS = 0
 GEMV_FUSE = True
 
 
-# Decode steps of at most this many rows run everything between two attention calls (o_proj, the MLP, the next
-# layer's qkv) as one persistent kernel a layer (pallas_kernels/decode_block.py) instead of ~9 kernels. 0 = off:
-# set it from the H200 A/B (scripts/probe_persistent.py, then `bench.py --latency`). Read when a step is built.
-BLOCK_MAX_ROWS = 0
-
-
 def decode_matmul(rows: int, interpret: bool = False, tp: int = 1):
-    """The `matmul` for qwen3.forward / compute_logits in a decode step of `rows` rows on one device: a
-    BlockMatmul when rows <= BLOCK_MAX_ROWS, the gemv kernel when rows <= GEMV_MAX_ROWS, else None (XLA's dot).
-    With tp > 1 XLA partitions the dots itself; the kernels would need a shard_map per matmul (and the
-    all-reduce after o_proj / down_proj)."""
-    if tp > 1:
-        return None
-    if rows <= BLOCK_MAX_ROWS:
-        return BlockMatmul(interpret)
-    if rows > GEMV_MAX_ROWS:
+    """The `matmul` for qwen3.forward / compute_logits in a decode step of `rows` rows: the gemv kernel when
+    rows <= GEMV_MAX_ROWS on one device, else None (XLA's dot). With tp > 1 XLA partitions the dots itself; the
+    kernel would need a shard_map per matmul (and the all-reduce after o_proj / down_proj)."""
+    if rows > GEMV_MAX_ROWS or tp > 1:
         return None
     return functools.partial(gemv_matmul, interpret=interpret, fuse=GEMV_FUSE)
 
 
-class BlockMatmul:
-    """decode_matmul's choice for the decode_block kernel: qwen3.forward sees `block` and runs its layers through
-    the kernel (where the shapes allow); called as a matmul (the LM head, or a fallback layer), it is XLA's dot."""
-    block = True
-
-    def __init__(self, interpret: bool):
-        self.interpret = interpret
-
-    def __call__(self, x, w, row=None, transpose_w=False, out_dtype=None, norm=None, gated=False):
-        return gemv_matmul(x, w, row, transpose_w, out_dtype, norm, gated, interpret=self.interpret, fuse=False,
-                           kernel=False)
-
-
 def gemv_matmul(x: jax.Array, w: jax.Array, row: int | None = None, transpose_w: bool = False, out_dtype=None,
-                norm=None, gated: bool = False, *, interpret: bool = False, fuse: bool = True,
-                kernel: bool = True) -> jax.Array:
+                norm=None, gated: bool = False, *, interpret: bool = False, fuse: bool = True) -> jax.Array:
     """x [M, E] @ w[row] (w stacked [L, E, N]) or @ w (row None, w [E, N]); transpose_w: w is [.., N, E] and
     x @ w^T is computed. Result [M, N] in out_dtype (default x's). norm = (weight [E] or stacked [L, E], eps):
     RMSNorm x first; gated: w's columns are [gate | up] and the result silu(gate) * up [M, N / 2]. `fuse`
-    (GEMV_FUSE when the step was built): both happen inside the kernel. Shapes the kernel does not take, and
-    kernel=False, use XLA."""
+    (GEMV_FUSE when the step was built): both happen inside the kernel. Shapes the kernel does not take use XLA."""
     from pallas_kernels.gemv import gemv, supported
     N, E = w.shape[-2:] if transpose_w else w.shape[-2:][::-1]
-    kernel = kernel and supported(x.shape[0], E, N) and not (gated and N % 32)
+    kernel = supported(x.shape[0], E, N) and not (gated and N % 32)
     fuse = kernel and fuse
     g, eps = norm if norm is not None else (None, 1e-6)
     if g is not None and not fuse:                          # the RMSNorm as its own op

@@ -111,9 +111,6 @@ def forward(c: ModelConfig, params: dict, token_ids, positions, attn: Callable, 
         x, caches = _scan_layers(c, layers, x, cos, sin, attn, kv_caches, tp)
         return rms_norm(x, params["norm"], c.rms_norm_eps), caches
     caches = list(kv_caches) if kv_caches is not None else [None] * c.num_hidden_layers
-    if getattr(matmul, "block", False) and x.ndim == 2 and _block_supported(c, x.shape[0]):
-        x, caches = _block_layers(c, layers, x, cos, sin, attn, caches, stacked, matmul.interpret)
-        return rms_norm(x, params["norm"], c.rms_norm_eps), caches
     for l in range(c.num_hidden_layers):
         w, qk_norms = {k: v[l] for k, v in layers.items()}, (layers["q_norm"], layers["k_norm"], l)
         mm = None if matmul is None else functools.partial(_project, matmul, layers, l, c.rms_norm_eps)
@@ -139,27 +136,6 @@ def _scan_layers(c: ModelConfig, layers: dict, x, cos, sin, attn, kv_caches, tp:
 
     (x, cache), _ = jax.lax.scan(body, (x, tuple(kv_caches[0])), (layers, jnp.arange(c.num_hidden_layers)))
     return x, [cache]
-
-
-def _block_supported(c: ModelConfig, rows: int) -> bool:
-    from pallas_kernels.decode_block import supported
-    return supported(rows, c.hidden_size, c.q_size, c.intermediate_size, c.q_size + 2 * c.kv_size)
-
-
-def _block_layers(c: ModelConfig, layers: dict, x, cos, sin, attn, caches: list, stacked, interpret: bool):
-    """The decode layers with everything between two attention calls as one decode_block kernel (one device;
-    model/layers.py BLOCK_MAX_ROWS): the first layer's qkv, then per layer attention and one kernel that gives the
-    layer's output and the next layer's qkv."""
-    from pallas_kernels.decode_block import decode_block, decode_qkv
-    eps, L = c.rms_norm_eps, c.num_hidden_layers
-    qkv = decode_qkv(x, layers, 0, eps=eps, interpret=interpret)
-    for l in range(L):
-        i = 0 if stacked else l
-        o, caches[i] = _attend(c, {k: v[l] for k, v in layers.items()}, qkv, cos, sin, attn, l, caches[i],
-                               (layers["q_norm"], layers["k_norm"], l))
-        x, qkv = decode_block(x, o.reshape(x.shape[0], -1), layers, l, eps=eps, next_qkv=l + 1 < L,
-                              interpret=interpret)
-    return x, caches
 
 
 def _project(matmul: Callable, layers: dict, l: int, eps: float, x: jax.Array, name: str, norm: str | None = None,
@@ -207,26 +183,16 @@ def compute_logits(c: ModelConfig, params: dict, hidden: jax.Array, matmul: Call
 def _decoder_layer(c: ModelConfig, w, x, cos, sin, attn, l, cache, qk_norms, tp: int = 1, mm=None):
     """qk_norms = (q_norm, k_norm, row): the q/k norm weights as given to `attn.from_qkv` ([D], row 0, or the
     stacked [L, D] and row l). tp > 1: the fused weights hold each device's heads adjacent (parallel/layout.py);
-    the [..., tp, per device] reshapes in _attend read them back, and are no-ops for tp = 1."""
+    the [..., tp, per device] reshapes below read them back, and are no-ops for tp = 1."""
     H, D = c.num_attention_heads, c.head_dim
+    K = kv_heads(c, tp) if tp > 1 else c.num_key_value_heads                     # K' (replicated up to tp)
+    Hl, Kl = H // tp, K // tp
     lead = x.shape[:-1]
     if mm is None:   # mm(x, name, norm, gated) = [RMSNorm `norm`](x) @ this layer's `name` [then swiglu]
         def mm(x, name, norm=None, gated=False):
             y = (rms_norm(x, w[norm], c.rms_norm_eps) if norm else x) @ w[name]
             return swiglu(y.reshape(*y.shape[:-1], tp, -1)).reshape(*y.shape[:-1], -1) if gated else y
     qkv = mm(x, "qkv_proj", "input_layernorm")                                    # [..., tp (Hl+2Kl) D]
-    o, cache = _attend(c, w, qkv, cos, sin, attn, l, cache, qk_norms, tp)
-    x = x + mm(o.reshape(*lead, H * D), "o_proj")        # split by input for tp: XLA adds the all-reduce
-    act = mm(x, "gate_up_proj", "post_attention_layernorm", gated=True)         # [..., I]: silu(gate) * up
-    return x + mm(act, "down_proj"), cache
-
-
-def _attend(c: ModelConfig, w, qkv, cos, sin, attn, l, cache, qk_norms, tp: int = 1):
-    """Attention from a layer's qkv projection [..., tp (Hl+2Kl) D]: o [..., H, D] and the cache."""
-    H, D = c.num_attention_heads, c.head_dim
-    K = kv_heads(c, tp) if tp > 1 else c.num_key_value_heads                     # K' (replicated up to tp)
-    Hl, Kl = H // tp, K // tp
-    lead = qkv.shape[:-1]
     from_qkv = attn.from_qkv if isinstance(attn, LayerAttention) else None
     if from_qkv is not None:     # the kernel normalises and rotates q/k itself (3 fewer kernels a layer)
         qkv = qkv.reshape(*lead, tp * (Hl + 2 * Kl), D)
@@ -239,7 +205,9 @@ def _attend(c: ModelConfig, w, qkv, cos, sin, attn, l, cache, qk_norms, tp: int 
         q = apply_rope(rms_norm(q, w["q_norm"], c.rms_norm_eps), cos, sin)
         k = apply_rope(rms_norm(k, w["k_norm"], c.rms_norm_eps), cos, sin)
         o, cache = attn(l, q, k, v, cache)                                        # [..., H, D]
-    return o, cache
+    x = x + mm(o.reshape(*lead, H * D), "o_proj")        # split by input for tp: XLA adds the all-reduce
+    act = mm(x, "gate_up_proj", "post_attention_layernorm", gated=True)         # [..., I]: silu(gate) * up
+    return x + mm(act, "down_proj"), cache
 
 
 def dense_attention(l, q, k, v, cache):
