@@ -55,6 +55,20 @@ def pid_exists(pid: int) -> bool:
     return not open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
+def stream_usage(url, max_tokens, on_second_chunk):
+    """Stream a completion of max_tokens, calling on_second_chunk() when its second chunk arrives; the usage."""
+    usage, n = None, 0
+    with httpx.stream("POST", url + "/v1/completions", json=stream_body(max_tokens), timeout=60) as s:
+        for line in s.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            n += 1
+            if n == 2:
+                on_second_chunk()
+            usage = json.loads(line.removeprefix("data: ")).get("usage") or usage
+    return usage
+
+
 def stream_body(max_tokens):
     return {"model": MODEL, "prompt": "Hello there", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -94,17 +108,7 @@ def test_core_killed_mid_stream(server):
 def test_sigterm_drains_both_processes(server):
     proc, url = server
     core_pid = httpx.get(url + "/stats").json()["engine_core_pid"]
-    text, usage, n = "", None, 0
-    with httpx.stream("POST", url + "/v1/completions", json=stream_body(60), timeout=60) as s:
-        for line in s.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            n += 1
-            if n == 2:
-                proc.send_signal(signal.SIGTERM)
-            chunk = json.loads(line.removeprefix("data: "))
-            usage = chunk.get("usage") or usage
-            text += "".join(c["text"] for c in chunk["choices"])
+    usage = stream_usage(url, 60, lambda: proc.send_signal(signal.SIGTERM))
     assert usage["completion_tokens"] == 60, "the in-flight stream must complete"
     assert proc.wait(timeout=60) == 0
     end = time.time() + 10
@@ -167,20 +171,16 @@ def test_ctrl_c_drains_two_api_processes(tiny_dir, jax_cache):
     the stream in flight completes), not take its parent's forwarded SIGTERM as a second signal and stop."""
     long = {**ENGINE, "max_model_len": 1024, "num_kvcache_blocks": 600}
     proc, url = start_server(tiny_dir, jax_cache, "--api-server-count", "2", new_session=True, engine=long)
+    refused = []
+
+    def ctrl_c():
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.2)
+        with httpx.Client(timeout=30, limits=httpx.Limits(max_keepalive_connections=0)) as c:
+            refused.extend(c.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+                           for _ in range(2))                     # whichever process answers
     try:
-        usage, n, refused, t = None, 0, [], time.time()
-        with httpx.stream("POST", url + "/v1/completions", json=stream_body(1000), timeout=60) as s:
-            for line in s.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                n += 1
-                if n == 2:
-                    os.killpg(proc.pid, signal.SIGINT)
-                    time.sleep(0.2)
-                    with httpx.Client(timeout=30, limits=httpx.Limits(max_keepalive_connections=0)) as c:
-                        refused = [c.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
-                                   for _ in range(2)]     # whichever process answers
-                usage = json.loads(line.removeprefix("data: ")).get("usage") or usage
+        usage = stream_usage(url, 1000, ctrl_c)
         assert [r.status_code for r in refused] == [503, 503], [r.text for r in refused]
         assert usage["completion_tokens"] == 1000, "the in-flight stream must complete"
         assert proc.wait(timeout=60) == 0
