@@ -116,7 +116,7 @@ def _barrier(cnt_ref, target, gpu):
         plt.debug_barrier()                                # this program's stores are issued
     plt.atomic_add(cnt_ref, (jnp.int32(0),), jnp.int32(1))            # arrive (acq_rel, gpu scope)
     seen = jax.lax.while_loop(lambda v: v < target,
-                              lambda v: plt.load(cnt_ref.at[0], volatile=True), jnp.int32(0))
+                              lambda v: plt.load(cnt_ref.at[jnp.int32(0)], volatile=True), jnp.int32(0))
     # acquire what the others wrote; it also uses the spin's result: a loop whose result nothing uses is
     # dropped from the kernel's jaxpr (its volatile load has no effect), which is what the twenty-eighth run ran
     plt.atomic_add(cnt_ref, (jnp.int32(0),), seen * 0)
