@@ -20,8 +20,8 @@ The persistent kernel needs all P programs resident at once (P <= SMs); it deadl
 a CPU (--cpu, tiny sizes) it runs with one program.
 
 Result on the H200 (docs/performance.md, twenty-eighth run): ~29-32 us a layer (~1 TB/s) with K tiles of 256 and
-4 stages, no faster than XLA's cuBLAS GEMMs and fusions; and the GPU's values were wrong (the barrier did not hold;
-interpret mode with one program matches), so those times are a lower bound for this design.
+4 stages, no faster than XLA's cuBLAS GEMMs and fusions. Those times are a lower bound for this design: that run's
+barrier had lost its spin loop (JAX dropped it: its result was unused), so its values were wrong.
 
     python scripts/probe_persistent.py [--rows 1 8] [--json OUT]          (GPU)
     python scripts/probe_persistent.py --cpu                              (CPU check of the split kernels)
