@@ -16,6 +16,7 @@ Variants, each one jit over all layers:
   split       one pallas_call per phase (4 kernels a layer, norms / SwiGLU / residuals fused in)
   persistent  one pallas_call for everything, P programs, a grid barrier (atomic counter) between phases
   barriers    the persistent kernel's barriers alone (no work): what a barrier costs
+  *_nk        split / persistent with the weights stored transposed ([L, N, K]: tiles of contiguous K)
 The persistent kernel needs all P programs resident at once (P <= SMs); it deadlocks in interpret mode, so on
 a CPU (--cpu, tiny sizes) it runs with one program.
 
@@ -59,7 +60,7 @@ def _inv_rms(x_ref, lead, M, E, BK):
     return jax.lax.rsqrt(ss / E + EPS)
 
 
-def _matmul_item(x_ref, lead, w_ref, layer, col0, BN, K, BK, M, *, g_ref=None, inv=None, w2_col0=None):
+def _matmul_item_kn(x_ref, lead, w_ref, layer, col0, BN, K, BK, M, *, g_ref=None, inv=None, w2_col0=None, nk=False):
     """acc [16, BN] = (RMSNorm'd) x_ref[*lead][:, :K] @ W[layer, :, col0 : col0 + BN] (and a second column
     block at w2_col0, for SwiGLU's up half)."""
     def body(i, carry):
@@ -69,9 +70,11 @@ def _matmul_item(x_ref, lead, w_ref, layer, col0, BN, K, BK, M, *, g_ref=None, i
         if g_ref is not None:
             x = x * inv[:, None] * g_ref[layer, pl.ds(k0, BK)].astype(jnp.float32)[None, :]
         x = x.astype(w_ref.dtype)
-        acc = acc + plt.dot(x, w_ref[layer, pl.ds(k0, BK), pl.ds(col0, BN)])
+        def tile(c0):      # nk: W stored [L, N, K], each tile's rows BK contiguous elements
+            return w_ref[layer, pl.ds(c0, BN), pl.ds(k0, BK)] if nk else w_ref[layer, pl.ds(k0, BK), pl.ds(c0, BN)]
+        acc = acc + plt.dot(x, tile(col0), trans_b=nk)
         if w2_col0 is not None:
-            acc2 = acc2 + plt.dot(x, w_ref[layer, pl.ds(k0, BK), pl.ds(w2_col0, BN)])
+            acc2 = acc2 + plt.dot(x, tile(w2_col0), trans_b=nk)
         return acc, acc2
     z = jnp.zeros((16, BN), jnp.float32)
     return jax.lax.fori_loop(0, K // BK, body, (z, z))
@@ -84,7 +87,8 @@ def _store_rows(o_ref, lead, cols, val, M):
 def _phase(p, layer, item, refs, dims):
     """Item `item` of phase p (0..3) of layer `layer`."""
     (g1, g2, wqkv, wo, wgu, wd, res, mid, qkv, act) = refs
-    M, E, NQ, NQKV, I, BN, BK = dims
+    M, E, NQ, NQKV, I, BN, BK, nk = dims
+    _matmul_item = functools.partial(_matmul_item_kn, nk=nk)
     if p == 0:
         inv = _inv_rms(res, (layer,), M, E, BK)
         acc, _ = _matmul_item(res, (layer,), wqkv, layer, item * BN, BN, E, BK, M, g_ref=g1, inv=inv)
@@ -107,7 +111,7 @@ def _phase(p, layer, item, refs, dims):
 
 
 def _items(dims):
-    M, E, NQ, NQKV, I, BN, BK = dims
+    M, E, NQ, NQKV, I, BN, BK, nk = dims
     return (NQKV // BN, E // (BN // 2), I // BN, E // (BN // 2))
 
 
@@ -152,7 +156,7 @@ def _split_kernel(layer_ref, x0, g1, g2, wqkv, wo, wgu, wd, res_in, mid_in, qkv_
 
 
 def _buffers(x0, L, dims):
-    M, E, NQ, NQKV, I, BN, BK = dims
+    M, E, NQ, NQKV, I, BN, BK, nk = dims
     res = jnp.zeros((L + 1, M, E), jnp.float32).at[0].set(x0)
     return (res, jnp.zeros((L, M, E), jnp.float32), jnp.zeros((M, NQKV), jnp.bfloat16),
             jnp.zeros((M, I), jnp.bfloat16))
@@ -166,10 +170,12 @@ def _out_shapes(bufs):
 def run(x0, params, *, variant, BN=32, BK=128, P=128, num_warps=4, num_stages=3, interpret=False):
     """Final residual [M, E] after all layers."""
     g1, g2, wqkv, wo, wgu, wd = params
-    L, E, NQKV = wqkv.shape
-    NQ, I = wo.shape[1], wd.shape[1]
+    nk = variant.endswith("_nk")              # the weights come transposed: [L, N, K]
+    variant = variant.removesuffix("_nk")
+    L, E, NQKV = (wqkv.shape[0], wqkv.shape[2], wqkv.shape[1]) if nk else wqkv.shape
+    NQ, I = (wo.shape[2], wd.shape[2]) if nk else (wo.shape[1], wd.shape[1])
     M = x0.shape[0]
-    dims = (M, E, NQ, NQKV, I, BN, BK)
+    dims = (M, E, NQ, NQKV, I, BN, BK, nk)
     if variant == "xla":
         return _xla(x0, params)
     cp = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
@@ -247,7 +253,7 @@ def main():
     a = ap.parse_args()
     if a.cpu:
         L, E, NQ, NKV, I = 2, 128, 128, 64, 128
-        variants, interp = ["xla", "split", "persistent"], True
+        variants, interp = ["xla", "split", "persistent", "persistent_nk"], True
         a.programs = [1]                  # programs run one after another in interpret mode: one program only
     else:
         L, E, NQ, NKV, I = a.layers, 1024, 2048, 1024, 3072          # Qwen3-0.6B
@@ -257,8 +263,9 @@ def main():
     for M in a.rows:
         x0, params = make(jax.random.PRNGKey(M), L, E, NQ, NKV, I, M)
         ref = run(x0, params, variant="xla")
+        params_nk = tuple(w if w.ndim == 2 else jnp.swapaxes(w, 1, 2) for w in params)
         for v in variants:
-            for P in (a.programs if v in ("persistent", "barriers") else [0]):
+            for P in (a.programs if v.startswith(("persistent", "barriers")) else [0]):
                 for BK in (a.block_k if v != "xla" else [0]):
                     for st in (a.stages if v != "xla" else [0]):
                         kw = dict(variant=v, interpret=interp)
@@ -266,9 +273,10 @@ def main():
                             kw.update(BK=BK, num_stages=st, **({"P": P} if P else {}))
                         row = dict(rows=M, variant=v, programs=P or None, block_k=BK or None, stages=st or None)
                         try:
-                            out = run(x0, params, **kw)
+                            w = params_nk if v.endswith("_nk") else params
+                            out = run(x0, w, **kw)
                             row["max_err"] = float(jnp.max(jnp.abs(out - ref))) if v != "barriers" else None
-                            row["ms"] = time_call(lambda: run(x0, params, **kw), n=3 if interp else 30)
+                            row["ms"] = time_call(lambda: run(x0, w, **kw), n=3 if interp else 30)
                             row["us_per_layer"] = row["ms"] * 1e3 / L
                             row["TB/s"] = mb / 1e6 / (row["ms"] / 1e3) if v != "barriers" else None
                         except Exception as e:         # a probe: report and go on
