@@ -20,9 +20,9 @@ Variants, each one jit over all layers:
 The persistent kernel needs all P programs resident at once (P <= SMs); it deadlocks in interpret mode, so on
 a CPU (--cpu, tiny sizes) it runs with one program.
 
-Result on the H200 (docs/performance.md, twenty-eighth run): ~29-32 us a layer (~1 TB/s) with K tiles of 256 and
-4 stages, no faster than XLA's cuBLAS GEMMs and fusions. Those times are a lower bound for this design: that run's
-barrier had lost its spin loop (JAX dropped it: its result was unused), so its values were wrong.
+Result on the H200 (docs/performance.md, twenty-eighth run), K tiles of 256 and 4 stages, us a layer at 1 / 8
+rows: persistent 38.7 / 34.8, one kernel a phase 31.6 / 31.0 (~1 TB/s either way, weights [K, N] or [N, K]), a
+barrier ~1.5 us: no faster than XLA's cuBLAS GEMMs and fusions (~29.5 us a layer in the engine at one row).
 
     python scripts/probe_persistent.py [--rows 1 8] [--json OUT]          (GPU)
     python scripts/probe_persistent.py --cpu                              (CPU check of the split kernels)
