@@ -201,6 +201,8 @@ def test_data_parallel_equals_one_replica(ckpts, tp1, prompts):
     first = next(iter(dp.stream(ps[:2], GREEDY)))
     assert first.token_ids
     assert dp.stats()["kv_blocks_free"] == dp.stats()["kv_blocks_total"]
+    bm = dp.llm_engine.block_manager           # the same through the block manager: both replicas' pools
+    assert bm.num_free_blocks == bm.num_blocks == 2 * bm.blocks_per_replica == dp.stats()["kv_blocks_total"]
     # n samples: the same tokens, and a request's samples stay on one replica (they reuse sample 0's cached
     # prompt there: as many prefix-cache hits as on one engine)
     nsp = SamplingParams(n=3, temperature=0.9, max_tokens=4, ignore_eos=True, seed=7)

@@ -219,7 +219,13 @@ class _BlockManagerView:
 
     @property
     def num_blocks(self) -> int:
-        return self._replicas[0].block_manager.num_blocks      # per replica: what one request can use
+        """All replicas' pools together (as num_free_blocks: an idle engine has them equal)."""
+        return sum(r.block_manager.num_blocks for r in self._replicas)
+
+    @property
+    def blocks_per_replica(self) -> int:
+        """One replica's pool: what one request can use."""
+        return self._replicas[0].block_manager.num_blocks
 
     @property
     def num_free_blocks(self) -> int:

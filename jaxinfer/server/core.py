@@ -65,9 +65,10 @@ def run_core(model: str, engine_kwargs: dict, in_addr: str, out_addrs: list[str]
         ready_conn.send({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
         ready_conn.close()
         raise SystemExit(1) from None
-    cfg = llm.engine.config                # (a data-parallel engine: num_blocks is one replica's)
+    cfg, bm = llm.engine.config, llm.engine.block_manager
+    pool = getattr(bm, "blocks_per_replica", bm.num_blocks)     # what one request can use (data-parallel: a replica's)
     ready_conn.send({"limits": dict(max_model_len=cfg.max_model_len, vocab_size=llm.model_config.vocab_size,
-                                    num_blocks=llm.engine.block_manager.num_blocks, block_size=cfg.block_size,
+                                    num_blocks=pool, block_size=cfg.block_size,
                                     max_num_seqs=cfg.max_num_seqs * cfg.data_parallel_size,   # (the queue bound)
                                     pid=os.getpid(),
                                     xla_flags=os.environ.get("XLA_FLAGS", ""))})
