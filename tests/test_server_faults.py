@@ -31,8 +31,8 @@ def start_server(model_dir, cache_env, *extra, new_session=False, engine=None):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, **cache_env, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.server", model_dir, "--engine", json.dumps(engine or ENGINE),
-                             "--port", str(port), "--served-model-name", MODEL, "--log-level", "warning", *extra],
+    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.server", model_dir,
+                             "--engine", json.dumps(engine or ENGINE), "--port", str(port), "--served-model-name", MODEL, "--log-level", "warning", *extra],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=new_session)
     url, end = f"http://127.0.0.1:{port}", time.time() + 180
