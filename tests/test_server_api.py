@@ -217,6 +217,7 @@ def test_queue_bound_answers_503_at_once(server, url):
     assert over.json()["error"]["code"] == "overloaded"
     assert early.status_code == 503 and early.json()["error"]["code"] == "overloaded"
     assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "n"
+    assert "needs 9 engine requests" in too_big.json()["error"]["message"] and "at most 8" in too_big.text
     assert busy.status_code == 200 and busy.json()["usage"]["completion_tokens"] == 8 * 60
     metrics = httpx.get(url + "/metrics").text
     assert 'jaxinfer:requests_rejected_total{model_name="tiny-qwen3",reason="queue_full"} 2.0' in metrics

@@ -49,8 +49,9 @@ class Admission:
         if cap is None:
             return
         if need > cap:
+            share = "" if self.api_processes == 1 else f" (its share over {self.api_processes} API processes)"
             raise P.RequestError(f"the request needs {need} engine requests (prompts x n) but the server admits at "
-                                 f"most {cap} at a time", param="n")
+                                 f"most {cap} at a time{share}: max_num_seqs + --max-waiting-requests", param="n")
         if c.inflight + need > cap:
             raise P.RequestError(self._overloaded(c.inflight), status=503, code="overloaded",
                                  headers={"Retry-After": str(self.state.options.retry_after_s)})
