@@ -60,7 +60,7 @@ def _inv_rms(x_ref, lead, M, E, BK):
     return jax.lax.rsqrt(ss / E + EPS)
 
 
-def _matmul_item_kn(x_ref, lead, w_ref, layer, col0, BN, K, BK, M, *, g_ref=None, inv=None, w2_col0=None, nk=False):
+def _matmul(x_ref, lead, w_ref, layer, col0, BN, K, BK, M, *, g_ref=None, inv=None, w2_col0=None, nk=False):
     """acc [16, BN] = (RMSNorm'd) x_ref[*lead][:, :K] @ W[layer, :, col0 : col0 + BN] (and a second column
     block at w2_col0, for SwiGLU's up half)."""
     def body(i, carry):
@@ -88,24 +88,24 @@ def _phase(p, layer, item, refs, dims):
     """Item `item` of phase p (0..3) of layer `layer`."""
     (g1, g2, wqkv, wo, wgu, wd, res, mid, qkv, act) = refs
     M, E, NQ, NQKV, I, BN, BK, nk = dims
-    _matmul_item = functools.partial(_matmul_item_kn, nk=nk)
+    mm = functools.partial(_matmul, nk=nk)
     if p == 0:
         inv = _inv_rms(res, (layer,), M, E, BK)
-        acc, _ = _matmul_item(res, (layer,), wqkv, layer, item * BN, BN, E, BK, M, g_ref=g1, inv=inv)
+        acc, _ = mm(res, (layer,), wqkv, layer, item * BN, BN, E, BK, M, g_ref=g1, inv=inv)
         _store_rows(qkv, (), item * BN + jnp.arange(BN), acc, M)
     elif p == 1:
         bn = BN // 2
-        acc, _ = _matmul_item(qkv, (), wo, layer, item * bn, bn, NQ, BK, M)
+        acc, _ = mm(qkv, (), wo, layer, item * bn, bn, NQ, BK, M)
         cols = item * bn + jnp.arange(bn)
         _store_rows(mid, (layer,), cols, _load(res, (layer,), M, cols) + acc, M)
     elif p == 2:
         inv = _inv_rms(mid, (layer,), M, E, BK)
-        g, u = _matmul_item(mid, (layer,), wgu, layer, item * BN, BN, E, BK, M, g_ref=g2, inv=inv,
+        g, u = mm(mid, (layer,), wgu, layer, item * BN, BN, E, BK, M, g_ref=g2, inv=inv,
                             w2_col0=I + item * BN)
         _store_rows(act, (), item * BN + jnp.arange(BN), g / (1.0 + jnp.exp(-g)) * u, M)
     else:
         bn = BN // 2
-        acc, _ = _matmul_item(act, (), wd, layer, item * bn, bn, I, BK, M)
+        acc, _ = mm(act, (), wd, layer, item * bn, bn, I, BK, M)
         cols = item * bn + jnp.arange(bn)
         _store_rows(res, (layer + 1,), cols, _load(mid, (layer,), M, cols) + acc, M)
 
