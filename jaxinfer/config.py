@@ -147,8 +147,8 @@ PLATFORM_DEFAULTS = {
 # decode_ladder ((first, ratio): first * ratio^k), narrow_prefill, decode_context_buckets (xla decode's page budgets).
 BACKEND_DEFAULTS = {
     "pallas": dict(context_buckets=(4096,), prefill_ladder=(64, 4), narrow_prefill=1024),
-    "xla": dict(context_buckets=(2048, 8192), prefill_ladder=(256, 8), narrow_prefill=None,
-                decode_context_buckets=(512, 768, 1024, 1536, 2048, 8192), decode_ladder=(64, 8)),
+    "xla": dict(context_buckets=(1024, 2048, 8192), prefill_ladder=(256, 8), narrow_prefill=None,
+                decode_context_buckets=(512, 640, 768, 1024, 1536, 2048, 8192), decode_ladder=(64, 8)),
 }
 
 
@@ -172,9 +172,9 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] | None = _opt(None, "prefill token counts to compile (default: 64 x 4^k, "
                                                          "xla 256 x 8^k, up to max_num_batched_tokens)")
     context_buckets: tuple[int, ...] | None = _opt(None, "context lengths (tokens) with a narrower block-table width "
-                                                         "than max_model_len's (default: pallas 4096; xla 2048, 8192)")
+                                                         "than max_model_len's (default: pallas 4096; xla 1024, 2048, 8192)")
     decode_context_buckets: tuple[int, ...] | None = _opt(None, "decode steps' context buckets (default: xla 512, "
-        "768, 1024, 1536, 2048, 8192: mean tokens a row of its flat tables; other backends: context_buckets)")
+        "640, 768, 1024, 1536, 2048, 8192: mean tokens a row of its flat tables; other backends: context_buckets)")
     seed: int | None = _opt(0, "engine seed: draws the seeds of requests that give none")
     async_scheduling: bool = _opt(True, "schedule step N+1 while step N runs (sampled ids stay on the device)")
     num_scheduler_steps: int | None = _opt(None, "decode steps per device call for small batches (default: the "

@@ -109,7 +109,8 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
     return r
 
 
-STEP_LOG_COLUMNS = ("kind", "rows", "bucket", "schedule_s", "dispatch_s", "wait_s", "apply_s", "transfer_s")
+STEP_LOG_COLUMNS = ("kind", "rows", "bucket", "schedule_s", "dispatch_s", "wait_s", "apply_s", "transfer_s",
+                    "table_width", "context_tokens")
 
 
 def build(args):

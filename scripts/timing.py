@@ -70,7 +70,7 @@ def step_log_summary(log: list) -> dict:
     GPU, set the pace of those steps."""
     groups: dict[str, list] = {}
     for kind, _, bucket, *times in log:
-        groups.setdefault(f"{kind} {bucket}", []).append(times)
+        groups.setdefault(f"{kind} {bucket}", []).append(times[:5])
     out = {}
     print("host ms per step by bucket (schedule / dispatch (of it: transfer) / wait / apply):")
     for name, rows in sorted(groups.items(), key=lambda kv: (kv[0].split()[0], int(kv[0].split()[1]))):

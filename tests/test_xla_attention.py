@@ -121,9 +121,9 @@ def test_block_table_widths_per_backend():
     explicit context_buckets (decode_context_buckets) wins."""
     m = preset("qwen3-0.6b")
     xla = EngineConfig(attn_backend="xla").resolve("gpu", m)
-    assert xla.block_table_widths() == (128, 512, 2560) and xla.prefill_buckets == (256, 2048, 16384)
+    assert xla.block_table_widths() == (64, 128, 512, 2560) and xla.prefill_buckets == (256, 2048, 16384)
     # the xla decode: flat tables, so W is a page budget per row (decode_context_buckets), and few row buckets
-    assert xla.block_table_widths(decode=True) == (32, 48, 64, 96, 128, 512, 2560)
+    assert xla.block_table_widths(decode=True) == (32, 40, 48, 64, 96, 128, 512, 2560)
     assert xla.decode_buckets == (8, 64, 256)
     assert EngineConfig(attn_backend="xla", decode_context_buckets=(100,)).resolve("gpu", m).block_table_widths(
         decode=True) == (7, 2560)
@@ -133,7 +133,7 @@ def test_block_table_widths_per_backend():
     assert own.block_table_widths() == (63, 256)
     # prefill steps: the xla ladder at every size; the kernels' (which read just a row's pages) above 1024 tokens
     # only the full width
-    assert xla.prefill_table_widths(16384) == (128, 512, 2560)
+    assert xla.prefill_table_widths(16384) == (64, 128, 512, 2560)
     full = EngineConfig(attn_backend="pallas").resolve("gpu", m)
     assert full.block_table_widths() == (256, 2560) and full.prefill_table_widths(1024) == (256, 2560)
     assert full.prefill_table_widths(4096) == (2560,)

@@ -5,8 +5,7 @@
 """
 from __future__ import annotations
 
-import functools
-import time
+import functools, time
 from typing import Callable
 
 import numpy as np
@@ -232,11 +231,12 @@ class LLMEngine:
             self.scheduler.on_dispatch(batch)
         self.host_time["schedule_s"] += plan.t1 - plan.t0
         self.host_time["dispatch_s"] += plan.t2 - plan.t_launch
-        entry = None if self.step_log is None else ["prefill" if batch.is_prefill else "decode", len(batch.seqs),
-                                                     plan.key[1], plan.t1 - plan.t0, plan.t2 - plan.t_launch, 0.0, 0.0,
-                                                     plan.t_put]
-        if entry is not None:                    # (the read fills in wait and apply)
-            self.step_log.append(entry)
+        entry = None   # kind, rows, T, schedule, dispatch, wait, apply (the read fills these two), transfer, W, context
+        if self.step_log is not None:
+            ctx = sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens))
+            self.step_log.append(entry := ["prefill" if batch.is_prefill else "decode", len(batch.seqs), plan.key[1],
+                                           plan.t1 - plan.t0, plan.t2 - plan.t_launch, 0.0, 0.0, plan.t_put,
+                                           plan.key[-1], ctx])
         prev, self.in_flight = self.in_flight, (batch, plan.ids, entry, plan.pending)
         if prev is not None:
             return functools.partial(self._apply, *prev)
