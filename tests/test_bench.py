@@ -43,6 +43,10 @@ def test_bench_runs_and_counts(tiny_dir, tmp_path, capsys):
     by_bucket = r["host_ms_by_bucket"]
     assert by_bucket["decode 4"]["steps"] == r["decode_steps"] and by_bucket["prefill 512"]["steps"] == r["prefill_steps"]
     assert sum(row[1] for row in log if row[0] == "decode") == r["output_tokens"] - r["num_seqs"]
+    cols = json.load(open(tmp_path / "log.json"))["columns"]
+    assert cols[-2:] == ["table_width", "context_tokens"] and all(len(row) == len(cols) for row in log)
+    # a decode step's context: its rows' tokens (at least one each), within its B x W pages
+    assert all(row[1] <= row[-1] <= row[2] * row[-2] * 64 for row in log if row[0] == "decode")   # block size 64
 
 
 def test_workload_is_nano_vllms():
