@@ -200,6 +200,22 @@ def test_no_compilation_after_warmup(tiny_dir):
     assert runner() is None          # frozen objects are still freed: a deleted engine's KV cache goes back
 
 
+def test_warmups_second_pass_skips_programs_with_a_long_first_run(tiny_dir, monkeypatch):
+    """Warm-up runs every program once while others compile, then again (run_idle), except those whose first run
+    took SECOND_RUN_MAX_S or more (the xla backend's widest steps took seconds each)."""
+    from jaxinfer.engine import runner as runner_mod
+    llm = LLM(tiny_dir, **{**BASE, "warmup": True})
+    r = llm.engine.runner
+    assert set(r._first_run_s) == set(r.compiled) and all(t > 0 for t in r._first_run_s.values())
+    slow, *rest = list(r.compiled)
+    r._first_run_s[slow] = runner_mod.SECOND_RUN_MAX_S
+    r._ran.clear()
+    calls = []
+    monkeypatch.setattr(r, "run_once", calls.append)
+    r.run_idle()
+    assert calls == rest
+
+
 def test_executable_cache_shares_live_programs_and_forgets_dropped_ones():
     """Engines share compiled steps (the second engine of a size starts at once), yet LLMs made and dropped one
     after another do not keep every program they compiled (a sweep of options ran the process out of memory

@@ -34,6 +34,10 @@ COMPILE_THREADS: int | None = None   # None: compile_threads() picks
 # compile, for A/B runs). On 2xH200, dp=2 on W gave 32,359 / 32,454 tok/s with it and 33,983 / 32,325 without
 # (the spread of repeated runs); it took Qwen3-32B tp=2's first runs (17.6 s before) out of its warm-up.
 OVERLAP_FIRST_RUNS = True
+# warm-up's second pass (run_idle) skips a program whose first run took this long: what that pass saves a request
+# (milliseconds) is nothing beside such a step, and the xla backend's widest programs (40,960-token tables) took
+# seconds each, most of its first_runs_s (docs/performance.md, twenty-ninth run).
+SECOND_RUN_MAX_S = 1.0
 MULTISTEP_KS = (4, 16)        # auto: steps per call compiled for small batches (the engine picks per call)
 # decode buckets up to this many rows get K-step variants. Measured on the H200 (0.6B, 1024-token context,
 # TPOT K-step vs one step per call): batch 1 1.39 vs 1.51 ms, batch 8 1.61 vs 1.64, batch 32 2.44 vs 2.24 ms, so
@@ -122,6 +126,7 @@ class ModelRunner:
         self.rows = self.placement.put(np.zeros((self.max_rows, model.hidden_size), self.dtype))
         self._run_lock = threading.Lock()
         self._ran: set[tuple] = set()                # programs run once (run_once)
+        self._first_run_s: dict[tuple, float] = {}   # each program's first run, seconds (warm-up's first pass)
         self.top_k_min_rows = TOP_K_STEP_MIN_ROWS    # fixed for this runner (buckets() and run() agree)
         self.direct_steps = {k for k in self.buckets() if k[0] == "decode" and k[4]}   # filtered inside the step
 
@@ -221,9 +226,11 @@ class ModelRunner:
         program twice: first while the others compile (kernel loading, CUDA graphs), then all of them after the
         last compile. Without the second pass the first request after `LLM()` took 13-16 ms against 6-7 ms on
         the H200 (measured; the suspect is device memory that compiling, i.e. autotuning, allocated and freed
-        after a program's first run). The second pass costs milliseconds a program."""
+        after a program's first run). The second pass costs milliseconds a program, except where a program's
+        own run is long: those whose first run took SECOND_RUN_MAX_S or more are not run again."""
         for key in list(self.compiled):
-            self.run_once(key)
+            if self._first_run_s.get(key, 0.0) < SECOND_RUN_MAX_S:
+                self.run_once(key)
 
     def run_once(self, key) -> None:
         """Run a compiled program once on an all-padding batch and read its ids back: the first execution of
@@ -233,6 +240,7 @@ class ModelRunner:
             if key in self._ran:
                 return
             kind, T, B, W = key[:4]
+            t0 = time.perf_counter()
             if kind == "resample":
                 fields = np.zeros((len(RESAMPLE_FIELDS), B), np.int32)
                 fields[RESAMPLE_FIELDS.index("top_p")] = np.float32(1.0).view(np.int32)
@@ -242,6 +250,7 @@ class ModelRunner:
                 size = (multistep_layout(B, W) if kind == "multistep" else batch_layout(T, B, W))["_size"][0]
                 np.asarray(self.run(key, self.put(idle_batch(size, T, B, W, self.num_slots))))
             self._ran.add(key)
+            self._first_run_s.setdefault(key, time.perf_counter() - t0)
 
     def put(self, packed: np.ndarray) -> np.ndarray | jax.Array:
         """A step's packed batch as its compiled step takes it: the numpy array itself, which the call copies to
