@@ -171,8 +171,8 @@ class EngineConfig:
     decode_buckets: tuple[int, ...] | None = _opt(None, "decode batch sizes to compile (default: 8, 32, 2^k; xla 8^k)")
     prefill_buckets: tuple[int, ...] | None = _opt(None, "prefill token counts to compile (default: 64 x 4^k, "
                                                          "xla 256 x 8^k, up to max_num_batched_tokens)")
-    context_buckets: tuple[int, ...] | None = _opt(None, "context lengths (tokens) with a narrower block-table width "
-                                                         "than max_model_len's (default: pallas 4096; xla 1024, 2048, 8192)")
+    context_buckets: tuple[int, ...] | None = _opt(None, "context lengths (tokens) with a narrower table width than "
+                                                         "max_model_len's (default: pallas 4096; xla 1024, 2048, 8192)")
     decode_context_buckets: tuple[int, ...] | None = _opt(None, "decode steps' context buckets (default: xla 512, "
         "640, 768, 1024, 1536, 2048, 8192: mean tokens a row of its flat tables; other backends: context_buckets)")
     seed: int | None = _opt(0, "engine seed: draws the seeds of requests that give none")
