@@ -109,10 +109,6 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
     return r
 
 
-STEP_LOG_COLUMNS = ("kind", "rows", "bucket", "schedule_s", "dispatch_s", "wait_s", "apply_s", "transfer_s",
-                    "table_width", "context_tokens")
-
-
 def build(args):
     """The LLM as a user gets it (the flags given, else defaults), warmed up even where it is lazy by default (CPU)."""
     from jaxinfer import LLM
@@ -161,7 +157,7 @@ def run_throughput(args) -> dict:
         print(f"wall of each of the {args.repeats} repeats: " + ", ".join(f"{w:.2f} s" for w in walls) +
               " (the median is reported)")
     if args.step_log:
-        from timing import step_log_summary
+        from timing import STEP_LOG_COLUMNS, step_log_summary
         r["host_ms_by_bucket"] = step_log_summary(llm.engine.step_log)
         write_json(args.step_log, dict(columns=STEP_LOG_COLUMNS, steps=llm.engine.step_log))
     if args.profile:

@@ -65,6 +65,10 @@ def warmup_breakdown(llm, total_s: float) -> dict:
                           "".join(f"/{x}" for x in k[5:]), "s": s} for k, s in slow])
 
 
+STEP_LOG_COLUMNS = ("kind", "rows", "bucket", "schedule_s", "dispatch_s", "wait_s", "apply_s", "transfer_s",
+                    "table_width", "context_tokens")     # one entry of the engine's step log (LLMEngine.step_log)
+
+
 def step_log_summary(log: list) -> dict:
     """Host ms per step for each (kind, bucket) of the engine's step log: where `wait` is ~0 the host, not the
     GPU, set the pace of those steps."""
