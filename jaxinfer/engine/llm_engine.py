@@ -5,7 +5,8 @@
 """
 from __future__ import annotations
 
-import functools, time
+import functools
+import time
 from typing import Callable
 
 import numpy as np
@@ -156,8 +157,7 @@ class LLMEngine:
         schedules step N+1 while the GPU runs step N, and sampled ids flow from N to N+1 on the device. Two
         cases read the step in flight here first (blocking), then dispatch the next: before admitting waiting
         requests (prompts are never built from tokens still on the device), and after a K-step call (its rows'
-        lengths are known only once read).
-        """
+        lengths are known only once read)."""
         plan = self.prepare()
         if callable(plan):
             return plan
