@@ -15,6 +15,10 @@ Variants (us a call, one layer's attention; back-to-back dispatch):
   chunks_fused  `chunks` with the work list left for XLA to fuse into the page gathers (2x slower on the H200:
                 it is recomputed per gathered element)
   chunks_nomerge  `chunks` without the merge (the partial outputs summed): the cost of the scatters
+  chunks_reduce   `chunks` with each chunk attended by multiply + reduce, one pair of reductions per q head of
+                the GQA group and K / V never broadcast: XLA may fuse the page gathers into the reductions and
+                merge the group's sibling reductions (one read of each chunk, nothing written), where the
+                GEMMs need the gathered chunks written out and read back (3x their bytes)
 """
 from __future__ import annotations
 
@@ -50,7 +54,22 @@ def variants(chunk: int):
         w = jnp.exp(m - m.max(axis=1, keepdims=True))
         return ((o * w[..., None]).sum(1) / (l * w).sum(1)[..., None]).reshape(B, H, D).astype(q.dtype)
 
-    def chunks_split(barrier: bool, merge: bool):
+    def attend_chunk_reduce(q, k, v, visible, scale):
+        """xd.attend_chunk's (m, l [N, K, G], o [N, K, G, D]) as per-group multiply + reduce (bf16 pages)."""
+        N, H, D = q.shape
+        K = k.shape[2]
+        qg = q.reshape(N, K, H // K, D).astype(jnp.float32)
+        ms, ls, os_ = [], [], []
+        for g in range(H // K):
+            s = jnp.sum(qg[:, None, :, g] * k, axis=-1, dtype=jnp.float32) * scale    # [N, C, K]
+            s = jnp.where(visible[:, :, None], s, xd._NEG)
+            m = s.max(axis=1)                                                         # [N, K]
+            p = jnp.where(visible[:, :, None], jnp.exp(s - m[:, None]), 0.0)
+            ms.append(m), ls.append(p.sum(axis=1))
+            os_.append(jnp.sum(p[..., None] * v, axis=1, dtype=jnp.float32))         # [N, K, D]
+        return jnp.stack(ms, -1), jnp.stack(ls, -1), jnp.stack(os_, 2)
+
+    def chunks_split(barrier: bool, merge: bool, attend=xd.attend_chunk):
         def fn(q, k_cache, v_cache, tables, lens):
             B, H, D = q.shape
             bs = k_cache.shape[1]
@@ -62,8 +81,7 @@ def variants(chunk: int):
             if barrier:
                 row, ids, visible = jax.lax.optimization_barrier((row, ids, visible))
             qi = q[row]
-            m, l, o = xd.attend_chunk(qi, xa.gather_pages(k_cache, ids), xa.gather_pages(v_cache, ids), visible,
-                                      D ** -0.5)
+            m, l, o = attend(qi, xa.gather_pages(k_cache, ids), xa.gather_pages(v_cache, ids), visible, D ** -0.5)
             if not merge:
                 return (o.sum(0) / l.sum(0)[..., None]).reshape(1, H, D).astype(q.dtype) + jnp.zeros_like(q)
             return xd.merge_chunks(row, m, l, o, B, "scatter").reshape(B, H, D).astype(q.dtype)
@@ -87,6 +105,7 @@ def variants(chunk: int):
         "chunks_fixed": chunks_fixed,
         "chunks_fused": chunks_split(False, True),
         "chunks_nomerge": chunks_split(True, False),
+        "chunks_reduce": chunks_split(True, True, attend_chunk_reduce),
     }
 
 
