@@ -19,6 +19,8 @@ Variants (us a call, one layer's attention; back-to-back dispatch):
                 the GQA group and K / V never broadcast: XLA may fuse the page gathers into the reductions and
                 merge the group's sibling reductions (one read of each chunk, nothing written), where the
                 GEMMs need the gathered chunks written out and read back (3x their bytes)
+  chunks_reduce_group  `chunks_reduce` with the GQA group in one multiply + reduce (K / V broadcast over it)
+On the H200 both reduce forms were 15-42% slower than chunks_given (docs/performance.md, thirtieth run).
 """
 from __future__ import annotations
 
@@ -69,6 +71,19 @@ def variants(chunk: int):
             os_.append(jnp.sum(p[..., None] * v, axis=1, dtype=jnp.float32))         # [N, K, D]
         return jnp.stack(ms, -1), jnp.stack(ls, -1), jnp.stack(os_, 2)
 
+    def attend_chunk_reduce_group(q, k, v, visible, scale):
+        """attend_chunk_reduce with the whole GQA group in one multiply + reduce (K / V broadcast over it)."""
+        N, H, D = q.shape
+        K = k.shape[2]
+        qg = q.reshape(N, 1, K, H // K, D).astype(jnp.float32)
+        s = jnp.sum(qg * k[:, :, :, None], axis=-1, dtype=jnp.float32) * scale        # [N, C, K, G]
+        vis = visible[:, :, None, None]
+        s = jnp.where(vis, s, xd._NEG)
+        m = s.max(axis=1)                                                             # [N, K, G]
+        p = jnp.where(vis, jnp.exp(s - m[:, None]), 0.0)
+        o = jnp.sum(p[..., None] * v[:, :, :, None], axis=1, dtype=jnp.float32)       # [N, K, G, D]
+        return m, p.sum(axis=1), o
+
     def chunks_split(barrier: bool, merge: bool, attend=xd.attend_chunk):
         def fn(q, k_cache, v_cache, tables, lens):
             B, H, D = q.shape
@@ -106,6 +121,7 @@ def variants(chunk: int):
         "chunks_fused": chunks_split(False, True),
         "chunks_nomerge": chunks_split(True, False),
         "chunks_reduce": chunks_split(True, True, attend_chunk_reduce),
+        "chunks_reduce_group": chunks_split(True, True, attend_chunk_reduce_group),
     }
 
 
@@ -119,6 +135,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the script)")
     ap.add_argument("--hlo-dir", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--variants", nargs="+", default=None, help="the variants to time (default: all)")
     a = ap.parse_args(argv)
     import jax
     import jax.numpy as jnp
@@ -141,7 +158,9 @@ def main(argv=None) -> dict:
     ref = np.asarray(fns["einsum"](q, cache, cache, tables, lens), np.float32)
     rows = {}
     for name, fn in fns.items():
-        if a.hlo_dir:
+        if a.variants and name not in a.variants:
+            continue
+        if a.hlo_dir and name != "chunks_given":     # chunks_given makes its work list on the host: not jittable
             os.makedirs(a.hlo_dir, exist_ok=True)
             text = jax.jit(fn).lower(q, cache, cache, tables, lens).compile().as_text()
             with open(os.path.join(a.hlo_dir, f"{name}.txt"), "w") as f:
