@@ -343,3 +343,45 @@ def test_num_cached_tokens_is_set_at_first_admission(tiny_dir):
     assert st["prefix_cache_hit_tokens"] > 0 and st["kv_blocks_free"] == st["kv_blocks_total"]
     again = llm.generate(ps[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
     assert again.num_cached_tokens == 8                   # the first prompt's two full blocks, cached
+
+
+@pytest.mark.parametrize("at_call, params", [
+    (1, SamplingParams(temperature=0, max_tokens=12)),                       # the prefill step
+    (3, SamplingParams(temperature=0.8, seed=5, max_tokens=12)),             # a decode step
+    (2, SamplingParams(temperature=0.8, seed=5, max_tokens=12, logprobs=2, presence_penalty=0.5)),   # extras' step
+])
+def test_an_interrupt_inside_a_step_call_leaves_the_llm_usable(tiny_dir, at_call, params):
+    """Ctrl-C can land after a step call consumed its donated buffers (KV pages, ids) but before its outputs were
+    kept: the next call must allocate them again and recompute what was lost, not fail on deleted buffers. A
+    sequence taken off the waiting queue but not yet running when the interrupt came can be aborted too."""
+    llm = LLM(tiny_dir, **BASE)
+    prompts = [[5, 6, 7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    runner, calls = llm.engine.runner, [0]
+
+    def interrupting(real):
+        def compile(*key):
+            exe = real(*key)
+
+            def call(*args):
+                out = exe(*args)
+                calls[0] += 1
+                if calls[0] == at_call:
+                    raise KeyboardInterrupt       # after the call: its donated inputs are gone, its outputs dropped
+                return out
+            return call
+        return compile
+    for obj in (runner, llm.engine.extras):
+        obj.compile = interrupting(obj.compile)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params, use_tqdm=False)
+    del runner.compile, llm.engine.extras.compile
+    assert runner.kv_caches[0][0].is_deleted() or runner.last_ids.is_deleted()     # what the interrupt left
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == st["waiting"] == 0
+    seq = llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=3))
+    llm.engine.scheduler.waiting.remove(seq)          # taken off the queue, never added to the running one
+    llm.engine.abort(seq)
+    assert llm.stats()["kv_blocks_free"] == st["kv_blocks_total"]

@@ -124,6 +124,14 @@ class ExtrasRunner:
             self.counts = (put(np.zeros((S, V), bool)), put(np.zeros((S, V), np.int32)))
         return self.counts
 
+    def lost_buffers(self) -> bool:
+        """Whether the penalty counts were donated to a call whose outputs were not kept (runner.lost_buffers):
+        then they are made again, zeroed, on next use, and the running requests must start over."""
+        if self.counts is None or not self.counts[0].is_deleted():
+            return False
+        self.counts = None
+        return True
+
     def dispatch(self, batch, key: tuple, block_size: int, eos=frozenset()):
         """Pack, send and run one extras step (asynchronous). Returns (key, device logprob rows or None,
         [(seq, prompt position)] of its prompt-logprob rows), for `apply`."""

@@ -61,10 +61,8 @@ class LLMEngine:
         # host seconds scheduling + packing, dispatching, waiting for sampled ids, applying them (no wait: host-bound)
         self.host_time = dict(schedule_s=0.0, dispatch_s=0.0, wait_s=0.0, apply_s=0.0)
         self.compile_counter = CompileCounter()     # owned: its listener goes with the engine
-        self.compilations_at_warmup = 0
-        self.warmup_phases: dict[str, float] = {}
-        # per-step host times (s) when a list: [kind, rows, bucket, schedule, dispatch, wait, apply, transfer]
-        self.step_log: list | None = None
+        self.compilations_at_warmup, self.warmup_phases = 0, {}
+        self.step_log: list | None = None     # a list: every step's host times (scripts/timing.py, STEP_LOG_COLUMNS)
 
     @counts_compiles
     def warmup(self, progress=None) -> None:
@@ -169,6 +167,9 @@ class LLMEngine:
         """Host work before the device call: read what must be read first, schedule, pack. Returns a read
         function when there is nothing to launch, else the plan that `launch` and `finish_dispatch` take."""
         done = None                             # what a read made here returns
+        if self.runner.lost_buffers() | self.extras.lost_buffers():   # an interrupted call took the KV pages
+            self.in_flight = None
+            self.scheduler.recompute_all()
         # (a queue that cannot be admitted yet, e.g. more requests than max_num_seqs, does not force a read)
         if self.in_flight is not None and (self.scheduler.can_admit() or not self.async_scheduling
                                            or self.in_flight[0].num_steps > 1):
@@ -289,8 +290,7 @@ class LLMEngine:
         bm, s = self.block_manager, self.scheduler
         return dict(kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
                     block_size=self.config.block_size, kv_cache_dtype=str(self.runner.kv_dtype),
-                    preemptions=self.scheduler.num_preemptions,
-                    prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
+                    preemptions=s.num_preemptions, prefix_cache_hit_tokens=s.num_prefix_hit_tokens,
                     compilations=self.compile_counter.count - self.compilations_at_warmup,
                     compiled_buckets=len(self.runner.compiled),
                     compiled_multistep=sum(k[0] == "multistep" for k in self.runner.compiled),

@@ -103,11 +103,9 @@ class ModelRunner:
                  model.head_dim)
         kv_shape, pairs = cache_layout(engine.attn_backend, model.num_hidden_layers, shape,
                                        jnp.dtype(self.kv_dtype).itemsize, tp)
-        v_shape, v_dtype = v_pages(engine.attn_backend, kv_shape, self.kv_dtype)     # pallas fp8: V in pairs
-        self.kv_caches = list(zip(self.placement.zeros_kv(kv_shape, self.kv_dtype, pairs),
-                                  self.placement.zeros_kv(v_shape, v_dtype, pairs)))
+        v_shape, self.v_dtype = v_pages(engine.attn_backend, kv_shape, self.kv_dtype)     # pallas fp8: V in pairs
         # what a compiled step's cache arguments are: part of the shared executables' key
-        self.cache_kind = (pairs, kv_shape, str(self.kv_dtype), v_shape, str(v_dtype))
+        self.cache_kind = (pairs, kv_shape, str(self.kv_dtype), v_shape, str(self.v_dtype))
         # xla reads all W pages of a row: a ladder of narrower tables lets short contexts read less. The kernels
         # read only the pages a row needs, but a [B, W] table for a 40k-token model (W = 2560) would be sent and
         # packed every step: they get one narrow width beside the full one (config.BACKEND_DEFAULTS).
@@ -120,10 +118,8 @@ class ModelRunner:
         self.compiled: dict[tuple[str, int, int, int, bool], object] = {}
         self.compile_s: dict[tuple, float] = {}      # seconds each step took to compile (or to load: relocate.py)
         self.max_rows = max(engine.max_num_seqs, *engine.decode_buckets)   # a bucket may exceed max_num_seqs
-        self.last_ids = self.placement.put(np.zeros((self.max_rows,), np.int32))   # previous step's sampled ids
-        # the last step's sampled rows' hidden states (its first B rows), updated in place by every step; read
-        # by the "resample" program of a batch that filters
-        self.rows = self.placement.put(np.zeros((self.max_rows, model.hidden_size), self.dtype))
+        self.hidden_size = model.hidden_size
+        self._allocate()
         self._run_lock = threading.Lock()
         self._ran: set[tuple] = set()                # programs run once (run_once)
         self._first_run_s: dict[tuple, float] = {}   # each program's first run, seconds (warm-up's first pass)
@@ -251,6 +247,25 @@ class ModelRunner:
                 np.asarray(self.run(key, self.put(idle_batch(size, T, B, W, self.num_slots))))
             self._ran.add(key)
             self._first_run_s.setdefault(key, time.perf_counter() - t0)
+
+    def _allocate(self) -> None:
+        """The device state each step donates and gets back, zeroed: the KV pages, the previous step's sampled ids,
+        and the last step's sampled rows' hidden states (its first B rows; read by the "resample" program of a
+        batch that filters)."""
+        pairs, kv_shape, _, v_shape, _ = self.cache_kind
+        self.kv_caches = list(zip(self.placement.zeros_kv(kv_shape, self.kv_dtype, pairs),
+                                  self.placement.zeros_kv(v_shape, self.v_dtype, pairs)))
+        self.last_ids = self.placement.put(np.zeros((self.max_rows,), np.int32))
+        self.rows = self.placement.put(np.zeros((self.max_rows, self.hidden_size), self.dtype))
+
+    def lost_buffers(self) -> bool:
+        """Whether a step call consumed its donated buffers without their successors being kept (an exception such
+        as a KeyboardInterrupt between the call and the assignment of its outputs); if so they are allocated
+        again, zeroed, and the KV pages' contents are gone (the engine recomputes them)."""
+        if not (self.kv_caches[0][0].is_deleted() or self.last_ids.is_deleted() or self.rows.is_deleted()):
+            return False
+        self._allocate()
+        return True
 
     def put(self, packed: np.ndarray) -> np.ndarray | jax.Array:
         """A step's packed batch as its compiled step takes it: the numpy array itself, which the call copies to

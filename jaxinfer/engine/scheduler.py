@@ -213,6 +213,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def recompute_all(self) -> None:
+        """The KV pages are lost (LLMEngine.prepare: runner.lost_buffers): every running sequence drops the tokens
+        still on the device, gives back its blocks and waits to compute its KV again; the prefix cache is emptied."""
+        for seq in list(self.running):
+            del seq.token_ids[len(seq.token_ids) - seq.num_pending:]
+            seq.num_pending = 0
+            self.preempt(seq)
+        self.bm.reset_prefix_cache()
+
     def postprocess(self, batch: ScheduledBatch, token_ids) -> list[Sequence]:
         """Record computed tokens and sampled ids; finish sequences that hit a stop condition.
         Returns the sequences that received a new token this step."""
@@ -254,10 +263,9 @@ class Scheduler:
         if seq.num_pending:                               # drop tokens sampled past the end
             del seq.token_ids[len(seq) - seq.num_pending:]
             seq.num_pending = 0
-        if seq.status is Status.RUNNING:
-            self.running.remove(seq)
-            self.bm.free_seq(seq)
-        else:
-            self.waiting.remove(seq)
+        queue = self.running if seq.status is Status.RUNNING else self.waiting
+        if seq in queue:       # (in neither: an exception, e.g. a KeyboardInterrupt, came between taking it from
+            queue.remove(seq)  # the waiting queue and adding it to the running one)
+        self.bm.free_seq(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
