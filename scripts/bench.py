@@ -245,8 +245,8 @@ def parse(argv=None):
                     help="--latency: requests decoded together (default 1)")
     ap.add_argument("--peer", choices=["hf"], default=None,
                     help="also run HF transformers' continuous batching on a subset (scripts/bench_peer.py)")
-    ap.add_argument("--peer-num-seqs", type=int, default=64)
-    ap.add_argument("--peer-max-tokens", type=int, default=256)
+    ap.add_argument("--peer-num-seqs", type=positive_int, default=64)
+    ap.add_argument("--peer-max-tokens", type=positive_int, default=256)
     ap.add_argument("--json", type=output_path, default=None, help="write the results here")
     ap.add_argument("--reference-bw", type=positive_float, default=4.3,
                     help="TB/s per device for a second floor (times the devices used): XLA's own pass reaches "
@@ -274,6 +274,8 @@ def parse(argv=None):
 def main(argv=None) -> dict:
     args = parse(argv)
     args.model = args.model_flag or args.model
+    from jaxinfer import SamplingParams      # the per-request flags' values: refused now, not after the warm-up
+    SamplingParams(top_p=args.top_p, top_k=args.top_k, logprobs=args.logprobs, presence_penalty=args.presence_penalty)
     if args.peer and args.hf_overrides:     # transformers would load the checkpoint as its config.json says
         raise SystemExit("bench.py: --peer hf compares against the checkpoint as it is; drop --hf-overrides")
     from jaxinfer.xla_options import set_process_flags, use_triton_ptxas

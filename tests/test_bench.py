@@ -257,3 +257,13 @@ def test_bench_kernels_heads_flag_names_a_bad_value():
     for bad in ("3", "a,b", "16,3", "0,1"):
         with pytest.raises(argparse.ArgumentTypeError, match=bad):
             head_counts(bad)
+
+
+@pytest.mark.parametrize("flags, match", [(["--top-k", "-7"], "top_k=-7"), (["--logprobs", "50"], "logprobs=50"),
+                                          (["--presence-penalty", "9"], "presence_penalty=9")])
+def test_bench_refuses_bad_request_flags_before_loading(tmp_path, flags, match):
+    """The per-request flags are checked before the model loads (a missing checkpoint would fail later)."""
+    env = dict(os.environ)
+    with pytest.raises(ValueError, match=match):
+        bench.main([str(tmp_path / "no-such-model"), *flags])
+    assert os.environ == env            # refused before the process flags were set
