@@ -33,9 +33,16 @@ def as_list(prompts) -> list:
     return list(prompts)
 
 
+TEXT_ONLY_KEYS = ("multi_modal_data", "mm_processor_kwargs")    # vLLM prompt keys a text model takes only empty
+
+
 def token_ids(tokenizer, prompt: Prompt, i: int) -> list[int]:
     """The prompt's token ids (text is encoded without special tokens). Raises ValueError naming prompt i."""
     if isinstance(prompt, dict):       # vLLM's TextPrompt / TokensPrompt
+        if any(prompt.get(k) for k in TEXT_ONLY_KEYS):
+            raise ValueError(f"prompt {i}: {sorted(k for k in TEXT_ONLY_KEYS if prompt.get(k))} given, but Qwen3 "
+                             f"models take text only")
+        prompt = {k: v for k, v in prompt.items() if k not in TEXT_ONLY_KEYS}     # (None or empty: nothing to do)
         ids = prompt.get("prompt_token_ids")
         ids = ids.tolist() if hasattr(ids, "tolist") else ids                      # (a numpy array of ids)
         if set(prompt) <= {"prompt_token_ids", "prompt"} and isinstance(ids, (list, tuple)):

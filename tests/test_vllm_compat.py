@@ -88,6 +88,13 @@ def test_prompt_dicts_bad_params_entry_and_detokenize_false(tiny_dir):
                      (dict(priority=[0, 0]), "one entry per prompt"), (dict(priority=0), "priority")):
         with pytest.raises(ValueError, match=name):
             llm.generate(["a"], sp, use_tqdm=False, **kw)
+    # a text model's prompt dicts may carry vLLM's multimodal keys empty; given data, they are refused by name
+    empty = dict(multi_modal_data=None, mm_processor_kwargs={})
+    c, d = llm.generate([{"prompt": "Hello", **empty}, {"prompt_token_ids": [5, 6, 7], **empty}], sp, use_tqdm=False)
+    assert (c.outputs[0].token_ids, d.outputs[0].token_ids) == (a.outputs[0].token_ids, b.outputs[0].token_ids)
+    with pytest.raises(ValueError, match=r"prompt 0: \['multi_modal_data'\] given"):
+        llm.generate([{"prompt": "Hello", "multi_modal_data": {"image": 1}}], sp, use_tqdm=False)
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
 def test_bad_values_are_value_errors_naming_them(tiny_dir):
