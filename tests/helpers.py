@@ -75,3 +75,25 @@ def make_paged(rng, lens, block_size, kv_heads, head_dim, dtype, extra_cols=1, e
     k = jnp.asarray(rng.standard_normal(shape), dtype)
     v = jnp.asarray(rng.standard_normal(shape), dtype)
     return k, v, jnp.asarray(tables), jnp.asarray(np.asarray(lens, np.int32))
+
+
+def interrupt_at_call(objs, at_call: int) -> None:
+    """Make the step executables that each of `objs` (a ModelRunner, an ExtrasRunner) compiles raise
+    KeyboardInterrupt right after their `at_call`-th call in all: the call ran (its donated inputs are gone) but
+    its outputs are dropped, as when Ctrl-C lands before they are kept. `del obj.compile` undoes it."""
+    calls = [0]
+
+    def interrupting(real):
+        def compile(*key):
+            exe = real(*key)
+
+            def call(*args):
+                out = exe(*args)
+                calls[0] += 1
+                if calls[0] == at_call:
+                    raise KeyboardInterrupt
+                return out
+            return call
+        return compile
+    for obj in objs:
+        obj.compile = interrupting(obj.compile)

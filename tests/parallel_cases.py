@@ -6,7 +6,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from helpers import hf_greedy, hf_model, make_tiny_model
+from helpers import hf_greedy, hf_model, interrupt_at_call, make_tiny_model
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import ModelConfig
@@ -245,19 +245,8 @@ def test_an_interrupt_inside_a_replica_call_leaves_the_engine_usable(ckpts, tp1,
     llm = LLM(ckpts["gqa_v509"], data_parallel_size=2, tensor_parallel_size=2, **kw)
     ps = prompts * 2
     want = run(llm, ps)
-    runner, calls, real = llm.engine.replicas[1].runner, [0], llm.engine.replicas[1].runner.compile
-
-    def compile(*key):
-        exe = real(*key)
-
-        def call(*args):
-            out = exe(*args)
-            calls[0] += 1
-            if calls[0] == at_call:
-                raise KeyboardInterrupt
-            return out
-        return call
-    runner.compile = compile
+    runner = llm.engine.replicas[1].runner
+    interrupt_at_call([runner], at_call)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(ps, GREEDY, use_tqdm=False)
     del runner.compile

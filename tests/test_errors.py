@@ -1,6 +1,6 @@
 """Bad input raises a clear ValueError naming the value, and the engine keeps working."""
 import pytest
-from helpers import TINY_ENGINE
+from helpers import TINY_ENGINE, interrupt_at_call
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import EngineConfig
@@ -357,22 +357,8 @@ def test_an_interrupt_inside_a_step_call_leaves_the_llm_usable(tiny_dir, at_call
     llm = LLM(tiny_dir, **BASE)
     prompts = [[5, 6, 7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    runner, calls = llm.engine.runner, [0]
-
-    def interrupting(real):
-        def compile(*key):
-            exe = real(*key)
-
-            def call(*args):
-                out = exe(*args)
-                calls[0] += 1
-                if calls[0] == at_call:
-                    raise KeyboardInterrupt       # after the call: its donated inputs are gone, its outputs dropped
-                return out
-            return call
-        return compile
-    for obj in (runner, llm.engine.extras):
-        obj.compile = interrupting(obj.compile)
+    runner = llm.engine.runner
+    interrupt_at_call((runner, llm.engine.extras), at_call)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, params, use_tqdm=False)
     del runner.compile, llm.engine.extras.compile
