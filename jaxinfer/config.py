@@ -130,6 +130,8 @@ GPU_ONLY_BACKENDS = {"cudnn": "cuDNN attention", "triton": "Triton kernels (jax-
                      "mosaic": "Pallas Mosaic GPU kernels (Hopper)"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # vLLM's names; fp8 is e4m3 (model/kv_scales.py)
 KV_BLOCK_SIZE_ALIASES = {"kvcache_block_size": "block_size"}   # nano-vllm's name -> vLLM's
+# Past any real use; refused at LLM(), not later (2**31 rows: a 2 TiB host buffer; 2**20-token blocks: no start-up)
+UPPER_BOUNDS = dict(max_num_seqs=1 << 16, max_num_batched_tokens=1 << 20, block_size=1024)
 
 
 def _opt(default, help: str, **meta):
@@ -164,7 +166,7 @@ class EngineConfig:
     max_num_seqs: int | None = _opt(None, "most sequences in one step (GPU: 256; CPU: 8)")
     max_num_batched_tokens: int | None = _opt(None, "most prompt tokens in one prefill step (GPU: 16384; CPU: 512)")
     max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's, capped by the KV pool)")
-    block_size: int = _opt(16, "tokens per KV cache block (a power of two)", aliases=("--kvcache-block-size",))
+    block_size: int = _opt(16, "tokens per KV cache block (a power of two, <= 1024)", aliases=("--kvcache-block-size",))
     num_kvcache_blocks: int | None = _opt(None, "KV cache blocks (default: sized from free device memory)")
     gpu_memory_utilization: float = _opt(0.9, "fraction of the GPU memory JAX may use that the engine takes")
     enable_prefix_caching: bool = _opt(True, "reuse the KV of cached prompt prefixes")
@@ -191,8 +193,9 @@ class EngineConfig:
             v, least = getattr(self, name), 0 if name == "seed" else 1      # None: the default (seed: a random one)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):
                 raise ValueError(f"{name}={v!r} must be a {'non-negative' if least == 0 else 'positive'} integer")
-        bs = self.block_size
-        if bs is None or bs & (bs - 1):
+            if v is not None and v > UPPER_BOUNDS.get(name, v):
+                raise ValueError(f"{name}={v} is more than {UPPER_BOUNDS[name]}, the most the engine takes")
+        if (bs := self.block_size) is None or bs & (bs - 1):
             raise ValueError(f"block_size={bs} must be a power of two")
         if not isinstance(g := self.gpu_memory_utilization, (int, float)) or isinstance(g, bool) or not 0 < g <= 1:
             raise ValueError(f"gpu_memory_utilization={g!r} must be in (0, 1]")
@@ -267,9 +270,7 @@ class EngineConfig:
         kw["context_buckets"] = self.context_buckets or backend["context_buckets"]
         return dataclasses.replace(self, **kw)
 
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+    max_blocks_per_seq = property(lambda self: -(-self.max_model_len // self.block_size))
 
     def block_table_widths(self, decode: bool = False) -> tuple[int, ...]:
         """Block-table widths (blocks) with compiled steps: the context buckets below max_model_len, and its own. A
@@ -285,8 +286,7 @@ class EngineConfig:
         most = BACKEND_DEFAULTS.get(self.attn_backend, BACKEND_DEFAULTS["pallas"])["narrow_prefill"]
         return self.block_table_widths() if most is None or T <= most else (self.max_blocks_per_seq,)
 
-    def replace(self, **kw) -> "EngineConfig":
-        return dataclasses.replace(self, **kw)
+    replace = dataclasses.replace    # config.replace(**changes)
 
 
 def _decode_buckets(n: int, first: int = 32, ratio: int = 2) -> list[int]:
