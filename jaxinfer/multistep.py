@@ -1,4 +1,5 @@
-"""Several decode steps in one jitted call: `multistep(params, kv_caches, packed, prev_ids) -> (ids [K, B], kv_caches)`.
+"""Several decode steps in one jitted call: `multistep(params, kv_caches, packed, prev_ids) -> (ids [K, B], kv_caches,
+prev_ids')`, prev_ids' holding each row's last sampled id (-1: the row stopped) for the call after it.
 
 A batch-1 decode step is bound by the host (dispatching one call costs ~1 ms on the H200 host, the GPU needs
 ~0.3-0.5 ms), so small batches run K steps per call. Each step's sampled ids feed the next on the device; the
@@ -11,6 +12,9 @@ A row stops on the device after a stop id or `remaining` tokens: from then on it
 so it writes no KV and attends to nothing) and returns -1, so no token past a stop ever reaches the host.
 Step k of row b samples with counter counters[b] + k: the index of the token it samples (seeded tokens do
 not depend on K). Positions / slots of step k come from the block table on the device.
+The host dispatches the next call before reading this one (as one-step calls are: engine/llm_engine.py), its
+rows' input ids read from prev_ids' on the device; a row that stopped in this call reads -1 there and stays
+masked for the whole next call, whose ids the host then ignores (it finishes the row on reading this one).
 
 The loop over K is a `lax.fori_loop` (LOOP = "fori"): one program per (bucket, K) whose compile time does not
 grow with K. Measured on CPU with a 28-layer tiny model (B = 8): a 1-step decode compiles in 5.7 s, the
@@ -68,7 +72,8 @@ def make_multistep(config: ModelConfig, B: int, W: int, K: int, backend: str, in
         start, pages = base["positions"], base["block_tables"].reshape(-1)                      # [B], [B * W]
         P, bs = kv_caches[0][0].shape[:2]      # (stacked caches: P spans all layers; P * bs is still padding)
         # a row whose input token (sampled by the step before, still on the device) was a stop id is done
-        active0 = (base["seq_lens"] > 0) & (remaining > 0) & ~jnp.any(tok0[:, None] == stop, axis=-1)
+        # (-1: the row stopped in the call before this one, dispatched before the host read it)
+        active0 = (base["seq_lens"] > 0) & (remaining > 0) & (tok0 >= 0) & ~jnp.any(tok0[:, None] == stop, axis=-1)
 
         def one(k, tok, active, caches):
             pos = start + k
@@ -92,7 +97,7 @@ def make_multistep(config: ModelConfig, B: int, W: int, K: int, backend: str, in
             for k in range(K):
                 tok, active, caches, out = one(k, tok, active, caches)
                 outs.append(out)
-            return jnp.stack(outs), caches
+            return jnp.stack(outs), caches, prev_ids.at[:B].set(outs[-1])
 
         def body(k, carry):
             tok, active, caches, outs = carry
@@ -100,6 +105,6 @@ def make_multistep(config: ModelConfig, B: int, W: int, K: int, backend: str, in
             return tok, active, caches, outs.at[k].set(out)
         init = (tok0, active0, kv_caches, jnp.full((K, B), -1, jnp.int32))
         _, _, caches, outs = jax.lax.fori_loop(0, K, body, init, unroll=unroll)
-        return outs, caches
+        return outs, caches, prev_ids.at[:B].set(outs[K - 1])
 
     return multistep

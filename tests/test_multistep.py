@@ -229,4 +229,72 @@ def test_k_choice():
     sch, _, batch = setup()
     sch.add(Sequence([5, 6], SamplingParams(), 0, 4))
     assert sch.plan_steps(batch, (4, 16), 4) == 1                                  # a request waits
+    sch, _, batch = setup()
+    assert sch.plan_steps(batch, (4, 16), 4, queued=True) == 4 and batch.steps == [4, 4]   # behind a K-step call
+    sch.on_dispatch(batch)
+    assert [(s.num_pending, s.num_computed_tokens) for s in batch.seqs] == [(5, 7), (5, 7)]  # + the prefill's token
 
+
+def _log_calls(eng, monkeypatch) -> list:
+    """Record ("run", steps) at each device call and ("read", steps) when its ids are applied."""
+    log, run, apply = [], eng.runner.run, eng._apply
+    monkeypatch.setattr(eng.runner, "run", lambda key, *a: log.append(("run", key[-1] if key[0] == "multistep"
+                                                                        else 1)) or run(key, *a))
+    monkeypatch.setattr(eng, "_apply", lambda batch, *a: log.append(("read", batch.num_steps)) or apply(batch, *a))
+    return log
+
+
+def _queued(log) -> list[int]:
+    """The steps of each call dispatched while a K-step call was in flight (dispatched, not read yet)."""
+    out, in_flight = [], []
+    for event, steps in log:
+        if event == "read":
+            in_flight.pop(0)
+            continue
+        if any(k > 1 for k in in_flight):
+            out.append(steps)
+        in_flight.append(steps)
+    return out
+
+
+def _long_requests():
+    """Three rows of 56-58 tokens (three 16-step calls each); row 1 greedy, the others seeded."""
+    ps = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    return ps, [SamplingParams(temperature=0.0 if i == 1 else 0.8, seed=i, ignore_eos=True, max_tokens=56 + i)
+                for i in range(3)]
+
+
+def test_k_step_calls_queue_behind_each_other(llms, monkeypatch):
+    """A K-step call is dispatched before the one in flight is read (its rows' input ids stay on the device), with
+    the smallest compiled K; a row that stopped in the call before it is masked. Same tokens as one step a call."""
+    ps, sps = _long_requests()
+    ref = _generate(llms[1], ps, sps)[0]
+    eng = llms[None].engine
+    log = _log_calls(eng, monkeypatch)
+    out, st = _generate(llms[None], ps, sps)
+    assert out == ref and st["multistep_calls"] >= 3
+    queued = [k for k in _queued(log) if k > 1]
+    assert len(queued) >= 2 and set(queued) == {eng.runner.multistep_ks()[0]}, log
+    # row 2 stops on EOS in its second call while the third is already on its way: nothing after the EOS returns
+    toks = ref[2][0]
+    eos = next(t for t in toks[20:] if t not in toks[:20])
+    sps[2] = SamplingParams(**{**sps[2].__dict__, "ignore_eos": False})
+    saved, eng.scheduler.eos = eng.scheduler.eos, frozenset({eos})
+    try:
+        out, _ = _generate(llms[None], ps, sps)
+    finally:
+        eng.scheduler.eos = saved
+    assert out[2] == (toks[:toks.index(eos) + 1], "stop") and out[:2] == ref[:2]
+
+
+def test_preemption_while_a_k_step_call_is_in_flight(tiny_dir, monkeypatch):
+    """A pool too small for every row: rows are preempted while K-step calls are in flight (their tokens still
+    pending), recomputed later, and come out the same; every block comes back."""
+    ps, sps = _long_requests()
+    ref = _generate(LLM(tiny_dir, **{**BASE, "num_scheduler_steps": 1}), ps, sps)[0]
+    llm = LLM(tiny_dir, **{**BASE, "num_scheduler_steps": None, "num_kvcache_blocks": 20})
+    log = _log_calls(llm.engine, monkeypatch)
+    out, st = _generate(llm, ps, sps)
+    assert out == ref
+    assert st["preemptions"] > 0 and st["multistep_calls"] > 0
+    assert _queued(log), "no step queued behind a K-step call"

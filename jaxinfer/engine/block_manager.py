@@ -135,18 +135,9 @@ class BlockManager:
             seq.block_table.append(self._take_free())
 
     def reserve(self, seq: Sequence, num_tokens: int) -> None:
-        """Blocks for num_tokens tokens (look-ahead for a K-step decode call; `trim` returns the unused ones)."""
+        """Blocks for num_tokens tokens (look-ahead for a K-step decode call: its rows' placeholder tokens)."""
         while len(seq.block_table) < -(-num_tokens // self.block_size):
             seq.block_table.append(self._take_free())
-
-    def trim(self, seq: Sequence) -> None:
-        """Return the blocks past what seq's current tokens need (unused look-ahead blocks: never written)."""
-        while len(seq.block_table) > max(seq.num_blocks_needed, 1):
-            bid = seq.block_table.pop()
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[bid] = None
 
     def free_seq(self, seq: Sequence) -> None:
         """Drop seq's references; blocks at ref 0 go to the free list, keeping their hash."""

@@ -152,10 +152,9 @@ class LLMEngine:
         data-parallel replicas (engine/dp_engine.py) can launch their device calls from threads at once.
 
         With async scheduling (the default) the step dispatched here is read back by the NEXT call: the host
-        schedules step N+1 while the GPU runs step N, and sampled ids flow from N to N+1 on the device. Two
-        cases read the step in flight here first (blocking), then dispatch the next: before admitting waiting
-        requests (prompts are never built from tokens still on the device), and after a K-step call (its rows'
-        lengths are known only once read)."""
+        schedules step N+1 while the GPU runs step N, and sampled ids flow from N to N+1 on the device (K-step
+        calls too: multistep.py). The step in flight is read here first (blocking) before admitting waiting
+        requests: prompts are never built from tokens still on the device."""
         plan = self.prepare()
         if callable(plan):
             return plan
@@ -171,8 +170,7 @@ class LLMEngine:
             self.in_flight = None
             self.scheduler.recompute_all()
         # (a queue that cannot be admitted yet, e.g. more requests than max_num_seqs, does not force a read)
-        if self.in_flight is not None and (self.scheduler.can_admit() or not self.async_scheduling
-                                           or self.in_flight[0].num_steps > 1):
+        if self.in_flight is not None and (self.scheduler.can_admit() or not self.async_scheduling):
             if not self.async_scheduling:
                 return self._read_in_flight
             done = self._read_in_flight()
@@ -228,8 +226,7 @@ class LLMEngine:
     def finish_dispatch(self, plan: StepPlan) -> Callable[[], list[Sequence]]:
         """Bookkeeping after `launch`; returns the read function `dispatch` returns."""
         batch, done = plan.batch, plan.done
-        if plan.K == 1:
-            self.scheduler.on_dispatch(batch)
+        self.scheduler.on_dispatch(batch)
         self.host_time["schedule_s"] += plan.t1 - plan.t0
         self.host_time["dispatch_s"] += plan.t2 - plan.t_launch
         entry = None   # kind, rows, T, schedule, dispatch, wait, apply (the read fills these two), transfer, W, context
@@ -284,7 +281,8 @@ class LLMEngine:
         variant, where the host is the bottleneck) when nothing waits; see Scheduler.plan_steps."""
         if batch.is_prefill or not self.multistep or key[2] not in self.runner.multistep_buckets():
             return 1
-        return self.scheduler.plan_steps(batch, self.runner.multistep_ks(), STOP_IDS)
+        queued = self.in_flight is not None and self.in_flight[0].num_steps > 1
+        return self.scheduler.plan_steps(batch, self.runner.multistep_ks(), STOP_IDS, queued)
 
     def stats(self) -> dict:
         bm, s = self.block_manager, self.scheduler

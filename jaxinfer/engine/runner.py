@@ -192,6 +192,8 @@ class ModelRunner:
                 args = (self.params, self.kv_caches, packed, self.last_ids)
                 if rows_out(kind):                                  # the sampled rows' buffer (for "resample")
                     out, args = out + (rep,), args + (self.rows,)
+                elif kind == "multistep":                           # and each row's last id, for the next call
+                    out += (rep,)
                 lowered = jit_step(step, out, (1, 4) if rows_out(kind) else (1,)).lower(*args)
                 return lowered.compile(compiler_options=options)
             t0 = time.perf_counter()
@@ -280,8 +282,8 @@ class ModelRunner:
         default `packed`); a "top_k" batch whose rows all draw from their candidates runs the bucket's
         "top_k_only" step alone where it has one (TOP_K_STEP_MIN_ROWS)."""
         kind, T, B, W, filtered = key[:5]
-        if kind == "multistep":        # ids [K, B]; last_ids stay (the host reads this call before the next)
-            ids, self.kv_caches = self.compile(key)(self.params, self.kv_caches, packed, self.last_ids)
+        if kind == "multistep":        # ids [K, B]; last_ids: each row's last id (-1: stopped), for the next call
+            ids, self.kv_caches, self.last_ids = self.compile(key)(self.params, self.kv_caches, packed, self.last_ids)
         else:
             fields = resample_fields(np.asarray(packed if source is None else source), T, B, W) if filtered else None
             if filtered == "top_k" and (kind, T, B, W, "top_k_only") in self.direct_steps and \

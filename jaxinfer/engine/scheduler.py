@@ -27,6 +27,7 @@ class ScheduledBatch:
     is_prefill: bool
     sampled: list[bool] | None = None   # set at dispatch: which rows sample a token
     num_steps: int = 1            # decode steps run on the device in this call (multistep.py)
+    steps: list[int] | None = None  # a K-step call: tokens each row may sample in it (min(K, its remaining))
 
 
 class Scheduler:
@@ -117,7 +118,14 @@ class Scheduler:
 
     def on_dispatch(self, batch: ScheduledBatch) -> None:
         """The step is on its way: count its tokens as computed and give each sampling row a
-        placeholder token, so the next step can be scheduled before this one is read back."""
+        placeholder token (a K-step call: one per token it may sample), so the next step can be scheduled
+        before this one is read back."""
+        if batch.steps is not None:
+            for seq, m in zip(batch.seqs, batch.steps):
+                seq.num_computed_tokens += m
+                seq.token_ids.extend([PLACEHOLDER] * m)
+                seq.num_pending += m
+            return
         if not batch.is_prefill:        # a decode row computes its last token, so it always samples one
             for seq in batch.seqs:
                 seq.num_computed_tokens += 1
@@ -148,13 +156,15 @@ class Scheduler:
         return min(seq.params.max_tokens - seq.num_scheduled_outputs, room if len(seq) > seq.num_prompt_tokens else
                    max(room, 1))
 
-    def plan_steps(self, batch: ScheduledBatch, ks: tuple[int, ...], max_stop_ids: int) -> int:
+    def plan_steps(self, batch: ScheduledBatch, ks: tuple[int, ...], max_stop_ids: int, queued: bool = False) -> int:
         """Steps for this decode batch: 1, or a K of `ks` (sorted) with look-ahead blocks reserved for it.
         K = 1 while requests wait (they join at the next call), when a row's filter needs the sorted vocabulary
         (top-p / min-p without a small top-k: SamplingParams.filter_kind) or has more than max_stop_ids stop
         ids, or when the pool lacks the look-ahead blocks. Otherwise the largest K that the longest row's remaining
         tokens do not fall short of (rows that end sooner are masked on the device), else the smallest if that
-        wastes at most 3 steps, else 1."""
+        wastes at most 3 steps, else 1. queued: a K-step call is still in flight, so this one queues behind it;
+        it takes the smallest K (a row that stops on EOS in that call leaves this one's steps wasted, and the GPU
+        is busy anyway while the host prepares the next)."""
         if batch.is_prefill or not ks or self.waiting:
             return 1
         # penalties, logprobs and min_tokens bans run one step per call (their step variant has no K-step form)
@@ -163,7 +173,8 @@ class Scheduler:
             return 1
         rem = [self.remaining(s) for s in batch.seqs]
         # none fits: the smallest K, unless it would run more than 3 masked steps (xla compiles K = 16 alone)
-        K = max((k for k in ks if k <= max(rem)), default=ks[0] if ks[0] - max(rem) <= 3 else 1)
+        K = max((k for k in ks[:1 if queued else None] if k <= max(rem)),
+                default=ks[0] if ks[0] - max(rem) <= 3 else 1)
         if K <= 1:
             return 1
         bs = self.config.block_size
@@ -173,36 +184,37 @@ class Scheduler:
             return 1
         for s, r in zip(batch.seqs, rem):
             self.bm.reserve(s, s.num_computed_tokens + min(K, r))
-        batch.num_steps = K
+        batch.num_steps, batch.steps = K, [min(K, r) for r in rem]
         batch.sampled = [True] * len(batch.seqs)
         return K
 
     def postprocess_steps(self, batch: ScheduledBatch, ids) -> tuple[list[Sequence], int]:
-        """Apply a K-step call's ids [K, rows] (-1 after a row stopped); return (updated sequences, tokens).
-        The step before it was applied first, so no row has a pending token. The host checks every stop
-        condition again (the finish reason is set here); unused look-ahead blocks go back to the pool."""
-        updated, count = [], 0
-        for i, seq in enumerate(batch.seqs):
+        """Apply a K-step call's ids [K, rows] (-1 after a row stopped) to its rows' placeholders (on_dispatch);
+        return (updated sequences, tokens). Calls are applied in the order they were dispatched, so a row's first
+        pending tokens are this call's (a later call's may follow them). The host checks every stop condition
+        again (the finish reason is set here); a row that stops drops the tokens still pending after it."""
+        updated, count, max_len = [], 0, self.config.max_model_len
+        for i, (seq, m) in enumerate(zip(batch.seqs, batch.steps)):
             if seq.status is Status.FINISHED:             # finished (or aborted) while the call ran
                 continue
-            p, reason = seq.params, None
-            for tok in ids[:, i].tolist():
-                if tok < 0:
+            p, reason, toks = seq.params, None, seq.token_ids
+            for tok in ids[:m, i].tolist():
+                if tok < 0:                               # (never before a stop the host sees: see multistep.py)
+                    reason = "stop"
                     break
-                seq.token_ids.append(tok)
-                seq.num_computed_tokens += 1
+                toks[len(toks) - seq.num_pending] = tok
+                seq.num_pending -= 1
                 count += 1
                 if (not p.ignore_eos and tok in self.eos) or tok in p.stop_token_ids:
                     reason = "stop"
-                elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
+                elif seq.num_output_tokens >= p.max_tokens or len(toks) - seq.num_pending >= max_len:
                     reason = "length"
                 if reason:
                     break
-            self.bm.cache_full_blocks(seq)
+            if seq.status is Status.RUNNING:              # (not preempted while the call ran)
+                self.bm.cache_full_blocks(seq)
             if reason:
                 self.finish(seq, reason)
-            else:
-                self.bm.trim(seq)
             updated.append(seq)
         return updated, count
 
