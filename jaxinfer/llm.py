@@ -148,9 +148,11 @@ class LLM:
         """One sequence per sample: n of them per request (SamplingParams.for_sample); samples 1.. reuse
         sample 0's prompt KV from the prefix cache (Sequence.waits_for_prompt), so it is computed once."""
         groups = []
-        for _, ids, sp in reqs:
-            g = [self.engine.add_request(ids, sp if sp.n == 1 else sp.for_sample(0))]
-            g += [self.engine.add_request(ids, sp.for_sample(j), prompt_source=g[0]) for j in range(1, sp.n)]
+        for p, ids, sp in reqs:
+            salt = prompt_forms.cache_salt(p, 0)
+            g = [self.engine.add_request(ids, sp if sp.n == 1 else sp.for_sample(0), cache_salt=salt)]
+            g += [self.engine.add_request(ids, sp.for_sample(j), prompt_source=g[0], cache_salt=salt)
+                  for j in range(1, sp.n)]
             groups.append(g)
         return groups
 

@@ -3,7 +3,7 @@ dict ({"prompt": text} / {"prompt_token_ids": ids}); one prompt or a list of the
 from __future__ import annotations
 
 from numbers import Integral
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 Prompt = str | list[int] | dict     # dict: vLLM's {"prompt": str} or {"prompt_token_ids": [int]}
 
@@ -11,12 +11,14 @@ Prompt = str | list[int] | dict     # dict: vLLM's {"prompt": str} or {"prompt_t
 class TextPrompt(TypedDict):
     """vLLM's TextPrompt: `TextPrompt(prompt="Hello")` is the dict {"prompt": "Hello"}."""
     prompt: str
+    cache_salt: NotRequired[str]
 
 
 class TokensPrompt(TypedDict, total=False):
     """vLLM's TokensPrompt: `TokensPrompt(prompt_token_ids=[1, 2])`; an optional "prompt" is only shown."""
     prompt_token_ids: list[int]
     prompt: str
+    cache_salt: str
 
 
 def as_list(prompts) -> list:
@@ -36,13 +38,23 @@ def as_list(prompts) -> list:
 TEXT_ONLY_KEYS = ("multi_modal_data", "mm_processor_kwargs")    # vLLM prompt keys a text model takes only empty
 
 
+def cache_salt(prompt: Prompt, i: int) -> str | None:
+    """vLLM's "cache_salt" of a dict prompt (None: none): requests with different salts never share prefix-cache
+    blocks (engine/block_manager.py), as vLLM isolates them."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"prompt {i}: cache_salt must be a non-empty string, got {salt!r:.80}")
+    return salt
+
+
 def token_ids(tokenizer, prompt: Prompt, i: int) -> list[int]:
     """The prompt's token ids (text is encoded without special tokens). Raises ValueError naming prompt i."""
     if isinstance(prompt, dict):       # vLLM's TextPrompt / TokensPrompt
         if any(prompt.get(k) for k in TEXT_ONLY_KEYS):
             raise ValueError(f"prompt {i}: {sorted(k for k in TEXT_ONLY_KEYS if prompt.get(k))} given, but Qwen3 "
                              f"models take text only")
-        prompt = {k: v for k, v in prompt.items() if k not in TEXT_ONLY_KEYS}     # (None or empty: nothing to do)
+        cache_salt(prompt, i)                                               # (checked; the engine takes it)
+        prompt = {k: v for k, v in prompt.items() if k not in (*TEXT_ONLY_KEYS, "cache_salt")}
         ids = prompt.get("prompt_token_ids")
         ids = ids.tolist() if hasattr(ids, "tolist") else ids                      # (a numpy array of ids)
         if set(prompt) <= {"prompt_token_ids", "prompt"} and isinstance(ids, (list, tuple)):

@@ -130,7 +130,8 @@ def test_request_larger_than_pool(tiny_dir):
     (dict(seed=-1), "seed=-1"), (dict(seed="a"), "seed='a'"), (dict(seed=1.5), "seed=1.5"),
     (dict(enable_prefix_caching="no"), "enable_prefix_caching='no'"), (dict(warmup="yes"), "warmup='yes'"),
     (dict(async_scheduling=1), "async_scheduling=1"), (dict(gpu_memory_utilization=True), "gpu_memory_utilization"),
-    (dict(max_num_seqs=2**31), "max_num_seqs=2147483648 is more than 65536"), (dict(block_size=2**20), "block_size=1048"),
+    (dict(max_num_seqs=2**31), "max_num_seqs=2147483648 is more than 65536"),
+    (dict(block_size=2**20), "block_size=1048576 is more than 1024"),
     (dict(max_num_batched_tokens=2**40), "max_num_batched_tokens=1099511627776"),
 ])
 def test_bad_engine_config(kw, match):

@@ -141,6 +141,25 @@ def test_n_samples_share_the_prompt(url, client):
     assert wait_idle(url)["prefix_cache_hit_tokens"] - before == 2 * 40
 
 
+def test_cache_salt_isolates_the_prefix_cache(url, client):
+    """vLLM's cache_salt field: a request reuses cached prompt blocks only from requests with the same salt (n
+    samples of one request still share theirs); an empty salt is a 400 naming it."""
+    prompt = list(range(200, 241))                       # 41 tokens: 10 full blocks of 4
+    hits = []
+    for salt in ("a", "a", "b", None, "b"):
+        before = wait_idle(url)["prefix_cache_hit_tokens"]
+        extra = {} if salt is None else {"extra_body": {"cache_salt": salt}}
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, **extra)
+        hits.append(wait_idle(url)["prefix_cache_hit_tokens"] - before)
+    assert hits == [0, 40, 0, 0, 40]
+    before = wait_idle(url)["prefix_cache_hit_tokens"]
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 30}], max_tokens=2, n=2,
+                                   extra_body={"cache_salt": "c"})
+    assert wait_idle(url)["prefix_cache_hit_tokens"] > before            # sample 1 reused sample 0's salted blocks
+    r = httpx.post(url + "/v1/completions", json=dict(model=MODEL, prompt="hi", cache_salt=""))
+    assert r.status_code == 400 and "cache_salt" in r.text
+
+
 def test_n_samples_differ_and_seed_repeats(client):
     kw = dict(model=MODEL, prompt="Once upon", max_tokens=8, temperature=1.0, n=3, seed=7,
               extra_body={"ignore_eos": True})

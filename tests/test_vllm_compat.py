@@ -97,6 +97,25 @@ def test_prompt_dicts_bad_params_entry_and_detokenize_false(tiny_dir):
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
+def test_cache_salt_isolates_the_prefix_cache(tiny_dir):
+    """vLLM's "cache_salt" prompt key: requests share cached prompt blocks only with the same salt (or none); the
+    tokens do not depend on it; a salt that is not a non-empty string is refused by name."""
+    llm = LLM(tiny_dir, **TINY_ENGINE)
+    ids, sp = list(range(1, 30)), SamplingParams(temperature=0, max_tokens=4)     # 7 full blocks of 4 tokens
+    hits = lambda: llm.stats()["prefix_cache_hit_tokens"]                            # noqa: E731
+    outs = []
+    for salt, hit in (("a", False), ("a", True), ("b", False), (None, False), (None, True), ("b", True)):
+        before = hits()
+        prompt = {"prompt_token_ids": ids} if salt is None else {"prompt_token_ids": ids, "cache_salt": salt}
+        outs.append(llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids)
+        assert (hits() > before) == hit, (salt, hit)
+    assert all(o == outs[0] for o in outs)
+    for bad in ("", 5):
+        with pytest.raises(ValueError, match="cache_salt"):
+            llm.generate([{"prompt": "Hello", "cache_salt": bad}], sp, use_tqdm=False)
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
 def test_bad_values_are_value_errors_naming_them(tiny_dir):
     """Values the type checks let through before: a stop list edited in place after construction (the request
     checks its params again), a non-bool ignore_eos, a best_of that only equals n, vLLM's unused fields given

@@ -64,7 +64,7 @@ class BlockManager:
         reused, so the last token is always computed (its logits give the next token)."""
         if not self.prefix_caching or not seq.reuses_prefix_cache:
             return []
-        hits, h = [], None
+        hits, h = [], seq.hash_seed
         for i in range((len(seq) - 1) // self.block_size):
             tokens = seq.block_tokens(i)
             h = chain_hash(h, tokens)
@@ -80,7 +80,7 @@ class BlockManager:
             return
         known = min(seq.num_computed_tokens, len(seq) - seq.num_pending)   # KV written AND token known
         full = min(known // self.block_size, len(seq.block_table))
-        h = seq.last_hash
+        h = seq.last_hash if seq.num_hashed_blocks else seq.hash_seed
         for i in range(seq.num_hashed_blocks, full):
             tokens = seq.block_tokens(i)
             h = chain_hash(h, tokens)

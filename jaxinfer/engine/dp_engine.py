@@ -97,11 +97,11 @@ class DPEngine:
         return self.replicas[0].check_request(token_ids, params, where)
 
     def add_request(self, token_ids: list[int], params: SamplingParams,
-                    prompt_source: Sequence | None = None) -> Sequence:
+                    prompt_source: Sequence | None = None, cache_salt: str | None = None) -> Sequence:
         # the samples of one request stay on one replica (they share its cached prompt)
         replica = (self._owner.get(prompt_source.seq_id) if prompt_source is not None else None) or \
             min(self.replicas, key=outstanding_tokens)
-        seq = replica.add_request(token_ids, params, prompt_source)
+        seq = replica.add_request(token_ids, params, prompt_source, cache_salt)
         self._owner[seq.seq_id] = replica
         return seq
 

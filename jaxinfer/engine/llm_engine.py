@@ -119,9 +119,10 @@ class LLMEngine:
         return params
 
     def add_request(self, token_ids: list[int], params: SamplingParams,
-                    prompt_source: Sequence | None = None) -> Sequence:
+                    prompt_source: Sequence | None = None, cache_salt: str | None = None) -> Sequence:
         """One sequence. An n > 1 request is n of them: add `params.for_sample(i)` for i in range(n), passing
-        sample 0 as `prompt_source` of the others (they wait for its prompt KV and reuse it from the cache)."""
+        sample 0 as `prompt_source` of the others (they wait for its prompt KV and reuse it from the cache).
+        cache_salt: vLLM's; only requests with the same salt (or none) share prefix-cache blocks."""
         params = self.check_request(token_ids, params)      # (max_tokens None: the room the request has)
         if params.n != 1:
             raise ValueError(f"LLMEngine.add_request runs one sample, got n={params.n}: add "
@@ -130,6 +131,7 @@ class LLMEngine:
         seq = Sequence([int(t) for t in token_ids], params, device_seed(seed), self.config.block_size)
         seq.arrival_time = time.perf_counter()
         seq.prompt_source = prompt_source
+        seq.hash_seed = None if cache_salt is None else hash(("cache_salt", cache_salt))
         self.counters["prompt_tokens"] += len(seq)
         self.scheduler.add(seq)
         return seq

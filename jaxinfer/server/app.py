@@ -158,10 +158,10 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
     app.state.queue_full = admission.full          # the Gate's check, before a generate request's body is read
     admit = admission.admit
 
-    async def collect(items, request: Request, t0: float, n: int) -> list[C.Choice]:
+    async def collect(items, request: Request, t0: float, n: int, salt: str | None = None) -> list[C.Choice]:
         """All choices to their end (no streaming). A client that disconnects first aborts them in the core:
         Starlette does not cancel a plain handler, so the connection is checked every DISCONNECT_POLL_S."""
-        run = C.run(client(), tokenizer, items, False, metrics, t0, n)    # submitted now: admit() counts them
+        run = C.run(client(), tokenizer, items, False, metrics, t0, n, salt)    # submitted now: admit() counts them
 
         async def collect_all():
             done = {}
@@ -245,9 +245,10 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
                                  bool(req.stream))
         rid, model, n = R.new_id("cmpl"), served_model_name, req.n or 1
         if req.stream:
-            return streams.completion_stream(C.run(client(), tokenizer, items, True, metrics, t0, n), rid, model,
+            return streams.completion_stream(C.run(client(), tokenizer, items, True, metrics, t0, n, req.cache_salt),
+                                             rid, model,
                                              prompts, n, req, text_of, tokenizer)
-        done = await collect(items, request, t0, n)
+        done = await collect(items, request, t0, n, req.cache_salt)
         for ch in done:                           # prompt logprobs are computed for sample 0 of each prompt
             ch.prompt_logprobs = done[ch.index - ch.index % n].prompt_logprobs
         return R.completion(rid, model, [streams.completion_choice(ch, prompts[ch.index // n], req, text_of, tokenizer)
@@ -265,9 +266,9 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         prompts, items = prepare(req, [prompt], None, k, None, bool(req.stream))
         rid, model = R.new_id("chatcmpl"), served_model_name
         if req.stream:
-            run = C.run(client(), tokenizer, items, True, metrics, t0, len(items))
+            run = C.run(client(), tokenizer, items, True, metrics, t0, len(items), req.cache_salt)
             return streams.chat_stream(run, rid, model, prompts, len(items), req, text_of, role, echo)
-        done = await collect(items, request, t0, len(items))
+        done = await collect(items, request, t0, len(items), req.cache_salt)
         return R.chat_completion(rid, model, [streams.chat_choice(ch, k, text_of, role, echo) for ch in done],
                                  streams.total_usage(prompts, done))
 

@@ -55,8 +55,8 @@ def expand(prompts: list[list[int]], params: list, n: int, stream_prompt_logprob
     return items
 
 
-def run(client: CoreClient, tokenizer, items: list[tuple], stream: bool, metrics=None,
-        t_start: float | None = None, n: int = 1) -> AsyncIterator[tuple[Choice, TextDelta]]:
+def run(client: CoreClient, tokenizer, items: list[tuple], stream: bool, metrics=None, t_start: float | None = None,
+        n: int = 1, cache_salt: str | None = None) -> AsyncIterator[tuple[Choice, TextDelta]]:
     """Submit the choices now (so that they count against the admission bound at once, before a stream's
     first event); the returned iterator yields (choice, delta) as outputs arrive, until all finish. Leaving it
     early (client gone, error) aborts what is still running in the core."""
@@ -64,7 +64,7 @@ def run(client: CoreClient, tokenizer, items: list[tuple], stream: bool, metrics
     choices = [Choice(i, ids, sp, OutputProcessor.for_params(tokenizer, sp, stream))
                for i, (ids, sp) in enumerate(items)]
     sources = [i - i % n if i % n else None for i in range(len(items))] if n > 1 else None   # sample 0's prompt KV
-    coll = client.submit(items, eager=stream or any(sp.stop for _, sp in items), sources=sources)
+    coll = client.submit(items, eager=stream or any(sp.stop for _, sp in items), sources=sources, cache_salt=cache_salt)
     return _follow(client, coll, choices, metrics, t_start)
 
 

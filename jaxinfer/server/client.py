@@ -119,9 +119,11 @@ class CoreClient:
         self._ctx.term()
 
     # -- requests (event loop) ----------------------------------------------------------------------
-    def submit(self, items: list[tuple[list[int], object]], eager: bool, sources: list | None = None) -> Collector:
+    def submit(self, items: list[tuple[list[int], object]], eager: bool, sources: list | None = None,
+               cache_salt: str | None = None) -> Collector:
         """Queue the prompts (token ids, SamplingParams); their outputs arrive in the returned Collector.
-        sources[i]: the index of the item whose prompt KV item i waits for and reuses (sample 0 of n), or None."""
+        sources[i]: the index of the item whose prompt KV item i waits for and reuses (sample 0 of n), or None.
+        cache_salt: the request's (vLLM's; LLMEngine.add_request)."""
         if self.dead:
             raise EngineDeadError(self.dead)
         coll = Collector(len(items), eager)
@@ -132,9 +134,8 @@ class CoreClient:
             self._requests[rid] = (coll, index)
             cmd = ["add", rid, ids, {f.name: getattr(params, f.name) for f in fields(params)
                                      if f.name != "stop"}]            # stop strings stay here
-            if sources is not None and sources[index] is not None:
-                cmd.append(coll.rids[sources[index]])
-            self._command(cmd)
+            has_source = sources is not None and sources[index] is not None
+            self._command(cmd + [coll.rids[sources[index]] if has_source else None, cache_salt])
         return coll
 
     def abort(self, coll: Collector, indices=None) -> None:

@@ -134,7 +134,7 @@ class EngineCore:
     def _command(self, cmd: list) -> None:
         kind = cmd[0]
         if kind == "add":
-            self._add(cmd[1], cmd[2], cmd[3], cmd[4] if len(cmd) > 4 else None)
+            self._add(*cmd[1:])
         elif kind == "abort":
             seq_id = self.by_rid.pop(cmd[1], None)
             if seq_id is not None:
@@ -147,11 +147,12 @@ class EngineCore:
                 self._command(["abort", rid])
             self.running = False
 
-    def _add(self, rid: int, token_ids: list[int], fields: dict, source: int | None = None) -> None:
+    def _add(self, rid: int, token_ids: list[int], fields: dict, source: int | None = None,
+             cache_salt: str | None = None) -> None:
         from jaxinfer.sampling_params import SamplingParams
         src = self.live[self.by_rid[source]][1] if source in self.by_rid else None
         try:
-            seq = self.engine.add_request(token_ids, SamplingParams(**fields), prompt_source=src)
+            seq = self.engine.add_request(token_ids, SamplingParams(**fields), prompt_source=src, cache_salt=cache_salt)
         except (ValueError, TypeError) as e:    # the API checked it already; this is the authoritative check
             self._send(rid % len(self.outs), ["out", [[rid, [], "rejected", str(e)]]])
             return

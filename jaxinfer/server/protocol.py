@@ -109,6 +109,8 @@ class _Request(BaseModel):
         None, description="vLLM: EOS, stop_token_ids and stop strings end the output only after this many tokens")
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = Field(
         None, description="vLLM: keep only the prompt's last k tokens (-1: max_model_len of them)")
+    cache_salt: Annotated[str, Field(min_length=1)] | None = Field(
+        None, description="vLLM: only requests with the same salt (or none) share prefix-cache blocks")
 
 
 class CompletionRequest(_Request):
