@@ -14,7 +14,7 @@ Sections (printed as they run, all in the JSON; `--only steps,host,gemv,attentio
              plus kernel launches per call from the optimised HLO (gemm / gemv / pad ops); --profile: a trace of
              each variant (busy vs span, top kernels)
   host       TPOT of a tiny model through LLM.generate, K-step calls vs one step per call, and the engine's host
-             ms per call: the host cost that a K-step call (read before the next is scheduled) does not overlap
+             ms per call (the engine dispatches the next K-step call before reading one: docs/design.md, step 7)
   gemv       each decode matmul (the fused forms first) for M = bucket rows: XLA's dot (with its norm / swiglu ops)
              on the stacked weights as the model runs it, against pallas_kernels/gemv.py (auto tiles + a sweep
              while under --budget seconds): us per matmul, GB/s and % of 4.3 TB/s, error against XLA
@@ -170,7 +170,7 @@ def bench_steps(a, cfg, params, out: dict) -> None:
         if call == "one":
             r["engine_ms"] = timed(lambda p, kv, _, i: exe(p, kv, jax.device_put(pk), i), (params, fresh(), None, ids),
                                    iters, {1: 1, 3: 0}, read="previous") * 1e3
-        else:     # what the engine does: send the batch, run the call, read its ids, only then the next call
+        else:     # each call's ids read before the next is sent (the engine did so before it queued K-step calls)
             r["serial_ms"] = timed(lambda *x: exe(*x[:2], jax.device_put(pk), x[3]), (params, fresh(), None, ids),
                                    iters, {1: 1}, read="each") * 1e3 / per
         if a.profile:
