@@ -34,6 +34,22 @@ def test_preset_with_engine_seed_none_and_a_prompt_past_a_tiny_pool(tiny_dir):
         small.generate([list(range(1, 11))], SamplingParams(max_tokens=None), use_tqdm=False)
 
 
+def test_engine_step_with_nothing_to_do_returns_nothing(tiny_dir):
+    """vLLM's `LLMEngine.step()` returns [] when no request is left; a loop that steps a few more times after the
+    last request finished (or before the first) must not fail."""
+    llm = LLM(tiny_dir, **TINY_ENGINE)
+    eng = llm.llm_engine
+    assert eng.step() == [] and not eng.has_unfinished_requests()
+    seq = eng.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert len(seq.output_token_ids) == 3
+    assert eng.step() == [] and eng.step() == []
+    assert eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"]
+    assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids == seq.output_token_ids
+
+
 def test_engine_options_take_numpy_integers(tiny_dir):
     llm = LLM(tiny_dir, **{**TINY_ENGINE, "max_num_seqs": np.int64(4), "tensor_parallel_size": np.int32(1),
                            "data_parallel_size": np.int64(1), "seed": np.uint8(3)})

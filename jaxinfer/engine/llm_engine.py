@@ -181,8 +181,8 @@ class LLMEngine:
         if batch is None:
             if self.in_flight is not None:
                 return self._read_in_flight
-            if done is not None:
-                return lambda: done
+            if done is not None or not self.scheduler.has_unfinished():   # nothing left: a step returns [] (vLLM)
+                return lambda: done or []
             raise RuntimeError("scheduler found no work although requests are pending (pool too small?)")
         key = bucket_for(self.config, (r := self.runner).widths, batch, r.chunk_pages)
         K = self._plan_steps(batch, key)
