@@ -106,10 +106,12 @@ def test_completion_echo_only_scores_the_prompt(url, client, ref):
     assert bad.status_code == 400 and "-1.5" in bad.json()["error"]["message"], bad.json()
 
 
-def test_models_retrieve(client):
+def test_models_retrieve(url, client):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("other-model")
+    r = httpx.get(url + "/v1/models/")                        # no id: not a card for the model ""
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_truncate_prompt_tokens(url, client):
@@ -272,6 +274,8 @@ def test_tokenize_detokenize_version_docs(url):
     closed = httpx.post(url + "/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()
     assert open_["tokens"] == closed["tokens"][:open_["count"]] and open_["count"] < closed["count"]
     bad = httpx.post(url + "/tokenize", json={"messages": msgs, "chat_template": "{{ messages }}"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
+    bad = httpx.post(url + "/tokenize", json={"messages": msgs, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
     assert httpx.post(url + "/detokenize", json={"tokens": [10**9]}).status_code == 400
     assert "eos_token" in httpx.get(url + "/tokenizer_info").json()

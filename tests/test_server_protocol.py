@@ -63,6 +63,12 @@ def test_chat_template_kwargs_and_continue_final_message():
     assert apply_chat_template(ByteTokenizer(), msgs, over).endswith("Hel<|im_end|>\n")
     with pytest.raises(RequestError, match="continue_final_message"):
         chat_template_kwargs(req(continue_final_message=True))
+    # a template (or tools) given through chat_template_kwargs is refused as the request's own fields are (vLLM)
+    for name, value in (("chat_template", "{{ messages }}"), ("tools", [{"type": "function"}])):
+        with pytest.raises(RequestError, match=f"chat_template_kwargs.{name} is not supported") as e:
+            chat_template_kwargs(req(chat_template_kwargs={name: value}))
+        assert e.value.param == name
+    assert chat_template_kwargs(req(chat_template_kwargs={"chat_template": None}))["add_generation_prompt"]
 
 
 def test_truncate_refuses_more_than_max_model_len_and_cors_origins():

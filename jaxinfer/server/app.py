@@ -232,6 +232,8 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
         """OpenAI's retrieve (the openai client's `models.retrieve`): 404 for another model."""
+        if not model:                            # (not the served model, as "" is in a request's body)
+            raise P.RequestError("no model id given", param="model", code="model_not_found", status=404)
         check_model(model)
         return model_card(model)
 

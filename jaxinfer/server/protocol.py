@@ -256,8 +256,12 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
 def chat_template_kwargs(req: ChatCompletionRequest) -> dict:
     """The template's keyword arguments: add_generation_prompt and continue_final_message, then the request's
     chat_template_kwargs over them (as vLLM); both True is a 400."""
+    given = req.chat_template_kwargs or {}
+    for name in ("chat_template", "tools"):                   # refused here too, as the request's own fields (vLLM)
+        if given.get(name) is not None:
+            raise RequestError(f"chat_template_kwargs.{name} is not supported", param=name, code="unsupported_parameter")
     kw = {"add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message,
-          **(req.chat_template_kwargs or {})}
+          **given}
     if kw["add_generation_prompt"] and kw["continue_final_message"]:
         raise RequestError("cannot set both continue_final_message and add_generation_prompt to true",
                            param="continue_final_message")
