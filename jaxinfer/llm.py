@@ -1,9 +1,5 @@
-"""The user-facing facade: `LLM(model, ...)`, `generate`, `stats`; below it the engine sees token ids only.
-
-    from jaxinfer import LLM, SamplingParams
-    llm = LLM("path/to/Qwen3-0.6B", max_model_len=4096)
-    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0.6, max_tokens=128))
-"""
+"""The user-facing facade: `LLM(model, ...)`, `generate`, `stats`; below it the engine sees token ids only
+(`LLM("path/to/Qwen3-0.6B").generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0.6, max_tokens=128))`)."""
 from __future__ import annotations
 
 import numbers
@@ -215,8 +211,9 @@ class LLM:
         """Generate like `generate`, yielding deltas as tokens arrive (vLLM's DELTA output kind).
 
         Each yielded RequestOutput holds only what is new for one request: `request_id` is the prompt's
-        index in `prompts`, `text` / `token_ids` are the new text and token ids, and `finish_reason` is set
-        on the request's last delta. A request's text deltas concatenate to its `generate` text.
+        index in `prompts`, `text` / `token_ids` are the new text and ids (n > 1: of the sample that moved,
+        `outputs[0].index`), and `finished` / `finish_reason` are set on the request's last delta, once all n
+        samples ended. A request's text deltas concatenate to its `generate` text (n > 1: per sample).
         Leaving the loop early (break / close) aborts the unfinished requests and frees their KV blocks.
         Bad input raises here, at the call; `abort` calls from here on are this stream's (even before its first delta).
         """
@@ -234,10 +231,11 @@ class LLM:
         procs: dict[int, OutputProcessor] = {}
         sent: dict[int, tuple[int, float]] = {}   # seq_id -> (output tokens yielded, their cumulative logprob)
         texts = TokenTexts(self.tokenizer)
-        aborts = self.__dict__.setdefault("_aborts", set())
+        aborts, left = self.__dict__.setdefault("_aborts", set()), [len(g) for g in groups]   # left: samples going
 
         def delta(k: int, seq: Sequence, d: TextDelta) -> RequestOutput:
             (i, j), (start, before) = where[k], sent.get(seq.seq_id, (None, 0.0))
+            left[i] -= d.finish_reason is not None
             lps, cum = logprobs_of(seq, start or 0, d.token_ids, texts, before)
             sent[seq.seq_id] = ((start or 0) + len(d.token_ids), cum or 0.0)
             eos = self.engine.scheduler.eos
@@ -245,7 +243,7 @@ class LLM:
             return RequestOutput(request_id=i, prompt=prompt_forms.text(reqs[i][0]), prompt_token_ids=reqs[i][1],
                                  outputs=[CompletionOutput(j, d.text, d.token_ids, cum, lps, d.finish_reason, stop)],
                                  prompt_logprobs=prompt_logprobs_of(seq, texts) if start is None else None,
-                                 num_cached_tokens=seq.num_cached_tokens)
+                                 num_cached_tokens=seq.num_cached_tokens, finished=left[i] == 0)
 
         ended, aborted = set(), []                # seq ids whose final delta was yielded (an abort's comes early)
 

@@ -53,8 +53,14 @@ class RequestOutput:
     prompt_logprobs: Sequence[dict[int, Logprob] | None] | None = None   # per prompt token; the first is None
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
     metrics: dict = field(default_factory=dict)   # ttft_s, tpot_s (of the first sample)
+    # every sample has ended (a streamed delta: True on the request's last delta only); None: from `outputs`
+    finished: bool | None = None
 
-    # the first completion's fields, as before n existed
+    def __post_init__(self):
+        if self.finished is None:
+            self.finished = all(o.finished for o in self.outputs)
+
+    # the first completion's fields, as before n existed (a streamed delta: the sample that moved)
     @property
     def text(self) -> str:
         return self.outputs[0].text
@@ -65,11 +71,8 @@ class RequestOutput:
 
     @property
     def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
-
-    @property
-    def finished(self) -> bool:
-        return all(o.finished for o in self.outputs)
+        """outputs[0]'s, once the whole request has ended (`finished`); None before."""
+        return self.outputs[0].finish_reason if self.finished else None
 
 
 def logprob_dict(row: list[float], token_id: int, n: int, decode=None) -> dict[int, Logprob]:

@@ -182,8 +182,9 @@ class SamplingParams:
 
     def up_to(self, room: int) -> "SamplingParams":
         """These params with max_tokens None (vLLM's "until max_model_len") made `room`, the tokens the context
-        has left; unchanged otherwise."""
-        return self if self.max_tokens is not None else replace(self, max_tokens=room)
+        has left (min_tokens at most that: the request ends on "length" there, as with a max_tokens given)."""
+        return self if self.max_tokens is not None else replace(self, max_tokens=room,
+                                                                  min_tokens=min(self.min_tokens, room))
 
     def for_sample(self, index: int) -> "SamplingParams":
         """The params of completion `index` of an n > 1 request, as one n = 1 request. Sample 0 keeps the

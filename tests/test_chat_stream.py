@@ -41,6 +41,24 @@ def test_stream_deltas_concatenate_to_generate(llm, sp):
     assert idle(llm)
 
 
+def test_stream_with_n_samples_finishes_the_request_once(llm):
+    """n > 1: each delta holds the sample that moved; the request's `finished` and `finish_reason` come on its last
+    delta only, once every sample ended (vLLM's DELTA mode), and each sample's deltas concatenate to its output."""
+    sp = SamplingParams(temperature=1.0, seed=1, n=3, max_tokens=10, ignore_eos=True)
+    first = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0]
+    sp.stop_token_ids = [first.outputs[0].token_ids[2]]            # sample 0 stops early, the others run on
+    want = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0]
+    assert len(want.outputs[0].token_ids) == 3 and want.finished and want.finish_reason == "stop"
+    deltas = list(llm.stream([[5, 6, 7]], sp))
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert [d.finish_reason is not None for d in deltas] == [d.finished for d in deltas]
+    for o in want.outputs:
+        mine = [d.outputs[0] for d in deltas if d.outputs[0].index == o.index]
+        assert [t for c in mine for t in c.token_ids] == o.token_ids and "".join(c.text for c in mine) == o.text
+        assert [c.finish_reason for c in mine][-1] == o.finish_reason and not any(c.finish_reason for c in mine[:-1])
+    assert idle(llm)
+
+
 def test_stop_strings_cut_the_text(llm):
     free = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     stop = next(o.text[3:5] for o in free if len(o.text) > 6 and "\ufffd" not in o.text[3:5])

@@ -118,9 +118,17 @@ def test_max_tokens_none_with_a_pool_smaller_than_max_model_len(tiny_dir):
 
 def test_request_larger_than_pool(tiny_dir):
     small = LLM(tiny_dir, **{**BASE, "num_kvcache_blocks": 8})
-    with pytest.raises(ValueError, match="needs 11 KV blocks.*only 8"):
+    with pytest.raises(ValueError, match="needs 10 KV blocks.*only 8"):
         small.generate(list(range(1, 30)), SamplingParams(max_tokens=12), use_tqdm=False)
     assert small.generate([1, 2], SamplingParams(max_tokens=2), use_tqdm=False)[0].finish_reason
+    # the pool holds 32 tokens: the last output token is never written to it, so 31 + 2 and 32 + 1 fit, 31 + 3 not
+    sp = lambda m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)     # noqa: E731
+    for n, m in ((31, 2), (32, 1), (1, 32)):
+        assert len(small.generate([[5] * n], sp(m), use_tqdm=False)[0].token_ids) == m
+    with pytest.raises(ValueError, match="needs 9 KV blocks for 31 prompt . 3 output tokens"):
+        small.generate([[5] * 31], sp(3), use_tqdm=False)
+    two = small.generate([[5] * 16, [6] * 16], sp(17), use_tqdm=False)       # together past the pool: preempted
+    assert [len(o.token_ids) for o in two] == [17, 17] and small.stats()["kv_blocks_free"] == 8
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -170,7 +170,7 @@ def test_abort_ends_a_streamed_request(llm):
     for n in (1, 2):
         seen = []
         for d in llm.stream(PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True, n=n, seed=1, temperature=0.8)):
-            seen.append((d.request_id, d.outputs[0].index, d.finish_reason))
+            seen.append((d.request_id, d.outputs[0].index, d.outputs[0].finish_reason))      # (the sample's own)
             if len(seen) == 1:
                 llm.abort(1 - d.request_id)
         victim = 1 - seen[0][0]

@@ -86,6 +86,14 @@ def test_stop_strings_count_after_min_tokens(llm):
     assert late.token_ids == plain.token_ids and late.text == text
 
 
+def test_min_tokens_past_the_room_left_ends_on_length(llm):
+    """max_tokens None means "until max_model_len" (128): min_tokens beyond the room left does not make the request
+    an error; it ends on "length" there, as it does with a max_tokens given (vLLM)."""
+    for m in (None, 10):
+        out = llm.generate([[5] * 126], SamplingParams(temperature=0, max_tokens=m, min_tokens=5), use_tqdm=False)[0]
+        assert len(out.token_ids) == 2 and out.finish_reason == "length"
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(min_tokens=-1), "min_tokens=-1"), (dict(min_tokens=5, max_tokens=4), "min_tokens=5"),
     (dict(min_tokens=1.5), "min_tokens=1.5"), (dict(min_tokens=1, stop_token_ids=list(range(17))), "stop_token_ids")])

@@ -1,7 +1,7 @@
 """The server's request translation without a server: ServerOptions, chat messages and template arguments."""
 import pytest
 
-from jaxinfer.sampling_params import truncate
+from jaxinfer.sampling_params import SamplingParams, truncate
 from jaxinfer.tokenizer import ByteTokenizer
 
 
@@ -92,3 +92,13 @@ def test_completion_top_logprobs_keep_the_best_of_tokens_with_the_same_text():
     out = completion_logprobs(texts.get, [5], [row], 3)
     assert out["token_logprobs"] == [-0.5]
     assert out["top_logprobs"] == [{"\ufffd": -0.5, "a": -2.0}]
+
+
+def test_check_request_counts_the_kv_the_request_writes():
+    """The API process's early pool check is the engine's: the last output token is never written to the pool."""
+    from jaxinfer.server.protocol import RequestError, check_request
+    limits = dict(vocab_size=100, block_size=4, num_blocks=8, max_model_len=128)
+    for n, m in ((31, 2), (32, 1), (1, 32)):
+        check_request([5] * n, SamplingParams(max_tokens=m), limits)
+    with pytest.raises(RequestError, match="needs 9 KV blocks for 31 prompt . 3 output tokens"):
+        check_request([5] * 31, SamplingParams(max_tokens=3), limits)

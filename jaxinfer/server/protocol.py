@@ -215,7 +215,7 @@ def check_request(ids: list[int], params: SamplingParams, limits: dict, param: s
     bad = [t for t in ids if not 0 <= t < V]
     if bad:
         raise RequestError(f"the prompt has token id {bad[0]!r} out of vocabulary: ids are in [0, {V})", param=param)
-    need = -(-min(len(ids) + params.max_tokens, limits["max_model_len"]) // bs)
+    need = -(-min(len(ids) + params.max_tokens - 1, limits["max_model_len"]) // bs)     # (the last token: no KV)
     if need > nb:
         raise RequestError(f"the request needs {need} KV blocks for {len(ids)} prompt + {params.max_tokens} output "
                            f"tokens but the pool has only {nb}", param=param)
