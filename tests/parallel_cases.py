@@ -395,6 +395,7 @@ def test_lazy_replicas_compile_a_step_once(ckpts):
     programs = len(llm.engine.replicas[0].runner.compiled)
     assert programs == len(llm.engine.replicas[1].runner.compiled) > 0
     assert sum(per) == programs, per          # each program compiled by one replica, loaded by the other
+    assert llm.stats()["compilations"] == sum(per)                   # the replicas' counts add up
 
 
 def test_stop_string_cut_is_charged_to_its_replica(ckpts):

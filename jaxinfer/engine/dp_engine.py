@@ -29,8 +29,8 @@ from jaxinfer.model.kv_scales import kv_cache_dtype
 from jaxinfer.parallel import Placement, make_placements
 from jaxinfer.sampling_params import SamplingParams
 
-# stats that are the same for every replica (or process-wide), not summed
-_NOT_SUMMED = ("block_size", "compilations", "kv_cache_dtype")
+# stats that are the same for every replica, not summed (compilations are each replica's own: summed)
+_NOT_SUMMED = ("block_size", "kv_cache_dtype")
 
 
 def create_engine(model: ModelConfig, config: EngineConfig, load: Callable[[Placement], dict],
