@@ -47,7 +47,7 @@ def chat_loop(llm, sp, system: str | None = None, thinking: bool = True) -> int:
     while True:
         try:
             line = input("> ").strip()
-        except (EOFError, KeyboardInterrupt):
+        except (EOFError, KeyboardInterrupt, RuntimeError):     # (RuntimeError: stdin closed, "lost sys.stdin")
             print()
             return 0
         if not line:

@@ -114,6 +114,14 @@ def bool_arg(text: str) -> bool:
     return text.lower() in ("true", "1")
 
 
+def at_least_two(text: str) -> int:
+    """argparse type: an integer >= 2 (e.g. output tokens for a TPOT, which needs a second token)."""
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{text!r} is less than 2")
+    return value
+
+
 def output_path(text: str) -> str:
     """argparse type of a results file: checked before the run, not after it (a directory, or a missing folder)."""
     folder = os.path.dirname(os.path.abspath(text))

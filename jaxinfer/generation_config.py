@@ -52,4 +52,10 @@ def sampling_defaults(model_dir: str | None, generation_config: str = "auto", ov
     out.update(override or {})
     if "max_new_tokens" in out:
         out["max_tokens"] = out.pop("max_new_tokens")
+    from jaxinfer.sampling_params import SamplingParams
+    try:                                # bad values fail here, not in every request that leaves them out
+        SamplingParams(**out)
+    except (ValueError, TypeError) as e:
+        where = "override_generation_config" if override and set(override) & set(out) else repr(path)
+        raise ValueError(f"{where}: {e}") from None
     return out

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import sys
@@ -23,6 +22,7 @@ import time
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 import numpy as np  # noqa: E402
+from timing import pct, write_json  # noqa: E402,F401  (write_json: scripts import it from here)
 
 
 def workload(num_seqs: int, max_input: int, max_output: int, vocab: int = 151936, seed: int = 0):
@@ -45,16 +45,6 @@ def measure_bandwidth() -> float:
 
 
 HOST_TIMES = ("host_schedule_s", "host_dispatch_s", "host_wait_s", "host_apply_s")
-
-
-def write_json(path: str | None, result: dict) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
-
-
-def pct(xs, q):
-    return float(np.percentile(xs, q)) if xs else float("nan")
 
 
 def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
@@ -228,9 +218,9 @@ def host_name() -> str:
 
 def parse(argv=None):
     from jaxinfer.cli import CHUNKED, add_engine_args
-    from jaxinfer.cli_types import bare_flags, output_path, positive_float, positive_int, probability
+    from jaxinfer.cli_types import at_least_two, bare_flags, output_path, positive_float, positive_int, probability
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", nargs="?", default="qwen3-0.6b",
+    ap.add_argument("model", nargs="?", default=None,
                     help="checkpoint dir, preset name (random weights) or hub id (default: qwen3-0.6b)")
     ap.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)   # older spelling
     g = ap.add_argument_group("workload (nano-vllm's bench.py)")
@@ -240,7 +230,7 @@ def parse(argv=None):
     add_engine_args(ap, with_model=False)
     ap.add_argument("--latency", action="store_true", help="one request: TTFT and TPOT")
     ap.add_argument("--latency-prompt", type=positive_int, default=1024)
-    ap.add_argument("--latency-output", type=positive_int, default=256)
+    ap.add_argument("--latency-output", type=at_least_two, default=256, help="output tokens (TPOT needs >= 2)")
     ap.add_argument("--latency-batch", type=positive_int, default=1,
                     help="--latency: requests decoded together (default 1)")
     ap.add_argument("--peer", choices=["hf"], default=None,
@@ -261,7 +251,7 @@ def parse(argv=None):
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="every request has top_k=K (default 0)")
     ap.add_argument("--repeats", type=positive_int, default=1,
                     help="time the workload this many times; report the median wall (A/B runs: less noise)")
-    ap.add_argument("--step-log", default=None, metavar="PATH",
+    ap.add_argument("--step-log", type=output_path, default=None, metavar="PATH",
                     help="log every step's host times (schedule, dispatch, wait, apply) to PATH; print them by bucket")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="trace the timed run into DIR and print where the GPU time went (trace_summary.py)")
@@ -273,7 +263,9 @@ def parse(argv=None):
 
 def main(argv=None) -> dict:
     args = parse(argv)
-    args.model = args.model_flag or args.model
+    if args.model_flag and args.model not in (args.model_flag, None):
+        raise SystemExit(f"bench.py: two models given: {args.model!r} and --model {args.model_flag!r}")
+    args.model = args.model_flag or args.model or "qwen3-0.6b"
     from jaxinfer import SamplingParams      # the per-request flags' values: refused now, not after the warm-up
     SamplingParams(top_p=args.top_p, top_k=args.top_k, logprobs=args.logprobs, presence_penalty=args.presence_penalty)
     if args.peer and args.hf_overrides:     # transformers would load the checkpoint as its config.json says

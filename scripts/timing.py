@@ -1,7 +1,8 @@
 """Timers shared by the bench scripts: back-to-back dispatch timing, the in-process copy bandwidth, where warm-up
-went, and the engine step log by bucket."""
+went, the engine step log by bucket; percentiles and the results' JSON."""
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -84,3 +85,22 @@ def step_log_summary(log: list) -> dict:
         print(f"  {name:>14}: {len(rows):5d} steps  {mean[0]:6.2f} / {mean[1]:6.2f} ({mean[4]:5.2f}) / {mean[2]:6.2f}"
               f" / {mean[3]:6.2f}")
     return out
+
+
+def pct(xs, q):
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def write_json(path: str | None, result: dict) -> None:
+    """Strict JSON: a NaN (a percentile of nothing, e.g. the TPOT of one-token outputs) is written as null."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(_no_nan(result), f, indent=2, allow_nan=False)
+
+
+def _no_nan(x):
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: _no_nan(v) for k, v in x.items()}
+    return [_no_nan(v) for v in x] if isinstance(x, (list, tuple)) else x

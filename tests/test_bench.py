@@ -267,3 +267,22 @@ def test_bench_refuses_bad_request_flags_before_loading(tmp_path, flags, match):
     with pytest.raises(ValueError, match=match):
         bench.main([str(tmp_path / "no-such-model"), *flags])
     assert os.environ == env            # refused before the process flags were set
+
+
+def test_bench_flags_checked_before_the_run_and_strict_json(tiny_dir, tmp_path, capsys):
+    """--step-log in a missing folder, --latency-output 1 (no TPOT) and two models are refused before loading;
+    the JSON is strict: a TPOT of one-token outputs (NaN) is written as null."""
+    import json
+    for flags in (["--step-log", str(tmp_path / "nope" / "s.json")], ["--latency", "--latency-output", "1"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main([tiny_dir, *flags])
+        assert e.value.code == 2
+    assert "less than 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="two models given"):
+        bench.main([tiny_dir, "--model", str(tmp_path / "other")])
+    out = tmp_path / "r.json"
+    r = bench.main([tiny_dir, "--dtype", "float32", "--num-seqs", "2", "--max-input-len", "8", "--max-output-len", "1",
+                    "--max-num-seqs", "2", "--max-model-len", "64", "--json", str(out)])
+    assert r["output_tokens"] == 2 and r["tpot_ms_p50"] != r["tpot_ms_p50"]          # NaN in the dict
+    strict = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert strict["tpot_ms_p50"] is None and strict["output_tokens"] == 2

@@ -47,6 +47,18 @@ def test_chat_streams_and_keeps_history(tiny_dir):
     assert r.returncode == 2 and "not a port" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_chat_ends_quietly_when_stdin_is_closed(monkeypatch, capsys):
+    """`jaxinfer chat <&-`: input() raises RuntimeError("lost sys.stdin"), which ends the session as EOF does."""
+    import builtins
+
+    from jaxinfer.chat import chat_loop
+
+    def closed(prompt=""):
+        raise RuntimeError("input(): lost sys.stdin")
+    monkeypatch.setattr(builtins, "input", closed)
+    assert chat_loop(llm=None, sp=None) == 0
+
+
 def test_serve(tiny_dir):
     """`jaxinfer serve` with vLLM's flag forms: --model, --port 0 (the log says where it listens), several
     --served-model-name, --chat-template given inline, flags with no meaning here; a bad vLLM value is refused."""

@@ -323,6 +323,14 @@ def test_model_sampling_defaults_fill_what_a_request_leaves_out(tmp_path):
     # vLLM's --override-generation-config JSON: checked at start-up, a JSON object on the command line
     with pytest.raises(ValueError, match="override_generation_config"):
         ServerOptions(override_generation_config={"beams": 2})
+    # bad values too, at start-up (not a 400 for every request that leaves temperature out), and in a file
+    with pytest.raises(ValueError, match="override_generation_config: .*temperature=-1"):
+        ServerOptions(override_generation_config={"temperature": -1})
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "generation_config.json").write_text('{"top_p": 7}')
+    with pytest.raises(ValueError, match="generation_config.json.*top_p=7"):
+        ServerOptions(generation_config=str(bad))
     import argparse
     from jaxinfer.server.options import add_server_args, server_options
     ap = argparse.ArgumentParser()

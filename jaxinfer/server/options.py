@@ -54,7 +54,8 @@ class ServerOptions:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name}={v!r} must be an integer >= 0")
         check_generation_config(self.generation_config)
-        sampling_defaults(None, "vllm", self.override_generation_config)        # (checks it)
+        g = self.generation_config                       # (checks the values: a folder's file, the override)
+        sampling_defaults(None, "vllm" if g == "auto" else g, self.override_generation_config)
         if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template
                                                or ("{" not in self.chat_template and not
                                                    os.path.isfile(self.chat_template))):
