@@ -117,12 +117,12 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: 
     """Sampling flags. Those not given take the model's generation_config.json recommendations (as vLLM's default
     sampling params), else these defaults."""
     g = p.add_argument_group("sampling (defaults: the model's generation_config.json, else those shown)")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens per prompt (default: {max_tokens})")
+    g.add_argument("--max-tokens", type=int, help=f"new tokens per prompt (default: {max_tokens})")
     g.add_argument("--temperature", type=float, help=f"0 = greedy (default: {temperature})")
     g.add_argument("--top-p", type=float, help="nucleus sampling mass (default: 1.0, off)")
     g.add_argument("--top-k", type=int, help="sample from the k most likely tokens (default: 0, off)")
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    p.set_defaults(fallback_temperature=temperature)
+    p.set_defaults(fallback_temperature=temperature, fallback_max_tokens=max_tokens)
 
 
 def sampling(a: argparse.Namespace, defaults=None):
@@ -131,10 +131,10 @@ def sampling(a: argparse.Namespace, defaults=None):
     own defaults."""
     from jaxinfer import SamplingParams
     base = {k: v for k, v in (defaults or {}).items()          # (LLM.default_sampling_params: what the file set)
-            if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
-    given = {k: getattr(a, k) for k in ("temperature", "top_p", "top_k") if getattr(a, k) is not None}
-    return SamplingParams(**{"temperature": a.fallback_temperature, **base, **given}, max_tokens=a.max_tokens,
-                          ignore_eos=a.ignore_eos)
+            if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")}
+    given = {k: getattr(a, k) for k in ("temperature", "top_p", "top_k", "max_tokens") if getattr(a, k) is not None}
+    return SamplingParams(**{"temperature": a.fallback_temperature, "max_tokens": a.fallback_max_tokens, **base,
+                             **given}, ignore_eos=a.ignore_eos)
 
 
 # -- commands -----------------------------------------------------------------------------------------------
