@@ -88,6 +88,21 @@ def test_freed_blocks_keep_hash_until_reallocated():
     assert c.num_cached_tokens == 0
 
 
+def test_chain_hash_is_sha256_of_the_chain():
+    """Python's hash() of (previous hash, tokens) collides whenever two previous hashes are congruent mod 2**61 - 1
+    (and xxHash-style tuple hashing can be inverted for chosen ints): the prefix cache must not key on it."""
+    import hashlib
+    from array import array
+
+    from jaxinfer.engine.block_manager import chain_hash, salt_seed
+    toks = (1, 2, 3, 4)
+    assert hash((5, toks)) == hash((5 + 2**61 - 1, toks))              # the weakness of the old key
+    first = chain_hash(None, toks)
+    assert first == hashlib.sha256(array("q", toks).tobytes()).digest()
+    assert chain_hash(first, toks) == hashlib.sha256(first + array("q", toks).tobytes()).digest()
+    assert chain_hash(salt_seed("a"), toks) != chain_hash(salt_seed("b"), toks) != first and salt_seed(None) is None
+
+
 def test_hash_collision_cannot_return_wrong_kv(monkeypatch):
     import jaxinfer.engine.block_manager as m
     monkeypatch.setattr(m, "chain_hash", lambda prev, toks: 42)    # every block collides

@@ -1,15 +1,19 @@
 """Paged KV blocks: allocation with reference counts, and a prefix cache of full blocks.
 
-Each full block whose KV has been computed gets a chained hash: hash(previous block's hash, its token ids).
-A new sequence reuses the longest chain of cached blocks that starts at its first token (ref count + 1)
-and skips computing them. The token ids are stored with the block and compared on a hit, so a hash
-collision can never hand back the wrong KV. Blocks whose ref count drops to 0 go back to the free list
+Each full block whose KV has been computed gets a chained hash: SHA-256 of the previous block's hash and its
+token ids. A new sequence reuses the longest chain of cached blocks that starts at its first token (ref count
++ 1) and skips computing them. The block's own token ids are also compared on a hit; the earlier blocks are
+vouched for by the chain, which is why it is a cryptographic hash: with Python's `hash()` (64 bits, and
+invertible for small ints) a crafted prompt could collide with another request's prefix and be handed its KV
+(vLLM left `hash()` for the same reason, CVE-2025-25183). Blocks whose ref count drops to 0 go back to the free list
 but keep their hash (and KV) until they are handed out again, so a later request can still hit them.
 Hashes are registered only once a block's KV is written (`cache_full_blocks`), never at allocation, so a
 sequence can never read a block another sequence has not computed yet.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from jaxinfer.engine.sequence import Sequence
@@ -21,12 +25,20 @@ class Block:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: int | None = None
+        self.hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
 
 
-def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((prev, token_ids))
+def chain_hash(prev: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """The block's hash: SHA-256 of the previous block's (or the chain's seed) and its token ids as int64s."""
+    h = hashlib.sha256(prev or b"")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def salt_seed(cache_salt: str | None) -> bytes | None:
+    """The start of a request's chain: its cache_salt hashed (None: no salt; salted chains never meet unsalted)."""
+    return None if cache_salt is None else hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest()
 
 
 class BlockManager:
@@ -34,7 +46,7 @@ class BlockManager:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # FIFO = LRU
-        self.cached: dict[int, int] = {}        # hash -> block id
+        self.cached: dict[bytes, int] = {}      # hash -> block id
         self.prefix_caching = enable_prefix_caching
 
     @property

@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.batch import StepPlan, bucket_for, pack, pack_multistep
-from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.block_manager import BlockManager, salt_seed
 from jaxinfer.engine import extras as extras_mod
 from jaxinfer.engine.executables import CompileCounter, counts_compiles
 from jaxinfer.engine.memory import check_pool_fits, num_blocks_for_memory
@@ -131,7 +131,7 @@ class LLMEngine:
         seq = Sequence([int(t) for t in token_ids], params, device_seed(seed), self.config.block_size)
         seq.arrival_time = time.perf_counter()
         seq.prompt_source = prompt_source
-        seq.hash_seed = None if cache_salt is None else hash(("cache_salt", cache_salt))
+        seq.hash_seed = salt_seed(cache_salt)
         self.counters["prompt_tokens"] += len(seq)
         self.scheduler.add(seq)
         return seq

@@ -35,8 +35,8 @@ class Sequence:
         self.num_cached_tokens = 0        # of those, tokens found in the prefix cache at (first) admission
         self.admitted = False             # given blocks once (a preempted sequence keeps num_cached_tokens)
         self.num_hashed_blocks = 0        # leading blocks already registered in the prefix cache
-        self.last_hash: int | None = None # chained hash of the last of those
-        self.hash_seed: int | None = None # the chain's start: the request's cache_salt hashed (None: no salt)
+        self.last_hash: bytes | None = None   # chained hash of the last of those
+        self.hash_seed: bytes | None = None   # the chain's start: the request's cache_salt hashed (None: no salt)
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.text = ""                    # detokenized output so far (kept only when stop strings need it)
