@@ -53,9 +53,9 @@ def sampling_defaults(model_dir: str | None, generation_config: str = "auto", ov
     if "max_new_tokens" in out:
         out["max_tokens"] = out.pop("max_new_tokens")
     from jaxinfer.sampling_params import SamplingParams
-    try:                                # bad values fail here, not in every request that leaves them out
-        SamplingParams(**out)
-    except (ValueError, TypeError) as e:
-        where = "override_generation_config" if override and set(override) & set(out) else repr(path)
-        raise ValueError(f"{where}: {e}") from None
+    for where, values in (("override_generation_config", override or {}), (repr(path), out)):
+        try:                            # bad values fail here, not in every request that leaves them out
+            SamplingParams(**{"max_tokens" if k == "max_new_tokens" else k: v for k, v in values.items()})
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{where}: {e}") from None
     return out
