@@ -190,3 +190,18 @@ def test_random_init_is_finite_in_bf16():
     small = ModelConfig(**{**cfg.__dict__, "num_hidden_layers": 2, "vocab_size": 1000})
     logits = dense_logits(small, init_params(small, jnp.bfloat16), jnp.arange(16)[None])
     assert bool(jnp.all(jnp.isfinite(logits))) and float(jnp.abs(logits).max()) < 100
+
+
+@pytest.mark.parametrize("header", [{"w": {"dtype": "F32", "shape": [4]}}, {"w": {"dtype": "F32", "data_offsets": [0, 16]}},
+                                    {"w": [0, 16]}, [{"w": {}}]])
+def test_malformed_safetensors_header_is_a_value_error(tmp_path, header):
+    """A header whose entries lack shape / data_offsets, or that is not an object of objects: a ValueError naming
+    the file, not a KeyError / AttributeError from inside the loader."""
+    import json
+    import struct
+
+    from jaxinfer.model.loader import SafetensorsFile
+    path, h = tmp_path / "model.safetensors", json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(h)) + h + b"\0" * 256)
+    with pytest.raises(ValueError, match="corrupt"):
+        SafetensorsFile(str(path)).get("w")

@@ -57,6 +57,8 @@ class SafetensorsFile:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"{path!r} is corrupt: its header is not valid JSON ({e})") from None
+        if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
+            raise ValueError(f"{path!r} is corrupt: its header is not a JSON object of tensor entries")
         header.pop("__metadata__", None)
         self.header, self.data_start, self.size = header, 8 + n, size
         self._mmap = None
@@ -71,6 +73,9 @@ class SafetensorsFile:
         dtype = _ST_DTYPES.get(info.get("dtype"))
         if dtype is None:
             raise ValueError(f"tensor {name!r} in {self.path!r} has unsupported dtype {info.get('dtype')!r}")
+        if not isinstance(info.get("data_offsets"), list) or len(info["data_offsets"]) != 2 or \
+                not isinstance(info.get("shape"), list):
+            raise ValueError(f"tensor {name!r} in {self.path!r} is corrupt: no shape or data_offsets in its header")
         start, end = info["data_offsets"]
         count = int(np.prod(info["shape"], dtype=np.int64))
         if end - start != count * np.dtype(dtype).itemsize or start > end:
