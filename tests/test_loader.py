@@ -192,8 +192,11 @@ def test_random_init_is_finite_in_bf16():
     assert bool(jnp.all(jnp.isfinite(logits))) and float(jnp.abs(logits).max()) < 100
 
 
-@pytest.mark.parametrize("header", [{"w": {"dtype": "F32", "shape": [4]}}, {"w": {"dtype": "F32", "data_offsets": [0, 16]}},
-                                    {"w": [0, 16]}, [{"w": {}}]])
+BAD_HEADERS = [{"w": {"dtype": "F32", "shape": [4]}}, {"w": {"dtype": "F32", "data_offsets": [0, 16]}},
+               {"w": [0, 16]}, [{"w": {}}]]
+
+
+@pytest.mark.parametrize("header", BAD_HEADERS)
 def test_malformed_safetensors_header_is_a_value_error(tmp_path, header):
     """A header whose entries lack shape / data_offsets, or that is not an object of objects: a ValueError naming
     the file, not a KeyError / AttributeError from inside the loader."""
