@@ -81,8 +81,10 @@ class LLM:
 
     @property
     def llm_engine(self):
-        """The engine (vLLM's name): add_request / step / abort / stats (engine/llm_engine.py)."""
-        return self.engine
+        """vLLM's LLMEngine API (add_request(request_id, prompt, params) / step() -> RequestOutputs / abort_request /
+        has_unfinished_requests) over this LLM's engine, whose other attributes it passes on (engine_api.py)."""
+        from jaxinfer.engine_api import EngineAPI
+        return self.__dict__.setdefault("_engine_api", EngineAPI(self))
 
     def abort(self, request_id: int) -> None:
         """Stop a request of the `stream` in progress (its request_id: the prompt's index), from the loop's

@@ -214,7 +214,7 @@ def bench_host(a, out: dict) -> None:
         buckets = tuple(sorted({next(b for b in a.buckets if b >= n) for n in a.batches}))
         llm = LLM(path, max_num_seqs=max(a.batches), decode_buckets=buckets, prefill_buckets=(4096,),
                   max_model_len=2048, max_num_batched_tokens=4096, num_kvcache_blocks=8192, num_scheduler_steps=steps)
-        eng = llm.llm_engine
+        eng = llm.engine
         for n in a.batches:
             eng.host_time = dict.fromkeys(eng.host_time, 0.0)
             calls0, steps0 = eng.counters["multistep_calls"], eng.counters["decode_steps"]

@@ -1,0 +1,153 @@
+"""`llm.llm_engine`: vLLM's LLMEngine request API over an LLM's engine, for code written against vLLM's loop:
+
+    engine = llm.llm_engine
+    engine.add_request("a", "Hello, my name is", SamplingParams(max_tokens=32))
+    while engine.has_unfinished_requests():
+        for out in engine.step():              # RequestOutputs of the requests that moved in this step
+            if out.finished:
+                print(out.request_id, out.outputs[0].text)
+
+Request ids are the caller's (vLLM: strings), prompts take every form `generate` takes, and an output holds
+what `SamplingParams.output_kind` asks: everything so far (vLLM's default, CUMULATIVE), only what is new
+(DELTA), or only the finished request (FINAL_ONLY); a kind is given as vLLM's enum, its name or its value.
+Stop strings, n samples, logprobs and prompt logprobs behave as in `generate`. `abort_request` ends requests
+and frees their KV blocks at once (they yield no further output). What it does not define it takes from the
+engine below (`stats()`, `block_manager`, `scheduler`, `warmup_extras`, ...).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxinfer import prompts as prompt_forms
+from jaxinfer.engine.sequence import Sequence, is_finished
+from jaxinfer.output_processor import TokenTexts, logprobs_of, prompt_logprobs_of, stop_reason
+from jaxinfer.outputs import CompletionOutput, RequestOutput
+
+KINDS = {0: "CUMULATIVE", 1: "DELTA", 2: "FINAL_ONLY"}     # vLLM's RequestOutputKind values
+
+
+def output_kind(params) -> str:
+    kind = params.output_kind
+    kind = getattr(kind, "name", kind)
+    kind = KINDS.get(kind, kind) if isinstance(kind, int) else kind
+    kind = "CUMULATIVE" if kind is None else str(kind).upper()
+    if kind not in KINDS.values():
+        raise ValueError(f"output_kind={params.output_kind!r}: the engine gives CUMULATIVE (0), DELTA (1) or "
+                         f"FINAL_ONLY (2) outputs")
+    return kind
+
+
+@dataclass
+class _Request:
+    request_id: object
+    prompt: object
+    prompt_ids: list[int]
+    seqs: list[Sequence]
+    kind: str
+    procs: dict = field(default_factory=dict)               # seq_id -> OutputProcessor (stream mode)
+    text: list = field(default_factory=list)                # per sample: text so far
+    ids: list = field(default_factory=list)                 # per sample: token ids shown so far
+    prompt_sent: bool = False
+
+
+class EngineAPI:
+    def __init__(self, llm):
+        self._llm, self._requests = llm, {}                  # request_id -> _Request, in arrival order
+
+    def __getattr__(self, name):
+        return getattr(self._llm.engine, name)
+
+    def get_tokenizer(self):
+        return self._llm.get_tokenizer()
+
+    def add_request(self, request_id, prompt, params=None, arrival_time=None, lora_request=None,
+                    tokenization_kwargs=None, trace_headers=None, priority: int = 0) -> None:
+        """Queue one prompt (a string, a list of token ids, or a TextPrompt / TokensPrompt dict) under the caller's
+        request_id; `params`: SamplingParams (None: `llm.get_default_sampling_params()`). vLLM's other arguments are
+        accepted (lora_request None, priority 0)."""
+        prompt_forms.check_unsupported("LLMEngine.add_request", lora_request=lora_request)
+        prompt_forms.check_priority([priority], 1)
+        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+            raise ValueError(f"request_id must be a string (vLLM's) or an int, got {request_id!r:.80}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine (abort it or let it finish first)")
+        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
+            raise ValueError(f"add_request takes one prompt, got a list of {len(prompt)} (add one request each)")
+        if params is not None and not hasattr(params, "n"):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.80}")
+        kind = output_kind(params or self._llm.get_default_sampling_params())
+        with self._llm._one_thread():
+            [(p, ids, sp)] = self._llm._prepare([prompt], params)
+            [group] = self._llm._add([(p, ids, sp)])
+        self._requests[request_id] = _Request(request_id, p, ids, group, kind, text=[""] * len(group),
+                                              ids=[[] for _ in group])
+
+    def abort_request(self, request_id) -> None:
+        """End one request or several (an iterable of ids) and free their KV blocks; unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, (str, int)) else list(request_id)
+        for rid in ids:
+            req = self._requests.pop(rid, None)
+            for seq in req.seqs if req else ():
+                if not is_finished(seq):
+                    self._llm.engine.abort(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or self._llm.engine.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step (when there is work) and return the outputs of this API's requests that moved."""
+        with self._llm._one_thread():
+            if self._llm.engine.has_unfinished():
+                self._llm._one_thread.steps += 1
+                self._llm.engine.step()
+            outputs, texts = [], TokenTexts(self._llm.tokenizer)
+            for rid, req in list(self._requests.items()):
+                out = self._output(req, texts)
+                if out is not None:
+                    outputs.append(out)
+                if all(is_finished(s) and self._shown(req, j) for j, s in enumerate(req.seqs)):
+                    del self._requests[rid]
+            return outputs
+
+    def _shown(self, req: _Request, j: int) -> bool:
+        proc = req.procs.get(req.seqs[j].seq_id)
+        return proc is not None and proc.finished
+
+    def _output(self, req: _Request, texts: TokenTexts) -> RequestOutput | None:
+        moved = []
+        for j, seq in enumerate(req.seqs):
+            d = self._llm._process_text(seq, req.procs, stream=True)
+            if d.text or d.token_ids or d.finish_reason:
+                moved.append((j, d))
+        if not moved:
+            return None
+        finished = all(self._shown(req, j) for j in range(len(req.seqs)))
+        if req.kind == "FINAL_ONLY" and not finished:
+            for j, d in moved:
+                req.text[j], req.ids[j] = req.text[j] + d.text, req.ids[j] + d.token_ids
+            return None
+        outs = []
+        for j, d in moved:
+            seq, start = req.seqs[j], len(req.ids[j])
+            req.text[j], req.ids[j] = req.text[j] + d.text, req.ids[j] + d.token_ids
+            if req.kind == "DELTA":
+                outs.append(self._completion(j, seq, start, d.text, d.token_ids, d.finish_reason, req, texts))
+        if req.kind != "DELTA":
+            outs = [self._completion(j, s, 0, req.text[j], req.ids[j], req.procs[s.seq_id].finish_reason, req, texts)
+                    for j, s in enumerate(req.seqs)]
+        first = not req.prompt_sent or req.kind != "DELTA"
+        req.prompt_sent = True
+        return RequestOutput(request_id=req.request_id, prompt=prompt_forms.text(req.prompt),
+                             prompt_token_ids=req.prompt_ids, outputs=outs,
+                             prompt_logprobs=prompt_logprobs_of(req.seqs[0], texts) if first else None,
+                             num_cached_tokens=req.seqs[0].num_cached_tokens, finished=finished)
+
+    def _completion(self, j, seq, start, text, ids, reason, req, texts) -> CompletionOutput:
+        lps, cum = logprobs_of(seq, start, ids, texts)
+        if cum is not None and req.kind == "DELTA":        # the cumulative logprob counts every token so far
+            cum = logprobs_of(seq, 0, req.ids[j], texts)[1]
+        stop = None if reason is None else stop_reason(seq, req.procs.get(seq.seq_id), self._llm.engine.scheduler.eos)
+        return CompletionOutput(j, text, list(ids), cum, lps, reason, stop)

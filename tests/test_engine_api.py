@@ -1,0 +1,106 @@
+"""`llm.llm_engine`: vLLM's LLMEngine loop (add_request(request_id, prompt, params), step() -> RequestOutputs,
+abort_request, has_unfinished_requests) gives what `generate` gives, in each output kind."""
+import pytest
+from helpers import TINY_ENGINE
+
+from jaxinfer import LLM, SamplingParams, TokensPrompt
+
+PROMPTS = ["Hello there", [5, 6, 7, 8, 9], TokensPrompt(prompt_token_ids=[11, 12, 13])]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(tiny_dir, **{**TINY_ENGINE, "max_num_seqs": 4})
+
+
+def run(eng, params_of, ids=("a", "b", "c"), prompts=PROMPTS) -> dict:
+    """Add a request per prompt, step until done; request_id -> list of its outputs."""
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, p, params_of(rid))
+    seen = {rid: [] for rid in ids}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            seen[out.request_id].append(out)
+    return seen
+
+
+def free(llm):
+    s = llm.stats()
+    assert s["kv_blocks_free"] == s["kv_blocks_total"]
+
+
+def test_the_vllm_loop_gives_generate_outputs(llm):
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, n=2, logprobs=2, prompt_logprobs=1, stop=[" the"])
+    ref = llm.generate(PROMPTS, params, use_tqdm=False)
+    seen = run(llm.llm_engine, lambda rid: params)
+    for rid, r in zip("abc", ref):
+        outs = seen[rid]
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert outs[-1].request_id == rid and outs[-1].prompt_token_ids == r.prompt_token_ids
+        for a, b in zip(outs[-1].outputs, r.outputs):
+            assert (a.index, a.text, a.token_ids, a.finish_reason, a.stop_reason) == \
+                   (b.index, b.text, b.token_ids, b.finish_reason, b.stop_reason)
+            assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-5)
+            assert [sorted(d) for d in a.logprobs] == [sorted(d) for d in b.logprobs]
+        assert len(outs[-1].prompt_logprobs) == len(r.prompt_token_ids) and outs[-1].prompt_logprobs[0] is None
+        for prev, cur in zip(outs, outs[1:]):             # CUMULATIVE: each output extends the one before
+            for a, b in zip(prev.outputs, cur.outputs):
+                assert b.token_ids[:len(a.token_ids)] == a.token_ids and b.text.startswith(a.text)
+    assert llm.llm_engine.get_num_unfinished_requests() == 0
+    free(llm)
+
+
+def test_delta_and_final_only(llm):
+    base = dict(temperature=0.0, max_tokens=7, ignore_eos=True)
+    ref = llm.generate(PROMPTS, SamplingParams(**base), use_tqdm=False)
+    kinds = {"a": "DELTA", "b": 2, "c": "FINAL_ONLY"}
+    seen = run(llm.llm_engine, lambda rid: SamplingParams(**base, output_kind=kinds[rid]))
+    deltas = seen["a"]
+    assert len(deltas) > 1 and sum(len(o.outputs[0].token_ids) for o in deltas) == 7
+    assert "".join(o.outputs[0].text for o in deltas) == ref[0].outputs[0].text
+    assert [t for o in deltas for t in o.outputs[0].token_ids] == ref[0].outputs[0].token_ids
+    for rid, r in zip("bc", ref[1:]):
+        [out] = seen[rid]
+        assert out.finished and out.outputs[0].token_ids == r.outputs[0].token_ids
+    with pytest.raises(ValueError, match="output_kind"):
+        llm.llm_engine.add_request("x", "hi", SamplingParams(output_kind="SOMETIMES"))
+    free(llm)
+
+
+def test_abort_bad_requests_and_passthrough(llm):
+    eng = llm.llm_engine
+    long = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    eng.add_request("keep", "one two", long)
+    eng.add_request("drop", [3, 4, 5], long)
+    with pytest.raises(ValueError, match="'keep' is already"):
+        eng.add_request("keep", "again", long)
+    with pytest.raises(ValueError, match="one prompt"):
+        eng.add_request("many", ["a", "b"], long)
+    with pytest.raises(ValueError, match="request_id"):
+        eng.add_request(None, "a", long)
+    with pytest.raises(ValueError, match="max_model_len|longer"):
+        eng.add_request("huge", list(range(1, 500)), long)
+    assert eng.get_num_unfinished_requests() == 2
+    eng.step()
+    eng.abort_request(["drop", "unknown"])
+    assert eng.get_num_unfinished_requests() == 1
+    outs = [o for _ in range(60) for o in eng.step()]
+    assert {o.request_id for o in outs} == {"keep"} and outs[-1].finished
+    assert not eng.has_unfinished_requests() and eng.get_tokenizer() is llm.get_tokenizer()
+    eng.add_request("gone", "x", long)
+    eng.abort_request("gone")
+    assert eng.step() == [] and eng.block_manager is llm.engine.block_manager
+    free(llm)
+    assert llm.generate(["one two"], long, use_tqdm=False)[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids
+
+
+def test_generate_beside_engine_requests(llm):
+    """A generate call while the engine API has requests in flight runs them too; the next step reports them."""
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    eng.add_request("bg", [7, 8, 9], sp)
+    ref = llm.generate([[7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    [out] = eng.step()
+    assert out.finished and out.outputs[0].token_ids == ref[0].outputs[0].token_ids[:4]
+    assert not eng.has_unfinished_requests()
+    free(llm)
