@@ -95,7 +95,8 @@ def cumulative_logprob(rows: list[list[float]]) -> float:
 
 
 class LogprobsList(Sequence):
-    """A list of `{token_id: Logprob}` (None where a row is None) made from engine rows as it is read."""
+    """A list of `{token_id: Logprob}` (None where a row is None) made from engine rows as it is read. It reads,
+    slices, compares and concatenates as a list does; `list(x)` gives a plain (mutable) list."""
 
     def __init__(self, rows: list, token_ids: list[int], n: int, decode=None):
         self._rows, self._ids, self._n, self._decode = rows, token_ids, n, decode
@@ -115,6 +116,9 @@ class LogprobsList(Sequence):
 
     def __add__(self, other) -> list:
         return list(self) + list(other)
+
+    def __radd__(self, other) -> list:                   # [None] + out.logprobs, prompt_logprobs[1:] + ...
+        return list(other) + list(self)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Sequence) and not isinstance(other, str) and list(self) == list(other)

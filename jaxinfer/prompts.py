@@ -2,6 +2,8 @@
 dict ({"prompt": text} / {"prompt_token_ids": ids}); one prompt or a list of them."""
 from __future__ import annotations
 
+import re
+
 from numbers import Integral
 from typing import NotRequired, TypedDict
 
@@ -87,19 +89,33 @@ def _part_text(p) -> str | None:
         else None
 
 
-def _text_message(j: int, m) -> dict:
-    """A message with string content, as vLLM's LLM.chat and server make it: text parts ([{"type": "text", "text":
-    ...}] or plain strings) are joined by newlines, and no content (None, missing, []: e.g. an assistant turn that
-    only has `tool_calls`) is "". Other keys (tool_calls, tool_call_id, name) reach the template as given."""
+# a chat template that loops over a message's content parts (`{% for part in message['content'] %}`) takes them as
+# a list (vLLM's "openai" content format, which its "auto" picks for such templates); others take a string
+_LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]|\.content)\b")
+
+
+def content_format(tokenizer, chosen: str, chat_template: str | None = None) -> str:
+    """"string" or "openai": `chosen` ("auto": what the template given, else the tokenizer's, iterates over)."""
+    if chosen != "auto":
+        return chosen
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    return "openai" if isinstance(template, str) and _LOOPS_OVER_CONTENT.search(template) else "string"
+
+
+def _text_message(j: int, m, fmt: str = "string") -> dict:
+    """A message as vLLM's LLM.chat and server give it to the template. "string" format: text parts ([{"type": "text",
+    "text": ...}] or plain strings) are joined by newlines, and no content (None, missing, []: e.g. an assistant turn
+    that only has `tool_calls`) is "". "openai" format: the content is a list of {"type": "text", "text": ...} parts
+    (a string is one part, no content none). Other keys (tool_calls, tool_call_id, name) reach the template as given."""
     c = m.get("content") if isinstance(m, dict) else None
-    if isinstance(c, (list, tuple)) and all(_part_text(p) is not None for p in c):
-        m = {**m, "content": "\n".join(_part_text(p) for p in c)}
-    elif isinstance(m, dict) and c is None:
-        m = {**m, "content": ""}
-    if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+    parts = [_part_text(p) for p in c] if isinstance(c, (list, tuple)) else [c] if isinstance(c, str) else []
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str) and (c is None or isinstance(c, str) or (
+            isinstance(c, (list, tuple)) and None not in parts))):
         raise ValueError(f"message {j} must be a dict with a string 'role' and 'content' a string, a list of text "
                          f"parts or None, got {m!r:.80}")
-    return m
+    if fmt == "openai":
+        return {**m, "content": [{"type": "text", "text": t} for t in parts]}
+    return {**m, "content": "\n".join(parts)}
 
 
 def render_chat(tokenizer, messages, chat_template_kwargs: dict | None = None, **template_args) -> str:
@@ -109,7 +125,9 @@ def render_chat(tokenizer, messages, chat_template_kwargs: dict | None = None, *
     chat_template_kwargs."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"a conversation must be a non-empty list of messages, got {messages!r:.80}")
-    messages = [_text_message(j, m) for j, m in enumerate(messages)]
+    fmt = content_format(tokenizer, template_args.pop("chat_template_content_format", "auto"),
+                         template_args.get("chat_template"))
+    messages = [_text_message(j, m, fmt) for j, m in enumerate(messages)]
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise ValueError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
     given = template_args.get("chat_template") or (chat_template_kwargs or {}).get("chat_template")
@@ -157,4 +175,5 @@ def chat_prompts(tokenizer, messages, chat_template_kwargs: dict | None, *, tool
         else messages
     if not isinstance(convs, (list, tuple)) or not convs:
         raise ValueError(f"messages must be a conversation (list of dicts) or a list of them, got {messages!r:.80}")
-    return [render_chat(tokenizer, c, chat_template_kwargs, tools=tools, **template_args) for c in convs]
+    return [render_chat(tokenizer, c, chat_template_kwargs, tools=tools,
+                        chat_template_content_format=chat_template_content_format, **template_args) for c in convs]

@@ -12,9 +12,10 @@ TOP_K_CANDIDATES = 64      # a row with top_k <= this draws among its top candid
 MAX_STOP_IDS_WITH_MIN_TOKENS = 16   # the step bans them (and EOS) per row until min_tokens: step.BAN_WIDTH ids
 
 
-@dataclass(eq=True)
+@dataclass(eq=True, kw_only=True)
 class SamplingParams:
-    """Validated on construction, and again when a field is set afterwards (`sp.max_tokens = 5`, as vLLM's allow)."""
+    """Validated on construction, and again when a field is set afterwards (`sp.max_tokens = 5`, as vLLM's allow).
+    Keyword arguments only: vLLM's first field is n, nano-vllm's temperature, so a positional value is refused."""
     temperature: float = 1.0          # 0 means greedy
     top_k: int = 0                    # 0 or -1 disables
     top_p: float = 1.0                # in (0, 1]

@@ -92,14 +92,15 @@ def test_completion_echo_only_scores_the_prompt(url, client, ref):
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
     assert [t for ch in chunks if ch.choices for t in ch.choices[0].logprobs.tokens] == c.logprobs.tokens
     assert chunks[-1].usage.completion_tokens == 0
-    # the dropped token's stop (a stop id here) is reported the same way streamed or not
+    # the dropped token ends on "length" even when it is a stop id (vLLM's check_stop counts the length first),
+    # streamed or not
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True, "temperature": 0,
             "stop_token_ids": list(range(512))}        # every id of the tiny vocabulary
     whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
-    assert whole["finish_reason"] == "stop" and isinstance(whole["stop_reason"], int), whole
+    assert whole["finish_reason"] == "length" and whole["stop_reason"] is None, whole
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
         last = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")][-1]["choices"][0]
-    assert (last["finish_reason"], last["stop_reason"]) == ("stop", whole["stop_reason"]), last
+    assert (last["finish_reason"], last["stop_reason"]) == ("length", None), last
     bad = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 0})
     assert bad.status_code == 400 and "echo" in bad.json()["error"]["message"]
     bad = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "temperature": -1.5})
@@ -259,6 +260,50 @@ def test_metrics(url, client):
     for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert m[f"jaxinfer:{h}_count" + lab] >= 1
     assert m['jaxinfer:request_success_total{finished_reason="length",model_name="tiny-qwen3"}'] >= 1
+
+
+def _latency_sums(url) -> dict:
+    m = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in httpx.get(url + "/metrics").text.splitlines()
+         if ln and not ln.startswith("#")}
+    return {h: (m[f"jaxinfer:{h}_seconds_sum" + '{model_name="tiny-qwen3"}'],
+                m[f"jaxinfer:{h}_seconds_count" + '{model_name="tiny-qwen3"}'])
+            for h in ("time_to_first_token", "time_per_output_token", "e2e_request_latency")}
+
+
+def test_metrics_time_plain_requests(url, client):
+    """A plain (not streamed) request's first token is timed when it reaches the API process, not when the
+    response leaves: TTFT below the end-to-end latency, TPOT above 0."""
+    before = _latency_sums(url)
+    client.completions.create(model=MODEL, prompt="time me", max_tokens=30, extra_body={"ignore_eos": True})
+    wait_idle(url)
+    after = _latency_sums(url)
+    (ttft, n1), (tpot, n2), (e2e, n3) = [(after[h][0] - before[h][0], after[h][1] - before[h][1]) for h in after]
+    assert (n1, n2, n3) == (1, 1, 1)
+    assert 0 < ttft < e2e and tpot > 0 and ttft + 29 * tpot == pytest.approx(e2e, rel=1e-3, abs=1e-3)
+
+
+def test_a_prompt_too_long_to_fit_is_refused_before_it_is_encoded(url):
+    """A text prompt longer than max_model_len tokens of the vocabulary's longest entry could be: 400 at once,
+    without encoding it (tokens.prompt_char_limit); with truncate_prompt_tokens it is encoded and truncated."""
+    body = {"model": MODEL, "prompt": "ab " * 700_000, "max_tokens": 1}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert "2100000 characters" in r.json()["error"]["message"]
+    ok = httpx.post(url + "/v1/completions", json={**body, "prompt": "ab " * 20_000, "truncate_prompt_tokens": 8},
+                    timeout=120)
+    assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 8
+
+
+def test_echo_is_the_prompt_as_sent(url, client):
+    """vLLM echoes the request's text, not its tokens decoded (a tokenizer may normalise it, e.g. to NFC)."""
+    for prompt in ("Cafe\u0301 menu", "  two  spaces\t"):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, temperature=0)
+        assert r.choices[0].text.startswith(prompt)
+        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, temperature=0,
+                                           stream=True)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+        ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=0, echo=True).choices[0].text
+        assert ids == httpx.post(url + "/detokenize", json={"tokens": [5, 6, 7]}).json()["prompt"]
 
 
 def test_tokenize_detokenize_version_docs(url):

@@ -40,14 +40,15 @@ def test_engine_step_with_nothing_to_do_returns_nothing(tiny_dir):
     llm = LLM(tiny_dir, **TINY_ENGINE)
     eng = llm.llm_engine
     assert eng.step() == [] and not eng.has_unfinished_requests()
-    seq = eng.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    eng.add_request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    last = None
     while eng.has_unfinished_requests():
-        eng.step()
-    assert len(seq.output_token_ids) == 3
+        last = eng.step() or last
+    assert len(last[0].outputs[0].token_ids) == 3 and last[0].finished
     assert eng.step() == [] and eng.step() == []
     assert eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"]
     assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].token_ids == seq.output_token_ids
+                        use_tqdm=False)[0].outputs[0].token_ids == last[0].outputs[0].token_ids
 
 
 def test_engine_options_take_numpy_integers(tiny_dir):
@@ -301,3 +302,47 @@ def test_hf_overrides_rope_scaling_without_rope_theta_says_what_it_does(tmp_path
                                                "max_position_embeddings": 256})
         assert c.rope_theta == 1e6
         assert ModelConfig.from_pretrained(path).rope_theta == 1e6
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_stop_id_as_the_last_token_allowed_is_length(tiny_dir, steps):
+    """vLLM's check_stop counts the length first: a stop id (or EOS) drawn as the max_tokens-th token ends the
+    request on "length" with no stop_reason, one token earlier on "stop" (one-step and K-step calls alike)."""
+    llm = LLM(tiny_dir, **{**TINY_ENGINE, "num_scheduler_steps": steps})
+    base = dict(temperature=0.0, ignore_eos=True)
+    ids = llm.generate([[5, 6, 7]], SamplingParams(**base, max_tokens=6), use_tqdm=False)[0].outputs[0].token_ids
+    k = next(i for i in range(1, 6) if ids[i] not in ids[:i])        # a token's first appearance, not the first
+    last = llm.generate([[5, 6, 7]], SamplingParams(**base, max_tokens=k + 1, stop_token_ids=[ids[k]]),
+                        use_tqdm=False)[0].outputs[0]
+    assert (last.token_ids, last.finish_reason, last.stop_reason) == (ids[:k + 1], "length", None)
+    room = llm.generate([[5, 6, 7]], SamplingParams(**base, max_tokens=k + 2, stop_token_ids=[ids[k]]),
+                        use_tqdm=False)[0].outputs[0]
+    assert (room.token_ids, room.finish_reason, room.stop_reason) == (ids[:k + 1], "stop", ids[k])
+
+
+def test_sampling_params_are_keyword_only_and_logprobs_concatenate(tiny_dir):
+    with pytest.raises(TypeError, match="positional"):
+        SamplingParams(2)                     # vLLM's first field is n, nano-vllm's temperature: refused
+    llm = LLM(tiny_dir, **TINY_ENGINE)
+    o = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, logprobs=1, prompt_logprobs=1), use_tqdm=False)[0]
+    lps = o.outputs[0].logprobs
+    assert [None] + lps == [None, *lps] and lps + [None] == [*lps, None] and len(o.prompt_logprobs[1:] + lps) == 5
+    assert list(lps) == lps and isinstance(list(lps), list)
+
+
+def test_chat_template_content_format(tiny_dir):
+    """vLLM's chat_template_content_format: "openai" hands the template a list of text parts, "string" one string,
+    "auto" what the template iterates over."""
+    llm = LLM(tiny_dir, **TINY_ENGINE)
+    tmpl = ("{% for m in messages %}{% if m.content is string %}S:{{ m.content }}{% else %}"
+            "{% for p in m.content %}P:{{ p.text }}{% endfor %}{% endif %}|{% endfor %}")
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, "b"]}, {"role": "assistant", "content": None},
+            {"role": "user", "content": "c"}]
+
+    def rendered(fmt, template=tmpl):
+        return llm.chat(msgs, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template,
+                        chat_template_content_format=fmt)[0].prompt
+    assert rendered("string") == "S:a\nb|S:|S:c|"
+    assert rendered("openai") == rendered("auto") == "P:aP:b||P:c|"
+    plain = "{% for m in messages %}{{ m.content }}|{% endfor %}"
+    assert rendered("auto", plain) == "a\nb||c|"

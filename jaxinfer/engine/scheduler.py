@@ -205,10 +205,10 @@ class Scheduler:
                 toks[len(toks) - seq.num_pending] = tok
                 seq.num_pending -= 1
                 count += 1
-                if (not p.ignore_eos and tok in self.eos) or tok in p.stop_token_ids:
+                if seq.num_output_tokens >= p.max_tokens or len(toks) - seq.num_pending >= max_len:
+                    reason = "length"                     # (first, as vLLM's check_stop: EOS as the last token allowed)
+                elif (not p.ignore_eos and tok in self.eos) or tok in p.stop_token_ids:
                     reason = "stop"
-                elif seq.num_output_tokens >= p.max_tokens or len(toks) - seq.num_pending >= max_len:
-                    reason = "length"
                 if reason:
                     break
             if seq.status is Status.RUNNING:              # (not preempted while the call ran)
@@ -254,13 +254,14 @@ class Scheduler:
                 continue
             updated.append(seq)
             p = seq.params
-            if (not p.ignore_eos and tok in eos) or tok in p.stop_token_ids:
-                self.finish(seq, "stop")
-            # len - num_pending: a token dispatched after this one is not part of the sequence yet (counting it
-            # ended async runs one token before max_model_len)
-            elif len(toks) - seq.num_prompt_tokens - seq.num_pending >= p.max_tokens or \
+            # length first, as vLLM's check_stop (EOS as the last token allowed is "length"). len - num_pending: a
+            # token dispatched after this one is not part of the sequence yet (counting it ended async runs one
+            # token before max_model_len)
+            if len(toks) - seq.num_prompt_tokens - seq.num_pending >= p.max_tokens or \
                     len(toks) - seq.num_pending >= max_len:
                 self.finish(seq, "length")
+            elif (not p.ignore_eos and tok in eos) or tok in p.stop_token_ids:
+                self.finish(seq, "stop")
         return updated
 
     def finish(self, seq: Sequence, reason: str, drop: int = 0) -> None:

@@ -18,7 +18,7 @@ from jaxinfer.server.choices import Choice
 def echo_only(req) -> bool:
     """A completion with echo and max_tokens=0 (vLLM's prompt scoring, e.g. lm-evaluation-harness): its one
     generated token is dropped, so the choice is the prompt, its logprobs the prompt's, and 0 completion tokens;
-    the finish reason is that token's, as vLLM reports it ("length", or "stop" on EOS)."""
+    the finish reason is "length" (vLLM's check_stop counts the length first)."""
     return bool(getattr(req, "echo", False)) and getattr(req, "max_tokens", None) == 0
 
 
@@ -36,9 +36,17 @@ def _choice_usage(req, prompts, n: int):
     return lambda ch: R.usage(len(prompts[ch.index // n]), 0 if only else len(ch.token_ids))
 
 
-def _prompt_part(ch: Choice, prompt_ids: list[int], req, text_of, tokenizer, offset: int = 0):
+def echo_texts(tokenizer, asked: list, prompts: list[list[int]], req) -> list[str] | None:
+    """The echo of each prompt (with echo): a text prompt as sent (vLLM's; decoding its ids would hand back the
+    tokenizer's normalisation, e.g. NFC), unless truncated; token ids decoded."""
+    if not req.echo:
+        return None
+    keep = getattr(req, "truncate_prompt_tokens", None) is None
+    return [p if isinstance(p, str) and keep else tokenizer.decode(ids) for p, ids in zip(asked, prompts)]
+
+
+def _prompt_part(ch: Choice, prompt_ids: list[int], req, text_of, text: str, offset: int = 0):
     """(echoed text, its logprobs dict or None) of a completion choice."""
-    text = tokenizer.decode(prompt_ids)
     if req.logprobs is None:
         return text, None
     entries = ch.prompt_logprobs or [None] * len(prompt_ids)
@@ -49,10 +57,10 @@ def _merge(a: dict | None, b: dict) -> dict:
     return b if a is None else {k: a[k] + b[k] for k in a}
 
 
-def completion_choice(ch: Choice, prompt_ids: list[int], req, text_of, tokenizer) -> dict:
+def completion_choice(ch: Choice, prompt_ids: list[int], req, text_of, echoed: str | None) -> dict:
     text, lp = ch.proc.text, None
     if req.echo:
-        head, lp = _prompt_part(ch, prompt_ids, req, text_of, tokenizer)
+        head, lp = _prompt_part(ch, prompt_ids, req, text_of, echoed)
         if echo_only(req):
             return {"index": ch.index, "text": head, "logprobs": lp, "finish_reason": ch.proc.finish_reason,
                     "stop_reason": ch.stop_reason}
@@ -77,7 +85,7 @@ def _new_logprobs(ch: Choice) -> tuple[list[int], list]:
     return ch.token_ids[start:ch.sent], ch.logprobs[start:ch.sent]
 
 
-def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, text_of, tokenizer):
+def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, text_of, echoed: list | None):
     enc = R.ChunkEncoder(rid, model, "text_completion")
     k, use = req.logprobs, _choice_usage(req, prompts, n)
 
@@ -90,7 +98,8 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
                 first, fin = ch.index not in offsets, d.finish_reason
                 offsets[ch.index] = 0
                 if first or fin:
-                    text, lp = _prompt_part(ch, prompts[ch.index // n], req, text_of, tokenizer) if first else ("", None)
+                    i = ch.index // n
+                    text, lp = _prompt_part(ch, prompts[i], req, text_of, echoed[i]) if first else ("", None)
                     stop = ch.stop_reason if fin is not None else None     # (as the non-streamed choice says)
                     yield enc.completion(ch.index, text, fin, stop, use(ch)) if k is None else enc.completion_lp(
                         ch.index, text, fin, lp or R.completion_logprobs(text_of, [], [], k), stop, use(ch))
@@ -100,7 +109,7 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
             if ch.index not in offsets:                  # this choice's first chunk
                 offsets[ch.index] = 0
                 if req.echo:
-                    head, lp = _prompt_part(ch, prompts[ch.index // n], req, text_of, tokenizer)
+                    head, lp = _prompt_part(ch, prompts[ch.index // n], req, text_of, echoed[ch.index // n])
                     text = head + text
                     offsets[ch.index] = len(head) if lp is None else sum(len(t) for t in lp["tokens"])
             if k is not None:
