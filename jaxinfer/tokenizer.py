@@ -9,6 +9,7 @@ class ByteTokenizer:
     shown as `<id>` (random weights produce ids from the whole vocabulary)."""
     eos_token_id = None
     chat_template = None
+    byte_level = True                 # one UTF-8 byte a token (server/tokens.py: prompt_char_limit)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode("utf-8"))

@@ -10,6 +10,8 @@ def test_server_options():
     assert ServerOptions.create(env={"JAXINFER_API_KEY": "k"}).api_key == "k"
     assert ServerOptions.create(env={"JAXINFER_API_KEY": "k"}, api_key="flag").api_key == "flag"
     assert ServerOptions.create(env={}).api_key is None
+    assert ServerOptions.create(env={"VLLM_API_KEY": "v"}).api_key == "v"        # vLLM's variable too
+    assert ServerOptions.create(env={"VLLM_API_KEY": "v", "JAXINFER_API_KEY": "k"}).api_key == "k"
     with pytest.raises(ValueError, match="not a valid Jinja template"):            # at start-up, not per request
         ServerOptions.create(env={}, chat_template="{% for m in messages %}{{ m.content }}")
     for bad in [dict(max_waiting_requests=-1), dict(shutdown_timeout=-2), dict(shutdown_timeout=float("nan")),

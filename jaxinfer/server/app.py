@@ -19,7 +19,6 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from jaxinfer.generation_config import sampling_defaults
-from jaxinfer.sampling_params import truncate
 from jaxinfer.server import choices as C
 from jaxinfer.server import protocol as P
 from jaxinfer.server import responses as R
@@ -31,7 +30,7 @@ from jaxinfer.server.gate import Gate
 from jaxinfer.server.metrics import ServerMetrics
 from jaxinfer.server.options import ServerOptions
 from jaxinfer.server.process import CoreInfo
-from jaxinfer.server.tokens import add_token_routes
+from jaxinfer.server.tokens import TokenizerThread, add_token_routes, prompt_encoder
 from jaxinfer.tokenizer import load_tokenizer
 
 DISCONNECT_POLL_S = 0.25      # how often a plain (non-streaming) handler checks that its client is still there
@@ -118,32 +117,17 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
             raise P.RequestError(f"The model `{model}` does not exist; this server serves `{'`, `'.join(names)}`",
                                  param="model", code="model_not_found", status=404)
 
-    def tokenize(prompt, keep: int | None = None, special: bool = False, param: str = "prompt") -> list[int]:
-        if keep == 0:
-            raise P.RequestError("truncate_prompt_tokens=0 would leave no prompt: give k >= 1, or -1",
-                                 param="truncate_prompt_tokens")
-        ids = P.encode(tokenizer, prompt, special, param) if isinstance(prompt, str) else list(prompt)
-        try:
-            ids = truncate(ids, keep, max_model_len)
-        except ValueError as e:
-            raise P.RequestError(str(e), param="truncate_prompt_tokens") from None
-        if not ids:
-            raise P.RequestError("the prompt is empty", param=param)
-        if len(ids) >= max_model_len:
-            raise P.RequestError(f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-                                 f"{len(ids)} tokens and leaves no room to generate.", param=param,
-                                 code="context_length_exceeded")
-        return ids
+    off_loop, tokenize = TokenizerThread(), prompt_encoder(tokenizer, max_model_len)      # (tokens.py)
 
-    def prepare(req, prompts: list, default_max_tokens: int | None, logprobs: int | None,
-                prompt_logprobs: int | None, stream: bool) -> tuple[list, list]:
-        """Validate, tokenize and admit: (prompt ids per prompt, (ids, params) per choice)."""
+    async def prepare(req, prompts: list, default_max_tokens: int | None, logprobs: int | None,
+                      prompt_logprobs: int | None, stream: bool) -> tuple[list, list]:
+        """Validate, tokenize (off the loop) and admit: (prompt ids per prompt, (ids, params) per choice)."""
         P.check_unsupported(req)
         check_model(req.model)
-        ids_list, params = [], []
-        param = "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"     # (what errors name)
-        for p in prompts:
-            ids = tokenize(p, req.truncate_prompt_tokens, req.add_special_tokens, param)
+        ids_list, params, param = [], [], "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"
+        encoded = await off_loop(lambda: [tokenize(p, req.truncate_prompt_tokens, req.add_special_tokens, param)
+                                          for p in prompts])
+        for ids in encoded:
             sp = P.sampling_params(req, len(ids), max_model_len, default_max_tokens, logprobs, prompt_logprobs,
                                    pool_tokens=limits["num_blocks"] * limits["block_size"], defaults=defaults)
             P.check_request(ids, sp, limits, param)
@@ -153,8 +137,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         admit(len(items))
         return ids_list, items
 
-    admission = Admission(app.state, limits.get("max_num_seqs", 0), len(info.out_addrs), metrics, client,
-                          api_index)
+    admission = Admission(app.state, limits.get("max_num_seqs", 0), len(info.out_addrs), metrics, client, api_index)
     app.state.queue_full = admission.full          # the Gate's check, before a generate request's body is read
     admit = admission.admit
 
@@ -237,23 +220,23 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         check_model(model)
         return model_card(model)
 
-    add_token_routes(app, tokenizer, text_of, check_model, max_model_len, limits["vocab_size"])
+    # (their own thread: /tokenize needs no API key, and a huge one must not hold up the generate requests)
+    add_token_routes(app, tokenizer, text_of, check_model, max_model_len, limits["vocab_size"], TokenizerThread())
 
     @app.post("/v1/completions", responses={200: {"model": R.CompletionResponse}, **ERRORS})
     async def completions(req: P.CompletionRequest, request: Request):
-        t0 = time.perf_counter()
-        k = req.logprobs
-        prompts, items = prepare(req, P.completion_prompts(req), 16, k, k if req.echo and k is not None else None,
-                                 bool(req.stream))
+        t0, k, asked = time.perf_counter(), req.logprobs, P.completion_prompts(req)
+        prompts, items = await prepare(req, asked, 16, k, k if req.echo and k is not None else None, bool(req.stream))
+        echoed = await off_loop(streams.echo_texts, tokenizer, asked, prompts, req) if req.echo else None
         rid, model, n = R.new_id("cmpl"), served_model_name, req.n or 1
         if req.stream:
-            return streams.completion_stream(C.run(client(), tokenizer, items, True, metrics, t0, n, req.cache_salt),
-                                             rid, model,
-                                             prompts, n, req, text_of, tokenizer)
+            run = C.run(client(), tokenizer, items, True, metrics, t0, n, req.cache_salt)
+            return streams.completion_stream(run, rid, model, prompts, n, req, text_of, echoed)
         done = await collect(items, request, t0, n, req.cache_salt)
         for ch in done:                           # prompt logprobs are computed for sample 0 of each prompt
             ch.prompt_logprobs = done[ch.index - ch.index % n].prompt_logprobs
-        return R.completion(rid, model, [streams.completion_choice(ch, prompts[ch.index // n], req, text_of, tokenizer)
+        return R.completion(rid, model, [streams.completion_choice(ch, prompts[ch.index // n], req, text_of,
+                                                                   echoed and echoed[ch.index // n])
                                          for ch in done], streams.total_usage(prompts, done, req))
 
     @app.post("/v1/chat/completions", responses={200: {"model": R.ChatCompletionResponse}, **ERRORS})
@@ -261,11 +244,11 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         t0 = time.perf_counter()
         P.check_unsupported(req)
         check_model(req.model)
-        prompt, role, echo = P.chat_prompt(tokenizer, req)
+        prompt, role, echo = await off_loop(P.chat_prompt, tokenizer, req)
         k = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
             raise P.RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
-        prompts, items = prepare(req, [prompt], None, k, None, bool(req.stream))
+        prompts, items = await prepare(req, [prompt], None, k, None, bool(req.stream))
         rid, model = R.new_id("chatcmpl"), served_model_name
         if req.stream:
             run = C.run(client(), tokenizer, items, True, metrics, t0, len(items), req.cache_salt)

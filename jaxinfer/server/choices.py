@@ -81,8 +81,8 @@ async def _follow(client: CoreClient, coll, choices: list[Choice], metrics, t_st
                 if lps:
                     ch.logprobs += lps
                 now = time.perf_counter()
-                if ids and ch.t_first is None:
-                    ch.t_first = now
+                if ids and ch.t_first is None:              # (when it reached this process, woken or not)
+                    ch.t_first = coll.first.get(index, now)
                 d = ch.proc.update(ids, reason)
                 if ch.proc.stopped:                         # no token (or logprob row) past the match counts
                     del ch.logprobs[len(ch.token_ids):]

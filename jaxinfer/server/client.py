@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import fields
 
@@ -48,6 +49,7 @@ class Collector:
         self.error: BaseException | None = None
         self.event = asyncio.Event()
         self.unfinished = set(range(n))
+        self.first: dict[int, float] = {}         # index -> when its first token arrived (TTFT without waking)
 
     def put(self, index: int, ids: list[int], reason: str | None, message: str | None = None,
             logprobs: list | None = None, prompt_logprobs: list | None = None) -> None:
@@ -56,6 +58,8 @@ class Collector:
             self.error = RequestFailed(message or "the engine failed this request", 400 if reason == "rejected" else 500)
             self.event.set()
             return
+        if ids and index not in self.first:
+            self.first[index] = time.perf_counter()
         p = self.pending.get(index)
         if p is None:
             self.pending[index] = [ids, reason, logprobs, prompt_logprobs]

@@ -29,7 +29,7 @@ def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1"
           options: ServerOptions | None = None) -> int:
     """Serve `model` (directory, preset or hub id; engine options as for `LLM`) until SIGTERM / SIGINT or the
     engine core dies; returns the exit code (see the module docstring). `options`: ServerOptions (default:
-    `ServerOptions.create()`, the API key from $JAXINFER_API_KEY)."""
+    `ServerOptions.create()`, the API key from $JAXINFER_API_KEY or $VLLM_API_KEY)."""
     if not isinstance(api_server_count, int) or api_server_count < 1:
         raise ValueError(f"api_server_count={api_server_count!r} must be a positive integer")
     options = options if options is not None else ServerOptions.create()

@@ -21,6 +21,7 @@ from jaxinfer.cli_types import json_object
 from jaxinfer.generation_config import check as check_generation_config, sampling_defaults
 
 API_KEY_ENV = "JAXINFER_API_KEY"
+API_KEY_ENVS = (API_KEY_ENV, "VLLM_API_KEY")      # (vLLM's variable too: a server a vLLM user thinks guarded is)
 
 
 def _opt(default, help: str, **meta):
@@ -30,7 +31,7 @@ def _opt(default, help: str, **meta):
 @dataclass(frozen=True)
 class ServerOptions:
     api_key: str | None = _opt(None, f"clients must send 'Authorization: Bearer KEY' on /v1/* (401 otherwise); "
-                                     f"default: ${API_KEY_ENV} if set")
+                                     f"default: ${API_KEY_ENV}, else $VLLM_API_KEY, if set")
     max_waiting_requests: int | None = _opt(None, "bound the waiting queue: past max_num_seqs + this many engine "
                                                   "requests in flight, answer 503 with Retry-After (default: no bound)")
     shutdown_timeout: float = _opt(30.0, "on SIGTERM: seconds in-flight requests may take to finish before they "
@@ -74,8 +75,9 @@ class ServerOptions:
         unknown = set(kw) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown server option(s) {sorted(unknown)}; known: {[f.name for f in fields(cls)]}")
-        if "api_key" not in kw and env.get(API_KEY_ENV):
-            kw["api_key"] = env[API_KEY_ENV]
+        key = next((env[e] for e in API_KEY_ENVS if env.get(e)), None)
+        if "api_key" not in kw and key:
+            kw["api_key"] = key
         return cls(**kw)
 
     def template_text(self) -> str | None:

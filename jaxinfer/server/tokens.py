@@ -1,11 +1,70 @@
 """vLLM's tokenizer routes: /tokenize, /detokenize and /tokenizer_info (lm-evaluation-harness' remote tokenizer
-backend uses them)."""
+backend uses them); `TokenizerThread`, where every request's tokenizing and chat rendering runs."""
 from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, StrictInt
 
+from jaxinfer.sampling_params import truncate
 from jaxinfer.server import protocol as P
+
+
+class TokenizerThread:
+    """Runs tokenizer work (encode, chat rendering, decode of whole requests) off the event loop, one call at a time:
+    a 25 MiB prompt took ~40 s to encode on the loop, and every stream and /health of the process waited (HF's
+    tokenizers release the GIL while they encode). `await off_loop(fn, *args)`; its exceptions are raised there."""
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-tokenizer")
+
+    async def __call__(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+
+# a normaliser may shrink text before it is split (NFC composes up to ~3 code points into one)
+NORMALISED_SHRINK = 4
+
+
+def prompt_char_limit(tokenizer, max_model_len: int) -> int | None:
+    """The length past which a text prompt cannot fit in max_model_len tokens whatever it says (its vocabulary's
+    longest entry times max_model_len, with room for normalisation), so that it is refused before it is encoded:
+    encoding a 25 MiB prompt only to refuse it took ~20 s of the tokenizer's thread. None when unknown."""
+    try:
+        longest = max(map(len, tokenizer.get_vocab()), default=0) if hasattr(tokenizer, "get_vocab") else \
+            1 if getattr(tokenizer, "byte_level", False) else 0
+    except Exception:                             # (a tokenizer without a usable vocabulary: no early refusal)
+        longest = 0
+    return longest * max_model_len * NORMALISED_SHRINK or None
+
+
+def prompt_encoder(tokenizer, max_model_len: int):
+    """tokenize(prompt, keep, special, param) -> a request's prompt ids (a text encoded, ids as given), truncated to
+    its last `keep` (truncate_prompt_tokens), or a 400 naming `param`: empty, or no room left to generate."""
+    char_limit = prompt_char_limit(tokenizer, max_model_len)
+
+    def tokenize(prompt, keep: int | None = None, special: bool = False, param: str = "prompt") -> list[int]:
+        if keep == 0:
+            raise P.RequestError("truncate_prompt_tokens=0 would leave no prompt: give k >= 1, or -1",
+                                 param="truncate_prompt_tokens")
+        if isinstance(prompt, str) and keep is None and char_limit and len(prompt) > char_limit:
+            raise P.RequestError(f"This model's maximum context length is {max_model_len} tokens; a prompt of "
+                                 f"{len(prompt)} characters is longer.", param=param, code="context_length_exceeded")
+        ids = P.encode(tokenizer, prompt, special, param) if isinstance(prompt, str) else list(prompt)
+        try:
+            ids = truncate(ids, keep, max_model_len)
+        except ValueError as e:
+            raise P.RequestError(str(e), param="truncate_prompt_tokens") from None
+        if not ids:
+            raise P.RequestError("the prompt is empty", param=param)
+        if len(ids) >= max_model_len:
+            raise P.RequestError(f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+                                 f"{len(ids)} tokens and leaves no room to generate.", param=param,
+                                 code="context_length_exceeded")
+        return ids
+    return tokenize
 
 
 class TokenizeRequest(BaseModel):
@@ -31,7 +90,8 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt]
 
 
-def add_token_routes(app: FastAPI, tokenizer, text_of, check_model, max_model_len: int, vocab_size: int) -> None:
+def add_token_routes(app: FastAPI, tokenizer, text_of, check_model, max_model_len: int, vocab_size: int,
+                     off_loop: TokenizerThread) -> None:
     @app.post("/tokenize")
     async def tokenize_route(req: TokenizeRequest):
         """vLLM's /tokenize: `prompt`, or `messages` rendered with the chat template."""
@@ -43,10 +103,13 @@ def add_token_routes(app: FastAPI, tokenizer, text_of, check_model, max_model_le
                 raise P.RequestError(f"{name} is not supported by this server", param=name,
                                      code="unsupported_parameter")
         chat = req.messages is not None
-        text = P.apply_chat_template(tokenizer, P.chat_messages(req.messages), P.chat_template_kwargs(req)) \
-            if chat else req.prompt
         special = (not chat) if req.add_special_tokens is None else req.add_special_tokens
-        ids = P.encode(tokenizer, text, special, "messages" if chat else "prompt")
+
+        def encode() -> list[int]:
+            text = P.apply_chat_template(tokenizer, P.chat_messages(req.messages), P.chat_template_kwargs(req)) \
+                if chat else req.prompt
+            return P.encode(tokenizer, text, special, "messages" if chat else "prompt")
+        ids = await off_loop(encode)
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
                 "token_strs": [text_of(t) for t in ids] if req.return_token_strs else None}
 
@@ -62,4 +125,4 @@ def add_token_routes(app: FastAPI, tokenizer, text_of, check_model, max_model_le
         bad = [t for t in req.tokens if not 0 <= t < vocab_size]
         if bad:
             raise P.RequestError(f"token id {bad[0]} is out of vocabulary: ids are in [0, {vocab_size})", param="tokens")
-        return {"prompt": tokenizer.decode(req.tokens)}
+        return {"prompt": await off_loop(tokenizer.decode, req.tokens)}
