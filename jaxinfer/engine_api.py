@@ -17,6 +17,7 @@ engine below (`stats()`, `block_manager`, `scheduler`, `warmup_extras`, ...).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from numbers import Integral
 
 from jaxinfer import prompts as prompt_forms
 from jaxinfer.engine.sequence import Sequence, is_finished
@@ -71,7 +72,7 @@ class EngineAPI:
             raise ValueError(f"request_id must be a string (vLLM's) or an int, got {request_id!r:.80}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine (abort it or let it finish first)")
-        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
+        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], Integral):
             raise ValueError(f"add_request takes one prompt, got a list of {len(prompt)} (add one request each)")
         if params is not None and not hasattr(params, "n"):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.80}")

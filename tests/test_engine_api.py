@@ -104,3 +104,13 @@ def test_generate_beside_engine_requests(llm):
     assert out.finished and out.outputs[0].token_ids == ref[0].outputs[0].token_ids[:4]
     assert not eng.has_unfinished_requests()
     free(llm)
+
+
+def test_numpy_token_ids(llm):
+    """Token ids as numpy integers (a list of them, or an array), as `generate` takes them."""
+    import numpy as np
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    want = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    seen = run(llm.llm_engine, lambda rid: sp, ids=("l", "a"), prompts=[list(np.array([5, 6, 7])), np.array([5, 6, 7])])
+    assert [seen[r][-1].outputs[0].token_ids for r in "la"] == [want, want]
+    free(llm)
