@@ -3,7 +3,6 @@ dict ({"prompt": text} / {"prompt_token_ids": ids}); one prompt or a list of the
 from __future__ import annotations
 
 import re
-
 from numbers import Integral
 from typing import NotRequired, TypedDict
 
