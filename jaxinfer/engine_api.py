@@ -49,6 +49,7 @@ class _Request:
     text: list = field(default_factory=list)                # per sample: text so far
     ids: list = field(default_factory=list)                 # per sample: token ids shown so far
     prompt_sent: bool = False
+    cum: dict = field(default_factory=dict)                 # per sample: cumulative logprob sent (DELTA)
 
 
 class EngineAPI:
@@ -126,17 +127,15 @@ class EngineAPI:
         if not moved:
             return None
         finished = all(self._shown(req, j) for j in range(len(req.seqs)))
-        if req.kind == "FINAL_ONLY" and not finished:
-            for j, d in moved:
-                req.text[j], req.ids[j] = req.text[j] + d.text, req.ids[j] + d.token_ids
-            return None
-        outs = []
+        starts = {j: len(req.ids[j]) for j, _ in moved}
         for j, d in moved:
-            seq, start = req.seqs[j], len(req.ids[j])
             req.text[j], req.ids[j] = req.text[j] + d.text, req.ids[j] + d.token_ids
-            if req.kind == "DELTA":
-                outs.append(self._completion(j, seq, start, d.text, d.token_ids, d.finish_reason, req, texts))
-        if req.kind != "DELTA":
+        if req.kind == "FINAL_ONLY" and not finished:
+            return None
+        if req.kind == "DELTA":
+            outs = [self._completion(j, req.seqs[j], starts[j], d.text, d.token_ids, d.finish_reason, req, texts)
+                    for j, d in moved]
+        else:
             outs = [self._completion(j, s, 0, req.text[j], req.ids[j], req.procs[s.seq_id].finish_reason, req, texts)
                     for j, s in enumerate(req.seqs)]
         first = not req.prompt_sent or req.kind != "DELTA"
@@ -147,8 +146,8 @@ class EngineAPI:
                              num_cached_tokens=req.seqs[0].num_cached_tokens, finished=finished)
 
     def _completion(self, j, seq, start, text, ids, reason, req, texts) -> CompletionOutput:
-        lps, cum = logprobs_of(seq, start, ids, texts)
-        if cum is not None and req.kind == "DELTA":        # the cumulative logprob counts every token so far
-            cum = logprobs_of(seq, 0, req.ids[j], texts)[1]
+        # (the cumulative logprob counts every token so far: a delta adds its rows to the running sum)
+        lps, cum = logprobs_of(seq, start, ids, texts, req.cum.get(j, 0.0) if start else 0.0)
+        req.cum[j] = cum
         stop = None if reason is None else stop_reason(seq, req.procs.get(seq.seq_id), self._llm.engine.scheduler.eos)
         return CompletionOutput(j, text, list(ids), cum, lps, reason, stop)
