@@ -149,5 +149,5 @@ class EngineAPI:
         # (the cumulative logprob counts every token so far: a delta adds its rows to the running sum)
         lps, cum = logprobs_of(seq, start, ids, texts, req.cum.get(j, 0.0) if start else 0.0)
         req.cum[j] = cum
-        stop = None if reason is None else stop_reason(seq, req.procs.get(seq.seq_id), self._llm.engine.scheduler.eos)
+        stop = None if reason is None else stop_reason(seq, req.procs.get(seq.seq_id), *self._llm._eos)
         return CompletionOutput(j, text, list(ids), cum, lps, reason, stop)

@@ -21,7 +21,7 @@ from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.generation_config import sampling_defaults
 from jaxinfer.hub import load_weights, model_config_for
 from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, logprobs_of, prompt_logprobs_of,
-                                       stop_reason, text_ids)
+                                       primary_eos, stop_reason, text_ids)
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.prompts import Prompt
 from jaxinfer.sampling_params import SamplingParams, per_prompt, truncate
@@ -68,6 +68,7 @@ class LLM:
         # max_model_len left unset: the model's limit, capped by what the KV pool holds (as vLLM)
         self.engine = create_engine(self.model_config, config, load, eos,
                                     cap_max_model_len=requested.max_model_len is None)
+        self._eos = (frozenset(eos), primary_eos(self.tokenizer, eos))     # (stop_reason's)
         self.config = self.engine.config
         warn_if_slow_command_buffers()
         if self.config.warmup:
@@ -195,7 +196,7 @@ class LLM:
             reason = seq.finish_reason
         ids = seq.output_token_ids
         lps, cum = logprobs_of(seq, 0, ids, texts)
-        return CompletionOutput(index, text, ids, cum, lps, reason, stop_reason(seq, proc, self.engine.scheduler.eos))
+        return CompletionOutput(index, text, ids, cum, lps, reason, stop_reason(seq, proc, *self._eos))
 
     def reset_prefix_cache(self) -> bool:
         """Forget the cached KV of prompts no request holds (as vLLM's `reset_prefix_cache`): the next
@@ -240,8 +241,7 @@ class LLM:
             left[i] -= d.finish_reason is not None
             lps, cum = logprobs_of(seq, start or 0, d.token_ids, texts, before)
             sent[seq.seq_id] = ((start or 0) + len(d.token_ids), cum or 0.0)
-            eos = self.engine.scheduler.eos
-            stop = None if d.finish_reason is None else stop_reason(seq, procs.get(seq.seq_id), eos)
+            stop = None if d.finish_reason is None else stop_reason(seq, procs.get(seq.seq_id), *self._eos)
             return RequestOutput(request_id=i, prompt=prompt_forms.text(reqs[i][0]), prompt_token_ids=reqs[i][1],
                                  outputs=[CompletionOutput(j, d.text, d.token_ids, cum, lps, d.finish_reason, stop)],
                                  prompt_logprobs=prompt_logprobs_of(seq, texts) if start is None else None,

@@ -132,15 +132,32 @@ class TokenTexts:
         return text
 
 
-def stop_reason(seq, proc: OutputProcessor | None, eos) -> int | str | None:
-    """vLLM's CompletionOutput.stop_reason: the stop string that matched (proc), or the stop_token_ids entry that
-    ended seq; None when it ended on EOS (`eos`: the engine's ids), on length, or is still running."""
+def stop_reason(seq, proc: OutputProcessor | None, eos, primary: int | None = None) -> int | str | None:
+    """vLLM's CompletionOutput.stop_reason: the stop string that matched (proc), or the token id that ended seq
+    when it is a stop_token_ids entry or an EOS id other than `primary` (the tokenizer's EOS: vLLM adds a
+    generation config's other EOS ids to stop_token_ids); None when it ended on `primary`, on length, or is still
+    running. `eos`: the engine's EOS ids."""
     if proc is not None and proc.stopped:
         return proc.stop_string
     if seq.finish_reason != "stop" or not seq.output_token_ids:
         return None
-    tok, p = seq.output_token_ids[-1], seq.params
-    return tok if tok in p.stop_token_ids and (p.ignore_eos or tok not in eos) else None
+    return stop_token_reason(seq.output_token_ids[-1], seq.params, eos, primary)
+
+
+def stop_token_reason(tok: int, params, eos, primary: int | None) -> int | None:
+    """The stop_reason of a request that ended ("stop") on token `tok`, no stop string having matched."""
+    if not params.ignore_eos and tok == primary:
+        return None                                   # EOS proper (checked first, as vLLM's check_stop does)
+    if tok in params.stop_token_ids or (not params.ignore_eos and tok in eos):
+        return tok
+    return None
+
+
+def primary_eos(tokenizer, eos: tuple[int, ...]) -> int | None:
+    """The EOS id that ends a request with stop_reason None: the tokenizer's when the engine stops on it, else the
+    model's first (`eos`: the engine's EOS ids, the model config's first)."""
+    t = getattr(tokenizer, "eos_token_id", None)
+    return t if t in eos else (eos[0] if eos else None)
 
 
 def logprobs_of(seq, start: int, token_ids: list[int], texts: TokenTexts, cum_before: float = 0.0):
@@ -162,3 +179,4 @@ def prompt_logprobs_of(seq, texts: TokenTexts):
         return None
     return LogprobsList(rows, seq.token_ids[:seq.num_prompt_tokens], seq.params.prompt_logprobs,
                         texts if seq.params.detokenize else None)
+

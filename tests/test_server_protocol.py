@@ -104,3 +104,19 @@ def test_check_request_counts_the_kv_the_request_writes():
         check_request([5] * n, SamplingParams(max_tokens=m), limits)
     with pytest.raises(RequestError, match="needs 9 KV blocks for 31 prompt . 3 output tokens"):
         check_request([5] * 31, SamplingParams(max_tokens=3), limits)
+
+
+def test_choice_stop_reason_tells_the_tokenizers_eos_from_the_others():
+    """The API process reports a choice's stop_reason as LLM.generate does: None on the tokenizer's EOS, the id
+    on another EOS id of the model (vLLM adds them to stop_token_ids) or on a stop_token_ids entry."""
+    from jaxinfer.output_processor import OutputProcessor
+    from jaxinfer.server.choices import Choice
+    eos = (frozenset({2, 9}), 2)
+
+    def reason(ids, **kw):
+        sp = SamplingParams(**kw)
+        ch = Choice(0, [1], sp, OutputProcessor.for_params(ByteTokenizer(), sp, False), eos)
+        ch.proc.update(ids, "stop")
+        return ch.stop_reason
+    assert [reason([70, 2]), reason([70, 9]), reason([70, 7], stop_token_ids=[7]), reason([70, 2], stop_token_ids=[2]),
+            reason([70, 2], ignore_eos=True, stop_token_ids=[2])] == [None, 9, 7, None, 2]

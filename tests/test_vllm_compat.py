@@ -346,3 +346,28 @@ def test_chat_template_content_format(tiny_dir):
     assert rendered("openai") == rendered("auto") == "P:aP:b||P:c|"
     plain = "{% for m in messages %}{{ m.content }}|{% endfor %}"
     assert rendered("auto", plain) == "a\nb||c|"
+
+
+def test_an_eos_id_other_than_the_tokenizers_is_the_stop_reason(tiny_dir):
+    """vLLM adds a generation config's EOS ids other than the tokenizer's to stop_token_ids: ending on one
+    reports its id as stop_reason; the tokenizer's EOS reports None (generate, stream and the engine API)."""
+    base = dict(temperature=0.0, max_tokens=8)
+    plain = LLM(tiny_dir, **TINY_ENGINE)
+    ids = plain.generate([[5, 6, 7]], SamplingParams(**base, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    k = next(i for i in range(1, 8) if ids[i] not in ids[:i])
+    eos = plain.get_tokenizer().eos_token_id
+    assert eos not in ids[:k + 1]
+    llm = LLM(tiny_dir, **TINY_ENGINE, hf_overrides={"eos_token_id": [eos, ids[k]]})
+    out = llm.generate([[5, 6, 7]], SamplingParams(**base), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (ids[:k + 1], "stop", ids[k])
+    last = list(llm.stream([[5, 6, 7]], SamplingParams(**base)))[-1]
+    assert (last.finish_reason, last.outputs[0].stop_reason) == ("stop", ids[k])
+    assert llm.generate([[5, 6, 7]], SamplingParams(**base, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids == ids
+    primary = LLM(tiny_dir, **TINY_ENGINE, hf_overrides={"eos_token_id": [ids[k], eos]})   # order does not matter
+    assert primary.generate([[5, 6, 7]], SamplingParams(**base), use_tqdm=False)[0].outputs[0].stop_reason == ids[k]
+    e = llm.llm_engine
+    e.add_request("a", [5, 6, 7], SamplingParams(**base))
+    while e.has_unfinished_requests():
+        done = [o for o in e.step() if o.finished]
+    assert done[0].outputs[0].stop_reason == ids[k]

@@ -10,16 +10,18 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from jaxinfer.output_processor import OutputProcessor, TextDelta
+from jaxinfer.output_processor import OutputProcessor, TextDelta, stop_token_reason
 from jaxinfer.server.client import CoreClient
 
 
 class Choice:
     """One engine request's state in the API process."""
-    __slots__ = ("index", "prompt_ids", "params", "proc", "logprobs", "prompt_logprobs", "t_first", "t_end", "sent")
+    __slots__ = ("index", "prompt_ids", "params", "proc", "logprobs", "prompt_logprobs", "t_first", "t_end", "sent",
+                 "eos")
 
-    def __init__(self, index: int, prompt_ids: list[int], params, proc: OutputProcessor):
+    def __init__(self, index: int, prompt_ids: list[int], params, proc: OutputProcessor, eos=((), None)):
         self.index, self.prompt_ids, self.params, self.proc = index, prompt_ids, params, proc
+        self.eos = eos                                  # (the engine's EOS ids, the one reported as None)
         self.logprobs: list[list] = []              # engine rows (outputs.py), one per generated token (if asked)
         self.prompt_logprobs: list[list | None] | None = None       # one per prompt token, the first None
         self.t_first: float | None = None
@@ -32,13 +34,13 @@ class Choice:
 
     @property
     def stop_reason(self) -> int | str | None:
-        """vLLM's stop_reason: the stop string that matched, or the stop_token_ids entry the choice ended on (the
-        API process does not tell EOS from a listed id: an EOS id listed in stop_token_ids is reported); else None."""
+        """vLLM's stop_reason: the stop string that matched, or the token id the choice ended on when it is a
+        stop_token_ids entry or an EOS id other than the tokenizer's (output_processor.stop_reason); else None."""
         if self.proc.stopped:
             return self.proc.stop_string
         ids = self.token_ids
-        if self.proc.finish_reason == "stop" and ids and ids[-1] in self.params.stop_token_ids:
-            return ids[-1]
+        if self.proc.finish_reason == "stop" and ids:
+            return stop_token_reason(ids[-1], self.params, *self.eos)
         return None
 
 
@@ -61,7 +63,9 @@ def run(client: CoreClient, tokenizer, items: list[tuple], stream: bool, metrics
     first event); the returned iterator yields (choice, delta) as outputs arrive, until all finish. Leaving it
     early (client gone, error) aborts what is still running in the core."""
     t_start = time.perf_counter() if t_start is None else t_start
-    choices = [Choice(i, ids, sp, OutputProcessor.for_params(tokenizer, sp, stream))
+    eos = client.info.limits.get("eos", ((), None))
+    eos = (frozenset(eos[0]), eos[1])
+    choices = [Choice(i, ids, sp, OutputProcessor.for_params(tokenizer, sp, stream), eos)
                for i, (ids, sp) in enumerate(items)]
     sources = [i - i % n if i % n else None for i in range(len(items))] if n > 1 else None   # sample 0's prompt KV
     coll = client.submit(items, eager=stream or any(sp.stop for _, sp in items), sources=sources, cache_salt=cache_salt)
