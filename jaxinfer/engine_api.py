@@ -68,7 +68,8 @@ class EngineAPI:
         request_id; `params`: SamplingParams (None: `llm.get_default_sampling_params()`). vLLM's other arguments are
         accepted (lora_request None, priority 0)."""
         prompt_forms.check_unsupported("LLMEngine.add_request", lora_request=lora_request)
-        prompt_forms.check_priority([priority], 1)
+        if isinstance(priority, bool) or priority != 0:
+            raise ValueError(f"LLMEngine.add_request: priority={priority!r:.80} is not supported by jaxinfer (0 only)")
         if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
             raise ValueError(f"request_id must be a string (vLLM's) or an int, got {request_id!r:.80}")
         if request_id in self._requests:

@@ -78,6 +78,8 @@ def test_abort_bad_requests_and_passthrough(llm):
         eng.add_request("many", ["a", "b"], long)
     with pytest.raises(ValueError, match="request_id"):
         eng.add_request(None, "a", long)
+    with pytest.raises(ValueError, match="LLMEngine.add_request: priority=5 "):
+        eng.add_request("prio", "a", long, priority=5)
     with pytest.raises(ValueError, match="max_model_len|longer"):
         eng.add_request("huge", list(range(1, 500)), long)
     assert eng.get_num_unfinished_requests() == 2
