@@ -57,17 +57,17 @@ class LLM:
             check_ready()
         self.model_config = model_config
         self.tokenizer = load_tokenizer(tokenizer or (path if os.path.isdir(path) else None))
-        self._one_thread = OneThread()            # generate / stream: one thread at a time
+        self._one_thread, self._aborts = OneThread(), set()     # generate / stream: one thread at a time; aborts
 
-        def load(placement):                     # (random weights broadcast: a user's rank-promotion "raise" is theirs)
-            with engine_numerics():
-                return load_weights(path, model_config, config.dtype, config.seed or 0, placement,   # (presets)
-                                    kv_scales=config.kv_cache_dtype != "auto")
+        def load(placement):                     # (called by create_engine, under the engine's JAX settings)
+            return load_weights(path, model_config, config.dtype, config.seed or 0, placement,   # (presets)
+                                kv_scales=config.kv_cache_dtype != "auto")
         eos = self.model_config.eos_token_id or tuple(
             t for t in [getattr(self.tokenizer, "eos_token_id", None)] if t is not None)
         # max_model_len left unset: the model's limit, capped by what the KV pool holds (as vLLM)
-        self.engine = create_engine(self.model_config, config, load, eos,
-                                    cap_max_model_len=requested.max_model_len is None)
+        with engine_numerics():                  # a user's JAX settings stay theirs (executables.engine_numerics)
+            self.engine = create_engine(self.model_config, config, load, eos,
+                                        cap_max_model_len=requested.max_model_len is None)
         self._eos = (frozenset(eos), primary_eos(self.tokenizer, eos))     # (stop_reason's)
         self.config = self.engine.config
         warn_if_slow_command_buffers()
@@ -76,7 +76,7 @@ class LLM:
             with tqdm(total=len(buckets), desc="Compiling steps", disable=None) as bar:
                 self.engine.warmup(bar)
             # the tokenizer's and the detokenizer's first calls are slow too (lazy imports, caches)
-            ids = self._tokenize("Warm-up: nothing lazy is left for the first request.", 0)
+            ids = prompt_forms.token_ids(self.tokenizer, "Warm-up: nothing lazy is left for the first request.", 0)
             OutputProcessor(self.tokenizer, ("\n\n",), stream=True).update(ids, "length")
             self.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -94,7 +94,7 @@ class LLM:
         request_id = int(request_id) if isinstance(request_id, str) and request_id.isdigit() else request_id
         if not isinstance(request_id, int) or isinstance(request_id, bool):
             raise ValueError(f"request_id must be an int (RequestOutput.request_id of LLM.stream), got {request_id!r}")
-        self.__dict__.setdefault("_aborts", set()).add(request_id)
+        self._aborts.add(request_id)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` / `stream` / `chat` use without sampling params (vLLM's): SamplingParams() with the
@@ -106,16 +106,14 @@ class LLM:
         return self.tokenizer
 
     # -- requests ---------------------------------------------------------------------------------
-    def _tokenize(self, prompt: Prompt, i: int) -> list[int]:
-        return prompt_forms.token_ids(self.tokenizer, prompt, i)
-
     def _prepare(self, prompts, sampling_params) -> list[tuple[Prompt, list[int], SamplingParams]]:
         """Normalise and validate every request before any is queued (a bad one disturbs no other)."""
         prompts = prompt_forms.as_list(prompts)
         sampling_params = per_prompt(sampling_params, len(prompts), self._default_params)
         reqs = []
         for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
-            ids = truncate(self._tokenize(p, i), sp.truncate_prompt_tokens, self.config.max_model_len)
+            ids = prompt_forms.token_ids(self.tokenizer, p, i)
+            ids = truncate(ids, sp.truncate_prompt_tokens, self.config.max_model_len)
             self.engine.check_request(ids, sp, where=f"prompt {i}")
             reqs.append((p, ids, sp))
         return reqs
@@ -220,21 +218,22 @@ class LLM:
         Leaving the loop early (break / close) aborts the unfinished requests and frees their KV blocks.
         Bad input raises here, at the call; `abort` calls from here on are this stream's (even before its first delta).
         """
-        reqs = self._prepare(prompts, sampling_params)
-        self.__dict__.setdefault("_aborts", set()).clear()      # (an abort of an earlier stream is not this one's)
-        return self._streaming(reqs)
+        reqs, aborts = self._prepare(prompts, sampling_params), set()   # (an earlier stream's aborts are not its)
+        self._aborts = self._aborts if self._one_thread.held_elsewhere() else aborts   # (refused when iterated then)
+        return self._streaming(reqs, aborts)
 
-    def _streaming(self, reqs) -> Iterator[RequestOutput]:
+    def _streaming(self, reqs, aborts: set) -> Iterator[RequestOutput]:
         with self._one_thread():
-            yield from self._stream(reqs)
+            self._aborts = aborts
+            yield from self._stream(reqs, aborts)
 
-    def _stream(self, reqs) -> Iterator[RequestOutput]:
+    def _stream(self, reqs, aborts: set) -> Iterator[RequestOutput]:
         groups = self._add(reqs)
         seqs, where = [s for g in groups for s in g], [(i, j) for i, g in enumerate(groups) for j in range(len(g))]
         procs: dict[int, OutputProcessor] = {}
         sent: dict[int, tuple[int, float]] = {}   # seq_id -> (output tokens yielded, their cumulative logprob)
         texts = TokenTexts(self.tokenizer)
-        aborts, left = self.__dict__.setdefault("_aborts", set()), [len(g) for g in groups]   # left: samples going
+        left = [len(g) for g in groups]           # samples going
 
         def delta(k: int, seq: Sequence, d: TextDelta) -> RequestOutput:
             (i, j), (start, before) = where[k], sent.get(seq.seq_id, (None, 0.0))

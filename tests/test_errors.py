@@ -248,6 +248,52 @@ def test_a_users_x64_and_strict_dtype_promotion_are_theirs(tiny_dir, backend):
     assert got == want
 
 
+def test_a_users_jit_transfer_precision_and_mesh_settings_are_theirs(tiny_dir):
+    """A user debugging their own code (disable_jit, a transfer guard), asking "highest" matmul precision or
+    sharding under `jax.set_mesh`: the engine still compiles and runs its own steps at XLA's own precision (not
+    baked into the shared executables a later LLM reuses), moves its own batches, gives the same tokens, and
+    the settings stay the user's."""
+    import re
+
+    import jax
+    from jaxinfer.engine.executables import SHARED_EXECUTABLES
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM(tiny_dir, **BASE).generate([[5, 6, 7]], sp, use_tqdm=False)[0].token_ids
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with (jax.disable_jit(), jax.transfer_guard("disallow"), jax.default_matmul_precision("highest"),
+          jax.set_mesh(mesh)):
+        SHARED_EXECUTABLES.clear()                 # compiled again, under the user's settings
+        llm = LLM(tiny_dir, **BASE)
+        assert llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].token_ids == want
+        assert jax.config.jax_disable_jit and jax.config.jax_default_matmul_precision == "highest"
+        assert not jax.sharding.get_abstract_mesh().empty
+    texts = [exe.as_text() for exe in llm.engine.runner.compiled.values()]
+    assert texts and not any(re.search(r"operand_precision=\{highest", t) for t in texts)
+
+
+def test_a_refused_stream_leaves_the_running_streams_aborts(llm):
+    """Another thread's stream, refused (one thread at a time), does not drop the running stream's aborts."""
+    import threading
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    errors, final = [], {}
+
+    def other():
+        try:
+            list(llm.stream([[1, 2]], sp))
+        except RuntimeError as e:
+            errors.append(e)
+    for k, d in enumerate(llm.stream([[5, 6, 7], [9, 8]], sp)):
+        if k == 0:
+            llm.abort(1)
+            t = threading.Thread(target=other)
+            t.start()
+            t.join()
+        if d.finished:
+            final[d.request_id] = d.finish_reason
+    assert len(errors) == 1 and final == {0: "length", 1: "abort"}
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
 def test_one_llm_serves_one_thread_at_a_time(llm):
     """A second thread calling generate while another is inside a stream gets a RuntimeError (not mixed-up
     batches); the same thread may nest calls, and once the stream ends another thread may go on."""

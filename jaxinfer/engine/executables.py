@@ -82,11 +82,30 @@ SHARED_EXECUTABLES = ExecutableCache()
 
 @contextlib.contextmanager
 def engine_numerics():
-    """The JAX settings the engine's programs are traced under, whatever the user set for their own code (these are
-    thread-local): the steps broadcast (a user's rank promotion "raise"), mix bool and float (a "strict" dtype
-    promotion) and index in int32 (a user's x64 made the kernels' block tables int64)."""
-    with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"), jax.enable_x64(False):
+    """The JAX settings the engine's arrays and programs are made and run under, whatever the user set for their
+    own code (these are thread-local): the steps broadcast (a user's rank promotion "raise"), mix bool and float (a
+    "strict" dtype promotion), index in int32 (a user's x64 made the kernels' block tables int64), use XLA's own
+    matmul precision (a user's "highest" would reach every LLM through the shared executables), are compiled (a
+    user's disable_jit), move their own batches (a user's transfer guard) and place their arrays on their own
+    devices (a user's `jax.set_mesh`)."""
+    with (jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"), jax.enable_x64(False),
+          jax.default_matmul_precision(None), jax.disable_jit(False), jax.transfer_guard("allow"), jax.set_mesh(None)):
         yield
+
+
+_SETTINGS = ("jax_numpy_rank_promotion", "jax_numpy_dtype_promotion", "jax_enable_x64", "jax_default_matmul_precision",
+             "jax_disable_jit", "jax_transfer_guard_host_to_device", "jax_transfer_guard_device_to_host",
+             "jax_transfer_guard_device_to_device")
+_ENGINES = ("allow", "standard", False, None, False, "allow", "allow", "allow")
+
+
+def users_settings_differ() -> bool:
+    """Whether engine_numerics would change anything here (~3 us: a step's calls skip the context when not)."""
+    for name, want in zip(_SETTINGS, _ENGINES):
+        v = getattr(jax.config, name)
+        if v != want and (v is not None or want != "allow") and getattr(v, "value", v) != want:
+            return True
+    return not jax.sharding.get_abstract_mesh().empty
 
 
 _owner = threading.local()      # .counter: the CompileCounter whose engine code this thread is running
@@ -134,6 +153,9 @@ def counts_compiles(method):
         prev = getattr(_owner, "counter", None)
         _owner.counter = self.compile_counter
         try:
+            if users_settings_differ():
+                with engine_numerics():
+                    return method(self, *args, **kwargs)
             return method(self, *args, **kwargs)
         finally:
             _owner.counter = prev

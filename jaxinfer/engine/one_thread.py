@@ -32,6 +32,10 @@ class OneThread:
                 if self._depth == 0:
                     self._owner = None
 
+    def held_elsewhere(self) -> bool:
+        """Whether another thread is inside a call now."""
+        return self._owner not in (None, threading.get_ident())
+
     def run(self, engine, seqs: list[Sequence], before_step=None) -> Iterator[tuple[int, Sequence]]:
         """Step `engine` until every seq finishes, yielding (index in seqs, seq) for each new token.
         However it ends (done, error, or the caller leaving early), nothing is left holding KV blocks.
