@@ -91,6 +91,30 @@ def test_small_top_k_rows_run_k_steps_with_the_same_tokens(llms, K):
     assert llms[K].stats()["multistep_calls"] == calls
 
 
+@pytest.mark.parametrize("K", [4, 16])
+def test_a_stop_token_ending_a_block_is_not_cached(tiny_dir, K):
+    """A row masked on the device after its stop token (mid-call, or a call queued behind the prefill whose first
+    token stops it) never writes that token's KV: the block it ends must not enter the prefix cache, or a
+    follow-up prompt extending the conversation (a chat's next turn after EOS) reads stale KV."""
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    bs = TINY_ENGINE["block_size"]
+    ref = LLM(tiny_dir, **{**BASE, "num_scheduler_steps": 1, "enable_prefix_caching": False})
+    llm = LLM(tiny_dir, **{**BASE, "num_scheduler_steps": K})
+    prompt = [11, 22, 33, 44, 55, 66, 77]
+    out = ref.generate([prompt], SamplingParams(**greedy, max_tokens=20), use_tqdm=False)[0].token_ids
+    for after in (0, 1):        # the prefill's first token (position 7, a block's last slot), then one mid-call
+        k = next(k for k in range(after, len(out)) if (len(prompt) + k) % bs == bs - 1 and out[k] not in out[:k])
+        stop = SamplingParams(**greedy, max_tokens=20, stop_token_ids=[out[k]])
+        follow = prompt + out[:k + 1] + [101, 102, 103, 104, 105]
+        want = ref.generate([follow], SamplingParams(**greedy, max_tokens=8, logprobs=0), use_tqdm=False)[0]
+        first = llm.generate([prompt], stop, use_tqdm=False)[0]
+        assert (first.token_ids, first.finish_reason) == (out[:k + 1], "stop")
+        got = llm.generate([follow], SamplingParams(**greedy, max_tokens=8, logprobs=0), use_tqdm=False)[0]
+        assert got.num_cached_tokens == (len(prompt) + k) // bs * bs       # the block with the stop token: not
+        assert got.token_ids == want.token_ids
+        assert got.outputs[0].cumulative_logprob == pytest.approx(want.outputs[0].cumulative_logprob, abs=1e-4)
+
+
 def test_stop_strings(llms):
     """Stop strings are checked on the host after a call: the text and the tokens end at the match."""
     prompt = "def add(a, b):"

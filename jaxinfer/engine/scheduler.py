@@ -212,6 +212,8 @@ class Scheduler:
                 if reason:
                     break
             if seq.status is Status.RUNNING:              # (not preempted while the call ran)
+                if reason == "stop":                      # the device masked the row: no KV for the stop token
+                    seq.num_computed_tokens = min(seq.num_computed_tokens, len(toks) - seq.num_pending - 1)
                 self.bm.cache_full_blocks(seq)
             if reason:
                 self.finish(seq, reason)
@@ -243,25 +245,28 @@ class Scheduler:
         for seq, sampled, tok in zip(batch.seqs, batch.sampled, ids):
             if seq.status is Status.FINISHED:             # finished (or aborted) while this step ran
                 continue
-            toks = seq.token_ids
+            toks, p, reason = seq.token_ids, seq.params, None
             if sampled:                                   # not a prompt chunk that stops mid-prompt
                 toks[len(toks) - seq.num_pending] = tok
                 seq.num_pending -= 1
+                # length first, as vLLM's check_stop (EOS as the last token allowed is "length"). len - num_pending:
+                # a token dispatched after this one is not part of the sequence yet (counting it ended async runs
+                # one token before max_model_len)
+                if len(toks) - seq.num_prompt_tokens - seq.num_pending >= p.max_tokens or \
+                        len(toks) - seq.num_pending >= max_len:
+                    reason = "length"
+                elif (not p.ignore_eos and tok in eos) or tok in p.stop_token_ids:
+                    reason = "stop"
+                    # a K-step call queued behind this step masks the row: the stop token's KV is never written
+                    seq.num_computed_tokens = min(seq.num_computed_tokens, len(toks) - seq.num_pending - 1)
             # a block became full (its KV written and its tokens known): register it in the prefix cache
             if caching and min(seq.num_computed_tokens, len(toks) - seq.num_pending) // bs > seq.num_hashed_blocks:
                 self.bm.cache_full_blocks(seq)
             if not sampled:
                 continue
             updated.append(seq)
-            p = seq.params
-            # length first, as vLLM's check_stop (EOS as the last token allowed is "length"). len - num_pending: a
-            # token dispatched after this one is not part of the sequence yet (counting it ended async runs one
-            # token before max_model_len)
-            if len(toks) - seq.num_prompt_tokens - seq.num_pending >= p.max_tokens or \
-                    len(toks) - seq.num_pending >= max_len:
-                self.finish(seq, "length")
-            elif (not p.ignore_eos and tok in eos) or tok in p.stop_token_ids:
-                self.finish(seq, "stop")
+            if reason:
+                self.finish(seq, reason)
         return updated
 
     def finish(self, seq: Sequence, reason: str, drop: int = 0) -> None:
