@@ -244,7 +244,7 @@ class LLM:
             return RequestOutput(request_id=i, prompt=prompt_forms.text(reqs[i][0]), prompt_token_ids=reqs[i][1],
                                  outputs=[CompletionOutput(j, d.text, d.token_ids, cum, lps, d.finish_reason, stop)],
                                  prompt_logprobs=prompt_logprobs_of(seq, texts) if start is None else None,
-                                 num_cached_tokens=seq.num_cached_tokens, finished=left[i] == 0)
+                                 num_cached_tokens=groups[i][0].num_cached_tokens, finished=left[i] == 0)
 
         ended, aborted = set(), []                # seq ids whose final delta was yielded (an abort's comes early)
 

@@ -371,3 +371,14 @@ def test_an_eos_id_other_than_the_tokenizers_is_the_stop_reason(tiny_dir):
     while e.has_unfinished_requests():
         done = [o for o in e.step() if o.finished]
     assert done[0].outputs[0].stop_reason == ids[k]
+
+
+def test_stream_reports_the_requests_num_cached_tokens_for_every_sample(tiny_dir):
+    """With n > 1, samples 1.. reuse sample 0's prompt blocks; a request's num_cached_tokens is sample 0's (the
+    request's prompt hits) in every delta, as in generate."""
+    llm = LLM(tiny_dir, **TINY_ENGINE)
+    prompt, sp = list(range(3, 16)), SamplingParams(n=3, seed=1, max_tokens=4)
+    want = llm.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens
+    llm.reset_prefix_cache()
+    assert {d.num_cached_tokens for d in llm.stream([prompt], sp)} == {want}
+    assert {d.num_cached_tokens for d in llm.stream([prompt], sp)} == {12}             # all but the last token
