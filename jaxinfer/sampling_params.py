@@ -125,6 +125,8 @@ class SamplingParams:
         b = self.best_of
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b != self.n):
             bad("best_of", f"is not supported: only None or best_of == n ({self.n})")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            bad("allowed_token_ids", "is not None and empty (vLLM's error): leave it None to allow every token")
         for name in ("bad_words", "allowed_token_ids", "logit_bias", "logits_processors", "structured_outputs",
                      "guided_decoding", "extra_args"):
             v = getattr(self, name)                    # None, or empty: nothing to apply

@@ -52,7 +52,7 @@ def test_stop_ids_wait_for_min_tokens(llm, banned_greedy):
 
 
 def test_eos_waits_for_min_tokens_also_in_k_step_and_crowded_engines(tiny_dir, llm, banned_greedy):
-    """The model's EOS is banned like a stop id (not with ignore_eos); a K-step engine runs one step per call while
+    """The model's EOS is banned like a stop id (also with ignore_eos, as vLLM); a K-step engine runs one step per call while
     a row bans, and a tiny pool (preemptions) gives the same tokens."""
     plain = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
     eos = llm.engine.scheduler.eos
@@ -64,6 +64,14 @@ def test_eos_waits_for_min_tokens_also_in_k_step_and_crowded_engines(tiny_dir, l
     finally:
         llm.engine.scheduler.eos = eos
     assert got == banned_greedy(PROMPT, 10, [plain.token_ids[0]], 4)
+    # with ignore_eos too (vLLM bans all its stop ids until min_tokens), and EOS then does not end it
+    llm.engine.scheduler.eos = frozenset({plain.token_ids[0]})
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=10, min_tokens=4, ignore_eos=True)
+        got = llm.generate([PROMPT], sp, use_tqdm=False)[0].token_ids
+    finally:
+        llm.engine.scheduler.eos = eos
+    assert got[:4] == banned_greedy(PROMPT, 4, [plain.token_ids[0]], 4) and len(got) == 10
     stop = [plain.token_ids[2]]
     sps = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop_token_ids=stop, min_tokens=m)
            for m in (0, 3, 5, 9)]

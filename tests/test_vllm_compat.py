@@ -151,6 +151,8 @@ def test_bad_values_are_value_errors_naming_them(tiny_dir):
         with pytest.raises(ValueError, match=next(iter(kw.keys() - {"n"}))):
             SamplingParams(**kw)
     assert SamplingParams(bad_words=[], logit_bias={}, best_of=1).best_of == 1
+    with pytest.raises(ValueError, match="allowed_token_ids=.*empty"):       # (vLLM refuses it too)
+        SamplingParams(allowed_token_ids=[])
     with pytest.raises(ValueError, match="prompts must be"):
         llm.generate(np.int64(5), use_tqdm=False)
     from jaxinfer.config import EngineConfig

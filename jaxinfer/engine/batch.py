@@ -162,7 +162,8 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
         ban[:] = BAN_PAD
         for i, seq in enumerate(seqs):
             if seq.banning:
-                ids = sorted(t for t in set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(eos))
+                # EOS too under ignore_eos: vLLM's min_tokens bans all its stop ids (`_all_stop_token_ids`)
+                ids = sorted(t for t in set(seq.params.stop_token_ids) | set(eos)
                              if t < 2**31)           # (an id past int32 is past any vocabulary: never sampled)
                 ban[i, :len(ids[:BAN_WIDTH])] = ids[:BAN_WIDTH]
     where: list[tuple] = []
