@@ -301,6 +301,9 @@ def test_default_max_tokens_is_the_room_the_pool_leaves():
     assert P.sampling_params(req, 19, 2048, None, pool_tokens=256).max_tokens == 256 - 19
     assert P.sampling_params(req, 19, 2048, None).max_tokens == 2048 - 19
     assert P.sampling_params(req, 19, 2048, 16, pool_tokens=256).max_tokens == 16
+    # completions' default (vLLM's 16) is checked as if given: past the context, a 400, not a shorter completion
+    with pytest.raises(P.RequestError, match="250 in the prompt, 16 in the completion"):
+        P.sampling_params(P.CompletionRequest(prompt="a"), 250, 256, 16)
 
 
 def test_model_sampling_defaults_fill_what_a_request_leaves_out(tmp_path):

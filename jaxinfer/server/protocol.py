@@ -166,19 +166,18 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
     `for_sample(i)`); default_max_tokens None = the rest of the context, which a KV pool of `pool_tokens`
     smaller than max_model_len limits too. `defaults`: the model's recommended values for the fields the
     request leaves out (generation_config.py; its max_tokens caps the request's, given or not, as vLLM's does)."""
-    defaults = defaults or {}
-    mct = getattr(req, "max_completion_tokens", None)
-    key = "max_completion_tokens" if mct is not None else "max_tokens"
-    max_tokens = mct if mct is not None else req.max_tokens
+    defaults, mct = defaults or {}, getattr(req, "max_completion_tokens", None)
+    key, max_tokens = ("max_completion_tokens", mct) if mct is not None else ("max_tokens", req.max_tokens)
     if max_tokens == 0:            # completions: echo only (streams.echo_only) runs one token and drops it
         if not getattr(req, "echo", False):
             raise RequestError("max_tokens=0 needs echo=true (the prompt's logprobs, nothing generated); "
                                "else give max_tokens >= 1", param="max_tokens")
         max_tokens = 1
+    if max_tokens is None and default_max_tokens is not None:
+        max_tokens = default_max_tokens      # completions: vLLM's 16, checked as if given (400 past the context)
     if max_tokens is None:
         room = min(max_model_len, pool_tokens or max_model_len) - prompt_len
-        max_tokens = default_max_tokens if default_max_tokens is not None else room
-        max_tokens = max(1, min(max_tokens, room, defaults.get("max_tokens", room)))
+        max_tokens = max(1, min(room, defaults.get("max_tokens", room)))
     elif prompt_len + max_tokens > max_model_len:
         raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
