@@ -95,10 +95,11 @@ class OutputProcessor:
         if finish_reason is not None:
             piece += self._detok.flush()
         if piece:
-            start = max(0, len(self.text) - self.holdback)     # a match may straddle the old end
+            old = len(self.text)
             self.text += piece
-            if self.stop and len(self.token_ids) > self.min_tokens:
-                hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
+            if self.stop and len(self.token_ids) > self.min_tokens:    # each string: a match ending in the piece
+                hits = [(i, s) for i, s in ((self.text.find(s, max(0, old - len(s) + 1)), s) for s in self.stop)
+                        if i >= 0]
                 if hits:
                     at, self.stop_string = min(hits, key=lambda h: h[0])     # the earliest; ties: listed first
                     self.text = self.text[:at + len(self.stop_string) if self.include_stop else at]

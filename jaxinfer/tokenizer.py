@@ -26,6 +26,10 @@ class ByteTokenizer:
         out.append(raw.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def convert_ids_to_tokens(self, ids) -> list[str]:
+        """The vocabulary's strings: a printable ASCII byte as itself, other bytes `<0xNN>`, other ids `<id>`."""
+        return [chr(i) if 32 <= i < 127 else f"<0x{i:02X}>" if 0 <= i < 256 else f"<{i}>" for i in ids]
+
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, continue_final_message=False,
                             **kwargs):
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)

@@ -119,6 +119,19 @@ def test_no_stop_match_releases_the_holdback_at_the_end(bpe):
     assert deltas[-1]                                            # held-back tail comes out on finish
 
 
+def test_a_stop_string_seen_before_min_tokens_stays_ignored_beside_a_longer_one(bpe):
+    """vLLM searches each stop string only where it could end in the new text: a short one that showed up within
+    min_tokens (where stop strings do not count) is not found later because a longer string widens the window."""
+    ids = bpe.encode("Hello world! are you today?", add_special_tokens=False)
+    first = bpe.decode(ids[:1])
+    short = first.strip()[0]
+    assert short not in bpe.decode(ids[1:])
+    for stops in ((short,), (short, "a stop string that never occurs")):
+        proc = OutputProcessor(bpe, stops, stream=True, min_tokens=2)
+        texts = [proc.update([t], "length" if i == len(ids) - 1 else None).text for i, t in enumerate(ids)]
+        assert not proc.stopped and "".join(texts) == proc.text == bpe.decode(ids), stops
+
+
 def test_non_streaming_without_stop_decodes_once_at_the_end(bpe):
     text = "Hello world! 你好"
     ids = bpe.encode(text, add_special_tokens=False)

@@ -14,6 +14,7 @@ openai = pytest.importorskip("openai")
 
 from helpers import hf_logits, hf_model  # noqa: E402
 from test_server import MODEL, run_server, wait_idle  # noqa: E402
+from jaxinfer.tokenizer import load_tokenizer  # noqa: E402
 
 PROMPT = [5, 7, 9, 11, 300, 2, 3, 17, 40, 41, 8]
 
@@ -306,9 +307,12 @@ def test_echo_is_the_prompt_as_sent(url, client):
         assert ids == httpx.post(url + "/detokenize", json={"tokens": [5, 6, 7]}).json()["prompt"]
 
 
-def test_tokenize_detokenize_version_docs(url):
+def test_tokenize_detokenize_version_docs(url, tiny_dir):
     t = httpx.post(url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
     assert t["count"] == len(t["tokens"]) > 0 and t["max_model_len"] == 128 and len(t["token_strs"]) == t["count"]
+    tok = load_tokenizer(tiny_dir)                                 # token_strs: the vocabulary's strings, as vLLM's
+    u = httpx.post(url + "/tokenize", json={"prompt": "é 你好 world", "return_token_strs": True}).json()
+    assert u["token_strs"] == tok.convert_ids_to_tokens(u["tokens"]) and "\ufffd" not in "".join(u["token_strs"])
     assert httpx.post(url + "/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == "Hello world"
     chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat["count"] > t["count"] - 2

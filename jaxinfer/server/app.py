@@ -221,7 +221,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         return model_card(model)
 
     # (their own thread: /tokenize needs no API key, and a huge one must not hold up the generate requests)
-    add_token_routes(app, tokenizer, text_of, check_model, max_model_len, limits["vocab_size"], TokenizerThread())
+    add_token_routes(app, tokenizer, check_model, max_model_len, limits["vocab_size"], TokenizerThread())
 
     @app.post("/v1/completions", responses={200: {"model": R.CompletionResponse}, **ERRORS})
     async def completions(req: P.CompletionRequest, request: Request):

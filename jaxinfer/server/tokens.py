@@ -90,7 +90,7 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt]
 
 
-def add_token_routes(app: FastAPI, tokenizer, text_of, check_model, max_model_len: int, vocab_size: int,
+def add_token_routes(app: FastAPI, tokenizer, check_model, max_model_len: int, vocab_size: int,
                      off_loop: TokenizerThread) -> None:
     @app.post("/tokenize")
     async def tokenize_route(req: TokenizeRequest):
@@ -109,9 +109,9 @@ def add_token_routes(app: FastAPI, tokenizer, text_of, check_model, max_model_le
             text = P.apply_chat_template(tokenizer, P.chat_messages(req.messages), P.chat_template_kwargs(req)) \
                 if chat else req.prompt
             return P.encode(tokenizer, text, special, "messages" if chat else "prompt")
-        ids = await off_loop(encode)
-        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
-                "token_strs": [text_of(t) for t in ids] if req.return_token_strs else None}
+        ids = await off_loop(encode)      # token_strs: the vocabulary's strings, as vLLM (a byte piece stays whole)
+        strs = await off_loop(tokenizer.convert_ids_to_tokens, ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
