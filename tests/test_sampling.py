@@ -81,6 +81,27 @@ def test_noise_is_uniform_gumbel_and_row_local():
     np.testing.assert_array_equal(one, g[2])                  # a row does not depend on its neighbours
 
 
+# (seed, token id) pairs whose hash at counter 0 is the largest the uniform maps: it once rounded to u = 1, +inf noise
+EXTREME_DRAWS = [(21686, 31), (35500, 390), (50416, 511), (71781, 294)]
+
+
+def test_the_largest_uniform_stays_below_one_so_no_token_gets_infinite_noise():
+    """A uniform of 1.0 made that id's Gumbel noise +inf: it won the draw whatever its logit, the temperature or
+    the filters (masked logits plus inf), one id in 2^24, ~0.9% of draws at Qwen3's 151,936 ids."""
+    from jaxinfer.sampling import gumbel_at, uniform
+    u = np.asarray(uniform(jnp.array([0, 0xFFFFFFFF], jnp.uint32)))
+    assert 0.0 < u[0] and u[1] < 1.0
+    seeds = jnp.array([s for s, _ in EXTREME_DRAWS], jnp.int32)
+    ids = jnp.array([[t] for _, t in EXTREME_DRAWS], jnp.uint32)
+    g = np.asarray(gumbel_at(seeds, jnp.zeros(len(EXTREME_DRAWS), jnp.int32), ids))
+    assert np.isfinite(g).all() and (g > 15).all(), g          # the top of the distribution, finite
+    logits = jnp.asarray(np.tile(np.linspace(5.0, -5.0, 512, dtype=np.float32), (len(EXTREME_DRAWS), 1)))
+    peaked = logits.at[:, 0].set(10.0)
+    assert (run(peaked, temperature=0.01, seeds=seeds) == 0).all()            # the extreme id is far below id 0
+    assert (run(logits, temperature=1.0, top_k=3, seeds=seeds) < 3).all()
+    assert (run(logits, temperature=1.0, min_p=0.5, seeds=seeds) < 36).all()  # logits within ln 2 of the top
+
+
 def _freqs(row, n=4000, **kw):
     logits = jnp.broadcast_to(row, (n, row.shape[0]))
     ids = run(logits, seeds=jnp.arange(n, dtype=jnp.int32), **kw)
