@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from numbers import Integral
 
 from jaxinfer import prompts as prompt_forms
-from jaxinfer.engine.sequence import Sequence, is_finished
+from jaxinfer.engine.one_thread import recovering
+from jaxinfer.engine.sequence import Sequence, id_mark, is_finished
 from jaxinfer.output_processor import TokenTexts, logprobs_of, prompt_logprobs_of, stop_reason
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 
@@ -79,11 +80,11 @@ class EngineAPI:
         if params is not None and not hasattr(params, "n"):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.80}")
         kind = output_kind(params or self._llm.get_default_sampling_params())
-        with self._llm._one_thread():
+        with self._llm._one_thread(), recovering(self._llm.engine, [], since=id_mark()):   # (Ctrl-C: none left)
             [(p, ids, sp)] = self._llm._prepare([prompt], params)
             [group] = self._llm._add([(p, ids, sp)])
-        self._requests[request_id] = _Request(request_id, p, ids, group, kind, text=[""] * len(group),
-                                              ids=[[] for _ in group])
+            self._requests[request_id] = _Request(request_id, p, ids, group, kind, text=[""] * len(group),
+                                                  ids=[[] for _ in group])
 
     def abort_request(self, request_id) -> None:
         """End one request or several (an iterable of ids) and free their KV blocks; unknown ids are ignored."""

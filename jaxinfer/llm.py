@@ -16,8 +16,8 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine.dp_engine import create_engine
 from jaxinfer.engine.executables import engine_numerics
 from jaxinfer.engine.llm_engine import is_finished
-from jaxinfer.engine.one_thread import OneThread
-from jaxinfer.engine.sequence import Sequence, Status
+from jaxinfer.engine.one_thread import OneThread, recovering
+from jaxinfer.engine.sequence import Sequence, Status, id_mark
 from jaxinfer.generation_config import sampling_defaults
 from jaxinfer.hub import load_weights, model_config_for
 from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, logprobs_of, prompt_logprobs_of,
@@ -130,27 +130,27 @@ class LLM:
 
     def _generate(self, reqs, use_tqdm: bool) -> list[RequestOutput]:
         groups = self._add(reqs)
-        seqs = [s for g in groups for s in g]
-        stop_texts = {}                             # seq_id -> OutputProcessor of requests with stop strings
-        with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm or None) as bar:
-            for _, seq in self._run(seqs):          # per token: keep it lean (hundreds per step)
-                if seq.params.stop:                 # only these are detokenized as they run (the rest at the end)
-                    self._process_text(seq, stop_texts, stream=False)
-                if seq.status is Status.FINISHED:
-                    bar.update(1)
+        seqs, stop_texts = [s for g in groups for s in g], {}    # seq_id -> OutputProcessor of those with stop strings
+        with recovering(self.engine, seqs):         # (an exception: nothing stays queued, no block is lost)
+            with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm or None) as bar:
+                for _, seq in self._run(seqs):      # per token: keep it lean (hundreds per step)
+                    if seq.params.stop:             # only these are detokenized as they run (the rest at the end)
+                        self._process_text(seq, stop_texts, stream=False)
+                    if seq.status is Status.FINISHED:
+                        bar.update(1)
         texts = TokenTexts(self.tokenizer)
         return [self._output(p, g, texts, stop_texts) for (p, _, _), g in zip(reqs, groups)]
 
     def _add(self, reqs) -> list[list[Sequence]]:
         """One sequence per sample: n of them per request (SamplingParams.for_sample); samples 1.. reuse
         sample 0's prompt KV from the prefix cache (Sequence.waits_for_prompt), so it is computed once."""
-        groups = []
-        for p, ids, sp in reqs:
-            salt = prompt_forms.cache_salt(p, 0)
-            g = [self.engine.add_request(ids, sp if sp.n == 1 else sp.for_sample(0), cache_salt=salt)]
-            g += [self.engine.add_request(ids, sp.for_sample(j), prompt_source=g[0], cache_salt=salt)
-                  for j in range(1, sp.n)]
-            groups.append(g)
+        groups = []                     # (an exception midway, e.g. a KeyboardInterrupt: none of them stays queued)
+        with recovering(self.engine, [], since=id_mark()):
+            for p, ids, sp in reqs:
+                groups.append([])
+                for j in range(sp.n):
+                    groups[-1].append(self.engine.add_request(ids, sp if sp.n == 1 else sp.for_sample(j), cache_salt=
+                                      prompt_forms.cache_salt(p, 0), prompt_source=groups[-1][0] if j else None))
         return groups
 
     def _run(self, seqs: list[Sequence], before_step=None) -> Iterator[tuple[int, Sequence]]:
@@ -230,8 +230,7 @@ class LLM:
     def _stream(self, reqs, aborts: set) -> Iterator[RequestOutput]:
         groups = self._add(reqs)
         seqs, where = [s for g in groups for s in g], [(i, j) for i, g in enumerate(groups) for j in range(len(g))]
-        procs: dict[int, OutputProcessor] = {}
-        sent: dict[int, tuple[int, float]] = {}   # seq_id -> (output tokens yielded, their cumulative logprob)
+        procs, sent = {}, {}    # seq_id -> OutputProcessor; seq_id -> (output tokens yielded, their cumulative logprob)
         texts = TokenTexts(self.tokenizer)
         left = [len(g) for g in groups]           # samples going
 
@@ -263,13 +262,14 @@ class LLM:
                 k2 = aborted.pop(0)
                 yield delta(k2, seqs[k2], TextDelta("", [], "abort"))
 
-        for k, seq in self._run(seqs, take_aborts):
-            if seq.seq_id not in ended:           # (aborted after this step's updates were listed: nothing more)
-                d = self._process_text(seq, procs, stream=True)
-                if d.text or d.token_ids or d.finish_reason:
-                    yield delta(k, seq, d)
-            yield from abort_deltas()
-        yield from abort_deltas()                 # requests that an abort ended before a step (no update came)
+        with recovering(self.engine, seqs):
+            for k, seq in self._run(seqs, take_aborts):
+                if seq.seq_id not in ended:       # (aborted after this step's updates were listed: nothing more)
+                    d = self._process_text(seq, procs, stream=True)
+                    if d.text or d.token_ids or d.finish_reason:
+                        yield delta(k, seq, d)
+                yield from abort_deltas()
+            yield from abort_deltas()             # requests that an abort ended before a step (no update came)
 
     def apply_chat_template(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> str:
         """Render one conversation ([{"role": ..., "content": ...}, ...]) into a prompt string, ending with

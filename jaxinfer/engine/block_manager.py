@@ -138,6 +138,22 @@ class BlockManager:
         seq.last_hash = self.blocks[hits[-1]].hash if hits else None
         return seq.num_computed_tokens
 
+    def recount(self, seqs) -> None:
+        """Rebuild every block's ref count, the free list and the prefix cache's index from the sequences that hold
+        blocks (`seqs`: all of them), after an exception that may have come in the middle of allocate or free_seq.
+        Free blocks keep their LRU order; blocks nobody holds any more join the free list's end."""
+        refs = [0] * len(self.blocks)
+        for seq in seqs:
+            for bid in seq.block_table:
+                refs[bid] += 1
+        free = OrderedDict((bid, None) for bid in self.free if refs[bid] == 0)
+        for block, n in zip(self.blocks, refs):
+            block.ref_count = n
+            if n == 0 and block.block_id not in free:
+                free[block.block_id] = None
+        self.free = free
+        self.cached = {h: bid for h, bid in self.cached.items() if self.blocks[bid].hash == h}
+
     def can_append(self, seq: Sequence) -> bool:
         """Room for the KV of every current token (a decode step adds one block at most)."""
         return seq.num_blocks_needed - len(seq.block_table) <= self.num_free_blocks
@@ -153,11 +169,11 @@ class BlockManager:
 
     def free_seq(self, seq: Sequence) -> None:
         """Drop seq's references; blocks at ref 0 go to the free list, keeping their hash."""
-        for bid in reversed(seq.block_table):   # tail blocks first: the prefix stays cached longest
+        table, seq.block_table = seq.block_table, []     # first: an interrupted free never runs twice
+        for bid in reversed(table):             # tail blocks first: the prefix stays cached longest
             block = self.blocks[bid]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free[bid] = None
-        seq.block_table = []
         seq.num_computed_tokens = seq.num_hashed_blocks = 0
         seq.last_hash = None

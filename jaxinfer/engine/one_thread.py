@@ -27,10 +27,8 @@ class OneThread:
         try:
             yield
         finally:
-            with self._lock:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._owner = None
+            with self._lock:                                 # (one assignment: an interrupt leaves it whole)
+                self._owner, self._depth = (None, 0) if self._depth <= 1 else (me, self._depth - 1)
 
     def held_elsewhere(self) -> bool:
         """Whether another thread is inside a call now."""
@@ -66,7 +64,42 @@ class OneThread:
                                     if is_finished(s):
                                         done.add(s.seq_id)
                                     yield i, s
+        except GeneratorExit:                                # the caller left early: the finally aborts
+            raise
+        except BaseException:                                # an error, or a KeyboardInterrupt anywhere
+            recover(engine, seqs)
+            raise
         finally:
             for seq in seqs:
                 if not is_finished(seq):
                     engine.abort(seq)
+
+
+def recover(engine, seqs, since: int | None = None) -> None:
+    """After an exception in an engine call: abort seqs that have not finished, and the queued sequences made after
+    `since` (`sequence.id_mark()`: those an interrupted call queued before it could list them), then rebuild the
+    KV blocks' reference counts and free list from the sequences the engine still holds (a KeyboardInterrupt can
+    land between any two bytecodes, e.g. inside the block manager's allocate or free_seq: a block taken but not
+    yet in a table, or a sequence freed twice, would otherwise leak or be handed to two sequences at once)."""
+    for seq in seqs:
+        if not is_finished(seq):
+            engine.abort(seq)
+    for replica in getattr(engine, "replicas", None) or [engine]:       # (a DPEngine: each replica's pool)
+        if since is not None:
+            for seq in [*replica.scheduler.waiting, *replica.scheduler.running]:
+                if seq.seq_id > since:
+                    engine.abort(seq)
+                    replica.abort(seq)                      # (a DPEngine may not have listed its owner yet)
+        replica.scheduler.recount_blocks()
+
+
+@contextlib.contextmanager
+def recovering(engine, seqs: list[Sequence], since: int | None = None):
+    """`recover(engine, seqs, since)` on any exception but a generator's close, then re-raise."""
+    try:
+        yield
+    except GeneratorExit:
+        raise
+    except BaseException:
+        recover(engine, seqs, since)
+        raise

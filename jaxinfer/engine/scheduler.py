@@ -44,6 +44,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def recount_blocks(self) -> None:
+        """BlockManager.recount from the sequences queued here (one_thread.recover, after an exception)."""
+        self.bm.recount([*self.waiting, *self.running])
+
     def can_admit(self) -> bool:
         """Whether the next prefill step would admit the first waiting sequence (a free row and blocks)."""
         return bool(self.waiting) and len(self.running) < self.config.max_num_seqs and \

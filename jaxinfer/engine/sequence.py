@@ -16,6 +16,11 @@ class Status(enum.Enum):
 
 
 _ids = itertools.count()
+
+
+def id_mark() -> int:
+    """An id below every later sequence's (it takes one id no sequence gets): `one_thread.recover`'s `since`."""
+    return next(_ids)
 PLACEHOLDER = -1   # a sampled token still on the device (async scheduling); filled when its step is read
 
 

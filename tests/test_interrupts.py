@@ -1,0 +1,114 @@
+"""A KeyboardInterrupt (Ctrl-C in a notebook) can land between any two bytecodes of a call: while requests are
+queued, inside the block manager's allocate or free_seq, in a step's bookkeeping. Afterwards nothing may stay
+queued, every KV block must be free with a reference count of 0, and the next call must give a fresh LLM's tokens
+(a block freed twice was once handed to two sequences, silently corrupting both)."""
+import sys
+
+import pytest
+from helpers import TINY_ENGINE
+
+from jaxinfer import LLM, SamplingParams
+
+KW = {**TINY_ENGINE, "num_kvcache_blocks": 24}      # small: preemption and free-list reuse of cached blocks
+PROMPTS = [list(range(3, 40)), [5, 6, 7], list(range(3, 30)) + [9, 9], list(range(100, 121))]
+PARAMS = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
+          SamplingParams(temperature=0.8, seed=7, max_tokens=16, n=2, ignore_eos=True),
+          SamplingParams(temperature=0.9, seed=3, top_k=5, max_tokens=12, stop=["a"]),
+          SamplingParams(temperature=0.7, seed=11, max_tokens=10, logprobs=2, ignore_eos=True)]
+
+
+def tokens(llm, stream=False):
+    if stream:
+        got = {}
+        for d in llm.stream(PROMPTS, PARAMS):
+            for c in d.outputs:
+                got.setdefault((d.request_id, c.index), []).extend(c.token_ids)
+        return [[got[(i, j)] for j in range(p.n)] for i, p in enumerate(PARAMS)]
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+class Interrupt:
+    """sys.settrace hook: KeyboardInterrupt at the n-th line executed in jaxinfer's engine and facade code (or, with
+    `function`, in that function only)."""
+
+    def __init__(self, n: int, function: str | None = None):
+        self.n, self.function, self.count, self.where = n, function, 0, None
+
+    def call(self, frame, event, arg):
+        code = frame.f_code
+        mine = code.co_name == self.function if self.function else \
+            any(p in code.co_filename for p in ("jaxinfer/engine/", "jaxinfer/llm.py", "jaxinfer/output_processor"))
+        return self.line if mine else None
+
+    def line(self, frame, event, arg):
+        if event == "line":
+            self.count += 1
+            if self.count == self.n:
+                sys.settrace(None)
+                self.where = f"{frame.f_code.co_name}:{frame.f_lineno}"
+                raise KeyboardInterrupt
+        return self.line
+
+    def run(self, fn):
+        sys.settrace(self.call)
+        try:
+            fn()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        return self.where
+
+
+def assert_clean(llm, where):
+    bm, st = llm.engine.block_manager, llm.stats()
+    assert st["running"] == st["waiting"] == 0 and not llm.engine.has_unfinished(), where
+    assert st["kv_blocks_free"] == st["kv_blocks_total"], where
+    assert all(b.ref_count == 0 for b in bm.blocks), (where, [b.ref_count for b in bm.blocks])
+    assert all(bm.blocks[bid].hash == h for h, bid in bm.cached.items()), where
+
+
+@pytest.fixture(scope="module")
+def want(tiny_dir):
+    return tokens(LLM(tiny_dir, **KW))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_interrupt_anywhere_leaves_no_request_queued_and_no_block_held(tiny_dir, want, stream):
+    llm = LLM(tiny_dir, **KW)
+    assert tokens(llm, stream) == want
+    total = Interrupt(10**9)
+    total.run(lambda: tokens(llm, stream))                       # lines a whole call executes
+    points = sorted({1 + i * (total.count - 2) // 47 for i in range(48)})
+    for k, n in enumerate(points):
+        where = Interrupt(n).run(lambda: tokens(llm, stream))
+        assert where is not None
+        assert_clean(llm, where)
+        if k % 8 == 7:
+            assert tokens(llm, stream) == want, where
+
+
+@pytest.mark.parametrize("function", ["free_seq", "allocate", "_take_free", "add_request", "finish"])
+def test_an_interrupt_inside_the_block_bookkeeping_neither_leaks_nor_double_frees(tiny_dir, want, function):
+    """Every line of the function, at its first call and at a later one."""
+    llm = LLM(tiny_dir, **KW)
+    for first_call_lines in (range(1, 12), range(40, 400, 37)):
+        for n in first_call_lines:
+            where = Interrupt(n, function).run(lambda: tokens(llm))
+            if where is None:
+                break                                            # past the function's last line in this call
+            assert_clean(llm, where)
+    assert tokens(llm) == want
+
+
+def test_an_interrupt_in_the_engine_apis_add_request_leaves_no_orphan(tiny_dir):
+    """Interrupted, add_request either queued the request whole (its id is the API's) or left nothing queued."""
+    llm = LLM(tiny_dir, **KW)
+    api, sched = llm.llm_engine, llm.engine.scheduler
+    for n in range(1, 40, 3):
+        where = Interrupt(n, "add_request").run(lambda: api.add_request(f"r{n}", PROMPTS[0], PARAMS[1]))
+        owned = {s.seq_id for r in api._requests.values() for s in r.seqs}
+        assert {s.seq_id for s in [*sched.waiting, *sched.running]} <= owned, where
+        while api.has_unfinished_requests():
+            api.step()
+        assert_clean(llm, where)
