@@ -62,8 +62,7 @@ class LLM:
         def load(placement):                     # (called by create_engine, under the engine's JAX settings)
             return load_weights(path, model_config, config.dtype, config.seed or 0, placement,   # (presets)
                                 kv_scales=config.kv_cache_dtype != "auto")
-        eos = self.model_config.eos_token_id or tuple(
-            t for t in [getattr(self.tokenizer, "eos_token_id", None)] if t is not None)
+        eos = self.model_config.eos_token_id or tuple({getattr(self.tokenizer, "eos_token_id", None)} - {None})
         # max_model_len left unset: the model's limit, capped by what the KV pool holds (as vLLM)
         with engine_numerics():                  # a user's JAX settings stay theirs (executables.engine_numerics)
             self.engine = create_engine(self.model_config, config, load, eos,
@@ -120,8 +119,9 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order. vLLM's `lora_request` (None only) and
-        `priority` (None, or 0 for every prompt: there is no priority scheduling) are accepted."""
+        """Generate for every prompt; outputs come back in prompt order. `use_tqdm`: a bool, or (vLLM's) a callable
+        that makes the bar from total= and desc=. vLLM's `lora_request` (None only) and `priority` (None, or 0 for
+        every prompt: there is no priority scheduling) are accepted."""
         prompt_forms.check_unsupported("LLM.generate", lora_request=lora_request)
         reqs = self._prepare(prompts, sampling_params)
         prompt_forms.check_priority(priority, len(reqs))
@@ -132,7 +132,8 @@ class LLM:
         groups = self._add(reqs)
         seqs, stop_texts = [s for g in groups for s in g], {}    # seq_id -> OutputProcessor of those with stop strings
         with recovering(self.engine, seqs):         # (an exception: nothing stays queued, no block is lost)
-            with tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm or None) as bar:
+            make = use_tqdm if callable(use_tqdm) else lambda **kw: tqdm(**kw, disable=not use_tqdm or None)
+            with make(total=len(seqs), desc="Generating") as bar:
                 for _, seq in self._run(seqs):      # per token: keep it lean (hundreds per step)
                     if seq.params.stop:             # only these are detokenized as they run (the rest at the end)
                         self._process_text(seq, stop_texts, stream=False)

@@ -384,3 +384,22 @@ def test_stream_reports_the_requests_num_cached_tokens_for_every_sample(tiny_dir
     llm.reset_prefix_cache()
     assert {d.num_cached_tokens for d in llm.stream([prompt], sp)} == {want}
     assert {d.num_cached_tokens for d in llm.stream([prompt], sp)} == {12}             # all but the last token
+
+
+def test_use_tqdm_takes_a_progress_bar_factory(tiny_dir):
+    """vLLM's `use_tqdm` may be a callable that makes the progress bar (a tqdm class or a partial of one)."""
+    made = []
+
+    class bar:                                       # the part of tqdm's interface generate uses
+        def __init__(self, total, **kw):
+            self.total, self.n = total, 0
+            made.append(self)
+        __enter__ = lambda self: self
+        __exit__ = lambda self, *exc: None
+
+        def update(self, k=1):
+            self.n += k
+    llm = LLM(tiny_dir, **TINY_ENGINE)
+    outs = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, n=2), use_tqdm=bar)
+    assert len(outs) == 2 and len(made) == 1 and made[0].total == 4 and made[0].n == 4
+    assert llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=bar) and len(made) == 2
