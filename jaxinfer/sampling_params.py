@@ -198,8 +198,9 @@ class SamplingParams:
         if not 0 <= index < self.n:
             raise ValueError(f"sample index {index} is outside [0, n={self.n})")
         seed = self.seed
-        if seed is not None and index > 0:
-            seed = (seed * 0x9E3779B1 + index * 0x85EBCA77 + 0x632BE5AB) % 0x7FFFFFFF
+        if seed is not None and index > 0:   # a hash of both (a sum mod 2^31 - 1 gave seeds 0 and 2^31 - 1 the same
+            digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=4).digest()      # samples 1..)
+            seed = int.from_bytes(digest, "little") & 0x7FFFFFFF
         return replace(self, n=1, best_of=None, seed=seed,
                        prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 

@@ -81,25 +81,50 @@ def test_noise_is_uniform_gumbel_and_row_local():
     np.testing.assert_array_equal(one, g[2])                  # a row does not depend on its neighbours
 
 
-# (seed, token id) pairs whose hash at counter 0 is the largest the uniform maps: it once rounded to u = 1, +inf noise
+# (seed, token id) pairs whose hash at counter 0 is among the largest 2^8 of 2^32: with a 24-bit uniform, u = 1.0
 EXTREME_DRAWS = [(21686, 31), (35500, 390), (50416, 511), (71781, 294)]
 
 
-def test_the_largest_uniform_stays_below_one_so_no_token_gets_infinite_noise():
-    """A uniform of 1.0 made that id's Gumbel noise +inf: it won the draw whatever its logit, the temperature or
+def test_no_token_gets_infinite_noise_and_the_filters_hold():
+    """A uniform of 1.0 once made an id's Gumbel noise +inf: it won the draw whatever its logit, the temperature or
     the filters (masked logits plus inf), one id in 2^24, ~0.9% of draws at Qwen3's 151,936 ids."""
-    from jaxinfer.sampling import gumbel_at, uniform
-    u = np.asarray(uniform(jnp.array([0, 0xFFFFFFFF], jnp.uint32)))
-    assert 0.0 < u[0] and u[1] < 1.0
+    from jaxinfer.sampling import exponential, gumbel_at
+    e = np.asarray(exponential(jnp.array([0, 1, 0xFFFFFF7F, 0xFFFFFFFF], jnp.uint32)))
+    assert np.isfinite(e).all() and (e > 0).all() and e[0] < e[1] < e[2] <= e[3], e
     seeds = jnp.array([s for s, _ in EXTREME_DRAWS], jnp.int32)
     ids = jnp.array([[t] for _, t in EXTREME_DRAWS], jnp.uint32)
-    g = np.asarray(gumbel_at(seeds, jnp.zeros(len(EXTREME_DRAWS), jnp.int32), ids))
-    assert np.isfinite(g).all() and (g > 15).all(), g          # the top of the distribution, finite
+    assert np.isfinite(np.asarray(gumbel_at(seeds, jnp.zeros(len(EXTREME_DRAWS), jnp.int32), ids))).all()
     logits = jnp.asarray(np.tile(np.linspace(5.0, -5.0, 512, dtype=np.float32), (len(EXTREME_DRAWS), 1)))
     peaked = logits.at[:, 0].set(10.0)
     assert (run(peaked, temperature=0.01, seeds=seeds) == 0).all()            # the extreme id is far below id 0
     assert (run(logits, temperature=1.0, top_k=3, seeds=seeds) < 3).all()
     assert (run(logits, temperature=1.0, min_p=0.5, seeds=seeds) < 36).all()  # logits within ln 2 of the top
+
+
+def test_the_noise_tail_is_gumbels_far_out():
+    """P(noise > x) over all 2^32 hash values (the noise falls as the hash grows: bisect for the count) against
+    Gumbel's 1 - exp(-e^-x): a token x logits below the top keeps its odds. A uniform of 23 or 24 bits stopped
+    the noise at 16.6, so tokens ~19.4 or more below the top of a 151,936-token row were never drawn."""
+    from jaxinfer.sampling import exponential
+    noise = jax.jit(lambda b: -jnp.log(exponential(b)))
+    for x in (5.0, 12.0, 16.0, 18.0, 19.5, 21.0):
+        lo, hi = 0, 2**32 - 1                                    # the first hash value whose noise is <= x
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if float(noise(jnp.uint32(mid))) <= x else (mid + 1, hi)
+        want = -np.expm1(-np.exp(-x)) * 2**32
+        assert abs(lo - want) <= 0.05 * want + 1, (x, lo, want)
+
+
+def test_top_p_one_keeps_every_token_in_the_sorted_draw():
+    """top_p = 1 keeps all (vLLM): the fp32 running sum of a 151,936-token row reaches 1.0 before its end, which
+    dropped the smallest tokens when a batch ran the sorted draw (a row's token then depended on its neighbours)."""
+    from jaxinfer.sampling import _keep_sorted
+    row = np.sort(np.random.default_rng(0).normal(0, 4, 151_936).astype(np.float32))[::-1]
+    keep = np.asarray(_keep_sorted(jnp.asarray(row[None]), jnp.array([0]), jnp.array([1.0]), jnp.array([0.0])))
+    assert keep.all()
+    keep = np.asarray(_keep_sorted(jnp.asarray(row[None]), jnp.array([100]), jnp.array([1.0]), jnp.array([0.0])))
+    assert keep.sum() == 100
 
 
 def _freqs(row, n=4000, **kw):

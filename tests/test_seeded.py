@@ -73,3 +73,14 @@ def test_other_seed_gives_other_tokens(tiny_dir, alone):
     llm = LLM(tiny_dir, **BASE)
     other = SamplingParams(**{**sps[0].__dict__, "seed": 99})
     assert _run(llm, ps, [other])[0] != alone[0]
+
+
+def test_the_samples_of_different_seeds_differ():
+    """Sample i > 0 of n takes a seed derived from (seed, i): a hash of both, so seeds whose difference is a multiple
+    of 2^31 - 1 (0 and 2^31 - 1: both as the device takes them) no longer share samples 1.. ."""
+    from jaxinfer.sampling_params import device_seed
+    for a, b in [(0, 2**31 - 1), (-3, 2**31 - 4), (12345, 12345 + 2**31 - 1), (7, 2**40 + 7)]:
+        sa, sb = SamplingParams(n=4, seed=a), SamplingParams(n=4, seed=b)
+        derived = [device_seed(p.for_sample(i).seed) for p in (sa, sb) for i in range(1, 4)]
+        assert len(set(derived)) == 6, (a, b, derived)
+    assert SamplingParams(n=3, seed=5).for_sample(2).seed == SamplingParams(n=3, seed=5).for_sample(2).seed
