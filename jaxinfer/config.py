@@ -167,7 +167,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _opt(None, "most prompt tokens in one prefill step (GPU: 16384; CPU: 512)")
     max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's, capped by the KV pool)")
     block_size: int = _opt(16, "tokens per KV cache block (a power of two, <= 1024)", aliases=("--kvcache-block-size",))
-    num_kvcache_blocks: int | None = _opt(None, "KV cache blocks (default: sized from free device memory)")
+    num_kvcache_blocks: int | None = _opt(None, "KV blocks (default: GPU: free memory; CPU: max_num_seqs x max_model_len)")
     gpu_memory_utilization: float = _opt(0.9, "fraction of the GPU memory JAX may use that the engine takes")
     enable_prefix_caching: bool = _opt(True, "reuse the KV of cached prompt prefixes")
     decode_buckets: tuple[int, ...] | None = _opt(None, "decode batch sizes to compile (default: 8, 32, 2^k; xla 8^k)")
@@ -180,7 +180,7 @@ class EngineConfig:
     seed: int | None = _opt(0, "engine seed: draws the seeds of requests that give none")
     async_scheduling: bool = _opt(True, "schedule step N+1 while step N runs (sampled ids stay on the device)")
     num_scheduler_steps: int | None = _opt(None, "decode steps per device call for small batches (default: the "
-                                                 "engine picks 4 or 16 per call when nothing waits; 1: one step)")
+                                                 "engine picks 4 or 16 when nothing waits, xla 16; 1: one step)")
     warmup: bool | None = _opt(None, "compile every step bucket at start-up (GPU: yes; CPU: no, compile lazily)")
     tensor_parallel_size: int = _opt(1, "devices each replica's weights and KV cache are split over (tensor "
                                         "parallelism; must divide the attention heads)", aliases=("-tp",))

@@ -37,7 +37,7 @@ class LLM:
     max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_kvcache_blocks,
     gpu_memory_utilization, enable_prefix_caching, seed, async_scheduling, warmup, ...). Options left unset
     take the platform's defaults (`PLATFORM_DEFAULTS`: the benchmarked configuration on a GPU, small
-    settings on a CPU); `llm.config` shows what was chosen. `generation_config`: where the defaults of
+    settings on a CPU); `llm.config` shows them (the pool: `stats()`). `generation_config`: where the defaults of
     `generate(prompts)` without sampling params come from (`get_default_sampling_params`; generation_config.py).
     """
 

@@ -229,14 +229,14 @@ def parse(argv=None):
     g.add_argument("--max-output-len", type=positive_int, default=1024, help="most output tokens (default: 1024)")
     add_engine_args(ap, with_model=False)
     ap.add_argument("--latency", action="store_true", help="one request: TTFT and TPOT")
-    ap.add_argument("--latency-prompt", type=positive_int, default=1024)
+    ap.add_argument("--latency-prompt", type=positive_int, default=1024, help="--latency: prompt tokens (default 1024)")
     ap.add_argument("--latency-output", type=at_least_two, default=256, help="output tokens (TPOT needs >= 2)")
     ap.add_argument("--latency-batch", type=positive_int, default=1,
                     help="--latency: requests decoded together (default 1)")
     ap.add_argument("--peer", choices=["hf"], default=None,
                     help="also run HF transformers' continuous batching on a subset (scripts/bench_peer.py)")
-    ap.add_argument("--peer-num-seqs", type=positive_int, default=64)
-    ap.add_argument("--peer-max-tokens", type=positive_int, default=256)
+    ap.add_argument("--peer-num-seqs", type=positive_int, default=64, help="--peer: requests (default 64)")
+    ap.add_argument("--peer-max-tokens", type=positive_int, default=256, help="--peer: tokens each (default 256)")
     ap.add_argument("--json", type=output_path, default=None, help="write the results here")
     ap.add_argument("--reference-bw", type=positive_float, default=4.3,
                     help="TB/s per device for a second floor (times the devices used): XLA's own pass reaches "

@@ -44,6 +44,7 @@ def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1"
             tokenizer = load_model_tokenizer(core.tokenizer) if api_server_count == 1 else None
             core.wait_ready()
             where = f"[{host}]" if ":" in host else host
+            sock.listen(2048)               # before the line: a client that waits for it is queued, not refused
             log.info("jaxinfer API server on http://%s:%d (model %s)", where, sock.getsockname()[1],
                      name if isinstance(name, str) else ", ".join(name))
             if main:
@@ -62,8 +63,8 @@ def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1"
 
 
 def bind(host: str, port: int):
-    """The server's socket, bound but not listening: connections are refused until uvicorn listens, which it
-    does once the core is ready."""
+    """The server's socket, bound but not listening: connections are refused until the core is ready (then it
+    listens, and uvicorn accepts)."""
     import socket
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
