@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from numbers import Integral
 
 from jaxinfer import prompts as prompt_forms
-from jaxinfer.engine.one_thread import recovering
-from jaxinfer.engine.sequence import Sequence, id_mark, is_finished
+from jaxinfer.engine.one_thread import Window, recovering
+from jaxinfer.engine.sequence import Sequence, is_finished
 from jaxinfer.output_processor import TokenTexts, logprobs_of, prompt_logprobs_of, stop_reason
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 
@@ -80,9 +80,9 @@ class EngineAPI:
         if params is not None and not hasattr(params, "n"):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.80}")
         kind = output_kind(params or self._llm.get_default_sampling_params())
-        with self._llm._one_thread(), recovering(self._llm.engine, [], since=id_mark()):   # (Ctrl-C: none left)
+        with self._llm._one_thread(), recovering(self._llm.engine, [], mine := Window()):   # (Ctrl-C: none left)
             [(p, ids, sp)] = self._llm._prepare([prompt], params)
-            [group] = self._llm._add([(p, ids, sp)])
+            [group] = self._llm._add([(p, ids, sp)], mine)
             self._requests[request_id] = _Request(request_id, p, ids, group, kind, text=[""] * len(group),
                                                   ids=[[] for _ in group])
 

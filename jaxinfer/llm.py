@@ -16,8 +16,8 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine.dp_engine import create_engine
 from jaxinfer.engine.executables import engine_numerics
 from jaxinfer.engine.llm_engine import is_finished
-from jaxinfer.engine.one_thread import OneThread, recovering
-from jaxinfer.engine.sequence import Sequence, Status, id_mark
+from jaxinfer.engine.one_thread import OneThread, Window, recovering
+from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.generation_config import sampling_defaults
 from jaxinfer.hub import load_weights, model_config_for
 from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, logprobs_of, prompt_logprobs_of,
@@ -73,8 +73,7 @@ class LLM:
         if self.config.warmup:
             buckets = self.engine.runner.buckets()
             with tqdm(total=len(buckets), desc="Compiling steps", disable=None) as bar:
-                self.engine.warmup(bar)
-            # the tokenizer's and the detokenizer's first calls are slow too (lazy imports, caches)
+                self.engine.warmup(bar)              # then the tokenizer's and the detokenizer's lazy first calls:
             ids = prompt_forms.token_ids(self.tokenizer, "Warm-up: nothing lazy is left for the first request.", 0)
             OutputProcessor(self.tokenizer, ("\n\n",), stream=True).update(ids, "length")
             self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -129,9 +128,10 @@ class LLM:
             return self._generate(reqs, use_tqdm)
 
     def _generate(self, reqs, use_tqdm: bool) -> list[RequestOutput]:
-        groups = self._add(reqs)
-        seqs, stop_texts = [s for g in groups for s in g], {}    # seq_id -> OutputProcessor of those with stop strings
-        with recovering(self.engine, seqs):         # (an exception: nothing stays queued, no block is lost)
+        seqs, stop_texts, mine = [], {}, Window()   # stop_texts: seq_id -> OutputProcessor of those with stop strings
+        with recovering(self.engine, seqs, mine):   # (an exception: nothing stays queued, no block is lost)
+            groups = self._add(reqs, mine)
+            seqs += [s for g in groups for s in g]
             make = use_tqdm if callable(use_tqdm) else lambda **kw: tqdm(**kw, disable=not use_tqdm or None)
             with make(total=len(seqs), desc="Generating") as bar:
                 for _, seq in self._run(seqs):      # per token: keep it lean (hundreds per step)
@@ -142,16 +142,16 @@ class LLM:
         texts = TokenTexts(self.tokenizer)
         return [self._output(p, g, texts, stop_texts) for (p, _, _), g in zip(reqs, groups)]
 
-    def _add(self, reqs) -> list[list[Sequence]]:
-        """One sequence per sample: n of them per request (SamplingParams.for_sample); samples 1.. reuse
-        sample 0's prompt KV from the prefix cache (Sequence.waits_for_prompt), so it is computed once."""
-        groups = []                     # (an exception midway, e.g. a KeyboardInterrupt: none of them stays queued)
-        with recovering(self.engine, [], since=id_mark()):
-            for p, ids, sp in reqs:
-                groups.append([])
-                for j in range(sp.n):
-                    groups[-1].append(self.engine.add_request(ids, sp if sp.n == 1 else sp.for_sample(j), cache_salt=
-                                      prompt_forms.cache_salt(p, 0), prompt_source=groups[-1][0] if j else None))
+    def _add(self, reqs, mine: Window) -> list[list[Sequence]]:
+        """One sequence per sample (SamplingParams.for_sample); samples 1.. reuse sample 0's prompt KV (prefix cache,
+        Sequence.waits_for_prompt). Callers hold `recovering(..., mine)`: a KeyboardInterrupt leaves none queued."""
+        groups = []
+        for p, ids, sp in reqs:
+            groups.append([])
+            for j in range(sp.n):
+                groups[-1].append(self.engine.add_request(ids, sp if sp.n == 1 else sp.for_sample(j), cache_salt=
+                                  prompt_forms.cache_salt(p, 0), prompt_source=groups[-1][0] if j else None))
+        mine.close()                    # (later sequences, e.g. a nested call's, are not this call's)
         return groups
 
     def _run(self, seqs: list[Sequence], before_step=None) -> Iterator[tuple[int, Sequence]]:
@@ -224,13 +224,14 @@ class LLM:
         return self._streaming(reqs, aborts)
 
     def _streaming(self, reqs, aborts: set) -> Iterator[RequestOutput]:
-        with self._one_thread():
+        with self._one_thread(), recovering(self.engine, seqs := [], mine := Window()):   # (see _generate)
             self._aborts = aborts
-            yield from self._stream(reqs, aborts)
+            groups = self._add(reqs, mine)
+            seqs += [s for g in groups for s in g]
+            yield from self._stream(reqs, groups, seqs, aborts)
 
-    def _stream(self, reqs, aborts: set) -> Iterator[RequestOutput]:
-        groups = self._add(reqs)
-        seqs, where = [s for g in groups for s in g], [(i, j) for i, g in enumerate(groups) for j in range(len(g))]
+    def _stream(self, reqs, groups, seqs, aborts: set) -> Iterator[RequestOutput]:
+        where = [(i, j) for i, g in enumerate(groups) for j in range(len(g))]
         procs, sent = {}, {}    # seq_id -> OutputProcessor; seq_id -> (output tokens yielded, their cumulative logprob)
         texts = TokenTexts(self.tokenizer)
         left = [len(g) for g in groups]           # samples going
@@ -263,14 +264,13 @@ class LLM:
                 k2 = aborted.pop(0)
                 yield delta(k2, seqs[k2], TextDelta("", [], "abort"))
 
-        with recovering(self.engine, seqs):
-            for k, seq in self._run(seqs, take_aborts):
-                if seq.seq_id not in ended:       # (aborted after this step's updates were listed: nothing more)
-                    d = self._process_text(seq, procs, stream=True)
-                    if d.text or d.token_ids or d.finish_reason:
-                        yield delta(k, seq, d)
-                yield from abort_deltas()
-            yield from abort_deltas()             # requests that an abort ended before a step (no update came)
+        for k, seq in self._run(seqs, take_aborts):
+            if seq.seq_id not in ended:           # (aborted after this step's updates were listed: nothing more)
+                d = self._process_text(seq, procs, stream=True)
+                if d.text or d.token_ids or d.finish_reason:
+                    yield delta(k, seq, d)
+            yield from abort_deltas()
+        yield from abort_deltas()                 # requests that an abort ended before a step (no update came)
 
     def apply_chat_template(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> str:
         """Render one conversation ([{"role": ..., "content": ...}, ...]) into a prompt string, ending with

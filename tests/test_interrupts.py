@@ -114,3 +114,17 @@ def test_an_interrupt_in_the_engine_apis_add_request_leaves_no_orphan(tiny_dir):
         while api.has_unfinished_requests():
             api.step()
         assert_clean(llm, where)
+
+
+@pytest.mark.parametrize("function", ["_generate", "_streaming", "_stream"])
+def test_an_interrupt_right_after_the_requests_are_queued_leaves_none(tiny_dir, want, function):
+    """Every line of the call's own function: the first ones run after its requests are queued and before the
+    call lists them (they were left queued: the next call ran them as orphans, holding blocks)."""
+    llm = LLM(tiny_dir, **KW)
+    stream = function != "_generate"
+    for n in range(1, 16):
+        where = Interrupt(n, function).run(lambda: tokens(llm, stream))
+        if where is None:
+            break
+        assert_clean(llm, where)
+    assert tokens(llm, stream) == want

@@ -8,7 +8,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from jaxinfer.engine.sequence import Sequence, is_finished
+from jaxinfer.engine.sequence import Sequence, id_mark, is_finished
 
 
 class OneThread:
@@ -75,9 +75,23 @@ class OneThread:
                     engine.abort(seq)
 
 
-def recover(engine, seqs, since: int | None = None) -> None:
-    """After an exception in an engine call: abort seqs that have not finished, and the queued sequences made after
-    `since` (`sequence.id_mark()`: those an interrupted call queued before it could list them), then rebuild the
+class Window:
+    """The ids of the sequences one call queues: those made after it began, and (once `close` ran, after the call
+    queued its last one) before that point. Sequences that a nested call on the same thread makes later are not
+    its own. `recover` aborts the queued ones: a call interrupted between queuing a sequence and listing it."""
+    def __init__(self):
+        self.start, self.end = id_mark(), None
+
+    def close(self) -> None:
+        self.end = id_mark()
+
+    def __contains__(self, seq_id: int) -> bool:
+        return self.start < seq_id and (self.end is None or seq_id < self.end)
+
+
+def recover(engine, seqs, since: Window | None = None) -> None:
+    """After an exception in an engine call: abort seqs that have not finished, and the queued sequences made in
+    `since` (those an interrupted call queued before it could list them), then rebuild the
     KV blocks' reference counts and free list from the sequences the engine still holds (a KeyboardInterrupt can
     land between any two bytecodes, e.g. inside the block manager's allocate or free_seq: a block taken but not
     yet in a table, or a sequence freed twice, would otherwise leak or be handed to two sequences at once)."""
@@ -87,14 +101,14 @@ def recover(engine, seqs, since: int | None = None) -> None:
     for replica in getattr(engine, "replicas", None) or [engine]:       # (a DPEngine: each replica's pool)
         if since is not None:
             for seq in [*replica.scheduler.waiting, *replica.scheduler.running]:
-                if seq.seq_id > since:
+                if seq.seq_id in since:
                     engine.abort(seq)
                     replica.abort(seq)                      # (a DPEngine may not have listed its owner yet)
         replica.scheduler.recount_blocks()
 
 
 @contextlib.contextmanager
-def recovering(engine, seqs: list[Sequence], since: int | None = None):
+def recovering(engine, seqs: list[Sequence], since: Window | None = None):
     """`recover(engine, seqs, since)` on any exception but a generator's close, then re-raise."""
     try:
         yield
