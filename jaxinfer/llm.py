@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Sequence as Seq
 
@@ -16,7 +17,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine.dp_engine import create_engine
 from jaxinfer.engine.executables import engine_numerics
 from jaxinfer.engine.llm_engine import is_finished
-from jaxinfer.engine.one_thread import OneThread, Window, recovering
+from jaxinfer.engine.one_thread import OneThread, Stream, Window, recovering
 from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.generation_config import sampling_defaults
 from jaxinfer.hub import load_weights, model_config_for
@@ -57,7 +58,7 @@ class LLM:
             check_ready()
         self.model_config = model_config
         self.tokenizer = load_tokenizer(tokenizer or (path if os.path.isdir(path) else None))
-        self._one_thread, self._aborts = OneThread(), set()     # generate / stream: one thread at a time; aborts
+        self._one_thread, self._streams = OneThread(), []      # one thread at a time; weak refs to the streams
 
         def load(placement):                     # (called by create_engine, under the engine's JAX settings)
             return load_weights(path, model_config, config.dtype, config.seed or 0, placement,   # (presets)
@@ -86,13 +87,14 @@ class LLM:
         return self.__dict__.setdefault("_engine_api", EngineAPI(self))
 
     def abort(self, request_id: int) -> None:
-        """Stop a request of the `stream` in progress (its request_id: the prompt's index), from the loop's
+        """Stop a request of the newest `stream` not ended (its request_id: the prompt's index), from the loop's
         body or another thread: its samples end with finish_reason "abort" and free their KV blocks before
         the next step. Unknown or finished ids are ignored (as vLLM). vLLM's string form ("3") is taken too."""
         request_id = int(request_id) if isinstance(request_id, str) and request_id.isdigit() else request_id
         if not isinstance(request_id, int) or isinstance(request_id, bool):
             raise ValueError(f"request_id must be an int (RequestOutput.request_id of LLM.stream), got {request_id!r}")
-        self._aborts.add(request_id)
+        for stream in [s for r in self._streams if (s := r()) is not None and s.open][-1:]:   # the newest not ended
+            stream.aborts.add(request_id)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` / `stream` / `chat` use without sampling params (vLLM's): SamplingParams() with the
@@ -134,7 +136,7 @@ class LLM:
             seqs += [s for g in groups for s in g]
             make = use_tqdm if callable(use_tqdm) else lambda **kw: tqdm(**kw, disable=not use_tqdm or None)
             with make(total=len(seqs), desc="Generating") as bar:
-                for _, seq in self._run(seqs):      # per token: keep it lean (hundreds per step)
+                for _, seq in self._one_thread.run(self.engine, seqs):     # per token: keep it lean
                     if seq.params.stop:             # only these are detokenized as they run (the rest at the end)
                         self._process_text(seq, stop_texts, stream=False)
                     if seq.status is Status.FINISHED:
@@ -153,9 +155,6 @@ class LLM:
                                   prompt_forms.cache_salt(p, 0), prompt_source=groups[-1][0] if j else None))
         mine.close()                    # (later sequences, e.g. a nested call's, are not this call's)
         return groups
-
-    def _run(self, seqs: list[Sequence], before_step=None) -> Iterator[tuple[int, Sequence]]:
-        return self._one_thread.run(self.engine, seqs, before_step)
 
     # -- text ---------------------------------------------------------------------------------------
     def _process_text(self, seq: Sequence, procs: dict[int, OutputProcessor], stream: bool) -> TextDelta:
@@ -217,15 +216,16 @@ class LLM:
         `outputs[0].index`), and `finished` / `finish_reason` are set on the request's last delta, once all n
         samples ended. A request's text deltas concatenate to its `generate` text (n > 1: per sample).
         Leaving the loop early (break / close) aborts the unfinished requests and frees their KV blocks.
-        Bad input raises here, at the call; `abort` calls from here on are this stream's (even before its first delta).
-        """
-        reqs, aborts = self._prepare(prompts, sampling_params), set()   # (an earlier stream's aborts are not its)
-        self._aborts = self._aborts if self._one_thread.held_elsewhere() else aborts   # (refused when iterated then)
-        return self._streaming(reqs, aborts)
+        Bad input raises here, at the call; `abort` calls from here on are this stream's (even before its first delta)
+        until it ends or a newer stream is made. Once begun it holds the LLM for the thread iterating it (another
+        thread may take it over between deltas, as a web framework's thread pool does)."""
+        reqs = self._prepare(prompts, sampling_params)
+        stream = Stream(self._one_thread, lambda aborts: self._streaming(reqs, aborts))    # (one_thread.py)
+        self._streams = [r for r in self._streams if (s := r()) is not None and s.open] + [weakref.ref(stream)]
+        return stream
 
     def _streaming(self, reqs, aborts: set) -> Iterator[RequestOutput]:
-        with self._one_thread(), recovering(self.engine, seqs := [], mine := Window()):   # (see _generate)
-            self._aborts = aborts
+        with recovering(self.engine, seqs := [], mine := Window()):                     # (see _generate)
             groups = self._add(reqs, mine)
             seqs += [s for g in groups for s in g]
             yield from self._stream(reqs, groups, seqs, aborts)
@@ -264,7 +264,7 @@ class LLM:
                 k2 = aborted.pop(0)
                 yield delta(k2, seqs[k2], TextDelta("", [], "abort"))
 
-        for k, seq in self._run(seqs, take_aborts):
+        for k, seq in self._one_thread.run(self.engine, seqs, take_aborts):
             if seq.seq_id not in ended:           # (aborted after this step's updates were listed: nothing more)
                 d = self._process_text(seq, procs, stream=True)
                 if d.text or d.token_ids or d.finish_reason:

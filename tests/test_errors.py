@@ -321,6 +321,88 @@ def test_one_llm_serves_one_thread_at_a_time(llm):
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
 
 
+def test_a_stream_handed_to_another_thread_holds_the_llm_there(llm):
+    """A begun stream may go on on another thread (a web framework's thread pool runs each `next` on any of its
+    threads). Meanwhile other threads are refused, the one that began it too (both stepping the engine at once gave
+    wrong tokens), and the stream's tokens are a lone run's."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    ps, sp = [[1, 2, 3], [9, 8, 7, 6]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+
+    def collect(deltas):
+        got = {0: [], 1: []}
+        for d in deltas:
+            got[d.request_id] += d.outputs[0].token_ids
+        return [got[0], got[1]]
+    it, errors, box = llm.stream(ps, sp), [], {}
+    first = next(it)                                            # begun on this thread
+
+    def rest():
+        for k, d in enumerate(it):
+            box.setdefault("deltas", [first]).append(d)
+            if k == 0:
+                try:
+                    llm.generate(ps, sp, use_tqdm=False)        # (nested, on the thread it moved to)
+                except RuntimeError as e:
+                    errors.append(e)
+    t = threading.Thread(target=rest)
+    t.start()
+    t.join()
+    assert errors == [] and collect(box["deltas"]) == want      # nested on the stream's new thread: allowed
+
+    it, box = llm.stream(ps, sp), {}
+    next_box = [next(it)]
+    t = threading.Thread(target=lambda: box.update(d=next(it)))
+    t.start(), t.join()
+    with pytest.raises(RuntimeError, match="another thread"):   # it moved: main is another thread now
+        llm.generate(ps, sp, use_tqdm=False)
+    assert collect(next_box + [box["d"], *it]) == want          # main takes it back (no call runs) and ends it
+
+    it = llm.stream(ps, sp)
+    with ThreadPoolExecutor(4) as pool:                         # each delta on any thread of the pool
+        deltas = []
+        while (d := pool.submit(next, it, None).result()) is not None:
+            deltas.append(d)
+    assert collect(deltas) == want
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == st["waiting"] == 0
+
+
+def test_abort_reaches_the_outer_stream_after_a_nested_one_ended_or_was_dropped(llm):
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for nested in ("ended", "dropped", "dropped begun"):
+        final = {}
+        for k, d in enumerate(llm.stream([[5, 6, 7], [9, 8]], sp)):
+            if k == 1:
+                inner = llm.stream([[4, 4]], SamplingParams(max_tokens=3, ignore_eos=True))
+                if nested == "ended":
+                    list(inner)
+                elif nested == "dropped begun":
+                    next(inner)
+                del inner
+                llm.abort(0)
+            if d.finished:
+                final[d.request_id] = d.finish_reason
+        assert final == {0: "abort", 1: "length"}, nested
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == st["waiting"] == 0
+
+
+def test_a_dropped_begun_stream_frees_the_llm_for_other_threads(llm):
+    import threading
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    it = llm.stream([[5, 6, 7], [1, 2]], sp)
+    next(it)
+    del it
+    out = []
+    t = threading.Thread(target=lambda: out.append(llm.generate([[5, 6, 7]], sp, use_tqdm=False)))
+    t.start(), t.join()
+    assert len(out) == 1
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == st["waiting"] == 0
+
+
 def test_a_generate_inside_a_stream_loses_none_of_the_stream(llm):
     """A generate (or a second stream) run on the same thread while a stream waits steps the engine for the stream's
     requests too: the stream still yields all of their tokens, each request's final delta once, and its text equals
@@ -428,3 +510,25 @@ def test_an_interrupt_inside_a_step_call_leaves_the_llm_usable(tiny_dir, at_call
     llm.engine.scheduler.waiting.remove(seq)          # taken off the queue, never added to the running one
     llm.engine.abort(seq)
     assert llm.stats()["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_a_presets_random_weights_ignore_the_users_prng_settings():
+    import jax
+    import numpy as np
+    tiny = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 512}
+
+    def weights():
+        llm = LLM("qwen3-0.6b", hf_overrides=tiny, attn_backend="xla", max_num_seqs=2, max_model_len=64, seed=0,
+                  warmup=False)
+        return [np.asarray(w) for w in jax.tree.leaves(llm.engine.runner.params)]
+    want = weights()
+    impl, part = jax.config.jax_default_prng_impl, jax.config.jax_threefry_partitionable
+    try:
+        jax.config.update("jax_default_prng_impl", "rbg")
+        jax.config.update("jax_threefry_partitionable", not part)
+        got = weights()
+    finally:
+        jax.config.update("jax_default_prng_impl", impl)
+        jax.config.update("jax_threefry_partitionable", part)
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))

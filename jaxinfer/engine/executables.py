@@ -86,10 +86,12 @@ def engine_numerics():
     own code (these are thread-local): the steps broadcast (a user's rank promotion "raise"), mix bool and float (a
     "strict" dtype promotion), index in int32 (a user's x64 made the kernels' block tables int64), use XLA's own
     matmul precision (a user's "highest" would reach every LLM through the shared executables), are compiled (a
-    user's disable_jit), move their own batches (a user's transfer guard) and place their arrays on their own
-    devices (a user's `jax.set_mesh`)."""
+    user's disable_jit), move their own batches (a user's transfer guard), place their arrays on their own
+    devices (a user's `jax.set_mesh`) and draw a preset's random weights as JAX's defaults do (a user's
+    jax_threefry_partitionable; the PRNG itself is named where the keys are made)."""
     with (jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"), jax.enable_x64(False),
-          jax.default_matmul_precision(None), jax.disable_jit(False), jax.transfer_guard("allow"), jax.set_mesh(None)):
+          jax.default_matmul_precision(None), jax.disable_jit(False), jax.transfer_guard("allow"), jax.set_mesh(None),
+          jax.threefry_partitionable(True)):
         yield
 
 

@@ -1,38 +1,71 @@
 """OneThread: an LLM's engine is driven by one thread at a time (its scheduler and block manager are not
 thread-safe). A second thread that calls generate / stream while another one is inside gets a clear error instead
 of silently mixed-up batches; the same thread may nest calls (a generate inside a stream's loop), and `run`, the
-loop that steps the engine for a call, then still delivers what the nested call's steps did to its sequences."""
+loop that steps the engine for a call, then still delivers what the nested call's steps did to its sequences.
+A stream (`Stream`) holds the LLM from its first delta to its end for the thread that iterates it, and may be
+handed to another thread between deltas (each delta is checked, not only the first)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
+import weakref
 from collections.abc import Iterator
 
 from jaxinfer.engine.sequence import Sequence, id_mark, is_finished
 
 
+class _Call:
+    """A running call: listed weakly, so that an interrupt in its exit cannot leave it listed (it dies with the frame)."""
+    __slots__ = ("thread", "__weakref__")
+
+    def __init__(self, thread: int):
+        self.thread = thread
+
+
 class OneThread:
     def __init__(self):
-        self._lock, self._owner, self._depth = threading.Lock(), None, 0
+        self._lock = threading.RLock()       # (re-entrant: a Stream's __del__ may run anywhere)
+        self._calls = weakref.WeakSet()      # running calls (_Call)
+        self._streams = weakref.WeakSet()    # begun Streams: one not ended holds the LLM for its thread
+        self._orphans = []                   # generators of begun Streams collected unended: the next call closes them
         self.steps = 0          # engine steps its holder ran (LLM._run: a nested call's steps show up here)
 
+    def _holders(self, stream: Stream | None) -> set[int]:
+        """The threads of the running calls and of the begun, unended streams (but `stream`)."""
+        return {c.thread for c in self._calls} | {s.thread for s in self._streams if s is not stream and s.begun}
+
     @contextlib.contextmanager
-    def __call__(self):
+    def __call__(self, stream: Stream | None = None):
+        """One call of this thread (`stream`: one delta of it). Refused while another thread runs a call or holds
+        a begun stream; a stream's delta takes the stream over from a thread that runs nothing now."""
         me = threading.get_ident()
+        call = _Call(me)
         with self._lock:
-            if self._owner not in (None, me):
+            if self._holders(stream) - {me}:
                 raise RuntimeError("this LLM is generating on another thread: an LLM serves one thread at a time "
                                    "(give each thread its own LLM, or serve it: `python -m jaxinfer serve`)")
-            self._owner, self._depth = me, self._depth + 1
+            self._calls.add(call)
+            if stream is not None:
+                stream.thread = me
+                self._streams.add(stream)
         try:
+            while self._orphans:
+                self._orphans.pop().close()                  # (aborts its requests: GeneratorExit in `run`)
             yield
         finally:
-            with self._lock:                                 # (one assignment: an interrupt leaves it whole)
-                self._owner, self._depth = (None, 0) if self._depth <= 1 else (me, self._depth - 1)
+            with self._lock:
+                self._calls.discard(call)
 
-    def held_elsewhere(self) -> bool:
-        """Whether another thread is inside a call now."""
-        return self._owner not in (None, threading.get_ident())
+    def forget(self, stream: Stream) -> None:
+        """A begun stream was collected unended: close it now if no call runs, else in the next call."""
+        with self._lock:
+            self._streams.discard(stream)
+            self._orphans.append(stream._gen)
+            if self._calls:
+                return
+        with contextlib.suppress(RuntimeError), self():
+            pass
 
     def run(self, engine, seqs: list[Sequence], before_step=None) -> Iterator[tuple[int, Sequence]]:
         """Step `engine` until every seq finishes, yielding (index in seqs, seq) for each new token.
@@ -73,6 +106,46 @@ class OneThread:
             for seq in seqs:
                 if not is_finished(seq):
                     engine.abort(seq)
+
+
+class Stream:
+    """LLM.stream's iterator. Each delta is one call (OneThread) of the thread that asks for it; once begun, the
+    stream holds the LLM for that thread until it ends or is closed, and may move to another thread (a web
+    framework's thread pool) while no call runs. `aborts`: LLM.abort's request ids for it."""
+
+    def __init__(self, one_thread: OneThread, make):
+        self.aborts, self.thread = set(), None
+        self._one_thread, self._gen = one_thread, make(self.aborts)
+
+    @property
+    def open(self) -> bool:
+        """Not ended (done, failed or closed)."""
+        return inspect.getgeneratorstate(self._gen) != inspect.GEN_CLOSED
+
+    @property
+    def begun(self) -> bool:
+        """Begun and not ended."""
+        return inspect.getgeneratorstate(self._gen) in (inspect.GEN_SUSPENDED, inspect.GEN_RUNNING)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.open:
+            raise StopIteration
+        with self._one_thread(self):
+            return next(self._gen)
+
+    def close(self) -> None:
+        """Abort the requests that have not finished and free their KV blocks (as leaving the loop early does)."""
+        if self.begun:
+            with self._one_thread(self):
+                self._gen.close()
+        self._gen.close()                                    # (not begun: nothing ran)
+
+    def __del__(self):
+        if inspect.getgeneratorstate(self._gen) == inspect.GEN_SUSPENDED:
+            self._one_thread.forget(self)
 
 
 class Window:
