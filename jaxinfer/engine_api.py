@@ -103,7 +103,7 @@ class EngineAPI:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step (when there is work) and return the outputs of this API's requests that moved."""
-        with self._llm._one_thread():
+        with self._llm._one_thread(), recovering(self._llm.engine, []):   # (Ctrl-C: the requests go on, recomputed)
             if self._llm.engine.has_unfinished():
                 self._llm._one_thread.steps += 1
                 self._llm.engine.step()

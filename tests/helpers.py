@@ -97,3 +97,36 @@ def interrupt_at_call(objs, at_call: int) -> None:
         return compile
     for obj in objs:
         obj.compile = interrupting(obj.compile)
+
+
+class Interrupt:
+    """sys.settrace hook: KeyboardInterrupt at the n-th line executed in jaxinfer's engine and facade code (or, with
+    `function`, in that function only)."""
+
+    def __init__(self, n: int, function: str | None = None):
+        self.n, self.function, self.count, self.where = n, function, 0, None
+
+    def call(self, frame, event, arg):
+        code = frame.f_code
+        mine = code.co_name == self.function if self.function else \
+            any(p in code.co_filename for p in ("jaxinfer/engine/", "jaxinfer/llm.py", "jaxinfer/output_processor"))
+        return self.line if mine else None
+
+    def line(self, frame, event, arg):
+        if event == "line":
+            self.count += 1
+            if self.count == self.n:
+                sys.settrace(None)
+                self.where = f"{frame.f_code.co_name}:{frame.f_lineno}"
+                raise KeyboardInterrupt
+        return self.line
+
+    def run(self, fn):
+        sys.settrace(self.call)
+        try:
+            fn()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        return self.where

@@ -6,7 +6,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from helpers import hf_greedy, hf_model, interrupt_at_call, make_tiny_model
+from helpers import Interrupt, hf_greedy, hf_model, interrupt_at_call, make_tiny_model
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import ModelConfig
@@ -416,3 +416,63 @@ def test_stop_string_cut_is_charged_to_its_replica(ckpts):
     st = llm.stats()
     assert st["generated_tokens"] == sum(n)
     assert sorted(r["generated_tokens"] for r in st["replicas"]) == sorted(n), (n, st["replicas"])
+
+
+def api_run(llm, tag, ps, interrupt=None):
+    """ps through the engine API (cumulative outputs); `interrupt(api)` is called at the third step instead of it."""
+    api, got, k = llm.llm_engine, {}, 0
+    for i, p in enumerate(ps):
+        api.add_request(f"{tag}{i}", p, GREEDY)
+    while api.has_unfinished_requests():
+        k += 1
+        outs = interrupt(api) if interrupt is not None and k == 3 else api.step()
+        for out in outs or []:
+            got[out.request_id] = list(out.outputs[0].token_ids)
+    return [got[f"{tag}{i}"] for i in range(len(ps))]
+
+
+@pytest.mark.parametrize("where", ["a replica's call", "finish_dispatch", "_apply"])
+def test_engine_api_requests_outlive_an_interrupted_step_on_replicas(ckpts, tp1, prompts, where):
+    """Ctrl-C inside the engine API's step() (replica 1's device call ran but its outputs were dropped, or the
+    step's bookkeeping was half done): its requests go on after it (they compute their KV again) with the plain
+    engine's tokens, and every block returns. Before, they got wrong tokens or every later step raised."""
+    kw = {**BASE, "max_model_len": 56}     # programs of its own (other tests count the shared ones they compile)
+    llm = LLM(ckpts["gqa_v509"], data_parallel_size=2, **kw)
+    ps = prompts * 2
+    want = run(tp1, ps)
+
+    def interrupt(api):
+        if where == "a replica's call":
+            interrupt_at_call([llm.engine.replicas[1].runner], 1)
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    api.step()
+            finally:
+                del llm.engine.replicas[1].runner.compile
+        else:
+            assert Interrupt(3, where).run(api.step) is not None
+    assert api_run(llm, "a", ps, interrupt) == want
+    assert run(llm, ps) == want
+
+
+def test_replicas_route_requests_without_rescanning_their_queues(ckpts, monkeypatch):
+    """Each add counted every queued sequence of every replica (N adds: O(N^2)); the loads are now counted once a
+    step. A request that ends on a stop string leaves no entry in the replica map behind."""
+    import jaxinfer.engine.dp_engine as dp_engine
+    llm = LLM(ckpts["gqa_v509"], data_parallel_size=2, **BASE)
+    counted = []
+    real = dp_engine.outstanding_tokens
+    monkeypatch.setattr(dp_engine, "outstanding_tokens", lambda r: counted.append(r) or real(r))
+    outs = llm.generate([[i % 400 + 1, 5, 6] for i in range(40)], SamplingParams(temperature=0, max_tokens=2,
+                        ignore_eos=True), use_tqdm=False)
+    assert len(counted) == 2 and len(outs) == 40
+    st = llm.stats()
+    assert min(r["generated_tokens"] for r in st["replicas"]) == 40          # an even split: 20 requests each
+    tok = llm.get_tokenizer()
+    for _ in range(3):
+        o = llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+        stop = tok.decode(o.token_ids[1:3])
+        llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop]),
+                     use_tqdm=False)
+    assert len(llm.engine._owner) <= 1

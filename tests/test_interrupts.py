@@ -2,10 +2,8 @@
 queued, inside the block manager's allocate or free_seq, in a step's bookkeeping. Afterwards nothing may stay
 queued, every KV block must be free with a reference count of 0, and the next call must give a fresh LLM's tokens
 (a block freed twice was once handed to two sequences, silently corrupting both)."""
-import sys
-
 import pytest
-from helpers import TINY_ENGINE
+from helpers import TINY_ENGINE, Interrupt
 
 from jaxinfer import LLM, SamplingParams
 
@@ -25,39 +23,6 @@ def tokens(llm, stream=False):
                 got.setdefault((d.request_id, c.index), []).extend(c.token_ids)
         return [[got[(i, j)] for j in range(p.n)] for i, p in enumerate(PARAMS)]
     return [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
-
-
-class Interrupt:
-    """sys.settrace hook: KeyboardInterrupt at the n-th line executed in jaxinfer's engine and facade code (or, with
-    `function`, in that function only)."""
-
-    def __init__(self, n: int, function: str | None = None):
-        self.n, self.function, self.count, self.where = n, function, 0, None
-
-    def call(self, frame, event, arg):
-        code = frame.f_code
-        mine = code.co_name == self.function if self.function else \
-            any(p in code.co_filename for p in ("jaxinfer/engine/", "jaxinfer/llm.py", "jaxinfer/output_processor"))
-        return self.line if mine else None
-
-    def line(self, frame, event, arg):
-        if event == "line":
-            self.count += 1
-            if self.count == self.n:
-                sys.settrace(None)
-                self.where = f"{frame.f_code.co_name}:{frame.f_lineno}"
-                raise KeyboardInterrupt
-        return self.line
-
-    def run(self, fn):
-        sys.settrace(self.call)
-        try:
-            fn()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.settrace(None)
-        return self.where
 
 
 def assert_clean(llm, where):
@@ -128,3 +93,49 @@ def test_an_interrupt_right_after_the_requests_are_queued_leaves_none(tiny_dir, 
             break
         assert_clean(llm, where)
     assert tokens(llm, stream) == want
+
+
+def api_tokens(llm, tag):
+    api, got = llm.llm_engine, {}
+    for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS)):
+        api.add_request(f"{tag}{i}", p, sp)
+    while api.has_unfinished_requests():
+        for out in api.step():
+            for c in out.outputs:                   # (cumulative outputs, vLLM's LLMEngine default)
+                got[(out.request_id, c.index)] = list(c.token_ids)
+    return [[got[(f"{tag}{i}", j)] for j in range(p.n)] for i, p in enumerate(PARAMS)]
+
+
+@pytest.mark.parametrize("function", ["on_dispatch", "launch", "finish_dispatch", "_apply", "postprocess"])
+def test_requests_that_outlive_an_interrupted_step_get_a_fresh_llms_tokens(tiny_dir, want, function):
+    """The engine API keeps its requests across an interrupted `step()` (a notebook's Ctrl-C), and a stream keeps its
+    own across an interrupted generate nested in its loop: the step's bookkeeping was half done (ids launched but
+    not recorded, placeholders not filled), which gave wrong tokens or an engine that refused every later step.
+    They now compute their KV again and go on with the same tokens."""
+    llm = LLM(tiny_dir, **KW)
+    assert api_tokens(llm, "a") == want
+    for n in (1, 3, 6):
+        api, got = llm.llm_engine, {}
+        for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS)):
+            api.add_request(f"b{n}.{i}", p, sp)
+        k = 0
+        while api.has_unfinished_requests():
+            k += 1
+            outs = Interrupt(n, function).run(api.step) if k == 3 else api.step()
+            assert k != 3 or isinstance(outs, str), "the interrupt fired"
+            for out in outs if isinstance(outs, list) else []:
+                for c in out.outputs:
+                    got[(out.request_id, c.index)] = list(c.token_ids)
+        assert [[got[(f"b{n}.{i}", j)] for j in range(p.n)] for i, p in enumerate(PARAMS)] == want, (function, n)
+        assert_clean(llm, (function, n))
+        assert api_tokens(llm, f"c{n}") == want, (function, n)
+    for n in (1, 4):                                    # a generate nested in a stream's loop, interrupted
+        got, nested = {}, False
+        for d in llm.stream(PROMPTS, PARAMS):
+            for c in d.outputs:
+                got.setdefault((d.request_id, c.index), []).extend(c.token_ids)
+            if not nested and len(got) >= 2:
+                nested = True
+                Interrupt(n, function).run(lambda: llm.generate([[9, 8, 7]], PARAMS[0], use_tqdm=False))
+        assert [[got[(i, j)] for j in range(p.n)] for i, p in enumerate(PARAMS)] == want, (function, n)
+        assert_clean(llm, (function, n))

@@ -45,11 +45,15 @@ def create_engine(model: ModelConfig, config: EngineConfig, load: Callable[[Plac
     return DPEngine(model, config, load, eos_token_ids, placements, cap_max_model_len)
 
 
+def outstanding(q: Sequence) -> int:
+    """Tokens a sequence still has to compute (its prompt) or generate (up to max_tokens)."""
+    return len(q) - q.num_computed_tokens + q.params.max_tokens - q.num_output_tokens
+
+
 def outstanding_tokens(engine: LLMEngine) -> int:
-    """Tokens a replica still has to compute (prompts) or generate (up to max_tokens)."""
+    """A replica's work left: its sequences' `outstanding` tokens."""
     s = engine.scheduler
-    return sum(len(q) - q.num_computed_tokens + q.params.max_tokens - q.num_output_tokens
-               for q in (*s.waiting, *s.running))
+    return sum(outstanding(q) for q in (*s.waiting, *s.running))
 
 
 class DPEngine:
@@ -72,6 +76,7 @@ class DPEngine:
         self.config = self.replicas[0].config.replace(seed=config.seed)
         self._owner: dict[int, LLMEngine] = {}            # seq_id -> its replica, until a step after it finished
         self._just_finished: list[Sequence] = []
+        self._load: dict[LLMEngine, int] | None = None     # outstanding tokens per replica (add_request)
         self._pool: ThreadPoolExecutor | None = None      # launches replicas 1.. (made at the first step)
         self.scheduler = _SchedulerView(self)
         self.block_manager = _BlockManagerView(self.replicas)
@@ -98,11 +103,14 @@ class DPEngine:
 
     def add_request(self, token_ids: list[int], params: SamplingParams,
                     prompt_source: Sequence | None = None, cache_salt: str | None = None) -> Sequence:
-        # the samples of one request stay on one replica (they share its cached prompt)
+        # the samples of one request stay on one replica (they share its cached prompt); the replicas' loads are
+        # counted once a step and kept up to date by the adds (counting them at each add made N adds O(N^2))
+        if self._load is None:
+            self._load = {r: outstanding_tokens(r) for r in self.replicas}
         replica = (self._owner.get(prompt_source.seq_id) if prompt_source is not None else None) or \
-            min(self.replicas, key=outstanding_tokens)
+            min(self.replicas, key=self._load.__getitem__)
         seq = replica.add_request(token_ids, params, prompt_source, cache_salt)
-        self._owner[seq.seq_id] = replica
+        self._owner[seq.seq_id], self._load[replica] = replica, self._load[replica] + outstanding(seq)
         return seq
 
     def owner(self, seq: Sequence) -> LLMEngine:
@@ -127,6 +135,7 @@ class DPEngine:
     def step(self) -> list[Sequence]:
         """Prepare a step on every replica with work (schedule, pack: Python, this thread), launch them all at
         once (one thread per replica: see `_launch_all`), then read them in turn."""
+        self._load = None
         todo = [(r, r.prepare()) for r in self.replicas if r.has_unfinished() or r.in_flight is not None]
         error = self._launch_all([(r, p) for r, p in todo if not callable(p)])
         # (a launch that failed leaves its plan without ids: the others are still recorded, then it is raised)
@@ -188,7 +197,7 @@ class _SchedulerView:
         self._dp = dp
 
     def finish(self, seq: Sequence, reason: str, drop: int = 0) -> None:
-        owner = self._dp._owner.get(seq.seq_id)
+        owner = self._dp._owner.pop(seq.seq_id, None)     # (kept, it would stay listed for good)
         if owner is not None:           # (a sequence that finished in the last step: only its cut tokens count)
             owner.scheduler.finish(seq, reason, drop)
         elif drop:                      # finished longer ago: its cut tokens are counted on the first replica

@@ -177,6 +177,8 @@ def recover(engine, seqs, since: Window | None = None) -> None:
                 if seq.seq_id in since:
                     engine.abort(seq)
                     replica.abort(seq)                      # (a DPEngine may not have listed its owner yet)
+        replica.in_flight = None                # the step may be half applied: the survivors (a nested call's
+        replica.scheduler.recompute_all()       # outer stream, the engine API's requests) compute their KV again
         replica.scheduler.recount_blocks()
 
 

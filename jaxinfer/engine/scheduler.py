@@ -232,10 +232,13 @@ class Scheduler:
         self.num_preemptions += 1
 
     def recompute_all(self) -> None:
-        """The KV pages are lost (LLMEngine.prepare: runner.lost_buffers): every running sequence drops the tokens
-        still on the device, gives back its blocks and waits to compute its KV again; the prefix cache is emptied."""
+        """The KV pages are lost (LLMEngine.prepare: runner.lost_buffers), or a step was interrupted midway
+        (one_thread.recover): every running sequence drops the tokens still on the device (its trailing
+        placeholders, counted or not), gives back its blocks and waits to compute its KV again; the prefix cache
+        is emptied."""
         for seq in list(self.running):
-            del seq.token_ids[len(seq.token_ids) - seq.num_pending:]
+            while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:
+                seq.token_ids.pop()
             seq.num_pending = 0
             self.preempt(seq)
         self.bm.reset_prefix_cache()
