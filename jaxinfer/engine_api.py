@@ -84,7 +84,7 @@ class EngineAPI:
             [(p, ids, sp)] = self._llm._prepare([prompt], params)
             [group] = self._llm._add([(p, ids, sp)], mine)
             self._requests[request_id] = _Request(request_id, p, ids, group, kind, text=[""] * len(group),
-                                                  ids=[[] for _ in group])
+                                                  ids=list([] for _ in group))
 
     def abort_request(self, request_id) -> None:
         """End one request or several (an iterable of ids) and free their KV blocks; unknown ids are ignored."""

@@ -133,7 +133,7 @@ class LLM:
         seqs, stop_texts, mine = [], {}, Window()   # stop_texts: seq_id -> OutputProcessor of those with stop strings
         with recovering(self.engine, seqs, mine):   # (an exception: nothing stays queued, no block is lost)
             groups = self._add(reqs, mine)
-            seqs += [s for g in groups for s in g]
+            seqs.extend(s for g in groups for s in g)   # (not an inlined list comprehension: test_interrupts)
             make = use_tqdm if callable(use_tqdm) else lambda **kw: tqdm(**kw, disable=not use_tqdm or None)
             with make(total=len(seqs), desc="Generating") as bar:
                 for _, seq in self._one_thread.run(self.engine, seqs):     # per token: keep it lean
@@ -227,7 +227,7 @@ class LLM:
     def _streaming(self, reqs, aborts: set) -> Iterator[RequestOutput]:
         with recovering(self.engine, seqs := [], mine := Window()):                     # (see _generate)
             groups = self._add(reqs, mine)
-            seqs += [s for g in groups for s in g]
+            seqs.extend(s for g in groups for s in g)
             yield from self._stream(reqs, groups, seqs, aborts)
 
     def _stream(self, reqs, groups, seqs, aborts: set) -> Iterator[RequestOutput]:

@@ -370,12 +370,12 @@ def test_a_stream_handed_to_another_thread_holds_the_llm_there(llm):
 
 
 def test_abort_reaches_the_outer_stream_after_a_nested_one_ended_or_was_dropped(llm):
-    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)    # (room for K-step calls: GPU defaults)
     for nested in ("ended", "dropped", "dropped begun"):
         final = {}
         for k, d in enumerate(llm.stream([[5, 6, 7], [9, 8]], sp)):
             if k == 1:
-                inner = llm.stream([[4, 4]], SamplingParams(max_tokens=3, ignore_eos=True))
+                inner = llm.stream([[4, 4]], SamplingParams(max_tokens=1, ignore_eos=True))
                 if nested == "ended":
                     list(inner)
                 elif nested == "dropped begun":
