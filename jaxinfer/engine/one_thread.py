@@ -15,6 +15,10 @@ from collections.abc import Iterator
 from jaxinfer.engine.sequence import Sequence, id_mark, is_finished
 
 
+REFUSED = ("this LLM is generating on another thread: an LLM serves one thread at a time (give each thread its own "
+           "LLM, or serve it: `python -m jaxinfer serve`)")
+
+
 class _Call:
     """A running call: listed weakly, so that an interrupt in its exit cannot leave it listed (it dies with the frame)."""
     __slots__ = ("thread", "__weakref__")
@@ -36,15 +40,25 @@ class OneThread:
         return {c.thread for c in self._calls} | {s.thread for s in self._streams if s is not stream and s.begun}
 
     @contextlib.contextmanager
+    def _locked(self):
+        """The lock, held for a few bytecodes. Should an interrupt leave it held (one landing between a `with`
+        block's body and its exit can), another thread gets the usual refusal after a second instead of a hang."""
+        if not self._lock.acquire(timeout=1.0):
+            raise RuntimeError(REFUSED)
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    @contextlib.contextmanager
     def __call__(self, stream: Stream | None = None):
         """One call of this thread (`stream`: one delta of it). Refused while another thread runs a call or holds
         a begun stream; a stream's delta takes the stream over from a thread that runs nothing now."""
         me = threading.get_ident()
         call = _Call(me)
-        with self._lock:
+        with self._locked():
             if self._holders(stream) - {me}:
-                raise RuntimeError("this LLM is generating on another thread: an LLM serves one thread at a time "
-                                   "(give each thread its own LLM, or serve it: `python -m jaxinfer serve`)")
+                raise RuntimeError(REFUSED)
             self._calls.add(call)
             if stream is not None:
                 stream.thread = me
@@ -54,12 +68,12 @@ class OneThread:
                 self._orphans.pop().close()                  # (aborts its requests: GeneratorExit in `run`)
             yield
         finally:
-            with self._lock:
+            with contextlib.suppress(RuntimeError), self._locked():    # (unlisted or not, `call` dies with this frame)
                 self._calls.discard(call)
 
     def forget(self, stream: Stream) -> None:
         """A begun stream was collected unended: close it now if no call runs, else in the next call."""
-        with self._lock:
+        with contextlib.suppress(RuntimeError), self._locked():
             self._streams.discard(stream)
             self._orphans.append(stream._gen)
             if self._calls:
