@@ -216,12 +216,12 @@ class LLM:
         `outputs[0].index`), and `finished` / `finish_reason` are set on the request's last delta, once all n
         samples ended. A request's text deltas concatenate to its `generate` text (n > 1: per sample).
         Leaving the loop early (break / close) aborts the unfinished requests and frees their KV blocks.
-        Bad input raises here, at the call; `abort` calls from here on are this stream's (even before its first delta)
-        until it ends or a newer stream is made. Once begun it holds the LLM for the thread iterating it (another
-        thread may take it over between deltas, as a web framework's thread pool does)."""
+        Bad input raises here; `abort` calls from here on are this stream's until it ends or a newer one is made. Begun,
+        it holds the LLM for the thread iterating it (which may change between deltas: a web framework's pool)."""
         reqs = self._prepare(prompts, sampling_params)
         stream = Stream(self._one_thread, lambda aborts: self._streaming(reqs, aborts))    # (one_thread.py)
-        self._streams = [r for r in self._streams if (s := r()) is not None and s.open] + [weakref.ref(stream)]
+        if not self._one_thread.held_elsewhere():        # (else it is refused: the running stream keeps its aborts)
+            self._streams = [r for r in self._streams if (s := r()) is not None and s.open] + [weakref.ref(stream)]
         return stream
 
     def _streaming(self, reqs, aborts: set) -> Iterator[RequestOutput]:

@@ -532,3 +532,34 @@ def test_a_presets_random_weights_ignore_the_users_prng_settings():
         jax.config.update("jax_default_prng_impl", impl)
         jax.config.update("jax_threefry_partitionable", part)
     assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_delta_is_not_lost_to_an_interrupt_at_the_end_of_its_next(llm):
+    """Ctrl-C landing in the call's exit after the stream produced a delta: the delta comes with the next `next`
+    (a notebook re-running its loop gets every token)."""
+    import sys
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    for at in (2, 6):
+        it, got, seen = llm.stream([[5, 6, 7]], sp), [], [0]
+
+        def local(frame, event, arg):
+            if event == "line" and frame.f_code.co_name == "__call__" and "yield" not in str(frame.f_lineno):
+                import linecache
+                if "self._calls.discard(call)" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+                    seen[0] += 1
+                    if seen[0] == at:
+                        sys.settrace(None)
+                        raise KeyboardInterrupt
+            return local
+        sys.settrace(lambda f, e, a: local if f.f_code.co_filename.endswith("one_thread.py") else None)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                for d in it:
+                    got += d.outputs[0].token_ids
+        finally:
+            sys.settrace(None)
+        got += [t for d in it for t in d.outputs[0].token_ids]
+        assert got == want, at
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == st["waiting"] == 0

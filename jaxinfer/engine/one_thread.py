@@ -20,7 +20,8 @@ REFUSED = ("this LLM is generating on another thread: an LLM serves one thread a
 
 
 class _Call:
-    """A running call: listed weakly, so that an interrupt in its exit cannot leave it listed (it dies with the frame)."""
+    """A running call, listed weakly: an interrupt in its exit does not leave it listed once its frame is gone (a
+    kept traceback, e.g. a REPL's sys.last_traceback, keeps the frame and so the listing until it is replaced)."""
     __slots__ = ("thread", "__weakref__")
 
     def __init__(self, thread: int):
@@ -67,9 +68,15 @@ class OneThread:
             while self._orphans:
                 self._orphans.pop().close()                  # (aborts its requests: GeneratorExit in `run`)
             yield
+            while self._orphans:                                 # (those collected meanwhile: blocks back now)
+                self._orphans.pop().close()
         finally:
             with contextlib.suppress(RuntimeError), self._locked():    # (unlisted or not, `call` dies with this frame)
                 self._calls.discard(call)
+
+    def held_elsewhere(self) -> bool:
+        """Whether another thread runs a call or holds a begun stream now."""
+        return bool(self._holders(None) - {threading.get_ident()})
 
     def forget(self, stream: Stream) -> None:
         """A begun stream was collected unended: close it now if no call runs, else in the next call."""
@@ -128,7 +135,7 @@ class Stream:
     framework's thread pool) while no call runs. `aborts`: LLM.abort's request ids for it."""
 
     def __init__(self, one_thread: OneThread, make):
-        self.aborts, self.thread = set(), None
+        self.aborts, self.thread, self._delta = set(), None, None
         self._one_thread, self._gen = one_thread, make(self.aborts)
 
     @property
@@ -145,10 +152,13 @@ class Stream:
         return self
 
     def __next__(self):
-        if not self.open:
-            raise StopIteration
-        with self._one_thread(self):
-            return next(self._gen)
+        if self._delta is None:
+            if not self.open:
+                raise StopIteration
+            with self._one_thread(self):
+                self._delta = next(self._gen)   # (kept: an interrupt in the call's exit must not lose it, it comes
+        delta, self._delta = self._delta, None  # with the next `next`)
+        return delta
 
     def close(self) -> None:
         """Abort the requests that have not finished and free their KV blocks (as leaving the loop early does)."""
@@ -158,8 +168,9 @@ class Stream:
         self._gen.close()                                    # (not begun: nothing ran)
 
     def __del__(self):
-        if inspect.getgeneratorstate(self._gen) == inspect.GEN_SUSPENDED:
-            self._one_thread.forget(self)
+        with contextlib.suppress(Exception):       # (at interpreter exit the modules may be gone)
+            if inspect.getgeneratorstate(self._gen) == inspect.GEN_SUSPENDED:
+                self._one_thread.forget(self)
 
 
 class Window:

@@ -239,32 +239,28 @@ class Scheduler:
         for seq in list(self.running):
             while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:
                 seq.token_ids.pop()
-            seq.num_pending = 0
-            self.preempt(seq)
+            seq.num_pending, n = 0, len(seq.token_ids)     # (its last token may have ended it: an interrupted finish)
+            reason = n > seq.num_prompt_tokens and self.check_stop(seq, seq.token_ids[-1], n)
+            self.finish(seq, reason) if reason else self.preempt(seq)
         self.bm.reset_prefix_cache()
 
     def postprocess(self, batch: ScheduledBatch, token_ids) -> list[Sequence]:
         """Record computed tokens and sampled ids; finish sequences that hit a stop condition.
         Returns the sequences that received a new token this step."""
-        updated, eos, max_len = [], self.eos, self.config.max_model_len
+        updated = []
         bs, caching = self.bm.block_size, self.bm.prefix_caching
         ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else [int(t) for t in token_ids]
         for seq, sampled, tok in zip(batch.seqs, batch.sampled, ids):
             if seq.status is Status.FINISHED:             # finished (or aborted) while this step ran
                 continue
-            toks, p, reason = seq.token_ids, seq.params, None
+            toks, reason = seq.token_ids, None
             if sampled:                                   # not a prompt chunk that stops mid-prompt
                 toks[len(toks) - seq.num_pending] = tok
                 seq.num_pending -= 1
-                # length first, as vLLM's check_stop (EOS as the last token allowed is "length"). len - num_pending:
-                # a token dispatched after this one is not part of the sequence yet (counting it ended async runs
-                # one token before max_model_len)
-                if len(toks) - seq.num_prompt_tokens - seq.num_pending >= p.max_tokens or \
-                        len(toks) - seq.num_pending >= max_len:
-                    reason = "length"
-                elif (not p.ignore_eos and tok in eos) or tok in p.stop_token_ids:
-                    reason = "stop"
-                    # a K-step call queued behind this step masks the row: the stop token's KV is never written
+                # len - num_pending: a token dispatched after this one is not part of the sequence yet (counting it
+                # ended async runs one token before max_model_len)
+                reason = self.check_stop(seq, tok, len(toks) - seq.num_pending)
+                if reason == "stop":    # a K-step call queued behind this step masks the row: its KV is not written
                     seq.num_computed_tokens = min(seq.num_computed_tokens, len(toks) - seq.num_pending - 1)
             # a block became full (its KV written and its tokens known): register it in the prefix cache
             if caching and min(seq.num_computed_tokens, len(toks) - seq.num_pending) // bs > seq.num_hashed_blocks:
@@ -275,6 +271,12 @@ class Scheduler:
             if reason:
                 self.finish(seq, reason)
         return updated
+
+    def check_stop(self, seq: Sequence, tok: int, n: int) -> str | None:
+        """vLLM's check_stop for seq's n-th token `tok`: length first (EOS as the last token allowed is "length")."""
+        if n - seq.num_prompt_tokens >= seq.params.max_tokens or n >= self.config.max_model_len:
+            return "length"
+        return "stop" if (not seq.params.ignore_eos and tok in self.eos) or tok in seq.params.stop_token_ids else None
 
     def finish(self, seq: Sequence, reason: str, drop: int = 0) -> None:
         """End a sequence (stop condition, stop string, or abort) and return its blocks to the pool. drop: output
