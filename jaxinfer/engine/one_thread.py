@@ -168,9 +168,11 @@ class Stream:
         self._gen.close()                                    # (not begun: nothing ran)
 
     def __del__(self):
-        with contextlib.suppress(Exception):       # (at interpreter exit the modules may be gone)
+        try:                                        # (at interpreter exit the modules' names may be gone)
             if inspect.getgeneratorstate(self._gen) == inspect.GEN_SUSPENDED:
                 self._one_thread.forget(self)
+        except Exception:
+            pass
 
 
 class Window:
