@@ -65,14 +65,16 @@ class OneThread:
                 stream.thread = me
                 self._streams.add(stream)
         try:
-            while self._orphans:
-                self._orphans.pop().close()                  # (aborts its requests: GeneratorExit in `run`)
+            self._close_orphans()
             yield
-            while self._orphans:                                 # (those collected meanwhile: blocks back now)
-                self._orphans.pop().close()
+            self._close_orphans()                            # (those collected meanwhile: their blocks back now)
         finally:
             with contextlib.suppress(RuntimeError), self._locked():    # (unlisted or not, `call` dies with this frame)
                 self._calls.discard(call)
+
+    def _close_orphans(self) -> None:
+        while self._orphans:
+            self._orphans.pop().close()                      # (aborts its requests: GeneratorExit in `run`)
 
     def held_elsewhere(self) -> bool:
         """Whether another thread runs a call or holds a begun stream now."""
