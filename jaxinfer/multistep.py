@@ -71,9 +71,11 @@ def make_multistep(config: ModelConfig, B: int, W: int, K: int, backend: str, in
         tok0 = jnp.where(prev >= 0, prev_ids[jnp.maximum(prev, 0)], base["token_ids"])           # [B]
         start, pages = base["positions"], base["block_tables"].reshape(-1)                      # [B], [B * W]
         P, bs = kv_caches[0][0].shape[:2]      # (stacked caches: P spans all layers; P * bs is still padding)
-        # a row whose input token (sampled by the step before, still on the device) was a stop id is done
-        # (-1: the row stopped in the call before this one, dispatched before the host read it)
-        active0 = (base["seq_lens"] > 0) & (remaining > 0) & (tok0 >= 0) & ~jnp.any(tok0[:, None] == stop, axis=-1)
+        # a row whose input token was sampled by the step before (still on the device) and was a stop id is done
+        # (-1: the row stopped in the call before this one, dispatched before the host read it). A token from the
+        # host is a prompt's last one (chunked prefill left it to this call) or one the host checked: no stop.
+        stopped = (prev >= 0) & jnp.any(tok0[:, None] == stop, axis=-1)
+        active0 = (base["seq_lens"] > 0) & (remaining > 0) & (tok0 >= 0) & ~stopped
 
         def one(k, tok, active, caches):
             pos = start + k

@@ -154,6 +154,13 @@ def stop_token_reason(tok: int, params, eos, primary: int | None) -> int | None:
     return None
 
 
+def eos_ids(tokenizer, model_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids that end a request unless ignore_eos: the tokenizer's EOS (vLLM's eos_token_id) and the model's
+    config.json / generation_config.json ones (vLLM adds those as stop ids), the model's first."""
+    t = getattr(tokenizer, "eos_token_id", None)
+    return tuple(dict.fromkeys(tuple(model_ids) + ((t,) if t is not None else ())))
+
+
 def primary_eos(tokenizer, eos: tuple[int, ...]) -> int | None:
     """The EOS id that ends a request with stop_reason None: the tokenizer's when the engine stops on it, else the
     model's first (`eos`: the engine's EOS ids, the model config's first)."""

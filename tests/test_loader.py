@@ -85,6 +85,37 @@ def test_generation_config_eos_ids_end_generation(ckpt):
         ModelConfig.from_pretrained(ckpt)
 
 
+def test_the_tokenizers_eos_ends_generation_beside_the_configs(ckpt):
+    """As vLLM: the tokenizer's EOS ends a request (stop_reason None) even when config.json names other EOS ids
+    (a fine-tune without generation_config.json; LLM(..., tokenizer=OTHER)), and those end it too, with their
+    id as stop_reason (vLLM adds them as stop ids)."""
+    from helpers import TINY_ENGINE
+    from transformers import AutoTokenizer
+
+    from jaxinfer import LLM, SamplingParams
+    greedy = dict(temperature=0, max_tokens=12)
+    free = LLM(ckpt, **TINY_ENGINE).generate([[5, 6, 7]], SamplingParams(**greedy, ignore_eos=True),
+                                             use_tqdm=False)[0].token_ids
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    a, b = free[3], next(t for t in free[5:] if t not in free[:4])
+    tok.eos_token = tok.convert_ids_to_tokens(a)
+    tok.save_pretrained(ckpt)
+    os.remove(os.path.join(ckpt, "generation_config.json"))
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(ckpt, "config.json"), "w") as f:
+        json.dump({**cfg, "eos_token_id": b}, f)
+    llm = LLM(ckpt, **TINY_ENGINE)
+    assert llm.get_tokenizer().eos_token_id == a
+    out = llm.generate([[5, 6, 7]], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (free[:free.index(a) + 1], "stop", None)
+    later = free.index(a) + 1                  # from just after the tokenizer's EOS: the config's id ends it
+    out = llm.generate([[5, 6, 7] + free[:later]], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    rest = free[later:]
+    assert b in rest and a not in rest[:rest.index(b)]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (rest[:rest.index(b) + 1], "stop", b)
+
+
 def test_missing_weights_file(ckpt):
     os.remove(os.path.join(ckpt, "model.safetensors"))
     with pytest.raises(FileNotFoundError, match="safetensors"):

@@ -115,6 +115,31 @@ def test_a_stop_token_ending_a_block_is_not_cached(tiny_dir, K):
         assert got.outputs[0].cumulative_logprob == pytest.approx(want.outputs[0].cumulative_logprob, abs=1e-4)
 
 
+@pytest.mark.parametrize("K", [4, None])
+def test_a_prompt_ending_in_a_stop_id_or_eos_is_not_stopped_by_it(tiny_dir, K):
+    """Chunked prefill can leave a prompt's last token to a K-step call (it runs as a decode row). Stop ids and
+    EOS end a request only when they are generated: a prompt ending in one (a chat prompt with stop_token_ids=
+    [the newline]) must still get its output, as at one step per call."""
+    kw = {**BASE, "max_num_batched_tokens": 8, "enable_prefix_caching": False}
+    prompt = [31, 32, 33, 34, 35, 36, 37, 38, 39]          # 9 tokens: the 9th is computed by a decode call
+    eos = next(iter(LLM(tiny_dir, **{**kw, "num_scheduler_steps": 1}).engine.scheduler.eos))
+    cases = [(prompt, dict(stop_token_ids=[39])), (prompt[:-1] + [eos], {})]
+    outs = {}
+    for k in (1, K):
+        llm = LLM(tiny_dir, **{**kw, "num_scheduler_steps": k})
+        for i, (p, extra) in enumerate(cases):
+            sp = SamplingParams(temperature=0.0, max_tokens=16, **extra)
+            o = llm.generate([p], sp, use_tqdm=False)[0].outputs[0]
+            streamed = [t for d in llm.stream([p], sp) for t in d.outputs[0].token_ids]
+            outs[k, i] = (o.token_ids, o.finish_reason, streamed)
+        st = llm.stats()
+        assert st["kv_blocks_free"] == st["kv_blocks_total"]
+        assert (st["multistep_calls"] > 0) == (k != 1)
+    for i in range(len(cases)):
+        assert len(outs[1, i][0]) > 0 and outs[1, i][2] == outs[1, i][0]
+        assert outs[K, i] == outs[1, i]
+
+
 def test_stop_strings(llms):
     """Stop strings are checked on the host after a call: the text and the tokens end at the match."""
     prompt = "def add(a, b):"
