@@ -11,6 +11,7 @@ quantisation, text generation only, no pipeline parallelism (tensor and data par
 """
 from __future__ import annotations
 
+import numbers
 import os
 
 IGNORED = {"trust_remote_code": bool, "enforce_eager": bool, "disable_log_stats": bool, "swap_space": (int, float),
@@ -39,3 +40,12 @@ def pop_vllm_options(kwargs: dict) -> str | None:
     if tok is not None and not (isinstance(tok, str) and os.path.isdir(tok)):
         raise ValueError(f"tokenizer={tok!r} must be a folder holding a Hugging Face tokenizer")
     return tok
+
+
+def python_numbers(kwargs: dict) -> dict:
+    """Engine options with numpy integers / floats (np.int64(8), np.float32(0.5)) as Python's."""
+    def plain(v):
+        if isinstance(v, bool) or isinstance(v, (int, float)) and type(v) in (int, float):
+            return v
+        return int(v) if isinstance(v, numbers.Integral) else float(v) if isinstance(v, numbers.Real) else v
+    return {k: plain(v) for k, v in kwargs.items()}

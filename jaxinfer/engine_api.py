@@ -67,7 +67,7 @@ class EngineAPI:
                     tokenization_kwargs=None, trace_headers=None, priority: int = 0) -> None:
         """Queue one prompt (a string, a list of token ids, or a TextPrompt / TokensPrompt dict) under the caller's
         request_id; `params`: SamplingParams (None: `llm.get_default_sampling_params()`). vLLM's other arguments are
-        accepted (lora_request None, priority 0)."""
+        accepted (lora_request None, priority 0; tokenization_kwargs reach the tokenizer, as LLM.generate's)."""
         prompt_forms.check_unsupported("LLMEngine.add_request", lora_request=lora_request)
         if isinstance(priority, bool) or priority != 0:
             raise ValueError(f"LLMEngine.add_request: priority={priority!r:.80} is not supported by jaxinfer (0 only)")
@@ -81,13 +81,15 @@ class EngineAPI:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.80}")
         kind = output_kind(params or self._llm.get_default_sampling_params())
         with self._llm._one_thread(), recovering(self._llm.engine, [], mine := Window()):   # (Ctrl-C: none left)
-            [(p, ids, sp)] = self._llm._prepare([prompt], params)
+            [(p, ids, sp)] = self._llm._prepare([prompt], params, tokenization_kwargs)
             [group] = self._llm._add([(p, ids, sp)], mine)
             self._requests[request_id] = _Request(request_id, p, ids, group, kind, text=[""] * len(group),
                                                   ids=list([] for _ in group))
 
     def abort_request(self, request_id) -> None:
         """End one request or several (an iterable of ids) and free their KV blocks; unknown ids are ignored."""
+        request_id = int(request_id) if isinstance(request_id, Integral) and not isinstance(request_id, bool) \
+            else request_id                                  # (a numpy int)
         ids = [request_id] if isinstance(request_id, (str, int)) else list(request_id)
         for rid in ids:
             req = self._requests.pop(rid, None)

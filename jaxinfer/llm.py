@@ -2,7 +2,6 @@
 (`LLM("path/to/Qwen3-0.6B").generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0.6, max_tokens=128))`)."""
 from __future__ import annotations
 
-import numbers
 import os
 import weakref
 from collections.abc import Iterator
@@ -12,7 +11,7 @@ import jax
 from tqdm.auto import tqdm
 
 from jaxinfer import prompts as prompt_forms
-from jaxinfer.compat import pop_vllm_options
+from jaxinfer.compat import pop_vllm_options, python_numbers
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.dp_engine import create_engine
 from jaxinfer.engine.executables import engine_numerics
@@ -45,8 +44,7 @@ class LLM:
     def __init__(self, model: str, generation_config: str = "auto", override_generation_config=None, **kwargs):
         tokenizer = pop_vllm_options(kwargs)      # vLLM options with no meaning here are accepted (compat.py)
         hub = {k: kwargs.pop(k) for k in ("hf_overrides", "revision", "download_dir") if k in kwargs}   # (hub.py)
-        kwargs = {k: int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v   # numpy ints
-                  for k, v in kwargs.items()}
+        kwargs = python_numbers(kwargs)           # (numpy ints and floats as Python's)
         requested = EngineConfig.from_kwargs(**kwargs)
         path, model_config = model_config_for(model, **hub)
         self.default_sampling_params = sampling_defaults(path if os.path.isdir(path) else None, generation_config,
@@ -106,25 +104,26 @@ class LLM:
         return self.tokenizer
 
     # -- requests ---------------------------------------------------------------------------------
-    def _prepare(self, prompts, sampling_params) -> list[tuple[Prompt, list[int], SamplingParams]]:
+    def _prepare(self, prompts, sampling_params, tokenization_kwargs=None) -> list[tuple[Prompt, list, SamplingParams]]:
         """Normalise and validate every request before any is queued (a bad one disturbs no other)."""
         prompts = prompt_forms.as_list(prompts)
         sampling_params = per_prompt(sampling_params, len(prompts), self._default_params)
         reqs = []
         for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
-            ids = prompt_forms.token_ids(self.tokenizer, p, i)
+            ids = prompt_forms.token_ids(self.tokenizer, p, i, tokenization_kwargs)
             ids = truncate(ids, sp.truncate_prompt_tokens, self.config.max_model_len)
             self.engine.check_request(ids, sp, where=f"prompt {i}")
             reqs.append((p, ids, sp))
         return reqs
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None,
+                 tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order. `use_tqdm`: a bool, or (vLLM's) a callable
-        that makes the bar from total= and desc=. vLLM's `lora_request` (None only) and `priority` (None, or 0 for
-        every prompt: there is no priority scheduling) are accepted."""
+        that makes the bar from total= and desc=. vLLM's `lora_request` (None only), `priority` (None, or 0 for every
+        prompt) and `tokenization_kwargs` (to the tokenizer; truncation + max_length cut token prompts too) work."""
         prompt_forms.check_unsupported("LLM.generate", lora_request=lora_request)
-        reqs = self._prepare(prompts, sampling_params)
+        reqs = self._prepare(prompts, sampling_params, tokenization_kwargs)
         prompt_forms.check_priority(priority, len(reqs))
         with self._one_thread():
             return self._generate(reqs, use_tqdm)

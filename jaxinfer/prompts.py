@@ -2,6 +2,7 @@
 dict ({"prompt": text} / {"prompt_token_ids": ids}); one prompt or a list of them."""
 from __future__ import annotations
 
+import json
 import re
 from numbers import Integral
 from typing import NotRequired, TypedDict
@@ -22,6 +23,12 @@ class TokensPrompt(TypedDict, total=False):
     cache_salt: str
 
 
+def is_token_id(x) -> bool:
+    """An int, or a numpy / JAX integer scalar (a 0-d array: `list(jnp.array(ids))` gives those)."""
+    return isinstance(x, Integral) or (getattr(x, "ndim", None) == 0 and getattr(x, "dtype", None) is not None
+                                       and x.dtype.kind in "iu")
+
+
 def as_list(prompts) -> list:
     """One prompt (a string, a dict, or a list of ints) or a list of prompts -> a list of prompts."""
     if not isinstance(prompts, (str, dict, list, tuple)) and not hasattr(prompts, "tolist"):
@@ -31,7 +38,7 @@ def as_list(prompts) -> list:
     if not isinstance(prompts, (str, dict, list, tuple)):                       # (a numpy scalar)
         raise ValueError(f"prompts must be a string, a list of token ids, a dict or a list of those, got {prompts!r:.80}")
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                            and isinstance(prompts[0], Integral)):
+                                            and is_token_id(prompts[0])):
         return [prompts]
     return list(prompts)
 
@@ -48,8 +55,22 @@ def cache_salt(prompt: Prompt, i: int) -> str | None:
     return salt
 
 
-def token_ids(tokenizer, prompt: Prompt, i: int) -> list[int]:
-    """The prompt's token ids (text is encoded without special tokens). Raises ValueError naming prompt i."""
+def _cut(ids: list, kw: dict, tokenizer, i: int) -> list:
+    """vLLM's tokenization_kwargs truncation (truncation=True, max_length=k): k ids from the tokenizer's side."""
+    if not kw.get("truncation"):
+        return ids
+    k = kw.get("max_length")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"prompt {i}: tokenization_kwargs truncation needs max_length an int >= 1, got {k!r:.80}")
+    return ids[-k:] if getattr(tokenizer, "truncation_side", "right") == "left" else ids[:k]
+
+
+def token_ids(tokenizer, prompt: Prompt, i: int, tokenization_kwargs: dict | None = None) -> list[int]:
+    """The prompt's token ids (text is encoded without special tokens; `tokenization_kwargs`, vLLM's, reach the
+    tokenizer, and truncation cuts token prompts too). Raises ValueError naming prompt i."""
+    kw = {} if tokenization_kwargs is None else tokenization_kwargs
+    if not isinstance(kw, dict):
+        raise ValueError(f"tokenization_kwargs must be a dict or None, got {kw!r:.80}")
     if isinstance(prompt, dict):       # vLLM's TextPrompt / TokensPrompt
         if any(prompt.get(k) for k in TEXT_ONLY_KEYS):
             raise ValueError(f"prompt {i}: {sorted(k for k in TEXT_ONLY_KEYS if prompt.get(k))} given, but Qwen3 "
@@ -59,15 +80,21 @@ def token_ids(tokenizer, prompt: Prompt, i: int) -> list[int]:
         ids = prompt.get("prompt_token_ids")
         ids = ids.tolist() if hasattr(ids, "tolist") else ids                      # (a numpy array of ids)
         if set(prompt) <= {"prompt_token_ids", "prompt"} and isinstance(ids, (list, tuple)):
-            return list(ids)                                        # (vLLM: the ids win; "prompt" is only shown)
+            return token_ids(tokenizer, ids, i, kw)                 # (vLLM: the ids win; "prompt" is only shown)
         if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
-            return token_ids(tokenizer, prompt["prompt"], i)
+            return token_ids(tokenizer, prompt["prompt"], i, kw)
         raise ValueError(f"prompt {i}: a dict prompt holds 'prompt' (a string) or 'prompt_token_ids' (a list of "
                          f"ints; with it, 'prompt' is only shown), got keys {sorted(prompt)}")
     if isinstance(prompt, str):
-        return list(tokenizer.encode(prompt, add_special_tokens=False))
+        rest = {k: v for k, v in kw.items() if k not in ("truncation", "max_length")}
+        try:
+            return _cut(list(tokenizer.encode(prompt, **{"add_special_tokens": False, **rest})), kw, tokenizer, i)
+        except (TypeError, UnicodeError) as e:        # (a lone surrogate: the tokenizer's TypeError)
+            raise ValueError(f"prompt {i}: the tokenizer cannot encode {prompt!r:.80}"
+                             f"{f' with tokenization_kwargs {rest}' if rest else ''} ({e})") from None
     if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
-        return list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
+        ids = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+        return _cut([x.item() if is_token_id(x) and hasattr(x, "item") else x for x in ids], kw, tokenizer, i)
     raise ValueError(f"prompt {i} must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
 
@@ -78,14 +105,39 @@ def text(prompt: Prompt) -> str | None:
     return prompt if isinstance(prompt, str) else None
 
 
-TEXT_PARTS = ("text", "input_text", "output_text")      # the part types vLLM reads as text
+# the part types vLLM reads as text, and the key holding it (a part whose text is None is skipped, as vLLM)
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+              "thinking": "thinking"}
+SKIP = object()     # (a part with no text)
 
 
 def _part_text(p) -> str | None:
     if isinstance(p, str):
         return p
-    return p["text"] if isinstance(p, dict) and p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str) \
-        else None
+    key = TEXT_PARTS.get(p.get("type")) if isinstance(p, dict) else None
+    t = p.get(key) if key else None
+    return t if isinstance(t, str) else SKIP if key and t is None else None
+
+
+def _tool_calls(j: int, m: dict) -> dict:
+    """vLLM gives the template an assistant's tool-call arguments as a mapping: a JSON string is parsed, no
+    arguments ("" or None) is {} (Qwen3's template prints a string as is; others iterate the mapping)."""
+    calls = m.get("tool_calls")
+    if m.get("role") != "assistant" or not isinstance(calls, (list, tuple)):
+        return m
+    out = []
+    for c in calls:
+        f = c.get("function") if isinstance(c, dict) else None
+        if isinstance(f, dict):
+            a = f.get("arguments") or {}
+            if isinstance(a, str):
+                try:
+                    a = json.loads(a)
+                except ValueError as e:
+                    raise ValueError(f"message {j}: tool call arguments {a!r:.80} are not JSON ({e})") from None
+            c = {**c, "function": {**f, "arguments": a}}
+        out.append(c)
+    return {**m, "tool_calls": out}
 
 
 # a chat template that loops over a message's content parts (`{% for part in message['content'] %}`) takes them as
@@ -108,10 +160,12 @@ def _text_message(j: int, m, fmt: str = "string") -> dict:
     (a string is one part, no content none). Other keys (tool_calls, tool_call_id, name) reach the template as given."""
     c = m.get("content") if isinstance(m, dict) else None
     parts = [_part_text(p) for p in c] if isinstance(c, (list, tuple)) else [c] if isinstance(c, str) else []
+    parts = [t for t in parts if t is not SKIP]
     if not (isinstance(m, dict) and isinstance(m.get("role"), str) and (c is None or isinstance(c, str) or (
             isinstance(c, (list, tuple)) and None not in parts))):
         raise ValueError(f"message {j} must be a dict with a string 'role' and 'content' a string, a list of text "
                          f"parts or None, got {m!r:.80}")
+    m = _tool_calls(j, m)
     if fmt == "openai":
         return {**m, "content": [{"type": "text", "text": t} for t in parts]}
     return {**m, "content": "\n".join(parts)}

@@ -207,7 +207,7 @@ class SamplingParams:
 
 _FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
 _INT_FIELDS = ("top_k", "max_tokens", "seed", "n", "logprobs", "prompt_logprobs", "min_tokens",
-               "truncate_prompt_tokens")
+               "truncate_prompt_tokens", "best_of")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 

@@ -146,6 +146,31 @@ def test_chat_passes_tools_and_tool_turns_to_the_template(llm, monkeypatch):
     assert idle(llm)
 
 
+def test_chat_gives_tool_call_arguments_and_content_parts_as_vllm(llm):
+    """As vLLM's chat preprocessing: an assistant's tool-call arguments reach the template as a mapping (a JSON
+    string parsed; "" or None: {}), so a template may iterate them or print them with tojson; "refusal" and
+    "thinking" content parts are text; a part whose text is None is skipped. The caller's messages are unchanged."""
+    template = ("{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}"
+                "<{{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}"
+                "{% for k, v in c['function']['arguments'] | items %} {{ k }}={{ v }}{% endfor %}>{% endfor %}|"
+                "{% endfor %}")
+    def call(arguments):
+        return {"id": "c", "type": "function", "function": {"name": "w", "arguments": arguments}}
+    conv = [{"role": "user", "content": [{"type": "text", "text": "Paris?"}, {"type": "text", "text": None}]},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}],
+             "tool_calls": [call('{"city":"Paris"}'), call(""), call(None), call({"a": 1})]},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "Hm."}, {"type": "text", "text": "Ok"}]}]
+    before = repr(conv)
+    [out] = llm.chat(conv, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False, chat_template=template)
+    assert out.prompt == ('user:Paris?|assistant:No.<w {"city": "Paris"} city=Paris><w {}><w {}><w {"a": 1} a=1>|'
+                          'assistant:Hm.\nOk|')
+    assert repr(conv) == before
+    bad = [{"role": "assistant", "content": "", "tool_calls": [call("{not json")]}]
+    with pytest.raises(ValueError, match="message 0: tool call arguments"):
+        llm.chat(bad, use_tqdm=False, chat_template=template)
+    assert idle(llm)
+
+
 @pytest.mark.parametrize("bad", ["hello", [{"role": 1, "content": "x"}], [{"content": "x"}], [[]],
                                  [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]])
 def test_chat_rejects_bad_messages(llm, bad):

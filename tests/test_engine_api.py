@@ -116,3 +116,28 @@ def test_numpy_token_ids(llm):
     seen = run(llm.llm_engine, lambda rid: sp, ids=("l", "a"), prompts=[list(np.array([5, 6, 7])), np.array([5, 6, 7])])
     assert [seen[r][-1].outputs[0].token_ids for r in "la"] == [want, want]
     free(llm)
+
+
+def test_tokenization_kwargs_reach_the_tokenizer(llm):
+    """vLLM's tokenization_kwargs (LLMEngine.add_request, LLM.generate): truncation + max_length keep max_length
+    tokens of a text prompt, and of a token prompt too (from the tokenizer's truncation side)."""
+    text = "The quick brown fox jumps over the lazy dog"
+    full = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    assert len(full) > 3
+    cut = {"truncation": True, "max_length": 3}
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    eng = llm.llm_engine
+    eng.add_request("t", text, sp, tokenization_kwargs=cut)
+    eng.add_request("i", full, sp, tokenization_kwargs=cut)
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert done["t"].prompt_token_ids == done["i"].prompt_token_ids == full[:3]
+    outs = llm.generate([text, full], sp, use_tqdm=False, tokenization_kwargs=cut)
+    assert [o.prompt_token_ids for o in outs] == [full[:3]] * 2
+    assert outs[0].token_ids == done["t"].outputs[0].token_ids
+    with pytest.raises(ValueError, match="max_length"):
+        llm.generate(text, sp, use_tqdm=False, tokenization_kwargs={"truncation": True})
+    with pytest.raises(ValueError, match="tokenization_kwargs must be a dict"):
+        llm.generate(text, sp, use_tqdm=False, tokenization_kwargs=["truncation"])
+    free(llm)

@@ -62,6 +62,24 @@ def test_prompts_of_other_types(llm):
     want = llm.generate([5, 6, 7], sp, use_tqdm=False)[0].token_ids
     assert llm.generate(np.array([5, 6, 7]), sp, use_tqdm=False)[0].token_ids == want
     assert llm.generate([np.array([5, 6, 7])], sp, use_tqdm=False)[0].token_ids == want
+    import jax.numpy as jnp                     # a list of 0-d arrays (list(jnp.array(ids))) is one prompt too
+    assert llm.generate(list(jnp.array([5, 6, 7])), sp, use_tqdm=False)[0].token_ids == want
+    assert llm.generate(list(np.array([5, 6, 7])), sp, use_tqdm=False)[0].token_ids == want
+    with pytest.raises(ValueError, match="prompt 0: the tokenizer cannot encode"):
+        llm.generate("bad \ud800 text", sp, use_tqdm=False)            # (a lone surrogate)
+    assert llm.generate([5, 6, 7], sp, use_tqdm=False)[0].token_ids == want
+
+
+def test_numpy_numbers_where_python_ones_are_taken(tiny_dir):
+    """numpy scalars in engine options (floats too), in best_of and in abort_request, as Python's numbers."""
+    import numpy as np
+    llm = LLM(tiny_dir, **{**TINY_ENGINE, "gpu_memory_utilization": np.float32(0.5), "max_num_seqs": np.int64(4)})
+    assert llm.config.gpu_memory_utilization == 0.5 and llm.config.max_num_seqs == 4
+    assert SamplingParams(n=2, best_of=np.int64(2)).best_of == 2
+    eng = llm.llm_engine
+    eng.add_request(7, [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.abort_request(np.int64(7))
+    assert not eng.has_unfinished_requests()
 
 
 def test_max_tokens_none_runs_to_max_model_len(llm):
@@ -532,6 +550,9 @@ def test_a_presets_random_weights_ignore_the_users_prng_settings():
         jax.config.update("jax_default_prng_impl", impl)
         jax.config.update("jax_threefry_partitionable", part)
     assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+    llm = LLM("qwen3-0.6b", hf_overrides=tiny, attn_backend="xla", max_num_seqs=2, max_model_len=64, seed=2**64 + 5,
+              warmup=False)                     # any int seed (as a checkpoint's engine takes)
+    assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids) == 2
 
 
 def test_a_delta_is_not_lost_to_an_interrupt_at_the_end_of_its_next(llm):

@@ -192,7 +192,7 @@ def random_params(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0, placem
     tp = placement.tp
     logical = jax.eval_shape(lambda: init_params(config, dtype))                  # the checkpoint layout
     shapes = jax.eval_shape(lambda: map_params(lambda n, w: to_tp(n, w, config, tp, jnp), init_params(config, dtype)))
-    key = jax.random.key(seed, impl="threefry2x32")         # (not the user's default PRNG)
+    key = jax.random.key(seed % 2**63, impl="threefry2x32")         # (not the user's default PRNG; any int seed)
 
     def one(name, s):
         sharding = placement.sharding(spec(name, len(s.shape)))

@@ -224,7 +224,7 @@ def dense_attention(l, q, k, v, cache):
 def init_params(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0):
     """Random weights (normal(0.02), norms 1). Wrap in jax.eval_shape to get shapes without allocating."""
     model = Qwen3ForCausalLM(config, dtype)
-    key = jax.random.key(seed, impl="threefry2x32")         # (not the user's default PRNG: the same weights)
+    key = jax.random.key(seed % 2**63, impl="threefry2x32")   # (not the user's default PRNG; any int seed)
     return model.init(key, method=Qwen3ForCausalLM.declare)["params"]
 
 
