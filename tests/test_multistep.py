@@ -233,7 +233,7 @@ def test_xla_chunks_over_flat_tables_same_tokens(tiny_dir, reference, monkeypatc
     through table_start. Same tokens as one chunk a row."""
     import jaxinfer.model.xla_decode as xd
     monkeypatch.setattr(xd, "DECODE_CHUNK", 8)
-    llm = LLM(tiny_dir, **{**BASE, "num_scheduler_steps": K, "decode_context_buckets": (16, 32)})
+    llm = LLM(tiny_dir, **{**BASE, "num_scheduler_steps": K, "decode_context_buckets": (16, 32), "attn_backend": "xla"})
     assert llm.engine.runner.chunk_pages == 2 and llm.engine.runner.widths == (4, 8, 16)
     out, st = _generate(llm, *_requests())
     assert out == reference and (st["multistep_calls"] > 0) == (K > 1)
