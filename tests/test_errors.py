@@ -134,6 +134,24 @@ def test_max_tokens_none_with_a_pool_smaller_than_max_model_len(tiny_dir):
     assert len(out.token_ids) == 8 * 4 - 3 and out.finish_reason == "length"
 
 
+def test_a_given_max_model_len_gets_a_cpu_pool_that_holds_it(tiny_dir, monkeypatch):
+    """The CPU's default pool is capped (memory.CPU_POOL_BYTES); a max_model_len given explicitly still gets one
+    whole sequence of room (as the GPU's sizing refuses less), so max_tokens=None runs to max_model_len; a cap with
+    max_model_len left unset caps max_model_len instead. warmup with max_model_len 1 starts (it has no room for
+    its warm requests)."""
+    from jaxinfer.engine import memory
+    monkeypatch.setattr(memory, "CPU_POOL_BYTES", 4096)
+    kw = {k: v for k, v in BASE.items() if k not in ("num_kvcache_blocks", "max_model_len")}
+    llm = LLM(tiny_dir, **kw, max_model_len=96)
+    assert llm.stats()["kv_blocks_total"] * BASE["block_size"] >= 96
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 93 and out[0].finish_reason == "length"
+    capped = LLM(tiny_dir, **kw)
+    assert capped.config.max_model_len == capped.stats()["kv_blocks_total"] * BASE["block_size"] < 96
+    one = LLM(tiny_dir, **{**BASE, "max_model_len": 1, "warmup": True})
+    assert one.generate([[5]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
 def test_request_larger_than_pool(tiny_dir):
     small = LLM(tiny_dir, **{**BASE, "num_kvcache_blocks": 8})
     with pytest.raises(ValueError, match="needs 10 KV blocks.*only 8"):

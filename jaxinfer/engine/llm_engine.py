@@ -81,10 +81,10 @@ class LLMEngine:
         H200); then forget them (counters, host times, their prefix-cache blocks)."""
         bs = self.config.block_size
         n = max(1, min(bs + 1, self.config.max_model_len - 20))
-        # seeded: the engine's RNG (seeds of unseeded requests) is left as it was
-        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=min(18, self.config.max_model_len - n), seed=0)
-        if sp.max_tokens < 1 or -(-(n + sp.max_tokens) // bs) * 2 > self.block_manager.num_free_blocks:
+        m = min(18, self.config.max_model_len - n)
+        if m < 1 or -(-(n + m) // bs) * 2 > self.block_manager.num_free_blocks:       # (max_model_len 1: none)
             return
+        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m, seed=0)   # (seeded: the RNG stays)
         seqs = [self.add_request([i % self.model_config.vocab_size] * n, sp) for i in range(2)]
         while not all(is_finished(s) for s in seqs):
             self.step()

@@ -75,9 +75,13 @@ def free_memory_bytes(device=None) -> int | None:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+CPU_POOL_BYTES = 2 * 2**30     # the CPU pool's default cap
+
+
 def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype, strict: bool = True, device=None) -> int:
     """Size the KV pool from free device memory (GPU), or from the memory max_num_seqs full sequences take in
-    the model's dtype (CPU, at most 2 GiB). strict: refuse a pool that cannot hold one max_model_len sequence (else the caller caps it)."""
+    the model's dtype (CPU, at most 2 GiB, or one max_model_len sequence when strict). strict (max_model_len was
+    given): refuse a pool that cannot hold one max_model_len sequence (else the caller caps it)."""
     per_block = kv_bytes_per_block(model, engine.block_size, dtype)
     mem = device_memory(device)
     if mem is not None:
@@ -96,7 +100,14 @@ def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype, stric
     # CPU: the bytes max_num_seqs full sequences take in the model's dtype (at most 2 GiB), so that an fp8 cache
     # holds more blocks in the same memory here too (twice bf16's, four times float32's)
     seqs = engine.max_num_seqs * engine.max_blocks_per_seq * kv_bytes_per_block(model, engine.block_size, engine.dtype)
-    return max(1, int(min(seqs, 2 * 2**30) // per_block))
+    blocks = max(1, int(min(seqs, CPU_POOL_BYTES) // per_block))
+    if strict and blocks < engine.max_blocks_per_seq:      # a max_model_len given: one such sequence fits, past 2 GiB
+        blocks, free = engine.max_blocks_per_seq, free_memory_bytes(device)
+        if free is not None and blocks * per_block > free:
+            raise ValueError(f"one max_model_len={engine.max_model_len} sequence needs {blocks * per_block / 2**30:.1f}"
+                             f" GiB of KV cache, more than the {free / 2**30:.1f} GiB of memory available; lower "
+                             f"max_model_len (or give num_kvcache_blocks)")
+    return blocks
 
 
 def inexact_offsets(model: ModelConfig, engine: EngineConfig, dtype, num_blocks: int) -> tuple[int, int, int] | None:
