@@ -389,3 +389,25 @@ def test_vllm_request_fields_cors_ping_and_empty_model(url, client):
     assert httpx.get(url + "/ping").json() == httpx.post(url + "/ping").json() == {"status": "ok"}
     big = httpx.post(url + "/v1/completions", json={"prompt": "a", "truncate_prompt_tokens": 10**5})
     assert big.status_code == 400 and big.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_a_dropped_last_message_that_the_answer_repeats_must_be_text(tiny_dir, tmp_path_factory):
+    """A template that drops unknown roles (Qwen3's does) never tokenizes the last message, yet without
+    add_generation_prompt the answer takes its role (and with echo its content): a lone surrogate there is a 400
+    naming messages, not a 500 or a stream cut off after its headers."""
+    from jaxinfer.server.options import ServerOptions
+    template = ("{% for m in messages %}{% if m.role in ('user', 'assistant') %}<|im_start|>{{ m.role }}\n"
+                "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+                "<|im_start|>assistant\n{% endif %}")
+    for url, _ in run_server(tiny_dir, tmp_path_factory, options=ServerOptions(chat_template=template)):
+        last = [b'{"role": "\\ud800", "content": "x"}', b'{"role": "bot", "content": "\\ud800"}']
+        for m, extra in [(last[0], b""), (last[0], b', "stream": true'), (last[1], b', "echo": true')]:
+            body = b'{"messages": [{"role": "user", "content": "hi"}, ' + m + b'], "max_tokens": 2, ' \
+                   b'"add_generation_prompt": false' + extra + b'}'
+            r = httpx.post(url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"},
+                           timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        ok = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                             "max_tokens": 2}, timeout=60)
+        st = wait_idle(url)
+        assert ok.status_code == 200 and st["kv_blocks_free"] == st["kv_blocks_total"], (ok.text, st)

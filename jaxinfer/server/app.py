@@ -96,6 +96,9 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         msg = f"{where}: {err.get('msg')}{got}" if param else f"the request body is invalid: {err.get('msg')}"
         if err.get("type") == "json_invalid":
             msg = f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if not loc and media != "application/json":            # (FastAPI parses JSON bodies of that type only)
+            msg = f"the request body must be JSON sent with Content-Type: application/json, got {media or 'none'!r}"
         return JSONResponse(P.error_body(msg, param), status_code=400)
 
     @app.exception_handler(HTTPException)
@@ -245,6 +248,9 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         P.check_unsupported(req)
         check_model(req.model)
         prompt, role, echo = await off_loop(P.chat_prompt, tokenizer, req)
+        if not (role + echo).encode(errors="replace").decode() == role + echo:     # (a lone surrogate the template
+            raise P.RequestError("the last message's role or content is not valid UTF-8 (a lone surrogate), and the "
+                                 "answer would repeat it", param="messages")      # dropped: the answer repeats it)
         k = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
             raise P.RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
