@@ -56,13 +56,17 @@ def cache_salt(prompt: Prompt, i: int) -> str | None:
 
 
 def _cut(ids: list, kw: dict, tokenizer, i: int) -> list:
-    """vLLM's tokenization_kwargs truncation (truncation=True, max_length=k): k ids from the tokenizer's side."""
-    if not kw.get("truncation"):
+    """vLLM's tokenization_kwargs truncation (truncation=True or a strategy, max_length=k; without max_length the
+    tokenizer's model_max_length, as Hugging Face's): k ids from the tokenizer's side."""
+    if kw.get("truncation") in (None, False, "do_not_truncate"):
         return ids
     k = kw.get("max_length")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+    k = getattr(tokenizer, "model_max_length", None) if k is None else k
+    if k is None:
+        return ids
+    if not isinstance(k, Integral) or isinstance(k, bool) or k < 1:
         raise ValueError(f"prompt {i}: tokenization_kwargs truncation needs max_length an int >= 1, got {k!r:.80}")
-    return ids[-k:] if getattr(tokenizer, "truncation_side", "right") == "left" else ids[:k]
+    return ids[-int(k):] if getattr(tokenizer, "truncation_side", "right") == "left" else ids[:int(k)]
 
 
 def token_ids(tokenizer, prompt: Prompt, i: int, tokenization_kwargs: dict | None = None) -> list[int]:
@@ -112,11 +116,22 @@ SKIP = object()     # (a part with no text)
 
 
 def _part_text(p) -> str | None:
+    """A content part's text; SKIP for a text part with no text (None or "": vLLM keeps only non-empty ones);
+    None for a part that is not text."""
     if isinstance(p, str):
-        return p
+        return p or SKIP
     key = TEXT_PARTS.get(p.get("type")) if isinstance(p, dict) else None
     t = p.get(key) if key else None
-    return t if isinstance(t, str) else SKIP if key and t is None else None
+    return t if isinstance(t, str) and t else SKIP if key and not t else None
+
+
+def joined_text(content) -> str:
+    """A message's content as a string (vLLM's "string" format): text parts (dicts or pydantic models) joined by
+    newlines, empty ones left out; None is ""."""
+    if not isinstance(content, (list, tuple)):
+        return content or ""
+    parts = (_part_text(p.model_dump() if hasattr(p, "model_dump") else p) for p in content)
+    return "\n".join(t for t in parts if t is not SKIP and t is not None)
 
 
 def _tool_calls(j: int, m: dict) -> dict:

@@ -156,7 +156,8 @@ def test_chat_gives_tool_call_arguments_and_content_parts_as_vllm(llm):
                 "{% endfor %}")
     def call(arguments):
         return {"id": "c", "type": "function", "function": {"name": "w", "arguments": arguments}}
-    conv = [{"role": "user", "content": [{"type": "text", "text": "Paris?"}, {"type": "text", "text": None}]},
+    conv = [{"role": "user", "content": [{"type": "text", "text": "Paris?"}, {"type": "text", "text": None}, "",
+                                         {"type": "text", "text": ""}]},          # (empty parts: left out too)
             {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}],
              "tool_calls": [call('{"city":"Paris"}'), call(""), call(None), call({"a": 1})]},
             {"role": "assistant", "content": [{"type": "thinking", "thinking": "Hm."}, {"type": "text", "text": "Ok"}]}]

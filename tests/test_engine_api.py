@@ -136,8 +136,12 @@ def test_tokenization_kwargs_reach_the_tokenizer(llm):
     outs = llm.generate([text, full], sp, use_tqdm=False, tokenization_kwargs=cut)
     assert [o.prompt_token_ids for o in outs] == [full[:3]] * 2
     assert outs[0].token_ids == done["t"].outputs[0].token_ids
+    import numpy as np                      # Hugging Face's meanings: no max_length is the tokenizer's own limit,
+    for kw, n in [({"truncation": True}, len(full)), ({"truncation": "do_not_truncate", "max_length": 2}, len(full)),
+                  ({"truncation": "longest_first", "max_length": np.int64(2)}, 2)]:   # a strategy truncates
+        assert len(llm.generate(text, sp, use_tqdm=False, tokenization_kwargs=kw)[0].prompt_token_ids) == n
     with pytest.raises(ValueError, match="max_length"):
-        llm.generate(text, sp, use_tqdm=False, tokenization_kwargs={"truncation": True})
+        llm.generate(text, sp, use_tqdm=False, tokenization_kwargs={"truncation": True, "max_length": 0})
     with pytest.raises(ValueError, match="tokenization_kwargs must be a dict"):
         llm.generate(text, sp, use_tqdm=False, tokenization_kwargs=["truncation"])
     free(llm)

@@ -297,6 +297,26 @@ def test_a_json_body_without_a_json_content_type_is_told_so(url, ctype):
     assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
 
 
+def test_chat_content_parts_read_as_vllm_reads_them(url):
+    """refusal, thinking, input_text and output_text parts are text; a part with None or "" text is left out: the
+    prompt is the one of the same conversation as strings (as LLM.chat renders it)."""
+    parts = [{"type": "input_text", "text": "Hi"}, {"type": "text", "text": None}, {"type": "text", "text": ""}]
+    said = [{"type": "refusal", "refusal": "No."}, {"type": "thinking", "thinking": "Hm."},
+            {"type": "output_text", "text": "Ok"}]
+    body = {"model": MODEL, "max_tokens": 1, "temperature": 0}
+    got = httpx.post(url + "/v1/chat/completions", json={**body, "messages": [
+        {"role": "user", "content": parts}, {"role": "assistant", "content": said}, {"role": "user", "content": "x"}]})
+    want = httpx.post(url + "/v1/chat/completions", json={**body, "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "No.\nHm.\nOk"},
+        {"role": "user", "content": "x"}]})
+    assert got.status_code == want.status_code == 200, got.text
+    assert got.json()["usage"] == want.json()["usage"]
+    assert got.json()["choices"][0]["message"] == want.json()["choices"][0]["message"]
+    bad = httpx.post(url + "/v1/chat/completions", json={**body, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+
+
 def test_ids_past_int32_run_beside_other_requests(url):
     """top_k and stop token ids past int32 (vLLM takes any) filter and match nothing; a request with them runs
     beside another one instead of failing the step both are in."""

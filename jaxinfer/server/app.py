@@ -97,8 +97,8 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         if err.get("type") == "json_invalid":
             msg = f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if not loc and media != "application/json":            # (FastAPI parses JSON bodies of that type only)
-            msg = f"the request body must be JSON sent with Content-Type: application/json, got {media or 'none'!r}"
+        if not loc and not (media == "application/json" or media.endswith("+json")):   # (FastAPI parses only those)
+            msg += f" (send it as JSON with Content-Type: application/json; got {media or 'none'!r})"
         return JSONResponse(P.error_body(msg, param), status_code=400)
 
     @app.exception_handler(HTTPException)

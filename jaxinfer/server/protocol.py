@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from jaxinfer.prompts import render_chat
+from jaxinfer.prompts import joined_text, render_chat
 from jaxinfer.sampling_params import SamplingParams
 
 MAX_N = 128                      # OpenAI's bound on n: it multiplies the engine requests of one HTTP request
@@ -125,9 +125,11 @@ class CompletionRequest(_Request):
                                                        "text prompt")
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class TextPart(BaseModel):      # vLLM's text parts (refusal / thinking parts hold theirs under that key)
+    type: Literal["text", "input_text", "output_text", "refusal", "thinking"]
+    text: str | None = None        # (None or "": the part is left out, as vLLM)
+    refusal: str | None = None
+    thinking: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -246,9 +248,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         extra = [k for k, v in (m.model_extra or {}).items() if v is not None]
         if extra:
             raise RequestError(f"messages[{i}].{extra[0]} is not supported by this server", param="messages")
-        c = m.content
-        out.append({"role": m.role, "content": "\n".join(p.text for p in c) if isinstance(c, list) else (c or ""),
-                    **({"name": m.name} if m.name is not None else {})})
+        out.append({"role": m.role, "content": joined_text(m.content), **({} if m.name is None else {"name": m.name})})
     return out
 
 
