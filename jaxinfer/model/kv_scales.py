@@ -83,7 +83,8 @@ def bound_amax(config, params: dict, tp: int = 1) -> tuple[jax.Array, jax.Array]
     c = config
     D, E = c.head_dim, c.hidden_size
     k_norm = _stacked(params, "k_norm").astype(jnp.float32)                      # [L, D]
-    k_amax = math.sqrt(D) * jnp.abs(k_norm).max(axis=1)
+    rope_gain = max(1.0, float(c.rope_yarn[3])) if c.rope_yarn else 1.0      # YaRN scales cos / sin (attention_factor)
+    k_amax = math.sqrt(D) * jnp.abs(k_norm).max(axis=1) * rope_gain
     ln = _stacked(params, "input_layernorm").astype(jnp.float32)               # [L, E]
     qkv = _stacked(params, "qkv_proj").astype(jnp.float32)                     # [L, E, tp (Hl + 2Kl) D]
     cols = qkv.reshape(qkv.shape[0], E, tp, -1, D)                              # [L, E, tp, Hl + 2Kl, D]
