@@ -125,6 +125,17 @@ def test_weight_bound_holds_and_survives_tensor_parallel_layout(tiny_dirs, name)
             np.testing.assert_allclose(np.asarray(a), b, rtol=1e-6)
 
 
+def test_the_key_bound_counts_yarns_attention_factor(tiny_dirs):
+    """YaRN multiplies RoPE's cos / sin by its attention_factor, so keys can grow by it: the bound does too."""
+    import dataclasses
+    config = ModelConfig.from_pretrained(tiny_dirs["gqa2"])
+    params = load_params(tiny_dirs["gqa2"], config, jnp.float32)
+    yarn = dataclasses.replace(config, rope_yarn=(32, 32.0, 1.0, 1.25, True))
+    (k0, v0), (k1, v1) = (bound_amax(c, params) for c in (config, yarn))
+    np.testing.assert_allclose(np.asarray(k1), 1.25 * np.asarray(k0), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(v1), np.asarray(v0), rtol=1e-6)
+
+
 def _with_scale_tensors(src, dst, layers, which=("k", "v"), value=None):
     """A copy of checkpoint `src` carrying vLLM-style k_scale / v_scale tensors (`which` of them) for the first
     `layers` layers; `value`: that scale for all of them instead of 0.01 (k) / 0.02 (v) x (l + 1)."""
