@@ -119,9 +119,10 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None,
                  tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order. `use_tqdm`: a bool, or (vLLM's) a callable
-        that makes the bar from total= and desc=. vLLM's `lora_request` (None only), `priority` (None, or 0 for every
-        prompt) and `tokenization_kwargs` (to the tokenizer; truncation + max_length cut token prompts too) work."""
+        """Generate for every prompt; outputs come back in prompt order (request_id: the prompt's index, as in
+        `stream`). `use_tqdm`: a bool, or (vLLM's) a callable that makes the bar from total= and desc=. vLLM's
+        `lora_request` (None only), `priority` (None, or 0 for every prompt) and `tokenization_kwargs` (to the
+        tokenizer; truncation + max_length cut token prompts too) work."""
         prompt_forms.check_unsupported("LLM.generate", lora_request=lora_request)
         reqs = self._prepare(prompts, sampling_params, tokenization_kwargs)
         prompt_forms.check_priority(priority, len(reqs))
@@ -141,7 +142,7 @@ class LLM:
                     if seq.status is Status.FINISHED:
                         bar.update(1)
         texts = TokenTexts(self.tokenizer)
-        return [self._output(p, g, texts, stop_texts) for (p, _, _), g in zip(reqs, groups)]
+        return [self._output(i, p, g, texts, stop_texts) for i, ((p, _, _), g) in enumerate(zip(reqs, groups))]
 
     def _add(self, reqs, mine: Window) -> list[list[Sequence]]:
         """One sequence per sample (SamplingParams.for_sample); samples 1.. reuse sample 0's prompt KV (prefix cache,
@@ -169,15 +170,15 @@ class LLM:
             self.engine.scheduler.finish(seq, "stop", drop)
         return delta
 
-    def _output(self, prompt: Prompt, group: list[Sequence], texts: TokenTexts, stop_texts: dict) -> RequestOutput:
-        outs = [self._completion(j, seq, texts, stop_texts.get(seq.seq_id)) for j, seq in enumerate(group)]
+    def _output(self, i: int, prompt: Prompt, group: list[Sequence], texts: TokenTexts, procs: dict) -> RequestOutput:
+        outs = [self._completion(j, seq, texts, procs.get(seq.seq_id)) for j, seq in enumerate(group)]
         seq = group[0]
         m = {}
         if seq.first_token_time is not None:
             m["ttft_s"] = seq.first_token_time - seq.arrival_time
             if seq.num_output_tokens > 1:
                 m["tpot_s"] = (seq.token_times[-1] - seq.first_token_time) / (seq.num_output_tokens - 1)
-        return RequestOutput(request_id=seq.seq_id, prompt=prompt_forms.text(prompt),
+        return RequestOutput(request_id=i, prompt=prompt_forms.text(prompt),
                              prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], outputs=outs,
                              prompt_logprobs=prompt_logprobs_of(seq, texts),
                              num_cached_tokens=seq.num_cached_tokens, metrics=m)

@@ -97,7 +97,9 @@ class OutputProcessor:
         if piece:
             old = len(self.text)
             self.text += piece
-            if self.stop and len(self.token_ids) > self.min_tokens:    # each string: a match ending in the piece
+            # each string: a match ending in the piece; not when a stop token ended the request (vLLM skips the
+            # check then: with include_stop_str_in_output its text is not cut, and the token is the stop_reason)
+            if self.stop and len(self.token_ids) > self.min_tokens and finish_reason != "stop":
                 hits = [(i, s) for i, s in ((self.text.find(s, max(0, old - len(s) + 1)), s) for s in self.stop)
                         if i >= 0]
                 if hits:

@@ -196,6 +196,22 @@ def test_include_stop_str_and_special_tokens(bpe):
         assert got == proc.text == text + "<|im_end|>" + bpe.decode(ids[:1]), stream
 
 
+def test_a_stop_tokens_own_text_is_not_searched_for_stop_strings(bpe):
+    """vLLM skips the stop-string check on the update that a stop token ended: with include_stop_str_in_output the
+    token's whole text stays (not cut at a string inside it) and no string is the stop_reason. A string completed
+    by the tokens before it still matches, also when they arrive in the same update (a K-step call)."""
+    ids = bpe.encode("Hello world! How are you", add_special_tokens=False)
+    last = bpe.decode(ids[-1:])                                       # " you"
+    for stream in (True, False):
+        proc = OutputProcessor(bpe, (last[:2],), stream=stream, include_stop_str_in_output=True)
+        got = proc.update(ids[:-1]).text + proc.update(ids[-1:], "stop").text
+        assert got == proc.text == bpe.decode(ids) and not proc.stopped and proc.finish_reason == "stop", stream
+        proc = OutputProcessor(bpe, ("How", last[:2]), stream=stream, include_stop_str_in_output=True)
+        got = proc.update(ids, "stop").text                          # "How" ends it before the stop token
+        assert proc.stopped and proc.stop_string == "How" and got == proc.text == "Hello world! How", stream
+        assert proc.token_ids == ids[:len(proc.token_ids)] and len(proc.token_ids) < len(ids) - 1, stream
+
+
 @pytest.mark.parametrize("tokenizer_class", ["Qwen2Tokenizer", "PreTrainedTokenizerFast", "GPT2Tokenizer"])
 def test_load_tokenizer_matches_auto_tokenizer_without_torch(tmp_path, tokenizer_class):
     """load_tokenizer imports Qwen3's tokenizer classes directly (no torch import); it must give what

@@ -93,8 +93,7 @@ def test_completion_echo_only_scores_the_prompt(url, client, ref):
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
     assert [t for ch in chunks if ch.choices for t in ch.choices[0].logprobs.tokens] == c.logprobs.tokens
     assert chunks[-1].usage.completion_tokens == 0
-    # the dropped token ends on "length" even when it is a stop id (vLLM's check_stop counts the length first),
-    # streamed or not
+    # the dropped token ends on "length" even when it is a stop id (the choice generated nothing), streamed or not
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True, "temperature": 0,
             "stop_token_ids": list(range(512))}        # every id of the tiny vocabulary
     whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]

@@ -307,19 +307,28 @@ def test_hf_overrides_rope_scaling_without_rope_theta_says_what_it_does(tmp_path
 
 
 @pytest.mark.parametrize("steps", [1, 4])
-def test_stop_id_as_the_last_token_allowed_is_length(tiny_dir, steps):
-    """vLLM's check_stop counts the length first: a stop id (or EOS) drawn as the max_tokens-th token ends the
-    request on "length" with no stop_reason, one token earlier on "stop" (one-step and K-step calls alike)."""
+def test_stop_id_as_the_last_token_allowed_is_stop(tiny_dir, steps):
+    """vLLM's check_stop looks at stop ids before the length: a stop id (or EOS) drawn as the max_tokens-th token
+    ends the request on "stop" with it as stop_reason, as one token earlier (one-step and K-step calls alike)."""
     llm = LLM(tiny_dir, **{**TINY_ENGINE, "num_scheduler_steps": steps})
     base = dict(temperature=0.0, ignore_eos=True)
     ids = llm.generate([[5, 6, 7]], SamplingParams(**base, max_tokens=6), use_tqdm=False)[0].outputs[0].token_ids
     k = next(i for i in range(1, 6) if ids[i] not in ids[:i])        # a token's first appearance, not the first
     last = llm.generate([[5, 6, 7]], SamplingParams(**base, max_tokens=k + 1, stop_token_ids=[ids[k]]),
                         use_tqdm=False)[0].outputs[0]
-    assert (last.token_ids, last.finish_reason, last.stop_reason) == (ids[:k + 1], "length", None)
+    assert (last.token_ids, last.finish_reason, last.stop_reason) == (ids[:k + 1], "stop", ids[k])
+    assert last.text == llm.tokenizer.decode(ids[:k])                # the stop token's text left out, as "stop"
     room = llm.generate([[5, 6, 7]], SamplingParams(**base, max_tokens=k + 2, stop_token_ids=[ids[k]]),
                         use_tqdm=False)[0].outputs[0]
     assert (room.token_ids, room.finish_reason, room.stop_reason) == (ids[:k + 1], "stop", ids[k])
+
+
+def test_generate_request_ids_are_the_prompts_indices(tiny_dir):
+    """generate's RequestOutput.request_id is the prompt's index (as stream's), whatever n or earlier calls."""
+    llm = LLM(tiny_dir, **TINY_ENGINE)
+    for n in (2, 1):
+        outs = llm.generate([[5, 6], [7], [8, 9]], SamplingParams(n=n, max_tokens=2), use_tqdm=False)
+        assert [o.request_id for o in outs] == [0, 1, 2] and [len(o.outputs) for o in outs] == [n] * 3
 
 
 def test_sampling_params_are_keyword_only_and_logprobs_concatenate(tiny_dir):

@@ -209,10 +209,10 @@ class Scheduler:
                 toks[len(toks) - seq.num_pending] = tok
                 seq.num_pending -= 1
                 count += 1
-                if seq.num_output_tokens >= p.max_tokens or len(toks) - seq.num_pending >= max_len:
-                    reason = "length"                     # (first, as vLLM's check_stop: EOS as the last token allowed)
-                elif (not p.ignore_eos and tok in self.eos) or tok in p.stop_token_ids:
-                    reason = "stop"
+                if (not p.ignore_eos and tok in self.eos) or tok in p.stop_token_ids:
+                    reason = "stop"                       # (first, as vLLM's check_stop: EOS as the last token allowed)
+                elif seq.num_output_tokens >= p.max_tokens or len(toks) - seq.num_pending >= max_len:
+                    reason = "length"
                 if reason:
                     break
             if seq.status is Status.RUNNING:              # (not preempted while the call ran)
@@ -273,10 +273,11 @@ class Scheduler:
         return updated
 
     def check_stop(self, seq: Sequence, tok: int, n: int) -> str | None:
-        """vLLM's check_stop for seq's n-th token `tok`: length first (EOS as the last token allowed is "length")."""
-        if n - seq.num_prompt_tokens >= seq.params.max_tokens or n >= self.config.max_model_len:
-            return "length"
-        return "stop" if (not seq.params.ignore_eos and tok in self.eos) or tok in seq.params.stop_token_ids else None
+        """vLLM's check_stop for seq's n-th token `tok`: stop ids first (EOS as the last token allowed is "stop")."""
+        if (not seq.params.ignore_eos and tok in self.eos) or tok in seq.params.stop_token_ids:
+            return "stop"
+        long = n - seq.num_prompt_tokens >= seq.params.max_tokens or n >= self.config.max_model_len
+        return "length" if long else None
 
     def finish(self, seq: Sequence, reason: str, drop: int = 0) -> None:
         """End a sequence (stop condition, stop string, or abort) and return its blocks to the pool. drop: output
