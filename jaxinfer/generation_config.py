@@ -59,3 +59,18 @@ def sampling_defaults(model_dir: str | None, generation_config: str = "auto", ov
         except (ValueError, TypeError) as e:
             raise ValueError(f"{where}: {e}") from None
     return out
+
+
+def folder_eos_ids(generation_config) -> tuple[int, ...]:
+    """The eos_token_id (an id or a list) of a folder's generation_config.json: as vLLM, they end generation too
+    (reported as stop_reason). () for "auto" (the model folder's file is read with its config) and "vllm"."""
+    path = os.path.join(generation_config, "generation_config.json") if generation_config not in ("auto", "vllm") \
+        else None
+    if path is None or not os.path.isfile(path):
+        return ()
+    with open(path) as f:
+        ids = json.load(f).get("eos_token_id")
+    ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{path!r}: eos_token_id={ids!r} must be token ids (integers >= 0)")
+    return tuple(ids)

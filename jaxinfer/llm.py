@@ -18,7 +18,7 @@ from jaxinfer.engine.executables import engine_numerics
 from jaxinfer.engine.llm_engine import is_finished
 from jaxinfer.engine.one_thread import OneThread, Stream, Window, recovering
 from jaxinfer.engine.sequence import Sequence, Status
-from jaxinfer.generation_config import sampling_defaults
+from jaxinfer.generation_config import folder_eos_ids, sampling_defaults
 from jaxinfer.hub import load_weights, model_config_for
 from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, eos_ids, logprobs_of,
                                        prompt_logprobs_of, primary_eos, stop_reason, text_ids)
@@ -61,7 +61,7 @@ class LLM:
         def load(placement):                     # (called by create_engine, under the engine's JAX settings)
             return load_weights(path, model_config, config.dtype, config.seed or 0, placement,   # (presets)
                                 kv_scales=config.kv_cache_dtype != "auto")
-        eos = eos_ids(self.tokenizer, self.model_config.eos_token_id)
+        eos = eos_ids(self.tokenizer, self.model_config.eos_token_id + folder_eos_ids(generation_config))
         # max_model_len left unset: the model's limit, capped by what the KV pool holds (as vLLM)
         with engine_numerics():                  # a user's JAX settings stay theirs (executables.engine_numerics)
             self.engine = create_engine(self.model_config, config, load, eos,

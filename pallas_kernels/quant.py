@@ -171,3 +171,14 @@ def pack_in_kernel(even, odd):
     """Inside a kernel: fp8 values of the even and odd dimensions [..., D/2] -> their uint16 pairs."""
     lo, hi = (jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint16) for x in (even, odd))
     return lo | (hi << 8)
+
+
+# fp8 pages stored as their bytes (uint8 [P, bs, K, D]): the xla backend's caches on the CPU. XLA:CPU has no fp8
+# arithmetic and rewrote a whole float8 array for each scatter into it (a CPU decode step ~20-45x a float32 cache's);
+# a uint8 array is written in place, and readers view the pages they gathered as fp8 (`as_fp8`).
+BYTES_DTYPE = jnp.dtype(jnp.uint8)
+
+
+def as_fp8(x: jax.Array) -> jax.Array:
+    """Byte pages (BYTES_DTYPE) viewed as fp8; any other array unchanged."""
+    return jax.lax.bitcast_convert_type(x, FP8_DTYPE) if x.dtype == BYTES_DTYPE else x

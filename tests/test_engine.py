@@ -287,6 +287,15 @@ def test_generation_config_gives_the_default_sampling_params(tiny_dir, tmp_path)
     assert LLM(d, generation_config="vllm", **BASE).get_default_sampling_params() == SamplingParams()
     with pytest.raises(ValueError, match="generation_config='nowhere'"):
         LLM(d, generation_config="nowhere", **BASE)
+    # a folder's eos_token_id ends generation too (vLLM adds it to the stop ids), reported as the stop_reason
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [greedy.token_ids[2]]}))
+    out = LLM(d, generation_config=str(folder), **BASE).generate(["Hello world"], SamplingParams(
+        temperature=0, max_tokens=5))[0].outputs[0]
+    k = greedy.token_ids.index(greedy.token_ids[2])
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (greedy.token_ids[:k + 1], "stop",
+                                                                   greedy.token_ids[2])
 
 
 def test_stop_strings_and_eos(tiny_dir):

@@ -16,7 +16,7 @@ from jaxinfer.model.kv_scales import bound_amax, calibrated_amax, kv_cache_dtype
 from jaxinfer.model.loader import load_params
 from jaxinfer.model.qwen3 import dense_logits
 from jaxinfer.parallel.layout import map_params, to_tp
-from pallas_kernels.quant import FP8_DTYPE, PAIRS_DTYPE
+from pallas_kernels.quant import BYTES_DTYPE, FP8_DTYPE, PAIRS_DTYPE
 from scripts.fp8_accuracy import compare, paged_logits
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -57,7 +57,7 @@ def test_fp8_cache_tokens_agree_but_at_near_ties(tiny_dir, fp8_xla, full):
     st = llm.stats()
     assert st["kv_cache_dtype"] == "float8_e4m3fn" and st["kv_blocks_total"] > 0
     k_cache, v_cache = llm.engine.runner.kv_caches[0]
-    assert k_cache.dtype == v_cache.dtype == FP8_DTYPE
+    assert k_cache.dtype == v_cache.dtype == BYTES_DTYPE          # (the xla backend off the GPU: fp8 pages' bytes)
     config = ModelConfig.from_pretrained(tiny_dir)
     params = load_params(tiny_dir, config, jnp.float32)
     logits_of = jax.jit(lambda ids: dense_logits(config, params, ids))      # one shape: causal, so padding after

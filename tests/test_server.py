@@ -376,6 +376,16 @@ def test_model_sampling_defaults_fill_what_a_request_leaves_out(tmp_path):
     add_server_args(ap)
     opts = server_options(ap.parse_args(["--override-generation-config", '{"temperature": 0.5}']))
     assert opts.override_generation_config == {"temperature": 0.5}
+    # as engine options (serve(model, {"generation_config": ...}), --engine JSON) they are the server's too, and
+    # the engine core's LLM gets the server's (it checks the same file: "vllm" ignores a broken one)
+    from jaxinfer.server.launch import generation_config_to_both
+    opts, kw = generation_config_to_both(ServerOptions(), {"generation_config": "vllm", "max_num_seqs": 2})
+    assert opts.generation_config == "vllm" and kw == {"generation_config": "vllm", "max_num_seqs": 2,
+                                                       "override_generation_config": None}
+    opts, kw = generation_config_to_both(ServerOptions(generation_config=str(bad / "..")), None)
+    assert kw["generation_config"] == str(bad / "..") and opts.generation_config == str(bad / "..")
+    with pytest.raises(ValueError, match="generation_config given twice"):
+        generation_config_to_both(ServerOptions(generation_config="vllm"), {"generation_config": str(tmp_path)})
 
 
 def test_a_command_that_cannot_be_encoded_fails_alone():

@@ -149,6 +149,37 @@ def test_sigterm_drain_timeout_aborts_and_refuses_new_requests(tiny_dir, jax_cac
             proc.wait(timeout=30)
 
 
+def test_a_second_signal_ends_the_drain_at_once(tiny_dir, jax_cache):
+    """SIGINT drains; a second SIGINT ends the requests in flight now (finish_reason "abort", the stream closed
+    with its last event), and the server exits 0 at once, with no traceback in its log (it used to send on a
+    closed socket and print uvicorn's cancelled-task trace after 5 s)."""
+    proc, url = start_server(tiny_dir, jax_cache)           # (--shutdown-timeout: 30 s)
+    try:
+        reasons, n, t0 = {}, 0, None
+        body = {**stream_body(110), "prompt": [f"Stop {i}" for i in range(200)]}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
+            for line in s.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                n += 1
+                if n == 2:
+                    proc.send_signal(signal.SIGINT)
+                    time.sleep(0.5)
+                    t0 = time.monotonic()
+                    proc.send_signal(signal.SIGINT)
+                for c in json.loads(line.removeprefix("data: "))["choices"]:
+                    if c["finish_reason"]:
+                        reasons[c["index"]] = c["finish_reason"]
+        assert sorted(reasons) == list(range(200)) and "abort" in reasons.values()
+        assert proc.wait(timeout=60) == 0 and time.monotonic() - t0 < 4.5, "a second signal stops at once"
+        log = proc.stdout.read()
+        assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 def test_port_in_use_fails_before_loading(tiny_dir):
     from jaxinfer.server import serve
     with socket.create_server(("127.0.0.1", 0)) as busy:

@@ -18,7 +18,7 @@ import numpy as np
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model import layers
 from jaxinfer.model import xla_decode
-from jaxinfer.model.attention import cache_layout, v_pages
+from jaxinfer.model.attention import cache_dtypes, cache_layout
 from jaxinfer.model.kv_scales import kv_cache_dtype, with_kv_scales
 from jaxinfer.parallel import Placement, kv_heads, make_placements
 from jaxinfer.parallel.layout import KV_SPEC
@@ -103,9 +103,11 @@ class ModelRunner:
                  model.head_dim)
         kv_shape, pairs = cache_layout(engine.attn_backend, model.num_hidden_layers, shape,
                                        jnp.dtype(self.kv_dtype).itemsize, tp)
-        v_shape, self.v_dtype = v_pages(engine.attn_backend, kv_shape, self.kv_dtype)     # pallas fp8: V in pairs
+        # pallas fp8: V in pairs; xla fp8 off the GPU: byte pages
+        self.k_dtype, v_shape, self.v_dtype = cache_dtypes(engine.attn_backend, self.kv_dtype, kv_shape,
+                                                           not self.interpret)
         # what a compiled step's cache arguments are: part of the shared executables' key
-        self.cache_kind = (pairs, kv_shape, str(self.kv_dtype), v_shape, str(self.v_dtype))
+        self.cache_kind = (pairs, kv_shape, str(self.k_dtype), v_shape, str(self.v_dtype))
         # xla reads all W pages of a row: a ladder of narrower tables lets short contexts read less. The kernels
         # read only the pages a row needs, but a [B, W] table for a 40k-token model (W = 2560) would be sent and
         # packed every step: they get one narrow width beside the full one (config.BACKEND_DEFAULTS).
@@ -255,7 +257,7 @@ class ModelRunner:
         and the last step's sampled rows' hidden states (its first B rows; read by the "resample" program of a
         batch that filters)."""
         pairs, kv_shape, _, v_shape, _ = self.cache_kind
-        self.kv_caches = list(zip(self.placement.zeros_kv(kv_shape, self.kv_dtype, pairs),
+        self.kv_caches = list(zip(self.placement.zeros_kv(kv_shape, self.k_dtype, pairs),
                                   self.placement.zeros_kv(v_shape, self.v_dtype, pairs)))
         self.last_ids = self.placement.put(np.zeros((self.max_rows,), np.int32))
         self.rows = self.placement.put(np.zeros((self.max_rows, self.hidden_size), self.dtype))

@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -40,17 +41,20 @@ from jaxinfer.model.xla_attention import layer_scales, prefill_xla  # noqa: F401
 from jaxinfer.model.xla_decode import paged_decode_xla  # noqa: F401 (re-exported)
 from jaxinfer.parallel import shard_map
 from jaxinfer.parallel.layout import KV_SPEC
-from pallas_kernels.quant import PAIRS_DTYPE, is_fp8, is_pairs, pack_pairs, quantize
+from pallas_kernels.quant import BYTES_DTYPE, FP8_DTYPE, PAIRS_DTYPE, is_fp8, is_pairs, pack_pairs, quantize
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
     """k/v [T, K, D] into caches [P, bs, K, D] at flat slots [T]; out-of-range slots are dropped. fp8 caches:
     k / k_scale and v / v_scale ([] or [1] or [K]) are quantised first; V pages in pairs (uint16 [P, bs, K, D/2],
-    `v_pages`) get each token's fp8 values packed."""
+    `v_pages`) get each token's fp8 values packed, byte pages (uint8, `cache_dtypes`) the fp8 values' bytes."""
     if k_scale is not None:
-        k, v = quantize(k, k_scale, k_cache.dtype), quantize(v, v_scale, k_cache.dtype)
+        dtype = FP8_DTYPE if k_cache.dtype == BYTES_DTYPE else k_cache.dtype
+        k, v = quantize(k, k_scale, dtype), quantize(v, v_scale, dtype)
     if is_pairs(v_cache.dtype):
         v = pack_pairs(v)
+    k, v = (jax.lax.bitcast_convert_type(x, BYTES_DTYPE) if c.dtype == BYTES_DTYPE else x
+            for x, c in ((k, k_cache), (v, v_cache)))
     P, bs, K, D = k_cache.shape
     Dv = v_cache.shape[-1]
     k_cache = k_cache.reshape(P * bs, K, D).at[slot_mapping].set(k, mode="drop", unique_indices=True)
@@ -84,6 +88,14 @@ def long_decode_tiles(width_tokens: int, rows: int, heads: int, kv_heads: int, h
 
 
 PAIRS_MIN_HEAD_DIM = 32   # pairs only from this head_dim on: each half-dot keeps the 16 columns Triton's dots need
+
+
+def cache_dtypes(backend: str, kv_dtype, shape: tuple[int, ...], on_gpu: bool):
+    """(K pages' dtype, V pages' shape, V pages' dtype) of caches whose K pages have `shape` and hold `kv_dtype`:
+    fp8 of the xla backend off the GPU as bytes (BYTES_DTYPE: pallas_kernels/quant.py), else `v_pages`."""
+    if backend == "xla" and is_fp8(kv_dtype) and not on_gpu:
+        return BYTES_DTYPE, tuple(shape), BYTES_DTYPE
+    return (kv_dtype, *v_pages(backend, shape, kv_dtype))
 
 
 def v_pages(backend: str, shape: tuple[int, ...], kv_dtype) -> tuple[tuple[int, ...], object]:

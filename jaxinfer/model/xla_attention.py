@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.quant import BYTES_DTYPE, FP8_DTYPE, as_fp8
+
 _NEG = -1e30
 QUERY_TILE = 64        # most prefill queries per tile (see prefill_xla)
 GATHER_BUDGET = 6 * 2**30   # bytes of gathered pages (+ prefill scores) one group of chunks / tiles may take
@@ -33,12 +35,12 @@ def gathered_itemsize(cache, q) -> int:
     """Bytes a gathered page element may take in memory: fp8 pages are converted to q's dtype for the einsums, and
     both the fp8 gather and its converted copy may be written out (counted together)."""
     item = jnp.dtype(cache.dtype).itemsize
-    return item + jnp.dtype(q.dtype).itemsize if jnp.dtype(cache.dtype) == jnp.float8_e4m3fn else item
+    return item + jnp.dtype(q.dtype).itemsize if jnp.dtype(cache.dtype) in (FP8_DTYPE, BYTES_DTYPE) else item
 
 
 def gather_pages(cache, block_tables):
     """cache [P, bs, K, D], tables [N, W] -> [N, W*bs, K, D]."""
-    g = cache[block_tables]
+    g = as_fp8(cache[block_tables])                                       # (byte pages: viewed as fp8)
     return g.reshape(g.shape[0], -1, *g.shape[3:])
 
 

@@ -76,6 +76,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
     app = FastAPI(title="jaxinfer", version=package_version(), lifespan=asynccontextmanager(lifespan), docs_url=None,
                   redoc_url=None, description="OpenAI-compatible API of jaxinfer (see docs/serving.md).")
     app.state.client, app.state.options, app.state.draining, app.state.active = None, options, False, 0
+    app.state.hurry = False                        # a second signal: in-flight requests end now (drain)
     app.add_middleware(Gate, state=app.state)
     if options.origins():          # outside the Gate: a browser's preflight needs no API key (as vLLM)
         app.add_middleware(CORSMiddleware, allow_origins=options.origins(), allow_methods=["*"], allow_headers=["*"])
@@ -269,7 +270,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         options.shutdown_timeout; then `then()` (uvicorn exits)."""
         app.state.draining = True
         c, end = app.state.client, time.monotonic() + app.state.options.shutdown_timeout
-        while c is not None and c.inflight and time.monotonic() < end:
+        while c is not None and c.inflight and time.monotonic() < end and not app.state.hurry:
             await asyncio.sleep(0.05)
         if c is not None and c.inflight:
             c.finish_all("abort")
@@ -278,11 +279,14 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
             await asyncio.sleep(0.02)
         then()
 
-    def start_drain(then: Callable[[], None]) -> None:
-        """From a signal handler (any thread): start draining on the event loop."""
+    def start_drain(then: Callable[[], None], now: bool = False) -> None:
+        """From a signal handler (any thread): start draining on the event loop; `now` (a second signal): end the
+        in-flight requests at once, as the shutdown timeout does."""
         loop = getattr(app.state, "loop", None)
         if loop is None or loop.is_closed():
             return then()
+        if now:
+            return loop.call_soon_threadsafe(setattr, app.state, "hurry", True)
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(drain(then)))
     app.state.start_drain = start_drain
     return app

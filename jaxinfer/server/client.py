@@ -92,6 +92,8 @@ class Collector:
 
 
 class CoreClient:
+    _closed = False                               # close() has closed the socket to the core
+
     def __init__(self, info: CoreInfo, api_index: int = 0, alive: Callable[[], bool] | None = None):
         self.info, self.api_index, self.api_count = info, api_index, len(info.out_addrs)
         self.alive = alive or (lambda: pid_alive(info.pid))
@@ -120,6 +122,7 @@ class CoreClient:
         self._flush()
         self._thread.join(timeout=5)
         self._push.close()
+        self._closed = True
         self._ctx.term()
 
     # -- requests (event loop) ----------------------------------------------------------------------
@@ -181,6 +184,8 @@ class CoreClient:
         self._cmds.append(cmd)
 
     def _flush(self) -> None:
+        if self._cmds and self._closed:           # after close() (a second signal cancels handlers that abort):
+            self._cmds = []                       # the core is shut down with everything it runs
         if self._cmds:
             cmds, self._cmds = self._cmds, []
             try:

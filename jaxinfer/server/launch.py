@@ -9,6 +9,7 @@ A model that fails to load raises (ValueError / FileNotFoundError / RuntimeError
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -33,6 +34,7 @@ def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1"
     if not isinstance(api_server_count, int) or api_server_count < 1:
         raise ValueError(f"api_server_count={api_server_count!r} must be a positive integer")
     options = options if options is not None else ServerOptions.create()
+    options, engine_kwargs = generation_config_to_both(options, engine_kwargs)
     name = served_model_name or model          # (a list: several names, the first in answers)
     sock = bind(host, port)                    # a port in use fails now, not after loading the model
     main = threading.current_thread() is threading.main_thread()
@@ -60,6 +62,23 @@ def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1"
         sock.close()
         if main:
             signal.signal(signal.SIGTERM, old)
+
+
+def generation_config_to_both(options: ServerOptions, engine_kwargs: dict | None) -> tuple[ServerOptions, dict]:
+    """generation_config / override_generation_config given as engine options (`LLM`'s keywords) or as server
+    options mean the same: the API process fills requests' left-out fields from them, and the engine core's
+    `LLM` gets them too (it checks the same file, and a folder's EOS ids end generation). Given twice, with
+    different values: a ValueError."""
+    kw, moved = dict(engine_kwargs or {}), {}
+    for key, default in (("generation_config", "auto"), ("override_generation_config", None)):
+        if key in kw:
+            value, given = kw.pop(key), getattr(options, key)
+            if given != default and given != value:
+                raise ValueError(f"{key} given twice: {value!r} (engine options) and {given!r} (server options)")
+            moved[key] = value
+    options = dataclasses.replace(options, **moved) if moved else options
+    return options, {**kw, "generation_config": options.generation_config,
+                     "override_generation_config": options.override_generation_config}
 
 
 def bind(host: str, port: int):
@@ -98,16 +117,17 @@ def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api
         asyncio.get_running_loop().call_later(EXIT_GRACE_S, setattr, server, "should_exit", True)
 
     class DrainingServer(uvicorn.Server):
-        """The first SIGTERM / SIGINT drains (app.py); a second one stops at once (uvicorn's own)."""
-        draining = False
+        """The first SIGTERM / SIGINT drains (app.py); a second one stops at once: in-flight requests end with
+        finish_reason "abort" now (their streams end cleanly); a third is uvicorn's own."""
+        signals = 0
 
         def handle_exit(self, sig, frame):
             if ignore_sigint and sig == signal.SIGINT:
                 return
-            if self.draining or not self.started:
+            self.signals += 1
+            if self.signals > 2 or not self.started:
                 return super().handle_exit(sig, frame)
-            self.draining = True
-            app.state.start_drain(lambda: setattr(self, "should_exit", True))
+            app.state.start_drain(lambda: setattr(self, "should_exit", True), now=self.signals == 2)
 
     app = build_app(info, name, api_index=api_index, tokenizer=tokenizer, alive=alive, on_dead=on_dead,
                     options=options)
