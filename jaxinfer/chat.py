@@ -66,14 +66,14 @@ def chat_loop(llm, sp, system: str | None = None, thinking: bool = True) -> int:
             continue
         history.append({"role": "user", "content": line})
         prompt, dropped = fit_history(llm, history, kwargs, sp.max_tokens)
-        if dropped:
-            keep = 1 if system else 0
-            del history[keep:keep + 2 * dropped]
-            print(f"(dropped the {dropped} oldest turn(s) to fit max_model_len={llm.config.max_model_len})",
-                  file=sys.stderr)
         reply, stream = [], None
         try:
-            stream = llm.stream(prompt, sp)       # (bad input raises here)
+            stream = llm.stream(prompt, sp)       # (bad input raises here, before the history loses a turn)
+            if dropped:
+                keep = 1 if system else 0
+                del history[keep:keep + 2 * dropped]
+                print(f"(dropped the {dropped} oldest turn(s) to fit max_model_len={llm.config.max_model_len})",
+                      file=sys.stderr)
             for d in stream:
                 print(d.text, end="", flush=True)
                 reply.append(d.text)

@@ -157,7 +157,7 @@ def _tool_calls(j: int, m: dict) -> dict:
 
 # a chat template that loops over a message's content parts (`{% for part in message['content'] %}`) takes them as
 # a list (vLLM's "openai" content format, which its "auto" picks for such templates); others take a string
-_LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]|\.content)\b")
+_LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
 
 
 def content_format(tokenizer, chosen: str, chat_template: str | None = None) -> str:
@@ -208,7 +208,12 @@ def render_chat(tokenizer, messages, chat_template_kwargs: dict | None = None, *
         raise ValueError("continue_final_message=True needs add_generation_prompt=False (as vLLM)")
     if not kw.get("continue_final_message", True):
         del kw["continue_final_message"]          # (the default: not passed, for templates that predate it)
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, **kw)
+    try:
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, **kw)
+    except ValueError:
+        raise
+    except Exception as e:         # the template's own errors (raise_exception, syntax, types): vLLM's ValueError
+        raise ValueError(f"cannot apply the chat template: {type(e).__name__}: {e}") from None
 
 
 def check_unsupported(where: str, **options) -> None:

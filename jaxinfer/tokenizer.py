@@ -31,12 +31,37 @@ class ByteTokenizer:
         return [chr(i) if 32 <= i < 127 else f"<0x{i:02X}>" if 0 <= i < 256 else f"<{i}>" for i in ids]
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, continue_final_message=False,
-                            **kwargs):
+                            chat_template=None, **kwargs):
+        """ChatML; a `chat_template` given (or set as `.chat_template`, e.g. by the server's --chat-template) is
+        rendered as transformers renders one (a Jinja sandbox, `raise_exception`; extra kwargs go to it)."""
+        template = chat_template or self.chat_template
+        if template is not None:
+            text = render_template(template, messages, add_generation_prompt=add_generation_prompt, **kwargs)
+            if continue_final_message:                 # transformers': cut after the last message's own text
+                last = messages[-1]["content"]
+                last = last if isinstance(last, str) else "".join(p.get("text") or "" for p in last)
+                if last.strip() not in text:
+                    raise ValueError("continue_final_message: the final message's text is not in the rendered chat")
+                text = text[:text.rindex(last.strip()) + len(last.strip())]
+            return self.encode(text) if tokenize else text
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         if continue_final_message:                     # the last message stays open
             text = text[:-len("<|im_end|>\n")]
         text += "<|im_start|>assistant\n" if add_generation_prompt else ""
         return self.encode(text) if tokenize else text
+
+
+def render_template(template: str, messages, **kwargs) -> str:
+    """A chat template rendered as transformers does (sandboxed Jinja, trim_blocks / lstrip_blocks, loop
+    controls, `raise_exception`)."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, **kwargs)
 
 
 def load_tokenizer(path: str | None):

@@ -59,6 +59,22 @@ def test_chat_ends_quietly_when_stdin_is_closed(monkeypatch, capsys):
     assert chat_loop(llm=None, sp=None) == 0
 
 
+def test_a_refused_chat_message_keeps_the_history(monkeypatch, capsys):
+    """A message too long for max_model_len is refused; the turns before it stay (dropping them to make it fit
+    happens only for a message that is taken)."""
+    import builtins
+
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.chat import chat_loop
+    llm = LLM("qwen3-pydoc", max_model_len=64)
+    lines, seen, stream = iter(["My name is Ann", "word " * 100, "What is my name?", "/exit"]), [], llm.stream
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    monkeypatch.setattr(llm, "stream", lambda prompt, sp: seen.append(prompt) or stream(prompt, sp))
+    assert chat_loop(llm, SamplingParams(temperature=0, max_tokens=4)) == 0
+    assert "max_model_len" in capsys.readouterr().err and len(seen) == 3
+    assert "My name is Ann" in seen[-1] and "What is my name?" in seen[-1]
+
+
 def test_serve(tiny_dir):
     """`jaxinfer serve` with vLLM's flag forms: --model, --port 0 (the log says where it listens), several
     --served-model-name, --chat-template given inline, flags with no meaning here; a bad vLLM value is refused."""

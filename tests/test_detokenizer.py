@@ -212,6 +212,24 @@ def test_a_stop_tokens_own_text_is_not_searched_for_stop_strings(bpe):
         assert proc.token_ids == ids[:len(proc.token_ids)] and len(proc.token_ids) < len(ids) - 1, stream
 
 
+def test_the_presets_tokenizer_renders_a_given_chat_template():
+    """Presets (ByteTokenizer) render ChatML, or a chat_template given (LLM.chat's argument, or set as the
+    tokenizer's: the server's --chat-template) as transformers would; its errors are the template's."""
+    from jaxinfer.prompts import render_chat
+    tok, msgs = ByteTokenizer(), [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    tmpl = ("{% for m in messages %}[{{ m['role'] }}]: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}>{% endif %}")
+    assert render_chat(tok, msgs[:1]) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert render_chat(tok, msgs[:1], chat_template=tmpl) == "[user]: Hi\n>"
+    assert render_chat(tok, msgs, add_generation_prompt=False, continue_final_message=True,
+                       chat_template=tmpl) == "[user]: Hi\n[assistant]: Yo"
+    tok.chat_template = tmpl
+    assert render_chat(tok, msgs[:1]) == "[user]: Hi\n>" and tok.apply_chat_template(msgs[:1], tokenize=True) == \
+        list(b"[user]: Hi\n>")
+    with pytest.raises(ValueError, match="alternate"):
+        render_chat(tok, msgs, chat_template="{{ raise_exception('roles must alternate') }}")
+
+
 @pytest.mark.parametrize("tokenizer_class", ["Qwen2Tokenizer", "PreTrainedTokenizerFast", "GPT2Tokenizer"])
 def test_load_tokenizer_matches_auto_tokenizer_without_torch(tmp_path, tokenizer_class):
     """load_tokenizer imports Qwen3's tokenizer classes directly (no torch import); it must give what

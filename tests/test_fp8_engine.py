@@ -44,7 +44,7 @@ def full(tiny_dir):
 
 @pytest.fixture(scope="module")
 def fp8_xla(tiny_dir, full):
-    llm = LLM(tiny_dir, **FP8)
+    llm = LLM(tiny_dir, **FP8, attn_backend="xla")             # (named: a GPU's default is pallas)
     return llm, tokens(llm, full[0])
 
 

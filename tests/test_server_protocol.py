@@ -120,3 +120,16 @@ def test_choice_stop_reason_tells_the_tokenizers_eos_from_the_others():
         return ch.stop_reason
     assert [reason([70, 2]), reason([70, 9]), reason([70, 7], stop_token_ids=[7]), reason([70, 2], stop_token_ids=[2]),
             reason([70, 2], ignore_eos=True, stop_token_ids=[2])] == [None, 9, 7, None, 2]
+
+
+def test_vllm_request_fields_this_server_refuses_are_named_as_unsupported():
+    """vLLM's request fields with no counterpart here (a per-request chat_template, documents, ...) are a 400
+    "not supported" naming the field, as the other known fields (not "unrecognized"); their no-op values pass."""
+    from jaxinfer.server import protocol as P
+    msgs = [{"role": "user", "content": "hi"}]
+    for field, value in (("chat_template", "{{ 1 }}"), ("documents", [{"text": "a"}]), ("priority", 3),
+                         ("request_id", "r1"), ("return_tokens_as_token_ids", True), ("mm_processor_kwargs", {})):
+        with pytest.raises(P.RequestError, match=f"{field}=.*not supported") as e:
+            P.check_unsupported(P.ChatCompletionRequest(messages=msgs, **{field: value}))
+        assert e.value.code == "unsupported_parameter" and e.value.param == field
+    P.check_unsupported(P.ChatCompletionRequest(messages=msgs, priority=0, return_tokens_as_token_ids=False))

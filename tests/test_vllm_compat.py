@@ -357,6 +357,13 @@ def test_chat_template_content_format(tiny_dir):
     assert rendered("openai") == rendered("auto") == "P:aP:b||P:c|"
     plain = "{% for m in messages %}{{ m.content }}|{% endfor %}"
     assert rendered("auto", plain) == "a\nb||c|"
+    bracket = "{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}|{% endfor %}"
+    assert rendered("auto", bracket) == rendered("openai", bracket) == "ab||c|"    # (Gemma 3's, Llama 4's form)
+    # the template's own errors are ValueErrors, as vLLM's (raise_exception, syntax, a string template's parts)
+    for bad, fmt in (("{{ raise_exception('roles must alternate') }}", "auto"), ("{% for %}", "auto"),
+                     (plain.replace("m.content", "m.content + 1"), "openai")):
+        with pytest.raises(ValueError, match="chat template"):
+            rendered(fmt, bad)
 
 
 def test_an_eos_id_other_than_the_tokenizers_is_the_stop_reason(tiny_dir):

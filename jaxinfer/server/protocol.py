@@ -50,7 +50,8 @@ UNSUPPORTED: dict[str, tuple] = {
     "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (), "reasoning_effort": (),
     "logits_processors": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1.0,), "allowed_token_ids": (),
-    "bad_words": ([],),
+    "bad_words": ([],), "chat_template": (), "documents": (), "mm_processor_kwargs": (), "priority": (0,),
+    "request_id": (), "return_tokens_as_token_ids": (False,),
 }
 IGNORED = ("user", "store", "metadata", "service_tier")      # bookkeeping fields with no effect on the output
 
