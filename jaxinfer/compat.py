@@ -14,6 +14,8 @@ from __future__ import annotations
 import numbers
 import os
 
+import numpy as np
+
 IGNORED = {"trust_remote_code": bool, "enforce_eager": bool, "disable_log_stats": bool, "swap_space": (int, float),
            "max_seq_len_to_capture": int}
 FIXED = {"enable_chunked_prefill": (True, None), "max_logprobs": (20, None), "tokenizer_mode": ("auto", "hf", None),
@@ -43,9 +45,35 @@ def pop_vllm_options(kwargs: dict) -> str | None:
 
 
 def python_numbers(kwargs: dict) -> dict:
-    """Engine options with numpy integers / floats (np.int64(8), np.float32(0.5)) as Python's."""
+    """Engine options with numpy integers / floats / bools (np.int64(8), np.float32(0.5), np.True_), also inside
+    lists (bucket lists), as Python's."""
     def plain(v):
         if isinstance(v, bool) or isinstance(v, (int, float)) and type(v) in (int, float):
             return v
+        if isinstance(v, np.bool_):
+            return bool(v)
+        if isinstance(v, (list, tuple)):
+            return type(v)(plain(x) for x in v)
         return int(v) if isinstance(v, numbers.Integral) else float(v) if isinstance(v, numbers.Real) else v
     return {k: plain(v) for k, v in kwargs.items()}
+
+
+# Other names of engine options -> ours: nano-vllm's block size, vLLM's num_gpu_blocks_override
+ALIASES = {"kvcache_block_size": "block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
+# Options whose None means their default (vLLM's EngineArgs types them `X | None = None`)
+NONE_IS_DEFAULT = ("block_size", "enable_prefix_caching", "async_scheduling", "gpu_memory_utilization",
+                   "kv_cache_dtype", "tensor_parallel_size", "data_parallel_size")
+
+
+def engine_names(kwargs: dict) -> dict:
+    """Engine options under our names: ALIASES renamed (both given: a ValueError), None dropped where it means
+    the default, max_model_len -1 or "auto" (vLLM's and the CLI's "as long as the pool holds") as None."""
+    kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in NONE_IS_DEFAULT}
+    if kwargs.get("max_model_len") in (-1, "auto"):
+        kwargs["max_model_len"] = None
+    for old, new in ALIASES.items():
+        if old in kwargs:
+            if new in kwargs:
+                raise ValueError(f"give {new}= or {old}=, not both")
+            kwargs[new] = kwargs.pop(old)
+    return kwargs

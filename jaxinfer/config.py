@@ -129,7 +129,6 @@ ATTN_BACKENDS = ("xla", "pallas", "cudnn", "triton", "mosaic")
 GPU_ONLY_BACKENDS = {"cudnn": "cuDNN attention", "triton": "Triton kernels (jax-triton)",   # no CPU/interpret path
                      "mosaic": "Pallas Mosaic GPU kernels (Hopper)"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # vLLM's names; fp8 is e4m3 (model/kv_scales.py)
-KV_BLOCK_SIZE_ALIASES = {"kvcache_block_size": "block_size"}   # nano-vllm's name -> vLLM's
 # Past any real use; refused at LLM(), not later (2**31 rows: a 2 TiB host buffer; 2**20-token blocks: no start-up)
 UPPER_BOUNDS = dict(max_num_seqs=1 << 16, max_num_batched_tokens=1 << 20, block_size=1024)
 
@@ -224,12 +223,8 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """EngineConfig from LLM-style keyword arguments; an unknown one is a ValueError that names it."""
-        names = {f.name for f in fields(cls)}
-        for old, new in KV_BLOCK_SIZE_ALIASES.items():
-            if old in kwargs:
-                if new in kwargs:
-                    raise ValueError(f"give {new}= or {old}=, not both")
-                kwargs[new] = kwargs.pop(old)
+        from jaxinfer.compat import engine_names
+        names, kwargs = {f.name for f in fields(cls)}, engine_names(kwargs)    # (other names, None as the default)
         if unknown := sorted(set(kwargs) - names):
             hint = difflib.get_close_matches(unknown[0], names, n=1)
             raise ValueError(f"unknown engine option {unknown[0]}={kwargs[unknown[0]]!r}"
@@ -251,6 +246,8 @@ class EngineConfig:
             if self.kv_cache_dtype != "auto":
                 raise ValueError(f"attn_backend={self.attn_backend!r} does not read an fp8 KV cache "
                                  f"(kv_cache_dtype={self.kv_cache_dtype!r}): use 'pallas' or 'xla' for fp8")
+            if self.attn_backend == "mosaic" and self.block_size < 8:   # (its kernels' whole 8-row SMEM tiles)
+                raise ValueError(f"attn_backend='mosaic' needs block_size >= 8, got block_size={self.block_size}")
         kw = {k: v for k, v in PLATFORM_DEFAULTS["gpu" if platform == "gpu" else "cpu"].items()
               if getattr(self, k) is None}
         if "attn_backend" in kw and model.head_dim & (model.head_dim - 1):

@@ -42,9 +42,9 @@ class LLM:
     """
 
     def __init__(self, model: str, generation_config: str = "auto", override_generation_config=None, **kwargs):
+        kwargs = python_numbers(kwargs)           # (numpy ints, floats and bools as Python's)
         tokenizer = pop_vllm_options(kwargs)      # vLLM options with no meaning here are accepted (compat.py)
         hub = {k: kwargs.pop(k) for k in ("hf_overrides", "revision", "download_dir") if k in kwargs}   # (hub.py)
-        kwargs = python_numbers(kwargs)           # (numpy ints and floats as Python's)
         requested = EngineConfig.from_kwargs(**kwargs)
         path, model_config = model_config_for(model, **hub)
         self.default_sampling_params = sampling_defaults(path if os.path.isdir(path) else None, generation_config,
@@ -62,7 +62,7 @@ class LLM:
             return load_weights(path, model_config, config.dtype, config.seed or 0, placement,   # (presets)
                                 kv_scales=config.kv_cache_dtype != "auto")
         eos = eos_ids(self.tokenizer, self.model_config.eos_token_id + folder_eos_ids(generation_config))
-        # max_model_len left unset: the model's limit, capped by what the KV pool holds (as vLLM)
+        # max_model_len unset (or -1): the model's, capped by the KV pool (vLLM: only for -1; unset, it refuses)
         with engine_numerics():                  # a user's JAX settings stay theirs (executables.engine_numerics)
             self.engine = create_engine(self.model_config, config, load, eos,
                                         cap_max_model_len=requested.max_model_len is None)

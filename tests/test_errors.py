@@ -80,6 +80,29 @@ def test_numpy_numbers_where_python_ones_are_taken(tiny_dir):
     eng.add_request(7, [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
     eng.abort_request(np.int64(7))
     assert not eng.has_unfinished_requests()
+    # also numpy bools, numbers in bucket lists and in vLLM's options that mean nothing here
+    llm = LLM(tiny_dir, **{**TINY_ENGINE, "enable_prefix_caching": np.False_, "decode_buckets": [np.int64(8)],
+                           "max_logprobs": np.int64(20), "swap_space": np.float32(4), "trust_remote_code": np.True_})
+    assert llm.config.enable_prefix_caching is False and llm.config.decode_buckets == (8,)
+
+
+def test_vllm_engine_args_none_and_other_names(tiny_dir):
+    """As vLLM's EngineArgs: None for block_size, enable_prefix_caching, async_scheduling, ... is the default;
+    num_gpu_blocks_override is num_kvcache_blocks; max_model_len=-1 is "as long as fits" (the CLI's auto). The
+    mosaic backend's kernels need block_size >= 8: refused at LLM(), not at the first request."""
+    from jaxinfer.config import EngineConfig, ModelConfig
+    base = {k: v for k, v in TINY_ENGINE.items() if k not in ("num_kvcache_blocks", "max_model_len", "block_size")}
+    llm = LLM(tiny_dir, **base, block_size=None, enable_prefix_caching=None, async_scheduling=None,
+              num_gpu_blocks_override=40, max_model_len=-1)
+    c = llm.config
+    assert (c.block_size, c.enable_prefix_caching, c.async_scheduling) == (16, True, True)
+    assert llm.stats()["kv_blocks_total"] == 40 and c.max_model_len == 40 * 16
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig.from_kwargs(num_gpu_blocks_override=4, num_kvcache_blocks=8)
+    model = ModelConfig.from_pretrained(tiny_dir)
+    with pytest.raises(ValueError, match="mosaic.*block_size=4"):
+        EngineConfig.from_kwargs(attn_backend="mosaic", block_size=4).resolve("gpu", model)
+    assert ModelConfig.from_pretrained(tiny_dir, {"torch_dtype": "bfloat16"}).torch_dtype == "bfloat16"
 
 
 def test_max_tokens_none_runs_to_max_model_len(llm):

@@ -25,6 +25,8 @@ def with_overrides(d: dict, overrides: dict | None) -> dict:
     the one inside rope_parameters (transformers 5 keeps it there, and rope_fields reads it there first), so that
     the override is not silently shadowed."""
     d = {**d, **(overrides or {})}
+    if "torch_dtype" in (overrides or {}) and "dtype" not in overrides:     # (transformers' old name of dtype,
+        d["dtype"] = overrides["torch_dtype"]                             # which a newer config.json holds)
     if "rope_theta" in (overrides or {}) and isinstance(d.get("rope_parameters"), dict):
         d["rope_parameters"] = {**d["rope_parameters"], "rope_theta": overrides["rope_theta"]}
     return d
