@@ -97,9 +97,9 @@ class OutputProcessor:
         if piece:
             old = len(self.text)
             self.text += piece
-            # each string: a match ending in the piece; not when a stop token ended the request (vLLM skips the
-            # check then: with include_stop_str_in_output its text is not cut, and the token is the stop_reason)
-            if self.stop and len(self.token_ids) > self.min_tokens and finish_reason != "stop":
+            # each string: a match ending in the piece, also in a stop token's text kept by include_stop_str_in_output
+            # (current vLLM checks it: the string is then the stop_reason; vLLM <= 0.10 skipped that update)
+            if self.stop and len(self.token_ids) > self.min_tokens:
                 hits = [(i, s) for i, s in ((self.text.find(s, max(0, old - len(s) + 1)), s) for s in self.stop)
                         if i >= 0]
                 if hits:

@@ -196,16 +196,16 @@ def test_include_stop_str_and_special_tokens(bpe):
         assert got == proc.text == text + "<|im_end|>" + bpe.decode(ids[:1]), stream
 
 
-def test_a_stop_tokens_own_text_is_not_searched_for_stop_strings(bpe):
-    """vLLM skips the stop-string check on the update that a stop token ended: with include_stop_str_in_output the
-    token's whole text stays (not cut at a string inside it) and no string is the stop_reason. A string completed
-    by the tokens before it still matches, also when they arrive in the same update (a K-step call)."""
+def test_a_stop_tokens_own_text_is_searched_for_stop_strings(bpe):
+    """As current vLLM's detokenizer: with include_stop_str_in_output a stop token's text is searched for stop
+    strings too (the string is the stop_reason and the text is cut after it); a string completed by the tokens
+    before it matches first, also when they arrive in the same update (a K-step call)."""
     ids = bpe.encode("Hello world! How are you", add_special_tokens=False)
     last = bpe.decode(ids[-1:])                                       # " you"
     for stream in (True, False):
         proc = OutputProcessor(bpe, (last[:2],), stream=stream, include_stop_str_in_output=True)
         got = proc.update(ids[:-1]).text + proc.update(ids[-1:], "stop").text
-        assert got == proc.text == bpe.decode(ids) and not proc.stopped and proc.finish_reason == "stop", stream
+        assert got == proc.text == bpe.decode(ids[:-1]) + last[:2] and proc.stop_string == last[:2], stream
         proc = OutputProcessor(bpe, ("How", last[:2]), stream=stream, include_stop_str_in_output=True)
         got = proc.update(ids, "stop").text                          # "How" ends it before the stop token
         assert proc.stopped and proc.stop_string == "How" and got == proc.text == "Hello world! How", stream

@@ -71,6 +71,12 @@ def test_chat_template_kwargs_and_continue_final_message():
             chat_template_kwargs(req(chat_template_kwargs={name: value}))
         assert e.value.param == name
     assert chat_template_kwargs(req(chat_template_kwargs={"chat_template": None}))["add_generation_prompt"]
+    # /tokenize (vLLM's): tools, given or in chat_template_kwargs (which wins), reach the template
+    f, g = [{"type": "function", "function": {"name": "f"}}], [{"type": "function", "function": {"name": "g"}}]
+    tok = ByteTokenizer()
+    tok.chat_template = "{% for t in tools or [] %}{{ t.function.name }};{% endfor %}{{ messages[-1].content }}"
+    assert apply_chat_template(tok, msgs, chat_template_kwargs(req(), tools=f)) == "f;Hel"
+    assert apply_chat_template(tok, msgs, chat_template_kwargs(req(chat_template_kwargs={"tools": g}), [])) == "g;Hel"
 
 
 def test_truncate_refuses_more_than_max_model_len_and_cors_origins():
@@ -133,3 +139,12 @@ def test_vllm_request_fields_this_server_refuses_are_named_as_unsupported():
             P.check_unsupported(P.ChatCompletionRequest(messages=msgs, **{field: value}))
         assert e.value.code == "unsupported_parameter" and e.value.param == field
     P.check_unsupported(P.ChatCompletionRequest(messages=msgs, priority=0, return_tokens_as_token_ids=False))
+
+
+
+def test_an_empty_stream_options_without_stream_is_taken_as_absent():
+    """vLLM refuses stream_options without stream only when it is non-empty (some SDKs always send {})."""
+    from jaxinfer.server import protocol as P
+    P.check_unsupported(P.CompletionRequest(prompt="hi", stream_options={}))
+    with pytest.raises(P.RequestError, match="stream_options"):
+        P.check_unsupported(P.CompletionRequest(prompt="hi", stream_options={"include_usage": True}))

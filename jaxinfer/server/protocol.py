@@ -1,5 +1,4 @@
-"""OpenAI request bodies as pydantic models (so FastAPI serves /docs and an OpenAPI schema), and their
-translation into (prompt token ids, SamplingParams).
+"""OpenAI request bodies as pydantic models (FastAPI's /docs, OpenAPI), translated into (prompt ids, SamplingParams).
 
 Every problem is an OpenAI-style 400 naming the field (app.py turns FastAPI's validation errors into that,
 not 422). A field this server does not implement is refused by name (`check_unsupported`), never ignored:
@@ -67,7 +66,8 @@ def check_unsupported(req: BaseModel) -> None:
     if unknown:
         raise RequestError(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0],
                            code="unrecognized_parameter")
-    if getattr(req, "stream_options", None) is not None and not getattr(req, "stream", False):    # as vLLM
+    so = getattr(req, "stream_options", None)                   # as vLLM: an empty {} is taken as absent
+    if so is not None and so.model_fields_set and not getattr(req, "stream", False):
         raise RequestError("stream_options can only be given when stream is true", param="stream_options")
 
 
@@ -253,15 +253,15 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def chat_template_kwargs(req: ChatCompletionRequest) -> dict:
-    """The template's keyword arguments: add_generation_prompt and continue_final_message, then the request's
-    chat_template_kwargs over them (as vLLM); both True is a 400."""
+def chat_template_kwargs(req: ChatCompletionRequest, tools: list | None = None) -> dict:
+    """The template's keyword arguments: add_generation_prompt and continue_final_message (and `tools`: /tokenize's),
+    then the request's chat_template_kwargs over them (as vLLM); both True is a 400."""
     given = req.chat_template_kwargs or {}
-    for name in ("chat_template", "tools"):                   # refused here too, as the request's own fields (vLLM)
+    for name in ("chat_template",) + (() if tools is not None else ("tools",)):    # as the request's own fields
         if given.get(name) is not None:
             raise RequestError(f"chat_template_kwargs.{name} is not supported", param=name, code="unsupported_parameter")
     kw = {"add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message,
-          **given}
+          **({"tools": tools} if tools else {}), **given}
     if kw["add_generation_prompt"] and kw["continue_final_message"]:
         raise RequestError("cannot set both continue_final_message and add_generation_prompt to true",
                            param="continue_final_message")

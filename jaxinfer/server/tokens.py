@@ -69,8 +69,8 @@ def prompt_encoder(tokenizer, max_model_len: int):
 
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a prompt (its TokenizeCompletionRequest), or chat messages rendered with the chat template
-    (its TokenizeChatRequest; the template's fields as in chat completions). A per-request chat_template or tools
-    are refused, as vLLM does by default; null means absent."""
+    (its TokenizeChatRequest; the template's fields as in chat completions, and `tools`, which reach the template
+    as in vLLM). A per-request chat_template is refused, as vLLM does by default; null means absent."""
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
@@ -98,16 +98,15 @@ def add_token_routes(app: FastAPI, tokenizer, check_model, max_model_len: int, v
         check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise P.RequestError("give exactly one of prompt and messages", param="prompt")
-        for name in ("chat_template", "tools"):
-            if getattr(req, name):
-                raise P.RequestError(f"{name} is not supported by this server", param=name,
-                                     code="unsupported_parameter")
+        if req.chat_template:
+            raise P.RequestError("chat_template is not supported by this server", param="chat_template",
+                                 code="unsupported_parameter")
         chat = req.messages is not None
         special = (not chat) if req.add_special_tokens is None else req.add_special_tokens
 
         def encode() -> list[int]:
-            text = P.apply_chat_template(tokenizer, P.chat_messages(req.messages), P.chat_template_kwargs(req)) \
-                if chat else req.prompt
+            text = P.apply_chat_template(tokenizer, P.chat_messages(req.messages),
+                                         P.chat_template_kwargs(req, req.tools or [])) if chat else req.prompt
             return P.encode(tokenizer, text, special, "messages" if chat else "prompt")
         ids = await off_loop(encode)      # token_strs: the vocabulary's strings, as vLLM (a byte piece stays whole)
         strs = await off_loop(tokenizer.convert_ids_to_tokens, ids) if req.return_token_strs else None
