@@ -68,12 +68,14 @@ NONE_IS_DEFAULT = ("block_size", "enable_prefix_caching", "async_scheduling", "g
 def engine_names(kwargs: dict) -> dict:
     """Engine options under our names: ALIASES renamed (both given: a ValueError), None dropped where it means
     the default, max_model_len -1 or "auto" (vLLM's and the CLI's "as long as the pool holds") as None."""
+    kwargs = dict(kwargs)
+    for old, new in ALIASES.items():
+        if kwargs.get(old) is not None:
+            if kwargs.get(new) is not None:
+                raise ValueError(f"give {new}= or {old}=, not both")
+            kwargs[new] = kwargs.pop(old)
+        kwargs.pop(old, None)                         # (None: as not given)
     kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in NONE_IS_DEFAULT}
     if kwargs.get("max_model_len") in (-1, "auto"):
         kwargs["max_model_len"] = None
-    for old, new in ALIASES.items():
-        if old in kwargs:
-            if new in kwargs:
-                raise ValueError(f"give {new}= or {old}=, not both")
-            kwargs[new] = kwargs.pop(old)
     return kwargs

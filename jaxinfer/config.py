@@ -107,22 +107,25 @@ class ModelConfig:
                                     f"{cfg!r} is missing: a checkpoint directory needs config.json")
         d, gen = with_overrides(_read_json(cfg), hf_overrides), os.path.join(path, "generation_config.json")
         if os.path.isfile(gen):     # its EOS ids end generation too (HF's generate, vLLM): Qwen3 lists <|endoftext|>
-            d = {**d, "eos_token_id": [d.get("eos_token_id"), _read_json(gen).get("eos_token_id")]}   # (flattened)
+            g = _read_json(gen, broken={})     # (broken: LLM's sampling defaults name it, but not for "vllm")
+            d = {**d, "eos_token_id": [d.get("eos_token_id"), g.get("eos_token_id")]}   # (flattened)
         try:
             return cls.from_dict(d, name=os.path.basename(os.path.normpath(path)))
         except KeyError as e:
             raise ValueError(f"{cfg!r} lacks the field {e.args[0]!r}") from None
 
 
-def _read_json(path: str) -> dict:
+def _read_json(path: str, broken: dict | None = None) -> dict:
+    """path's JSON object; not valid JSON or not an object: a ValueError naming it (or `broken`, if given)."""
     try:
         with open(path) as f:
             d = json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path!r} is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{path!r} must hold a JSON object, not {type(d).__name__}")
-    return d
+        d = e
+    if not isinstance(d, dict) and broken is None:
+        raise ValueError(f"{path!r} is not valid JSON: {d}" if isinstance(d, Exception) else
+                         f"{path!r} must hold a JSON object, not {type(d).__name__}")
+    return d if isinstance(d, dict) else broken
 
 
 ATTN_BACKENDS = ("xla", "pallas", "cudnn", "triton", "mosaic")

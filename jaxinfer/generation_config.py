@@ -42,12 +42,7 @@ def sampling_defaults(model_dir: str | None, generation_config: str = "auto", ov
     path = os.path.join(folder, "generation_config.json") if folder and os.path.isdir(folder) else None
     out = {}
     if generation_config != "vllm" and path is not None and os.path.isfile(path):
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path!r} is not valid JSON: {e}") from None
-        base = hf_defaults()
+        d, base = _read(path), hf_defaults()
         out = {k: d[k] for k in FIELDS if d.get(k) is not None and d[k] != base[k]}
     out.update(override or {})
     if "max_new_tokens" in out:
@@ -68,9 +63,19 @@ def folder_eos_ids(generation_config) -> tuple[int, ...]:
         else None
     if path is None or not os.path.isfile(path):
         return ()
-    with open(path) as f:
-        ids = json.load(f).get("eos_token_id")
+    ids = _read(path).get("eos_token_id")
     ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ValueError(f"{path!r}: eos_token_id={ids!r} must be token ids (integers >= 0)")
     return tuple(ids)
+
+
+def _read(path: str) -> dict:
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path!r} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path!r} must hold a JSON object, not {type(d).__name__}")
+    return d

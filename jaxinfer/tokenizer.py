@@ -1,6 +1,7 @@
 """Tokenizers: the checkpoint's own (transformers AutoTokenizer), or a byte-level stand-in for presets."""
 from __future__ import annotations
 
+import datetime
 import os
 
 
@@ -61,6 +62,8 @@ def render_template(template: str, messages, **kwargs) -> str:
         raise TemplateError(message)
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    kwargs = {"tools": None, "documents": None, **kwargs}      # (transformers passes both, None when absent)
     return env.from_string(template).render(messages=messages, **kwargs)
 
 

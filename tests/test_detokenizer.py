@@ -228,6 +228,9 @@ def test_the_presets_tokenizer_renders_a_given_chat_template():
         list(b"[user]: Hi\n>")
     with pytest.raises(ValueError, match="alternate"):
         render_chat(tok, msgs, chat_template="{{ raise_exception('roles must alternate') }}")
+    # transformers' names: tools and documents None when not given, strftime_now (Llama 3.2's templates)
+    probe = "{% if tools is none and documents is none %}none{% endif %}|{{ strftime_now('%Y') | length }}"
+    assert render_chat(ByteTokenizer(), msgs[:1], chat_template=probe) == "none|4"
 
 
 @pytest.mark.parametrize("tokenizer_class", ["Qwen2Tokenizer", "PreTrainedTokenizerFast", "GPT2Tokenizer"])

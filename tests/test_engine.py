@@ -287,6 +287,16 @@ def test_generation_config_gives_the_default_sampling_params(tiny_dir, tmp_path)
     assert LLM(d, generation_config="vllm", **BASE).get_default_sampling_params() == SamplingParams()
     with pytest.raises(ValueError, match="generation_config='nowhere'"):
         LLM(d, generation_config="nowhere", **BASE)
+    # a broken generation_config.json is named (not valid JSON, not an object), unless "vllm" ignores it
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    for text, why in (("{", "not valid JSON"), ("[1, 2]", "must hold a JSON object")):
+        (broken / "generation_config.json").write_text(text)
+        with pytest.raises(ValueError, match=why):
+            LLM(str(broken), **BASE)
+        with pytest.raises(ValueError, match=why):
+            LLM(tiny_dir, generation_config=str(broken), **BASE)
+        assert LLM(str(broken), generation_config="vllm", **BASE).get_default_sampling_params() == SamplingParams()
     # a folder's eos_token_id ends generation too (vLLM adds it to the stop ids), reported as the stop_reason
     folder = tmp_path / "gen"
     folder.mkdir()

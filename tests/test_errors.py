@@ -99,6 +99,8 @@ def test_vllm_engine_args_none_and_other_names(tiny_dir):
     assert llm.stats()["kv_blocks_total"] == 40 and c.max_model_len == 40 * 16
     with pytest.raises(ValueError, match="not both"):
         EngineConfig.from_kwargs(num_gpu_blocks_override=4, num_kvcache_blocks=8)
+    c = EngineConfig.from_kwargs(num_gpu_blocks_override=None, num_kvcache_blocks=8, kvcache_block_size=None)
+    assert (c.num_kvcache_blocks, c.block_size) == (8, 16)              # (an alias given as None: not given)
     model = ModelConfig.from_pretrained(tiny_dir)
     with pytest.raises(ValueError, match="mosaic.*block_size=4"):
         EngineConfig.from_kwargs(attn_backend="mosaic", block_size=4).resolve("gpu", model)

@@ -154,7 +154,15 @@ def test_a_second_signal_ends_the_drain_at_once(tiny_dir, jax_cache):
     with its last event), and the server exits 0 at once, with no traceback in its log (it used to send on a
     closed socket and print uvicorn's cancelled-task trace after 5 s)."""
     proc, url = start_server(tiny_dir, jax_cache)           # (--shutdown-timeout: 30 s)
+    stalled = socket.socket()                              # and a client that stops reading its stream
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     try:
+        big = json.dumps({**stream_body(110), "prompt": [f"Big {i}" for i in range(100)], "logprobs": 5}).encode()
+        stalled.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: " + str(len(big)).encode() + b"\r\n\r\n" + big)
+        stalled.recv(1024)
+        time.sleep(3)                                      # (its socket's buffers fill)
         reasons, n, t0 = {}, 0, None
         body = {**stream_body(110), "prompt": [f"Stop {i}" for i in range(200)]}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
@@ -175,6 +183,7 @@ def test_a_second_signal_ends_the_drain_at_once(tiny_dir, jax_cache):
         log = proc.stdout.read()
         assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
     finally:
+        stalled.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)

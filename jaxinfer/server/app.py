@@ -76,7 +76,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
     app = FastAPI(title="jaxinfer", version=package_version(), lifespan=asynccontextmanager(lifespan), docs_url=None,
                   redoc_url=None, description="OpenAI-compatible API of jaxinfer (see docs/serving.md).")
     app.state.client, app.state.options, app.state.draining, app.state.active = None, options, False, 0
-    app.state.hurry = False                        # a second signal: in-flight requests end now (drain)
+    app.state.hurry = 0.0                          # when a second signal came: in-flight requests end now (drain)
     app.add_middleware(Gate, state=app.state)
     if options.origins():          # outside the Gate: a browser's preflight needs no API key (as vLLM)
         app.add_middleware(CORSMiddleware, allow_origins=options.origins(), allow_methods=["*"], allow_headers=["*"])
@@ -274,19 +274,19 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
             await asyncio.sleep(0.05)
         if c is not None and c.inflight:
             c.finish_all("abort")
-        end = time.monotonic() + 5.0          # the handlers write their last chunks
-        while app.state.active and time.monotonic() < end:
+        end = time.monotonic() + 5.0          # the handlers write their last chunks (after a second signal: 1 s)
+        while app.state.active and time.monotonic() < (min(end, app.state.hurry + 1.0) if app.state.hurry else end):
             await asyncio.sleep(0.02)
-        then()
+        then(force=bool(app.state.hurry and app.state.active))    # (a handler stuck on a client that stopped reading)
 
-    def start_drain(then: Callable[[], None], now: bool = False) -> None:
+    def start_drain(then: Callable[..., None], now: bool = False) -> None:
         """From a signal handler (any thread): start draining on the event loop; `now` (a second signal): end the
         in-flight requests at once, as the shutdown timeout does."""
         loop = getattr(app.state, "loop", None)
         if loop is None or loop.is_closed():
             return then()
         if now:
-            return loop.call_soon_threadsafe(setattr, app.state, "hurry", True)
+            return loop.call_soon_threadsafe(setattr, app.state, "hurry", app.state.hurry or time.monotonic())
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(drain(then)))
     app.state.start_drain = start_drain
     return app

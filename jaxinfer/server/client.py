@@ -260,7 +260,10 @@ class CoreClient:
                         msgs.append(self._unpackb(sock.recv(zmq.NOBLOCK)))
                     except zmq.Again:
                         break
-                self.loop.call_soon_threadsafe(self._dispatch, msgs)
+                try:
+                    self.loop.call_soon_threadsafe(self._dispatch, msgs)
+                except RuntimeError:              # the event loop is closed (the server stopped without close())
+                    break
                 if any(m[0] == "bye" for m in msgs):
                     if not self._closing:
                         why = "the engine core process exited"

@@ -118,16 +118,27 @@ def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api
 
     class DrainingServer(uvicorn.Server):
         """The first SIGTERM / SIGINT drains (app.py); a second one stops at once: in-flight requests end with
-        finish_reason "abort" now (their streams end cleanly); a third is uvicorn's own."""
+        finish_reason "abort" now (their streams end cleanly; a response a client stopped reading is dropped after
+        1 s); after the drain, a signal ends uvicorn's wait for connections."""
         signals = 0
 
         def handle_exit(self, sig, frame):
             if ignore_sigint and sig == signal.SIGINT:
                 return
             self.signals += 1
-            if self.signals > 2 or not self.started:
+            if not self.started:
                 return super().handle_exit(sig, frame)
-            app.state.start_drain(lambda: setattr(self, "should_exit", True), now=self.signals == 2)
+            if self.should_exit:                  # drained: uvicorn waits for connections; a signal ends the wait
+                self.force_exit = True
+                return
+            app.state.start_drain(self.stop, now=self.signals > 1)
+
+        def stop(self, force: bool = False):
+            if force:           # a response still unsent (its client stopped reading): drop the connections, so
+                for conn in list(self.server_state.connections):      # that its handler ends as on a disconnect
+                    if getattr(conn, "transport", None) is not None:
+                        conn.transport.abort()
+            self.should_exit = True
 
     app = build_app(info, name, api_index=api_index, tokenizer=tokenizer, alive=alive, on_dead=on_dead,
                     options=options)
