@@ -18,7 +18,7 @@ from jaxinfer.server.choices import Choice
 def echo_only(req) -> bool:
     """A completion with echo and max_tokens=0 (vLLM's prompt scoring, e.g. lm-evaluation-harness): its one
     generated token is dropped, so the choice is the prompt, its logprobs the prompt's, and 0 completion tokens;
-    the finish reason is "length" (no stop_reason), whatever that token was."""
+    the finish reason is that token's, as vLLM's ("length", or "stop" when it is a stop id or EOS)."""
     return bool(getattr(req, "echo", False)) and getattr(req, "max_tokens", None) == 0
 
 
@@ -62,7 +62,8 @@ def completion_choice(ch: Choice, prompt_ids: list[int], req, text_of, echoed: s
     if req.echo:
         head, lp = _prompt_part(ch, prompt_ids, req, text_of, echoed)
         if echo_only(req):
-            return {"index": ch.index, "text": head, "logprobs": lp, "finish_reason": "length", "stop_reason": None}
+            return {"index": ch.index, "text": head, "logprobs": lp, "finish_reason": ch.proc.finish_reason,
+                    "stop_reason": ch.stop_reason}
         text = head + text
     if req.logprobs is not None:
         offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"] else 0
@@ -99,9 +100,9 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
                 if first or fin:
                     i = ch.index // n
                     text, lp = _prompt_part(ch, prompts[i], req, text_of, echoed[i]) if first else ("", None)
-                    fin = None if fin is None else "length"           # (as the non-streamed choice says)
-                    yield enc.completion(ch.index, text, fin, None, use(ch)) if k is None else enc.completion_lp(
-                        ch.index, text, fin, lp or R.completion_logprobs(text_of, [], [], k), None, use(ch))
+                    stop = ch.stop_reason if fin is not None else None     # (as the non-streamed choice says)
+                    yield enc.completion(ch.index, text, fin, stop, use(ch)) if k is None else enc.completion_lp(
+                        ch.index, text, fin, lp or R.completion_logprobs(text_of, [], [], k), stop, use(ch))
                 continue
             text, lp = d.text, None
             stop = ch.stop_reason if d.finish_reason is not None else None
