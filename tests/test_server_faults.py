@@ -55,18 +55,29 @@ def pid_exists(pid: int) -> bool:
     return not open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
+def chunks(url, body, on_second_chunk):
+    """The parsed events of a streamed completion, calling on_second_chunk() when the second one arrives."""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
+        for n, line in enumerate(line for line in s.iter_lines() if line.startswith("data: {")):
+            if n == 1:
+                on_second_chunk()
+            yield json.loads(line.removeprefix("data: "))
+
+
 def stream_usage(url, max_tokens, on_second_chunk):
     """Stream a completion of max_tokens, calling on_second_chunk() when its second chunk arrives; the usage."""
-    usage, n = None, 0
-    with httpx.stream("POST", url + "/v1/completions", json=stream_body(max_tokens), timeout=60) as s:
-        for line in s.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            n += 1
-            if n == 2:
-                on_second_chunk()
-            usage = json.loads(line.removeprefix("data: ")).get("usage") or usage
+    usage = None
+    for chunk in chunks(url, stream_body(max_tokens), on_second_chunk):
+        usage = chunk.get("usage") or usage
     return usage
+
+
+def finish_reasons(url, word, on_second_chunk) -> dict:
+    """Stream 200 prompts of 110 tokens, calling on_second_chunk() when the second chunk arrives: each prompt's
+    finish reason."""
+    body = {**stream_body(110), "prompt": [f"{word} {i}" for i in range(200)]}
+    return {c["index"]: c["finish_reason"] for chunk in chunks(url, body, on_second_chunk)
+            for c in chunk["choices"] if c["finish_reason"]}
 
 
 def stream_body(max_tokens):
@@ -124,20 +135,13 @@ def test_sigterm_drain_timeout_aborts_and_refuses_new_requests(tiny_dir, jax_cac
     exit 0."""
     proc, url = start_server(tiny_dir, jax_cache, "--shutdown-timeout", "0.5")
     try:
-        reasons, n, refused = {}, 0, None
-        body = {**stream_body(110), "prompt": [f"Drain {i}" for i in range(200)]}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
-            for line in s.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                n += 1
-                if n == 2:
-                    proc.send_signal(signal.SIGTERM)
-                    time.sleep(0.1)
-                    refused = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5)
-                for c in json.loads(line.removeprefix("data: "))["choices"]:
-                    if c["finish_reason"]:
-                        reasons[c["index"]] = c["finish_reason"]
+        refused = []
+
+        def drain():
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+            refused.append(httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5))
+        reasons, refused = finish_reasons(url, "Drain", drain), refused[0]
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "shutting_down"
         assert sorted(reasons) == list(range(200)), "every prompt must end"
@@ -163,21 +167,14 @@ def test_a_second_signal_ends_the_drain_at_once(tiny_dir, jax_cache):
                         b"Content-Length: " + str(len(big)).encode() + b"\r\n\r\n" + big)
         stalled.recv(1024)
         time.sleep(3)                                      # (its socket's buffers fill)
-        reasons, n, t0 = {}, 0, None
-        body = {**stream_body(110), "prompt": [f"Stop {i}" for i in range(200)]}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
-            for line in s.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                n += 1
-                if n == 2:
-                    proc.send_signal(signal.SIGINT)
-                    time.sleep(0.5)
-                    t0 = time.monotonic()
-                    proc.send_signal(signal.SIGINT)
-                for c in json.loads(line.removeprefix("data: "))["choices"]:
-                    if c["finish_reason"]:
-                        reasons[c["index"]] = c["finish_reason"]
+        t0 = []
+
+        def twice():
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            t0.append(time.monotonic())
+            proc.send_signal(signal.SIGINT)
+        reasons, t0 = finish_reasons(url, "Stop", twice), t0[0]
         assert sorted(reasons) == list(range(200)) and "abort" in reasons.values()
         assert proc.wait(timeout=60) == 0 and time.monotonic() - t0 < 4.5, "a second signal stops at once"
         log = proc.stdout.read()
