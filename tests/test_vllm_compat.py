@@ -233,11 +233,14 @@ def test_hf_overrides_rope_theta_beats_rope_parameters(tmp_path):
                        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": "no"}}, "truncate='no'")):
         with pytest.raises(ValueError, match=match):                  # (not a TypeError from float() / int())
             model_config_for("qwen3-0.6b", bad)
-    for name, text in (("config.json", "[1]"), ("generation_config.json", "[1]")):    # JSON, but not an object
-        (ckpt / name).write_text(text)
-        with pytest.raises(ValueError, match=f"{name}' must hold a JSON object"):
-            model_config_for(str(ckpt))
-        (ckpt / name).write_text(json.dumps(cfg if name == "config.json" else {}))
+    (ckpt / "config.json").write_text("[1]")                                      # JSON, but not an object
+    with pytest.raises(ValueError, match="config.json' must hold a JSON object"):
+        model_config_for(str(ckpt))
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    # a broken generation_config.json only loses its EOS ids here: LLM's sampling defaults name it (unless
+    # generation_config="vllm", which does not read it: tests/test_engine.py)
+    (ckpt / "generation_config.json").write_text("[1]")
+    assert model_config_for(str(ckpt))[1].eos_token_id == model_config_for("qwen3-0.6b")[1].eos_token_id
 
 
 def test_hf_overrides_flag(tiny_dir, capsys):
