@@ -64,7 +64,7 @@ def test_missing_config(ckpt):
 
 def test_generation_config_eos_ids_end_generation(ckpt):
     """generation_config.json's eos_token_id add to config.json's (as in HF's generate and vLLM): Qwen3 lists
-    <|endoftext|> only there. A broken one is a ValueError naming it."""
+    <|endoftext|> only there. A broken one is a ValueError naming it at LLM() (not with generation_config="vllm")."""
     from helpers import TINY_ENGINE
 
     from jaxinfer import LLM, SamplingParams
@@ -81,8 +81,9 @@ def test_generation_config_eos_ids_end_generation(ckpt):
     assert out.token_ids == free[:end + 1] and out.finish_reason == "stop"
     with open(os.path.join(ckpt, "generation_config.json"), "w") as f:
         f.write("{not json")
-    with pytest.raises(ValueError, match="generation_config.json"):
-        ModelConfig.from_pretrained(ckpt)
+    assert ModelConfig.from_pretrained(ckpt).eos_token_id == own          # (its EOS ids lost, nothing else)
+    with pytest.raises(ValueError, match="generation_config.json"):       # LLM's sampling defaults name it
+        LLM(ckpt, **TINY_ENGINE)
 
 
 def test_the_tokenizers_eos_ends_generation_beside_the_configs(ckpt):
