@@ -39,7 +39,8 @@ class OutputProcessor:
         self.include_stop = include_stop_str_in_output    # the text keeps a matched stop string / stop token
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop or ())
-        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        # (with include_stop_str_in_output a match is cut after its end, in new text: nothing to hold back, as vLLM)
+        self.holdback = 0 if include_stop_str_in_output else max((len(s) for s in self.stop), default=1) - 1
         self.detokenize = detokenize                       # False: token ids only, the text stays ""
         self.incremental = (stream or bool(self.stop)) and detokenize
         self._detok = make_detokenizer(tokenizer, skip_special_tokens) if self.incremental else None

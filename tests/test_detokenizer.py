@@ -212,6 +212,16 @@ def test_a_stop_tokens_own_text_is_searched_for_stop_strings(bpe):
         assert proc.token_ids == ids[:len(proc.token_ids)] and len(proc.token_ids) < len(ids) - 1, stream
 
 
+def test_include_stop_str_in_output_holds_no_text_back(bpe):
+    """As vLLM: text is held back while it could still start a stop string only when the string would be cut from
+    the text; with include_stop_str_in_output a match is cut after its end, so each token's text goes out at once."""
+    ids = bpe.encode("Hello world! How are you today?", add_special_tokens=False)
+    for include, first in ((True, bpe.decode(ids[:1])), (False, "")):
+        proc = OutputProcessor(bpe, ("are you today? and more",), stream=True, include_stop_str_in_output=include)
+        deltas = [proc.update([t]).text for t in ids]
+        assert deltas[0] == first and "".join(deltas) + proc.update([], "length").text == bpe.decode(ids), include
+
+
 def test_the_presets_tokenizer_renders_a_given_chat_template():
     """Presets (ByteTokenizer) render ChatML, or a chat_template given (LLM.chat's argument, or set as the
     tokenizer's: the server's --chat-template) as transformers would; its errors are the template's."""

@@ -340,6 +340,8 @@ def test_default_max_tokens_is_the_room_the_pool_leaves():
     # completions' default (vLLM's 16) is checked as if given: past the context, a 400, not a shorter completion
     with pytest.raises(P.RequestError, match="250 in the prompt, 16 in the completion"):
         P.sampling_params(P.CompletionRequest(prompt="a"), 250, 256, 16)
+    # an explicit null is not left out (vLLM's default 16 is the field's): the rest of the context
+    assert P.sampling_params(P.CompletionRequest(prompt="a", max_tokens=None), 250, 256, 16).max_tokens == 6
 
 
 def test_model_sampling_defaults_fill_what_a_request_leaves_out(tmp_path):

@@ -176,8 +176,8 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
             raise RequestError("max_tokens=0 needs echo=true (the prompt's logprobs, nothing generated); "
                                "else give max_tokens >= 1", param="max_tokens")
         max_tokens = 1
-    if max_tokens is None and default_max_tokens is not None:
-        max_tokens = default_max_tokens      # completions: vLLM's 16, checked as if given (400 past the context)
+    if max_tokens is None and default_max_tokens is not None and "max_tokens" not in req.model_fields_set:
+        max_tokens = default_max_tokens      # completions left out: vLLM's 16, as if given (null: the rest)
     if max_tokens is None:
         room = min(max_model_len, pool_tokens or max_model_len) - prompt_len
         max_tokens = max(1, min(room, defaults.get("max_tokens", room)))
