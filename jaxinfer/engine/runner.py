@@ -95,18 +95,16 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(engine.kv_cache_dtype, self.dtype)
         params = with_kv_scales(model, params, self.kv_dtype, tp)
         self.params = self._place(params)
-        self.num_blocks = num_blocks
-        self.num_slots = num_blocks * engine.block_size
+        self.num_blocks, self.num_slots = num_blocks, num_blocks * engine.block_size
         # [P, bs, K', D] pages per layer (xla, pallas: one pair [L * P, ...] for all layers), split by kv head: each
         # device holds K'/tp heads (parallel/layout.py)
         shape = (num_blocks, engine.block_size, kv_heads(model, tp) if tp > 1 else model.num_key_value_heads,
                  model.head_dim)
         kv_shape, pairs = cache_layout(engine.attn_backend, model.num_hidden_layers, shape,
                                        jnp.dtype(self.kv_dtype).itemsize, tp)
-        # pallas fp8: V in pairs; xla fp8 off the GPU: byte pages
+        # pallas fp8: V in pairs; xla fp8 off the GPU: byte pages. cache_kind: part of the shared executables' key
         self.k_dtype, v_shape, self.v_dtype = cache_dtypes(engine.attn_backend, self.kv_dtype, kv_shape,
                                                            not self.interpret)
-        # what a compiled step's cache arguments are: part of the shared executables' key
         self.cache_kind = (pairs, kv_shape, str(self.k_dtype), v_shape, str(self.v_dtype))
         # xla reads all W pages of a row: a ladder of narrower tables lets short contexts read less. The kernels
         # read only the pages a row needs, but a [B, W] table for a 40k-token model (W = 2560) would be sent and
