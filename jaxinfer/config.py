@@ -105,9 +105,9 @@ class ModelConfig:
         if not os.path.isfile(cfg := os.path.join(path, "config.json")):
             raise FileNotFoundError(f"model directory {path!r} does not exist" if not os.path.isdir(path) else
                                     f"{cfg!r} is missing: a checkpoint directory needs config.json")
-        d, gen = with_overrides(_read_json(cfg), hf_overrides), os.path.join(path, "generation_config.json")
+        d, gen = with_overrides(read_json(cfg), hf_overrides), os.path.join(path, "generation_config.json")
         if os.path.isfile(gen):     # its EOS ids end generation too (HF's generate, vLLM): Qwen3 lists <|endoftext|>
-            g = _read_json(gen, broken={})     # (broken: LLM's sampling defaults name it, but not for "vllm")
+            g = read_json(gen, broken={})     # (broken: LLM's sampling defaults name it, but not for "vllm")
             d = {**d, "eos_token_id": [d.get("eos_token_id"), g.get("eos_token_id")]}   # (flattened)
         try:
             return cls.from_dict(d, name=os.path.basename(os.path.normpath(path)))
@@ -115,7 +115,7 @@ class ModelConfig:
             raise ValueError(f"{cfg!r} lacks the field {e.args[0]!r}") from None
 
 
-def _read_json(path: str, broken: dict | None = None) -> dict:
+def read_json(path: str, broken: dict | None = None) -> dict:
     """path's JSON object; not valid JSON or not an object: a ValueError naming it (or `broken`, if given)."""
     try:
         with open(path) as f:

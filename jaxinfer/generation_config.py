@@ -11,8 +11,9 @@ merged over the file's values ("auto" or a folder), or is the whole of them ("vl
 """
 from __future__ import annotations
 
-import json
 import os
+
+from jaxinfer.config import read_json
 
 FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
@@ -42,7 +43,7 @@ def sampling_defaults(model_dir: str | None, generation_config: str = "auto", ov
     path = os.path.join(folder, "generation_config.json") if folder and os.path.isdir(folder) else None
     out = {}
     if generation_config != "vllm" and path is not None and os.path.isfile(path):
-        d, base = _read(path), hf_defaults()
+        d, base = read_json(path), hf_defaults()
         out = {k: d[k] for k in FIELDS if d.get(k) is not None and d[k] != base[k]}
     out.update(override or {})
     if "max_new_tokens" in out:
@@ -63,19 +64,9 @@ def folder_eos_ids(generation_config) -> tuple[int, ...]:
         else None
     if path is None or not os.path.isfile(path):
         return ()
-    ids = _read(path).get("eos_token_id")
+    ids = read_json(path).get("eos_token_id")
     ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ValueError(f"{path!r}: eos_token_id={ids!r} must be token ids (integers >= 0)")
     return tuple(ids)
 
-
-def _read(path: str) -> dict:
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path!r} is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{path!r} must hold a JSON object, not {type(d).__name__}")
-    return d
