@@ -57,6 +57,15 @@ def sampling_defaults(model_dir: str | None, generation_config: str = "auto", ov
     return out
 
 
+def max_tokens_cap(generation_config, override: dict | None, defaults: dict) -> int | None:
+    """The server's ceiling on any request's max_tokens (current vLLM's `override_max_tokens`): a folder's
+    max_new_tokens (over which `override` is merged: `defaults`), else `override`'s; the model's own file
+    ("auto") only fills in a request that leaves max_tokens out."""
+    if generation_config not in ("auto", "vllm"):
+        return defaults.get("max_tokens")
+    return (override or {}).get("max_new_tokens")
+
+
 def folder_eos_ids(generation_config) -> tuple[int, ...]:
     """The eos_token_id (an id or a list) of a folder's generation_config.json: as vLLM, they end generation too
     (reported as stop_reason). () for "auto" (the model folder's file is read with its config) and "vllm"."""

@@ -104,7 +104,8 @@ class OutputProcessor:
                 hits = [(i, s) for i, s in ((self.text.find(s, max(0, old - len(s) + 1)), s) for s in self.stop)
                         if i >= 0]
                 if hits:
-                    at, self.stop_string = min(hits, key=lambda h: h[0])     # the earliest; ties: listed first
+                    # the one completing first; ties: listed first (current vLLM's check_stop_strings)
+                    at, self.stop_string = min(hits, key=lambda h: h[0] + len(h[1]))
                     self.text = self.text[:at + len(self.stop_string) if self.include_stop else at]
                     self.stopped = True
                     finish_reason = "stop"

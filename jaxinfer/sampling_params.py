@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 
 MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
@@ -81,7 +82,8 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stop):
             bad("stop", "must be a non-empty string or a list of them")
         object.__setattr__(self, "stop", list(stop))           # lists, as vLLM's
-        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+        if self.stop_token_ids is not None and (isinstance(self.stop_token_ids, (str, bytes, dict)) or
+                                                not isinstance(self.stop_token_ids, Iterable)):   # (vLLM: list(...))
             bad("stop_token_ids", "must be a list of non-negative integers or None")
         ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
                for t in self.stop_token_ids or ()]
@@ -96,8 +98,11 @@ class SamplingParams:
             object.__setattr__(self, "seed", None)
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             bad("n", "must be an integer >= 1")
+        if self.n > 1 and self.temperature == 0.0:
+            bad("n", "must be 1 when using greedy sampling (temperature 0: the n samples would be the same), as vLLM's")
         for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
+            if isinstance(v := getattr(self, name), bool):         # True: 1 (vLLM takes a bool as the int it is)
+                object.__setattr__(self, name, v := int(v))
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
                 bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}] (the top-N logprobs per token; "
                           f"{MAX_LOGPROBS} is the most the engine returns, as vLLM's max_logprobs)")
@@ -182,6 +187,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def check_vocab(self, vocab_size: int, error=ValueError) -> None:
+        """`error` (ValueError) for stop_token_ids past the vocabulary (vLLM's check and words)."""
+        if oov := [t for t in self.stop_token_ids if t >= vocab_size]:
+            raise error(f"stop_token_ids contains out-of-vocab token id(s) {oov}. Vocabulary size: {vocab_size}")
 
     def up_to(self, room: int) -> "SamplingParams":
         """These params with max_tokens None (vLLM's "until max_model_len") made `room`, the tokens the context

@@ -212,6 +212,20 @@ def test_a_stop_tokens_own_text_is_searched_for_stop_strings(bpe):
         assert proc.token_ids == ids[:len(proc.token_ids)] and len(proc.token_ids) < len(ids) - 1, stream
 
 
+def test_of_two_stop_strings_in_one_update_the_one_completing_first_wins(bpe):
+    """Current vLLM (check_stop_strings, earliest-completing): when one update (a multi-character token, a K-step
+    call) completes several stop strings, the one ending first in the text is the stop_reason, whatever the
+    list's order; the same end: the one listed first."""
+    ids = bpe.encode("Hello world! How are you", add_special_tokens=False)
+    for stop, want, text in ((("are", "How"), "How", "Hello world! "), (("How", "are"), "How", "Hello world! "),
+                             (("w are", "are"), "w are", "Hello world! Ho"), (("are", "w are"), "are", "Hello world! How "),
+                             (("re", "w a"), "w a", "Hello world! Ho")):
+        proc = OutputProcessor(bpe, stop, stream=False)
+        proc.update(ids[:2])
+        proc.update(ids[2:])
+        assert (proc.stop_string, proc.text) == (want, text), stop
+
+
 def test_include_stop_str_in_output_holds_no_text_back(bpe):
     """As vLLM: text is held back while it could still start a stop string only when the string would be cut from
     the text; with include_stop_str_in_output a match is cut after its end, so each token's text goes out at once."""

@@ -107,24 +107,28 @@ def test_completion_stream_equals_non_stream(url, client):
 
 
 def test_stream_options_usage_in_every_chunk_and_one_created(url, client):
-    """vLLM's stream_options: given, include_usage defaults to true; continuous_usage_stats puts each choice's
-    usage so far in every chunk; every chunk of a stream has the same `created` (OpenAI)."""
+    """vLLM's stream_options: include_usage (default false, as current vLLM and OpenAI) adds a last chunk with the
+    usage; with it, continuous_usage_stats puts each choice's usage so far in every chunk; every chunk of a stream
+    has the same `created` (OpenAI)."""
     kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0, stream=True)
     full = client.completions.create(**{k: v for k, v in kw.items() if k != "stream"})
-    chunks = list(client.completions.create(**kw, stream_options={}))
+    chunks = list(client.completions.create(**kw, stream_options={"include_usage": True}))
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens and not chunks[-1].choices
     assert all(c.usage is None for c in chunks[:-1])
-    assert not any(c.usage for c in client.completions.create(**kw, stream_options={"include_usage": False}))
-    chunks = list(client.completions.create(**kw, n=2, stream_options={"continuous_usage_stats": True}))
+    for so in ({}, {"include_usage": False}, {"continuous_usage_stats": True}):
+        assert not any(c.usage for c in client.completions.create(**kw, stream_options=so)), so
+    usage = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(**{**kw, "temperature": 0.8}, n=2, seed=1, stream_options=usage,
+                                            extra_body={"ignore_eos": True}))     # (n > 1: not greedy, as vLLM)
     assert all(c.usage is not None for c in chunks) and len({c.created for c in chunks}) == 1
     for i in range(2):
         mine = [c.usage for c in chunks if c.choices and c.choices[0].index == i]
         assert all(u.prompt_tokens == full.usage.prompt_tokens for u in mine)
         assert [u.completion_tokens for u in mine] == sorted(u.completion_tokens for u in mine)
-        assert mine[-1].completion_tokens == full.usage.completion_tokens
-    assert chunks[-1].usage.completion_tokens == 2 * full.usage.completion_tokens
+        assert mine[-1].completion_tokens == 6
+    assert chunks[-1].usage.completion_tokens == 2 * 6
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0, stream=True,
-                logprobs=True, top_logprobs=2, stream_options={"continuous_usage_stats": True})
+                logprobs=True, top_logprobs=2, stream_options=usage)
     chunks = list(client.chat.completions.create(**chat))
     assert all(c.usage is not None for c in chunks) and len({c.created for c in chunks}) == 1
     assert chunks[0].usage.completion_tokens == 0 and chunks[-2].usage.completion_tokens == chunks[-1].usage.completion_tokens
@@ -222,7 +226,7 @@ def test_disconnect_before_a_plain_answer_aborts_it(url):
     """No streaming: the handler is not cancelled by Starlette; the server notices the client left."""
     # 24 prompts x n=8, 8 at a time (max_num_seqs): at least 24 x 115 steps, far longer than the client waits
     # (3 x 115 steps once ran to the end within the first 0.25 s poll on a fast CPU)
-    body = {"model": MODEL, "prompt": [f"Leave {i}" for i in range(24)], "max_tokens": 115, "temperature": 0,
+    body = {"model": MODEL, "prompt": [f"Leave {i}" for i in range(24)], "max_tokens": 115, "temperature": 0.5,
             "ignore_eos": True, "n": 8}
     before = wait_idle(url)
     with pytest.raises(httpx.ReadTimeout):
@@ -243,6 +247,7 @@ def test_disconnect_before_a_plain_answer_aborts_it(url):
     ({"prompt": "hi", "best_of": 3}, "best_of"),
     ({"prompt": "hi", "no_such_field": 1}, "no_such_field"),
     ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "temperature": 0, "n": 2}, "n"),                  # greedy n > 1 (vLLM's 400)
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
@@ -318,15 +323,18 @@ def test_chat_content_parts_read_as_vllm_reads_them(url):
 
 
 def test_ids_past_int32_run_beside_other_requests(url):
-    """top_k and stop token ids past int32 (vLLM takes any) filter and match nothing; a request with them runs
-    beside another one instead of failing the step both are in."""
+    """A top_k past int32 (vLLM takes any) filters nothing; a request with it runs beside another one instead of
+    failing the step both are in. Stop token ids past the vocabulary are a 400 naming them (current vLLM's)."""
     import concurrent.futures as cf
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    odd = {**body, "top_k": 2**31, "stop_token_ids": [2**31, 2**62], "seed": -2**63}
+    odd = {**body, "top_k": 2**31, "seed": -2**63}
     with cf.ThreadPoolExecutor(2) as pool:
         rs = list(pool.map(lambda b: httpx.post(url + "/v1/completions", json=b, timeout=60), (body, odd)))
     assert [r.status_code for r in rs] == [200, 200], [r.text for r in rs]
     assert rs[0].json()["choices"][0]["text"] == rs[1].json()["choices"][0]["text"]
+    r = httpx.post(url + "/v1/completions", json={**body, "stop_token_ids": [3, 2**31, 2**62]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
+    assert f"out-of-vocab token id(s) [{2**31}, {2**62}]" in r.json()["error"]["message"]
 
 
 def test_default_max_tokens_is_the_room_the_pool_leaves():
@@ -346,8 +354,9 @@ def test_default_max_tokens_is_the_room_the_pool_leaves():
 
 def test_model_sampling_defaults_fill_what_a_request_leaves_out(tmp_path):
     """The model's generation_config.json (vLLM's --generation-config auto) gives the fields a request does not
-    set; its max_new_tokens caps max_tokens, the default and a request's own (vLLM's get_max_tokens); a bad
-    --generation-config is refused by name."""
+    set; its max_new_tokens is the default max_tokens, not a ceiling on a request's own (current vLLM's
+    get_max_tokens: only a --generation-config folder's or --override-generation-config's max_new_tokens caps,
+    the server's `cap`); a bad --generation-config is refused by name."""
     from jaxinfer.server import protocol as P
     from jaxinfer.server.options import ServerOptions
     defaults = {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 7}
@@ -355,9 +364,15 @@ def test_model_sampling_defaults_fill_what_a_request_leaves_out(tmp_path):
     sp = P.sampling_params(chat, 19, 2048, None, defaults=defaults)
     assert (sp.temperature, sp.top_k, sp.top_p, sp.max_tokens) == (0.6, 5, 0.95, 7)
     sp = P.sampling_params(P.CompletionRequest(prompt="a", temperature=0, max_tokens=30), 1, 2048, 16, defaults=defaults)
-    assert (sp.temperature, sp.max_tokens) == (0.0, 7)
-    sp = P.sampling_params(P.CompletionRequest(prompt="a", max_tokens=3), 1, 2048, 16, defaults=defaults)
-    assert sp.max_tokens == 3
+    assert (sp.temperature, sp.max_tokens) == (0.0, 30)
+    assert P.sampling_params(P.CompletionRequest(prompt="a"), 1, 2048, 16, defaults=defaults).max_tokens == 16
+    for req, want in ((P.CompletionRequest(prompt="a", max_tokens=30), 7), (P.CompletionRequest(prompt="a"), 7),
+                      (P.CompletionRequest(prompt="a", max_tokens=3), 3), (chat, 7)):
+        assert P.sampling_params(req, 1, 2048, 16, defaults=defaults, cap=7).max_tokens == want
+    from jaxinfer.generation_config import max_tokens_cap
+    assert max_tokens_cap("auto", None, defaults) is None and max_tokens_cap("vllm", None, {}) is None
+    assert max_tokens_cap("auto", {"max_new_tokens": 5}, {**defaults, "max_tokens": 5}) == 5
+    assert max_tokens_cap(str(tmp_path), None, defaults) == 7
     assert ServerOptions(generation_config=str(tmp_path)).generation_config == str(tmp_path)
     with pytest.raises(ValueError, match="generation_config='nowhere'"):
         ServerOptions(generation_config="nowhere")

@@ -22,6 +22,23 @@ def test_sampling_params_take_numpy_numbers_and_keep_lists():
         SamplingParams(seed=np.float32(1.5))
 
 
+def test_sampling_params_as_vllms_greedy_n_bool_logprobs_and_any_id_iterable():
+    """As vLLM's SamplingParams: n > 1 with greedy sampling is refused (also when set later); a bool logprobs is
+    the int it is (True: 1); stop_token_ids may be any iterable of ids (vLLM takes list(...) of it)."""
+    with pytest.raises(ValueError, match="n=2 must be 1 when using greedy sampling"):
+        SamplingParams(n=2, temperature=0)
+    sp = SamplingParams(n=3)
+    with pytest.raises(ValueError, match="greedy sampling"):
+        sp.temperature = 0.0
+    assert sp.temperature == 1.0 and SamplingParams(n=3, temperature=1e-3).temperature == 0.01
+    assert (SamplingParams(logprobs=True).logprobs, SamplingParams(prompt_logprobs=False).prompt_logprobs) == (1, 0)
+    assert SamplingParams(stop_token_ids={7}).stop_token_ids == [7] == SamplingParams(stop_token_ids=(7,)).stop_token_ids
+    assert SamplingParams(stop_token_ids=iter([7, 8])).stop_token_ids == [7, 8]
+    for bad in ("7", 7, {7: 1}):
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            SamplingParams(stop_token_ids=bad)
+
+
 def test_preset_with_engine_seed_none_and_a_prompt_past_a_tiny_pool(tiny_dir):
     tiny = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
                 head_dim=16, vocab_size=300)

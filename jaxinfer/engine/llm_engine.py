@@ -97,11 +97,10 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------
     def check_request(self, token_ids: list[int], params: SamplingParams, where: str = "prompt") -> SamplingParams:
         """ValueError (naming the value) for a request that can never run; else its params, max_tokens None resolved."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(params, SamplingParams) or not token_ids:
+            raise ValueError(f"{where} is empty: give at least one token" if isinstance(params, SamplingParams) else
+                             f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
         n, V, cfg = len(token_ids), self.model_config.vocab_size, self.config
-        if n == 0:
-            raise ValueError(f"{where} is empty: give at least one token")
         bad = [t for t in token_ids if isinstance(t, bool) or not (isinstance(t, (int, np.integer)) and 0 <= t < V)]
         if bad:
             why = "out of vocabulary: ids are in" if isinstance(t := bad[0], (int, np.integer)) and \
@@ -112,6 +111,7 @@ class LLMEngine:
                              f"prompt is longer than the maximum model length)")
         room = min(cfg.max_model_len, self.block_manager.num_blocks * cfg.block_size) - n
         params = params.clone().up_to(max(1, room))      # (clone: validated again: a stop list edited in place)
+        params.check_vocab(V)
         need = -(-min(n + params.max_tokens - 1, cfg.max_model_len) // cfg.block_size)   # (the last token: no KV)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"{where} needs {need} KV blocks for {n} prompt + {params.max_tokens} output tokens "

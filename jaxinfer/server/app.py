@@ -18,7 +18,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from jaxinfer.generation_config import sampling_defaults
+from jaxinfer.generation_config import max_tokens_cap, sampling_defaults
 from jaxinfer.server import choices as C
 from jaxinfer.server import protocol as P
 from jaxinfer.server import responses as R
@@ -56,6 +56,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
     max_model_len = limits["max_model_len"]
     defaults = sampling_defaults(info.model if os.path.isdir(info.model) else None, options.generation_config,
                                  options.override_generation_config)
+    cap = max_tokens_cap(options.generation_config, options.override_generation_config, defaults)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     served_model_name = names[0]                  # answers carry the first (vLLM: several names allowed)
     if options.chat_template:                     # --chat-template: a file or the template itself
@@ -133,7 +134,8 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
                                           for p in prompts])
         for ids in encoded:
             sp = P.sampling_params(req, len(ids), max_model_len, default_max_tokens, logprobs, prompt_logprobs,
-                                   pool_tokens=limits["num_blocks"] * limits["block_size"], defaults=defaults)
+                                   pool_tokens=limits["num_blocks"] * limits["block_size"], defaults=defaults,
+                                   cap=cap)
             P.check_request(ids, sp, limits, param)
             ids_list.append(ids)
             params.append(sp)

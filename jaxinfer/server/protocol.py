@@ -72,10 +72,9 @@ def check_unsupported(req: BaseModel) -> None:
 
 
 class StreamOptions(BaseModel):
-    """vLLM's stream options: given at all, a last chunk carries the usage (include_usage defaults to true);
-    continuous_usage_stats: every chunk carries its choice's usage so far."""
+    """include_usage (default false, as vLLM's): a last chunk with the usage; continuous_usage_stats: in each."""
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool | None = True
+    include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
@@ -164,11 +163,12 @@ _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_max_tokens: int | None,
                     logprobs: int | None = None, prompt_logprobs: int | None = None,
-                    pool_tokens: int | None = None, defaults: dict | None = None) -> SamplingParams:
+                    pool_tokens: int | None = None, defaults: dict | None = None,
+                    cap: int | None = None) -> SamplingParams:
     """SamplingParams for one prompt of `prompt_len` tokens (with n: choices.expand sends n engine requests,
     `for_sample(i)`); default_max_tokens None = the rest of the context, which a KV pool of `pool_tokens`
     smaller than max_model_len limits too. `defaults`: the model's recommended values for the fields the
-    request leaves out (generation_config.py; its max_tokens caps the request's, given or not, as vLLM's does)."""
+    request leaves out (generation_config.py: its max_tokens only fills in); `cap`: generation_config.max_tokens_cap."""
     defaults, mct = defaults or {}, getattr(req, "max_completion_tokens", None)
     key, max_tokens = ("max_completion_tokens", mct) if mct is not None else ("max_tokens", req.max_tokens)
     if max_tokens == 0:            # completions: echo only (streams.echo_only) runs one token and drops it
@@ -180,14 +180,14 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
         max_tokens = default_max_tokens      # completions left out: vLLM's 16, as if given (null: the rest)
     if max_tokens is None:
         room = min(max_model_len, pool_tokens or max_model_len) - prompt_len
-        max_tokens = max(1, min(room, defaults.get("max_tokens", room)))
+        max_tokens = max(1, min(room, defaults.get("max_tokens", room), cap or room))
     elif prompt_len + max_tokens > max_model_len:
         raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
                            f"completion). Please reduce the prompt or {key}.", param=key,
                            code="context_length_exceeded")
-    else:                          # as vLLM: the model's max_new_tokens caps an explicit max_tokens too
-        max_tokens = min(max_tokens, defaults.get("max_tokens", max_tokens))
+    elif cap is not None:
+        max_tokens = min(max_tokens, cap)
     kw = {**{k: v for k, v in defaults.items() if k != "max_tokens"},
           **{k: getattr(req, k) for k in _PASSTHROUGH if getattr(req, k) is not None}}
     if kw.get("top_k") == -1:
@@ -214,9 +214,9 @@ def check_request(ids: list[int], params: SamplingParams, limits: dict, param: s
     """The engine's own request check (LLMEngine.check_request), against the limits the core reported, so
     that a bad prompt is a 400 before any streaming starts. The core checks again, authoritatively."""
     V, bs, nb = limits["vocab_size"], limits["block_size"], limits["num_blocks"]
-    bad = [t for t in ids if not 0 <= t < V]
-    if bad:
+    if bad := [t for t in ids if not 0 <= t < V]:
         raise RequestError(f"the prompt has token id {bad[0]!r} out of vocabulary: ids are in [0, {V})", param=param)
+    params.check_vocab(V, lambda message: RequestError(message, param="stop_token_ids"))
     need = -(-min(len(ids) + params.max_tokens - 1, limits["max_model_len"]) // bs)     # (the last token: no KV)
     if need > nb:
         raise RequestError(f"the request needs {need} KV blocks for {len(ids)} prompt + {params.max_tokens} output "
@@ -291,7 +291,7 @@ def apply_chat_template(tokenizer, messages: list[dict], kwargs: dict | None,
 
 
 def include_usage(req: _Request) -> bool:
-    """A last chunk with the usage (stream_options given, include_usage not false)."""
+    """A last chunk with the usage (stream_options.include_usage true)."""
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
