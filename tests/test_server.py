@@ -82,6 +82,9 @@ def wait_idle(url, timeout=30.0) -> dict:
 
 def test_models_and_health(url, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    card = httpx.get(url + "/v1/models").json()["data"][0]               # vLLM's card fields
+    assert card["max_model_len"] == 128 and card["root"] and card["parent"] is None
+    assert card["permission"][0]["object"] == "model_permission" and card["permission"][0]["allow_sampling"]
     assert httpx.get(url + "/health").json()["status"] == "ok"
 
 

@@ -211,8 +211,12 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         return Response(body, media_type=ctype)
 
     def model_card(name: str) -> dict:             # (vLLM's fields: root is the model served)
-        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "jaxinfer",
-                "root": info.model, "parent": None, "max_model_len": max_model_len}
+        now = int(time.time())
+        permission = {"id": f"modelperm-{name}", "object": "model_permission", "created": now, "allow_view": True,
+                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True, "group": None,
+                      "allow_search_indices": False, "allow_fine_tuning": False, "organization": "*", "is_blocking": False}
+        return {"id": name, "object": "model", "created": now, "owned_by": "jaxinfer", "root": info.model,
+                "parent": None, "max_model_len": max_model_len, "permission": [permission]}
 
     @app.get("/v1/models")
     async def models():
