@@ -19,6 +19,11 @@ from __future__ import annotations
 
 import codecs
 
+try:
+    from tokenizers.decoders import DecodeStream           # (tokenizers >= 0.21; has_fast_decoder checks)
+except ImportError:
+    DecodeStream = None
+
 REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 5          # tokens of left context kept in the decode window
 
@@ -68,10 +73,11 @@ class FastDetokenizer:
     """HF tokenizers' `DecodeStream` behind the same `add` / `flush` interface as `WindowDetokenizer`.
 
     DecodeStream returns None while a character is unfinished and never emits bytes that stay
-    unfinished at the end; `flush` then falls back to one full decode, only in that case."""
+    unfinished at the end; `flush` then falls back to one full decode, only in that case. When DecodeStream
+    gives up ("Invalid prefix encountered": a byte-fallback tokenizer's earlier text changed), a new stream
+    goes on from the token, as vLLM's `_protected_step` does (the text then drops the bytes that were cut)."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        from tokenizers.decoders import DecodeStream
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._backend = tokenizer.backend_tokenizer
@@ -85,7 +91,13 @@ class FastDetokenizer:
         for t in new_token_ids:
             t = int(t)
             self.token_ids.append(t)
-            piece = self._stream.step(self._backend, t)
+            try:
+                piece = self._stream.step(self._backend, t)
+            except Exception as e:                 # (tokenizers raises a plain Exception)
+                if not str(e).startswith("Invalid prefix"):
+                    raise
+                self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+                piece = self._stream.step(self._backend, t)
             self._pending = piece is None
             if piece:
                 pieces.append(piece)

@@ -36,6 +36,31 @@ def stream_pieces(tok, ids, chunk=1, cls=WindowDetokenizer):
     return pieces
 
 
+def byte_fallback_tokenizer():
+    """A Llama-2-style SentencePiece tokenizer (byte-fallback pieces <0x00>..<0xFF>, '▁' for spaces), built here."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}, "t\u2581infer": 259}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", clean_up_tokenization_spaces=False)
+
+
+def test_a_byte_fallback_tokenizer_whose_text_changes_behind_the_stream_does_not_crash():
+    """DecodeStream raises "Invalid prefix encountered" when a byte-fallback token turns earlier text into U+FFFD
+    ('r' + 0x90): as vLLM's _protected_step, a new stream goes on from that token (it raised out of
+    LLM.stream and the server's streams)."""
+    tok = byte_fallback_tokenizer()
+    ids = [3 + 0x72, 3 + 0x90, 259]
+    for chunk in (1, 3):
+        d = FastDetokenizer(tok)
+        text = "".join(d.add(ids[i:i + chunk]) for i in range(0, 3, chunk)) + d.flush()
+        assert text == d.text == "rt infer", chunk
+    proc = OutputProcessor(tok, ("zz",), stream=True)
+    assert proc.update(ids[:2]).text + proc.update(ids[2:], "length").text == "rt infer"
+
+
 def test_fast_decoder_is_chosen_for_fast_tokenizers(bpe):
     assert isinstance(make_detokenizer(bpe), FastDetokenizer)
     assert isinstance(make_detokenizer(ByteTokenizer()), ByteDetokenizer)
