@@ -16,9 +16,10 @@ What it does:
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-from jaxinfer.detokenizer import make_detokenizer
+from jaxinfer.detokenizer import REPLACEMENT, make_detokenizer
 from jaxinfer.outputs import LogprobsList, cumulative_logprob
 
 
@@ -125,16 +126,35 @@ def text_ids(ids: list[int], finish_reason: str | None, include_stop: bool) -> l
 # -- logprobs: engine rows (outputs.py) into vLLM's {token_id: Logprob} ---------------------------------
 
 class TokenTexts:
-    """decoded_token of logprob entries: each token id decoded once, when an entry is first read."""
+    """decoded_token of logprob entries: each token id decoded once, when an entry is first read. Given the ids
+    before it (`context`, up to 4 are used), a token holding part of a character (U+FFFD) gets, as vLLM's
+    logprobs processor gives one that ends inside a character, the text it completes with them beyond what they
+    showed on their own ('' while the character is unfinished): the pieces then concatenate to the text (vLLM
+    leaves a token that starts inside a character as U+FFFD + the rest)."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.cache = tokenizer, {}
 
-    def __call__(self, token_id: int) -> str:
+    def __call__(self, token_id: int, context=None) -> str:
         text = self.cache.get(token_id)
         if text is None:
             text = self.cache[token_id] = self.tokenizer.decode([token_id])
+        if context is not None and REPLACEMENT in text:
+            return self.completed(token_id, list(context)[-4:])
         return text
+
+    def completed(self, token_id: int, context: list[int]) -> str:
+        for k in range(1, len(context) + 1):             # the fewest tokens before it that finish its characters
+            before = context[-k:]
+            full = self.tokenizer.decode(before + [token_id])
+            clean = len(before)                          # their text, less their own split tail
+            while clean and REPLACEMENT in self(before[clean - 1]):
+                clean -= 1
+            shown = self.tokenizer.decode(before[:clean]) if clean else ""
+            piece = full[len(os.path.commonprefix([shown, full])):]
+            if REPLACEMENT not in piece:
+                return piece
+        return ""
 
 
 def stop_reason(seq, proc: OutputProcessor | None, eos, primary: int | None = None) -> int | str | None:
@@ -181,7 +201,8 @@ def logprobs_of(seq, start: int, token_ids: list[int], texts: TokenTexts, cum_be
         return None, None
     rows = seq.logprob_rows[start:start + len(token_ids)]
     texts = texts if seq.params.detokenize else None              # detokenize=False: decoded_token None (vLLM)
-    return LogprobsList(rows, list(token_ids), n, texts), cum_before + cumulative_logprob(rows)
+    before = seq.output_token_ids[max(0, start - 4):start]
+    return LogprobsList(rows, list(token_ids), n, texts, before), cum_before + cumulative_logprob(rows)
 
 
 def prompt_logprobs_of(seq, texts: TokenTexts):
@@ -190,5 +211,5 @@ def prompt_logprobs_of(seq, texts: TokenTexts):
     if rows is None:
         return None
     return LogprobsList(rows, seq.token_ids[:seq.num_prompt_tokens], seq.params.prompt_logprobs,
-                        texts if seq.params.detokenize else None)
+                        texts if seq.params.detokenize else None, [])
 

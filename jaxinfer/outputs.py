@@ -96,10 +96,13 @@ def cumulative_logprob(rows: list[list[float]]) -> float:
 
 class LogprobsList(Sequence):
     """A list of `{token_id: Logprob}` (None where a row is None) made from engine rows as it is read. It reads,
-    slices, compares and concatenates as a list does; `list(x)` gives a plain (mutable) list."""
+    slices, compares and concatenates as a list does; `list(x)` gives a plain (mutable) list. With `context`
+    (the ids before the first, maybe []), decode(token_id, ids before it) (TokenTexts: a character split
+    across tokens goes to the token that completes it, as vLLM's)."""
 
-    def __init__(self, rows: list, token_ids: list[int], n: int, decode=None):
+    def __init__(self, rows: list, token_ids: list[int], n: int, decode=None, context: list[int] | None = None):
         self._rows, self._ids, self._n, self._decode = rows, token_ids, n, decode
+        self._context = context
         self._made: dict[int, dict] = {}
 
     def __len__(self) -> int:
@@ -111,7 +114,11 @@ class LogprobsList(Sequence):
         i = range(len(self))[i]                          # negative indices; IndexError past the end
         if i not in self._made:
             row = self._rows[i]
-            self._made[i] = None if row is None else logprob_dict(row, self._ids[i], self._n, self._decode)
+            decode = self._decode
+            if decode is not None and self._context is not None:
+                before = (self._context + self._ids[max(0, i - 4):i])[-4:]
+                decode = lambda t, d=self._decode: d(t, before)    # noqa: E731
+            self._made[i] = None if row is None else logprob_dict(row, self._ids[i], self._n, decode)
         return self._made[i]
 
     def __add__(self, other) -> list:

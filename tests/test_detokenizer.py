@@ -61,6 +61,33 @@ def test_a_byte_fallback_tokenizer_whose_text_changes_behind_the_stream_does_not
     assert proc.update(ids[:2]).text + proc.update(ids[2:], "length").text == "rt infer"
 
 
+def test_logprob_texts_of_a_character_split_across_tokens_concatenate_to_the_text(bpe):
+    """As vLLM's logprobs processor: a token whose text ends inside a character gets '' and the token that completes
+    it the whole character, so decoded_token / the completions' tokens concatenate to the text and text_offset
+    points at each token's text (they were U+FFFD each, and the offsets drifted)."""
+    from jaxinfer.outputs import LogprobsList
+    from jaxinfer.output_processor import TokenTexts
+    from jaxinfer.server.responses import chat_logprobs, completion_logprobs
+    for text in TEXTS:
+        ids = bpe.encode(text, add_special_tokens=False)
+        assert any(bpe.decode([t]).endswith("\ufffd") for t in ids), text     # (the case this is about)
+        texts = TokenTexts(bpe)
+        got = [texts(t, ids[max(0, i - 4):i]) for i, t in enumerate(ids)]
+        assert "".join(got) == text and not any("\ufffd" in g for g in got), (text, got)
+        rows = [[-0.5, 1, t, -0.5] for t in ids]                  # (the sampled token is its own top 1)
+        lp = completion_logprobs(texts, ids, rows, 1)
+        assert lp["tokens"] == got and all(text[o:].startswith(s) for o, s in zip(lp["text_offset"], got))
+        for cut in (1, 5, len(ids) // 2):                        # streamed: the ids before each delta's first
+            head = completion_logprobs(texts, ids[:cut], rows[:cut], 1)
+            tail = completion_logprobs(texts, ids[cut:], rows[cut:], 1, 0, ids[:cut])
+            assert head["tokens"] + tail["tokens"] == got
+            chat = chat_logprobs(texts, ids[cut:], rows[cut:], 1, ids[:cut])["content"]
+            assert [c["token"] for c in chat] == got[cut:] == [c["top_logprobs"][0]["token"] for c in chat]
+            lst = LogprobsList(rows[cut:], ids[cut:], 1, texts, ids[max(0, cut - 4):cut])
+            assert [d[t].decoded_token for d, t in zip(lst, ids[cut:])] == got[cut:]
+        assert [texts(t) for t in ids] == [bpe.decode([t]) for t in ids]    # no context: the token alone
+
+
 def test_fast_decoder_is_chosen_for_fast_tokenizers(bpe):
     assert isinstance(make_detokenizer(bpe), FastDetokenizer)
     assert isinstance(make_detokenizer(ByteTokenizer()), ByteDetokenizer)

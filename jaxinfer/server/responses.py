@@ -126,13 +126,16 @@ def _top(row: list, k: int) -> list[tuple[int, float]]:
     return [(int(row[2 + r]), row[2 + w + r]) for r in range(min(k, w))]
 
 
-def completion_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int, offset: int = 0) -> dict:
+def completion_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int, offset: int = 0,
+                        before: list[int] = ()) -> dict:
     """The legacy shape for tokens `ids` and their engine rows (a None row: no logprob, e.g. the first prompt
     token). `offset`: the character offset of the first token (the text already sent, when streaming).
-    top_logprobs holds the k most likely tokens and the sampled one (as vLLM)."""
+    top_logprobs holds the k most likely tokens and the sampled one (as vLLM). `before`: the ids before the
+    first (a character split across tokens is the text of the token that completes it: TokenTexts)."""
     tokens, lps, tops, offs = [], [], [], []
+    context = list(before)[-4:]
     for tid, row in zip(ids, rows):
-        s = text_of(tid)
+        s = text_of(tid, context)
         tokens.append(s)
         offs.append(offset)
         offset += len(s)
@@ -142,19 +145,22 @@ def completion_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int,
             continue
         lps.append(row[0])
         top = {}
-        for t, lp in _top(row, k):  # best first: a less likely id with the same text (e.g. "\ufffd") keeps the best
-            top.setdefault(text_of(t), lp)
+        for t, lp in _top(row, k):  # best first: a less likely id with the same text (e.g. "") keeps the best
+            top.setdefault(text_of(t, context), lp)
         top.setdefault(s, row[0])
         tops.append(top)
+        context = (context + [tid])[-4:]
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
 
-def chat_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int) -> dict:
-    def one(tid, lp):
-        s = text_of(tid)
+def chat_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int, before: list[int] = ()) -> dict:
+    def one(tid, lp, context):
+        s = text_of(tid, context)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
-    return {"content": [{**one(tid, row[0]), "top_logprobs": [one(t, lp) for t, lp in _top(row, k)]}
-                        for tid, row in zip(ids, rows)]}
+    ctx = [*before, *ids]
+    return {"content": [{**one(tid, row[0], c := ctx[max(0, i - 4):i]), "top_logprobs": [one(t, lp, c) for t, lp in
+                                                                                          _top(row, k)]}
+                        for i, (tid, row) in enumerate(zip(ids, rows), len(before))]}
 
 
 # -- server-sent events -------------------------------------------------------------------------------------

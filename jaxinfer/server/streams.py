@@ -79,10 +79,10 @@ def chat_choice(ch: Choice, k: int | None, text_of, role: str = "assistant", ech
             "finish_reason": ch.proc.finish_reason, "stop_reason": ch.stop_reason}
 
 
-def _new_logprobs(ch: Choice) -> tuple[list[int], list]:
-    """The generated tokens whose logprobs were not streamed yet (and mark them sent)."""
+def _new_logprobs(ch: Choice) -> tuple[list[int], list, list[int]]:
+    """The generated tokens whose logprobs were not streamed yet (and mark them sent), and the 4 ids before."""
     start, ch.sent = ch.sent, len(ch.logprobs)
-    return ch.token_ids[start:ch.sent], ch.logprobs[start:ch.sent]
+    return ch.token_ids[start:ch.sent], ch.logprobs[start:ch.sent], ch.token_ids[max(0, start - 4):start]
 
 
 def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, text_of, echoed: list | None):
@@ -113,8 +113,8 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
                     text = head + text
                     offsets[ch.index] = len(head) if lp is None else sum(len(t) for t in lp["tokens"])
             if k is not None:
-                ids, entries = _new_logprobs(ch)
-                new = R.completion_logprobs(text_of, ids, entries, k, offsets[ch.index])
+                ids, entries, before = _new_logprobs(ch)
+                new = R.completion_logprobs(text_of, ids, entries, k, offsets[ch.index], before)
                 offsets[ch.index] += sum(len(t) for t in new["tokens"])
                 lp = _merge(lp, new)
                 yield enc.completion_lp(ch.index, text, d.finish_reason, lp, stop, use(ch))
@@ -141,14 +141,15 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
         done = {}
         async for ch, d in run:
             done[ch.index] = ch
-            ids, entries = _new_logprobs(ch) if k is not None else ((), ())
+            ids, entries, before = _new_logprobs(ch) if k is not None else ((), (), ())
             if d.finish_reason:    # the finish rides on the chunk with the last text, as in vLLM
-                lp = R.chat_logprobs(text_of, ids, entries, k) if ids else None
+                lp = R.chat_logprobs(text_of, ids, entries, k, before) if ids else None
                 yield R.sse(R.chat_chunk(rid, model, {"content": d.text}, d.finish_reason, ch.index, lp,   # ("" too)
                                          stop_reason=ch.stop_reason, created=created, use=use(ch)))
             elif ids:
                 yield R.sse(R.chat_chunk(rid, model, {"content": d.text}, None, ch.index,
-                                         R.chat_logprobs(text_of, ids, entries, k), created=created, use=use(ch)))
+                                         R.chat_logprobs(text_of, ids, entries, k, before), created=created,
+                                         use=use(ch)))
             elif d.text:
                 yield enc.chat_content(d.text, ch.index, use(ch))
         if P.include_usage(req):
