@@ -154,7 +154,8 @@ class TokenTexts:
             piece = full[len(os.path.commonprefix([shown, full])):]
             if REPLACEMENT not in piece:
                 return piece
-        return ""
+        text = self(token_id)          # no earlier tokens finish it: "" if it ends inside a character (vLLM's),
+        return "" if text.endswith(REPLACEMENT) else text      # else its text (invalid bytes stay U+FFFD)
 
 
 def stop_reason(seq, proc: OutputProcessor | None, eos, primary: int | None = None) -> int | str | None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import numbers
-from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 
 MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
@@ -82,11 +81,13 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stop):
             bad("stop", "must be a non-empty string or a list of them")
         object.__setattr__(self, "stop", list(stop))           # lists, as vLLM's
-        if self.stop_token_ids is not None and (isinstance(self.stop_token_ids, (str, bytes, dict)) or
-                                                not isinstance(self.stop_token_ids, Iterable)):   # (vLLM: list(...))
+        try:                                                    # any iterable of ids (vLLM: list(...))
+            if isinstance(self.stop_token_ids, (str, bytes, dict)):
+                raise TypeError
+            ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        except TypeError:
             bad("stop_token_ids", "must be a list of non-negative integers or None")
-        ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
-               for t in self.stop_token_ids or ()]
+        ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in ids]
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
         object.__setattr__(self, "stop_token_ids", ids)

@@ -86,6 +86,16 @@ def test_logprob_texts_of_a_character_split_across_tokens_concatenate_to_the_tex
             lst = LogprobsList(rows[cut:], ids[cut:], 1, texts, ids[max(0, cut - 4):cut])
             assert [d[t].decoded_token for d, t in zip(lst, ids[cut:])] == got[cut:]
         assert [texts(t) for t in ids] == [bpe.decode([t]) for t in ids]    # no context: the token alone
+        echo = completion_logprobs(texts, ids, [None] + rows[1:], 1)        # echo: the first prompt token, no row
+        assert echo["tokens"] == got and echo["text_offset"] == lp["text_offset"]
+    # a token starting with bytes no earlier token completes (invalid UTF-8) keeps its text, U+FFFD and all
+    odd = [t for t in range(400) if (d := bpe.decode([t])).startswith("\ufffd") and d.strip("\ufffd")]
+    the = bpe.encode("the", add_special_tokens=False)
+    for t in odd[:3]:
+        ids = the + [t] + the
+        texts = TokenTexts(bpe)
+        got = [texts(x, ids[max(0, i - 4):i]) for i, x in enumerate(ids)]
+        assert "".join(got) == bpe.decode(ids), (t, got)
 
 
 def test_fast_decoder_is_chosen_for_fast_tokenizers(bpe):

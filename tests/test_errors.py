@@ -151,6 +151,9 @@ def test_dict_prompt_with_numpy_ids(llm):
     sp = SamplingParams(temperature=0, max_tokens=3)
     a = llm.generate({"prompt_token_ids": np.array([5, 6, 7])}, sp, use_tqdm=False)[0]
     assert a.prompt_token_ids == [5, 6, 7] and a.token_ids == llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].token_ids
+    assert llm.engine.check_request(np.array([5, 6, 7]), sp).max_tokens == 3         # the engine's own check too
+    with pytest.raises(ValueError, match="empty"):
+        llm.engine.check_request(np.array([], dtype=int), sp)
 
 
 def test_max_tokens_none_with_a_pool_smaller_than_max_model_len(tiny_dir):

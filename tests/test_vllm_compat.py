@@ -34,7 +34,9 @@ def test_sampling_params_as_vllms_greedy_n_bool_logprobs_and_any_id_iterable():
     assert (SamplingParams(logprobs=True).logprobs, SamplingParams(prompt_logprobs=False).prompt_logprobs) == (1, 0)
     assert SamplingParams(stop_token_ids={7}).stop_token_ids == [7] == SamplingParams(stop_token_ids=(7,)).stop_token_ids
     assert SamplingParams(stop_token_ids=iter([7, 8])).stop_token_ids == [7, 8]
-    for bad in ("7", 7, {7: 1}):
+    assert SamplingParams(stop_token_ids=np.array([7, 8])).stop_token_ids == [7, 8]
+    assert SamplingParams(stop_token_ids=np.array([], dtype=int)).stop_token_ids == []
+    for bad in ("7", 7, {7: 1}, np.array(7)):
         with pytest.raises(ValueError, match="stop_token_ids"):
             SamplingParams(stop_token_ids=bad)
 

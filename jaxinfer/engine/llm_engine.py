@@ -97,7 +97,7 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------
     def check_request(self, token_ids: list[int], params: SamplingParams, where: str = "prompt") -> SamplingParams:
         """ValueError (naming the value) for a request that can never run; else its params, max_tokens None resolved."""
-        if not isinstance(params, SamplingParams) or not token_ids:
+        if not isinstance(params, SamplingParams) or len(token_ids) == 0:
             raise ValueError(f"{where} is empty: give at least one token" if isinstance(params, SamplingParams) else
                              f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
         n, V, cfg = len(token_ids), self.model_config.vocab_size, self.config

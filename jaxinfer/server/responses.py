@@ -139,6 +139,7 @@ def completion_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int,
         tokens.append(s)
         offs.append(offset)
         offset += len(s)
+        context, before_this = (context + [tid])[-4:], context
         if row is None:
             lps.append(None)
             tops.append(None)
@@ -146,10 +147,9 @@ def completion_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int,
         lps.append(row[0])
         top = {}
         for t, lp in _top(row, k):  # best first: a less likely id with the same text (e.g. "") keeps the best
-            top.setdefault(text_of(t, context), lp)
+            top.setdefault(text_of(t, before_this), lp)
         top.setdefault(s, row[0])
         tops.append(top)
-        context = (context + [tid])[-4:]
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
 
