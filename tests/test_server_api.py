@@ -268,8 +268,8 @@ def test_metrics(url, client):
 def _latency_sums(url) -> dict:
     m = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in httpx.get(url + "/metrics").text.splitlines()
          if ln and not ln.startswith("#")}
-    return {h: (m[f"jaxinfer:{h}_seconds_sum" + '{model_name="tiny-qwen3"}'],
-                m[f"jaxinfer:{h}_seconds_count" + '{model_name="tiny-qwen3"}'])
+    return {h: (m.get(f"jaxinfer:{h}_seconds_sum" + '{model_name="tiny-qwen3"}', 0.0),     # (0 before any
+                m.get(f"jaxinfer:{h}_seconds_count" + '{model_name="tiny-qwen3"}', 0.0))   # request ended)
             for h in ("time_to_first_token", "time_per_output_token", "e2e_request_latency")}
 
 
