@@ -138,6 +138,8 @@ def _tool_calls(j: int, m: dict) -> dict:
     """vLLM gives the template an assistant's tool-call arguments as a mapping: a JSON string is parsed, no
     arguments ("" or None) is {} (Qwen3's template prints a string as is; others iterate the mapping)."""
     calls = m.get("tool_calls")
+    if isinstance(calls, (list, tuple)) and not calls:
+        return {k: v for k, v in m.items() if k != "tool_calls"}      # none: left out (vLLM's)
     if m.get("role") != "assistant" or not isinstance(calls, (list, tuple)):
         return m
     out = []
@@ -157,7 +159,8 @@ def _tool_calls(j: int, m: dict) -> dict:
 
 # a chat template that loops over a message's content parts (`{% for part in message['content'] %}`) takes them as
 # a list (vLLM's "openai" content format, which its "auto" picks for such templates); others take a string
-_LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
+# (the loop is over the content itself, maybe filtered or sliced: not over `m['content'].split(...)`, as vLLM's check)
+_LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]|\.content\b)(?!\s*[.(])")
 
 
 def content_format(tokenizer, chosen: str, chat_template: str | None = None) -> str:
@@ -176,12 +179,16 @@ def _text_message(j: int, m, fmt: str = "string") -> dict:
     c = m.get("content") if isinstance(m, dict) else None
     parts = [_part_text(p) for p in c] if isinstance(c, (list, tuple)) else [c] if isinstance(c, str) else []
     parts = [t for t in parts if t is not SKIP]
-    if not (isinstance(m, dict) and isinstance(m.get("role"), str) and (c is None or isinstance(c, str) or (
-            isinstance(c, (list, tuple)) and None not in parts))):
+    if isinstance(m, dict) and isinstance(c, (list, tuple)) and None in parts:
+        p = c[parts.index(None)]
+        raise ValueError(f"message {j}: unsupported chat content part type "
+                         f"{p.get('type') if isinstance(p, dict) else type(p).__name__!r} (jaxinfer takes text parts: "
+                         f"{', '.join(TEXT_PARTS)}), in {p!r:.80}")
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(c, (str, list, tuple, type(None)))):
         raise ValueError(f"message {j} must be a dict with a string 'role' and 'content' a string, a list of text "
                          f"parts or None, got {m!r:.80}")
     m = _tool_calls(j, m)
-    if fmt == "openai":
+    if fmt == "openai" and m["role"] != "tool":           # (a tool result's parts: one string, as vLLM's)
         return {**m, "content": [{"type": "text", "text": t} for t in parts]}
     return {**m, "content": "\n".join(parts)}
 
@@ -198,7 +205,9 @@ def render_chat(tokenizer, messages, chat_template_kwargs: dict | None = None, *
     messages = [_text_message(j, m, fmt) for j, m in enumerate(messages)]
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise ValueError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
-    given = template_args.get("chat_template") or (chat_template_kwargs or {}).get("chat_template")
+    if "chat_template" in (chat_template_kwargs or {}):                    # (current vLLM's check)
+        raise ValueError("chat_template_kwargs must not hold 'chat_template': give it as chat_template=")
+    given = template_args.get("chat_template")
     if getattr(tokenizer, "chat_template", None) is None and hasattr(tokenizer, "vocab_size") and not given:
         raise ValueError("this model's tokenizer has no chat template (tokenizer_config.json "
                          "'chat_template'); use generate() with a plain prompt")

@@ -172,6 +172,32 @@ def test_chat_gives_tool_call_arguments_and_content_parts_as_vllm(llm):
     assert idle(llm)
 
 
+def test_chat_content_format_tool_turns_and_template_kwargs_as_current_vllm(llm):
+    """Current vLLM's chat preprocessing: a template looping over `m['content'].split(...)` reads a string (only a
+    loop over the content itself, maybe filtered or sliced, takes the parts); an empty tool_calls list is left out;
+    a tool result's parts are one string also for a template that takes parts; chat_template inside
+    chat_template_kwargs is refused; a non-text part is refused naming its type."""
+    from jaxinfer.prompts import render_chat
+    tok, sp = llm.tokenizer, SamplingParams(temperature=0, max_tokens=1)
+    lines = ("{% for m in messages %}{{ m['role'] }}:{% for x in m['content'].split('\n') %}>{{ x }};{% endfor %}|"
+             "{% endfor %}")
+    assert render_chat(tok, [{"role": "user", "content": "a\nb"}], chat_template=lines,
+                       add_generation_prompt=False) == "user:>a;>b;|"
+    parts = ("{% for m in messages %}{{ m['role'] }}:{% if m.tool_calls is defined %}T{% endif %}"
+             "{% for p in m['content'] | selectattr('type') %}[{{ p['text'] }}]{% endfor %}"
+             "{% if m['content'] is string %}{{ m['content'] }}{% endif %}|{% endfor %}")
+    conv = [{"role": "assistant", "content": "Hi", "tool_calls": []},
+            {"role": "tool", "content": [{"type": "text", "text": "sunny"}, {"type": "text", "text": "warm"}]},
+            {"role": "user", "content": [{"type": "text", "text": "ok"}]}]
+    assert render_chat(tok, conv, chat_template=parts, add_generation_prompt=False) == \
+        "assistant:[Hi]|tool:sunny\nwarm|user:[ok]|"
+    with pytest.raises(ValueError, match="chat_template_kwargs must not hold 'chat_template'"):
+        llm.chat([{"role": "user", "content": "Hi"}], sp, chat_template_kwargs={"chat_template": parts}, use_tqdm=False)
+    with pytest.raises(ValueError, match="unsupported chat content part type 'file'"):
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "file"}]}], sp, use_tqdm=False)
+    assert idle(llm)
+
+
 @pytest.mark.parametrize("bad", ["hello", [{"role": 1, "content": "x"}], [{"content": "x"}], [[]],
                                  [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]])
 def test_chat_rejects_bad_messages(llm, bad):

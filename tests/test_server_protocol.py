@@ -36,14 +36,27 @@ def test_queue_bound_shares_add_up():
     assert Admission(state, 8, 2, None, None).capacity() is None
 
 
-def test_chat_text_parts_join_with_newlines():
-    """A message's text parts are joined by newlines, as vLLM renders them (so the prompt tokens match vLLM's)."""
-    from jaxinfer.server.protocol import ChatCompletionRequest, chat_messages
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"},
-                                                                      {"type": "text", "text": "there"}]},
-                                          {"role": "assistant", "content": "ok"}])
-    assert chat_messages(req.messages) == [{"role": "user", "content": "Hi\nthere"},
+def test_chat_text_parts_render_as_llm_chat_renders_them():
+    """A message's text parts reach render_chat as parts, as LLM.chat's do: a template that reads a string gets
+    them joined by newlines (vLLM's "string" format), one that loops over the parts gets the parts (they were
+    joined first, so such a --chat-template saw one part); plain-string parts and tool_calls [] are taken."""
+    from jaxinfer.prompts import render_chat
+    from jaxinfer.server.protocol import ChatCompletionRequest, chat_messages, chat_prompt
+    parts = [{"type": "text", "text": "Hi"}, "there", {"type": "text", "text": None}]
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": parts},
+                                          {"role": "assistant", "content": "ok", "tool_calls": []}])
+    assert chat_messages(req.messages) == [{"role": "user", "content": [{"type": "text", "text": "Hi"}, "there",
+                                                                         {"type": "text"}]},
                                            {"role": "assistant", "content": "ok"}]
+    tok = ByteTokenizer()
+    joined = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    loops = ("{% for m in messages %}<{{ m['role'] }}>{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}"
+             "{% endfor %}")
+    for template, want in ((joined, "<user>Hi\nthere<assistant>ok"), (loops, "<user>[Hi][there]<assistant>[ok]")):
+        tok.chat_template = template
+        conv = [{"role": "user", "content": parts}, {"role": "assistant", "content": "ok"}]
+        req = ChatCompletionRequest(messages=conv, add_generation_prompt=False)
+        assert chat_prompt(tok, req)[0] == want == render_chat(tok, conv, add_generation_prompt=False)
     # a message's name goes to the template (vLLM passes it); other fields are refused by name
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi", "name": "bob"}])
     assert chat_messages(req.messages) == [{"role": "user", "content": "Hi", "name": "bob"}]

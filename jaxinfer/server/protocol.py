@@ -135,7 +135,7 @@ class TextPart(BaseModel):      # vLLM's text parts (refusal / thinking parts ho
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | str] | None = None
     name: str | None = None
 
 
@@ -242,15 +242,14 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """[{"role", "content": str}]: text parts joined by newlines (as vLLM); a `name` goes to the chat template as
-    vLLM passes it. Other fields (tool_calls, ...) are refused: the template would drop them."""
-    out = []
+    """[{"role", "content", "name"?}] as LLM.chat takes them (parts stay parts: render_chat's content format); other
+    fields (tool_calls, ...) are refused unless empty."""
     for i, m in enumerate(messages):
-        extra = [k for k, v in (m.model_extra or {}).items() if v is not None]
-        if extra:
+        if extra := [k for k, v in (m.model_extra or {}).items() if v is not None and v != []]:
             raise RequestError(f"messages[{i}].{extra[0]} is not supported by this server", param="messages")
-        out.append({"role": m.role, "content": joined_text(m.content), **({} if m.name is None else {"name": m.name})})
-    return out
+    return [{"role": m.role, "content": [p if isinstance(p, str) else p.model_dump(exclude_none=True) for p in
+                                         m.content] if isinstance(m.content, list) else m.content,
+             **({} if m.name is None else {"name": m.name})} for m in messages]
 
 
 def chat_template_kwargs(req: ChatCompletionRequest, tools: list | None = None) -> dict:
@@ -274,7 +273,7 @@ def chat_prompt(tokenizer, req: ChatCompletionRequest) -> tuple[str, str, str]:
     has the answer's role (vLLM's)."""
     messages, kw = chat_messages(req.messages), chat_template_kwargs(req)
     role = "assistant" if kw["add_generation_prompt"] else messages[-1]["role"]
-    echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == role else ""
+    echo = joined_text(messages[-1]["content"]) if req.echo and messages[-1]["role"] == role else ""
     return apply_chat_template(tokenizer, messages, kw), role, echo
 
 
@@ -286,8 +285,9 @@ def apply_chat_template(tokenizer, messages: list[dict], kwargs: dict | None,
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions", param="messages")
     try:                              # LLM.chat's rendering (prompts.render_chat)
         return render_chat(tokenizer, messages, kwargs, add_generation_prompt=add_generation_prompt)
-    except Exception as e:            # template errors (jinja) as well as its ValueErrors
-        raise RequestError(f"cannot apply the chat template: {e}", param="messages") from None
+    except Exception as e:            # template errors (jinja) as well as its ValueErrors (already saying so)
+        raise RequestError(f"cannot apply the chat template: {e}".replace(": cannot apply the chat template", ""),
+                           param="messages") from None
 
 
 def include_usage(req: _Request) -> bool:
