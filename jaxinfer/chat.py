@@ -68,7 +68,8 @@ def chat_loop(llm, sp, system: str | None = None, thinking: bool = True) -> int:
         prompt, dropped = fit_history(llm, history, kwargs, sp.max_tokens)
         reply, stream = [], None
         try:
-            stream = llm.stream(prompt, sp)       # (bad input raises here, before the history loses a turn)
+            ids = llm.get_tokenizer().encode(prompt, add_special_tokens=False)     # (the template has them)
+            stream = llm.stream({"prompt": prompt, "prompt_token_ids": ids}, sp)    # (bad input raises here)
             if dropped:
                 keep = 1 if system else 0
                 del history[keep:keep + 2 * dropped]

@@ -297,4 +297,4 @@ class LLM:
                                             chat_template_content_format=chat_template_content_format,
                                             chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                             continue_final_message=continue_final_message)
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, tokenization_kwargs={"add_special_tokens": False})

@@ -70,8 +70,9 @@ def _cut(ids: list, kw: dict, tokenizer, i: int) -> list:
 
 
 def token_ids(tokenizer, prompt: Prompt, i: int, tokenization_kwargs: dict | None = None) -> list[int]:
-    """The prompt's token ids (text is encoded without special tokens; `tokenization_kwargs`, vLLM's, reach the
-    tokenizer, and truncation cuts token prompts too). Raises ValueError naming prompt i."""
+    """The prompt's token ids (text is encoded with the tokenizer's special tokens, e.g. a BOS, as vLLM's generate;
+    LLM.chat's rendered prompts without; `tokenization_kwargs`, vLLM's, reach the tokenizer, and truncation cuts
+    token prompts too). Raises ValueError naming prompt i."""
     kw = {} if tokenization_kwargs is None else tokenization_kwargs
     if not isinstance(kw, dict):
         raise ValueError(f"tokenization_kwargs must be a dict or None, got {kw!r:.80}")
@@ -92,7 +93,7 @@ def token_ids(tokenizer, prompt: Prompt, i: int, tokenization_kwargs: dict | Non
     if isinstance(prompt, str):
         rest = {k: v for k, v in kw.items() if k not in ("truncation", "max_length")}
         try:
-            return _cut(list(tokenizer.encode(prompt, **{"add_special_tokens": False, **rest})), kw, tokenizer, i)
+            return _cut(list(tokenizer.encode(prompt, **{"add_special_tokens": True, **rest})), kw, tokenizer, i)
         except (TypeError, UnicodeError) as e:        # (a lone surrogate: the tokenizer's TypeError)
             raise ValueError(f"prompt {i}: the tokenizer cannot encode {prompt!r:.80}"
                              f"{f' with tokenization_kwargs {rest}' if rest else ''} ({e})") from None

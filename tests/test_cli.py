@@ -72,7 +72,7 @@ def test_a_refused_chat_message_keeps_the_history(monkeypatch, capsys):
     monkeypatch.setattr(llm, "stream", lambda prompt, sp: seen.append(prompt) or stream(prompt, sp))
     assert chat_loop(llm, SamplingParams(temperature=0, max_tokens=4)) == 0
     assert "max_model_len" in capsys.readouterr().err and len(seen) == 3
-    assert "My name is Ann" in seen[-1] and "What is my name?" in seen[-1]
+    assert "My name is Ann" in seen[-1]["prompt"] and "What is my name?" in seen[-1]["prompt"]
 
 
 def test_serve(tiny_dir):

@@ -41,6 +41,27 @@ def test_sampling_params_as_vllms_greedy_n_bool_logprobs_and_any_id_iterable():
             SamplingParams(stop_token_ids=bad)
 
 
+def test_text_prompts_get_the_tokenizers_special_tokens_chat_prompts_do_not(tiny_dir, tmp_path):
+    """As vLLM: generate() encodes a text prompt with the tokenizer's special tokens (a BOS its post-processor adds;
+    add_special_tokens=False in tokenization_kwargs turns that off), LLM.chat's rendered prompt without them (the
+    template has its own: no second BOS)."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    bos = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                                  special_tokens=[("<|endoftext|>", bos)])
+    tok.save_pretrained(tmp_path)
+    llm = LLM(tiny_dir, tokenizer=str(tmp_path), **TINY_ENGINE)
+    plain = tok.encode("hi there", add_special_tokens=False)
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    assert llm.generate("hi there", sp, use_tqdm=False)[0].prompt_token_ids == [bos, *plain]
+    assert llm.generate("hi there", sp, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False}
+                        )[0].prompt_token_ids == plain
+    out = llm.chat([{"role": "user", "content": "hi"}], sp, use_tqdm=False)[0]
+    assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=False) and out.prompt_token_ids[0] != bos
+
+
 def test_preset_with_engine_seed_none_and_a_prompt_past_a_tiny_pool(tiny_dir):
     tiny = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
                 head_dim=16, vocab_size=300)
