@@ -281,14 +281,13 @@ class LLM:
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool | dict = True,
              lora_request=None, chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, mm_processor_kwargs=None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, mm_processor_kwargs=None,
+             tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation or to a list of conversations (one output each). A
-        message's content is a string or a list of text parts (joined by newlines, as vLLM); `tools` (OpenAI's
-        function schemas) reach the chat template, as in vLLM (no tool-call parsing: the reply is text). vLLM's
-        signature; a dict as the third argument is taken as chat_template_kwargs (`chat(messages, params, kwargs)`).
+        message's content is a string or a list of text parts; `tools` (OpenAI's function schemas) reach the chat
+        template (no tool-call parsing). vLLM's signature; a dict as the third argument is chat_template_kwargs.
 
-            llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=64),
-                     chat_template_kwargs={"enable_thinking": False})
+            llm.chat([{"role": "user", "content": "Hi"}], chat_template_kwargs={"enable_thinking": False})
         """
         if isinstance(use_tqdm, dict):
             use_tqdm, chat_template_kwargs = True, {**use_tqdm, **(chat_template_kwargs or {})}
@@ -297,4 +296,5 @@ class LLM:
                                             chat_template_content_format=chat_template_content_format,
                                             chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                             continue_final_message=continue_final_message)
-        return self.generate(prompts, sampling_params, use_tqdm, tokenization_kwargs={"add_special_tokens": False})
+        return self.generate(prompts, sampling_params, use_tqdm, tokenization_kwargs={"add_special_tokens": False,
+                                                                                   **(tokenization_kwargs or {})})

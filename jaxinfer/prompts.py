@@ -212,8 +212,8 @@ def render_chat(tokenizer, messages, chat_template_kwargs: dict | None = None, *
     if getattr(tokenizer, "chat_template", None) is None and hasattr(tokenizer, "vocab_size") and not given:
         raise ValueError("this model's tokenizer has no chat template (tokenizer_config.json "
                          "'chat_template'); use generate() with a plain prompt")
-    kw = {"add_generation_prompt": True, **{k: v for k, v in template_args.items() if v is not None},
-          **(chat_template_kwargs or {})}
+    kw = {"add_generation_prompt": True, **(chat_template_kwargs or {}),      # (the arguments win: current vLLM)
+          **{k: v for k, v in template_args.items() if v is not None}}
     if kw["add_generation_prompt"] and kw.get("continue_final_message"):
         raise ValueError("continue_final_message=True needs add_generation_prompt=False (as vLLM)")
     if not kw.get("continue_final_message", True):

@@ -250,6 +250,7 @@ def test_disconnect_before_a_plain_answer_aborts_it(url):
     ({"prompt": "hi", "best_of": 3}, "best_of"),
     ({"prompt": "hi", "no_such_field": 1}, "no_such_field"),
     ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "temperature": 2.5}, "temperature"),              # OpenAI's and current vLLM's 0..2
     ({"prompt": "hi", "temperature": 0, "n": 2}, "n"),                  # greedy n > 1 (vLLM's 400)
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
@@ -351,8 +352,8 @@ def test_default_max_tokens_is_the_room_the_pool_leaves():
     # completions' default (vLLM's 16) is checked as if given: past the context, a 400, not a shorter completion
     with pytest.raises(P.RequestError, match="250 in the prompt, 16 in the completion"):
         P.sampling_params(P.CompletionRequest(prompt="a"), 250, 256, 16)
-    # an explicit null is not left out (vLLM's default 16 is the field's): the rest of the context
-    assert P.sampling_params(P.CompletionRequest(prompt="a", max_tokens=None), 250, 256, 16).max_tokens == 6
+    # an explicit null is vLLM's 16 too (current vLLM normalises a null max_tokens to the field's default)
+    assert P.sampling_params(P.CompletionRequest(prompt="a", max_tokens=None), 200, 256, 16).max_tokens == 16
 
 
 def test_model_sampling_defaults_fill_what_a_request_leaves_out(tmp_path):

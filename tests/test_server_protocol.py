@@ -73,9 +73,17 @@ def test_chat_template_kwargs_and_continue_final_message():
     kw = chat_template_kwargs(req(add_generation_prompt=False, continue_final_message=True))
     text = apply_chat_template(ByteTokenizer(), msgs, kw)
     assert text.endswith("<|im_start|>assistant\nHel")
-    over = chat_template_kwargs(req(chat_template_kwargs={"add_generation_prompt": False, "enable_thinking": False}))
-    assert over == {"add_generation_prompt": False, "continue_final_message": False, "enable_thinking": False}
-    assert apply_chat_template(ByteTokenizer(), msgs, over).endswith("Hel<|im_end|>\n")
+    # current vLLM merges the request's own add_generation_prompt / continue_final_message over chat_template_kwargs
+    over = chat_template_kwargs(req(chat_template_kwargs={"add_generation_prompt": False, "enable_thinking": False,
+                                                          "continue_final_message": True}))
+    assert over == {"add_generation_prompt": True, "continue_final_message": False, "enable_thinking": False}
+    assert apply_chat_template(ByteTokenizer(), msgs, over).endswith("<|im_start|>assistant\n")
+    # reasoning_effort (vLLM's): thinking unless "none", an enable_thinking given wins; the template gets it too
+    for effort, given, thinking in (("none", {}, False), ("low", {}, True), ("none", {"enable_thinking": True}, True)):
+        kw = chat_template_kwargs(req(reasoning_effort=effort, chat_template_kwargs=given))
+        assert (kw["enable_thinking"], kw["reasoning_effort"]) == (thinking, effort)
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        req(reasoning_effort="extreme")
     with pytest.raises(RequestError, match="continue_final_message"):
         chat_template_kwargs(req(continue_final_message=True))
     # a template (or tools) given through chat_template_kwargs is refused as the request's own fields are (vLLM)
@@ -94,6 +102,15 @@ def test_chat_template_kwargs_and_continue_final_message():
 
 def test_truncate_refuses_more_than_max_model_len_and_cors_origins():
     assert truncate([1, 2, 3], 2, 8) == [2, 3] and truncate([1, 2, 3], -1, 2) == [2, 3]
+    # the server's -1 leaves room for max_tokens (current vLLM: max_model_len - max_tokens, completions' 16 default)
+    from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest
+    from jaxinfer.server.tokens import truncation
+    chat = lambda **kw: ChatCompletionRequest(messages=[{"role": "user", "content": "a"}], **kw)  # noqa: E731
+    assert truncation(CompletionRequest(prompt="a", truncate_prompt_tokens=-1), 256, 16) == 240
+    assert truncation(CompletionRequest(prompt="a", truncate_prompt_tokens=-1, max_tokens=100), 256, 16) == 156
+    assert truncation(chat(truncate_prompt_tokens=-1, max_completion_tokens=50), 256, None) == 206
+    assert truncation(chat(truncate_prompt_tokens=-1), 256, None) == -1
+    assert truncation(CompletionRequest(prompt="a", truncate_prompt_tokens=8), 256, 16) == 8
     with pytest.raises(ValueError, match="truncate_prompt_tokens=9 is greater than max_model_len=8"):
         truncate([1, 2, 3], 9, 8)
     from jaxinfer.server.options import ServerOptions

@@ -60,6 +60,13 @@ def test_text_prompts_get_the_tokenizers_special_tokens_chat_prompts_do_not(tiny
                         )[0].prompt_token_ids == plain
     out = llm.chat([{"role": "user", "content": "hi"}], sp, use_tqdm=False)[0]
     assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=False) and out.prompt_token_ids[0] != bos
+    out = llm.chat([{"role": "user", "content": "hi"}], sp, use_tqdm=False,       # (vLLM's chat takes them too)
+                   tokenization_kwargs={"add_special_tokens": True})[0]
+    assert out.prompt_token_ids == tok.encode(out.prompt) and out.prompt_token_ids[0] == bos
+    # chat_template_kwargs cannot undo LLM.chat's own add_generation_prompt (current vLLM merges the arguments last)
+    a, b = (llm.chat([{"role": "user", "content": "hi"}], sp, use_tqdm=False, chat_template_kwargs=kw)[0].prompt
+            for kw in (None, {"add_generation_prompt": False}))
+    assert a == b and a.endswith("<|im_start|>assistant\n")
 
 
 def test_preset_with_engine_seed_none_and_a_prompt_past_a_tiny_pool(tiny_dir):

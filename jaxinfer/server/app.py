@@ -30,7 +30,7 @@ from jaxinfer.server.gate import Gate
 from jaxinfer.server.metrics import ServerMetrics
 from jaxinfer.server.options import ServerOptions
 from jaxinfer.server.process import CoreInfo
-from jaxinfer.server.tokens import TokenizerThread, add_token_routes, prompt_encoder
+from jaxinfer.server.tokens import TokenizerThread, add_token_routes, prompt_encoder, truncation
 from jaxinfer.tokenizer import load_tokenizer
 
 DISCONNECT_POLL_S = 0.25      # how often a plain (non-streaming) handler checks that its client is still there
@@ -130,7 +130,8 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         P.check_unsupported(req)
         check_model(req.model)
         ids_list, params, param = [], [], "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"
-        encoded = await off_loop(lambda: [tokenize(p, req.truncate_prompt_tokens, req.add_special_tokens, param)
+        keep = truncation(req, max_model_len, default_max_tokens)
+        encoded = await off_loop(lambda: [tokenize(p, keep, req.add_special_tokens, param)
                                           for p in prompts])
         for ids in encoded:
             sp = P.sampling_params(req, len(ids), max_model_len, default_max_tokens, logprobs, prompt_logprobs,

@@ -46,8 +46,8 @@ class ErrorResponse(BaseModel):
 UNSUPPORTED: dict[str, tuple] = {
     "best_of": (1,), "logit_bias": ({},), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (), "response_format": ({"type": "text"},),
-    "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (), "reasoning_effort": (),
-    "logits_processors": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (), "logits_processors": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1.0,), "allowed_token_ids": (),
     "bad_words": ([],), "chat_template": (), "documents": (), "mm_processor_kwargs": (), "priority": (0,),
     "request_id": (), "return_tokens_as_token_ids": (False,),
@@ -84,7 +84,7 @@ class _Request(BaseModel):
     check_unsupported can name them."""
     model_config = ConfigDict(extra="allow")
     model: str | None = Field(None, description="the served model id (default: it)")
-    temperature: Annotated[float, Field(ge=0)] | None = Field(None, description="0 = greedy (default 1)")
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = Field(None, description="0 = greedy (default 1)")
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(None, description="completions per prompt (default 1)")
     stop: str | list[str] | None = None
@@ -146,11 +146,11 @@ class ChatCompletionRequest(_Request):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     chat_template_kwargs: dict | None = Field(None, description='e.g. {"enable_thinking": false} (Qwen3); '
-                                                                 'overrides the two fields below')
+                                                                 'the two fields below win over it')
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None   # vLLM's: "none" = no thinking
     add_generation_prompt: bool = Field(True, description="vLLM: end the prompt with the assistant's turn")
     continue_final_message: bool = Field(False, description="vLLM: leave the last message open, to be continued")
-    echo: bool = Field(False, description="vLLM: the answer starts with the last message's text, if it has the "
-                                          "answer's role")
+    echo: bool = Field(False, description="vLLM: the answer starts with the last message's text (the same role)")
     add_special_tokens: bool = Field(False, description="vLLM: special tokens around the templated prompt")
 
 
@@ -176,8 +176,8 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
             raise RequestError("max_tokens=0 needs echo=true (the prompt's logprobs, nothing generated); "
                                "else give max_tokens >= 1", param="max_tokens")
         max_tokens = 1
-    if max_tokens is None and default_max_tokens is not None and "max_tokens" not in req.model_fields_set:
-        max_tokens = default_max_tokens      # completions left out: vLLM's 16, as if given (null: the rest)
+    if max_tokens is None and default_max_tokens is not None:
+        max_tokens = default_max_tokens      # completions left out or null: vLLM's 16, as if given
     if max_tokens is None:
         room = min(max_model_len, pool_tokens or max_model_len) - prompt_len
         max_tokens = max(1, min(room, defaults.get("max_tokens", room), cap or room))
@@ -224,8 +224,7 @@ def check_request(ids: list[int], params: SamplingParams, limits: dict, param: s
 
 
 def encode(tokenizer, text: str, special: bool = False, param: str = "prompt") -> list[int]:
-    """Token ids of a request's text; text a tokenizer cannot take (a lone surrogate: valid JSON, not UTF-8) is
-    a 400 naming `param`."""
+    """Token ids of a request's text; text a tokenizer cannot take (a lone surrogate) is a 400 naming `param`."""
     try:
         return list(tokenizer.encode(text, add_special_tokens=special))
     except (TypeError, UnicodeEncodeError, ValueError) as e:
@@ -253,18 +252,19 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
 
 
 def chat_template_kwargs(req: ChatCompletionRequest, tools: list | None = None) -> dict:
-    """The template's keyword arguments: add_generation_prompt and continue_final_message (and `tools`: /tokenize's),
-    then the request's chat_template_kwargs over them (as vLLM); both True is a 400."""
+    """The template's keyword arguments: the request's chat_template_kwargs, then add_generation_prompt and
+    continue_final_message (and `tools`: /tokenize's) over them (current vLLM's merge); both True is a 400."""
     given = req.chat_template_kwargs or {}
     for name in ("chat_template",) + (() if tools is not None else ("tools",)):    # as the request's own fields
         if given.get(name) is not None:
             raise RequestError(f"chat_template_kwargs.{name} is not supported", param=name, code="unsupported_parameter")
-    kw = {"add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message,
-          **({"tools": tools} if tools else {}), **given}
+    kw = {**given, "add_generation_prompt": req.add_generation_prompt,
+          "continue_final_message": req.continue_final_message, **({"tools": tools} if tools else {})}
     if kw["add_generation_prompt"] and kw["continue_final_message"]:
         raise RequestError("cannot set both continue_final_message and add_generation_prompt to true",
                            param="continue_final_message")
-    return kw
+    effort = getattr(req, "reasoning_effort", None)        # vLLM's: thinking unless "none" (enable_thinking given wins)
+    return kw if effort is None else {"enable_thinking": effort != "none", **kw, "reasoning_effort": effort}
 
 
 def chat_prompt(tokenizer, req: ChatCompletionRequest) -> tuple[str, str, str]:
@@ -284,7 +284,7 @@ def apply_chat_template(tokenizer, messages: list[dict], kwargs: dict | None,
     if getattr(tokenizer, "chat_template", None) is None and hasattr(tokenizer, "vocab_size"):
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions", param="messages")
     try:                              # LLM.chat's rendering (prompts.render_chat)
-        return render_chat(tokenizer, messages, kwargs, add_generation_prompt=add_generation_prompt)
+        return render_chat(tokenizer, messages, {"add_generation_prompt": add_generation_prompt, **(kwargs or {})})
     except Exception as e:            # template errors (jinja) as well as its ValueErrors (already saying so)
         raise RequestError(f"cannot apply the chat template: {e}".replace(": cannot apply the chat template", ""),
                            param="messages") from None

@@ -40,6 +40,14 @@ def prompt_char_limit(tokenizer, max_model_len: int) -> int | None:
     return longest * max_model_len * NORMALISED_SHRINK or None
 
 
+def truncation(req, max_model_len: int, default_max_tokens: int | None) -> int | None:
+    """A request's truncate_prompt_tokens as current vLLM's server applies it: -1 keeps the prompt's last
+    max_model_len - max_tokens tokens (room for the output; without max_tokens: completions' default, else all)."""
+    keep = getattr(req, "truncate_prompt_tokens", None)
+    out = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max_tokens
+    return max(1, max_model_len - out) if keep == -1 and out else keep
+
+
 def prompt_encoder(tokenizer, max_model_len: int):
     """tokenize(prompt, keep, special, param) -> a request's prompt ids (a text encoded, ids as given), truncated to
     its last `keep` (truncate_prompt_tokens), or a 400 naming `param`: empty, or no room left to generate."""
