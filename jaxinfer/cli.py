@@ -45,7 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None
                  "enable_log_requests", "disable_uvicorn_access_log"):       # no meaning here (also --no-X)
         v.add_argument("--" + name.replace("_", "-"), dest="vllm_" + name, action=argparse.BooleanOptionalAction,
                        help=argparse.SUPPRESS)
-    for name, typ in (("max_logprobs", int), ("quantization", str), ("task", str), ("load_format", str),
+    for name, typ in (("max_logprobs", int), ("quantization", str), ("task", str), ("runner", str), ("convert", str),
+                      ("load_format", str),
                       ("tokenizer_mode", str), ("max_log_len", int), ("swap_space", float),
                       ("max_seq_len_to_capture", int), ("pipeline_parallel_size", int)):
         flags = ["--" + name.replace("_", "-")] + (["-pp"] if name == "pipeline_parallel_size" else [])

@@ -20,7 +20,8 @@ IGNORED = {"trust_remote_code": bool, "enforce_eager": bool, "disable_log_stats"
            "max_seq_len_to_capture": int}
 FIXED = {"enable_chunked_prefill": (True, None), "max_logprobs": (20, None), "tokenizer_mode": ("auto", "hf", None),
          "load_format": ("auto", "safetensors", None), "quantization": (None,), "skip_tokenizer_init": (False, None),
-         "task": ("auto", "generate", None), "pipeline_parallel_size": (1, None)}
+         "task": ("auto", "generate", None), "pipeline_parallel_size": (1, None),
+         "runner": ("auto", "generate", None), "convert": ("auto", "none", None)}      # (vLLM's names for task)
 
 
 def pop_vllm_options(kwargs: dict) -> str | None:

@@ -119,10 +119,11 @@ def test_sampling_params_take_vllms_unused_fields_unset():
 
 def test_vllm_options_that_describe_jaxinfer():
     kw = dict(enable_chunked_prefill=True, max_logprobs=20, quantization=None, max_seq_len_to_capture=8192,
-              task="generate", pipeline_parallel_size=1, max_num_seqs=4)
-    pop_vllm_options(kw)
+              task="generate", pipeline_parallel_size=1, max_num_seqs=4, runner="generate", convert="none")
+    pop_vllm_options(kw)                                  # (runner / convert: vLLM's names for task since 2025)
     assert kw == {"max_num_seqs": 4}
     for bad, word in [(dict(enable_chunked_prefill=False), "enable_chunked_prefill=True"),
+                      (dict(runner="pooling"), "runner='auto' or 'generate'"), (dict(convert="embed"), "convert"),
                       (dict(max_logprobs=5), "max_logprobs=20"), (dict(quantization="awq"), "no quantization"),
                       (dict(pipeline_parallel_size=2), "pipeline_parallel_size=1")]:
         with pytest.raises(ValueError, match=word):
