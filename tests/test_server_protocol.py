@@ -178,3 +178,27 @@ def test_an_empty_stream_options_without_stream_is_taken_as_absent():
     P.check_unsupported(P.CompletionRequest(prompt="hi", stream_options={}))
     with pytest.raises(P.RequestError, match="stream_options"):
         P.check_unsupported(P.CompletionRequest(prompt="hi", stream_options={"include_usage": True}))
+
+
+def test_vllms_default_chat_template_kwargs_and_force_include_usage_flags():
+    """`--default-chat-template-kwargs` (a request's own kwargs win over them) and `--enable-force-include-usage`
+    (a stream carries its usage whatever its stream_options say), as vLLM's serve flags."""
+    import argparse
+
+    from jaxinfer.server.options import ServerOptions, add_server_args, server_options
+    from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest, include_usage
+    ap = argparse.ArgumentParser()
+    add_server_args(ap)
+    opts = server_options(ap.parse_args(["--enable-force-include-usage", "--default-chat-template-kwargs",
+                                         '{"enable_thinking": false, "x": 1}']))
+    assert opts.enable_force_include_usage and opts.default_chat_template_kwargs == {"enable_thinking": False, "x": 1}
+    assert not server_options(ap.parse_args([])).enable_force_include_usage
+    req = opts.apply(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=True,
+                                           chat_template_kwargs={"x": 2}))
+    assert req.chat_template_kwargs == {"enable_thinking": False, "x": 2} and include_usage(req)
+    assert req.stream_options.continuous_usage_stats
+    plain = opts.apply(CompletionRequest(prompt="hi"))
+    assert plain.stream_options is None and not include_usage(plain)
+    assert not include_usage(ServerOptions().apply(CompletionRequest(prompt="hi", stream=True)))
+    with pytest.raises(ValueError, match="default_chat_template_kwargs"):
+        ServerOptions(default_chat_template_kwargs={"chat_template": "{{ messages }}"})

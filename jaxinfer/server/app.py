@@ -127,7 +127,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
     async def prepare(req, prompts: list, default_max_tokens: int | None, logprobs: int | None,
                       prompt_logprobs: int | None, stream: bool) -> tuple[list, list]:
         """Validate, tokenize (off the loop) and admit: (prompt ids per prompt, (ids, params) per choice)."""
-        P.check_unsupported(req)
+        P.check_unsupported(app.state.options.apply(req))
         check_model(req.model)
         ids_list, params, param = [], [], "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"
         keep = truncation(req, max_model_len, default_max_tokens)
@@ -253,7 +253,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
     @app.post("/v1/chat/completions", responses={200: {"model": R.ChatCompletionResponse}, **ERRORS})
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
         t0 = time.perf_counter()
-        P.check_unsupported(req)
+        P.check_unsupported(app.state.options.apply(req))
         check_model(req.model)
         prompt, role, echo = await off_loop(P.chat_prompt, tokenizer, req)
         if not (role + echo).encode(errors="replace").decode() == role + echo:     # (a lone surrogate the template

@@ -46,6 +46,10 @@ class ServerOptions:
                                           "generation_config.json, as vLLM), 'vllm' (none) or a folder")
     override_generation_config: dict | None = _opt(None, "a JSON object merged over those defaults (vLLM's), e.g. "
                                                          "'{\"temperature\": 0.5}'")
+    default_chat_template_kwargs: dict | None = _opt(None, "chat_template_kwargs a chat request starts from (its "
+                                                           "own win; vLLM's), e.g. '{\"enable_thinking\": false}'")
+    enable_force_include_usage: bool = _opt(False, "streams carry the usage whatever the request's stream_options "
+                                                   "say (a last chunk, and each chunk's so far; vLLM's flag)")
 
     def __post_init__(self):
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
@@ -64,6 +68,11 @@ class ServerOptions:
         if self.chat_template is not None:                  # a broken template fails at start-up, not per request
             check_jinja(self.template_text())
         self.origins()
+        d = self.default_chat_template_kwargs
+        if d is not None and (not isinstance(d, dict) or "chat_template" in d):
+            raise ValueError(f"default_chat_template_kwargs={d!r:.80} must be a JSON object without chat_template")
+        if not isinstance(self.enable_force_include_usage, bool):
+            raise ValueError(f"enable_force_include_usage={self.enable_force_include_usage!r} must be true or false")
         if not isinstance(self.shutdown_timeout, (int, float)) or not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout!r} must be a finite number >= 0")
 
@@ -105,6 +114,16 @@ class ServerOptions:
     def replace(self, **kw) -> "ServerOptions":
         return replace(self, **kw)
 
+    def apply(self, req):
+        """The request with these options' defaults: default_chat_template_kwargs under its own, and with
+        enable_force_include_usage a stream's stream_options set to carry the usage. Returns it."""
+        if self.default_chat_template_kwargs and hasattr(req, "chat_template_kwargs"):
+            req.chat_template_kwargs = {**self.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
+        if self.enable_force_include_usage and getattr(req, "stream", False):
+            from jaxinfer.server.protocol import StreamOptions
+            req.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)
+        return req
+
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """One flag per ServerOptions field (`--api-key`, `--max-waiting-requests`, ...); unset = the default."""
@@ -114,6 +133,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         typ = int if t.startswith("int") else float if t.startswith("float") else \
             json_object if t.startswith("dict") else str
         h = f.metadata["help"]
+        if t.startswith("bool"):
+            g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action="store_true", default=None, help=h)
+            continue
         if f.default is not MISSING and f.default is not None:
             h += f" (default: {f.default})"
         g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=None, help=h)

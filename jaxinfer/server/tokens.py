@@ -103,7 +103,7 @@ def add_token_routes(app: FastAPI, tokenizer, check_model, max_model_len: int, v
     @app.post("/tokenize")
     async def tokenize_route(req: TokenizeRequest):
         """vLLM's /tokenize: `prompt`, or `messages` rendered with the chat template."""
-        check_model(req.model)
+        check_model(app.state.options.apply(req).model)
         if (req.prompt is None) == (req.messages is None):
             raise P.RequestError("give exactly one of prompt and messages", param="prompt")
         if req.chat_template:
