@@ -147,7 +147,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     prompts = a.prompt or DEFAULT_PROMPTS
     inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts] if a.chat else prompts
     t0 = time.perf_counter()
-    outs = llm.generate(inputs, sp, use_tqdm=False)
+    outs = llm.generate(inputs, sp, use_tqdm=False, tokenization_kwargs={"add_special_tokens": not a.chat})
     elapsed = time.perf_counter() - t0
     for p, o in zip(prompts, outs):
         print(f"Prompt: {p!r}\nOutput: {o.text!r}  [{len(o.token_ids)} tokens, {o.finish_reason}]\n")

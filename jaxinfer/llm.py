@@ -296,5 +296,5 @@ class LLM:
                                             chat_template_content_format=chat_template_content_format,
                                             chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                             continue_final_message=continue_final_message)
-        return self.generate(prompts, sampling_params, use_tqdm, tokenization_kwargs={"add_special_tokens": False,
-                                                                                   **(tokenization_kwargs or {})})
+        return self.generate(prompts, sampling_params, use_tqdm, tokenization_kwargs={"add_special_tokens": False, **(
+            tokenization_kwargs or {})} if isinstance(tokenization_kwargs, (dict, type(None))) else tokenization_kwargs)

@@ -206,7 +206,7 @@ def render_chat(tokenizer, messages, chat_template_kwargs: dict | None = None, *
     messages = [_text_message(j, m, fmt) for j, m in enumerate(messages)]
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise ValueError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
-    if "chat_template" in (chat_template_kwargs or {}):                    # (current vLLM's check)
+    if (chat_template_kwargs or {}).get("chat_template") is not None:       # (current vLLM's check; None: absent)
         raise ValueError("chat_template_kwargs must not hold 'chat_template': give it as chat_template=")
     given = template_args.get("chat_template")
     if getattr(tokenizer, "chat_template", None) is None and hasattr(tokenizer, "vocab_size") and not given:

@@ -111,6 +111,7 @@ def test_truncate_refuses_more_than_max_model_len_and_cors_origins():
     assert truncation(chat(truncate_prompt_tokens=-1, max_completion_tokens=50), 256, None) == 206
     assert truncation(chat(truncate_prompt_tokens=-1), 256, None) == -1
     assert truncation(CompletionRequest(prompt="a", truncate_prompt_tokens=8), 256, 16) == 8
+    assert truncation(CompletionRequest(prompt="a", truncate_prompt_tokens=-1, max_tokens=0, echo=True), 256, 16) == 255
     with pytest.raises(ValueError, match="truncate_prompt_tokens=9 is greater than max_model_len=8"):
         truncate([1, 2, 3], 9, 8)
     from jaxinfer.server.options import ServerOptions
@@ -197,8 +198,13 @@ def test_vllms_default_chat_template_kwargs_and_force_include_usage_flags():
                                            chat_template_kwargs={"x": 2}))
     assert req.chat_template_kwargs == {"enable_thinking": False, "x": 2} and include_usage(req)
     assert req.stream_options.continuous_usage_stats
-    plain = opts.apply(CompletionRequest(prompt="hi"))
-    assert plain.stream_options is None and not include_usage(plain)
+    plain = opts.apply(CompletionRequest(prompt="hi", chat_template_kwargs=None))     # (a completion's extra field)
+    assert plain.stream_options is None and not include_usage(plain) and plain.chat_template_kwargs is None
+    assert server_options(ap.parse_args(["--enable-force-include-usage", "--no-enable-force-include-usage"])
+                          ).enable_force_include_usage is False
     assert not include_usage(ServerOptions().apply(CompletionRequest(prompt="hi", stream=True)))
-    with pytest.raises(ValueError, match="default_chat_template_kwargs"):
-        ServerOptions(default_chat_template_kwargs={"chat_template": "{{ messages }}"})
+    for bad in ({"chat_template": "{{ messages }}"}, {"tools": []}):
+        with pytest.raises(ValueError, match="default_chat_template_kwargs"):
+            ServerOptions(default_chat_template_kwargs=bad)
+    from jaxinfer.server.tokens import TokenizeRequest                # /tokenize renders as chat does
+    assert TokenizeRequest(messages=[{"role": "user", "content": "hi"}], reasoning_effort="none").reasoning_effort

@@ -63,10 +63,24 @@ def test_text_prompts_get_the_tokenizers_special_tokens_chat_prompts_do_not(tiny
     out = llm.chat([{"role": "user", "content": "hi"}], sp, use_tqdm=False,       # (vLLM's chat takes them too)
                    tokenization_kwargs={"add_special_tokens": True})[0]
     assert out.prompt_token_ids == tok.encode(out.prompt) and out.prompt_token_ids[0] == bos
+    # `jaxinfer generate --chat` too (it renders with the template, then generates: no second BOS)
+    import jaxinfer.cli as cli
+    seen, plain_generate = [], llm.generate
+    cli.build_llm, build = (lambda a: llm), cli.build_llm
+    llm.generate = lambda *a, **k: seen.extend(plain_generate(*a, **k)) or seen
+    try:
+        assert cli.main(["generate", tiny_dir, "--chat", "-p", "hi", "--max-tokens", "1"]) == 0
+    finally:
+        cli.build_llm, llm.generate = build, plain_generate
+    assert seen[0].prompt_token_ids == tok.encode(seen[0].prompt, add_special_tokens=False)
     # chat_template_kwargs cannot undo LLM.chat's own add_generation_prompt (current vLLM merges the arguments last)
     a, b = (llm.chat([{"role": "user", "content": "hi"}], sp, use_tqdm=False, chat_template_kwargs=kw)[0].prompt
             for kw in (None, {"add_generation_prompt": False}))
     assert a == b and a.endswith("<|im_start|>assistant\n")
+    assert llm.chat([{"role": "user", "content": "hi"}], sp, use_tqdm=False, chat_template_kwargs={
+        "chat_template": None})[0].prompt == a                                  # (None: not given)
+    with pytest.raises(ValueError, match="tokenization_kwargs must be a dict"):
+        llm.chat([{"role": "user", "content": "hi"}], sp, use_tqdm=False, tokenization_kwargs=["bad"])
 
 
 def test_preset_with_engine_seed_none_and_a_prompt_past_a_tiny_pool(tiny_dir):

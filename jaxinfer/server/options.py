@@ -69,8 +69,9 @@ class ServerOptions:
             check_jinja(self.template_text())
         self.origins()
         d = self.default_chat_template_kwargs
-        if d is not None and (not isinstance(d, dict) or "chat_template" in d):
-            raise ValueError(f"default_chat_template_kwargs={d!r:.80} must be a JSON object without chat_template")
+        if d is not None and (not isinstance(d, dict) or {"chat_template", "tools"} & set(d)):
+            raise ValueError(f"default_chat_template_kwargs={d!r:.80} must be a JSON object without chat_template "
+                             f"and tools")
         if not isinstance(self.enable_force_include_usage, bool):
             raise ValueError(f"enable_force_include_usage={self.enable_force_include_usage!r} must be true or false")
         if not isinstance(self.shutdown_timeout, (int, float)) or not 0 <= self.shutdown_timeout < float("inf"):
@@ -117,7 +118,7 @@ class ServerOptions:
     def apply(self, req):
         """The request with these options' defaults: default_chat_template_kwargs under its own, and with
         enable_force_include_usage a stream's stream_options set to carry the usage. Returns it."""
-        if self.default_chat_template_kwargs and hasattr(req, "chat_template_kwargs"):
+        if self.default_chat_template_kwargs and "chat_template_kwargs" in type(req).model_fields:
             req.chat_template_kwargs = {**self.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
         if self.enable_force_include_usage and getattr(req, "stream", False):
             from jaxinfer.server.protocol import StreamOptions
@@ -133,8 +134,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         typ = int if t.startswith("int") else float if t.startswith("float") else \
             json_object if t.startswith("dict") else str
         h = f.metadata["help"]
-        if t.startswith("bool"):
-            g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action="store_true", default=None, help=h)
+        if t.startswith("bool"):                         # (--X / --no-X, as vLLM's bool flags)
+            g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action=argparse.BooleanOptionalAction,
+                           default=None, help=h)
             continue
         if f.default is not MISSING and f.default is not None:
             h += f" (default: {f.default})"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, StrictInt
@@ -43,9 +44,9 @@ def prompt_char_limit(tokenizer, max_model_len: int) -> int | None:
 def truncation(req, max_model_len: int, default_max_tokens: int | None) -> int | None:
     """A request's truncate_prompt_tokens as current vLLM's server applies it: -1 keeps the prompt's last
     max_model_len - max_tokens tokens (room for the output; without max_tokens: completions' default, else all)."""
-    keep = getattr(req, "truncate_prompt_tokens", None)
-    out = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max_tokens
-    return max(1, max_model_len - out) if keep == -1 and out else keep
+    keep, out = getattr(req, "truncate_prompt_tokens", None), getattr(req, "max_completion_tokens", None)
+    out = next((o for o in (out, req.max_tokens, default_max_tokens) if o is not None), None)
+    return max(1, max_model_len - max(out, 1)) if keep == -1 and out is not None else keep     # (echo-only 0: 1)
 
 
 def prompt_encoder(tokenizer, max_model_len: int):
@@ -89,6 +90,7 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict | None = None
     chat_template: str | None = None
     tools: list | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None     # (as chat completions)
     return_token_strs: bool = False
 
 
