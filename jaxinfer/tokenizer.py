@@ -64,7 +64,13 @@ def render_template(template: str, messages, **kwargs) -> str:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     kwargs = {"tools": None, "documents": None, **kwargs}      # (transformers passes both, None when absent)
-    return env.from_string(template).render(messages=messages, **kwargs)
+    out = []                 # as transformers 5 normalises them: keys whose value is None dropped, and a message's
+    for m in messages:       # reasoning under any of its names given as reasoning_content (and thinking) too
+        m = {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+        r = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None) \
+            if isinstance(m, dict) else None
+        out.append(m if r is None else {"thinking": r, **m, "reasoning_content": r})
+    return env.from_string(template).render(messages=out, **kwargs)
 
 
 def load_tokenizer(path: str | None):

@@ -317,6 +317,11 @@ def test_the_presets_tokenizer_renders_a_given_chat_template():
     # transformers' names: tools and documents None when not given, strftime_now (Llama 3.2's templates)
     probe = "{% if tools is none and documents is none %}none{% endif %}|{{ strftime_now('%Y') | length }}"
     assert render_chat(ByteTokenizer(), msgs[:1], chat_template=probe) == "none|4"
+    # and transformers 5's message normalisation: keys whose value is None dropped, `reasoning` as reasoning_content
+    probe = ("{% for m in messages %}{{ m.reasoning_content | default('-') }}/{{ m.content }}"
+             "{% if m.tool_calls is defined %}T{% endif %}|{% endfor %}")
+    turn = [{"role": "assistant", "content": "Yo", "reasoning": "hm", "tool_calls": None}]
+    assert render_chat(ByteTokenizer(), turn, chat_template=probe, add_generation_prompt=False) == "hm/Yo|"
 
 
 @pytest.mark.parametrize("tokenizer_class", ["Qwen2Tokenizer", "PreTrainedTokenizerFast", "GPT2Tokenizer"])
