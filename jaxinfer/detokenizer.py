@@ -19,12 +19,8 @@ from __future__ import annotations
 
 import codecs
 
-try:
-    from tokenizers.decoders import DecodeStream           # (tokenizers >= 0.21; has_fast_decoder checks)
-except ImportError:
-    DecodeStream = None
-
 REPLACEMENT = "\ufffd"
+FIXUP_TOKENS = 4            # tokens before a logprob entry that may finish its split character (vLLM's)
 CONTEXT_TOKENS = 5          # tokens of left context kept in the decode window
 
 
@@ -78,10 +74,12 @@ class FastDetokenizer:
     goes on from the token, as vLLM's `_protected_step` does (the text then drops the bytes that were cut)."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        from tokenizers.decoders import DecodeStream
+        self._new_stream = lambda: DecodeStream(skip_special_tokens=skip_special_tokens)
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._backend = tokenizer.backend_tokenizer
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._stream = self._new_stream()
         self.token_ids: list[int] = []
         self.text = ""
         self._pending = False        # the last step returned None: bytes wait for the rest of a character
@@ -96,7 +94,7 @@ class FastDetokenizer:
             except Exception as e:                 # (tokenizers raises a plain Exception)
                 if not str(e).startswith("Invalid prefix"):
                     raise
-                self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+                self._stream = self._new_stream()
                 piece = self._stream.step(self._backend, t)
             self._pending = piece is None
             if piece:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from jaxinfer.detokenizer import REPLACEMENT, make_detokenizer
+from jaxinfer.detokenizer import FIXUP_TOKENS, REPLACEMENT, make_detokenizer
 from jaxinfer.outputs import LogprobsList, cumulative_logprob
 
 
@@ -127,7 +127,7 @@ def text_ids(ids: list[int], finish_reason: str | None, include_stop: bool) -> l
 
 class TokenTexts:
     """decoded_token of logprob entries: each token id decoded once, when an entry is first read. Given the ids
-    before it (`context`, up to 4 are used), a token holding part of a character (U+FFFD) gets, as vLLM's
+    before it (`context`, up to FIXUP_TOKENS are used), a token holding part of a character (U+FFFD) gets, as vLLM's
     logprobs processor gives one that ends inside a character, the text it completes with them beyond what they
     showed on their own ('' while the character is unfinished): the pieces then concatenate to the text (vLLM
     leaves a token that starts inside a character as U+FFFD + the rest)."""
@@ -140,7 +140,7 @@ class TokenTexts:
         if text is None:
             text = self.cache[token_id] = self.tokenizer.decode([token_id])
         if context is not None and REPLACEMENT in text:
-            return self.completed(token_id, list(context)[-4:])
+            return self.completed(token_id, list(context)[-FIXUP_TOKENS:])
         return text
 
     def completed(self, token_id: int, context: list[int]) -> str:
@@ -202,7 +202,7 @@ def logprobs_of(seq, start: int, token_ids: list[int], texts: TokenTexts, cum_be
         return None, None
     rows = seq.logprob_rows[start:start + len(token_ids)]
     texts = texts if seq.params.detokenize else None              # detokenize=False: decoded_token None (vLLM)
-    before = seq.output_token_ids[max(0, start - 4):start]
+    before = seq.output_token_ids[max(0, start - FIXUP_TOKENS):start]
     return LogprobsList(rows, list(token_ids), n, texts, before), cum_before + cumulative_logprob(rows)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from jaxinfer.detokenizer import FIXUP_TOKENS
+
 
 @dataclass(slots=True)
 class Logprob:
@@ -116,7 +118,7 @@ class LogprobsList(Sequence):
             row = self._rows[i]
             decode = self._decode
             if decode is not None and self._context is not None:
-                before = (self._context + self._ids[max(0, i - 4):i])[-4:]
+                before = (self._context + self._ids[max(0, i - FIXUP_TOKENS):i])[-FIXUP_TOKENS:]
                 decode = lambda t, d=self._decode: d(t, before)    # noqa: E731
             self._made[i] = None if row is None else logprob_dict(row, self._ids[i], self._n, decode)
         return self._made[i]

@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel
 
+from jaxinfer.detokenizer import FIXUP_TOKENS
 from jaxinfer.output_processor import TokenTexts     # each token id decoded once (vLLM's decoded_token)
 
 
@@ -126,6 +128,14 @@ def _top(row: list, k: int) -> list[tuple[int, float]]:
     return [(int(row[2 + r]), row[2 + w + r]) for r in range(min(k, w))]
 
 
+def _in_context(ids: list[int], rows: list, before) -> Iterator[tuple[int, list, list[int]]]:
+    """(token id, its row, the ids before it: up to FIXUP_TOKENS, from `before` first) of each token."""
+    context = list(before)[-FIXUP_TOKENS:]
+    for tid, row in zip(ids, rows):
+        yield tid, row, context
+        context = (context + [tid])[-FIXUP_TOKENS:]
+
+
 def completion_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int, offset: int = 0,
                         before: list[int] = ()) -> dict:
     """The legacy shape for tokens `ids` and their engine rows (a None row: no logprob, e.g. the first prompt
@@ -133,13 +143,11 @@ def completion_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int,
     top_logprobs holds the k most likely tokens and the sampled one (as vLLM). `before`: the ids before the
     first (a character split across tokens is the text of the token that completes it: TokenTexts)."""
     tokens, lps, tops, offs = [], [], [], []
-    context = list(before)[-4:]
-    for tid, row in zip(ids, rows):
+    for tid, row, context in _in_context(ids, rows, before):
         s = text_of(tid, context)
         tokens.append(s)
         offs.append(offset)
         offset += len(s)
-        context, before_this = (context + [tid])[-4:], context
         if row is None:
             lps.append(None)
             tops.append(None)
@@ -147,7 +155,7 @@ def completion_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int,
         lps.append(row[0])
         top = {}
         for t, lp in _top(row, k):  # best first: a less likely id with the same text (e.g. "") keeps the best
-            top.setdefault(text_of(t, before_this), lp)
+            top.setdefault(text_of(t, context), lp)
         top.setdefault(s, row[0])
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
@@ -157,10 +165,8 @@ def chat_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int, befor
     def one(tid, lp, context):
         s = text_of(tid, context)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
-    ctx = [*before, *ids]
-    return {"content": [{**one(tid, row[0], c := ctx[max(0, i - 4):i]), "top_logprobs": [one(t, lp, c) for t, lp in
-                                                                                          _top(row, k)]}
-                        for i, (tid, row) in enumerate(zip(ids, rows), len(before))]}
+    return {"content": [{**one(tid, row[0], c), "top_logprobs": [one(t, lp, c) for t, lp in _top(row, k)]}
+                        for tid, row, c in _in_context(ids, rows, before)]}
 
 
 # -- server-sent events -------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+from jaxinfer.detokenizer import FIXUP_TOKENS
 from jaxinfer.server import protocol as P
 from jaxinfer.server import responses as R
 from jaxinfer.server.choices import Choice
@@ -80,9 +81,9 @@ def chat_choice(ch: Choice, k: int | None, text_of, role: str = "assistant", ech
 
 
 def _new_logprobs(ch: Choice) -> tuple[list[int], list, list[int]]:
-    """The generated tokens whose logprobs were not streamed yet (and mark them sent), and the 4 ids before."""
+    """The generated tokens whose logprobs were not streamed yet (and mark them sent), and the ids before them."""
     start, ch.sent = ch.sent, len(ch.logprobs)
-    return ch.token_ids[start:ch.sent], ch.logprobs[start:ch.sent], ch.token_ids[max(0, start - 4):start]
+    return ch.token_ids[start:ch.sent], ch.logprobs[start:ch.sent], ch.token_ids[max(0, start - FIXUP_TOKENS):start]
 
 
 def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, text_of, echoed: list | None):
