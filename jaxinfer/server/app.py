@@ -127,7 +127,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
     async def prepare(req, prompts: list, default_max_tokens: int | None, logprobs: int | None,
                       prompt_logprobs: int | None, stream: bool) -> tuple[list, list]:
         """Validate, tokenize (off the loop) and admit: (prompt ids per prompt, (ids, params) per choice)."""
-        P.check_unsupported(app.state.options.apply(req))
+        P.check_unsupported(req)
         check_model(req.model)
         ids_list, params, param = [], [], "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"
         keep = truncation(req, max_model_len, default_max_tokens)
@@ -236,7 +236,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
 
     @app.post("/v1/completions", responses={200: {"model": R.CompletionResponse}, **ERRORS})
     async def completions(req: P.CompletionRequest, request: Request):
-        t0, k, asked = time.perf_counter(), req.logprobs, P.completion_prompts(req)
+        t0, k, asked = time.perf_counter(), req.logprobs, P.completion_prompts(app.state.options.apply(req))
         prompts, items = await prepare(req, asked, 16, k, k if req.echo and k is not None else None, bool(req.stream))
         echoed = await off_loop(streams.echo_texts, tokenizer, asked, prompts, req) if req.echo else None
         rid, model, n = R.new_id("cmpl"), served_model_name, req.n or 1
