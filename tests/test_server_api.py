@@ -413,3 +413,51 @@ def test_a_dropped_last_message_that_the_answer_repeats_must_be_text(tiny_dir, t
                                                              "max_tokens": 2}, timeout=60)
         st = wait_idle(url)
         assert ok.status_code == 200 and st["kv_blocks_free"] == st["kv_blocks_total"], (ok.text, st)
+
+
+def _sse(url: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_return_token_ids_and_tokens_as_token_ids(url, tok):
+    """vLLM's return_token_ids: completion choices carry prompt_token_ids and token_ids (a stream: the prompt's in
+    each choice's first chunk, each chunk its new ids); a chat response carries prompt_token_ids at its top (a
+    stream: in its role chunks) and token_ids per choice. With echo the prompt's text is left out (vLLM's).
+    return_tokens_as_token_ids names logprob tokens "token_id:N"."""
+    prompt = [5, 6, 7, 8, 9]
+    base = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, ignore_eos=True, return_token_ids=True)
+    plain = httpx.post(url + "/v1/completions", json={**base, "return_token_ids": None}).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    c = httpx.post(url + "/v1/completions", json=base).json()["choices"][0]
+    assert c["prompt_token_ids"] == prompt and len(c["token_ids"]) == 6 and c["text"] == plain["text"]
+    assert "".join(tok(t) for t in c["token_ids"]) == c["text"]
+    chunks = [ch["choices"][0] for ch in _sse(url, "/v1/completions", base) if ch["choices"]]
+    assert chunks[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in ch for ch in chunks[1:])
+    assert [t for ch in chunks for t in ch["token_ids"]] == c["token_ids"]
+    echo = httpx.post(url + "/v1/completions", json={**base, "echo": True, "logprobs": 1}).json()["choices"][0]
+    assert echo["text"] == c["text"] and echo["token_ids"] == c["token_ids"]           # (the prompt's text left out)
+    assert len(echo["logprobs"]["tokens"]) == len(prompt) + 6
+    only = httpx.post(url + "/v1/completions", json={**base, "echo": True, "max_tokens": 0}).json()["choices"][0]
+    assert only["prompt_token_ids"] == prompt and only["token_ids"] == [] and only["text"] == ""
+    stop = httpx.post(url + "/v1/completions", json={**base, "stop": [tok(c["token_ids"][2])]}).json()["choices"][0]
+    assert stop["finish_reason"] == "stop" and stop["token_ids"] == c["token_ids"][:3]
+
+    ids_lp = httpx.post(url + "/v1/completions", json={**base, "logprobs": 2, "return_tokens_as_token_ids": True})
+    lp = ids_lp.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+    assert all(set(top) >= {f"token_id:{t}"} for top, t in zip(lp["top_logprobs"], c["token_ids"]))
+
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0,
+                ignore_eos=True, return_token_ids=True)
+    full = httpx.post(url + "/v1/chat/completions", json=chat).json()
+    pids, out = full["prompt_token_ids"], full["choices"][0]
+    assert len(pids) == full["usage"]["prompt_tokens"] and len(out["token_ids"]) == 5
+    events = _sse(url, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 1})
+    assert events[0]["prompt_token_ids"] == pids and "prompt_token_ids" not in events[1]
+    assert [t for e in events[1:] for t in e["choices"][0].get("token_ids", [])] == out["token_ids"]
+    named = httpx.post(url + "/v1/chat/completions", json={**chat, "logprobs": True, "return_tokens_as_token_ids": True})
+    content = named.json()["choices"][0]["logprobs"]["content"]
+    assert [x["token"] for x in content] == [f"token_id:{t}" for t in out["token_ids"]]
+    assert content[0]["bytes"] == list(content[0]["token"].encode())

@@ -165,11 +165,12 @@ def test_vllm_request_fields_this_server_refuses_are_named_as_unsupported():
     from jaxinfer.server import protocol as P
     msgs = [{"role": "user", "content": "hi"}]
     for field, value in (("chat_template", "{{ 1 }}"), ("documents", [{"text": "a"}]), ("priority", 3),
-                         ("request_id", "r1"), ("return_tokens_as_token_ids", True), ("mm_processor_kwargs", {})):
+                         ("request_id", "r1"), ("mm_processor_kwargs", {})):
         with pytest.raises(P.RequestError, match=f"{field}=.*not supported") as e:
             P.check_unsupported(P.ChatCompletionRequest(messages=msgs, **{field: value}))
         assert e.value.code == "unsupported_parameter" and e.value.param == field
-    P.check_unsupported(P.ChatCompletionRequest(messages=msgs, priority=0, return_tokens_as_token_ids=False))
+    P.check_unsupported(P.ChatCompletionRequest(messages=msgs, priority=0, return_tokens_as_token_ids=True,
+                                                return_token_ids=True))
 
 
 
@@ -208,3 +209,18 @@ def test_vllms_default_chat_template_kwargs_and_force_include_usage_flags():
             ServerOptions(default_chat_template_kwargs=bad)
     from jaxinfer.server.tokens import TokenizeRequest                # /tokenize renders as chat does
     assert TokenizeRequest(messages=[{"role": "user", "content": "hi"}], reasoning_effort="none").reasoning_effort
+
+
+def test_vllms_return_tokens_as_token_ids_flag_is_a_default_a_request_overrides():
+    import argparse
+
+    from jaxinfer.server.options import ServerOptions, add_server_args, server_options
+    from jaxinfer.server.protocol import CompletionRequest
+    ap = argparse.ArgumentParser()
+    add_server_args(ap)
+    opts = server_options(ap.parse_args(["--return-tokens-as-token-ids"]))
+    assert opts.apply(CompletionRequest(prompt="hi")).return_tokens_as_token_ids is True
+    assert opts.apply(CompletionRequest(prompt="hi", return_tokens_as_token_ids=False)).return_tokens_as_token_ids is False
+    assert ServerOptions().apply(CompletionRequest(prompt="hi")).return_tokens_as_token_ids is None
+    with pytest.raises(ValueError, match="return_tokens_as_token_ids"):
+        ServerOptions(return_tokens_as_token_ids="yes")

@@ -239,14 +239,14 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         t0, k, asked = time.perf_counter(), req.logprobs, P.completion_prompts(app.state.options.apply(req))
         prompts, items = await prepare(req, asked, 16, k, k if req.echo and k is not None else None, bool(req.stream))
         echoed = await off_loop(streams.echo_texts, tokenizer, asked, prompts, req) if req.echo else None
-        rid, model, n = R.new_id("cmpl"), served_model_name, req.n or 1
+        rid, model, n, texts = R.new_id("cmpl"), served_model_name, req.n or 1, R.token_texts(text_of, req)
         if req.stream:
             run = C.run(client(), tokenizer, items, True, metrics, t0, n, req.cache_salt)
-            return streams.completion_stream(run, rid, model, prompts, n, req, text_of, echoed)
+            return streams.completion_stream(run, rid, model, prompts, n, req, texts, echoed)
         done = await collect(items, request, t0, n, req.cache_salt)
         for ch in done:                           # prompt logprobs are computed for sample 0 of each prompt
             ch.prompt_logprobs = done[ch.index - ch.index % n].prompt_logprobs
-        return R.completion(rid, model, [streams.completion_choice(ch, prompts[ch.index // n], req, text_of,
+        return R.completion(rid, model, [streams.completion_choice(ch, prompts[ch.index // n], req, texts,
                                                                    echoed and echoed[ch.index // n])
                                          for ch in done], streams.total_usage(prompts, done, req))
 
@@ -263,13 +263,13 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         if req.top_logprobs and not req.logprobs:
             raise P.RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         prompts, items = await prepare(req, [prompt], None, k, None, bool(req.stream))
-        rid, model = R.new_id("chatcmpl"), served_model_name
+        rid, model, texts = R.new_id("chatcmpl"), served_model_name, R.token_texts(text_of, req)
         if req.stream:
             run = C.run(client(), tokenizer, items, True, metrics, t0, len(items), req.cache_salt)
-            return streams.chat_stream(run, rid, model, prompts, len(items), req, text_of, role, echo)
+            return streams.chat_stream(run, rid, model, prompts, len(items), req, texts, role, echo)
         done = await collect(items, request, t0, len(items), req.cache_salt)
-        return R.chat_completion(rid, model, [streams.chat_choice(ch, k, text_of, role, echo) for ch in done],
-                                 streams.total_usage(prompts, done))
+        return R.chat_completion(rid, model, [streams.chat_choice(ch, k, texts, role, echo, req) for ch in done],
+                                 streams.total_usage(prompts, done), prompts[0] if req.return_token_ids else None)
 
     # -- SIGTERM: drain ---------------------------------------------------------------------------------
     async def drain(then: Callable[[], None]) -> None:

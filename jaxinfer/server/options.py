@@ -50,6 +50,8 @@ class ServerOptions:
                                                            "own win; vLLM's), e.g. '{\"enable_thinking\": false}'")
     enable_force_include_usage: bool = _opt(False, "streams carry the usage whatever the request's stream_options "
                                                    "say (a last chunk, and each chunk's so far; vLLM's flag)")
+    return_tokens_as_token_ids: bool = _opt(False, "logprobs name tokens 'token_id:N' unless a request says "
+                                                   "otherwise (its return_tokens_as_token_ids; vLLM's flag)")
 
     def __post_init__(self):
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
@@ -72,8 +74,9 @@ class ServerOptions:
         if d is not None and (not isinstance(d, dict) or {"chat_template", "tools"} & set(d)):
             raise ValueError(f"default_chat_template_kwargs={d!r:.80} must be a JSON object without chat_template "
                              f"and tools")
-        if not isinstance(self.enable_force_include_usage, bool):
-            raise ValueError(f"enable_force_include_usage={self.enable_force_include_usage!r} must be true or false")
+        for name in ("enable_force_include_usage", "return_tokens_as_token_ids"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         if not isinstance(self.shutdown_timeout, (int, float)) or not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout!r} must be a finite number >= 0")
 
@@ -116,8 +119,11 @@ class ServerOptions:
         return replace(self, **kw)
 
     def apply(self, req):
-        """The request with these options' defaults: default_chat_template_kwargs under its own, and with
-        enable_force_include_usage a stream's stream_options set to carry the usage. Returns it."""
+        """The request with these options' defaults: default_chat_template_kwargs under its own, with
+        enable_force_include_usage a stream's stream_options set to carry the usage, and
+        return_tokens_as_token_ids where the request leaves it out. Returns it."""
+        if self.return_tokens_as_token_ids and getattr(req, "return_tokens_as_token_ids", False) is None:
+            req.return_tokens_as_token_ids = True
         if self.default_chat_template_kwargs and "chat_template_kwargs" in type(req).model_fields:
             req.chat_template_kwargs = {**self.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
         if self.enable_force_include_usage and getattr(req, "stream", False):

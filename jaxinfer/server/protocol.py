@@ -50,7 +50,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1.0,), "allowed_token_ids": (),
     "bad_words": ([],), "chat_template": (), "documents": (), "mm_processor_kwargs": (), "priority": (0,),
-    "request_id": (), "return_tokens_as_token_ids": (False,),
+    "request_id": (),
 }
 IGNORED = ("user", "store", "metadata", "service_tier")      # bookkeeping fields with no effect on the output
 
@@ -111,6 +111,8 @@ class _Request(BaseModel):
         None, description="vLLM: keep only the prompt's last k tokens (-1: max_model_len of them)")
     cache_salt: Annotated[str, Field(min_length=1)] | None = Field(
         None, description="vLLM: only requests with the same salt (or none) share prefix-cache blocks")
+    return_token_ids: bool | None = Field(None, description="vLLM: the prompt's and each choice's token ids too")
+    return_tokens_as_token_ids: bool | None = Field(None, description='vLLM: logprobs name tokens "token_id:N"')
 
 
 class CompletionRequest(_Request):
@@ -290,11 +292,9 @@ def apply_chat_template(tokenizer, messages: list[dict], kwargs: dict | None,
                            param="messages") from None
 
 
-def include_usage(req: _Request) -> bool:
-    """A last chunk with the usage (stream_options.include_usage true)."""
+def include_usage(req: _Request) -> bool:        # a last chunk with the usage
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
-def continuous_usage(req: _Request) -> bool:
-    """Each chunk with its choice's usage so far (vLLM's continuous_usage_stats, which needs include_usage)."""
+def continuous_usage(req: _Request) -> bool:     # each chunk with its choice's usage so far (needs include_usage)
     return include_usage(req) and bool(req.stream_options.continuous_usage_stats)

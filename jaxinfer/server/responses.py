@@ -42,6 +42,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    prompt_token_ids: list[int] | None = None          # with return_token_ids (vLLM's)
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -66,6 +68,7 @@ class ChatChoice(BaseModel):
     message: dict[str, Any]
     logprobs: dict[str, list[ChatLogprob] | None] | None = None
     finish_reason: str | None
+    token_ids: list[int] | None = None                 # with return_token_ids (vLLM's)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -76,6 +79,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 # -- builders -----------------------------------------------------------------------------------------------
@@ -101,18 +105,21 @@ def completion_chunk(rid: str, model: str, index: int, text: str, reason: str | 
                          "stop_reason": stop_reason}]}
 
 
-def chat_completion(rid: str, model: str, choices: list[dict], use: dict) -> dict:
-    """choices: [{"index", "message": {"role", "content"}, "logprobs", "finish_reason", "stop_reason"}]"""
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": use}
+def chat_completion(rid: str, model: str, choices: list[dict], use: dict, prompt_ids: list[int] | None = None) -> dict:
+    """choices: [{"index", "message": {"role", "content"}, "logprobs", "finish_reason", "stop_reason"}];
+    `prompt_ids`: the prompt's token ids, given with vLLM's return_token_ids."""
+    out = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+           "choices": choices, "usage": use}
+    return out if prompt_ids is None else {**out, "prompt_token_ids": prompt_ids}
 
 
 def chat_chunk(rid: str, model: str, delta: dict, reason: str | None, index: int = 0, logprobs=None,
-               stop_reason=None, created: int | None = None, use: dict | None = None) -> dict:
-    """`created`: the stream's (every chunk of a stream has the same); `use`: this chunk's usage, if any."""
+               stop_reason=None, created: int | None = None, use: dict | None = None, ids: dict | None = None) -> dict:
+    """`created`: the stream's (every chunk of a stream has the same); `use`: this chunk's usage, if any; `ids`:
+    the choice's token ids of this chunk (return_token_ids: {"token_ids": [...]})."""
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created or int(time.time()), "model": model,
              "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
-                          "stop_reason": stop_reason}]}
+                          "stop_reason": stop_reason, **(ids or {})}]}
     return chunk if use is None else {**chunk, "usage": use}
 
 
@@ -122,6 +129,16 @@ def usage_chunk(rid: str, model: str, object_: str, use: dict, created: int | No
 
 
 # -- logprobs -----------------------------------------------------------------------------------------------
+def as_token_id(tid: int, context=()) -> str:
+    """vLLM's return_tokens_as_token_ids: a logprob's token named by its id ("token_id:N"), not its text."""
+    return f"token_id:{tid}"
+
+
+def token_texts(text_of: TokenTexts, req):
+    """How the request's logprobs name tokens: their texts, or with return_tokens_as_token_ids their ids."""
+    return as_token_id if getattr(req, "return_tokens_as_token_ids", None) else text_of
+
+
 def _top(row: list, k: int) -> list[tuple[int, float]]:
     """The k most likely (token id, logprob) of one position, best first, from its engine row."""
     w = (len(row) - 2) // 2
@@ -185,21 +202,24 @@ class ChunkEncoder:
         self._head = (f'data: {{"id": {json.dumps(rid)}, "object": "{object_}", "created": {self.created}, '
                       f'"model": {json.dumps(model, ensure_ascii=False)}, "choices": [{{"index": ')
 
-    def completion(self, index: int, text: str, reason: str | None, stop_reason=None, use: dict | None = None) -> str:
+    def completion(self, index: int, text: str, reason: str | None, stop_reason=None, use: dict | None = None,
+                   ids: dict | None = None) -> str:
         return (f'{self._head}{index}, "text": {json.dumps(text, ensure_ascii=False)}, "logprobs": null, '
-                f'"finish_reason": {json.dumps(reason)}, "stop_reason": {json.dumps(stop_reason)}{_end(use)}')
+                f'"finish_reason": {json.dumps(reason)}, "stop_reason": {json.dumps(stop_reason)}{_end(use, ids)}')
 
     def completion_lp(self, index: int, text: str, reason: str | None, logprobs: dict, stop_reason=None,
-                      use: dict | None = None) -> str:
+                      use: dict | None = None, ids: dict | None = None) -> str:
         return (f'{self._head}{index}, "text": {json.dumps(text, ensure_ascii=False)}, "logprobs": '
                 f'{json.dumps(logprobs, ensure_ascii=False)}, "finish_reason": {json.dumps(reason)}, '
-                f'"stop_reason": {json.dumps(stop_reason)}{_end(use)}')
+                f'"stop_reason": {json.dumps(stop_reason)}{_end(use, ids)}')
 
-    def chat_content(self, text: str, index: int = 0, use: dict | None = None) -> str:
+    def chat_content(self, text: str, index: int = 0, use: dict | None = None, ids: dict | None = None) -> str:
         return (f'{self._head}{index}, "delta": {{"content": {json.dumps(text, ensure_ascii=False)}}}, '
-                f'"logprobs": null, "finish_reason": null, "stop_reason": null{_end(use)}')
+                f'"logprobs": null, "finish_reason": null, "stop_reason": null{_end(use, ids)}')
 
 
-def _end(use: dict | None) -> str:
-    """The end of an encoded chunk: its choice, the choices list and the chunk closed, with `usage` if given."""
-    return "}]}\n\n" if use is None else f'}}], "usage": {json.dumps(use)}}}\n\n'
+def _end(use: dict | None, ids: dict | None = None) -> str:
+    """The end of an encoded chunk: the choice's token ids if given (return_token_ids), the choice, the choices
+    list and the chunk closed, with `usage` if given."""
+    more = "".join(f', "{k}": {json.dumps(v)}' for k, v in (ids or {}).items())
+    return f"{more}}}]}}\n\n" if use is None else f'{more}}}], "usage": {json.dumps(use)}}}\n\n'

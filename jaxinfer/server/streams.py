@@ -3,6 +3,10 @@
 Completions: with `echo`, a choice's text starts with its prompt (decoded), and with `logprobs` its logprobs
 start with the prompt's tokens (the first with null: nothing precedes it). Streaming sends the echo in each
 choice's first chunk. Chat: logprobs per generated token, `top_logprobs` of them.
+
+vLLM's `return_token_ids`: each choice (each chunk: its new ones) carries `token_ids`, the generated ids, and
+a completion choice (its first chunk) `prompt_token_ids`; a chat response (each stream's role chunk) carries
+`prompt_token_ids` at its top. As vLLM's, an echo then leaves the prompt's text out (its ids are there).
 """
 from __future__ import annotations
 
@@ -46,8 +50,16 @@ def echo_texts(tokenizer, asked: list, prompts: list[list[int]], req) -> list[st
     return [p if isinstance(p, str) and keep else tokenizer.decode(ids) for p, ids in zip(asked, prompts)]
 
 
+def token_ids(req, new_ids, prompt_ids: list[int] | None = None) -> dict | None:
+    """With return_token_ids: {"token_ids": new_ids} and the prompt's ids if given (a choice's first chunk)."""
+    if not getattr(req, "return_token_ids", None):
+        return None
+    return {**({} if prompt_ids is None else {"prompt_token_ids": prompt_ids}), "token_ids": list(new_ids)}
+
+
 def _prompt_part(ch: Choice, prompt_ids: list[int], req, text_of, text: str, offset: int = 0):
     """(echoed text, its logprobs dict or None) of a completion choice."""
+    text = "" if req.return_token_ids else text          # (vLLM's: the ids stand for the prompt)
     if req.logprobs is None:
         return text, None
     entries = ch.prompt_logprobs or [None] * len(prompt_ids)
@@ -59,25 +71,26 @@ def _merge(a: dict | None, b: dict) -> dict:
 
 
 def completion_choice(ch: Choice, prompt_ids: list[int], req, text_of, echoed: str | None) -> dict:
-    text, lp = ch.proc.text, None
+    text, lp, ids = ch.proc.text, None, token_ids(req, [] if echo_only(req) else ch.token_ids, prompt_ids)
     if req.echo:
         head, lp = _prompt_part(ch, prompt_ids, req, text_of, echoed)
         if echo_only(req):
             return {"index": ch.index, "text": head, "logprobs": lp, "finish_reason": ch.proc.finish_reason,
-                    "stop_reason": ch.stop_reason}
+                    "stop_reason": ch.stop_reason, **(ids or {})}
         text = head + text
     if req.logprobs is not None:
         offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"] else 0
         lp = _merge(lp, R.completion_logprobs(text_of, ch.token_ids, ch.logprobs, req.logprobs, offset))
     return {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": ch.proc.finish_reason,
-            "stop_reason": ch.stop_reason}
+            "stop_reason": ch.stop_reason, **(ids or {})}
 
 
-def chat_choice(ch: Choice, k: int | None, text_of, role: str = "assistant", echo: str = "") -> dict:
+def chat_choice(ch: Choice, k: int | None, text_of, role: str = "assistant", echo: str = "", req=None) -> dict:
     """A chat choice; `echo`: text that goes before the generated text (the request's echo, vLLM's)."""
     lp = None if k is None else R.chat_logprobs(text_of, ch.token_ids, ch.logprobs, k)
     return {"index": ch.index, "message": {"role": role, "content": echo + ch.proc.text}, "logprobs": lp,
-            "finish_reason": ch.proc.finish_reason, "stop_reason": ch.stop_reason}
+            "finish_reason": ch.proc.finish_reason, "stop_reason": ch.stop_reason,
+            **(token_ids(req, ch.token_ids) or {})}
 
 
 def _new_logprobs(ch: Choice) -> tuple[list[int], list, list[int]]:
@@ -102,11 +115,13 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
                     i = ch.index // n
                     text, lp = _prompt_part(ch, prompts[i], req, text_of, echoed[i]) if first else ("", None)
                     stop = ch.stop_reason if fin is not None else None     # (as the non-streamed choice says)
-                    yield enc.completion(ch.index, text, fin, stop, use(ch)) if k is None else enc.completion_lp(
-                        ch.index, text, fin, lp or R.completion_logprobs(text_of, [], [], k), stop, use(ch))
+                    ids = token_ids(req, [], prompts[i] if first else None)
+                    yield enc.completion(ch.index, text, fin, stop, use(ch), ids) if k is None else enc.completion_lp(
+                        ch.index, text, fin, lp or R.completion_logprobs(text_of, [], [], k), stop, use(ch), ids)
                 continue
             text, lp = d.text, None
             stop = ch.stop_reason if d.finish_reason is not None else None
+            ids = token_ids(req, d.token_ids, None if ch.index in offsets else prompts[ch.index // n])
             if ch.index not in offsets:                  # this choice's first chunk
                 offsets[ch.index] = 0
                 if req.echo:
@@ -118,9 +133,9 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
                 new = R.completion_logprobs(text_of, ids, entries, k, offsets[ch.index], before)
                 offsets[ch.index] += sum(len(t) for t in new["tokens"])
                 lp = _merge(lp, new)
-                yield enc.completion_lp(ch.index, text, d.finish_reason, lp, stop, use(ch))
+                yield enc.completion_lp(ch.index, text, d.finish_reason, lp, stop, use(ch), ids)
             else:               # (an event per update, even when the text is held back: a client sees progress)
-                yield enc.completion(ch.index, text, d.finish_reason, stop, use(ch))
+                yield enc.completion(ch.index, text, d.finish_reason, stop, use(ch), ids)
         if P.include_usage(req):
             yield R.sse(R.usage_chunk(rid, model, "text_completion", total_usage(prompts, done.values(), req),
                                       enc.created))
@@ -133,26 +148,29 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
     k = (req.top_logprobs or 0) if req.logprobs else None
     use, created = _choice_usage(req, prompts, n), enc.created
     start = R.usage(len(prompts[0]), 0) if P.continuous_usage(req) else None
+    prompt_ids = {"prompt_token_ids": prompts[0]} if req.return_token_ids else {}
 
     async def events():
         for i in range(n):
-            yield R.sse(R.chat_chunk(rid, model, {"role": role, "content": ""}, None, i, created=created, use=start))
+            yield R.sse({**R.chat_chunk(rid, model, {"role": role, "content": ""}, None, i, created=created, use=start),
+                         **prompt_ids})
         for i in range(n if echo else 0):         # echo: the last message's text first (vLLM)
             yield enc.chat_content(echo, i, start)
         done = {}
         async for ch, d in run:
             done[ch.index] = ch
             ids, entries, before = _new_logprobs(ch) if k is not None else ((), (), ())
+            new = token_ids(req, d.token_ids)
             if d.finish_reason:    # the finish rides on the chunk with the last text, as in vLLM
                 lp = R.chat_logprobs(text_of, ids, entries, k, before) if ids else None
                 yield R.sse(R.chat_chunk(rid, model, {"content": d.text}, d.finish_reason, ch.index, lp,   # ("" too)
-                                         stop_reason=ch.stop_reason, created=created, use=use(ch)))
+                                         stop_reason=ch.stop_reason, created=created, use=use(ch), ids=new))
             elif ids:
                 yield R.sse(R.chat_chunk(rid, model, {"content": d.text}, None, ch.index,
                                          R.chat_logprobs(text_of, ids, entries, k, before), created=created,
-                                         use=use(ch)))
-            elif d.text:
-                yield enc.chat_content(d.text, ch.index, use(ch))
+                                         use=use(ch), ids=new))
+            elif d.text or new and d.token_ids:          # (token ids of text held back too)
+                yield enc.chat_content(d.text, ch.index, use(ch), new)
         if P.include_usage(req):
             yield R.sse(R.usage_chunk(rid, model, "chat.completion.chunk", total_usage(prompts, done.values()),
                                       created))
