@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+import re
 from dataclasses import dataclass, fields, replace
 
 MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
@@ -14,7 +15,9 @@ MAX_STOP_IDS_WITH_MIN_TOKENS = 16   # the step bans them (and EOS) per row until
 
 @dataclass(eq=True, kw_only=True)
 class SamplingParams:
-    """Validated on construction, and again when a field is set afterwards (`sp.max_tokens = 5`, as vLLM's allow).
+    """Validated on construction, and again when a field is set afterwards (`sp.max_tokens = 5`, as vLLM's allow);
+    a value that is valid alone but not with another field (max_tokens below min_tokens) is taken, so that fields
+    edited one at a time may pass through such a state: the whole is checked again when a request uses it.
     Keyword arguments only: vLLM's first field is n, nano-vllm's temperature, so a positional value is refused."""
     temperature: float = 1.0          # 0 means greedy
     top_k: int = 0                    # 0 or -1 disables
@@ -149,8 +152,17 @@ class SamplingParams:
             return object.__setattr__(self, name, value)
         if name not in _FIELD_NAMES:
             raise AttributeError(f"SamplingParams has no field {name!r}")
-        checked = replace(self, **{name: value})       # validated (and normalised) as a new one would be
-        for f in _FIELD_NAMES:
+        others = {}                # fields whose check the new value fails (min_tokens past a lower max_tokens)
+        while True:
+            try:
+                checked = replace(self, **{name: value, **others})   # validated (and normalised) as a new one
+                break
+            except ValueError as e:
+                blamed = re.match(r"SamplingParams\.(\w+)=", str(e))
+                if blamed is None or blamed[1] in (name, *others):
+                    raise
+                others[blamed[1]] = _DEFAULTS[blamed[1]]     # the value alone is checked now, the whole when used
+        for f in (name,) if others else _FIELD_NAMES:        # (clone(), as the engine does on each request)
             object.__setattr__(self, f, getattr(checked, f))
 
     __hash__ = None                                    # mutable, as vLLM's
@@ -217,6 +229,7 @@ class SamplingParams:
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
+_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
 _INT_FIELDS = ("top_k", "max_tokens", "seed", "n", "logprobs", "prompt_logprobs", "min_tokens",
                "truncate_prompt_tokens", "best_of")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")

@@ -222,6 +222,16 @@ def test_sampling_params_set_after_construction_are_checked_as_vllm_allows():
     c = sp.clone()
     c.max_tokens = 9
     assert sp.max_tokens == 5
+    # fields edited one at a time may pass through a state valid for neither (vLLM checks none of them): a value
+    # valid alone is taken, the whole is checked again when a request uses it (the engine clones it)
+    sp = SamplingParams(max_tokens=64, min_tokens=32)
+    sp.max_tokens = 8
+    with pytest.raises(ValueError, match="min_tokens=32 must be an integer in"):
+        sp.clone()
+    sp.min_tokens = 4
+    assert sp == SamplingParams(max_tokens=8, min_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens='x'"):
+        sp.max_tokens = "x"
     assert SamplingParams.from_optional(temperature=None, top_k=None, max_tokens=3) == SamplingParams(max_tokens=3)
 
 

@@ -28,9 +28,11 @@ def test_sampling_params_as_vllms_greedy_n_bool_logprobs_and_any_id_iterable():
     with pytest.raises(ValueError, match="n=2 must be 1 when using greedy sampling"):
         SamplingParams(n=2, temperature=0)
     sp = SamplingParams(n=3)
+    sp.temperature = 0.0           # valid alone: taken, the whole checked when used (fields edited one at a time)
     with pytest.raises(ValueError, match="greedy sampling"):
-        sp.temperature = 0.0
-    assert sp.temperature == 1.0 and SamplingParams(n=3, temperature=1e-3).temperature == 0.01
+        sp.clone()
+    sp.n = 1
+    assert sp.clone() == SamplingParams(temperature=0.0) and SamplingParams(n=3, temperature=1e-3).temperature == 0.01
     assert (SamplingParams(logprobs=True).logprobs, SamplingParams(prompt_logprobs=False).prompt_logprobs) == (1, 0)
     assert SamplingParams(stop_token_ids={7}).stop_token_ids == [7] == SamplingParams(stop_token_ids=(7,)).stop_token_ids
     assert SamplingParams(stop_token_ids=iter([7, 8])).stop_token_ids == [7, 8]
