@@ -107,6 +107,11 @@ def test_completion_stream_equals_non_stream(url, client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    kw["logprobs"] = 2                                  # streamed logprobs: the same tokens, logprobs and offsets
+    lp = client.completions.create(**kw).choices[0].logprobs
+    parts = [c.choices[0].logprobs for c in client.completions.create(**kw, stream=True) if c.choices]
+    for key in ("tokens", "token_logprobs", "text_offset", "top_logprobs"):
+        assert [x for p in parts for x in getattr(p, key)] == getattr(lp, key), key
 
 
 def test_stream_options_usage_in_every_chunk_and_one_created(url, client):

@@ -129,8 +129,8 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
                     text = head + text
                     offsets[ch.index] = len(head) if lp is None else sum(len(t) for t in lp["tokens"])
             if k is not None:
-                ids, entries, before = _new_logprobs(ch)
-                new = R.completion_logprobs(text_of, ids, entries, k, offsets[ch.index], before)
+                lp_ids, entries, before = _new_logprobs(ch)
+                new = R.completion_logprobs(text_of, lp_ids, entries, k, offsets[ch.index], before)
                 offsets[ch.index] += sum(len(t) for t in new["tokens"])
                 lp = _merge(lp, new)
                 yield enc.completion_lp(ch.index, text, d.finish_reason, lp, stop, use(ch), ids)
