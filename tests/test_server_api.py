@@ -433,12 +433,13 @@ def test_return_token_ids_and_tokens_as_token_ids(url, tok):
     c = httpx.post(url + "/v1/completions", json=base).json()["choices"][0]
     assert c["prompt_token_ids"] == prompt and len(c["token_ids"]) == 6 and c["text"] == plain["text"]
     assert "".join(tok(t) for t in c["token_ids"]) == c["text"]
+    tokens = httpx.post(url + "/v1/completions", json={**base, "logprobs": 2}).json()["choices"][0]["logprobs"]["tokens"]
     for lp in (None, 2):                             # (streamed logprobs: their own path)
         chunks = [ch["choices"][0] for ch in _sse(url, "/v1/completions", {**base, "logprobs": lp}) if ch["choices"]]
         assert chunks[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in ch for ch in chunks[1:])
         assert [t for ch in chunks for t in ch["token_ids"]] == c["token_ids"]
         assert "".join(ch["text"] for ch in chunks) == c["text"]
-        assert lp is None or [t for ch in chunks for t in ch["logprobs"]["tokens"]] == [tok(t) for t in c["token_ids"]]
+        assert lp is None or [t for ch in chunks for t in ch["logprobs"]["tokens"]] == tokens and len(tokens) == 6
     echo = httpx.post(url + "/v1/completions", json={**base, "echo": True, "logprobs": 1}).json()["choices"][0]
     assert echo["text"] == c["text"] and echo["token_ids"] == c["token_ids"]           # (the prompt's text left out)
     assert len(echo["logprobs"]["tokens"]) == len(prompt) + 6
