@@ -8,7 +8,7 @@ benchmark run with logprobs=5 names ~1M entries, and making them all up front to
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, field
 
 from jaxinfer.detokenizer import FIXUP_TOKENS
@@ -46,21 +46,55 @@ class Flag(int):
         return repr(bool(self))
 
 
+class RequestMetrics(dict):
+    """A request's timings, {"ttft_s", "tpot_s"} (of its first sample; empty for streamed deltas), read as a dict
+    or by attribute: `m.ttft_s`, and vLLM's name `m.first_token_latency` (= ttft_s)."""
+    def __getattr__(self, name):
+        try:
+            return self[{"first_token_latency": "ttft_s"}.get(name, name)]
+        except KeyError:
+            raise AttributeError(f"RequestMetrics has no {name!r} (it has {sorted(self)})") from None
+
+
 @dataclass
 class RequestOutput:
+    """vLLM's fields, in vLLM's order (its first six may be given by position)."""
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]       # one per sample (n); a streamed delta holds the samples that moved
     prompt_logprobs: Sequence[dict[int, Logprob] | None] | None = None   # per prompt token; the first is None
-    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
-    metrics: dict = field(default_factory=dict)   # ttft_s, tpot_s (of the first sample)
+    outputs: list[CompletionOutput] = field(default_factory=list)   # one per sample (n); a delta: those that moved
     # every sample has ended (a streamed delta: True on the request's last delta only); None: from `outputs`
     finished: bool | None = None
+    metrics: dict = field(default_factory=RequestMetrics)   # ttft_s, tpot_s (of the first sample)
+    lora_request: None = None             # (vLLM's; no LoRA here)
+    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
 
     def __post_init__(self):
         if self.finished is None:
             self.finished = all(o.finished for o in self.outputs)
+        if type(self.metrics) is dict:
+            self.metrics = RequestMetrics(self.metrics)
+
+    def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
+        """vLLM's: fold a later output of this request in. Each of its samples extends the one with the same index
+        (aggregate: text, token ids and logprobs appended, the rest taken) or replaces it (not aggregate); a
+        sample not here yet is appended."""
+        self.finished = bool(self.finished or next_output.finished)
+        for new in next_output.outputs:
+            old = next((i for i, o in enumerate(self.outputs) if o.index == new.index), None)
+            if old is None:
+                self.outputs.append(new)
+            elif not aggregate:
+                self.outputs[old] = new
+            else:
+                o = self.outputs[old]
+                o.text += new.text
+                o.token_ids = [*o.token_ids, *new.token_ids]
+                if new.logprobs:
+                    o.logprobs = [*(o.logprobs or []), *new.logprobs]
+                o.cumulative_logprob, o.finish_reason, o.stop_reason = (new.cumulative_logprob, new.finish_reason,
+                                                                        new.stop_reason)
 
     # the first completion's fields, as before n existed (a streamed delta: the sample that moved)
     @property
@@ -96,9 +130,10 @@ def cumulative_logprob(rows: list[list[float]]) -> float:
     return float(sum(r[0] for r in rows))
 
 
-class LogprobsList(Sequence):
+class LogprobsList(MutableSequence):
     """A list of `{token_id: Logprob}` (None where a row is None) made from engine rows as it is read. It reads,
-    slices, compares and concatenates as a list does; `list(x)` gives a plain (mutable) list. With `context`
+    slices, compares, concatenates and changes (append, extend, ...) as a list does; `list(x)` gives a plain
+    list, and so does pickling it (a plain list of what it holds, without the tokenizer). With `context`
     (the ids before the first, maybe []), decode(token_id, ids before it) (TokenTexts: a character split
     across tokens goes to the token that completes it, as vLLM's)."""
 
@@ -106,11 +141,31 @@ class LogprobsList(Sequence):
         self._rows, self._ids, self._n, self._decode = rows, token_ids, n, decode
         self._context = context
         self._made: dict[int, dict] = {}
+        self._list: list | None = None             # every entry made, once the list is changed
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._rows) if self._list is None else len(self._list)
+
+    def _plain(self) -> list:
+        if self._list is None:
+            self._list = [self[i] for i in range(len(self._rows))]
+        return self._list
+
+    def __setitem__(self, i, value) -> None:
+        self._plain()[i] = value
+
+    def __delitem__(self, i) -> None:
+        del self._plain()[i]
+
+    def insert(self, i: int, value) -> None:
+        self._plain().insert(i, value)
+
+    def __reduce__(self):
+        return list, (list(self),)
 
     def __getitem__(self, i):
+        if self._list is not None:
+            return self._list[i]
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         i = range(len(self))[i]                          # negative indices; IndexError past the end

@@ -486,3 +486,45 @@ def test_use_tqdm_takes_a_progress_bar_factory(tiny_dir):
     outs = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, n=2), use_tqdm=bar)
     assert len(outs) == 2 and len(made) == 1 and made[0].total == 4 and made[0].n == 4
     assert llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=bar) and len(made) == 2
+
+
+def test_outputs_pickle_small_change_as_lists_and_merge_as_vllms(tiny_dir):
+    """Outputs with logprobs pickle (and deepcopy) without the tokenizer their lazy logprobs decode with, as plain
+    lists; the logprobs change as a list does (append, extend, item assignment: vLLM's RequestOutput.add extends
+    them); RequestOutput takes vLLM's positional order and merges deltas with vLLM's add(); metrics read by
+    attribute too (vLLM's first_token_latency)."""
+    import copy
+    import pickle
+
+    from jaxinfer import RequestOutput
+    llm = LLM(tiny_dir, **TINY_ENGINE)
+    sp = SamplingParams(max_tokens=5, logprobs=2, prompt_logprobs=1, seed=3)
+    o = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0]
+    blob = pickle.dumps(o)
+    assert len(blob) < 4000 and b"tokenizer" not in blob.lower()
+    back = pickle.loads(blob)
+    assert type(back.outputs[0].logprobs) is list and back.outputs[0].logprobs == o.outputs[0].logprobs
+    assert back.prompt_logprobs == o.prompt_logprobs and copy.deepcopy(o).outputs[0].logprobs == o.outputs[0].logprobs
+    lps = o.outputs[0].logprobs
+    first = lps[0]
+    lps.append(None)
+    lps.extend([None])
+    lps[0] = {}
+    assert len(lps) == 7 and lps[-2:] == [None, None] and lps[0] == {} and lps[1] == back.outputs[0].logprobs[1]
+    del lps[0]
+    lps.insert(0, first)
+    assert lps[:5] == back.outputs[0].logprobs
+    assert o.metrics.first_token_latency == o.metrics["ttft_s"] == o.metrics.ttft_s > 0
+    merged = None
+    for d in llm.stream([[5, 6, 7]], sp):
+        if merged is None:
+            merged = d
+        else:
+            merged.add(d, aggregate=True)
+    c, ref = merged.outputs[0], back.outputs[0]
+    assert (c.text, c.token_ids, c.logprobs, c.finish_reason, merged.finished) == (
+        ref.text, ref.token_ids, ref.logprobs, ref.finish_reason, True)
+    assert abs(c.cumulative_logprob - ref.cumulative_logprob) < 1e-5
+    r = RequestOutput("7", "p", [1, 2], None, [CompletionOutput(0, "a", [3])], False)    # vLLM's order
+    r.add(RequestOutput("7", "p", [1, 2], None, [CompletionOutput(0, "b", [4], finish_reason="length")], True), False)
+    assert (r.outputs[0].text, r.outputs[0].token_ids, r.finished) == ("b", [4], True)
