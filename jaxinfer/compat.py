@@ -4,9 +4,12 @@
 - disable_log_stats: the engine logs no stats (`llm.stats()` reports them on request);
 - swap_space: preempted requests recompute their KV (no CPU swap space).
 - max_seq_len_to_capture: vLLM's CUDA-graph capture limit; every jaxinfer step is compiled whole.
+- compilation_config: vLLM's torch.compile / CUDA-graph settings; XLA compiles every step, with its own options.
+- disable_custom_all_reduce: tensor parallelism's all-reduces are XLA's (NCCL), never a custom kernel.
 Others are accepted with the value that describes what jaxinfer does (FIXED), and refused by name otherwise:
 chunked prefill is always on, 20 logprobs at most, Hugging Face tokenizers and safetensors weights only, no
-quantisation, text generation only, no pipeline parallelism (tensor and data parallelism instead).
+quantisation, text generation only, no pipeline parallelism (tensor and data parallelism instead), logprobs
+of the raw logits (vLLM's raw_logprobs), no CPU offload, the tokenizer of the model's revision.
 `tokenizer` (a folder) is used: the tokenizer is loaded from it instead of the model's folder.
 """
 from __future__ import annotations
@@ -17,11 +20,12 @@ import os
 import numpy as np
 
 IGNORED = {"trust_remote_code": bool, "enforce_eager": bool, "disable_log_stats": bool, "swap_space": (int, float),
-           "max_seq_len_to_capture": int}
+           "max_seq_len_to_capture": int, "compilation_config": (int, dict), "disable_custom_all_reduce": bool}
 FIXED = {"enable_chunked_prefill": (True, None), "max_logprobs": (20, None), "tokenizer_mode": ("auto", "hf", None),
          "load_format": ("auto", "safetensors", None), "quantization": (None,), "skip_tokenizer_init": (False, None),
          "task": ("auto", "generate", None), "pipeline_parallel_size": (1, None),
-         "runner": ("auto", "generate", None), "convert": ("auto", "none", None)}      # (vLLM's names for task)
+         "runner": ("auto", "generate", None), "convert": ("auto", "none", None),      # (vLLM's names for task)
+         "cpu_offload_gb": (0, 0.0, None), "tokenizer_revision": (None,), "logprobs_mode": ("raw_logprobs", None)}
 
 
 def pop_vllm_options(kwargs: dict) -> str | None:
@@ -29,8 +33,9 @@ def pop_vllm_options(kwargs: dict) -> str | None:
     for name, typ in IGNORED.items():
         if name in kwargs:
             v = kwargs.pop(name)
-            if not isinstance(v, typ) or (typ is not bool and isinstance(v, bool)):
-                raise ValueError(f"{name}={v!r} must be a {getattr(typ, '__name__', 'number')}")
+            if v is not None and (not isinstance(v, typ) or (typ is not bool and isinstance(v, bool))):
+                what = " or ".join(t.__name__ for t in typ) if isinstance(typ, tuple) else typ.__name__
+                raise ValueError(f"{name}={v!r} must be a {what}")
     for name, ok in FIXED.items():
         if name in kwargs:
             v = kwargs.pop(name)

@@ -63,6 +63,19 @@ class EngineAPI:
     def get_tokenizer(self):
         return self._llm.get_tokenizer()
 
+    tokenizer = property(get_tokenizer)                     # vLLM's LLMEngine.tokenizer
+
+    @property
+    def model_config(self) -> "ModelConfigView":
+        return ModelConfigView(self._llm.model_config, self._llm.config.max_model_len)
+
+    def get_model_config(self) -> "ModelConfigView":
+        return self.model_config
+
+    def reset_prefix_cache(self, *args, **kwargs) -> bool:
+        """vLLM's LLMEngine.reset_prefix_cache: LLM.reset_prefix_cache's."""
+        return self._llm.reset_prefix_cache(*args, **kwargs)
+
     def add_request(self, request_id, prompt, params=None, arrival_time=None, lora_request=None,
                     tokenization_kwargs=None, trace_headers=None, priority: int = 0) -> None:
         """Queue one prompt (a string, a list of token ids, or a TextPrompt / TokensPrompt dict) under the caller's
@@ -155,3 +168,17 @@ class EngineAPI:
         req.cum[j] = cum
         stop = None if reason is None else stop_reason(seq, req.procs.get(seq.seq_id), *self._llm._eos)
         return CompletionOutput(j, text, list(ids), cum, lps, reason, stop)
+
+
+class ModelConfigView:
+    """`llm.llm_engine.model_config`: the model's config (jaxinfer's ModelConfig: vocab_size, num_hidden_layers,
+    ...) with vLLM's `max_model_len` (the engine's: the longest prompt + output), as vLLM's ModelConfig has it."""
+
+    def __init__(self, model_config, max_model_len: int):
+        self._config, self.max_model_len = model_config, max_model_len
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+    def __repr__(self) -> str:
+        return f"{self._config!r} (max_model_len={self.max_model_len})"

@@ -32,9 +32,10 @@ def is_hub_id(model: str) -> bool:
     return bool(_HUB_ID.match(model)) and not model.startswith((".", "/", "~"))
 
 
-def resolve_model(model: str, revision: str | None = None, cache_dir: str | None = None) -> str:
+def resolve_model(model: str, revision: str | None = None, cache_dir: str | None = None, token=None) -> str:
     """A directory path or a preset name for `model`; see the module docstring. Raises FileNotFoundError.
-    `cache_dir` overrides the Hugging Face cache (default: HF_HUB_CACHE / ~/.cache/huggingface/hub)."""
+    `cache_dir` overrides the Hugging Face cache (default: HF_HUB_CACHE / ~/.cache/huggingface/hub); `token`:
+    the hub token for a download (vLLM's hf_token: a string, or True for the one `hf auth login` saved)."""
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a non-empty string (a directory, preset or hub id), got {model!r}")
     path = os.path.expanduser(model)
@@ -48,13 +49,13 @@ def resolve_model(model: str, revision: str | None = None, cache_dir: str | None
         raise FileNotFoundError(
             f"model {model!r} is not a directory, the demo model ({DEMO_MODEL!r}), an embedded preset "
             f"({', '.join(PRESETS)}) or a Hugging Face hub id (owner/name)")
-    return _snapshot(model, revision, cache_dir)
+    return _snapshot(model, revision, cache_dir, token)
 
 
-def _snapshot(repo_id: str, revision: str | None, cache_dir: str | None) -> str:
+def _snapshot(repo_id: str, revision: str | None, cache_dir: str | None, token=None) -> str:
     import huggingface_hub
 
-    kw = dict(repo_id=repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=ALLOW_PATTERNS)
+    kw = dict(repo_id=repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=ALLOW_PATTERNS, token=token)
     try:  # the cache first: no network round trip when the files are already here
         return huggingface_hub.snapshot_download(local_files_only=True, **kw)
     except Exception:
@@ -83,19 +84,20 @@ def _how_to_get(repo_id: str, why: str) -> str:
 
 
 def model_config_for(model: str, hf_overrides: dict | None = None, revision: str | None = None,
-                     download_dir: str | None = None) -> tuple[str, "ModelConfig"]:
+                     download_dir: str | None = None, hf_token=None) -> tuple[str, "ModelConfig"]:
     """(resolved path or preset name, ModelConfig) of a checkpoint directory, an embedded preset (random
     weights) or a Hugging Face hub id. Reads config.json only. vLLM's options: `hf_overrides`, config.json fields
     that replace the checkpoint's (a preset's own fields are written as its config.json first); `revision` and
-    `download_dir` (the Hugging Face cache to use), for hub ids."""
+    `download_dir` (the Hugging Face cache to use) and `hf_token` (str or bool), for hub ids."""
     from jaxinfer.config import ModelConfig
     from jaxinfer.model.presets import preset
     if hf_overrides is not None and not isinstance(hf_overrides, dict):
         raise ValueError(f"hf_overrides={hf_overrides!r:.80} must be a dict of config.json fields")
-    for name, v in (("revision", revision), ("download_dir", download_dir)):
-        if v is not None and not (isinstance(v, str) and v):
-            raise ValueError(f"{name}={v!r:.80} must be a non-empty string")
-    model = resolve_model(model, revision, os.path.expanduser(download_dir) if download_dir else None)
+    for name, v in (("revision", revision), ("download_dir", download_dir), ("hf_token", hf_token)):
+        if v is not None and not (isinstance(v, str) and v) and not (name == "hf_token" and isinstance(v, bool)):
+            raise ValueError(f"{name}={'***' if name == 'hf_token' else repr(v)[:80]} must be a non-empty string"
+                             + (" or a bool" if name == "hf_token" else ""))
+    model = resolve_model(model, revision, os.path.expanduser(download_dir) if download_dir else None, hf_token)
     if os.path.isdir(model):
         return model, ModelConfig.from_pretrained(model, hf_overrides)
     if not is_preset(model):

@@ -44,7 +44,7 @@ class LLM:
     def __init__(self, model: str, generation_config: str = "auto", override_generation_config=None, **kwargs):
         kwargs = python_numbers(kwargs)           # (numpy ints, floats and bools as Python's)
         tokenizer = pop_vllm_options(kwargs)      # vLLM options with no meaning here are accepted (compat.py)
-        hub = {k: kwargs.pop(k) for k in ("hf_overrides", "revision", "download_dir") if k in kwargs}   # (hub.py)
+        hub = {k: kwargs.pop(k) for k in ("hf_overrides", "revision", "download_dir", "hf_token") if k in kwargs}
         requested = EngineConfig.from_kwargs(**kwargs)
         path, model_config = model_config_for(model, **hub)
         self.default_sampling_params = sampling_defaults(path if os.path.isdir(path) else None, generation_config,
@@ -196,10 +196,9 @@ class LLM:
         lps, cum = logprobs_of(seq, 0, ids, texts)
         return CompletionOutput(index, text, ids, cum, lps, reason, stop_reason(seq, proc, *self._eos))
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget the cached KV of prompts no request holds (as vLLM's `reset_prefix_cache`): the next
-        identical prompt is computed again, e.g. to time a workload twice. Returns True, as vLLM does when it
-        succeeds (blocks that running requests hold keep their KV until those requests end)."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget the cached KV of prompts (vLLM's): the next identical prompt is computed again. True, as vLLM's
+        when it succeeds; running requests keep their blocks' KV to their end (vLLM's options take no effect)."""
         self.engine.block_manager.reset_prefix_cache()
         return True
 

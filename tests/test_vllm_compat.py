@@ -135,10 +135,16 @@ def test_sampling_params_take_vllms_unused_fields_unset():
 
 def test_vllm_options_that_describe_jaxinfer():
     kw = dict(enable_chunked_prefill=True, max_logprobs=20, quantization=None, max_seq_len_to_capture=8192,
-              task="generate", pipeline_parallel_size=1, max_num_seqs=4, runner="generate", convert="none")
+              task="generate", pipeline_parallel_size=1, max_num_seqs=4, runner="generate", convert="none",
+              compilation_config={"level": 3}, disable_custom_all_reduce=True, cpu_offload_gb=0,
+              tokenizer_revision=None, logprobs_mode="raw_logprobs")
     pop_vllm_options(kw)                                  # (runner / convert: vLLM's names for task since 2025)
     assert kw == {"max_num_seqs": 4}
+    pop_vllm_options(dict(compilation_config=None, cpu_offload_gb=0.0))
     for bad, word in [(dict(enable_chunked_prefill=False), "enable_chunked_prefill=True"),
+                      (dict(cpu_offload_gb=4), "cpu_offload_gb=0"), (dict(tokenizer_revision="v2"), "no tokenizer_rev"),
+                      (dict(logprobs_mode="processed_logprobs"), "raw_logprobs"),
+                      (dict(compilation_config="O3"), "int or dict"),
                       (dict(runner="pooling"), "runner='auto' or 'generate'"), (dict(convert="embed"), "convert"),
                       (dict(max_logprobs=5), "max_logprobs=20"), (dict(quantization="awq"), "no quantization"),
                       (dict(pipeline_parallel_size=2), "pipeline_parallel_size=1")]:
@@ -338,8 +344,10 @@ def test_revision_download_dir_and_tokenizer_options(tiny_dir, tmp_path, monkeyp
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
     shutil.copytree(tiny_dir, repo / "snapshots" / commit)
-    llm = LLM("someone/tiny-qwen3", download_dir=str(tmp_path / "hub"), revision="main", **TINY_ENGINE)
+    llm = LLM("someone/tiny-qwen3", download_dir=str(tmp_path / "hub"), revision="main", hf_token="hf_x", **TINY_ENGINE)
     assert llm.model_config.vocab_size == 512
+    with pytest.raises(ValueError, match=r"hf_token=\*\*\* must be"):         # (vLLM's hf_token; not echoed)
+        LLM("someone/tiny-qwen3", download_dir=str(tmp_path / "hub"), hf_token=12345, **TINY_ENGINE)
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(FileNotFoundError, match="someone/tiny-qwen3"):
         LLM("someone/tiny-qwen3", download_dir=str(tmp_path / "hub"), revision="v2", **TINY_ENGINE)
@@ -528,3 +536,18 @@ def test_outputs_pickle_small_change_as_lists_and_merge_as_vllms(tiny_dir):
     r = RequestOutput("7", "p", [1, 2], None, [CompletionOutput(0, "a", [3])], False)    # vLLM's order
     r.add(RequestOutput("7", "p", [1, 2], None, [CompletionOutput(0, "b", [4], finish_reason="length")], True), False)
     assert (r.outputs[0].text, r.outputs[0].token_ids, r.finished) == ("b", [4], True)
+
+
+def test_llm_engine_has_vllms_model_config_tokenizer_and_reset_prefix_cache(tiny_dir):
+    """What code written against vLLM's LLMEngine reads (lm-eval's vLLM backend: model_config.max_model_len; RL
+    frameworks: llm.llm_engine.reset_prefix_cache())."""
+    llm = LLM(tiny_dir, **TINY_ENGINE)
+    engine = llm.llm_engine
+    assert engine.model_config.max_model_len == llm.config.max_model_len
+    assert engine.get_model_config().vocab_size == llm.model_config.vocab_size
+    assert engine.tokenizer is llm.get_tokenizer()
+    sp = SamplingParams(max_tokens=1)
+    llm.generate([list(range(3, 40))], sp, use_tqdm=False)
+    assert llm.generate([list(range(3, 40))], sp, use_tqdm=False)[0].num_cached_tokens > 0
+    assert engine.reset_prefix_cache() is True and llm.reset_prefix_cache(reset_running_requests=True) is True
+    assert llm.generate([list(range(3, 40))], sp, use_tqdm=False)[0].num_cached_tokens == 0
