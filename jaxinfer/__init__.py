@@ -9,7 +9,7 @@ import importlib
 _EXPORTS = {"LLM": "jaxinfer.llm", "SamplingParams": "jaxinfer.sampling_params",
             "RequestOutput": "jaxinfer.outputs", "CompletionOutput": "jaxinfer.outputs",
             "TextPrompt": "jaxinfer.prompts", "TokensPrompt": "jaxinfer.prompts",
-            "EngineConfig": "jaxinfer.config"}
+            "EngineConfig": "jaxinfer.config", "LLMEngine": "jaxinfer.engine_api", "EngineArgs": "jaxinfer.engine_api"}
 __all__ = list(_EXPORTS)
 
 

@@ -13,6 +13,10 @@ what `SamplingParams.output_kind` asks: everything so far (vLLM's default, CUMUL
 Stop strings, n samples, logprobs and prompt logprobs behave as in `generate`. `abort_request` ends requests
 and frees their KV blocks at once (they yield no further output). What it does not define it takes from the
 engine below (`stats()`, `block_manager`, `scheduler`, `warmup_extras`, ...).
+
+As vLLM's, it can be made without an LLM in hand: `LLMEngine.from_engine_args(EngineArgs(model, **options))`
+(both importable from jaxinfer; `EngineArgs.add_cli_args(parser)` / `from_cli_args(args)` are the engine flags of
+`jaxinfer generate`).
 """
 from __future__ import annotations
 
@@ -56,6 +60,12 @@ class _Request:
 class EngineAPI:
     def __init__(self, llm):
         self._llm, self._requests = llm, {}                  # request_id -> _Request, in arrival order
+
+    @classmethod
+    def from_engine_args(cls, engine_args: "EngineArgs", **vllm_kwargs) -> "EngineAPI":
+        """vLLM's: the engine of `LLM(engine_args.model, **engine_args.kwargs)` (usage_context, ... ignored)."""
+        from jaxinfer.llm import LLM
+        return LLM(engine_args.model, **engine_args.kwargs).llm_engine
 
     def __getattr__(self, name):
         return getattr(self._llm.engine, name)
@@ -182,3 +192,29 @@ class ModelConfigView:
 
     def __repr__(self) -> str:
         return f"{self._config!r} (max_model_len={self.max_model_len})"
+
+
+LLMEngine = EngineAPI                 # vLLM's name (`from jaxinfer import LLMEngine`); the engine below is engine/
+
+
+class EngineArgs:
+    """vLLM's EngineArgs: a model and `LLM()`'s keyword arguments, for `LLMEngine.from_engine_args`."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.model, self.kwargs = model, kwargs
+
+    @staticmethod
+    def add_cli_args(parser):
+        """The engine flags of `jaxinfer generate` (MODEL, --model, --max-num-seqs, ...) on `parser`; returns it."""
+        from jaxinfer.cli import add_engine_args
+        add_engine_args(parser)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args) -> "EngineArgs":
+        from jaxinfer.cli import check_vllm_flags, engine_kwargs, model_arg
+        check_vllm_flags(args)
+        return cls(model_arg(args), **engine_kwargs(args))
+
+    def __repr__(self) -> str:
+        return f"EngineArgs(model={self.model!r}, {', '.join(f'{k}={v!r}' for k, v in self.kwargs.items())})"

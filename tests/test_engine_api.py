@@ -145,3 +145,27 @@ def test_tokenization_kwargs_reach_the_tokenizer(llm):
     with pytest.raises(ValueError, match="tokenization_kwargs must be a dict"):
         llm.generate(text, sp, use_tqdm=False, tokenization_kwargs=["truncation"])
     free(llm)
+
+
+def test_vllms_engine_args_and_from_engine_args(tiny_dir):
+    """vLLM's llm_engine_example: EngineArgs.add_cli_args / from_cli_args, LLMEngine.from_engine_args, then the
+    add_request / step loop; the same tokens as LLM.generate."""
+    import argparse
+
+    from jaxinfer import EngineArgs, LLMEngine
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", tiny_dir, "--dtype", "float32", "--max-model-len", "128", "--block-size",
+                              "4", "--num-kvcache-blocks", "256", "--max-num-seqs", "8", "--max-num-batched-tokens",
+                              "64", "--no-warmup"])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert engine_args.model == tiny_dir and engine_args.kwargs["max_model_len"] == 128
+    engine = LLMEngine.from_engine_args(engine_args, usage_context=None)
+    assert isinstance(engine, LLMEngine) and engine.model_config.max_model_len == 128
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine.add_request("0", [5, 6, 7], sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    want = LLM(tiny_dir, **TINY_ENGINE).generate([[5, 6, 7]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert done["0"].outputs[0].token_ids == want
+    assert EngineArgs(tiny_dir, **TINY_ENGINE).kwargs == TINY_ENGINE

@@ -221,5 +221,5 @@ class ChunkEncoder:
 def _end(use: dict | None, ids: dict | None = None) -> str:
     """The end of an encoded chunk: the choice's token ids if given (return_token_ids), the choice, the choices
     list and the chunk closed, with `usage` if given."""
-    more = "".join(f', "{k}": {json.dumps(v)}' for k, v in (ids or {}).items())
+    more = "".join(f', "{k}": {json.dumps(v)}' for k, v in ids.items()) if ids else ""
     return f"{more}}}]}}\n\n" if use is None else f'{more}}}], "usage": {json.dumps(use)}}}\n\n'
