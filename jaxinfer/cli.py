@@ -23,7 +23,7 @@ import time
 
 from jaxinfer.cli_types import bare_flags, bool_arg, flag_type, json_object, model_len, port
 
-VLLM_MODEL_OPTIONS = ("hf_overrides", "revision", "download_dir", "tokenizer")   # LLM() options beside EngineConfig's
+VLLM_MODEL_OPTIONS = ("hf_overrides", "revision", "download_dir", "tokenizer", "hf_token")   # LLM()'s beside EngineConfig's
 DEFAULT_MODEL = "qwen3-pydoc"     # the small trained model that ships in jaxinfer/assets/ (no download)
 CHUNKED = ("--enable-chunked-prefill",)     # vLLM's boolean flag: alone, or with true / false
 DEFAULT_PROMPTS = ["The json module", "Return the number of", "A dictionary is", "Raise ValueError if"]
@@ -58,6 +58,8 @@ def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None
     v.add_argument("--revision", dest="revision", help="the hub model's branch, tag or commit (vLLM's)")
     v.add_argument("--download-dir", dest="download_dir", help="the Hugging Face cache to use for hub models (vLLM's)")
     v.add_argument("--tokenizer", dest="tokenizer", help="a folder to load the tokenizer from (vLLM's)")
+    v.add_argument("--hf-token", dest="hf_token", nargs="?", const=True, metavar="TOKEN",
+                   help="the Hugging Face token for hub downloads; alone: the one `hf auth login` saved (vLLM's)")
     v.add_argument("--hf-overrides", dest="hf_overrides", type=json_object, metavar="JSON",
                    help='config.json fields to replace (vLLM\'s), e.g. \'{"rope_scaling": {"rope_type": "yarn", '
                         '"factor": 4.0, "original_max_position_embeddings": 32768}}\'')
@@ -104,7 +106,8 @@ def build_llm(a: argparse.Namespace):
     from jaxinfer import LLM
     kw = engine_kwargs(a)
     a.model = model_arg(a)
-    print(f"loading {a.model} ({', '.join(f'{k}={v}' for k, v in kw.items()) or 'engine defaults'})",
+    shown = ", ".join(f"{k}={'***' if k == 'hf_token' else v}" for k, v in kw.items())
+    print(f"loading {a.model} ({shown or 'engine defaults'})",
           file=sys.stderr, flush=True)
     llm = LLM(a.model, **kw)
     c = llm.config

@@ -217,4 +217,5 @@ class EngineArgs:
         return cls(model_arg(args), **engine_kwargs(args))
 
     def __repr__(self) -> str:
-        return f"EngineArgs(model={self.model!r}, {', '.join(f'{k}={v!r}' for k, v in self.kwargs.items())})"
+        shown = (f"{k}={'***' if k == 'hf_token' else repr(v)}" for k, v in self.kwargs.items())
+        return f"EngineArgs(model={self.model!r}, {', '.join(shown)})"

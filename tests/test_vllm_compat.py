@@ -356,6 +356,10 @@ def test_revision_download_dir_and_tokenizer_options(tiny_dir, tmp_path, monkeyp
     a = cli.build_parser().parse_args(["serve", "someone/tiny-qwen3", "--revision", "main", "--download-dir",
                                        "/d", "--tokenizer", tiny_dir])
     assert cli.engine_kwargs(a) == {"revision": "main", "download_dir": "/d", "tokenizer": tiny_dir}
+    for more, token in ((["--hf-token"], True), (["--hf-token", "hf_x"], "hf_x")):    # (vLLM's flag; alone: saved one)
+        assert cli.engine_kwargs(cli.build_parser().parse_args(["serve", "m", *more]))["hf_token"] == token
+    from jaxinfer import EngineArgs
+    assert "hf_x" not in repr(EngineArgs("m", hf_token="hf_x"))
 
 
 def test_hf_overrides_rope_scaling_without_rope_theta_says_what_it_does(tmp_path):

@@ -34,7 +34,7 @@ class CoreProcess:
         from jaxinfer.hub import resolve_model
         from jaxinfer.server.core import run_core
         kw = engine_kwargs or {}                  # resolved once, here: every process then reads the same files
-        resolved = resolve_model(model, kw.get("revision"), kw.get("download_dir"))
+        resolved = resolve_model(model, kw.get("revision"), kw.get("download_dir"), kw.get("hf_token"))
         self.tokenizer = kw.get("tokenizer") or resolved
         self._dir = tempfile.mkdtemp(prefix="jaxinfer-")
         in_addr = f"ipc://{self._dir}/in"
