@@ -20,12 +20,14 @@ import os
 import numpy as np
 
 IGNORED = {"trust_remote_code": bool, "enforce_eager": bool, "disable_log_stats": bool, "swap_space": (int, float),
-           "max_seq_len_to_capture": int, "compilation_config": (int, dict), "disable_custom_all_reduce": bool}
+           "max_seq_len_to_capture": int, "compilation_config": (int, dict), "disable_custom_all_reduce": bool,
+           "max_lora_rank": int, "max_loras": int}          # (LoRA's sizes: no LoRA here, enable_lora=False)
 FIXED = {"enable_chunked_prefill": (True, None), "max_logprobs": (20, None), "tokenizer_mode": ("auto", "hf", None),
          "load_format": ("auto", "safetensors", None), "quantization": (None,), "skip_tokenizer_init": (False, None),
          "task": ("auto", "generate", None), "pipeline_parallel_size": (1, None),
          "runner": ("auto", "generate", None), "convert": ("auto", "none", None),      # (vLLM's names for task)
-         "cpu_offload_gb": (0, 0.0, None), "tokenizer_revision": (None,), "logprobs_mode": ("raw_logprobs", None)}
+         "cpu_offload_gb": (0, 0.0, None), "tokenizer_revision": (None,), "logprobs_mode": ("raw_logprobs", None),
+         "enable_lora": (False, None)}
 
 
 def pop_vllm_options(kwargs: dict) -> str | None:

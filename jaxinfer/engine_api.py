@@ -188,6 +188,8 @@ class ModelConfigView:
         self._config, self.max_model_len = model_config, max_model_len
 
     def __getattr__(self, name):
+        if name.startswith("_"):                 # (copy / pickle look up their hooks before _config exists)
+            raise AttributeError(name)
         return getattr(self._config, name)
 
     def __repr__(self) -> str:

@@ -197,10 +197,11 @@ class LLM:
         return CompletionOutput(index, text, ids, cum, lps, reason, stop_reason(seq, proc, *self._eos))
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
-        """Forget the cached KV of prompts (vLLM's): the next identical prompt is computed again. True, as vLLM's
-        when it succeeds; running requests keep their blocks' KV to their end (vLLM's options take no effect)."""
-        self.engine.block_manager.reset_prefix_cache()
-        return True
+        """Forget the cached KV of prompts (vLLM's): the next identical prompt is computed again. False, as vLLM's,
+        while requests hold cached blocks (those stay cached), unless reset_running_requests (they keep their KV)."""
+        bm = self.engine.block_manager
+        bm.reset_prefix_cache(in_use=bool(reset_running_requests))
+        return not bm.cached
 
     def stats(self) -> dict:
         return self.engine.stats()

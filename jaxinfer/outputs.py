@@ -163,6 +163,9 @@ class LogprobsList(MutableSequence):
     def __reduce__(self):
         return list, (list(self),)
 
+    def copy(self) -> list:
+        return list(self)
+
     def __getitem__(self, i):
         if self._list is not None:
             return self._list[i]

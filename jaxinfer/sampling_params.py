@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import numbers
-import re
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
 MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
@@ -152,17 +152,17 @@ class SamplingParams:
             return object.__setattr__(self, name, value)
         if name not in _FIELD_NAMES:
             raise AttributeError(f"SamplingParams has no field {name!r}")
-        others = {}                # fields whose check the new value fails (min_tokens past a lower max_tokens)
-        while True:
-            try:
-                checked = replace(self, **{name: value, **others})   # validated (and normalised) as a new one
-                break
-            except ValueError as e:
-                blamed = re.match(r"SamplingParams\.(\w+)=", str(e))
-                if blamed is None or blamed[1] in (name, *others):
-                    raise
-                others[blamed[1]] = _DEFAULTS[blamed[1]]     # the value alone is checked now, the whole when used
-        for f in (name,) if others else _FIELD_NAMES:        # (clone(), as the engine does on each request)
+        if isinstance(value, Iterator):            # (a one-shot iterator may be read twice below)
+            value = list(value)
+        try:
+            checked = replace(self, **{name: value})       # validated (and normalised) as a new one would be
+        except ValueError as e:   # valid alone (beside the most permissive others) is taken: edits one at a time
+            try:                  # may pass through a state valid for neither; the whole is checked when used (clone)
+                alone = SamplingParams(**{"max_tokens": None, name: value})
+            except ValueError:
+                raise e from None
+            return object.__setattr__(self, name, getattr(alone, name))
+        for f in _FIELD_NAMES:
             object.__setattr__(self, f, getattr(checked, f))
 
     __hash__ = None                                    # mutable, as vLLM's
@@ -229,7 +229,6 @@ class SamplingParams:
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
-_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
 _INT_FIELDS = ("top_k", "max_tokens", "seed", "n", "logprobs", "prompt_logprobs", "min_tokens",
                "truncate_prompt_tokens", "best_of")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")

@@ -232,6 +232,22 @@ def test_sampling_params_set_after_construction_are_checked_as_vllm_allows():
     assert sp == SamplingParams(max_tokens=8, min_tokens=4)
     with pytest.raises(ValueError, match="max_tokens='x'"):
         sp.max_tokens = "x"
+    for start, edits in ((dict(max_tokens=8), dict(min_tokens=10, max_tokens=32)),   # either order of each pair
+                         (dict(temperature=0), dict(n=3, temperature=1.0)),
+                         (dict(stop=["x"]), dict(detokenize=False, stop=None)),
+                         (dict(min_tokens=2), dict(stop_token_ids=list(range(20)), min_tokens=0))):
+        for order in (list(edits), list(edits)[::-1]):
+            sp = SamplingParams(**start)
+            for name in order:
+                setattr(sp, name, edits[name])
+            assert sp.clone() == SamplingParams(**{**start, **edits}), (start, order)
+    sp = SamplingParams(n=3)
+    sp.temperature = 0
+    sp.stop_token_ids = iter([5, 6])           # (a one-shot iterator, taken once whatever the state)
+    sp.n = 1
+    assert sp.clone().stop_token_ids == [5, 6]
+    with pytest.raises(ValueError, match=r"min_tokens=-1 must be an integer in \[0, max_tokens=16\]"):
+        SamplingParams().min_tokens = -1       # (invalid alone: refused with the present state's words)
     assert SamplingParams.from_optional(temperature=None, top_k=None, max_tokens=3) == SamplingParams(max_tokens=3)
 
 

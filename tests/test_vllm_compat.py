@@ -137,13 +137,13 @@ def test_vllm_options_that_describe_jaxinfer():
     kw = dict(enable_chunked_prefill=True, max_logprobs=20, quantization=None, max_seq_len_to_capture=8192,
               task="generate", pipeline_parallel_size=1, max_num_seqs=4, runner="generate", convert="none",
               compilation_config={"level": 3}, disable_custom_all_reduce=True, cpu_offload_gb=0,
-              tokenizer_revision=None, logprobs_mode="raw_logprobs")
+              tokenizer_revision=None, logprobs_mode="raw_logprobs", enable_lora=False, max_lora_rank=16)
     pop_vllm_options(kw)                                  # (runner / convert: vLLM's names for task since 2025)
     assert kw == {"max_num_seqs": 4}
     pop_vllm_options(dict(compilation_config=None, cpu_offload_gb=0.0))
     for bad, word in [(dict(enable_chunked_prefill=False), "enable_chunked_prefill=True"),
                       (dict(cpu_offload_gb=4), "cpu_offload_gb=0"), (dict(tokenizer_revision="v2"), "no tokenizer_rev"),
-                      (dict(logprobs_mode="processed_logprobs"), "raw_logprobs"),
+                      (dict(logprobs_mode="processed_logprobs"), "raw_logprobs"), (dict(enable_lora=True), "enable_lora"),
                       (dict(compilation_config="O3"), "int or dict"),
                       (dict(runner="pooling"), "runner='auto' or 'generate'"), (dict(convert="embed"), "convert"),
                       (dict(max_logprobs=5), "max_logprobs=20"), (dict(quantization="awq"), "no quantization"),
@@ -525,7 +525,7 @@ def test_outputs_pickle_small_change_as_lists_and_merge_as_vllms(tiny_dir):
     assert len(lps) == 7 and lps[-2:] == [None, None] and lps[0] == {} and lps[1] == back.outputs[0].logprobs[1]
     del lps[0]
     lps.insert(0, first)
-    assert lps[:5] == back.outputs[0].logprobs
+    assert lps[:5] == back.outputs[0].logprobs and lps.copy() == list(lps) and type(lps.copy()) is list
     assert o.metrics.first_token_latency == o.metrics["ttft_s"] == o.metrics.ttft_s > 0
     merged = None
     for d in llm.stream([[5, 6, 7]], sp):
@@ -548,6 +548,10 @@ def test_llm_engine_has_vllms_model_config_tokenizer_and_reset_prefix_cache(tiny
     llm = LLM(tiny_dir, **TINY_ENGINE)
     engine = llm.llm_engine
     assert engine.model_config.max_model_len == llm.config.max_model_len
+    import copy
+    import pickle
+    for twin in (copy.deepcopy(engine.model_config), pickle.loads(pickle.dumps(engine.model_config))):
+        assert (twin.max_model_len, twin.vocab_size) == (llm.config.max_model_len, llm.model_config.vocab_size)
     assert engine.get_model_config().vocab_size == llm.model_config.vocab_size
     assert engine.tokenizer is llm.get_tokenizer()
     sp = SamplingParams(max_tokens=1)
@@ -555,3 +559,9 @@ def test_llm_engine_has_vllms_model_config_tokenizer_and_reset_prefix_cache(tiny
     assert llm.generate([list(range(3, 40))], sp, use_tqdm=False)[0].num_cached_tokens > 0
     assert engine.reset_prefix_cache() is True and llm.reset_prefix_cache(reset_running_requests=True) is True
     assert llm.generate([list(range(3, 40))], sp, use_tqdm=False)[0].num_cached_tokens == 0
+    running = llm.stream([list(range(3, 40))], SamplingParams(max_tokens=20, ignore_eos=True))
+    next(running)                                      # (its prompt's blocks are cached and held)
+    assert llm.reset_prefix_cache() is False           # as vLLM's while requests hold blocks
+    assert llm.reset_prefix_cache(reset_running_requests=True) is True
+    assert llm.generate([list(range(3, 40))], sp, use_tqdm=False)[0].num_cached_tokens == 0
+    assert len(list(running)) > 0 and llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]

@@ -58,9 +58,10 @@ class BlockManager:
         return len(self.free)
 
     # -- prefix cache -----------------------------------------------------------------------------
-    def reset_prefix_cache(self) -> int:
+    def reset_prefix_cache(self, in_use: bool = False) -> int:
         """Forget every cached block that no sequence holds (their KV can no longer be hit); returns how
-        many were forgotten. Blocks in use keep their hashes."""
+        many were forgotten. Blocks in use stay cached, unless `in_use`: then no request can hit them either
+        (their holders keep using their KV; a block keeps its hash, so a later one of theirs chains on)."""
         forgotten = 0
         for bid in self.free:
             b = self.blocks[bid]
@@ -69,6 +70,8 @@ class BlockManager:
                     del self.cached[b.hash]
                 b.hash, b.token_ids = None, ()
                 forgotten += 1
+        if in_use:
+            forgotten, self.cached = forgotten + len(self.cached), {}
         return forgotten
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:

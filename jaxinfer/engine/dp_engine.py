@@ -223,8 +223,12 @@ class _BlockManagerView:
     def __init__(self, replicas: list[LLMEngine]):
         self._replicas = replicas
 
-    def reset_prefix_cache(self) -> int:
-        return sum(r.block_manager.reset_prefix_cache() for r in self._replicas)
+    def reset_prefix_cache(self, in_use: bool = False) -> int:
+        return sum(r.block_manager.reset_prefix_cache(in_use) for r in self._replicas)
+
+    @property
+    def cached(self) -> dict:
+        return {k: v for r in self._replicas for k, v in r.block_manager.cached.items()}
 
     @property
     def num_blocks(self) -> int:
