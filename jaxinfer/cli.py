@@ -23,37 +23,46 @@ import time
 
 from jaxinfer.cli_types import bare_flags, bool_arg, flag_type, json_object, model_len, port
 
-VLLM_MODEL_OPTIONS = ("hf_overrides", "revision", "download_dir", "tokenizer", "hf_token")   # LLM()'s beside EngineConfig's
+VLLM_MODEL_OPTIONS = ("hf_overrides", "revision", "download_dir", "tokenizer", "hf_token")   # LLM() options, not config
 DEFAULT_MODEL = "qwen3-pydoc"     # the small trained model that ships in jaxinfer/assets/ (no download)
 CHUNKED = ("--enable-chunked-prefill",)     # vLLM's boolean flag: alone, or with true / false
 DEFAULT_PROMPTS = ["The json module", "Return the number of", "A dictionary is", "Raise ValueError if"]
 
 
-def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None:
+def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True, llm_names: bool = False) -> None:
     """One flag per EngineConfig field (`--max-num-seqs`, `--block-size`, ...), derived from the dataclass, so
-    LLM kwargs, the CLI and scripts/bench.py can never drift apart. Unset flags take the engine's defaults."""
+    LLM kwargs, the CLI and scripts/bench.py can never drift apart. Unset flags take the engine's defaults.
+    llm_names (vLLM's EngineArgs.add_cli_args; `p` may be a group): each value is stored under its LLM() keyword,
+    so `LLM(**vars(args))` runs; the model is --model (default: the demo model); no server-only flags."""
     from dataclasses import MISSING, fields
 
+    from jaxinfer.compat import FIXED, IGNORED
     from jaxinfer.config import EngineConfig
-    if with_model:
+    if llm_names:
+        p.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory, preset or hub id")
+    elif with_model:
         p.add_argument("model", nargs="?", default=None,
                        help=f"checkpoint directory, preset name (random weights) or Hugging Face hub id (default: "
                             f"{DEFAULT_MODEL}, the small trained demo model that ships with jaxinfer)")
         p.add_argument("--model", dest="model_flag", metavar="MODEL", help="the same as the positional MODEL (vLLM)")
-    v = p.add_argument_group("vLLM options accepted for compatibility (jaxinfer/compat.py)")
+    v = p if llm_names else p.add_argument_group("vLLM options accepted for compatibility (jaxinfer/compat.py)")
+    pre, skip = ("", lambda name: name not in IGNORED and name not in FIXED) if llm_names else \
+        ("vllm_", lambda name: False)
     for name in ("trust_remote_code", "enforce_eager", "disable_log_stats", "disable_log_requests",
                  "enable_log_requests", "disable_uvicorn_access_log"):       # no meaning here (also --no-X)
-        v.add_argument("--" + name.replace("_", "-"), dest="vllm_" + name, action=argparse.BooleanOptionalAction,
-                       help=argparse.SUPPRESS)
+        if not skip(name):
+            v.add_argument("--" + name.replace("_", "-"), dest=pre + name, action=argparse.BooleanOptionalAction,
+                           help=argparse.SUPPRESS)
     for name, typ in (("max_logprobs", int), ("quantization", str), ("task", str), ("runner", str), ("convert", str),
                       ("load_format", str),
                       ("tokenizer_mode", str), ("max_log_len", int), ("swap_space", float),
                       ("max_seq_len_to_capture", int), ("pipeline_parallel_size", int)):
         flags = ["--" + name.replace("_", "-")] + (["-pp"] if name == "pipeline_parallel_size" else [])
-        v.add_argument(*flags, dest="vllm_" + name, type=typ, help=argparse.SUPPRESS)
-    v.add_argument(*CHUNKED, dest="vllm_enable_chunked_prefill", type=bool_arg, nargs="?", const=True,
+        if not skip(name):
+            v.add_argument(*flags, dest=pre + name, type=typ, help=argparse.SUPPRESS)
+    v.add_argument(*CHUNKED, dest=pre + "enable_chunked_prefill", type=bool_arg, nargs="?", const=True,
                    help=argparse.SUPPRESS)                  # (always on; main() reads a bare flag as true)
-    v.add_argument("--no-enable-chunked-prefill", dest="vllm_enable_chunked_prefill", action="store_const",
+    v.add_argument("--no-enable-chunked-prefill", dest=pre + "enable_chunked_prefill", action="store_const",
                    const=False, help=argparse.SUPPRESS)
     v.add_argument("--revision", dest="revision", help="the hub model's branch, tag or commit (vLLM's)")
     v.add_argument("--download-dir", dest="download_dir", help="the Hugging Face cache to use for hub models (vLLM's)")
@@ -63,7 +72,8 @@ def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None
     v.add_argument("--hf-overrides", dest="hf_overrides", type=json_object, metavar="JSON",
                    help='config.json fields to replace (vLLM\'s), e.g. \'{"rope_scaling": {"rope_type": "yarn", '
                         '"factor": 4.0, "original_max_position_embeddings": 32768}}\'')
-    g = p.add_argument_group("engine options (jaxinfer.config.EngineConfig; unset: the platform's defaults)")
+    g = p if llm_names else p.add_argument_group(
+        "engine options (jaxinfer.config.EngineConfig; unset: the platform's defaults)")
     for f in fields(EngineConfig):
         help_text = f.metadata.get("help", "")
         if f.default is not MISSING and f.default is not None and "default" not in help_text:

@@ -200,24 +200,47 @@ LLMEngine = EngineAPI                 # vLLM's name (`from jaxinfer import LLMEn
 
 
 class EngineArgs:
-    """vLLM's EngineArgs: a model and `LLM()`'s keyword arguments, for `LLMEngine.from_engine_args`."""
+    """vLLM's EngineArgs: a model and `LLM()`'s keyword arguments (attributes, as vLLM's dataclass fields; an option
+    not given reads None: the engine's default), for `LLMEngine.from_engine_args`."""
 
-    def __init__(self, model: str | None = None, **kwargs):
-        self.model, self.kwargs = model, kwargs
+    def __init__(self, model: str = "qwen3-pydoc", **kwargs):          # (vLLM's has a default model too)
+        self.model = model
+        self.__dict__.update(kwargs)
+
+    def __getattr__(self, name):                 # (only names not set: an engine option left to its default)
+        if name in _option_names():
+            return None
+        raise AttributeError(f"EngineArgs has no option {name!r}")
+
+    @property
+    def kwargs(self) -> dict:
+        """LLM()'s keyword arguments (those given, None left out)."""
+        return {k: v for k, v in vars(self).items() if k != "model" and v is not None}
 
     @staticmethod
     def add_cli_args(parser):
-        """The engine flags of `jaxinfer generate` (MODEL, --model, --max-num-seqs, ...) on `parser`; returns it."""
+        """The engine flags (--model, --max-num-seqs, ...) on `parser` (or an argument group), each stored under
+        its LLM() keyword, so that `LLM(**vars(parser.parse_args()))` runs, as with vLLM's; returns `parser`."""
         from jaxinfer.cli import add_engine_args
-        add_engine_args(parser)
+        add_engine_args(parser, llm_names=True)
         return parser
 
     @classmethod
     def from_cli_args(cls, args) -> "EngineArgs":
-        from jaxinfer.cli import check_vllm_flags, engine_kwargs, model_arg
-        check_vllm_flags(args)
-        return cls(model_arg(args), **engine_kwargs(args))
+        """From a namespace of add_cli_args' flags (other attributes, e.g. a script's own flags, are left out)."""
+        return cls(**{k: v for k, v in vars(args).items() if k in _option_names() and v is not None})
 
     def __repr__(self) -> str:
         shown = (f"{k}={'***' if k == 'hf_token' else repr(v)}" for k, v in self.kwargs.items())
         return f"EngineArgs(model={self.model!r}, {', '.join(shown)})"
+
+
+def _option_names() -> set[str]:
+    """The keyword arguments LLM() takes."""
+    from dataclasses import fields
+
+    from jaxinfer.cli import VLLM_MODEL_OPTIONS
+    from jaxinfer.compat import ALIASES, FIXED, IGNORED
+    from jaxinfer.config import EngineConfig
+    return {"model", "generation_config", "override_generation_config", *(f.name for f in fields(EngineConfig)),
+            *VLLM_MODEL_OPTIONS, *IGNORED, *FIXED, *ALIASES}

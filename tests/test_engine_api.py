@@ -154,11 +154,15 @@ def test_vllms_engine_args_and_from_engine_args(tiny_dir):
 
     from jaxinfer import EngineArgs, LLMEngine
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
-    args = parser.parse_args(["--model", tiny_dir, "--dtype", "float32", "--max-model-len", "128", "--block-size",
-                              "4", "--num-kvcache-blocks", "256", "--max-num-seqs", "8", "--max-num-batched-tokens",
-                              "64", "--no-warmup"])
+    argv = ["--model", tiny_dir, "--dtype", "float32", "--max-model-len", "128", "--block-size", "4",
+            "--num-kvcache-blocks", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--no-warmup"]
+    args = parser.parse_args(argv)
     engine_args = EngineArgs.from_cli_args(args)
     assert engine_args.model == tiny_dir and engine_args.kwargs["max_model_len"] == 128
+    assert (engine_args.max_model_len, engine_args.enable_prefix_caching) == (128, None)   # (None: the default)
+    parser.add_argument("--my-own-flag", type=int)       # vLLM's basic example: LLM(**vars(args)) of the engine flags
+    mine = vars(parser.parse_args(["--model", tiny_dir, "--enforce-eager", "--my-own-flag", "3", *argv[2:]]))
+    assert mine.pop("my_own_flag") == 3 and LLM(**mine).config.max_model_len == 128
     engine = LLMEngine.from_engine_args(engine_args, usage_context=None)
     assert isinstance(engine, LLMEngine) and engine.model_config.max_model_len == 128
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
