@@ -465,3 +465,30 @@ def test_return_token_ids_and_tokens_as_token_ids(url, tok):
     content = named.json()["choices"][0]["logprobs"]["content"]
     assert [x["token"] for x in content] == [f"token_id:{t}" for t in out["token_ids"]]
     assert content[0]["bytes"] == list(content[0]["token"].encode())
+
+
+def test_reasoning_parser_on_the_server(server, url):
+    """--reasoning-parser qwen3: an answer without </think> is all thinking (cut off), unless the prompt closed the
+    thinking (enable_thinking false): then all content; streamed as the plain answer; a multi-turn assistant message
+    may carry its `reasoning` (vLLM's field, given to the template as reasoning_content too)."""
+    app, before = server[1], server[1].state.options
+    app.state.options = before.replace(reasoning_parser="qwen3")
+    try:
+        msgs = [{"role": "user", "content": "Hi"}]
+        base = dict(model=MODEL, max_tokens=8, temperature=0, ignore_eos=True)
+        for extra, key, other in (({}, "reasoning", "content"),
+                                  ({"chat_template_kwargs": {"enable_thinking": False}}, "content", "reasoning")):
+            ids = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": msgs, **extra}).json()["tokens"]
+            text = httpx.post(url + "/v1/completions", json={**base, "prompt": ids}).json()["choices"][0]["text"]
+            assert text and "think>" not in text
+            body = {**base, "messages": msgs, **extra}
+            msg = httpx.post(url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]
+            assert msg[key] == text and msg[other] is None
+            deltas = [e["choices"][0]["delta"] for e in _sse(url, "/v1/chat/completions", body) if e["choices"]]
+            assert "".join(d.get(key) or "" for d in deltas) == text and not any(d.get(other) for d in deltas)
+        turn = [*msgs, {"role": "assistant", "content": "Hello", "reasoning": "greet"}, {"role": "user", "content": "Bye"}]
+        assert httpx.post(url + "/v1/chat/completions", json={**base, "messages": turn}).status_code == 200
+        turn[1] = {"role": "user", "content": "Hello", "reasoning": "greet"}          # (an assistant's only)
+        assert httpx.post(url + "/v1/chat/completions", json={**base, "messages": turn}).status_code == 400
+    finally:
+        app.state.options = before

@@ -1,4 +1,6 @@
 """The server's request translation without a server: ServerOptions, chat messages and template arguments."""
+import json
+
 import pytest
 
 from jaxinfer.sampling_params import SamplingParams, truncate
@@ -41,7 +43,8 @@ def test_chat_text_parts_render_as_llm_chat_renders_them():
     them joined by newlines (vLLM's "string" format), one that loops over the parts gets the parts (they were
     joined first, so such a --chat-template saw one part); plain-string parts and tool_calls [] are taken."""
     from jaxinfer.prompts import render_chat
-    from jaxinfer.server.protocol import ChatCompletionRequest, chat_messages, chat_prompt
+    from jaxinfer.server.chat_prompt import chat_messages, chat_prompt
+    from jaxinfer.server.protocol import ChatCompletionRequest
     parts = [{"type": "text", "text": "Hi"}, "there", {"type": "text", "text": None}]
     req = ChatCompletionRequest(messages=[{"role": "user", "content": parts},
                                           {"role": "assistant", "content": "ok", "tool_calls": []}])
@@ -66,7 +69,8 @@ def test_chat_text_parts_render_as_llm_chat_renders_them():
 
 
 def test_chat_template_kwargs_and_continue_final_message():
-    from jaxinfer.server.protocol import ChatCompletionRequest, RequestError, apply_chat_template, chat_template_kwargs
+    from jaxinfer.server.chat_prompt import apply_chat_template, chat_template_kwargs
+    from jaxinfer.server.protocol import ChatCompletionRequest, RequestError
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
     req = lambda **kw: ChatCompletionRequest(messages=msgs, **kw)     # noqa: E731
     assert chat_template_kwargs(req()) == {"add_generation_prompt": True, "continue_final_message": False}
@@ -224,3 +228,56 @@ def test_vllms_return_tokens_as_token_ids_flag_is_a_default_a_request_overrides(
     assert ServerOptions().apply(CompletionRequest(prompt="hi")).return_tokens_as_token_ids is None
     with pytest.raises(ValueError, match="return_tokens_as_token_ids"):
         ServerOptions(return_tokens_as_token_ids="yes")
+
+
+def test_reasoning_parser_splits_thinking_streamed_or_not():
+    """--reasoning-parser qwen3 (vLLM's): the thinking (a leading <think> dropped, up to </think>) goes to
+    `reasoning`, the rest to `content`; streamed deltas cut anywhere (inside a tag too) give the same split."""
+    import asyncio
+    import random
+    from types import SimpleNamespace
+
+    from jaxinfer.server import streams
+    from jaxinfer.server.protocol import ChatCompletionRequest
+    from jaxinfer.server.reasoning import split, thinking_closed
+    text = "<think>\nplan: add 2 and 2\n</think>\n\nThe answer is 4."
+    assert split(text, False) == ("\nplan: add 2 and 2\n", "\n\nThe answer is 4.")
+    assert split(text, True) == (None, text) and split("cut off <thi", False) == ("cut off <thi", None)
+    assert split("no tags", False) == ("no tags", None) and split("</think>", False) == (None, None)
+    assert thinking_closed("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", {}) is True
+    assert thinking_closed("qwen3", "<|im_start|>assistant\n", {"enable_thinking": False}) is True
+    assert thinking_closed("deepseek_r1", "<|im_start|>assistant\n", {"enable_thinking": False}) is False
+    assert thinking_closed(None, "", {}) is None
+    import argparse
+
+    from jaxinfer.server.chat_prompt import chat_messages
+    from jaxinfer.server.options import ServerOptions, add_server_args, server_options
+    ap = argparse.ArgumentParser()
+    add_server_args(ap)
+    assert server_options(ap.parse_args(["--reasoning-parser", "qwen3"])).reasoning_parser == "qwen3"
+    with pytest.raises(ValueError, match="reasoning_parser='qwq'"):
+        ServerOptions(reasoning_parser="qwq")
+    for key in ("reasoning", "reasoning_content"):       # a multi-turn assistant's thinking, for the template
+        m = chat_messages(ChatCompletionRequest(messages=[{"role": "assistant", "content": "a", key: "r"}]).messages)
+        assert m[0]["reasoning"] == m[0]["reasoning_content"] == "r"
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "2+2?"}])
+    proc = SimpleNamespace(text=text, finish_reason="stop")
+    ch = SimpleNamespace(index=0, token_ids=[1], logprobs=[], stop_reason=None, proc=proc)
+    msg = streams.chat_choice(ch, None, None, req=req, think=False)["message"]
+    assert (msg["reasoning"], msg["content"]) == split(text, False)
+    quiet = ChatCompletionRequest(messages=req.messages, include_reasoning=False)
+    assert streams.chat_choice(ch, None, None, req=quiet, think=False)["message"]["reasoning"] is None
+
+    async def events(pieces):
+        async def run():
+            for i, piece in enumerate(pieces):
+                yield ch, SimpleNamespace(text=piece, token_ids=[1], finish_reason="stop" if i == len(pieces) - 1
+                                          else None)
+        body = streams.chat_stream(run(), "r", "m", [[1, 2]], 1, req, None, think=False).body_iterator
+        return [json.loads(e[6:]) for e in [e async for e in body] if e.startswith("data: {")]
+    for _ in range(30):
+        cuts = sorted(random.sample(range(1, len(text)), 5))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        deltas = [e["choices"][0]["delta"] for e in asyncio.run(events(pieces))]
+        got = tuple("".join(d.get(key) or "" for d in deltas) for key in ("reasoning", "content"))
+        assert got == split(text, False), pieces

@@ -19,8 +19,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from jaxinfer.generation_config import max_tokens_cap, sampling_defaults
+from jaxinfer.server import chat_prompt as CP
 from jaxinfer.server import choices as C
 from jaxinfer.server import protocol as P
+from jaxinfer.server import reasoning
 from jaxinfer.server import responses as R
 from jaxinfer.server import streams
 from jaxinfer.server.admission import Admission
@@ -255,10 +257,8 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         t0 = time.perf_counter()
         P.check_unsupported(app.state.options.apply(req))
         check_model(req.model)
-        prompt, role, echo = await off_loop(P.chat_prompt, tokenizer, req)
-        if not (role + echo).encode(errors="replace").decode() == role + echo:     # (a lone surrogate the template
-            raise P.RequestError("the last message's role or content is not valid UTF-8 (a lone surrogate), and the "
-                                 "answer would repeat it", param="messages")      # dropped: the answer repeats it)
+        prompt, role, echo = await off_loop(CP.chat_prompt, tokenizer, req)
+        think = reasoning.thinking_closed(app.state.options.reasoning_parser, prompt, CP.chat_template_kwargs(req))
         k = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
             raise P.RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
@@ -266,9 +266,9 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         rid, model, texts = R.new_id("chatcmpl"), served_model_name, R.token_texts(text_of, req)
         if req.stream:
             run = C.run(client(), tokenizer, items, True, metrics, t0, len(items), req.cache_salt)
-            return streams.chat_stream(run, rid, model, prompts, len(items), req, texts, role, echo)
+            return streams.chat_stream(run, rid, model, prompts, len(items), req, texts, role, echo, think)
         done = await collect(items, request, t0, len(items), req.cache_salt)
-        return R.chat_completion(rid, model, [streams.chat_choice(ch, k, texts, role, echo, req) for ch in done],
+        return R.chat_completion(rid, model, [streams.chat_choice(ch, k, texts, role, echo, req, think) for ch in done],
                                  streams.total_usage(prompts, done), prompts[0] if req.return_token_ids else None)
 
     # -- SIGTERM: drain ---------------------------------------------------------------------------------

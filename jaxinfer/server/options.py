@@ -19,6 +19,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 
 from jaxinfer.cli_types import json_object
 from jaxinfer.generation_config import check as check_generation_config, sampling_defaults
+from jaxinfer.server.reasoning import PARSERS
 
 API_KEY_ENV = "JAXINFER_API_KEY"
 API_KEY_ENVS = (API_KEY_ENV, "VLLM_API_KEY")      # (vLLM's variable too: a server a vLLM user thinks guarded is)
@@ -52,6 +53,8 @@ class ServerOptions:
                                                    "say (a last chunk, and each chunk's so far; vLLM's flag)")
     return_tokens_as_token_ids: bool = _opt(False, "logprobs name tokens 'token_id:N' unless a request says "
                                                    "otherwise (its return_tokens_as_token_ids; vLLM's flag)")
+    reasoning_parser: str | None = _opt(None, "qwen3 or deepseek_r1: a chat answer's thinking (<think>...</think>) "
+                                              "goes to the message's `reasoning`, the rest to `content` (vLLM's)")
 
     def __post_init__(self):
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
@@ -74,6 +77,8 @@ class ServerOptions:
         if d is not None and (not isinstance(d, dict) or {"chat_template", "tools"} & set(d)):
             raise ValueError(f"default_chat_template_kwargs={d!r:.80} must be a JSON object without chat_template "
                              f"and tools")
+        if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
+            raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is not one of {PARSERS}")
         for name in ("enable_force_include_usage", "return_tokens_as_token_ids"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")

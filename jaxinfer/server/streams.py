@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from jaxinfer.detokenizer import FIXUP_TOKENS
 from jaxinfer.server import protocol as P
+from jaxinfer.server import reasoning
 from jaxinfer.server import responses as R
 from jaxinfer.server.choices import Choice
 
@@ -85,12 +86,18 @@ def completion_choice(ch: Choice, prompt_ids: list[int], req, text_of, echoed: s
             "stop_reason": ch.stop_reason, **(ids or {})}
 
 
-def chat_choice(ch: Choice, k: int | None, text_of, role: str = "assistant", echo: str = "", req=None) -> dict:
-    """A chat choice; `echo`: text that goes before the generated text (the request's echo, vLLM's)."""
+def chat_choice(ch: Choice, k: int | None, text_of, role: str = "assistant", echo: str = "", req=None,
+                think: bool | None = None) -> dict:
+    """A chat choice; `echo`: text that goes before the generated text (the request's echo, vLLM's); `think`
+    (with a reasoning parser: whether the answer starts as content): the thinking goes to `reasoning`."""
     lp = None if k is None else R.chat_logprobs(text_of, ch.token_ids, ch.logprobs, k)
-    return {"index": ch.index, "message": {"role": role, "content": echo + ch.proc.text}, "logprobs": lp,
-            "finish_reason": ch.proc.finish_reason, "stop_reason": ch.stop_reason,
-            **(token_ids(req, ch.token_ids) or {})}
+    message = {"role": role, "content": echo + ch.proc.text}
+    if think is not None:                        # (vLLM's: an empty part is null)
+        thought, content = reasoning.split(ch.proc.text, think)
+        message = {"role": role, "content": echo + (content or "") if echo else content,
+                   "reasoning": thought if req.include_reasoning else None}
+    return {"index": ch.index, "message": message, "logprobs": lp, "finish_reason": ch.proc.finish_reason,
+            "stop_reason": ch.stop_reason, **(token_ids(req, ch.token_ids) or {})}
 
 
 def _new_logprobs(ch: Choice) -> tuple[list[int], list, list[int]]:
@@ -143,7 +150,7 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
 
 
 def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, text_of, role: str = "assistant",
-                echo: str = ""):
+                echo: str = "", think: bool | None = None):
     enc = R.ChunkEncoder(rid, model, "chat.completion.chunk")
     k = (req.top_logprobs or 0) if req.logprobs else None
     use, created = _choice_usage(req, prompts, n), enc.created
@@ -156,20 +163,27 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
                          **prompt_ids})
         for i in range(n if echo else 0):         # echo: the last message's text first (vLLM)
             yield enc.chat_content(echo, i, start)
-        done = {}
+        done, split = {}, {}
         async for ch, d in run:
             done[ch.index] = ch
             ids, entries, before = _new_logprobs(ch) if k is not None else ((), (), ())
-            new = token_ids(req, d.token_ids)
+            new, delta = token_ids(req, d.token_ids), {"content": d.text}
+            if think is not None:                        # with a reasoning parser: thinking to `reasoning`
+                thought, content = split.setdefault(ch.index, reasoning.Splitter(think)).feed(
+                    d.text, last=d.finish_reason is not None)
+                delta = {k_: v for k_, v in (("reasoning", thought if req.include_reasoning else ""),
+                                             ("content", content)) if v}
             if d.finish_reason:    # the finish rides on the chunk with the last text, as in vLLM
                 lp = R.chat_logprobs(text_of, ids, entries, k, before) if ids else None
-                yield R.sse(R.chat_chunk(rid, model, {"content": d.text}, d.finish_reason, ch.index, lp,   # ("" too)
+                yield R.sse(R.chat_chunk(rid, model, delta or {"content": ""}, d.finish_reason, ch.index, lp,
                                          stop_reason=ch.stop_reason, created=created, use=use(ch), ids=new))
             elif ids:
-                yield R.sse(R.chat_chunk(rid, model, {"content": d.text}, None, ch.index,
+                yield R.sse(R.chat_chunk(rid, model, delta or {"content": ""}, None, ch.index,
                                          R.chat_logprobs(text_of, ids, entries, k, before), created=created,
                                          use=use(ch), ids=new))
-            elif d.text or new and d.token_ids:          # (token ids of text held back too)
+            elif think is not None and (delta or new and d.token_ids):
+                yield R.sse(R.chat_chunk(rid, model, delta, None, ch.index, created=created, use=use(ch), ids=new))
+            elif think is None and (d.text or new and d.token_ids):      # (token ids of text held back too)
                 yield enc.chat_content(d.text, ch.index, use(ch), new)
         if P.include_usage(req):
             yield R.sse(R.usage_chunk(rid, model, "chat.completion.chunk", total_usage(prompts, done.values()),

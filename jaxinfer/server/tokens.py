@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, StrictInt
 
 from jaxinfer.sampling_params import truncate
+from jaxinfer.server import chat_prompt as CP
 from jaxinfer.server import protocol as P
 
 
@@ -115,8 +116,8 @@ def add_token_routes(app: FastAPI, tokenizer, check_model, max_model_len: int, v
         special = (not chat) if req.add_special_tokens is None else req.add_special_tokens
 
         def encode() -> list[int]:
-            text = P.apply_chat_template(tokenizer, P.chat_messages(req.messages),
-                                         P.chat_template_kwargs(req, req.tools or [])) if chat else req.prompt
+            text = CP.apply_chat_template(tokenizer, CP.chat_messages(req.messages),
+                                          CP.chat_template_kwargs(req, req.tools or [])) if chat else req.prompt
             return P.encode(tokenizer, text, special, "messages" if chat else "prompt")
         ids = await off_loop(encode)      # token_strs: the vocabulary's strings, as vLLM (a byte piece stays whole)
         strs = await off_loop(tokenizer.convert_ids_to_tokens, ids) if req.return_token_strs else None
