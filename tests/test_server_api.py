@@ -433,7 +433,8 @@ def test_return_token_ids_and_tokens_as_token_ids(url, tok):
     c = httpx.post(url + "/v1/completions", json=base).json()["choices"][0]
     assert c["prompt_token_ids"] == prompt and len(c["token_ids"]) == 6 and c["text"] == plain["text"]
     assert "".join(tok(t) for t in c["token_ids"]) == c["text"]
-    tokens = httpx.post(url + "/v1/completions", json={**base, "logprobs": 2}).json()["choices"][0]["logprobs"]["tokens"]
+    tokens = httpx.post(url + "/v1/completions", json={**base, "logprobs": 2}).json()["choices"][0]["logprobs"]
+    tokens = tokens["tokens"]
     for lp in (None, 2):                             # (streamed logprobs: their own path)
         chunks = [ch["choices"][0] for ch in _sse(url, "/v1/completions", {**base, "logprobs": lp}) if ch["choices"]]
         assert chunks[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in ch for ch in chunks[1:])
@@ -461,10 +462,14 @@ def test_return_token_ids_and_tokens_as_token_ids(url, tok):
     events = _sse(url, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 1})
     assert events[0]["prompt_token_ids"] == pids and "prompt_token_ids" not in events[1]
     assert [t for e in events[1:] for t in e["choices"][0].get("token_ids", [])] == out["token_ids"]
-    named = httpx.post(url + "/v1/chat/completions", json={**chat, "logprobs": True, "return_tokens_as_token_ids": True})
+    named = httpx.post(url + "/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 2,
+                                                           "return_tokens_as_token_ids": True})
     content = named.json()["choices"][0]["logprobs"]["content"]
     assert [x["token"] for x in content] == [f"token_id:{t}" for t in out["token_ids"]]
-    assert content[0]["bytes"] == list(content[0]["token"].encode())
+    plain = httpx.post(url + "/v1/chat/completions", json={**chat, "logprobs": True}).json()
+    assert [x["bytes"] for x in content] == [x["bytes"] for x in plain["choices"][0]["logprobs"]["content"]]  # (vLLM's)
+    assert all(t["bytes"] == list(t["token"].encode()) and t["token"].startswith("token_id:")
+               for x in content for t in x["top_logprobs"])
 
 
 def test_reasoning_parser_on_the_server(server, url):
@@ -486,7 +491,8 @@ def test_reasoning_parser_on_the_server(server, url):
             assert msg[key] == text and msg[other] is None
             deltas = [e["choices"][0]["delta"] for e in _sse(url, "/v1/chat/completions", body) if e["choices"]]
             assert "".join(d.get(key) or "" for d in deltas) == text and not any(d.get(other) for d in deltas)
-        turn = [*msgs, {"role": "assistant", "content": "Hello", "reasoning": "greet"}, {"role": "user", "content": "Bye"}]
+        turn = [*msgs, {"role": "assistant", "content": "Hello", "reasoning": "greet"},
+                {"role": "user", "content": "Bye"}]
         assert httpx.post(url + "/v1/chat/completions", json={**base, "messages": turn}).status_code == 200
         turn[1] = {"role": "user", "content": "Hello", "reasoning": "greet"}          # (an assistant's only)
         assert httpx.post(url + "/v1/chat/completions", json={**base, "messages": turn}).status_code == 400

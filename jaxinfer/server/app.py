@@ -263,7 +263,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         if req.top_logprobs and not req.logprobs:
             raise P.RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         prompts, items = await prepare(req, [prompt], None, k, None, bool(req.stream))
-        rid, model, texts = R.new_id("chatcmpl"), served_model_name, R.token_texts(text_of, req)
+        rid, model, texts = R.new_id("chatcmpl"), served_model_name, text_of     # (streams name ids: as_ids)
         if req.stream:
             run = C.run(client(), tokenizer, items, True, metrics, t0, len(items), req.cache_salt)
             return streams.chat_stream(run, rid, model, prompts, len(items), req, texts, role, echo, think)

@@ -178,11 +178,15 @@ def completion_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int,
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
 
-def chat_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int, before: list[int] = ()) -> dict:
-    def one(tid, lp, context):
+def chat_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int, before: list[int] = (),
+                  as_ids: bool = False) -> dict:
+    """`as_ids` (return_tokens_as_token_ids): tokens named "token_id:N"; as vLLM's, a sampled token's `bytes` stay
+    its text's, its alternatives' are their names'."""
+    def one(tid, lp, context, sampled=False):
         s = text_of(tid, context)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
-    return {"content": [{**one(tid, row[0], c), "top_logprobs": [one(t, lp, c) for t, lp in _top(row, k)]}
+        name = as_token_id(tid) if as_ids else s
+        return {"token": name, "logprob": lp, "bytes": list((s if sampled else name).encode("utf-8"))}
+    return {"content": [{**one(tid, row[0], c, True), "top_logprobs": [one(t, lp, c) for t, lp in _top(row, k)]}
                         for tid, row, c in _in_context(ids, rows, before)]}
 
 

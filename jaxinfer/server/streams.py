@@ -90,7 +90,8 @@ def chat_choice(ch: Choice, k: int | None, text_of, role: str = "assistant", ech
                 think: bool | None = None) -> dict:
     """A chat choice; `echo`: text that goes before the generated text (the request's echo, vLLM's); `think`
     (with a reasoning parser: whether the answer starts as content): the thinking goes to `reasoning`."""
-    lp = None if k is None else R.chat_logprobs(text_of, ch.token_ids, ch.logprobs, k)
+    lp = None if k is None else R.chat_logprobs(text_of, ch.token_ids, ch.logprobs, k,
+                                                as_ids=bool(req and req.return_tokens_as_token_ids))
     message = {"role": role, "content": echo + ch.proc.text}
     if think is not None:                        # (vLLM's: an empty part is null)
         thought, content = reasoning.split(ch.proc.text, think)
@@ -156,6 +157,7 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
     use, created = _choice_usage(req, prompts, n), enc.created
     start = R.usage(len(prompts[0]), 0) if P.continuous_usage(req) else None
     prompt_ids = {"prompt_token_ids": prompts[0]} if req.return_token_ids else {}
+    as_ids = bool(req.return_tokens_as_token_ids)
 
     async def events():
         for i in range(n):
@@ -174,12 +176,12 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
                 delta = {k_: v for k_, v in (("reasoning", thought if req.include_reasoning else ""),
                                              ("content", content)) if v}
             if d.finish_reason:    # the finish rides on the chunk with the last text, as in vLLM
-                lp = R.chat_logprobs(text_of, ids, entries, k, before) if ids else None
+                lp = R.chat_logprobs(text_of, ids, entries, k, before, as_ids) if ids else None
                 yield R.sse(R.chat_chunk(rid, model, delta or {"content": ""}, d.finish_reason, ch.index, lp,
                                          stop_reason=ch.stop_reason, created=created, use=use(ch), ids=new))
             elif ids:
                 yield R.sse(R.chat_chunk(rid, model, delta or {"content": ""}, None, ch.index,
-                                         R.chat_logprobs(text_of, ids, entries, k, before), created=created,
+                                         R.chat_logprobs(text_of, ids, entries, k, before, as_ids), created=created,
                                          use=use(ch), ids=new))
             elif think is not None and (delta or new and d.token_ids):
                 yield R.sse(R.chat_chunk(rid, model, delta, None, ch.index, created=created, use=use(ch), ids=new))
