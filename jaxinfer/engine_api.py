@@ -20,7 +20,7 @@ As vLLM's, it can be made without an LLM in hand: `LLMEngine.from_engine_args(En
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
 from numbers import Integral
 
 from jaxinfer import prompts as prompt_forms
@@ -199,23 +199,11 @@ class ModelConfigView:
 LLMEngine = EngineAPI                 # vLLM's name (`from jaxinfer import LLMEngine`); the engine below is engine/
 
 
-class EngineArgs:
-    """vLLM's EngineArgs: a model and `LLM()`'s keyword arguments (attributes, as vLLM's dataclass fields; an option
-    not given reads None: the engine's default), for `LLMEngine.from_engine_args`."""
-
-    def __init__(self, model: str = "qwen3-pydoc", **kwargs):          # (vLLM's has a default model too)
-        self.model = model
-        self.__dict__.update(kwargs)
-
-    def __getattr__(self, name):                 # (only names not set: an engine option left to its default)
-        if name in _option_names():
-            return None
-        raise AttributeError(f"EngineArgs has no option {name!r}")
-
+class _EngineArgsBase:
     @property
     def kwargs(self) -> dict:
-        """LLM()'s keyword arguments (those given, None left out)."""
-        return {k: v for k, v in vars(self).items() if k != "model" and v is not None}
+        """LLM()'s keyword arguments: the options that differ from their defaults."""
+        return {f.name: v for f in fields(self) if f.name != "model" and (v := getattr(self, f.name)) != f.default}
 
     @staticmethod
     def add_cli_args(parser):
@@ -226,21 +214,28 @@ class EngineArgs:
         return parser
 
     @classmethod
-    def from_cli_args(cls, args) -> "EngineArgs":
+    def from_cli_args(cls, args):
         """From a namespace of add_cli_args' flags (other attributes, e.g. a script's own flags, are left out)."""
-        return cls(**{k: v for k, v in vars(args).items() if k in _option_names() and v is not None})
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})
 
     def __repr__(self) -> str:
-        shown = (f"{k}={'***' if k == 'hf_token' else repr(v)}" for k, v in self.kwargs.items())
-        return f"EngineArgs(model={self.model!r}, {', '.join(shown)})"
+        shown = [f"{k}={'***' if k == 'hf_token' else repr(v)}" for k, v in self.kwargs.items()]
+        return f"EngineArgs({', '.join([f'model={self.model!r}', *shown])})"
 
 
-def _option_names() -> set[str]:
-    """The keyword arguments LLM() takes."""
-    from dataclasses import fields
-
+def _engine_args_fields() -> list[tuple]:
+    """(name, type, field) of every LLM() keyword argument, with LLM()'s default (None: the engine picks)."""
     from jaxinfer.cli import VLLM_MODEL_OPTIONS
     from jaxinfer.compat import ALIASES, FIXED, IGNORED
     from jaxinfer.config import EngineConfig
-    return {"model", "generation_config", "override_generation_config", *(f.name for f in fields(EngineConfig)),
-            *VLLM_MODEL_OPTIONS, *IGNORED, *FIXED, *ALIASES}
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    names = sorted({*defaults, *VLLM_MODEL_OPTIONS, *IGNORED, *FIXED, *ALIASES, "override_generation_config"})
+    out = [("model", str, field(default="qwen3-pydoc")), ("generation_config", str, field(default="auto"))]
+    return out + [(n, object, field(default=defaults.get(n))) for n in names]
+
+
+# vLLM's EngineArgs: a dataclass of a model and LLM()'s keyword arguments (dataclasses.asdict(args) are LLM()'s),
+# for LLMEngine.from_engine_args; the default model is the demo model (vLLM's has one too)
+EngineArgs = make_dataclass("EngineArgs", _engine_args_fields(), bases=(_EngineArgsBase,), repr=False,
+                            namespace={"__module__": __name__})

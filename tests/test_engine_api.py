@@ -159,7 +159,7 @@ def test_vllms_engine_args_and_from_engine_args(tiny_dir):
     args = parser.parse_args(argv)
     engine_args = EngineArgs.from_cli_args(args)
     assert engine_args.model == tiny_dir and engine_args.kwargs["max_model_len"] == 128
-    assert (engine_args.max_model_len, engine_args.enable_prefix_caching) == (128, None)   # (None: the default)
+    assert (engine_args.max_model_len, engine_args.enable_prefix_caching, engine_args.dtype) == (128, True, "float32")
     parser.add_argument("--my-own-flag", type=int)       # vLLM's basic example: LLM(**vars(args)) of the engine flags
     mine = vars(parser.parse_args(["--model", tiny_dir, "--enforce-eager", "--my-own-flag", "3", *argv[2:]]))
     assert mine.pop("my_own_flag") == 3 and LLM(**mine).config.max_model_len == 128
@@ -172,4 +172,9 @@ def test_vllms_engine_args_and_from_engine_args(tiny_dir):
         done.update({o.request_id: o for o in engine.step() if o.finished})
     want = LLM(tiny_dir, **TINY_ENGINE).generate([[5, 6, 7]], sp, use_tqdm=False)[0].outputs[0].token_ids
     assert done["0"].outputs[0].token_ids == want
-    assert EngineArgs(tiny_dir, **TINY_ENGINE).kwargs == TINY_ENGINE
+    import dataclasses                                   # a dataclass as vLLM's (its benchmarks: LLM(**asdict(args)))
+    ea = EngineArgs(tiny_dir, **TINY_ENGINE)
+    assert ea.kwargs == TINY_ENGINE and repr(ea).endswith("warmup=False)")
+    assert (ea.seed, ea.tensor_parallel_size) == (0, 1)                  # (unset: LLM()'s defaults)
+    assert LLM(**dataclasses.asdict(ea)).config.max_model_len == 128
+    assert dataclasses.replace(ea, max_model_len=64).kwargs["max_model_len"] == 64

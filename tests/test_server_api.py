@@ -75,6 +75,7 @@ def test_completion_echo_logprobs_match_transformers(client, ref, tok):
         assert set(top) >= {tok(int(t)) for t in best if "\ufffd" not in tok(int(t))} and len(top) <= 3
         assert lp.tokens[k] == tok(ids[k]) or "\ufffd" in tok(ids[k])
     assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+    assert lp.tokens[1:] == [next(iter(top)) for top in lp.top_logprobs[1:]]     # (the token first: vLLM's order)
     assert c.text.startswith(httpx.post(str(client.base_url).replace("/v1/", "/detokenize"),
                                         json={"tokens": PROMPT}).json()["prompt"])
 

@@ -246,7 +246,9 @@ def test_reasoning_parser_splits_thinking_streamed_or_not():
     assert split("no tags", False) == ("no tags", None) and split("</think>", False) == (None, None)
     assert thinking_closed("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", {}) is True
     assert thinking_closed("qwen3", "<|im_start|>assistant\n", {"enable_thinking": False}) is True
-    assert thinking_closed("deepseek_r1", "<|im_start|>assistant\n", {"enable_thinking": False}) is False
+    assert thinking_closed("deepseek_r1", "<|im_start|>assistant\n", {"enable_thinking": False}) is True
+    assert thinking_closed("qwen3", "user: why <think></think>?<|im_start|>assistant\n", {}) is False   # (quoted)
+    assert split("\n<think>section</think>\nrest", False) == ("\nsection", "\nrest")   # (as vLLM streams it)
     assert thinking_closed(None, "", {}) is None
     import argparse
 
@@ -265,8 +267,9 @@ def test_reasoning_parser_splits_thinking_streamed_or_not():
     ch = SimpleNamespace(index=0, token_ids=[1], logprobs=[], stop_reason=None, proc=proc)
     msg = streams.chat_choice(ch, None, None, req=req, think=False)["message"]
     assert (msg["reasoning"], msg["content"]) == split(text, False)
-    quiet = ChatCompletionRequest(messages=req.messages, include_reasoning=False)
-    assert streams.chat_choice(ch, None, None, req=quiet, think=False)["message"]["reasoning"] is None
+    quiet = ChatCompletionRequest(messages=req.messages, include_reasoning=False, return_token_ids=True)
+    hidden = streams.chat_choice(ch, 2, None, req=quiet, think=False)     # (no logprobs or ids to show it by)
+    assert hidden["message"]["reasoning"] is None and hidden["logprobs"] is None and "token_ids" not in hidden
 
     async def events(pieces):
         async def run():

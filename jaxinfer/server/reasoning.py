@@ -2,12 +2,14 @@
 between `<think>` and `</think>`, goes to the message's `reasoning` field (vLLM's name since 2026; it was
 `reasoning_content`) and the rest to `content`.
 
-As vLLM's Qwen3ReasoningParser: a `<think>` the model opens its answer with is dropped (a template may also put
-it in the prompt); the text before `</think>` is reasoning, after it content; with no `</think>` the whole output is
-reasoning (cut off while thinking), unless the prompt already closed the thinking (Qwen3's template with
-`enable_thinking: false` ends the prompt with an empty `<think></think>`) or, for qwen3, the request turned it
-off: then it is all content. The split works on the text, holding back the end of a delta that may be the start
-of a tag, so it is the same streamed or not, whether the tags are single tokens (Qwen3's) or not.
+As vLLM's Qwen3ReasoningParser: the first `<think>` (before any `</think>`) is dropped (a template may also put it
+in the prompt); the text before `</think>` is reasoning, after it content; with no `</think>` the whole output is
+reasoning (cut off while thinking), unless the prompt ends by closing the thinking (Qwen3's template with
+`enable_thinking: false` ends it with an empty `<think></think>`) or the request turned thinking off
+(`enable_thinking: false`, `reasoning_effort: "none"`): then it is all content. (Text before that `<think>` stays
+reasoning, as vLLM streams it; vLLM's unstreamed answer drops it.) The split works on the text, holding back the
+end of a delta that may be the start of a tag, so it is the same streamed or not, whether the tags are single
+tokens (Qwen3's) or not.
 """
 from __future__ import annotations
 
@@ -16,12 +18,13 @@ START, END = "<think>", "</think>"
 
 
 def thinking_closed(parser: str | None, prompt: str, kwargs: dict) -> bool | None:
-    """None without a parser; else whether the answer starts as content (the prompt closed its thinking, or
-    qwen3's enable_thinking is false)."""
+    """None without a parser; else whether the answer starts as content: the prompt ends by closing the thinking
+    (Qwen3's template with enable_thinking false: `<think>\n\n</think>\n\n`; a closed block earlier, e.g. an
+    earlier turn's thinking or a user quoting the tags, does not count), or enable_thinking is false (also
+    reasoning_effort "none"), as vLLM's serving turns thinking off for every parser."""
     if parser is None:
         return None
-    closed = prompt.rfind(END) > prompt.rfind(START) >= 0
-    return closed or (parser == "qwen3" and kwargs.get("enable_thinking", True) is False)
+    return prompt.rstrip().endswith(END) or kwargs.get("enable_thinking", True) is False
 
 
 def _held(text: str, tags: tuple[str, ...]) -> int:
@@ -39,15 +42,16 @@ class Splitter:
         self.buf += text
         reasoning = ""
         while not self.in_content:
-            if not self.started:                  # a <think> that opens the answer is dropped
-                if START.startswith(self.buf) and not last:
-                    return reasoning, ""
-                self.buf, self.started = self.buf[len(START):] if self.buf.startswith(START) else self.buf, True
+            if not self.started:                  # the first <think> (before any </think>) is dropped
+                i, j = self.buf.find(START), self.buf.find(END)
+                if i >= 0 and not 0 <= j < i:
+                    reasoning, self.buf = reasoning + self.buf[:i], self.buf[i + len(START):]
+                self.started = i >= 0 or j >= 0
             if (j := self.buf.find(END)) >= 0:
                 reasoning += self.buf[:j]
                 self.buf, self.in_content = self.buf[j + len(END):], True
                 break
-            keep = 0 if last else _held(self.buf, (END,))
+            keep = 0 if last else _held(self.buf, (END,) if self.started else (END, START))
             reasoning += self.buf[:len(self.buf) - keep]
             self.buf = self.buf[len(self.buf) - keep:]
             return reasoning, ""

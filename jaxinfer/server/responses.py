@@ -170,10 +170,9 @@ def completion_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int,
             tops.append(None)
             continue
         lps.append(row[0])
-        top = {}
+        top = {s: row[0]}           # the token itself first, then the k most likely (vLLM's order)
         for t, lp in _top(row, k):  # best first: a less likely id with the same text (e.g. "") keeps the best
             top.setdefault(text_of(t, context), lp)
-        top.setdefault(s, row[0])
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 

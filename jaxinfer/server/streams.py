@@ -90,15 +90,16 @@ def chat_choice(ch: Choice, k: int | None, text_of, role: str = "assistant", ech
                 think: bool | None = None) -> dict:
     """A chat choice; `echo`: text that goes before the generated text (the request's echo, vLLM's); `think`
     (with a reasoning parser: whether the answer starts as content): the thinking goes to `reasoning`."""
-    lp = None if k is None else R.chat_logprobs(text_of, ch.token_ids, ch.logprobs, k,
-                                                as_ids=bool(req and req.return_tokens_as_token_ids))
+    hide = think is not None and not req.include_reasoning      # (vLLM's: no logprobs or ids to show it by)
+    lp = None if k is None or hide else R.chat_logprobs(text_of, ch.token_ids, ch.logprobs, k,
+                                                        as_ids=bool(req and req.return_tokens_as_token_ids))
     message = {"role": role, "content": echo + ch.proc.text}
-    if think is not None:                        # (vLLM's: an empty part is null)
+    if think is not None:                        # (an empty part is null)
         thought, content = reasoning.split(ch.proc.text, think)
         message = {"role": role, "content": echo + (content or "") if echo else content,
                    "reasoning": thought if req.include_reasoning else None}
     return {"index": ch.index, "message": message, "logprobs": lp, "finish_reason": ch.proc.finish_reason,
-            "stop_reason": ch.stop_reason, **(token_ids(req, ch.token_ids) or {})}
+            "stop_reason": ch.stop_reason, **({} if hide else token_ids(req, ch.token_ids) or {})}
 
 
 def _new_logprobs(ch: Choice) -> tuple[list[int], list, list[int]]:
@@ -158,6 +159,8 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
     start = R.usage(len(prompts[0]), 0) if P.continuous_usage(req) else None
     prompt_ids = {"prompt_token_ids": prompts[0]} if req.return_token_ids else {}
     as_ids = bool(req.return_tokens_as_token_ids)
+    hide = think is not None and not req.include_reasoning      # (vLLM's: no logprobs or ids to show the thinking by)
+    k = None if hide else k
 
     async def events():
         for i in range(n):
@@ -169,7 +172,7 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
         async for ch, d in run:
             done[ch.index] = ch
             ids, entries, before = _new_logprobs(ch) if k is not None else ((), (), ())
-            new, delta = token_ids(req, d.token_ids), {"content": d.text}
+            new, delta = None if hide else token_ids(req, d.token_ids), {"content": d.text}
             if think is not None:                        # with a reasoning parser: thinking to `reasoning`
                 thought, content = split.setdefault(ch.index, reasoning.Splitter(think)).feed(
                     d.text, last=d.finish_reason is not None)
