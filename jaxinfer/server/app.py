@@ -70,7 +70,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         client = CoreClient(info, api_index, alive)
         if on_dead is not None:
             client.on_dead.append(on_dead)
-        client.start()
+        await client.start()
         app.state.client, app.state.loop = client, asyncio.get_running_loop()
         yield
         client.close()

@@ -106,7 +106,10 @@ class CoreClient:
         self._closing = False
         self.counters = dict(requests=0, aborts=0)    # prompts sent to the core; aborts sent (disconnects, stops)
 
-    def start(self) -> None:
+    async def start(self, within_s: float = 30.0) -> None:
+        """Connect to the core, and wait (up to `within_s`) until a message from it arrives here: ZMQ connects in the
+        background, and the core drops what it sends to an API process not connected yet (a request or /stats sent
+        at once after start-up waited forever, or 60 s)."""
         self._packb, self._unpackb = msgpack.packb, msgpack.unpackb
         self.loop = asyncio.get_running_loop()
         self._ctx = zmq.Context()
@@ -116,6 +119,16 @@ class CoreClient:
         self._push.connect(self.info.in_addr)
         self._thread = threading.Thread(target=self._receive, name="jaxinfer-core-receiver", daemon=True)
         self._thread.start()
+        end = time.monotonic() + within_s
+        while not self.dead and time.monotonic() < end:
+            token = next(self._ids)
+            fut = self._stats[token] = self.loop.create_future()
+            self._command(["ping", self.api_index, token])
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), timeout=0.05)
+            except asyncio.TimeoutError:
+                self._stats.pop(token, None)
+        log.warning("no answer from the engine core within %.0f s of start-up", within_s)
 
     def close(self) -> None:
         self._closing = True
@@ -220,7 +233,7 @@ class CoreClient:
                     extra = row[4] if len(row) > 4 else None      # logprobs (core.py), when asked
                     entry[0].put(entry[1], row[1], row[2], row[3] if len(row) > 3 else None,
                                  *((extra.get("logprobs"), extra.get("prompt_logprobs")) if extra else ()))
-            elif msg[0] == "stats":
+            elif msg[0] in ("stats", "pong"):
                 fut = self._stats.pop(msg[1], None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg[2])

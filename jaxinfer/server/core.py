@@ -11,14 +11,14 @@ Inbound (PULL, any API process may push): msgpack lists of commands
     ["add", rid, prompt_token_ids, sampling_params_fields, (source rid)]   ["abort", rid]
                                       (source rid: sample 0 of the same n > 1 request, whose prompt KV this
                                       sample waits for and reuses, as LLM.generate: Sequence.prompt_source)
-    ["stats", api_index, token]                               ["shutdown"]
+    ["stats", api_index, token]     ["ping", api_index, token]    ["shutdown"]
 Outbound (one PUSH socket per API process; request ids are owned by API `rid % api_count`):
     ["out", [[rid, new_token_ids, finish_reason | None], ...]]   once per step, only updated requests;
                                       finish_reason "rejected" (add refused) or "error" rows add a message;
                                       a request with logprobs / prompt_logprobs adds [None, {"logprobs": one
                                       row per new token, "prompt_logprobs": rows (first output only)}]: rows as
                                       jaxinfer.outputs.logprob_dict reads them (None for the first prompt token)
-    ["stats", token, {...}]     ["bye"] (the last message before a clean exit)
+    ["stats", token, {...}]     ["pong", token, None]     ["bye"] (the last message before a clean exit)
 
 A request is one sample: the API process expands n > 1 into `params.for_sample(i)`, one rid each (the core
 refuses n > 1). Stop strings are not the core's business: the API process matches them and sends "abort".
@@ -142,6 +142,8 @@ class EngineCore:
                 self.engine.abort(seq)
         elif kind == "stats":
             self._send(cmd[1], ["stats", cmd[2], self.engine.stats()])
+        elif kind == "ping":                     # (an API process starting: until one arrives there)
+            self._send(cmd[1], ["pong", cmd[2], None])
         elif kind == "shutdown":
             for rid in list(self.by_rid):
                 self._command(["abort", rid])
@@ -200,5 +202,5 @@ class EngineCore:
         except zmq.Again:
             if os.getppid() != self.parent_pid:
                 self.running = False          # orphaned mid-run: stop generating for nobody
-            elif msg[0] != "bye":             # (at shutdown the API process may have gone first)
+            elif msg[0] not in ("bye", "pong"):   # (at shutdown the API process may have gone first)
                 log.warning("API process %d is not connected; dropped a message", api_index)
