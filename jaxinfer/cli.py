@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import os
 import sys
 import time
 
-from jaxinfer.cli_types import bare_flags, bool_arg, flag_type, json_object, model_len, port
+from jaxinfer.cli_types import bare_flags, bool_arg, dashed, flag_type, json_object, model_len, port
 
 VLLM_MODEL_OPTIONS = ("hf_overrides", "revision", "download_dir", "tokenizer", "hf_token")   # LLM() options, not config
 DEFAULT_MODEL = "qwen3-pydoc"     # the small trained model that ships in jaxinfer/assets/ (no download)
@@ -51,15 +52,17 @@ def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True, llm_nam
     pre, skip = ("", lambda name: name not in IGNORED and name not in FIXED) if llm_names else \
         ("vllm_", lambda name: False)
     for name in ("trust_remote_code", "enforce_eager", "disable_log_stats", "disable_log_requests",
-                 "enable_log_requests", "disable_uvicorn_access_log"):       # no meaning here (also --no-X)
+                 "enable_log_requests", "disable_custom_all_reduce", "enable_lora"):   # no meaning here (also --no-X)
         if not skip(name):
             v.add_argument("--" + name.replace("_", "-"), dest=pre + name, action=argparse.BooleanOptionalAction,
                            help=argparse.SUPPRESS)
     for name, typ in (("max_logprobs", int), ("quantization", str), ("task", str), ("runner", str), ("convert", str),
                       ("load_format", str),
                       ("tokenizer_mode", str), ("max_log_len", int), ("swap_space", float),
-                      ("max_seq_len_to_capture", int), ("pipeline_parallel_size", int)):
-        flags = ["--" + name.replace("_", "-")] + (["-pp"] if name == "pipeline_parallel_size" else [])
+                      ("max_seq_len_to_capture", int), ("pipeline_parallel_size", int), ("max_loras", int),
+                      ("max_lora_rank", int), ("cpu_offload_gb", float), ("compilation_config", json.loads)):
+        flags = ["--" + name.replace("_", "-")] + {"pipeline_parallel_size": ["-pp"], "compilation_config": ["-O"]}.get(
+            name, [])
         if not skip(name):
             v.add_argument(*flags, dest=pre + name, type=typ, help=argparse.SUPPRESS)
     v.add_argument(*CHUNKED, dest=pre + "enable_chunked_prefill", type=bool_arg, nargs="?", const=True,
@@ -272,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:             # everything after `bench` belongs to the benchmark script
         command, run = "bench", lambda: cmd_bench(argv[1:])
     else:
-        a = build_parser().parse_args(bare_flags(argv, CHUNKED))
+        a = build_parser().parse_args(bare_flags(dashed(argv), CHUNKED))
         if getattr(a, "attn_backend", None) == "triton":
             from jaxinfer.xla_options import use_triton_ptxas
             use_triton_ptxas()            # jaxlib runs ptxas to load jax-triton kernels (the serving core inherits it)

@@ -75,6 +75,19 @@ def model_len(text: str) -> int | None:
     return None if text.strip().lower() in ("-1", "auto") else human_int(text)
 
 
+def dashed(argv: list[str]) -> list[str]:
+    """`--max_model_len 512` as `--max-model-len 512` (vLLM's parser takes underscores in flag names; its own docs
+    use them); words after a bare `--` are left alone."""
+    out, options = [], True
+    for tok in argv:
+        if options and tok.startswith("--") and len(tok) > 2:
+            name, eq, value = tok.partition("=")
+            tok = name.replace("_", "-") + eq + value
+        options = options and tok != "--"
+        out.append(tok)
+    return out
+
+
 def bare_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
     """vLLM's boolean flags given alone (`--enable-chunked-prefill MODEL`): FLAG=true, so that argparse does not
     take the next word as the flag's value; `FLAG true|false` stays as it is."""

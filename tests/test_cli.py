@@ -149,6 +149,14 @@ def test_vllm_flag_forms(capsys):
     assert (a.model, a.vllm_enforce_eager, a.vllm_swap_space, a.vllm_pipeline_parallel_size) == ("m", False, 4.0, 1)
     assert cli.main(["generate", "m", "--pipeline-parallel-size", "2"]) == 2
     assert "pipeline_parallel_size=2" in capsys.readouterr().err
+    # underscores in flag names (vLLM's parser takes them; its k8s docs use them), and LLM()'s no-op options
+    a = cli.build_parser().parse_args(cli.bare_flags(cli.dashed(
+        ["serve", "m", "--max_model_len", "512", "--gpu_memory_utilization=0.7", "--disable_uvicorn_access_log",
+         "--max-loras", "8", "--max-lora-rank", "32", "--disable-custom-all-reduce", "-O3", "--cpu-offload-gb", "0"]),
+        cli.CHUNKED))
+    assert (a.model, a.max_model_len, a.gpu_memory_utilization, a.disable_uvicorn_access_log) == ("m", 512, 0.7, True)
+    cli.check_vllm_flags(a)
+    assert cli.main(["generate", "m", "--enable-lora"]) == 2 and "enable_lora=True" in capsys.readouterr().err
 
 
 def test_bench_delegates_or_explains(monkeypatch, tmp_path, capsys):

@@ -142,8 +142,8 @@ def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api
 
     app = build_app(info, name, api_index=api_index, tokenizer=tokenizer, alive=alive, on_dead=on_dead,
                     options=options)
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                                           access_log=not (options and options.disable_uvicorn_access_log)))
     server.run(sockets=[sock] if sock is not None else None)
     if dead:
         log.error("exiting: %s", dead[0])

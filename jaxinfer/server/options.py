@@ -53,6 +53,7 @@ class ServerOptions:
                                                    "say (a last chunk, and each chunk's so far; vLLM's flag)")
     return_tokens_as_token_ids: bool = _opt(False, "logprobs name tokens 'token_id:N' unless a request says "
                                                    "otherwise (its return_tokens_as_token_ids; vLLM's flag)")
+    disable_uvicorn_access_log: bool = _opt(False, "no access log line per HTTP request (vLLM's flag)")
     reasoning_parser: str | None = _opt(None, "qwen3 or deepseek_r1: a chat answer's thinking (<think>...</think>) "
                                               "goes to the message's `reasoning`, the rest to `content` (vLLM's)")
 
@@ -79,7 +80,7 @@ class ServerOptions:
                              f"and tools")
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
             raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is not one of {PARSERS}")
-        for name in ("enable_force_include_usage", "return_tokens_as_token_ids"):
+        for name in ("enable_force_include_usage", "return_tokens_as_token_ids", "disable_uvicorn_access_log"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         if not isinstance(self.shutdown_timeout, (int, float)) or not 0 <= self.shutdown_timeout < float("inf"):
