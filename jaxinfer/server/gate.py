@@ -85,9 +85,10 @@ class Gate:
         return _json_response(413, self._too_large_message(opts), "invalid_request_error", "request_too_large")
 
     @staticmethod
-    def _authorized(scope, key: str) -> bool:
+    def _authorized(scope, key: str | tuple[str, ...]) -> bool:
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+                return scheme.lower() == "bearer" and any(hmac.compare_digest(token.strip().encode(), k.encode())
+                                                          for k in ((key,) if isinstance(key, str) else key))
         return False

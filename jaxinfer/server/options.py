@@ -58,8 +58,12 @@ class ServerOptions:
                                               "goes to the message's `reasoning`, the rest to `content` (vLLM's)")
 
     def __post_init__(self):
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
-            raise ValueError(f"api_key={self.api_key!r} must be a non-empty string")
+        k = [self.api_key] if isinstance(self.api_key, str) or self.api_key is None else self.api_key
+        if self.api_key is not None and (not isinstance(k, (list, tuple)) or not k or not all(
+                isinstance(x, str) and x for x in k)):
+            raise ValueError(f"api_key={self.api_key!r} must be a non-empty string, or several (vLLM's: any of them)")
+        if isinstance(self.api_key, list):
+            object.__setattr__(self, "api_key", self.api_key[0] if len(k) == 1 else tuple(k))
         for name in ("max_waiting_requests", "max_request_body_bytes", "retry_after_s"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
@@ -152,7 +156,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
             continue
         if f.default is not MISSING and f.default is not None:
             h += f" (default: {f.default})"
-        g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=None, help=h)
+        g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=None, help=h,
+                       nargs="+" if f.name == "api_key" else None)      # (vLLM's: several keys, any of them)
 
 
 def server_options(a: argparse.Namespace) -> ServerOptions:
