@@ -86,7 +86,8 @@ def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True, llm_nam
         kw = flag_type(str(f.type)) if f.name != "max_model_len" else dict(type=model_len, metavar="N")
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
-        names = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+        names = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()),
+                 *(["--num-gpu-blocks-override"] if f.name == "num_kvcache_blocks" else [])]     # (vLLM's name)
         g.add_argument(*names, dest=f.name, default=None, help=help_text, **kw)
 
 

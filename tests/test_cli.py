@@ -155,6 +155,7 @@ def test_vllm_flag_forms(capsys):
          "--max-loras", "8", "--max-lora-rank", "32", "--disable-custom-all-reduce", "-O3", "--cpu-offload-gb", "0"]),
         cli.CHUNKED))
     assert (a.model, a.max_model_len, a.gpu_memory_utilization, a.disable_uvicorn_access_log) == ("m", 512, 0.7, True)
+    assert parse(*cli.dashed(["serve", "m", "--num_gpu_blocks_override", "64"])).num_kvcache_blocks == 64
     cli.check_vllm_flags(a)
     assert cli.main(["generate", "m", "--enable-lora"]) == 2 and "enable_lora=True" in capsys.readouterr().err
 
