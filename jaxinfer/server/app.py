@@ -263,13 +263,13 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         if req.top_logprobs and not req.logprobs:
             raise P.RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         prompts, items = await prepare(req, [prompt], None, k, None, bool(req.stream))
-        rid, model, texts = R.new_id("chatcmpl"), served_model_name, text_of     # (streams name ids: as_ids)
+        rid, model, ids = R.new_id("chatcmpl"), served_model_name, prompts[0] if req.return_token_ids else None
         if req.stream:
             run = C.run(client(), tokenizer, items, True, metrics, t0, len(items), req.cache_salt)
-            return streams.chat_stream(run, rid, model, prompts, len(items), req, texts, role, echo, think)
+            return streams.chat_stream(run, rid, model, prompts, len(items), req, text_of, role, echo, think)
         done = await collect(items, request, t0, len(items), req.cache_salt)
-        return R.chat_completion(rid, model, [streams.chat_choice(ch, k, texts, role, echo, req, think) for ch in done],
-                                 streams.total_usage(prompts, done), prompts[0] if req.return_token_ids else None)
+        return R.chat_completion(rid, model, [streams.chat_choice(ch, k, text_of, role, echo, req, think)
+                                              for ch in done], streams.total_usage(prompts, done), ids)
 
     # -- SIGTERM: drain ---------------------------------------------------------------------------------
     async def drain(then: Callable[[], None]) -> None:
