@@ -39,13 +39,13 @@ def free_port() -> int:
 BASE_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 
 
-def run_server(model_dir, tmp_path_factory, **app_kw):
-    """The engine core in its own (spawned) process; the API app on uvicorn in a thread of this process.
-    A generator (for fixtures): yields (url, app)."""
+def run_server(model_dir, tmp_path_factory, engine=None, **app_kw):
+    """The engine core in its own (spawned) process (BASE, `engine` over it); the API app on uvicorn in a thread of
+    this process. A generator (for fixtures): yields (url, app)."""
     with pytest.MonkeyPatch.context() as mp:      # the core's environment, copied when it is spawned
         for k, v in jax_cache_env(tmp_path_factory).items():
             mp.setenv(k, v)
-        core = CoreProcess(model_dir, BASE)
+        core = CoreProcess(model_dir, {**BASE, **(engine or {})})
     app = build_app(core.info, MODEL, alive=core.alive, **app_kw)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -446,15 +446,15 @@ def test_a_command_that_cannot_be_encoded_fails_alone():
 
 
 def test_openai_client_errors(url, client):
-    """An unknown model is 404 (NotFoundError), an unimplemented field a 400 naming it; unknown routes and
-    methods answer in OpenAI's error shape."""
+    """An unknown model is 404 (NotFoundError), an unimplemented field a 400 naming it (tool_choice "auto" without
+    the server's tool-call flags, as vLLM); unknown routes and methods answer in OpenAI's error shape."""
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="no-such-model", prompt="hi")
     assert "no-such-model" in str(e.value)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tool_choice="auto",
                                        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert e.value.body["param"] == "tools"
+    assert e.value.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in e.value.body["message"]
     for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)]:
         r = httpx.request(method, url + path)
         assert r.status_code == status and r.json()["error"]["message"]

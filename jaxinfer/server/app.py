@@ -24,7 +24,7 @@ from jaxinfer.server import choices as C
 from jaxinfer.server import protocol as P
 from jaxinfer.server import reasoning
 from jaxinfer.server import responses as R
-from jaxinfer.server import streams
+from jaxinfer.server import streams, tools
 from jaxinfer.server.admission import Admission
 from jaxinfer.server.client import CoreClient, EngineDeadError, RequestFailed
 from jaxinfer.server.docs import add_docs, package_version
@@ -257,18 +257,17 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         t0 = time.perf_counter()
         P.check_unsupported(app.state.options.apply(req))
         check_model(req.model)
-        prompt, role, echo = await off_loop(CP.chat_prompt, tokenizer, req)
+        calls, k = tools.resolve(req, app.state.options), P.chat_top_logprobs(req)   # (parsed: special tokens kept)
+        req.skip_special_tokens = False if calls.parse else req.skip_special_tokens
+        prompt, role, echo = await off_loop(CP.chat_prompt, tokenizer, req, calls.tools)
         think = reasoning.thinking_closed(app.state.options.reasoning_parser, prompt, CP.chat_template_kwargs(req))
-        k = (req.top_logprobs or 0) if req.logprobs else None
-        if req.top_logprobs and not req.logprobs:
-            raise P.RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         prompts, items = await prepare(req, [prompt], None, k, None, bool(req.stream))
         rid, model, ids = R.new_id("chatcmpl"), served_model_name, prompts[0] if req.return_token_ids else None
         if req.stream:
             run = C.run(client(), tokenizer, items, True, metrics, t0, len(items), req.cache_salt)
-            return streams.chat_stream(run, rid, model, prompts, len(items), req, text_of, role, echo, think)
+            return streams.chat_stream(run, rid, model, prompts, len(items), req, text_of, role, echo, think, calls)
         done = await collect(items, request, t0, len(items), req.cache_salt)
-        return R.chat_completion(rid, model, [streams.chat_choice(ch, k, text_of, role, echo, req, think)
+        return R.chat_completion(rid, model, [streams.chat_choice(ch, k, text_of, role, echo, req, think, calls)
                                               for ch in done], streams.total_usage(prompts, done), ids)
 
     # -- SIGTERM: drain ---------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from jaxinfer.cli_types import json_object
 from jaxinfer.generation_config import check as check_generation_config, sampling_defaults
 from jaxinfer.server.reasoning import PARSERS
 
+TOOL_PARSERS = ("hermes",)            # (tools.py: Qwen3's <tool_call> blocks)
 API_KEY_ENV = "JAXINFER_API_KEY"
 API_KEY_ENVS = (API_KEY_ENV, "VLLM_API_KEY")      # (vLLM's variable too: a server a vLLM user thinks guarded is)
 
@@ -56,6 +57,12 @@ class ServerOptions:
     disable_uvicorn_access_log: bool = _opt(False, "no access log line per HTTP request (vLLM's flag)")
     reasoning_parser: str | None = _opt(None, "qwen3 or deepseek_r1: a chat answer's thinking (<think>...</think>) "
                                               "goes to the message's `reasoning`, the rest to `content` (vLLM's)")
+    enable_auto_tool_choice: bool = _opt(False, "parse chat answers for tool calls (tool_choice 'auto', the default "
+                                                "with tools); needs --tool-call-parser (vLLM's flag)")
+    tool_call_parser: str | None = _opt(None, "hermes: Qwen3's <tool_call> blocks become the message's tool_calls "
+                                              "(vLLM's)")
+    exclude_tools_when_tool_choice_none: bool = _opt(False, "tool_choice 'none': the tools do not reach the chat "
+                                                            "template either (vLLM's flag)")
 
     def __post_init__(self):
         k = [self.api_key] if isinstance(self.api_key, str) or self.api_key is None else self.api_key
@@ -84,7 +91,13 @@ class ServerOptions:
                              f"and tools")
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
             raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is not one of {PARSERS}")
-        for name in ("enable_force_include_usage", "return_tokens_as_token_ids", "disable_uvicorn_access_log"):
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser={self.tool_call_parser!r} is not one of {TOOL_PARSERS}")
+        if self.enable_auto_tool_choice is True and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice (--enable-auto-tool-choice) requires tool_call_parser "
+                             "(--tool-call-parser)")
+        for name in ("enable_force_include_usage", "return_tokens_as_token_ids", "disable_uvicorn_access_log",
+                     "enable_auto_tool_choice", "exclude_tools_when_tool_choice_none"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         if not isinstance(self.shutdown_timeout, (int, float)) or not 0 <= self.shutdown_timeout < float("inf"):

@@ -2,7 +2,8 @@
 
 Every problem is an OpenAI-style 400 naming the field (app.py turns FastAPI's validation errors into that,
 not 422). A field this server does not implement is refused by name (`check_unsupported`), never ignored:
-`tools`, `response_format`, `logit_bias`, `best_of`, ... (UNSUPPORTED below); so is a field nobody knows.
+`response_format`, `logit_bias`, `best_of`, ... (UNSUPPORTED below); so is a field nobody knows. (Chat's
+`tools` are tools.py's.)
 """
 from __future__ import annotations
 
@@ -140,6 +141,28 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):           # OpenAI's function schema, as the chat template gets it
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class _Name(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: _Name
+
+
 class ChatCompletionRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="default: the rest of the context")
@@ -154,6 +177,10 @@ class ChatCompletionRequest(_Request):
     echo: bool = Field(False, description="vLLM: the answer starts with the last message's text (the same role)")
     add_special_tokens: bool = Field(False, description="vLLM: special tokens around the templated prompt")
     include_reasoning: bool = Field(True, description="vLLM: with --reasoning-parser, the answer's `reasoning` too")
+    tools: list[Tool] | None = Field(None, description="function schemas for the chat template (tools.py)")
+    tool_choice: str | NamedToolChoice | None = Field(None, description='"auto" (needs --enable-auto-tool-choice: '
+                                                                        'tool calls parsed) or "none"')
+    parallel_tool_calls: bool | None = Field(None, description="false: the first tool call only")
 
 
 # -- request -> engine ---------------------------------------------------------------------------------------
@@ -240,6 +267,13 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
         raise RequestError("prompt must be a non-empty string, a list of token ids, or a list of those",
                            param="prompt")
     return prompts
+
+
+def chat_top_logprobs(req: ChatCompletionRequest) -> int | None:
+    """A chat request's logprobs: None (not asked), else how many alternatives per token."""
+    if req.top_logprobs and not req.logprobs:
+        raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
 def include_usage(req: _Request) -> bool:        # a last chunk with the usage

@@ -27,7 +27,7 @@ def thinking_closed(parser: str | None, prompt: str, kwargs: dict) -> bool | Non
     return prompt.rstrip().endswith(END) or kwargs.get("enable_thinking", True) is False
 
 
-def _held(text: str, tags: tuple[str, ...]) -> int:
+def held(text: str, tags: tuple[str, ...]) -> int:
     """How many characters at the end of `text` could be the start of one of `tags`."""
     return max((n for tag in tags for n in range(1, len(tag)) if text.endswith(tag[:n])), default=0)
 
@@ -51,7 +51,7 @@ class Splitter:
                 reasoning += self.buf[:j]
                 self.buf, self.in_content = self.buf[j + len(END):], True
                 break
-            keep = 0 if last else _held(self.buf, (END,) if self.started else (END, START))
+            keep = 0 if last else held(self.buf, (END,) if self.started else (END, START))
             reasoning += self.buf[:len(self.buf) - keep]
             self.buf = self.buf[len(self.buf) - keep:]
             return reasoning, ""

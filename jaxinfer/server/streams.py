@@ -18,6 +18,7 @@ from jaxinfer.detokenizer import FIXUP_TOKENS
 from jaxinfer.server import protocol as P
 from jaxinfer.server import reasoning
 from jaxinfer.server import responses as R
+from jaxinfer.server import tools as T
 from jaxinfer.server.choices import Choice
 
 
@@ -87,19 +88,26 @@ def completion_choice(ch: Choice, prompt_ids: list[int], req, text_of, echoed: s
 
 
 def chat_choice(ch: Choice, k: int | None, text_of, role: str = "assistant", echo: str = "", req=None,
-                think: bool | None = None) -> dict:
+                think: bool | None = None, calls: T.ToolUse | None = None) -> dict:
     """A chat choice; `echo`: text that goes before the generated text (the request's echo, vLLM's); `think`
-    (with a reasoning parser: whether the answer starts as content): the thinking goes to `reasoning`."""
+    (with a reasoning parser: whether the answer starts as content): the thinking goes to `reasoning`; `calls`
+    (tools.resolve): the content's tool calls go to `tool_calls`."""
     hide = think is not None and not req.include_reasoning      # (vLLM's: no logprobs or ids to show it by)
     lp = None if k is None or hide else R.chat_logprobs(text_of, ch.token_ids, ch.logprobs, k,
                                                         as_ids=bool(req and req.return_tokens_as_token_ids))
-    message = {"role": role, "content": echo + ch.proc.text}
+    text, thought, found = ch.proc.text, None, []
     if think is not None:                        # (an empty part is null)
-        thought, content = reasoning.split(ch.proc.text, think)
-        message = {"role": role, "content": echo + (content or "") if echo else content,
-                   "reasoning": thought if req.include_reasoning else None}
-    return {"index": ch.index, "message": message, "logprobs": lp, "finish_reason": ch.proc.finish_reason,
-            "stop_reason": ch.stop_reason, **({} if hide else token_ids(req, ch.token_ids) or {})}
+        thought, text = reasoning.split(text, think)
+    if calls is not None and calls.parse and text:
+        text, found = T.extract(text, calls.first_only)
+    message = {"role": role, "content": echo + (text or "") if echo else text}
+    if think is not None:
+        message["reasoning"] = thought if req.include_reasoning else None
+    if found:
+        message["tool_calls"] = found
+    return {"index": ch.index, "message": message, "logprobs": lp,
+            "finish_reason": T.finish_reason(ch.proc.finish_reason, found), "stop_reason": ch.stop_reason,
+            **({} if hide else token_ids(req, ch.token_ids) or {})}
 
 
 def _new_logprobs(ch: Choice) -> tuple[list[int], list, list[int]]:
@@ -152,7 +160,7 @@ def completion_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int,
 
 
 def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, text_of, role: str = "assistant",
-                echo: str = "", think: bool | None = None):
+                echo: str = "", think: bool | None = None, calls: T.ToolUse | None = None):
     enc = R.ChunkEncoder(rid, model, "chat.completion.chunk")
     k = (req.top_logprobs or 0) if req.logprobs else None
     use, created = _choice_usage(req, prompts, n), enc.created
@@ -161,6 +169,8 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
     as_ids = bool(req.return_tokens_as_token_ids)
     hide = think is not None and not req.include_reasoning      # (vLLM's: no logprobs or ids to show the thinking by)
     k = None if hide else k
+    parse = calls is not None and calls.parse
+    shaped = think is not None or parse           # deltas other than plain content
 
     async def events():
         for i in range(n):
@@ -168,27 +178,33 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
                          **prompt_ids})
         for i in range(n if echo else 0):         # echo: the last message's text first (vLLM)
             yield enc.chat_content(echo, i, start)
-        done, split = {}, {}
+        done, split, tool = {}, {}, {}
         async for ch, d in run:
             done[ch.index] = ch
             ids, entries, before = _new_logprobs(ch) if k is not None else ((), (), ())
-            new, delta = None if hide else token_ids(req, d.token_ids), {"content": d.text}
-            if think is not None:                        # with a reasoning parser: thinking to `reasoning`
-                thought, content = split.setdefault(ch.index, reasoning.Splitter(think)).feed(
-                    d.text, last=d.finish_reason is not None)
+            new, delta, last, reason = None if hide else token_ids(req, d.token_ids), {"content": d.text}, \
+                d.finish_reason is not None, d.finish_reason
+            if shaped:
+                thought, content = split.setdefault(ch.index, reasoning.Splitter(think)).feed(d.text, last) \
+                    if think is not None else ("", d.text)
+                content, found = tool.setdefault(ch.index, T.Stream(calls.first_only)).feed(content, last) \
+                    if parse else (content, [])
                 delta = {k_: v for k_, v in (("reasoning", thought if req.include_reasoning else ""),
                                              ("content", content)) if v}
-            if d.finish_reason:    # the finish rides on the chunk with the last text, as in vLLM
+                if found:
+                    delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(found)]
+                    reason = T.finish_reason(reason, found)
+            if last:       # the finish rides on the chunk with the last text, as in vLLM
                 lp = R.chat_logprobs(text_of, ids, entries, k, before, as_ids) if ids else None
-                yield R.sse(R.chat_chunk(rid, model, delta or {"content": ""}, d.finish_reason, ch.index, lp,
+                yield R.sse(R.chat_chunk(rid, model, delta or {"content": ""}, reason, ch.index, lp,
                                          stop_reason=ch.stop_reason, created=created, use=use(ch), ids=new))
             elif ids:
                 yield R.sse(R.chat_chunk(rid, model, delta or {"content": ""}, None, ch.index,
                                          R.chat_logprobs(text_of, ids, entries, k, before, as_ids), created=created,
                                          use=use(ch), ids=new))
-            elif think is not None and (delta or new and d.token_ids):
+            elif shaped and (delta or new and d.token_ids):
                 yield R.sse(R.chat_chunk(rid, model, delta, None, ch.index, created=created, use=use(ch), ids=new))
-            elif think is None and (d.text or new and d.token_ids):      # (token ids of text held back too)
+            elif not shaped and (d.text or new and d.token_ids):      # (token ids of text held back too)
                 yield enc.chat_content(d.text, ch.index, use(ch), new)
         if P.include_usage(req):
             yield R.sse(R.usage_chunk(rid, model, "chat.completion.chunk", total_usage(prompts, done.values()),

@@ -1,0 +1,118 @@
+"""vLLM's tool calling for Qwen3 on /v1/chat/completions: `--enable-auto-tool-choice --tool-call-parser hermes`.
+
+A request's `tools` (OpenAI's function schemas) reach the chat template, which tells the model how to call them;
+Qwen3 (like Hermes 2 Pro) answers a call as `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block
+per call. With `tool_choice` "auto" (the default when tools are given) the answer is parsed as vLLM's hermes
+parser does:
+- no `<tool_call>`: the text is the message's `content`;
+- else every block is parsed as JSON (a last block left open counts too): `tool_calls` [{id, type: "function",
+  function: {name, arguments: the arguments as a JSON string}}], `content` the text before the first block (null
+  when empty), text after the last block dropped, and finish_reason "tool_calls" (when the answer ended on a stop;
+  "length" stays "length"). If any block is not a JSON object with `name` and `arguments`, there are no calls and
+  the whole text is the content (nothing is lost);
+- `parallel_tool_calls: false` keeps the first call only;
+- with a reasoning parser, only the content (after `</think>`) is parsed.
+Streamed, the text before the first `<tool_call>` is sent as it comes (the start of a tag held back), and from that
+tag on the text is held until the answer ends and then parsed whole, so that a streamed answer's calls are the
+unstreamed one's: they come as one delta `{"tool_calls": [{index, id, type, function: {name, arguments}}]}` with
+the finish reason (vLLM streams the arguments in pieces; a client that joins the pieces gets the same).
+While tool calls are parsed, special tokens stay in the text (vLLM's: a tokenizer may mark the tags special).
+
+`tool_choice` "none": the tools still reach the template (not with `--exclude-tools-when-tool-choice-none`) and
+the answer is not parsed. "required" and a named function need structured outputs (vLLM constrains the
+decoding to the tools' JSON schemas), which jaxinfer does not have: a 400 says so.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from jaxinfer.server.options import TOOL_PARSERS
+from jaxinfer.server.protocol import RequestError
+from jaxinfer.server.reasoning import held
+
+PARSERS = TOOL_PARSERS
+START, END = "<tool_call>", "</tool_call>"
+_BLOCKS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    tools: list[dict] | None          # what the template gets
+    parse: bool                       # tool_choice "auto": the answer is parsed for calls
+    first_only: bool = False          # parallel_tool_calls false
+
+
+def resolve(req, options) -> ToolUse:
+    """A chat request's tools and tool_choice, checked as vLLM checks them (400s naming the field)."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+        raise RequestError(f'Invalid value for `tool_choice`: {choice!r:.80}! Only named tools, "none", "auto" or '
+                           f'"required" are supported.', param="tool_choice")
+    if choice != "none" and not tools:
+        raise RequestError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    if not isinstance(choice, str):
+        names = [t["function"]["name"] for t in tools]
+        if choice.function.name not in names:
+            raise RequestError(f"The tool specified in `tool_choice` ({choice.function.name!r:.80}) does not match "
+                               f"any of the specified `tools` ({', '.join(names)[:200]})", param="tool_choice")
+    if choice == "auto" and not (options.enable_auto_tool_choice and options.tool_call_parser):
+        raise RequestError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                           param="tool_choice")
+    if choice not in ("auto", "none"):
+        shown = choice if isinstance(choice, str) else f"function {choice.function.name!r:.80}"
+        raise RequestError(f"tool_choice={shown} is not supported by this server: it needs structured outputs (the "
+                           f"decoding constrained to the tools' schemas), which jaxinfer does not have; use \"auto\" "
+                           f"(--enable-auto-tool-choice --tool-call-parser hermes) or \"none\"", param="tool_choice",
+                           code="unsupported_parameter")
+    shown = None if choice == "none" and options.exclude_tools_when_tool_choice_none else tools
+    return ToolUse(shown, choice == "auto", choice == "auto" and req.parallel_tool_calls is False)
+
+
+def _call(obj) -> dict:
+    name, arguments = obj["name"], obj["arguments"]       # (not a dict, or a key missing: TypeError, KeyError)
+    if not isinstance(name, str):
+        raise TypeError("a tool call's name must be a string")
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def extract(text: str, first_only: bool = False) -> tuple[str | None, list[dict]]:
+    """(content, tool calls) of an answer's text (the module's rules)."""
+    i = text.find(START)
+    if i < 0:
+        return text, []
+    try:
+        calls = [_call(json.loads(a or b)) for a, b in _BLOCKS.findall(text)]
+    except (ValueError, KeyError, TypeError, IndexError):
+        return text, []
+    return text[:i] or None, calls[:1] if first_only else calls
+
+
+def finish_reason(reason: str | None, calls: list) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+class Stream:
+    """One streamed choice's content, delta by delta: (content to send, tool calls) per delta."""
+
+    def __init__(self, first_only: bool = False):
+        self.buf, self.calling, self.first_only = "", False, first_only
+
+    def feed(self, text: str, last: bool = False) -> tuple[str, list[dict]]:
+        self.buf += text
+        out = ""
+        if not self.calling:
+            i = self.buf.find(START)
+            if i < 0:
+                keep = 0 if last else held(self.buf, (START,))
+                out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                return out, []
+            out, self.buf, self.calling = self.buf[:i], self.buf[i:], True
+        if not last:
+            return out, []
+        content, calls = extract(self.buf, self.first_only)
+        return out + (content or ""), calls
