@@ -454,7 +454,7 @@ def test_openai_client_errors(url, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tool_choice="auto",
                                        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert e.value.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in e.value.body["message"]
+    assert e.value.body["param"] == "tools" and "--enable-auto-tool-choice" in e.value.body["message"]
     for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)]:
         r = httpx.request(method, url + path)
         assert r.status_code == status and r.json()["error"]["message"]

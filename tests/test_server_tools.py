@@ -135,8 +135,9 @@ def test_tool_choice_variants(client, server):
 
 
 def test_tool_requests_checked_as_vllm():
-    """tools.resolve: "auto" (the default with tools) needs the server flags; tool_choice without tools, an
-    unknown value, a named function not among the tools are 400s naming tool_choice; "none" shows the tools to
+    """tools.resolve: "auto" (the default with tools) needs the server flags (without them the 400 names `tools`,
+    which such a server refuses but with tool_choice "none"); tool_choice without tools, an unknown value, a named
+    function not among the tools are 400s naming tool_choice; "none" shows the tools to
     the template unless --exclude-tools-when-tool-choice-none; vLLM's flags, checked at start-up."""
     on, off = ServerOptions(enable_auto_tool_choice=True, tool_call_parser="hermes"), ServerOptions()
 
@@ -150,15 +151,19 @@ def test_tool_requests_checked_as_vllm():
                                                                               False)
     assert T.resolve(req(tools=TOOLS, tool_choice="none"), ServerOptions(
         exclude_tools_when_tool_choice_none=True)).tools is None
-    for kw, opts, words in ((dict(tools=TOOLS), off, "requires --enable-auto-tool-choice"),
-                            (dict(tools=TOOLS, tool_choice="auto"), off, "requires --enable-auto-tool-choice"),
-                            (dict(tool_choice="auto"), on, "`tools` must be set"),
-                            (dict(tools=TOOLS, tool_choice="any"), on, "Invalid value for `tool_choice`"),
-                            (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), on,
-                             "does not match")):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for kw, opts, words, param in (
+            (dict(tools=TOOLS), off, "requires --enable-auto-tool-choice", "tools"),
+            (dict(tools=TOOLS, tool_choice="auto"), off, "requires --enable-auto-tool-choice", "tools"),
+            (dict(tools=TOOLS, tool_choice="required"), off, "structured outputs", "tools"),
+            (dict(tools=TOOLS, tool_choice=named), on, "structured outputs", "tool_choice"),
+            (dict(tool_choice="auto"), on, "`tools` must be set", "tool_choice"),
+            (dict(tools=TOOLS, tool_choice="any"), on, "Invalid value for `tool_choice`", "tool_choice"),
+            (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), on, "does not match",
+             "tool_choice")):
         with pytest.raises(RequestError, match=words) as e:
             T.resolve(req(**kw), opts)
-        assert e.value.param == "tool_choice"
+        assert e.value.param == param
     ap = argparse.ArgumentParser()
     add_server_args(ap)
     o = server_options(ap.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes",

@@ -59,15 +59,18 @@ def resolve(req, options) -> ToolUse:
         if choice.function.name not in names:
             raise RequestError(f"The tool specified in `tool_choice` ({choice.function.name!r:.80}) does not match "
                                f"any of the specified `tools` ({', '.join(names)[:200]})", param="tool_choice")
-    if choice == "auto" and not (options.enable_auto_tool_choice and options.tool_call_parser):
-        raise RequestError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
-                           param="tool_choice")
+    on = bool(options.enable_auto_tool_choice and options.tool_call_parser)
+    param = "tool_choice" if on else "tools"      # (a server that parses no calls: the tools are what it refuses)
+    if choice == "auto" and not on:
+        raise RequestError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set; '
+                           'without them this server parses no tool calls, and tools may only be given with '
+                           'tool_choice "none" (for the chat template)', param=param)
     if choice not in ("auto", "none"):
         shown = choice if isinstance(choice, str) else f"function {choice.function.name!r:.80}"
-        raise RequestError(f"tool_choice={shown} is not supported by this server: it needs structured outputs (the "
-                           f"decoding constrained to the tools' schemas), which jaxinfer does not have; use \"auto\" "
-                           f"(--enable-auto-tool-choice --tool-call-parser hermes) or \"none\"", param="tool_choice",
-                           code="unsupported_parameter")
+        raise RequestError(f"tools with tool_choice={shown} are not supported by this server: it needs structured "
+                           f"outputs (the decoding constrained to the tools' schemas), which jaxinfer does not have; "
+                           f"use \"auto\" (--enable-auto-tool-choice --tool-call-parser hermes) or \"none\"",
+                           param=param, code="unsupported_parameter")
     shown = None if choice == "none" and options.exclude_tools_when_tool_choice_none else tools
     return ToolUse(shown, choice == "auto", choice == "auto" and req.parallel_tool_calls is False)
 
