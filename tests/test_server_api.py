@@ -502,3 +502,18 @@ def test_reasoning_parser_on_the_server(server, url):
         assert httpx.post(url + "/v1/chat/completions", json={**base, "messages": turn}).status_code == 400
     finally:
         app.state.options = before
+
+
+def test_response_role_flag(server, url):
+    """vLLM's --response-role: the role of an answer that opens the assistant's turn (streamed: the role chunk);
+    with add_generation_prompt false the answer keeps the last message's role."""
+    app, before = server[1], server[1].state.options
+    app.state.options = before.replace(response_role="bot")
+    try:
+        body = dict(model=MODEL, max_tokens=2, temperature=0, messages=[{"role": "user", "content": "Hi"}])
+        assert httpx.post(url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]["role"] == "bot"
+        assert _sse(url, "/v1/chat/completions", body)[0]["choices"][0]["delta"]["role"] == "bot"
+        cont = {**body, "add_generation_prompt": False, "messages": [*body["messages"], {"role": "tool", "content": "x"}]}
+        assert httpx.post(url + "/v1/chat/completions", json=cont).json()["choices"][0]["message"]["role"] == "tool"
+    finally:
+        app.state.options = before

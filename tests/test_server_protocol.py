@@ -284,3 +284,90 @@ def test_reasoning_parser_splits_thinking_streamed_or_not():
         deltas = [e["choices"][0]["delta"] for e in asyncio.run(events(pieces))]
         got = tuple("".join(d.get(key) or "" for d in deltas) for key in ("reasoning", "content"))
         assert got == split(text, False), pieces
+
+
+def _app_without_core(model_dir, **options):
+    """build_app on a CoreInfo whose core does not run: routes that need no engine answer (no lifespan here)."""
+    import os
+
+    from jaxinfer.server import build_app
+    from jaxinfer.server.options import ServerOptions
+    from jaxinfer.server.process import CoreInfo
+    limits = {"max_model_len": 128, "vocab_size": 512, "num_blocks": 16, "block_size": 4}
+    info = CoreInfo(model_dir, "ipc:///nonexistent-in", ("ipc:///nonexistent-out",), os.getpid(), limits)
+    return build_app(info, "m", options=ServerOptions(**options))
+
+
+def test_vllms_http_flags(tiny_dir):
+    """vLLM's --disable-fastapi-docs, --root-path, --allowed-methods / --allowed-headers / --allow-credentials and
+    --enable-request-id-headers (also on a refused request), and the options' checks."""
+    pytest.importorskip("httpx")
+    from starlette.testclient import TestClient
+
+    from jaxinfer.server.options import ServerOptions
+    plain = TestClient(_app_without_core(tiny_dir))
+    assert plain.get("/openapi.json").status_code == plain.get("/docs").status_code == 200
+    assert "x-request-id" not in plain.get("/version").headers
+    off = TestClient(_app_without_core(tiny_dir, disable_fastapi_docs=True, enable_request_id_headers=True,
+                                       api_key="k"))
+    assert [off.get(p).status_code for p in ("/openapi.json", "/docs", "/redoc")] == [404, 404, 404]
+    assert off.get("/version", headers={"X-Request-Id": "abc"}).headers["x-request-id"] == "abc"
+    new = [off.get("/version").headers["x-request-id"] for _ in range(2)]
+    assert len(new[0]) == 32 and new[0] != new[1]
+    refused = off.get("/v1/models", headers={"X-Request-Id": "r1"})
+    assert refused.status_code == 401 and refused.headers["x-request-id"] == "r1"
+    opts = ServerOptions(root_path="/api")              # (uvicorn's root_path, which run_api gives it)
+    assert TestClient(_app_without_core(tiny_dir), root_path=opts.uvicorn_kwargs()["root_path"]).get(
+        "/openapi.json").json()["servers"] == [{"url": "/api"}]
+    cors = TestClient(_app_without_core(tiny_dir, allowed_origins="http://a", allowed_methods="GET, POST",
+                                        allowed_headers='["X-Custom"]', allow_credentials=True))
+    ask = {"Origin": "http://a", "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "X-Custom"}
+    pre = cors.options("/v1/models", headers=ask)
+    assert pre.status_code == 200 and pre.headers["access-control-allow-credentials"] == "true"
+    assert "POST" in pre.headers["access-control-allow-methods"] and "DELETE" not in pre.headers[
+        "access-control-allow-methods"]
+    assert cors.options("/v1/models", headers={**ask, "Access-Control-Request-Method": "DELETE"}).status_code == 400
+    assert cors.options("/v1/models", headers={**ask, "Access-Control-Request-Headers": "X-Other"}).status_code == 400
+    for bad in (dict(response_role=""), dict(allowed_methods="[1]"), dict(ssl_keyfile="/no/such.pem"),
+                dict(ssl_cert_reqs=3)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ServerOptions(**bad)
+
+
+def test_https_with_vllms_ssl_flags(tiny_dir, tmp_path):
+    """--ssl-certfile / --ssl-keyfile: the API answers over HTTPS (uvicorn with the options' TLS arguments, as
+    launch.run_api builds it), checked against the certificate; plain HTTP gets no answer there."""
+    import shutil
+    import subprocess
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate with")
+    key, cert = str(tmp_path / "key.pem"), str(tmp_path / "cert.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    from jaxinfer.server.options import ServerOptions
+    from test_server import free_port
+    opts = ServerOptions(ssl_keyfile=key, ssl_certfile=cert)
+    assert opts.uvicorn_kwargs() == {"root_path": "", "ssl_keyfile": key, "ssl_certfile": cert, "ssl_ca_certs": None,
+                                     "ssl_cert_reqs": 0}
+    app = _app_without_core(tiny_dir, ssl_keyfile=key, ssl_certfile=cert)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
+                                          **opts.uvicorn_kwargs()))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive()
+            time.sleep(0.05)
+        assert httpx.get(f"https://127.0.0.1:{port}/version", verify=cert).json()["version"]
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/version", timeout=5)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -11,6 +11,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -75,15 +76,15 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         yield
         client.close()
 
-    from contextlib import asynccontextmanager
     app = FastAPI(title="jaxinfer", version=package_version(), lifespan=asynccontextmanager(lifespan), docs_url=None,
-                  redoc_url=None, description="OpenAI-compatible API of jaxinfer (see docs/serving.md).")
+                  redoc_url=None, description="OpenAI-compatible API of jaxinfer (see docs/serving.md).",
+                  openapi_url=None if options.disable_fastapi_docs else "/openapi.json")
     app.state.client, app.state.options, app.state.draining, app.state.active = None, options, False, 0
     app.state.hurry = 0.0                          # when a second signal came: in-flight requests end now (drain)
     app.add_middleware(Gate, state=app.state)
     if options.origins():          # outside the Gate: a browser's preflight needs no API key (as vLLM)
-        app.add_middleware(CORSMiddleware, allow_origins=options.origins(), allow_methods=["*"], allow_headers=["*"])
-    add_docs(app)
+        app.add_middleware(CORSMiddleware, **options.cors())
+    add_docs(app, off=options.disable_fastapi_docs)
 
     # -- errors: OpenAI's shape for all of them ----------------------------------------------------------
     @app.exception_handler(P.RequestError)
@@ -133,12 +134,10 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         check_model(req.model)
         ids_list, params, param = [], [], "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"
         keep = truncation(req, max_model_len, default_max_tokens)
-        encoded = await off_loop(lambda: [tokenize(p, keep, req.add_special_tokens, param)
-                                          for p in prompts])
+        encoded = await off_loop(lambda: [tokenize(p, keep, req.add_special_tokens, param) for p in prompts])
         for ids in encoded:
             sp = P.sampling_params(req, len(ids), max_model_len, default_max_tokens, logprobs, prompt_logprobs,
-                                   pool_tokens=limits["num_blocks"] * limits["block_size"], defaults=defaults,
-                                   cap=cap)
+                                   pool_tokens=limits["num_blocks"] * limits["block_size"], defaults=defaults, cap=cap)
             P.check_request(ids, sp, limits, param)
             ids_list.append(ids)
             params.append(sp)
@@ -259,7 +258,8 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         check_model(req.model)
         calls, k = tools.resolve(req, app.state.options), P.chat_top_logprobs(req)   # (parsed: special tokens kept)
         req.skip_special_tokens = False if calls.parse else req.skip_special_tokens
-        prompt, role, echo = await off_loop(CP.chat_prompt, tokenizer, req, calls.tools)
+        role = app.state.options.response_role
+        prompt, role, echo = await off_loop(CP.chat_prompt, tokenizer, req, calls.tools, role)
         think = reasoning.thinking_closed(app.state.options.reasoning_parser, prompt, CP.chat_template_kwargs(req))
         prompts, items = await prepare(req, [prompt], None, k, None, bool(req.stream))
         rid, model, ids = R.new_id("chatcmpl"), served_model_name, prompts[0] if req.return_token_ids else None

@@ -60,13 +60,14 @@ def chat_template_kwargs(req: ChatCompletionRequest, tools: list | None = None) 
     return kw if effort is None else {"enable_thinking": effort != "none", **kw, "reasoning_effort": effort}
 
 
-def chat_prompt(tokenizer, req: ChatCompletionRequest, tools: list | None = None) -> tuple[str, str, str]:
-    """(prompt, the answer's role, the text it starts with): with add_generation_prompt the role is the
-    assistant's, else the last message's; `echo` starts the answer with the last message's text if that message
-    has the answer's role (vLLM's). `tools`: for the template (tools.resolve)."""
+def chat_prompt(tokenizer, req: ChatCompletionRequest, tools: list | None = None,
+                response_role: str = "assistant") -> tuple[str, str, str]:
+    """(prompt, the answer's role, the text it starts with): with add_generation_prompt the role is
+    `response_role` (--response-role), else the last message's; `echo` starts the answer with the last message's
+    text if that message has the answer's role (vLLM's). `tools`: for the template (tools.resolve)."""
     messages, kw = chat_messages(req.messages), chat_template_kwargs(req)
     kw = {**kw, "tools": tools} if tools else kw
-    role = "assistant" if kw["add_generation_prompt"] else messages[-1]["role"]
+    role = response_role if kw["add_generation_prompt"] else messages[-1]["role"]
     echo = joined_text(messages[-1]["content"]) if req.echo and messages[-1]["role"] == role else ""
     if not (role + echo).encode(errors="replace").decode() == role + echo:     # (a lone surrogate the template
         raise RequestError("the last message's role or content is not valid UTF-8 (a lone surrogate), and the "

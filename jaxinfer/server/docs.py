@@ -18,7 +18,10 @@ def assets_dir() -> str | None:
     return d if os.path.isfile(os.path.join(d, "swagger-ui-bundle.js")) else None
 
 
-def add_docs(app) -> None:
+def add_docs(app, off: bool = False) -> None:
+    """/docs and /redoc (off: none, --disable-fastapi-docs)."""
+    if off:
+        return
     from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
     from fastapi.responses import HTMLResponse
     d = assets_dir()

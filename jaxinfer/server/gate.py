@@ -11,11 +11,13 @@ middleware (Starlette's BaseHTTPMiddleware would wrap every streamed event of ev
   overloaded server refuses at the cost of one pass through this gate.
 - Body size: a Content-Length over the limit is refused (413) before the body is read; a chunked body is
   counted as it arrives and cut off the same way (an HTTPException(413) from the body read).
+- `--enable-request-id-headers` (vLLM's): every answer carries X-Request-Id, the request's own or a new id.
 """
 from __future__ import annotations
 
 import hmac
 import json
+import uuid
 
 OPEN_WHILE_DRAINING = ("/metrics", "/stats", "/version")
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -29,6 +31,16 @@ def _json_response(status: int, message: str, type_: str, code: str | None, head
     return start, {"type": "http.response.body", "body": body}
 
 
+def _with_request_id(scope, send):
+    rid = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+    async def sending(msg):
+        if msg["type"] == "http.response.start":
+            msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", rid)]}
+        await send(msg)
+    return sending
+
+
 class Gate:
     def __init__(self, app, state):
         """`state`: the FastAPI app's state: .options (ServerOptions), .draining (bool), .active (int)."""
@@ -38,6 +50,8 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         opts, path = self.state.options, scope["path"]
+        if opts.enable_request_id_headers:
+            send = _with_request_id(scope, send)
         refused = None
         if opts.api_key is not None and path.startswith("/v1/") and not self._authorized(scope, opts.api_key):
             refused = _json_response(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",

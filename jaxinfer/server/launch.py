@@ -47,7 +47,8 @@ def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1"
             core.wait_ready()
             where = f"[{host}]" if ":" in host else host
             sock.listen(2048)               # before the line: a client that waits for it is queued, not refused
-            log.info("jaxinfer API server on http://%s:%d (model %s)", where, sock.getsockname()[1],
+            log.info("jaxinfer API server on http%s://%s:%d (model %s)", "s" * bool(options and options.ssl_certfile),
+                     where, sock.getsockname()[1],
                      name if isinstance(name, str) else ", ".join(name))
             if main:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)    # uvicorn's handler drains; re-raised after
@@ -143,7 +144,8 @@ def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api
     app = build_app(info, name, api_index=api_index, tokenizer=tokenizer, alive=alive, on_dead=on_dead,
                     options=options)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                                           access_log=not (options and options.disable_uvicorn_access_log)))
+                                           access_log=not (options and options.disable_uvicorn_access_log),
+                                           **(options.uvicorn_kwargs() if options else {})))
     server.run(sockets=[sock] if sock is not None else None)
     if dead:
         log.error("exiting: %s", dead[0])

@@ -57,6 +57,20 @@ class ServerOptions:
     disable_uvicorn_access_log: bool = _opt(False, "no access log line per HTTP request (vLLM's flag)")
     reasoning_parser: str | None = _opt(None, "qwen3 or deepseek_r1: a chat answer's thinking (<think>...</think>) "
                                               "goes to the message's `reasoning`, the rest to `content` (vLLM's)")
+    response_role: str = _opt("assistant", "the role of a chat answer that opens the assistant's turn "
+                                           "(add_generation_prompt; vLLM's flag)")
+    root_path: str | None = _opt(None, "the path prefix a proxy serves the API under (FastAPI's root_path; vLLM's)")
+    allowed_methods: str = _opt("*", "CORS: the methods browsers may use, comma-separated or a JSON list (vLLM's)")
+    allowed_headers: str = _opt("*", "CORS: the headers browsers may send, comma-separated or a JSON list (vLLM's)")
+    allow_credentials: bool = _opt(False, "CORS: browsers may send credentials (vLLM's flag)")
+    disable_fastapi_docs: bool = _opt(False, "no /docs, /redoc or /openapi.json (vLLM's flag)")
+    enable_request_id_headers: bool = _opt(False, "answers carry an X-Request-Id header: the request's own, else a "
+                                                  "new id (vLLM's flag)")
+    ssl_keyfile: str | None = _opt(None, "HTTPS: the private key file (PEM; vLLM's flag)")
+    ssl_certfile: str | None = _opt(None, "HTTPS: the certificate file (PEM), which turns HTTPS on (vLLM's flag)")
+    ssl_ca_certs: str | None = _opt(None, "HTTPS: the CA certificates for client certificates (vLLM's flag)")
+    ssl_cert_reqs: int = _opt(0, "HTTPS: client certificates 0 not asked, 1 optional, 2 required (Python's "
+                                 "ssl.CERT_*; vLLM's flag)")
     enable_auto_tool_choice: bool = _opt(False, "parse chat answers for tool calls (tool_choice 'auto', the default "
                                                 "with tools); needs --tool-call-parser (vLLM's flag)")
     tool_call_parser: str | None = _opt(None, "hermes: Qwen3's <tool_call> blocks become the message's tool_calls "
@@ -84,7 +98,6 @@ class ServerOptions:
             raise ValueError(f"chat_template={self.chat_template!r:.80} must be a template file or a Jinja template")
         if self.chat_template is not None:                  # a broken template fails at start-up, not per request
             check_jinja(self.template_text())
-        self.origins()
         d = self.default_chat_template_kwargs
         if d is not None and (not isinstance(d, dict) or {"chat_template", "tools"} & set(d)):
             raise ValueError(f"default_chat_template_kwargs={d!r:.80} must be a JSON object without chat_template "
@@ -96,8 +109,21 @@ class ServerOptions:
         if self.enable_auto_tool_choice is True and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice (--enable-auto-tool-choice) requires tool_call_parser "
                              "(--tool-call-parser)")
+        if not isinstance(self.response_role, str) or not self.response_role:
+            raise ValueError(f"response_role={self.response_role!r} must be a non-empty string")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            if getattr(self, name) is not None and not os.path.isfile(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r} is not a file")
+        if (self.ssl_keyfile or self.ssl_ca_certs or self.ssl_cert_reqs) and not self.ssl_certfile:
+            raise ValueError("ssl_keyfile, ssl_ca_certs and ssl_cert_reqs need ssl_certfile (--ssl-certfile)")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"ssl_cert_reqs={self.ssl_cert_reqs!r} must be 0, 1 or 2")
+        if self.root_path is not None and not isinstance(self.root_path, str):
+            raise ValueError(f"root_path={self.root_path!r} must be a string")
+        self.cors()
         for name in ("enable_force_include_usage", "return_tokens_as_token_ids", "disable_uvicorn_access_log",
-                     "enable_auto_tool_choice", "exclude_tools_when_tool_choice_none"):
+                     "enable_auto_tool_choice", "exclude_tools_when_tool_choice_none", "allow_credentials",
+                     "disable_fastapi_docs", "enable_request_id_headers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         if not isinstance(self.shutdown_timeout, (int, float)) or not 0 <= self.shutdown_timeout < float("inf"):
@@ -124,19 +150,30 @@ class ServerOptions:
                 return f.read()
         return t
 
-    def origins(self) -> list[str]:
-        """allowed_origins as a list (a JSON list, or comma-separated)."""
-        v = (self.allowed_origins or "").strip()
+    def origins(self, name: str = "allowed_origins") -> list[str]:
+        """allowed_origins (or allowed_methods, allowed_headers) as a list (a JSON list, or comma-separated)."""
+        v = (getattr(self, name) or "").strip()
         if v.startswith("["):
             try:
                 out = json.loads(v)
             except ValueError:
                 out = None
             if not isinstance(out, list) or not all(isinstance(o, str) for o in out):
-                raise ValueError(f"allowed_origins={self.allowed_origins!r} must be a JSON list of strings or "
-                                 f"comma-separated origins")
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a JSON list of strings or comma-separated "
+                                 f"values")
             return out
         return [o.strip() for o in v.split(",") if o.strip()]
+
+    def cors(self) -> dict:
+        """CORSMiddleware's arguments."""
+        return {"allow_origins": self.origins(), "allow_methods": self.origins("allowed_methods"),
+                "allow_headers": self.origins("allowed_headers"), "allow_credentials": self.allow_credentials}
+
+    def uvicorn_kwargs(self) -> dict:
+        """uvicorn.Config's arguments from these options: root_path, and HTTPS's with a certificate."""
+        ssl = {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile, "ssl_ca_certs": self.ssl_ca_certs,
+               "ssl_cert_reqs": self.ssl_cert_reqs} if self.ssl_certfile else {}
+        return {"root_path": self.root_path or "", **ssl}
 
     def replace(self, **kw) -> "ServerOptions":
         return replace(self, **kw)
