@@ -22,7 +22,7 @@ import os
 import sys
 import time
 
-from jaxinfer.cli_types import bare_flags, bool_arg, dashed, flag_type, json_object, model_len, port
+from jaxinfer.cli_types import bare_flags, bool_arg, config_file_args, dashed, flag_type, json_object, model_len, port
 
 VLLM_MODEL_OPTIONS = ("hf_overrides", "revision", "download_dir", "tokenizer", "hf_token")   # LLM() options, not config
 DEFAULT_MODEL = "qwen3-pydoc"     # the small trained model that ships in jaxinfer/assets/ (no download)
@@ -259,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", "--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default: info)")
+    s.add_argument("--config", metavar="FILE", help="flags from a YAML or JSON file, the command line's win (vLLM's)")
     from jaxinfer.server.options import add_server_args
     add_server_args(s)                    # --api-key, --max-waiting-requests, --shutdown-timeout, ...
     s.set_defaults(func=cmd_serve)
@@ -276,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:             # everything after `bench` belongs to the benchmark script
         command, run = "bench", lambda: cmd_bench(argv[1:])
     else:
-        a = build_parser().parse_args(bare_flags(dashed(argv), CHUNKED))
+        ap = build_parser()
+        a = ap.parse_args(bare_flags(dashed(config_file_args(argv, ap)), CHUNKED))
         if getattr(a, "attn_backend", None) == "triton":
             from jaxinfer.xla_options import use_triton_ptxas
             use_triton_ptxas()            # jaxlib runs ptxas to load jax-triton kernels (the serving core inherits it)

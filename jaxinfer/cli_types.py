@@ -150,3 +150,41 @@ def head_counts(text: str) -> tuple[int, int]:
     if len(hk) != 2 or min(hk) < 1 or hk[0] % hk[1]:
         raise argparse.ArgumentTypeError(f"{text!r} is not H,K: two positive integers, K dividing H (e.g. 16,8)")
     return hk
+
+
+def config_file_args(argv: list[str], parser) -> list[str]:
+    """vLLM's `--config FILE` (YAML or JSON): its keys are flag names (dashes or underscores; `model` too), put
+    after the subcommand and before the other arguments, so the command line wins. true is the bare flag, false
+    its `--no-` form where there is one (else left out), a list the flag with its items, a mapping JSON (the
+    JSON-valued flags). A file that cannot be used is the parser's error (exit 2)."""
+    import argparse
+    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
+        return argv
+    i = next(i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config="))
+    path = argv[i].partition("=")[2] if "=" in argv[i] else (argv[i + 1] if i + 1 < len(argv) else "")
+    rest = argv[:i] + argv[i + (1 if "=" in argv[i] else 2):]
+    if not path.endswith((".yaml", ".yml", ".json")):
+        parser.error(f"--config {path!r}: a config file must be YAML (.yaml, .yml) or JSON (.json)")
+    import json
+
+    import yaml
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)           # (JSON is YAML)
+    except (OSError, yaml.YAMLError) as e:
+        parser.error(f"--config {path!r} cannot be read: {e}")
+    if not isinstance(config, dict):
+        parser.error(f"--config {path!r} must hold a mapping of flag names to values, got {config!r:.80}")
+    known = {o for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+             for sub in a.choices.values() for o in sub._option_string_actions}
+    out = []
+    for key, value in config.items():
+        flag = "--" + str(key).replace("_", "-")
+        if isinstance(value, bool):
+            no = "--no-" + flag[2:]
+            out += [flag] if value else [no] if no in known else []
+        elif isinstance(value, list):
+            out += [flag, *map(str, value)]
+        else:
+            out += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return rest[:1] + out + rest[1:]

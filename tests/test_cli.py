@@ -239,3 +239,28 @@ def test_sampling_flags_default_to_the_generation_config():
     # a file's temperature 1.0 is a recommendation too, though it is SamplingParams' own default
     one = cli.sampling(p.parse_args(["generate"]), dict(temperature=1.0, top_p=0.9))
     assert (one.temperature, one.top_p) == (1.0, 0.9)
+
+
+def test_vllms_config_file(tmp_path, capsys):
+    """`serve --config FILE` (vLLM's): YAML or JSON keys are flags (dashes or underscores, `model` too); the
+    command line wins; false is the --no- form where there is one; lists and mappings as vLLM passes them."""
+    ap = cli.build_parser()
+
+    def parse(*argv):
+        return ap.parse_args(cli.bare_flags(cli.dashed(cli.config_file_args(list(argv), ap)), cli.CHUNKED))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: m\nport: 8123\nmax_model_len: 512\nenable-prefix-caching: false\nserved-model-name: [a, b]\n"
+                   "enable-auto-tool-choice: true\ntool-call-parser: hermes\nhf-overrides: {rope_theta: 5}\n")
+    a = parse("serve", "--config", str(cfg), "--port", "9000")
+    assert (a.model_flag, a.port, a.max_model_len, a.enable_prefix_caching, a.served_model_name) == \
+        ("m", 9000, 512, False, ["a", "b"])
+    assert a.enable_auto_tool_choice is True and a.tool_call_parser == "hermes" and a.hf_overrides == {"rope_theta": 5}
+    js = tmp_path / "c.json"
+    js.write_text('{"api-key": "k", "disable_uvicorn_access_log": true}')
+    a = parse("serve", "m2", f"--config={js}")
+    assert (a.model, a.api_key, a.disable_uvicorn_access_log) == ("m2", ["k"], True)
+    for body, name, words in (("- 1", "l.yaml", "mapping"), ("{}", "c.toml", "YAML"), ("a: [", "b.yaml", "cannot be read")):
+        (tmp_path / name).write_text(body)
+        with pytest.raises(SystemExit) as e:
+            parse("serve", "--config", str(tmp_path / name))
+        assert e.value.code == 2 and words in capsys.readouterr().err
