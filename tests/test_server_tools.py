@@ -94,6 +94,12 @@ def test_tool_calls_parsed_streamed_or_not(client):
                                          extra_body={"return_token_ids": True}).model_extra["prompt_token_ids"]
     prompt = httpx.post(str(client.base_url).replace("/v1/", "/detokenize"), json={"tokens": ids}).json()["prompt"]
     assert prompt.startswith('<tools>{"type": "function", "function": {"name": "get_weather", "description"')
+    odd = [{"function": {"parameters": {"type": "object"}, "description": None, "name": "f"}}]   # (order, null, no type)
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, tools=odd, max_tokens=1, extra_body={
+        "return_token_ids": True}).model_extra["prompt_token_ids"]
+    counted = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"),
+                         json={"model": MODEL, "messages": ASK, "tools": odd}).json()["tokens"]
+    assert counted == chat                               # /tokenize renders tools as the chat route does (vLLM's)
     content, calls, finish = "", {}, None
     for chunk in client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, stream=True):
         d = chunk.choices[0].delta
@@ -186,7 +192,7 @@ def test_hermes_parsing_and_its_stream():
     assert json.loads(calls[0]["function"]["arguments"]) == {"x": [1, 2]}
     assert T.extract(call[:-len("</tool_call>")])[1][0]["function"]["name"] == "f"      # (cut off: still a call)
     for bad in ("<tool_call>{not json}</tool_call>", '<tool_call>{"name": "f"}</tool_call>',
-                '<tool_call>["f"]</tool_call>', call + "<tool_call>{"):
+                '<tool_call>["f"]</tool_call>', call + "<tool_call>{", '<tool_call>{"name": "f", "arguments": ' + "[" * 5000):
         assert T.extract("x" + bad) == ("x" + bad, [])
     assert T.extract(call)[0] is None and len(T.extract(call + call, first_only=True)[1]) == 1
     assert T.finish_reason("stop", [1]) == "tool_calls" and T.finish_reason("length", [1]) == "length"

@@ -90,7 +90,7 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     chat_template: str | None = None
-    tools: list | None = None
+    tools: list[P.Tool] | None = None           # (checked and given to the template as chat completions do)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None     # (as chat completions)
     return_token_strs: bool = False
 
@@ -116,8 +116,9 @@ def add_token_routes(app: FastAPI, tokenizer, check_model, max_model_len: int, v
         special = (not chat) if req.add_special_tokens is None else req.add_special_tokens
 
         def encode() -> list[int]:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools or []]           # (as tools.resolve)
             text = CP.apply_chat_template(tokenizer, CP.chat_messages(req.messages),
-                                          CP.chat_template_kwargs(req, req.tools or [])) if chat else req.prompt
+                                          CP.chat_template_kwargs(req, tools)) if chat else req.prompt
             return P.encode(tokenizer, text, special, "messages" if chat else "prompt")
         ids = await off_loop(encode)      # token_strs: the vocabulary's strings, as vLLM (a byte piece stays whole)
         strs = await off_loop(tokenizer.convert_ids_to_tokens, ids) if req.return_token_strs else None

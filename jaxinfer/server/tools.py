@@ -90,7 +90,7 @@ def extract(text: str, first_only: bool = False) -> tuple[str | None, list[dict]
         return text, []
     try:
         calls = [_call(json.loads(a or b)) for a, b in _BLOCKS.findall(text)]
-    except (ValueError, KeyError, TypeError, IndexError):
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError):      # (JSON nested ~1,000 deep)
         return text, []
     return text[:i] or None, calls[:1] if first_only else calls
 
