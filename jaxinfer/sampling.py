@@ -228,6 +228,17 @@ def apply_penalties(logits, prompt_seen, output_counts, repetition, frequency, p
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).astype(jnp.float32)
 
 
+def apply_bias(logits, ids, vals, only):
+    """vLLM's logit_bias and allowed_token_ids on logits [B, V] fp32: vals [B, N] added at ids [B, N] (ids past the
+    vocabulary are padding, dropped); a row with `only` [B] set keeps just those ids (its allowed_token_ids, each
+    with its bias, maybe 0) and masks the rest."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    biased = logits.at[rows, ids].add(vals, mode="drop")
+    kept = jnp.take_along_axis(logits, jnp.minimum(ids, logits.shape[1] - 1), axis=1) + vals
+    allowed = jnp.full_like(logits, -jnp.inf).at[rows, ids].set(kept, mode="drop")
+    return jnp.where(only[:, None] != 0, allowed, biased)
+
+
 def logprob_stats(logits, token_ids, top_n: int):
     """Raw logprobs (log_softmax of the model's fp32 logits, as vLLM's default) of `token_ids` [R] under
     logits [R, V], packed for one device->host copy as fp32 [R, 2 + 2 * top_n]: the token's logprob, its

@@ -11,6 +11,7 @@ MIN_TEMPERATURE = 0.01     # vLLM's floor for a positive temperature
 MAX_TEMPERATURE = 1e30     # float32 holds it and its inverse (1e300 would become inf, -inf logits NaN)
 TOP_K_CANDIDATES = 64      # a row with top_k <= this draws among its top candidates, no sort (sampling.py)
 MAX_STOP_IDS_WITH_MIN_TOKENS = 16   # the step bans them (and EOS) per row until min_tokens: step.BAN_WIDTH ids
+MAX_BIASED = 1024          # logit_bias / allowed_token_ids ids a request may name (step.BIAS_WIDTHS' widest)
 
 
 @dataclass(eq=True, kw_only=True)
@@ -119,25 +120,20 @@ class SamplingParams:
         if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not 0 < rp < float("inf"):
             bad("repetition_penalty", "must be a number > 0 (1 = no penalty)")
         object.__setattr__(self, "repetition_penalty", float(rp))
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be True or False")
-        if not isinstance(self.detokenize, bool):
-            bad("detokenize", "must be True or False")
         if not self.detokenize and stop:
             bad("detokenize", "cannot be False with stop strings (they are matched in the text)")
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1)):
             bad("truncate_prompt_tokens", "must be None, an integer >= 1 or -1 (max_model_len)")
-        if not isinstance(self.spaces_between_special_tokens, bool):
-            bad("spaces_between_special_tokens", "must be True or False")
         b = self.best_of
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b != self.n):
             bad("best_of", f"is not supported: only None or best_of == n ({self.n})")
-        if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            bad("allowed_token_ids", "is not None and empty (vLLM's error): leave it None to allow every token")
-        for name in ("bad_words", "allowed_token_ids", "logit_bias", "logits_processors", "structured_outputs",
-                     "guided_decoding", "extra_args"):
+        self._check_bias(bad)
+        for name in ("bad_words", "logits_processors", "structured_outputs", "guided_decoding", "extra_args"):
             v = getattr(self, name)                    # None, or empty: nothing to apply
             if v is not None and not (isinstance(v, (list, tuple, dict)) and not v):
                 bad(name, "is not supported by jaxinfer (leave it None)")
@@ -146,6 +142,29 @@ class SamplingParams:
             bad("min_tokens", f"must be an integer in [0, max_tokens={mt}]")
         if m and len(ids) > MAX_STOP_IDS_WITH_MIN_TOKENS:
             bad("stop_token_ids", f"holds {len(ids)} ids: with min_tokens at most {MAX_STOP_IDS_WITH_MIN_TOKENS}")
+
+    def _check_bias(self, bad) -> None:
+        """logit_bias {token id: finite bias} and allowed_token_ids (non-empty), as a dict of ints to floats and a
+        list of distinct ints; at most MAX_BIASED ids."""
+        lb, allowed = self.logit_bias, self.allowed_token_ids
+        isid = lambda t: isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0   # noqa: E731
+        if lb is not None and (not isinstance(lb, dict) or not all(isid(k) and isinstance(v, numbers.Real) and not
+                                                                   isinstance(v, bool) and abs(v) < float("inf")
+                                                                   for k, v in lb.items())):
+            bad("logit_bias", "must be a dict of token ids (integers >= 0) to finite numbers, or None")
+        if allowed is not None and (not isinstance(allowed, (list, tuple)) or not all(map(isid, allowed))):
+            bad("allowed_token_ids", "must be a list of token ids (integers >= 0) or None")
+        if allowed is not None and not allowed:
+            bad("allowed_token_ids", "is not None and empty (vLLM's error): leave it None to allow every token")
+        object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in lb.items()} or None if lb else None)
+        object.__setattr__(self, "allowed_token_ids", list(dict.fromkeys(map(int, allowed))) if allowed else None)
+        if len(self.biased_ids()) > MAX_BIASED:
+            bad("allowed_token_ids" if allowed else "logit_bias", f"names {len(self.biased_ids())} token ids: at most "
+                                                                   f"{MAX_BIASED}")
+
+    def biased_ids(self) -> list[int]:
+        """The ids the step's bias entries hold: allowed_token_ids if given (the rest is masked), else logit_bias'."""
+        return list(self.allowed_token_ids) if self.allowed_token_ids else list(self.logit_bias or ())
 
     def __setattr__(self, name, value):
         if _FIELD_NAMES[-1] not in self.__dict__:      # (during __init__: its fields are set in order)
@@ -193,9 +212,13 @@ class SamplingParams:
 
     @property
     def needs_extras(self) -> bool:
-        """Penalties, logprobs or min_tokens: the request may run the step's extras variant (step.Extras)."""
+        """Penalties, logprobs, min_tokens, logit_bias or allowed_token_ids: the step's extras variant (step.Extras)."""
         return self.has_penalties or self.logprobs is not None or self.prompt_logprobs is not None or \
-            self.min_tokens > 0
+            self.min_tokens > 0 or self.has_bias
+
+    @property
+    def has_bias(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids)
 
     @property
     def has_penalties(self) -> bool:
@@ -203,8 +226,10 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int, error=ValueError) -> None:
         """`error` (ValueError) for stop_token_ids past the vocabulary (vLLM's check and words)."""
-        if oov := [t for t in self.stop_token_ids if t >= vocab_size]:
-            raise error(f"stop_token_ids contains out-of-vocab token id(s) {oov}. Vocabulary size: {vocab_size}")
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("allowed_token_ids", self.allowed_token_ids),
+                          ("logit_bias", self.logit_bias)):
+            if oov := [t for t in ids or () if t >= vocab_size]:
+                raise error(f"{name} contains out-of-vocab token id(s) {oov[:8]}. Vocabulary size: {vocab_size}")
 
     def up_to(self, room: int) -> "SamplingParams":
         """These params with max_tokens None (vLLM's "until max_model_len") made `room`, the tokens the context

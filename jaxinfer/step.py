@@ -19,7 +19,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model.attention import paged_attention_layer
 from jaxinfer.model.layers import decode_matmul
 from jaxinfer.model.qwen3 import compute_logits, forward, tp_size
-from jaxinfer.sampling import apply_penalties, logprob_stats, sample, sample_sharded
+from jaxinfer.sampling import apply_bias, apply_penalties, logprob_stats, sample, sample_sharded
 from jaxinfer.sampling_params import TOP_K_CANDIDATES
 
 _INT_FIELDS = ("token_ids", "positions", "slot_mapping", "prev_row")           # [T]
@@ -29,9 +29,10 @@ FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 # the extras variant's fields, after the base layout: per row, then per prompt-logprob token [Tp]
 _EXTRA_ROW_FIELDS = ("pen_slot", "num_prompt", "repetition", "frequency", "presence")   # [B]
 _EXTRA_TOKEN_FIELDS = ("plp_idx", "plp_target")                                          # [Tp]
-_ALL_FLOATS = FLOAT_FIELDS + ("repetition", "frequency", "presence")
+_ALL_FLOATS = FLOAT_FIELDS + ("repetition", "frequency", "presence", "bias_vals")
 BAN_WIDTH = 32        # ids a row may ban (min_tokens: its stop_token_ids and EOS ids); BAN_PAD pads (dropped)
 BAN_PAD = 2**30
+BIAS_WIDTHS = (16, 128, 1024)   # logit_bias / allowed_token_ids entries a row holds (the smallest that fits)
 
 
 class Extras(NamedTuple):
@@ -40,12 +41,15 @@ class Extras(NamedTuple):
     penalties: presence / frequency / repetition penalties from the per-slot token counts (a device state
     updated in the step). logprobs: the sampled tokens' logprobs and ranks. top_n: top logprobs per token
     (a width of LOGPROB_WIDTHS). prompt_rows: prefill only: prompt tokens whose logprobs are computed.
-    bans: per row up to BAN_WIDTH token ids that cannot be sampled (min_tokens: EOS and stop ids until then)."""
+    bans: per row up to BAN_WIDTH token ids that cannot be sampled (min_tokens: EOS and stop ids until then).
+    bias: per row up to this many (token id, bias) entries added to its logits (logit_bias), and whether they are
+    the only ids it may sample (allowed_token_ids); 0: none."""
     penalties: bool = False
     logprobs: bool = False
     top_n: int = 0
     prompt_rows: int = 0
     bans: bool = False
+    bias: int = 0
 
 
 ALIGN = 64   # int32s: every field starts at a multiple of 256 bytes of the packed array (Mosaic GPU kernels
@@ -80,7 +84,9 @@ def extras_layout(T: int, B: int, W: int, extras: Extras) -> dict[str, tuple[int
     layout = dict(batch_layout(T, B, W))
     off = _place(layout, layout.pop("_size")[0], [*((f, B) for f in _EXTRA_ROW_FIELDS),
                                                  *((f, extras.prompt_rows) for f in _EXTRA_TOKEN_FIELDS),
-                                                 *([("ban_ids", B * BAN_WIDTH)] if extras.bans else [])])
+                                                 *([("ban_ids", B * BAN_WIDTH)] if extras.bans else []),
+                                                 *([("bias_ids", B * extras.bias), ("bias_vals", B * extras.bias),
+                                                    ("bias_only", B)] if extras.bias else [])])
     layout["_size"] = (off, 0)
     return layout
 
@@ -217,6 +223,9 @@ def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, bac
                                               mm)
         logits = _full_vocab(compute_logits(config, params, rows, mm), V, mesh)   # [B, V] fp32
         raw = logits
+        if extras.bias:                                    # before the penalties, as vLLM's logits processors
+            logits = apply_bias(logits, b["bias_ids"].reshape(B, extras.bias), b["bias_vals"].reshape(B, extras.bias),
+                                b["bias_only"])
         if extras.penalties:
             counts = _count_tokens(counts, token_ids, b, kind == "prefill")
             slot = b["pen_slot"]

@@ -117,6 +117,17 @@ def test_penalties_and_logprobs_tp2_equal_tp1(tp1, tp2, prompts):
         np.testing.assert_allclose([f[2] for f in fx], [f[2] for f in fy], atol=1e-4)
 
 
+def test_logit_bias_and_allowed_ids_tp2_equal_tp1(tp1, tp2, prompts):
+    """logit_bias / allowed_token_ids on the vocabulary-split logits (509 ids, padded): the same tokens as tp=1,
+    the last real id reachable, the padding never."""
+    sp = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={508: 30.0, 3: -4.0}),
+          SamplingParams(temperature=0.9, seed=4, max_tokens=6, ignore_eos=True, allowed_token_ids=[2, 508, 100],
+                         logit_bias={100: 1.5}),
+          SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    a, b = (run(tp, prompts, sp) for tp in (tp1, tp2))
+    assert a == b and a[0] == [508] * 6 and set(a[1]) <= {2, 508, 100}
+
+
 def test_weights_and_cache_really_split(tp2):
     runner, tp = tp2.engine.runner, 2
     assert {d.id for d in runner.placement.devices} == {0, 1}

@@ -254,7 +254,9 @@ def test_disconnect_before_a_plain_answer_aborts_it(url):
     (b"{not json", None),
     (b"[1, 2]", None),
     ({"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"x5": 10}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"-5": 10}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"100000": 10}}, "logit_bias"),                 # past the vocabulary
     ({"prompt": "hi", "best_of": 3}, "best_of"),
     ({"prompt": "hi", "no_such_field": 1}, "no_such_field"),
     ({"prompt": "hi", "temperature": -1}, "temperature"),
@@ -277,7 +279,8 @@ def test_disconnect_before_a_plain_answer_aborts_it(url):
     ({"prompt": "hi", "max_tokens": 500}, "max_tokens"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),     # without stream (as vLLM)
     ({"prompt": "hi", "stream": True, "stream_options": {"bogus": 1}}, "stream_options"),
-    ({"prompt": "hi", "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": [1, 10**9]}, "allowed_token_ids"),
     ({"messages": [{"role": "user", "content": "x" * 400}]}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format"),

@@ -517,3 +517,21 @@ def test_response_role_flag(server, url):
         assert httpx.post(url + "/v1/chat/completions", json=cont).json()["choices"][0]["message"]["role"] == "tool"
     finally:
         app.state.options = before
+
+
+def test_logit_bias_and_allowed_token_ids(client, url):
+    """OpenAI's logit_bias (string keys, clamped to [-100, 100] as vLLM's) and vLLM's allowed_token_ids, through the
+    openai client: a bias of 100 forces its token (completions, chat, streamed), a mask keeps the answer in it; the
+    engine's KV blocks all come back."""
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.7, seed=1,
+                                  logit_bias={"77": 500}, extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == [77] * 4
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          temperature=1.0, extra_body={"allowed_token_ids": [40, 41], "ignore_eos": True,
+                                                                       "return_token_ids": True})
+    assert set(chat.choices[0].model_extra["token_ids"]) <= {40, 41}
+    events = _sse(url, "/v1/completions", dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
+                                               logit_bias={"300": 100}, ignore_eos=True, return_token_ids=True))
+    assert [t for e in events if e["choices"] for t in e["choices"][0].get("token_ids") or []] == [300] * 3
+    st = wait_idle(url)
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]

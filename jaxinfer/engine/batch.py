@@ -141,7 +141,8 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
     """The extras variant's batch (step.make_extras_step): `pack`'s fields, then per row its penalty slot
     (pen_slots; num_pen_slots = none), prompt length and penalties, then the prompt tokens whose logprobs
     this step computes: their index in the step's tokens and the prompt token that follows each; with bans, the
-    ids each row may not sample (min_tokens not reached: its stop_token_ids and the `eos` ids). Returns
+    ids each row may not sample (min_tokens not reached: its stop_token_ids and the `eos` ids); with bias, each row's
+    logit_bias / allowed_token_ids entries. Returns
     (packed, [(seq, position of the token whose logprob it is), ...] per prompt-logprob entry)."""
     layout = extras_layout(T, B, W, extras)
     buf = np.zeros(layout["_size"][0], np.int32)
@@ -166,6 +167,14 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
                 ids = sorted(t for t in set(seq.params.stop_token_ids) | set(eos)
                              if t < 2**31)           # (an id past int32 is past any vocabulary: never sampled)
                 ban[i, :len(ids[:BAN_WIDTH])] = ids[:BAN_WIDTH]
+    if extras.bias:                     # logit_bias / allowed_token_ids (SamplingParams.biased_ids)
+        ids, vals = f["bias_ids"].reshape(B, extras.bias), f["bias_vals"].view(np.float32).reshape(B, extras.bias)
+        ids[:] = BAN_PAD
+        for i, p in enumerate(s.params for s in seqs):
+            got = p.biased_ids()
+            ids[i, :len(got)] = got
+            vals[i, :len(got)] = [(p.logit_bias or {}).get(t, 0.0) for t in got]
+            f["bias_only"][i] = bool(p.allowed_token_ids)
     where: list[tuple] = []
     if extras.prompt_rows:
         t = 0

@@ -25,7 +25,7 @@ from jaxinfer.engine.runner import compile_threads, program_switches
 from jaxinfer.engine.scheduler import PROMPT_LOGPROB_TOKENS
 from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.parallel.layout import KV_SPEC
-from jaxinfer.step import Extras, extras_layout, idle_batch, make_step
+from jaxinfer.step import BIAS_WIDTHS, Extras, extras_layout, idle_batch, make_step
 from jaxinfer.xla_options import step_compiler_options
 
 LOGPROB_WIDTHS = (5, 20)        # static top-N widths: a batch asking N logprobs computes the smallest >= N
@@ -40,11 +40,18 @@ def choose(batch) -> Extras | None:
     asks = [p.logprobs for p in ps if p.logprobs is not None]
     prompt = batch.is_prefill and any(p.prompt_logprobs is not None for p in ps)
     bans = any(s.banning for s in batch.seqs)
-    if not (penalties or asks or prompt or bans):
+    bias = bias_width(ps)
+    if not (penalties or asks or prompt or bans or bias):
         return None
     n = max(asks + [p.prompt_logprobs for p in ps if prompt and p.prompt_logprobs is not None], default=0)
     top_n = next(w for w in LOGPROB_WIDTHS if w >= n)
-    return Extras(penalties, bool(asks), top_n, -1 if prompt else 0, bans)   # -1: from the bucket (`key_for`)
+    return Extras(penalties, bool(asks), top_n, -1 if prompt else 0, bans, bias)   # -1: from the bucket (`key_for`)
+
+
+def bias_width(params) -> int:
+    """The smallest of BIAS_WIDTHS that holds every row's logit_bias / allowed_token_ids entries; 0 if none."""
+    n = max((len(p.biased_ids()) for p in params if p.has_bias), default=0)
+    return next(w for w in BIAS_WIDTHS if w >= n) if n else 0
 
 
 
@@ -181,8 +188,8 @@ def warmup_keys(cfg, widths: tuple[int, ...], runner: "ExtrasRunner", params) ->
     """The step variants (every bucket) that requests like `params` (penalties / logprobs) need; [] if none."""
     e = Extras(params.has_penalties, params.logprobs is not None,
                next(w for w in LOGPROB_WIDTHS if w >= max(params.logprobs or 0, params.prompt_logprobs or 0)), 0,
-               params.min_tokens > 0)
-    if not (e.penalties or e.logprobs or e.bans or params.prompt_logprobs is not None):
+               params.min_tokens > 0, bias_width([params]))
+    if not (e.penalties or e.logprobs or e.bans or e.bias or params.prompt_logprobs is not None):
         return []
     f = params.filter_kind
     keys = [("decode", B, B, W, f, e) for B in cfg.decode_buckets for W in widths]

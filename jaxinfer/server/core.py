@@ -27,6 +27,7 @@ parent process disappears (killed), the core exits by itself.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -81,7 +82,7 @@ class EngineCore:
         self.engine, self.parent_pid = engine, parent_pid
         # numpy scalars (in stats, say) as Python numbers: a message that cannot be packed must not kill the core
         self.pack = msgpack.Packer(default=lambda o: o.item() if hasattr(o, "item") else repr(o))
-        self.unpackb = msgpack.unpackb
+        self.unpackb = functools.partial(msgpack.unpackb, strict_map_key=False)     # (logit_bias: int keys)
         self.ctx = zmq.Context(1)
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.RCVHWM, 0)

@@ -2,7 +2,7 @@
 
 Every problem is an OpenAI-style 400 naming the field (app.py turns FastAPI's validation errors into that,
 not 422). A field this server does not implement is refused by name (`check_unsupported`), never ignored:
-`response_format`, `logit_bias`, `best_of`, ... (UNSUPPORTED below); so is a field nobody knows. (Chat's
+`response_format`, `best_of`, ... (UNSUPPORTED below); so is a field nobody knows. (Chat's
 `tools` are tools.py's.)
 """
 from __future__ import annotations
@@ -44,11 +44,11 @@ class ErrorResponse(BaseModel):
 
 # Fields of OpenAI's API that this server does not implement, with the values that mean "not used" (accepted).
 UNSUPPORTED: dict[str, tuple] = {
-    "best_of": (1,), "logit_bias": ({},), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
+    "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (), "response_format": ({"type": "text"},),
     "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (), "logits_processors": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1.0,), "allowed_token_ids": (),
+    "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1.0,),
     "bad_words": ([],), "chat_template": (), "documents": (), "mm_processor_kwargs": (), "priority": (0,),
     "request_id": (),
 }
@@ -113,6 +113,10 @@ class _Request(BaseModel):
         None, description="vLLM: only requests with the same salt (or none) share prefix-cache blocks")
     return_token_ids: bool | None = Field(None, description="vLLM: the prompt's and each choice's token ids too")
     return_tokens_as_token_ids: bool | None = Field(None, description='vLLM: logprobs name tokens "token_id:N"')
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias added to its logit "
+                                                                  "(clamped to [-100, 100])")
+    allowed_token_ids: list[Annotated[int, Field(ge=0, lt=2**63)]] | None = Field(
+        None, description="vLLM: only these tokens may be sampled")
 
 
 class CompletionRequest(_Request):
@@ -221,6 +225,14 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
           **{k: getattr(req, k) for k in _PASSTHROUGH if getattr(req, k) is not None}}
     if kw.get("top_k") == -1:
         kw["top_k"] = 0
+    if req.logit_bias is not None:            # OpenAI's string keys; values clamped as vLLM's
+        try:
+            kw["logit_bias"] = {int(k): min(100.0, max(-100.0, v)) for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise RequestError(f"logit_bias keys must be token ids (integers as strings), got "
+                               f"{list(req.logit_bias)[:4]!r:.80}", param="logit_bias") from None
+    if req.allowed_token_ids is not None:
+        kw["allowed_token_ids"] = req.allowed_token_ids
     if logprobs is not None:
         kw["logprobs"] = logprobs
     if prompt_logprobs is not None:
@@ -245,7 +257,7 @@ def check_request(ids: list[int], params: SamplingParams, limits: dict, param: s
     V, bs, nb = limits["vocab_size"], limits["block_size"], limits["num_blocks"]
     if bad := [t for t in ids if not 0 <= t < V]:
         raise RequestError(f"the prompt has token id {bad[0]!r} out of vocabulary: ids are in [0, {V})", param=param)
-    params.check_vocab(V, lambda message: RequestError(message, param="stop_token_ids"))
+    params.check_vocab(V, lambda message: RequestError(message, param=message.split()[0]))
     need = -(-min(len(ids) + params.max_tokens - 1, limits["max_model_len"]) // bs)     # (the last token: no KV)
     if need > nb:
         raise RequestError(f"the request needs {need} KV blocks for {len(ids)} prompt + {params.max_tokens} output "
