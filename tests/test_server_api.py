@@ -535,3 +535,33 @@ def test_logit_bias_and_allowed_token_ids(client, url):
     assert [t for e in events if e["choices"] for t in e["choices"][0].get("token_ids") or []] == [300] * 3
     st = wait_idle(url)
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_vllms_prompt_logprobs(client, url, ref, tok):
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {id: {logprob, rank, decoded_token}}, the token
+    first, then the k most likely; on completion choices (every sample of n) and at the top of a chat answer; with
+    stream and k > 0 a 400 (vLLM's words); with echo + logprobs the two widths are each their own."""
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0.8, seed=1, n=2, logprobs=1,
+                                  echo=True, extra_body={"prompt_logprobs": 3})
+    want = ref(PROMPT)
+    for c in r.choices:
+        plp = c.model_extra["prompt_logprobs"]
+        assert len(plp) == len(PROMPT) and plp[0] is None
+        for i in range(1, len(PROMPT)):
+            entries = list(plp[i].items())
+            assert entries[0][0] == str(PROMPT[i]) and len(plp[i]) <= 4
+            np.testing.assert_allclose(entries[0][1]["logprob"], want[i - 1, PROMPT[i]], atol=2e-3)
+            assert abs(entries[0][1]["rank"] - 1 - int(np.sum(want[i - 1] > want[i - 1, PROMPT[i]]))) <= 1  # (ties)
+            best = [str(t) for t in np.argsort(want[i - 1])[::-1][:3]]
+            assert {k for k, v in plp[i].items() if v["rank"] <= 3} == set(best)
+            assert entries[0][1]["decoded_token"] == tok(PROMPT[i]) or "\ufffd" in tok(PROMPT[i])
+        assert all(len(top) <= 2 for top in c.logprobs.top_logprobs[1:])           # echo's own width (1)
+    chat = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                          "max_tokens": 1, "prompt_logprobs": 0,
+                                                          "return_token_ids": True}).json()
+    assert len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"]) and chat["prompt_logprobs"][0] is None
+    assert all(len(d) == 1 for d in chat["prompt_logprobs"][1:])
+    bad = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "prompt_logprobs": 2, "stream": True})
+    assert bad.status_code == 400 and "not available when `stream=True`" in bad.json()["error"]["message"]
+    assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "prompt_logprobs": 21}).status_code \
+        == 400

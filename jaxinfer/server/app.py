@@ -238,7 +238,8 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
     @app.post("/v1/completions", responses={200: {"model": R.CompletionResponse}, **ERRORS})
     async def completions(req: P.CompletionRequest, request: Request):
         t0, k, asked = time.perf_counter(), req.logprobs, P.completion_prompts(app.state.options.apply(req))
-        prompts, items = await prepare(req, asked, 16, k, k if req.echo and k is not None else None, bool(req.stream))
+        prompts, items = await prepare(req, asked, 16, k, P.engine_prompt_logprobs(req, k if req.echo else None),
+                                       bool(req.stream))
         echoed = await off_loop(streams.echo_texts, tokenizer, asked, prompts, req) if req.echo else None
         rid, model, n, texts = R.new_id("cmpl"), served_model_name, req.n or 1, R.token_texts(text_of, req)
         if req.stream:
@@ -256,19 +257,19 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         t0 = time.perf_counter()
         P.check_unsupported(app.state.options.apply(req))
         check_model(req.model)
-        calls, k = tools.resolve(req, app.state.options), P.chat_top_logprobs(req)   # (parsed: special tokens kept)
-        req.skip_special_tokens = False if calls.parse else req.skip_special_tokens
+        calls, k = tools.resolve(req, app.state.options), P.chat_top_logprobs(req)
         role = app.state.options.response_role
         prompt, role, echo = await off_loop(CP.chat_prompt, tokenizer, req, calls.tools, role)
         think = reasoning.thinking_closed(app.state.options.reasoning_parser, prompt, CP.chat_template_kwargs(req))
-        prompts, items = await prepare(req, [prompt], None, k, None, bool(req.stream))
+        prompts, items = await prepare(req, [prompt], None, k, P.engine_prompt_logprobs(req), bool(req.stream))
         rid, model, ids = R.new_id("chatcmpl"), served_model_name, prompts[0] if req.return_token_ids else None
         if req.stream:
             run = C.run(client(), tokenizer, items, True, metrics, t0, len(items), req.cache_salt)
             return streams.chat_stream(run, rid, model, prompts, len(items), req, text_of, role, echo, think, calls)
         done = await collect(items, request, t0, len(items), req.cache_salt)
         return R.chat_completion(rid, model, [streams.chat_choice(ch, k, text_of, role, echo, req, think, calls)
-                                              for ch in done], streams.total_usage(prompts, done), ids)
+                                              for ch in done], streams.total_usage(prompts, done), ids,
+                                 **streams.prompt_logprobs(done[0], prompts[0], req, text_of))
 
     # -- SIGTERM: drain ---------------------------------------------------------------------------------
     async def drain(then: Callable[[], None]) -> None:

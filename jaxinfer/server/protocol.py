@@ -7,39 +7,16 @@ not 422). A field this server does not implement is refused by name (`check_unsu
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.server.errors import ErrorResponse, RequestError, error_body  # noqa: F401  (the routes' names)
+from jaxinfer.server.tools import NamedToolChoice, Tool
 
 MAX_N = 128                      # OpenAI's bound on n: it multiplies the engine requests of one HTTP request
 MAX_LOGPROBS = 20                # OpenAI's bound on (top_)logprobs
-
-
-class RequestError(ValueError):
-    """An invalid request (400), an unknown model (404), or one the server cannot serve now (5xx)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.param, self.code, self.status, self.headers = param, code, status, headers
-
-    @property
-    def type(self) -> str:
-        return "invalid_request_error" if self.status < 500 else "server_error"
-
-
-def error_body(message: str, param: str | None = None, code: str | None = None,
-               type_: str = "invalid_request_error") -> dict:
-    # a lone surrogate the client sent (e.g. in `model`) cannot be encoded as UTF-8: written as its escape instead
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-class ErrorResponse(BaseModel):
-    """{"error": {message, type, param, code}}: every non-200 answer (OpenAI's shape)."""
-    error: dict[str, Any]
 
 
 # Fields of OpenAI's API that this server does not implement, with the values that mean "not used" (accepted).
@@ -48,7 +25,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (), "response_format": ({"type": "text"},),
     "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (), "logits_processors": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1.0,),
+    "use_beam_search": (False,), "length_penalty": (1.0,),
     "bad_words": ([],), "chat_template": (), "documents": (), "mm_processor_kwargs": (), "priority": (0,),
     "request_id": (),
 }
@@ -66,6 +43,8 @@ def check_unsupported(req: BaseModel) -> None:
     if unknown:
         raise RequestError(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0],
                            code="unrecognized_parameter")
+    if getattr(req, "stream", False) and (getattr(req, "prompt_logprobs", None) or 0) > 0:
+        raise RequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
     so = getattr(req, "stream_options", None)                   # as vLLM: an empty {} is taken as absent
     if so is not None and so.model_fields_set and not getattr(req, "stream", False):
         raise RequestError("stream_options can only be given when stream is true", param="stream_options")
@@ -113,6 +92,8 @@ class _Request(BaseModel):
         None, description="vLLM: only requests with the same salt (or none) share prefix-cache blocks")
     return_token_ids: bool | None = Field(None, description="vLLM: the prompt's and each choice's token ids too")
     return_tokens_as_token_ids: bool | None = Field(None, description='vLLM: logprobs name tokens "token_id:N"')
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="vLLM: each prompt token's logprob and this many most likely (not streamed)")
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias added to its logit "
                                                                   "(clamped to [-100, 100])")
     allowed_token_ids: list[Annotated[int, Field(ge=0, lt=2**63)]] | None = Field(
@@ -143,28 +124,6 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart | str] | None = None
     name: str | None = None
-
-
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-
-
-class Tool(BaseModel):           # OpenAI's function schema, as the chat template gets it
-    model_config = ConfigDict(extra="allow")
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class _Name(BaseModel):
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    type: Literal["function"] = "function"
-    function: _Name
 
 
 class ChatCompletionRequest(_Request):
@@ -279,6 +238,12 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
         raise RequestError("prompt must be a non-empty string, a list of token ids, or a list of those",
                            param="prompt")
     return prompts
+
+
+def engine_prompt_logprobs(req: _Request, echo_k: int | None = None) -> int | None:
+    """The prompt logprobs the engine computes: vLLM's prompt_logprobs, and a completion's echo with logprobs."""
+    asked = [k for k in (req.prompt_logprobs, echo_k) if k is not None]
+    return max(asked) if asked else None
 
 
 def chat_top_logprobs(req: ChatCompletionRequest) -> int | None:

@@ -105,11 +105,12 @@ def completion_chunk(rid: str, model: str, index: int, text: str, reason: str | 
                          "stop_reason": stop_reason}]}
 
 
-def chat_completion(rid: str, model: str, choices: list[dict], use: dict, prompt_ids: list[int] | None = None) -> dict:
+def chat_completion(rid: str, model: str, choices: list[dict], use: dict, prompt_ids: list[int] | None = None,
+                    **extra) -> dict:
     """choices: [{"index", "message": {"role", "content"}, "logprobs", "finish_reason", "stop_reason"}];
-    `prompt_ids`: the prompt's token ids, given with vLLM's return_token_ids."""
+    `prompt_ids`: the prompt's token ids, given with vLLM's return_token_ids; `extra`: vLLM's prompt_logprobs."""
     out = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-           "choices": choices, "usage": use}
+           "choices": choices, "usage": use, **extra}
     return out if prompt_ids is None else {**out, "prompt_token_ids": prompt_ids}
 
 
@@ -175,6 +176,23 @@ def completion_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int,
             top.setdefault(text_of(t, context), lp)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+
+def prompt_logprobs(text_of: TokenTexts, ids: list[int], rows: list | None, k: int) -> list:
+    """vLLM's prompt_logprobs: per prompt token None (the first: nothing precedes it) or {token id: {"logprob",
+    "rank", "decoded_token"}}, the token itself first, then the k most likely (-inf as vLLM's -9999.0)."""
+    def entry(lp, rank, tid, context):
+        return {"logprob": max(lp, -9999.0), "rank": rank, "decoded_token": text_of(tid, context)}
+    out = []
+    for tid, row, context in _in_context(ids, rows or [None] * len(ids), ()):
+        if row is None:
+            out.append(None)
+            continue
+        d = {str(tid): entry(row[0], int(row[1]), tid, context)}
+        for rank, (t, lp) in enumerate(_top(row, k), 1):
+            d.setdefault(str(t), entry(lp, rank, t, context))
+        out.append(d)
+    return out
 
 
 def chat_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int, before: list[int] = (),

@@ -78,13 +78,19 @@ def completion_choice(ch: Choice, prompt_ids: list[int], req, text_of, echoed: s
         head, lp = _prompt_part(ch, prompt_ids, req, text_of, echoed)
         if echo_only(req):
             return {"index": ch.index, "text": head, "logprobs": lp, "finish_reason": ch.proc.finish_reason,
-                    "stop_reason": ch.stop_reason, **(ids or {})}
+                    "stop_reason": ch.stop_reason, **(ids or {}), **prompt_logprobs(ch, prompt_ids, req, text_of)}
         text = head + text
     if req.logprobs is not None:
         offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"] else 0
         lp = _merge(lp, R.completion_logprobs(text_of, ch.token_ids, ch.logprobs, req.logprobs, offset))
     return {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": ch.proc.finish_reason,
-            "stop_reason": ch.stop_reason, **(ids or {})}
+            "stop_reason": ch.stop_reason, **(ids or {}), **prompt_logprobs(ch, prompt_ids, req, text_of)}
+
+
+def prompt_logprobs(ch: Choice, prompt_ids: list[int], req, text_of) -> dict:
+    """{"prompt_logprobs": [...]} when the request asks vLLM's prompt_logprobs (responses.prompt_logprobs)."""
+    k = getattr(req, "prompt_logprobs", None)
+    return {} if k is None else {"prompt_logprobs": R.prompt_logprobs(text_of, prompt_ids, ch.prompt_logprobs, k)}
 
 
 def chat_choice(ch: Choice, k: int | None, text_of, role: str = "assistant", echo: str = "", req=None,

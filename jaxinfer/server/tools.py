@@ -28,14 +28,39 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict
+
+from jaxinfer.server.errors import RequestError
 from jaxinfer.server.options import TOOL_PARSERS
-from jaxinfer.server.protocol import RequestError
 from jaxinfer.server.reasoning import held
 
 PARSERS = TOOL_PARSERS
 START, END = "<tool_call>", "</tool_call>"
 _BLOCKS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):           # OpenAI's function schema, as the chat template gets it
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class _Name(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: _Name
 
 
 @dataclass(frozen=True)
@@ -46,7 +71,8 @@ class ToolUse:
 
 
 def resolve(req, options) -> ToolUse:
-    """A chat request's tools and tool_choice, checked as vLLM checks them (400s naming the field)."""
+    """A chat request's tools and tool_choice, checked as vLLM checks them (400s naming the field); while calls are
+    parsed the request keeps special tokens in its text (its skip_special_tokens set false, vLLM's)."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     if isinstance(choice, str) and choice not in ("none", "auto", "required"):
@@ -72,6 +98,8 @@ def resolve(req, options) -> ToolUse:
                            f"use \"auto\" (--enable-auto-tool-choice --tool-call-parser hermes) or \"none\"",
                            param=param, code="unsupported_parameter")
     shown = None if choice == "none" and options.exclude_tools_when_tool_choice_none else tools
+    if choice == "auto":
+        req.skip_special_tokens = False
     return ToolUse(shown, choice == "auto", choice == "auto" and req.parallel_tool_calls is False)
 
 
