@@ -20,6 +20,7 @@ the H200); a filtered copy of every model step doubled the programs compiled at 
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -273,3 +274,18 @@ def top_n_of(logits, n: int, chunk: int = 128):
     vals, j = jax.lax.top_k(cand, n)
     ids = jnp.take_along_axis(best, j // chunk, axis=1) * chunk + j % chunk
     return vals, ids
+
+
+def device_seed(seed: int) -> int:
+    """A request's seed as the 31-bit one the device's noise takes: the seed itself when it fits, else a hash of
+    all of it (masking the low bits made seeds 0, 2**32 and -2**32 draw the same tokens)."""
+    if 0 <= seed < 2**31:
+        return seed
+    return int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
+
+
+def batch_filter(kinds) -> bool | str:
+    """How a batch draws, from its rows' `filter_kind`s: the sort if any row needs it, else "top_k" if any row
+    filters, else False."""
+    kinds = list(kinds)
+    return True if any(k is True for k in kinds) else ("top_k" if "top_k" in kinds else False)

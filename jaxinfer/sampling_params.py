@@ -159,7 +159,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in lb.items()} or None if lb else None)
         object.__setattr__(self, "allowed_token_ids", list(dict.fromkeys(map(int, allowed))) if allowed else None)
         if len(self.biased_ids()) > MAX_BIASED:
-            bad("allowed_token_ids" if allowed else "logit_bias", f"names {len(self.biased_ids())} token ids: at most "
+            bad("allowed_token_ids" if allowed else "logit_bias", f"names {len(self.biased_ids())} ids: at most "
                                                                    f"{MAX_BIASED}")
 
     def biased_ids(self) -> list[int]:
@@ -192,7 +192,9 @@ class SamplingParams:
 
     @classmethod
     def from_optional(cls, **kwargs) -> "SamplingParams":
-        """vLLM's: keyword arguments that are None take the defaults."""
+        """vLLM's: None arguments take the defaults; logit_bias keys become ints, biases clamped to [-100, 100]."""
+        if kwargs.get("logit_bias"):
+            kwargs["logit_bias"] = {int(k): min(100.0, max(-100.0, v)) for k, v in kwargs["logit_bias"].items()}
         return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
     @property
@@ -224,8 +226,12 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    def check_vocab(self, vocab_size: int, error=ValueError) -> None:
-        """`error` (ValueError) for stop_token_ids past the vocabulary (vLLM's check and words)."""
+    def check_vocab(self, vocab_size: int, error=ValueError, eos=()) -> None:
+        """`error` (ValueError) for ids past the vocabulary (vLLM's check and words), or allowed_token_ids that are
+        all stop or `eos` ids banned by min_tokens (no token could be drawn)."""
+        ban = set(self.stop_token_ids) | set(eos) if self.min_tokens and self.allowed_token_ids else ()
+        if ban and set(self.allowed_token_ids) <= ban:
+            raise error(f"allowed_token_ids are all stop or EOS ids, which min_tokens={self.min_tokens} bans")
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("allowed_token_ids", self.allowed_token_ids),
                           ("logit_bias", self.logit_bias)):
             if oov := [t for t in ids or () if t >= vocab_size]:
@@ -282,18 +288,3 @@ def truncate(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
                          f"smaller truncation size")
     keep = max_model_len if keep == -1 else keep
     return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
-
-
-def device_seed(seed: int) -> int:
-    """A request's seed as the 31-bit one the device's noise takes: the seed itself when it fits, else a hash of
-    all of it (masking the low bits made seeds 0, 2**32 and -2**32 draw the same tokens)."""
-    if 0 <= seed < 2**31:
-        return seed
-    return int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
-
-
-def batch_filter(kinds) -> bool | str:
-    """How a batch draws, from its rows' `filter_kind`s: the sort if any row needs it, else "top_k" if any row
-    filters, else False."""
-    kinds = list(kinds)
-    return True if any(k is True for k in kinds) else ("top_k" if "top_k" in kinds else False)

@@ -94,6 +94,12 @@ def test_bad_bias_is_refused_by_name(llm):
                      (dict(logit_bias={i: 1.0 for i in range(1025)}), "at most 1024")):
         with pytest.raises(ValueError, match=word):
             SamplingParams(**kw)
+    assert SamplingParams.from_optional(logit_bias={"7": 500.0, 8: -1e9}, seed=None).logit_bias == {7: 100.0,
+                                                                                                     8: -100.0}
+    eos = llm.engine.scheduler.eos
+    with pytest.raises(ValueError, match="all stop or EOS ids"):         # min_tokens would ban every allowed id
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[40],
+                                                allowed_token_ids=[40, *eos]), use_tqdm=False)
     V = 512                                                   # (the tiny checkpoints' vocabulary)
     for kw in (dict(logit_bias={V + 5: 1.0}), dict(allowed_token_ids=[1, V])):
         with pytest.raises(ValueError, match="out-of-vocab"):

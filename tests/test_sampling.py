@@ -201,7 +201,7 @@ def test_top_n_of_equals_lax_top_k(V, n):
 
 
 def test_request_seeds_past_31_bits_are_hashed_not_masked():
-    from jaxinfer.sampling_params import device_seed
+    from jaxinfer.sampling import device_seed
     assert [device_seed(s) for s in (0, 5, 2**31 - 1)] == [0, 5, 2**31 - 1]      # seeds that fit: themselves
     big = [device_seed(s) for s in (2**32, 2**40, -2**32, 2**31, -1 - 2**70)]
     assert len(set(big + [0])) == len(big) + 1 and all(0 <= s < 2**31 for s in big)   # no longer all 0
@@ -309,7 +309,8 @@ def test_draws_from_candidates_checks_every_row():
 
 
 def test_filter_kind_and_batch_filter():
-    from jaxinfer.sampling_params import TOP_K_CANDIDATES, batch_filter
+    from jaxinfer.sampling import batch_filter
+    from jaxinfer.sampling_params import TOP_K_CANDIDATES
     kind = lambda **kw: SamplingParams(**kw).filter_kind
     assert kind() is False and kind(temperature=0.0, top_p=0.5) is False
     assert kind(top_k=20, top_p=0.95) == "top_k" and kind(top_k=TOP_K_CANDIDATES, min_p=0.1) == "top_k"

@@ -23,7 +23,8 @@ from jaxinfer.model.kv_scales import kv_cache_dtype
 from jaxinfer.engine.sequence import Sequence, is_finished, stamp_token_times
 from jaxinfer.multistep import STOP_IDS
 from jaxinfer.parallel import Placement
-from jaxinfer.sampling_params import SamplingParams, batch_filter, device_seed
+from jaxinfer.sampling import batch_filter, device_seed
+from jaxinfer.sampling_params import SamplingParams
 
 
 class LLMEngine:
@@ -41,11 +42,9 @@ class LLMEngine:
         # the pool is sized from one device's memory and its share of the KV (K'/tp kv heads)
         kv_model = placement.kv_view(model) if placement is not None else model
         device = placement.local_device if placement is not None else None
-        if engine.num_kvcache_blocks:
-            num_blocks = engine.num_kvcache_blocks
-        else:
-            kv_dtype = kv_cache_dtype(engine.kv_cache_dtype, engine.dtype)    # fp8: twice the blocks of bf16
-            num_blocks = num_blocks_for_memory(kv_model, engine, kv_dtype, strict=not cap_max_model_len, device=device)
+        kv_dtype = kv_cache_dtype(engine.kv_cache_dtype, engine.dtype)        # fp8: twice the blocks of bf16
+        num_blocks = engine.num_kvcache_blocks or num_blocks_for_memory(kv_model, engine, kv_dtype,
+                                                                        strict=not cap_max_model_len, device=device)
         if cap_max_model_len:
             engine = engine.replace(max_model_len=min(engine.max_model_len, num_blocks * engine.block_size))
         self.config = engine
@@ -111,7 +110,7 @@ class LLMEngine:
                              f"prompt is longer than the maximum model length)")
         room = min(cfg.max_model_len, self.block_manager.num_blocks * cfg.block_size) - n
         params = params.clone().up_to(max(1, room))      # (clone: validated again: a stop list edited in place)
-        params.check_vocab(V)
+        params.check_vocab(V, eos=self.scheduler.eos)
         need = -(-min(n + params.max_tokens - 1, cfg.max_model_len) // cfg.block_size)   # (the last token: no KV)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"{where} needs {need} KV blocks for {n} prompt + {params.max_tokens} output tokens "
