@@ -288,3 +288,11 @@ def truncate(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
                          f"smaller truncation size")
     keep = max_model_len if keep == -1 else keep
     return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
+
+
+def __getattr__(name: str):
+    """device_seed and batch_filter live in sampling.py now; their old import path still works."""
+    if name in ("device_seed", "batch_filter"):
+        from jaxinfer import sampling
+        return getattr(sampling, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

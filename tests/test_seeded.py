@@ -78,7 +78,7 @@ def test_other_seed_gives_other_tokens(tiny_dir, alone):
 def test_the_samples_of_different_seeds_differ():
     """Sample i > 0 of n takes a seed derived from (seed, i): a hash of both, so seeds whose difference is a multiple
     of 2^31 - 1 (0 and 2^31 - 1: both as the device takes them) no longer share samples 1.. ."""
-    from jaxinfer.sampling_params import device_seed
+    from jaxinfer.sampling import device_seed
     for a, b in [(0, 2**31 - 1), (-3, 2**31 - 4), (12345, 12345 + 2**31 - 1), (7, 2**40 + 7)]:
         sa, sb = SamplingParams(n=4, seed=a), SamplingParams(n=4, seed=b)
         derived = [device_seed(p.for_sample(i).seed) for p in (sa, sb) for i in range(1, 4)]
