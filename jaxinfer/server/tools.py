@@ -33,10 +33,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from jaxinfer.server.errors import RequestError
-from jaxinfer.server.options import TOOL_PARSERS
 from jaxinfer.server.reasoning import held
 
-PARSERS = TOOL_PARSERS
 START, END = "<tool_call>", "</tool_call>"
 _BLOCKS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
