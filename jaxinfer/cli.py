@@ -102,7 +102,7 @@ def model_arg(a: argparse.Namespace) -> str:
     """The model the user named (positional or --model), else the shipped demo model's directory."""
     if getattr(a, "model", None) and getattr(a, "model_flag", None) and a.model != a.model_flag:
         raise ValueError(f"two models given: {a.model!r} and --model {a.model_flag!r}")
-    a.model = getattr(a, "model", None) or getattr(a, "model_flag", None)
+    a.model = getattr(a, "model", None) or getattr(a, "model_flag", None) or getattr(a, "config_model", None)
     if a.model:
         return a.model
     from jaxinfer.assets import demo_model_path

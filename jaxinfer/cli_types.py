@@ -153,14 +153,15 @@ def head_counts(text: str) -> tuple[int, int]:
 
 
 def config_file_args(argv: list[str], parser) -> list[str]:
-    """vLLM's `--config FILE` (YAML or JSON): its keys are flag names (dashes or underscores; `model` too), put
-    after the subcommand and before the other arguments, so the command line wins. true is the bare flag, false
-    its `--no-` form where there is one (else left out), a list the flag with its items, a mapping JSON (the
-    JSON-valued flags). A file that cannot be used is the parser's error (exit 2)."""
+    """vLLM's `--config FILE` (YAML or JSON): its keys are flag names (dashes or underscores; `model` is the
+    positional MODEL); they become the subcommand's defaults, so whatever the command line gives wins and nothing
+    it gives is taken as a flag's value. Returns argv without `--config FILE`; a file that cannot be used, or a key
+    that names no flag, is the parser's error (exit 2)."""
     import argparse
-    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
+    at = [i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")]
+    if not at:
         return argv
-    i = next(i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config="))
+    i = at[0]
     path = argv[i].partition("=")[2] if "=" in argv[i] else (argv[i + 1] if i + 1 < len(argv) else "")
     rest = argv[:i] + argv[i + (1 if "=" in argv[i] else 2):]
     if not path.endswith((".yaml", ".yml", ".json")):
@@ -175,16 +176,27 @@ def config_file_args(argv: list[str], parser) -> list[str]:
         parser.error(f"--config {path!r} cannot be read: {e}")
     if not isinstance(config, dict):
         parser.error(f"--config {path!r} must hold a mapping of flag names to values, got {config!r:.80}")
-    known = {o for a in parser._actions if isinstance(a, argparse._SubParsersAction)
-             for sub in a.choices.values() for o in sub._option_string_actions}
-    out = []
+    sub = next((a.choices.get(argv[0]) for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if sub is None:
+        parser.error("--config needs a subcommand before it (e.g. jaxinfer serve --config FILE)")
+    defaults = {}
     for key, value in config.items():
         flag = "--" + str(key).replace("_", "-")
-        if isinstance(value, bool):
-            no = "--no-" + flag[2:]
-            out += [flag] if value else [no] if no in known else []
-        elif isinstance(value, list):
-            out += [flag, *map(str, value)]
-        else:
-            out += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
-    return rest[:1] + out + rest[1:]
+        action = {"--model": None}.get(flag, sub._option_string_actions.get(flag))
+        if flag != "--model" and action is None:
+            parser.error(f"--config {path!r}: {key!r} names no flag of `{argv[0]}`")
+        dest = "config_model" if action is None else action.dest     # (a MODEL or --model given wins: model_arg)
+        conv = (lambda x: x) if action is None or action.type is None else action.type
+        many = action is not None and action.nargs in ("+", "*")
+        try:
+            if many:
+                value = [conv(str(x)) for x in (value if isinstance(value, list) else [value])]
+            elif not (isinstance(value, bool) or value is None):
+                value = conv(json.dumps(value) if isinstance(value, (dict, list)) else str(value))
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+            parser.error(f"--config {path!r}: {key}: {value!r:.80}: {e}")
+        if action is not None and action.choices and not set(value if many else [value]) <= set(action.choices):
+            parser.error(f"--config {path!r}: {key}: {value!r:.80} is not one of {list(action.choices)}")
+        defaults[dest] = value
+    sub.set_defaults(**defaults)
+    return rest

@@ -242,24 +242,32 @@ def test_sampling_flags_default_to_the_generation_config():
 
 
 def test_vllms_config_file(tmp_path, capsys):
-    """`serve --config FILE` (vLLM's): YAML or JSON keys are flags (dashes or underscores, `model` too); the
-    command line wins; false is the --no- form where there is one; lists and mappings as vLLM passes them."""
+    """`serve --config FILE` (vLLM's): YAML or JSON keys are flags (dashes or underscores; `model` the model); they
+    become defaults, so the command line wins, a MODEL given stays the model (a list-valued key must not swallow
+    it), false turns a flag off; lists and mappings as vLLM passes them; a bad file or key is exit 2."""
     ap = cli.build_parser()
 
     def parse(*argv):
         return ap.parse_args(cli.bare_flags(cli.dashed(cli.config_file_args(list(argv), ap)), cli.CHUNKED))
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: m\nport: 8123\nmax_model_len: 512\nenable-prefix-caching: false\nserved-model-name: [a, b]\n"
-                   "enable-auto-tool-choice: true\ntool-call-parser: hermes\nhf-overrides: {rope_theta: 5}\n")
+                   "enable-auto-tool-choice: true\ntool-call-parser: hermes\nhf-overrides: {rope_theta: 5}\n"
+                   "api-key: secret\n")
     a = parse("serve", "--config", str(cfg), "--port", "9000")
-    assert (a.model_flag, a.port, a.max_model_len, a.enable_prefix_caching, a.served_model_name) == \
-        ("m", 9000, 512, False, ["a", "b"])
+    assert (cli.model_arg(a), a.port, a.max_model_len, a.enable_prefix_caching, a.served_model_name, a.api_key) == \
+        ("m", 9000, 512, False, ["a", "b"], ["secret"])
     assert a.enable_auto_tool_choice is True and a.tool_call_parser == "hermes" and a.hf_overrides == {"rope_theta": 5}
+    for argv in (("serve", "tiny", "--config", str(cfg)), ("serve", "--config", str(cfg), "tiny"),
+                 ("serve", "--model", "tiny", "--config", str(cfg))):
+        a = parse(*argv)
+        assert cli.model_arg(a) == "tiny" and a.api_key == ["secret"], argv      # (the command line's model wins)
     js = tmp_path / "c.json"
-    js.write_text('{"api-key": "k", "disable_uvicorn_access_log": true}')
-    a = parse("serve", "m2", f"--config={js}")
-    assert (a.model, a.api_key, a.disable_uvicorn_access_log) == ("m2", ["k"], True)
-    for body, name, words in (("- 1", "l.yaml", "mapping"), ("{}", "c.toml", "YAML"), ("a: [", "b.yaml", "cannot be read")):
+    js.write_text('{"api-key": ["k", "k2"], "disable_uvicorn_access_log": true, "allowed-origins": ["http://a"]}')
+    a = parse("serve", "m2", f"--config={js}", "--api-key", "cli")
+    assert (a.model, a.api_key, a.disable_uvicorn_access_log, a.allowed_origins) == ("m2", ["cli"], True, '["http://a"]')
+    for body, name, words in (("- 1", "l.yaml", "mapping"), ("{}", "c.toml", "YAML"), ("a: [", "b.yaml", "cannot be read"),
+                              ("no-such-flag: 1", "u.yaml", "names no flag"), ("log-level: loud", "v.yaml", "not one of"),
+                              ("port: http", "w.yaml", "port")):
         (tmp_path / name).write_text(body)
         with pytest.raises(SystemExit) as e:
             parse("serve", "--config", str(tmp_path / name))

@@ -316,14 +316,22 @@ def test_vllms_http_flags(tiny_dir):
     assert len(new[0]) == 32 and new[0] != new[1]
     refused = off.get("/v1/models", headers={"X-Request-Id": "r1"})
     assert refused.status_code == 401 and refused.headers["x-request-id"] == "r1"
-    opts = ServerOptions(root_path="/api")              # (uvicorn's root_path, which run_api gives it)
-    assert TestClient(_app_without_core(tiny_dir), root_path=opts.uvicorn_kwargs()["root_path"]).get(
-        "/openapi.json").json()["servers"] == [{"url": "/api"}]
+    opts = ServerOptions(root_path="/api")              # (uvicorn's root_path, which run_api gives it; uvicorn puts it
+    proxied = TestClient(_app_without_core(tiny_dir, api_key="k", enable_request_id_headers=True),   # before the path)
+                         root_path=opts.uvicorn_kwargs()["root_path"])
+    assert proxied.get("/api/openapi.json").json()["servers"] == [{"url": "/api"}]
+    assert proxied.get("/api/v1/models").status_code == 401                 # the key is still asked for
+    assert proxied.get("/api/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+    docs = proxied.get("/api/docs").text                                    # the docs' links carry the prefix
+    assert "/api/openapi.json" in docs and ("/api/docs-static/" in docs or "fastapi-offline" in docs)
+    assert proxied.get("/api/nothing").json()["error"]["message"].endswith("GET /api/nothing")
     cors = TestClient(_app_without_core(tiny_dir, allowed_origins="http://a", allowed_methods="GET, POST",
-                                        allowed_headers='["X-Custom"]', allow_credentials=True))
+                                        allowed_headers='["X-Custom"]', allow_credentials=True,
+                                        enable_request_id_headers=True))
     ask = {"Origin": "http://a", "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "X-Custom"}
-    pre = cors.options("/v1/models", headers=ask)
+    pre = cors.options("/v1/models", headers={**ask, "X-Request-Id": "p1"})
     assert pre.status_code == 200 and pre.headers["access-control-allow-credentials"] == "true"
+    assert pre.headers["x-request-id"] == "p1"                              # (a preflight's answer too)
     assert "POST" in pre.headers["access-control-allow-methods"] and "DELETE" not in pre.headers[
         "access-control-allow-methods"]
     assert cors.options("/v1/models", headers={**ask, "Access-Control-Request-Method": "DELETE"}).status_code == 400
@@ -352,6 +360,9 @@ def test_https_with_vllms_ssl_flags(tiny_dir, tmp_path):
                    check=True, capture_output=True)
     from jaxinfer.server.options import ServerOptions
     from test_server import free_port
+    for bad in (dict(ssl_certfile=cert), dict(ssl_certfile=key, ssl_keyfile=cert)):   # at start-up, not after loading
+        with pytest.raises(ValueError, match="do not load as a PEM certificate"):
+            ServerOptions(**bad)
     opts = ServerOptions(ssl_keyfile=key, ssl_certfile=cert)
     assert opts.uvicorn_kwargs() == {"root_path": "", "ssl_keyfile": key, "ssl_certfile": cert, "ssl_ca_certs": None,
                                      "ssl_cert_reqs": 0}

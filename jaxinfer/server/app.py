@@ -15,7 +15,6 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
@@ -29,7 +28,7 @@ from jaxinfer.server import streams, tools
 from jaxinfer.server.admission import Admission
 from jaxinfer.server.client import CoreClient, EngineDeadError, RequestFailed
 from jaxinfer.server.docs import add_docs, package_version
-from jaxinfer.server.gate import Gate
+from jaxinfer.server.gate import add_middleware
 from jaxinfer.server.metrics import ServerMetrics
 from jaxinfer.server.options import ServerOptions
 from jaxinfer.server.process import CoreInfo
@@ -81,9 +80,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
                   openapi_url=None if options.disable_fastapi_docs else "/openapi.json")
     app.state.client, app.state.options, app.state.draining, app.state.active = None, options, False, 0
     app.state.hurry = 0.0                          # when a second signal came: in-flight requests end now (drain)
-    app.add_middleware(Gate, state=app.state)
-    if options.origins():          # outside the Gate: a browser's preflight needs no API key (as vLLM)
-        app.add_middleware(CORSMiddleware, **options.cors())
+    add_middleware(app, options)                   # the Gate (API key, drain, limits), CORS, request ids
     add_docs(app, off=options.disable_fastapi_docs)
 
     # -- errors: OpenAI's shape for all of them ----------------------------------------------------------
@@ -109,7 +106,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
-        where = f": {request.method} {request.url.path}" if e.status_code in (404, 405) else ""
+        where = f": {request.method} {request.scope['path']}" if e.status_code in (404, 405) else ""
         return JSONResponse(P.error_body(f"{e.detail}{where}", code=code), status_code=e.status_code,
                             headers=e.headers)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+from fastapi import Request
+
 STATIC = "/docs-static"
 
 
@@ -29,25 +31,30 @@ def add_docs(app, off: bool = False) -> None:
         from starlette.staticfiles import StaticFiles
         app.mount(STATIC, StaticFiles(directory=d), name="docs-static")
 
+    def root(request: Request) -> str:           # (behind --root-path the pages' links carry the prefix)
+        return request.scope.get("root_path", "").rstrip("/")
+
     @app.get("/docs", include_in_schema=False)
-    async def docs():
+    async def docs(request: Request):
+        r = root(request)
         if d is None:
             return HTMLResponse("<!doctype html><title>jaxinfer API</title><h1>jaxinfer API</h1><p>The interactive "
                                 "docs need the <code>fastapi-offline</code> package (its JS and CSS are served "
-                                "locally). The API schema: <a href='/openapi.json'>/openapi.json</a>. The "
+                                f"locally). The API schema: <a href='{r}/openapi.json'>{r}/openapi.json</a>. The "
                                 "endpoints and fields: docs/serving.md.</p>")
-        return get_swagger_ui_html(openapi_url=app.openapi_url, title="jaxinfer API",
-                                   swagger_js_url=f"{STATIC}/swagger-ui-bundle.js",
-                                   swagger_css_url=f"{STATIC}/swagger-ui.css",
-                                   swagger_favicon_url=f"{STATIC}/favicon.png")
+        return get_swagger_ui_html(openapi_url=r + app.openapi_url, title="jaxinfer API",
+                                   swagger_js_url=f"{r}{STATIC}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{r}{STATIC}/swagger-ui.css",
+                                   swagger_favicon_url=f"{r}{STATIC}/favicon.png")
 
     @app.get("/redoc", include_in_schema=False)
-    async def redoc():
+    async def redoc(request: Request):
+        r = root(request)
         if d is None:
-            return await docs()
-        return get_redoc_html(openapi_url=app.openapi_url, title="jaxinfer API",
-                              redoc_js_url=f"{STATIC}/redoc.standalone.js", redoc_favicon_url=f"{STATIC}/favicon.png",
-                              with_google_fonts=False)
+            return await docs(request)
+        return get_redoc_html(openapi_url=r + app.openapi_url, title="jaxinfer API",
+                              redoc_js_url=f"{r}{STATIC}/redoc.standalone.js",
+                              redoc_favicon_url=f"{r}{STATIC}/favicon.png", with_google_fonts=False)
 
 
 def package_version() -> str:

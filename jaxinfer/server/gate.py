@@ -11,7 +11,10 @@ middleware (Starlette's BaseHTTPMiddleware would wrap every streamed event of ev
   overloaded server refuses at the cost of one pass through this gate.
 - Body size: a Content-Length over the limit is refused (413) before the body is read; a chunked body is
   counted as it arrives and cut off the same way (an HTTPException(413) from the body read).
-- `--enable-request-id-headers` (vLLM's): every answer carries X-Request-Id, the request's own or a new id.
+- `--enable-request-id-headers` (vLLM's): every answer carries X-Request-Id, the request's own or a new id
+  (`RequestId`, outside CORS too, so a preflight's answer has one).
+Paths are the routes' own: behind `--root-path` uvicorn puts the prefix in front of them, and it is taken off here as
+Starlette's routing does (else no path would start with /v1/ and the API key would not be asked for).
 """
 from __future__ import annotations
 
@@ -31,14 +34,36 @@ def _json_response(status: int, message: str, type_: str, code: str | None, head
     return start, {"type": "http.response.body", "body": body}
 
 
-def _with_request_id(scope, send):
-    rid = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+def add_middleware(app, options) -> None:
+    """The Gate, then CORS outside it (a browser's preflight needs no API key, as vLLM's), then RequestId."""
+    from fastapi.middleware.cors import CORSMiddleware
+    app.add_middleware(Gate, state=app.state)
+    if options.origins():
+        app.add_middleware(CORSMiddleware, **options.cors())
+    if options.enable_request_id_headers:
+        app.add_middleware(RequestId)
 
-    async def sending(msg):
-        if msg["type"] == "http.response.start":
-            msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", rid)]}
-        await send(msg)
-    return sending
+
+def route_path(scope) -> str:
+    """The request's path without the root path uvicorn put in front of it (Starlette's routing takes it off)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
+
+
+class RequestId:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def sending(msg):
+            if msg["type"] == "http.response.start":
+                msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", rid)]}
+            await send(msg)
+        await self.app(scope, receive, sending)
 
 
 class Gate:
@@ -49,9 +74,7 @@ class Gate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        opts, path = self.state.options, scope["path"]
-        if opts.enable_request_id_headers:
-            send = _with_request_id(scope, send)
+        opts, path = self.state.options, route_path(scope)
         refused = None
         if opts.api_key is not None and path.startswith("/v1/") and not self._authorized(scope, opts.api_key):
             refused = _json_response(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",

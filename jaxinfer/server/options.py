@@ -118,6 +118,13 @@ class ServerOptions:
             raise ValueError("ssl_keyfile, ssl_ca_certs and ssl_cert_reqs need ssl_certfile (--ssl-certfile)")
         if self.ssl_cert_reqs not in (0, 1, 2):
             raise ValueError(f"ssl_cert_reqs={self.ssl_cert_reqs!r} must be 0, 1 or 2")
+        if self.ssl_certfile:                      # a certificate and key that do not load fail here, not after loading
+            import ssl
+            try:
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+            except (ssl.SSLError, OSError) as e:
+                raise ValueError(f"ssl_certfile={self.ssl_certfile!r} / ssl_keyfile={self.ssl_keyfile!r} do not load "
+                                 f"as a PEM certificate and its private key: {e}") from None
         if self.root_path is not None and not isinstance(self.root_path, str):
             raise ValueError(f"root_path={self.root_path!r} must be a string")
         self.cors()
