@@ -264,10 +264,11 @@ def test_vllms_config_file(tmp_path, capsys):
     js = tmp_path / "c.json"
     js.write_text('{"api-key": ["k", "k2"], "disable_uvicorn_access_log": true, "allowed-origins": ["http://a"]}')
     a = parse("serve", "m2", f"--config={js}", "--api-key", "cli")
-    assert (a.model, a.api_key, a.disable_uvicorn_access_log, a.allowed_origins) == ("m2", ["cli"], True, '["http://a"]')
-    for body, name, words in (("- 1", "l.yaml", "mapping"), ("{}", "c.toml", "YAML"), ("a: [", "b.yaml", "cannot be read"),
-                              ("no-such-flag: 1", "u.yaml", "names no flag"), ("log-level: loud", "v.yaml", "not one of"),
-                              ("port: http", "w.yaml", "port")):
+    got = (a.model, a.api_key, a.disable_uvicorn_access_log, a.allowed_origins)
+    assert got == ("m2", ["cli"], True, '["http://a"]')
+    for body, name, words in (("- 1", "l.yaml", "mapping"), ("{}", "c.toml", "YAML"),
+                              ("a: [", "b.yaml", "cannot be read"), ("no-such-flag: 1", "u.yaml", "names no flag"),
+                              ("log-level: loud", "v.yaml", "not one of"), ("port: http", "w.yaml", "port")):
         (tmp_path / name).write_text(body)
         with pytest.raises(SystemExit) as e:
             parse("serve", "--config", str(tmp_path / name))

@@ -513,7 +513,8 @@ def test_response_role_flag(server, url):
         body = dict(model=MODEL, max_tokens=2, temperature=0, messages=[{"role": "user", "content": "Hi"}])
         assert httpx.post(url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]["role"] == "bot"
         assert _sse(url, "/v1/chat/completions", body)[0]["choices"][0]["delta"]["role"] == "bot"
-        cont = {**body, "add_generation_prompt": False, "messages": [*body["messages"], {"role": "tool", "content": "x"}]}
+        turns = [*body["messages"], {"role": "tool", "content": "x"}]
+        cont = {**body, "add_generation_prompt": False, "messages": turns}
         assert httpx.post(url + "/v1/chat/completions", json=cont).json()["choices"][0]["message"]["role"] == "tool"
     finally:
         app.state.options = before
@@ -527,8 +528,8 @@ def test_logit_bias_and_allowed_token_ids(client, url):
                                   logit_bias={"77": 500}, extra_body={"ignore_eos": True, "return_token_ids": True})
     assert r.choices[0].model_extra["token_ids"] == [77] * 4
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-                                          temperature=1.0, extra_body={"allowed_token_ids": [40, 41], "ignore_eos": True,
-                                                                       "return_token_ids": True})
+                                          temperature=1.0, extra_body={"allowed_token_ids": [40, 41],
+                                                                       "ignore_eos": True, "return_token_ids": True})
     assert set(chat.choices[0].model_extra["token_ids"]) <= {40, 41}
     events = _sse(url, "/v1/completions", dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
                                                logit_bias={"300": 100}, ignore_eos=True, return_token_ids=True))
@@ -556,12 +557,12 @@ def test_vllms_prompt_logprobs(client, url, ref, tok):
             assert {k for k, v in plp[i].items() if v["rank"] <= 3} == set(best)
             assert entries[0][1]["decoded_token"] == tok(PROMPT[i]) or "\ufffd" in tok(PROMPT[i])
         assert all(len(top) <= 2 for top in c.logprobs.top_logprobs[1:])           # echo's own width (1)
-    chat = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                                          "max_tokens": 1, "prompt_logprobs": 0,
-                                                          "return_token_ids": True}).json()
+    hi = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": hi, "max_tokens": 1,
+                                                          "prompt_logprobs": 0, "return_token_ids": True}).json()
     assert len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"]) and chat["prompt_logprobs"][0] is None
     assert all(len(d) == 1 for d in chat["prompt_logprobs"][1:])
-    bad = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "prompt_logprobs": 2, "stream": True})
+    ask = {"model": MODEL, "prompt": "hi"}
+    bad = httpx.post(url + "/v1/completions", json={**ask, "prompt_logprobs": 2, "stream": True})
     assert bad.status_code == 400 and "not available when `stream=True`" in bad.json()["error"]["message"]
-    assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "prompt_logprobs": 21}).status_code \
-        == 400
+    assert httpx.post(url + "/v1/completions", json={**ask, "prompt_logprobs": 21}).status_code == 400
