@@ -46,8 +46,8 @@ def add_middleware(app, options) -> None:
 
 def route_path(scope) -> str:
     """The request's path without the root path uvicorn put in front of it (Starlette's routing takes it off)."""
-    path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root):] or "/" if root and path.startswith(root) else path
+    path, root = scope["path"], scope.get("root_path", "").rstrip("/")
+    return path[len(root):] or "/" if root and (path + "/").startswith(root + "/") else path
 
 
 class RequestId:
