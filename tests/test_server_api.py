@@ -534,6 +534,9 @@ def test_logit_bias_and_allowed_token_ids(client, url):
     events = _sse(url, "/v1/completions", dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
                                                logit_bias={"300": 100}, ignore_eos=True, return_token_ids=True))
     assert [t for e in events if e["choices"] for t in e["choices"][0].get("token_ids") or []] == [300] * 3
+    banned = httpx.post(url + "/v1/completions", json=dict(model=MODEL, prompt=PROMPT, max_tokens=4, min_tokens=2,
+                                                           stop_token_ids=[40], allowed_token_ids=[40]))
+    assert banned.status_code == 400 and "all stop or EOS ids" in banned.json()["error"]["message"]
     st = wait_idle(url)
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
 
