@@ -144,13 +144,11 @@ class SamplingParams:
             bad("stop_token_ids", f"holds {len(ids)} ids: with min_tokens at most {MAX_STOP_IDS_WITH_MIN_TOKENS}")
 
     def _check_bias(self, bad) -> None:
-        """logit_bias {token id: finite bias} and allowed_token_ids (non-empty), as a dict of ints to floats and a
-        list of distinct ints; at most MAX_BIASED ids."""
+        """logit_bias {id: finite bias}, allowed_token_ids (non-empty): {int: float}, distinct ints; <= MAX_BIASED."""
         lb, allowed = self.logit_bias, self.allowed_token_ids
         isid = lambda t: isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0   # noqa: E731
-        if lb is not None and (not isinstance(lb, dict) or not all(isid(k) and isinstance(v, numbers.Real) and not
-                                                                   isinstance(v, bool) and abs(v) < float("inf")
-                                                                   for k, v in lb.items())):
+        finite = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and abs(v) < float("inf")  # noqa
+        if lb is not None and (not isinstance(lb, dict) or not all(isid(k) and finite(v) for k, v in lb.items())):
             bad("logit_bias", "must be a dict of token ids (integers >= 0) to finite numbers, or None")
         if allowed is not None and (not isinstance(allowed, (list, tuple)) or not all(map(isid, allowed))):
             bad("allowed_token_ids", "must be a list of token ids (integers >= 0) or None")
@@ -158,9 +156,8 @@ class SamplingParams:
             bad("allowed_token_ids", "is not None and empty (vLLM's error): leave it None to allow every token")
         object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in lb.items()} or None if lb else None)
         object.__setattr__(self, "allowed_token_ids", list(dict.fromkeys(map(int, allowed))) if allowed else None)
-        if len(self.biased_ids()) > MAX_BIASED:
-            bad("allowed_token_ids" if allowed else "logit_bias", f"names {len(self.biased_ids())} ids: at most "
-                                                                   f"{MAX_BIASED}")
+        if (n := len(self.biased_ids())) > MAX_BIASED:
+            bad("allowed_token_ids" if allowed else "logit_bias", f"names {n} ids: at most {MAX_BIASED}")
 
     def biased_ids(self) -> list[int]:
         """The ids the step's bias entries hold: allowed_token_ids if given (the rest is masked), else logit_bias'."""
@@ -194,7 +191,7 @@ class SamplingParams:
     def from_optional(cls, **kwargs) -> "SamplingParams":
         """vLLM's: None arguments take the defaults; logit_bias keys become ints, biases clamped to [-100, 100]."""
         if kwargs.get("logit_bias"):
-            kwargs["logit_bias"] = {int(k): min(100.0, max(-100.0, v)) for k, v in kwargs["logit_bias"].items()}
+            kwargs["logit_bias"] = openai_bias(kwargs["logit_bias"])
         return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
     @property
@@ -290,8 +287,12 @@ def truncate(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
     return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
 
 
-def __getattr__(name: str):
-    """device_seed and batch_filter live in sampling.py now; their old import path still works."""
+def openai_bias(bias: dict) -> dict[int, float]:
+    """OpenAI's logit_bias as vLLM reads it: keys as ints (else ValueError), values clamped to [-100, 100]."""
+    return {int(k): min(100.0, max(-100.0, v)) for k, v in bias.items()}
+
+
+def __getattr__(name: str):     # device_seed and batch_filter live in sampling.py; the old import path still works
     if name in ("device_seed", "batch_filter"):
         from jaxinfer import sampling
         return getattr(sampling, name)

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import SamplingParams, openai_bias
 from jaxinfer.server.errors import ErrorResponse, RequestError, error_body  # noqa: F401  (the routes' names)
 from jaxinfer.server.tools import NamedToolChoice, Tool
 
@@ -186,7 +186,7 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
         kw["top_k"] = 0
     if req.logit_bias is not None:            # OpenAI's string keys; values clamped as vLLM's
         try:
-            kw["logit_bias"] = {int(k): min(100.0, max(-100.0, v)) for k, v in req.logit_bias.items()}
+            kw["logit_bias"] = openai_bias(req.logit_bias)
         except ValueError:
             raise RequestError(f"logit_bias keys must be token ids (integers as strings), got "
                                f"{list(req.logit_bias)[:4]!r:.80}", param="logit_bias") from None
