@@ -65,7 +65,7 @@ class LLM:
         # max_model_len unset (or -1): the model's, capped by the KV pool (vLLM: only for -1; unset, it refuses)
         with engine_numerics():                  # a user's JAX settings stay theirs (executables.engine_numerics)
             self.engine = create_engine(self.model_config, config, load, eos,
-                                        cap_max_model_len=requested.max_model_len is None)
+                                        cap_max_model_len=requested.max_model_len is None, tokenizer=self.tokenizer)
         self._eos = (frozenset(eos), primary_eos(self.tokenizer, eos))     # (stop_reason's)
         self.config = self.engine.config
         warn_if_slow_command_buffers()

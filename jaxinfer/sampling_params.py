@@ -6,6 +6,8 @@ import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
+from jaxinfer import bad_words
+
 MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
 MIN_TEMPERATURE = 0.01     # vLLM's floor for a positive temperature
 MAX_TEMPERATURE = 1e30     # float32 holds it and its inverse (1e300 would become inf, -inf logits NaN)
@@ -40,10 +42,10 @@ class SamplingParams:
     min_tokens: int = 0               # EOS, stop_token_ids and stop strings cannot end the output before this many
     detokenize: bool = True           # False: outputs carry token ids only (text "")
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens (-1: max_model_len of them)
+    bad_words: list[str] | None = None            # words the output must not contain (bad_words.py)
     # vLLM fields accepted with the value that describes jaxinfer (another value is a ValueError naming it):
     spaces_between_special_tokens: bool = True    # (vLLM applies it to slow tokenizers only; Qwen3's are fast)
     best_of: int | None = None                    # None or n (vLLM's V1 engine refuses best_of > n too)
-    bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     logit_bias: dict | None = None
     logits_processors: list | None = None
@@ -133,7 +135,8 @@ class SamplingParams:
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b != self.n):
             bad("best_of", f"is not supported: only None or best_of == n ({self.n})")
         self._check_bias(bad)
-        for name in ("bad_words", "logits_processors", "structured_outputs", "guided_decoding", "extra_args"):
+        object.__setattr__(self, "bad_words", bad_words.check(self.bad_words, bad))
+        for name in ("logits_processors", "structured_outputs", "guided_decoding", "extra_args"):
             v = getattr(self, name)                    # None, or empty: nothing to apply
             if v is not None and not (isinstance(v, (list, tuple, dict)) and not v):
                 bad(name, "is not supported by jaxinfer (leave it None)")
@@ -211,9 +214,9 @@ class SamplingParams:
 
     @property
     def needs_extras(self) -> bool:
-        """Penalties, logprobs, min_tokens, logit_bias or allowed_token_ids: the step's extras variant (step.Extras)."""
+        """Penalties, logprobs, min_tokens, logit_bias, allowed_token_ids or bad_words: the step's extras variant."""
         return self.has_penalties or self.logprobs is not None or self.prompt_logprobs is not None or \
-            self.min_tokens > 0 or self.has_bias
+            self.min_tokens > 0 or self.has_bias or bool(self.bad_words)
 
     @property
     def has_bias(self) -> bool:
@@ -223,9 +226,13 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    def check_vocab(self, vocab_size: int, error=ValueError, eos=()) -> None:
+    def check_vocab(self, vocab_size: int, error=ValueError, eos=(), tokenizer=None) -> None:
         """`error` (ValueError) for ids past the vocabulary (vLLM's check and words), or allowed_token_ids that are
-        all stop or `eos` ids banned by min_tokens (no token could be drawn)."""
+        all stop or `eos` ids banned by min_tokens (no token could be drawn). bad_words are tokenized with
+        `tokenizer` (vLLM's update_from_tokenizer; kept as its `_bad_words_token_ids`), refused if they cannot be."""
+        if self.bad_words:
+            object.__setattr__(self, "_bad_words_token_ids", bad_words.token_ids(tokenizer, self.bad_words,
+                                                                                vocab_size, error))
         ban = set(self.stop_token_ids) | set(eos) if self.min_tokens and self.allowed_token_ids else ()
         if ban and set(self.allowed_token_ids) <= ban:
             raise error(f"allowed_token_ids are all stop or EOS ids, which min_tokens={self.min_tokens} bans")
@@ -291,9 +298,3 @@ def openai_bias(bias: dict) -> dict[int, float]:
     """OpenAI's logit_bias as vLLM reads it: keys as ints (else ValueError), values clamped to [-100, 100]."""
     return {int(k): min(100.0, max(-100.0, v)) for k, v in bias.items()}
 
-
-def __getattr__(name: str):     # device_seed and batch_filter live in sampling.py; the old import path still works
-    if name in ("device_seed", "batch_filter"):
-        from jaxinfer import sampling
-        return getattr(sampling, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

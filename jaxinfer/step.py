@@ -19,7 +19,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model.attention import paged_attention_layer
 from jaxinfer.model.layers import decode_matmul
 from jaxinfer.model.qwen3 import compute_logits, forward, tp_size
-from jaxinfer.sampling import apply_bias, apply_penalties, logprob_stats, sample, sample_sharded
+from jaxinfer.sampling import sample, sample_sharded
 from jaxinfer.sampling_params import TOP_K_CANDIDATES
 
 _INT_FIELDS = ("token_ids", "positions", "slot_mapping", "prev_row")           # [T]
@@ -43,13 +43,15 @@ class Extras(NamedTuple):
     (a width of LOGPROB_WIDTHS). prompt_rows: prefill only: prompt tokens whose logprobs are computed.
     bans: per row up to BAN_WIDTH token ids that cannot be sampled (min_tokens: EOS and stop ids until then).
     bias: per row up to this many (token id, bias) entries added to its logits (logit_bias), and whether they are
-    the only ids it may sample (allowed_token_ids); 0: none."""
+    the only ids it may sample (allowed_token_ids); 0: none. bad_words: per row up to this many (token id,
+    condition) bans (bad_words.py: an id is banned when its condition is -1 or the row's input token); 0: none."""
     penalties: bool = False
     logprobs: bool = False
     top_n: int = 0
     prompt_rows: int = 0
     bans: bool = False
     bias: int = 0
+    bad_words: int = 0
 
 
 ALIGN = 64   # int32s: every field starts at a multiple of 256 bytes of the packed array (Mosaic GPU kernels
@@ -86,7 +88,9 @@ def extras_layout(T: int, B: int, W: int, extras: Extras) -> dict[str, tuple[int
                                                  *((f, extras.prompt_rows) for f in _EXTRA_TOKEN_FIELDS),
                                                  *([("ban_ids", B * BAN_WIDTH)] if extras.bans else []),
                                                  *([("bias_ids", B * extras.bias), ("bias_vals", B * extras.bias),
-                                                    ("bias_only", B)] if extras.bias else [])])
+                                                    ("bias_only", B)] if extras.bias else []),
+                                                 *([("bad_ids", B * extras.bad_words), ("bad_cond", B * extras.bad_words)]
+                                                   if extras.bad_words else [])])
     layout["_size"] = (off, 0)
     return layout
 
@@ -127,11 +131,12 @@ def make_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: s
     max_rows = max_rows or B
     mm = decode_matmul(B, interpret, tp_size(mesh)) if kind == "decode" else None    # small batches: gemv kernel
     if extras is not None:
+        from jaxinfer.extras_step import make_extras_step
         return make_extras_step(config, kind, T, B, W, backend, interpret, max_rows, filtered, mesh, extras)
 
     def step(params, kv_caches, packed, prev_ids, rows_buf=None):
         b = unpack(packed, T, B, W)
-        _, rows, kv_caches = _forward(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_ids, mm)
+        _, rows, kv_caches = forward_rows(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_ids, mm)
         logits = compute_logits(config, params, rows, mm)                          # [B, V'] fp32
         args = (logits, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["counters"], filtered)
         if tp_size(mesh) > 1:
@@ -183,7 +188,7 @@ def make_resample(config: ModelConfig, B: int, max_rows: int, mesh=None, filtere
     return resample
 
 
-def _forward(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_ids, mm):
+def forward_rows(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_ids, mm):
     """(token ids [T], the hidden states of the sampled rows [B, E], kv_caches) of one step. `mm`: the decode
     matmul chosen when the step was built (layers.decode_matmul; None: XLA's dot), not while it is traced."""
     prev = b["prev_row"]
@@ -201,82 +206,6 @@ def step_attention(config, kind, backend, meta, interpret, mesh, params, kv_cach
     stacked = L if len(kv_caches) == 1 and L > 1 else 0
     return paged_attention_layer(kind, backend, meta, interpret, mesh, kv_scales(params), stacked,
                                  kv_caches[0][0].shape[1])
-
-
-def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: str, interpret: bool,
-                     max_rows: int, filtered: bool | str, mesh, extras: Extras):
-    """`step(params, kv_caches, packed, prev_ids, counts) -> (ids, kv_caches, counts, logprobs)`.
-
-    counts (penalties only, else None): (prompt_seen [S, V] bool, output_counts [S, V] int32), one row per
-    penalty slot (`pen_slot`; S = a padding slot: dropped). Every token that enters the step is counted in its
-    row's slot as it goes in (prompt tokens as seen, later ones as outputs), so a row samples with the counts
-    of every token before it; a row whose chunk starts at position 0 clears its slot first (a new or
-    recomputed sequence: such requests never reuse the prefix cache, so they always start at 0).
-    logprobs: fp32 [B (if extras.logprobs) + Tp, 2 + 2 * top_n] (sampling.logprob_stats); only it leaves
-    the device, never [B, V]."""
-    V = config.vocab_size
-    mm = decode_matmul(B, interpret, tp_size(mesh)) if kind == "decode" else None    # as the plain step's logits
-
-    def step(params, kv_caches, packed, prev_ids, counts):
-        b = unpack(packed, T, B, W, extras)
-        token_ids, rows, kv_caches = _forward(config, kind, backend, interpret, mesh, params, kv_caches, b, prev_ids,
-                                              mm)
-        logits = _full_vocab(compute_logits(config, params, rows, mm), V, mesh)   # [B, V] fp32
-        raw = logits
-        if extras.bias:                                    # before the penalties, as vLLM's logits processors
-            logits = apply_bias(logits, b["bias_ids"].reshape(B, extras.bias), b["bias_vals"].reshape(B, extras.bias),
-                                b["bias_only"])
-        if extras.penalties:
-            counts = _count_tokens(counts, token_ids, b, kind == "prefill")
-            slot = b["pen_slot"]
-            seen, outs = (jnp.take(c, slot, axis=0, mode="fill", fill_value=0) for c in counts)   # [B, V] each
-            logits = apply_penalties(logits, seen, outs, b["repetition"], b["frequency"], b["presence"])
-        if extras.bans:                                    # (BAN_PAD is out of range: dropped)
-            ban = b["ban_ids"].reshape(B, BAN_WIDTH)
-            logits = logits.at[jnp.arange(B)[:, None], ban].set(-jnp.inf, mode="drop")
-        ids = sample(logits, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["counters"],
-                     filtered)
-        stats = []
-        if extras.logprobs:
-            stats.append(logprob_stats(raw, ids, extras.top_n))
-        if extras.prompt_rows:
-            plogits = _full_vocab(compute_logits(config, params, b["hidden"][b["plp_idx"]]), V, mesh)  # [Tp, V]
-            stats.append(logprob_stats(plogits, b["plp_target"], extras.top_n))
-        out = jnp.concatenate(stats) if stats else None
-        return jnp.pad(ids, (0, max_rows - B)), kv_caches, counts, out
-
-    return step
-
-
-def _full_vocab(logits, V: int, mesh):
-    """Logits split by vocabulary over "tp" gathered whole (the extras variant's penalties and logprobs
-    work on full rows), without the padding columns."""
-    if tp_size(mesh) > 1:
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
-    return logits[:, :V]
-
-
-def _count_tokens(counts, token_ids, b, prefill: bool):
-    """Add this step's tokens [T] to their rows' slots (see make_extras_step). Only a prefill step can start a
-    sequence at position 0 (clearing [B, V] of slots costs a pass over them: decode steps skip it)."""
-    seen, outs = counts
-    S = seen.shape[0]
-    T, B = token_ids.shape[0], b["pen_slot"].shape[0]
-    cu = b["cu_seqlens"]                                                           # [B + 1]
-    row = jnp.minimum(jnp.searchsorted(cu[1:], jnp.arange(T), side="right"), B)  # [T]; padding tokens -> B
-    slot_of_row = jnp.concatenate([b["pen_slot"], jnp.full((1,), S, jnp.int32)])  # [B + 1]
-    if prefill:
-        first = b["positions"][jnp.minimum(cu[:-1], T - 1)]                       # [B] first token's position
-        clear = jnp.where((first == 0) & (cu[1:] > cu[:-1]), b["pen_slot"], S)
-        seen = seen.at[clear].set(False, mode="drop")
-        outs = outs.at[clear].set(0, mode="drop")
-    slot = slot_of_row[row]
-    in_prompt = b["positions"] < jnp.concatenate([b["num_prompt"], jnp.zeros((1,), jnp.int32)])[row]
-    seen = seen.at[jnp.where(in_prompt, slot, S), token_ids].set(True, mode="drop")
-    outs = outs.at[jnp.where(in_prompt, S, slot), token_ids].add(1, mode="drop")
-    return seen, outs
 
 
 def jit_step(step, out_shardings=None, donate=(1,)):

@@ -128,6 +128,18 @@ def test_logit_bias_and_allowed_ids_tp2_equal_tp1(tp1, tp2, prompts):
     assert a == b and a[0] == [508] * 6 and set(a[1]) <= {2, 508, 100}
 
 
+def test_bad_words_tp2_equal_tp1(tp1, tp2, prompts):
+    """bad_words on the vocabulary-split logits (509 ids, padded): the same tokens as tp=1 beside a plain row, and the
+    banned word's token is not sampled."""
+    tok = tp1.get_tokenizer()
+    plain = run(tp1, prompts[:1], [GREEDY])[0]
+    word = next(w for t in plain if (w := tok.decode([t])).strip() and not w[0].isspace() and
+                tok.encode(w, add_special_tokens=False) == [t])
+    sp = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word]), GREEDY]
+    a, b = (run(tp, prompts[:2], sp) for tp in (tp1, tp2))
+    assert a == b and a[0] != plain and tok.encode(word, add_special_tokens=False)[0] not in a[0]
+
+
 def test_weights_and_cache_really_split(tp2):
     runner, tp = tp2.engine.runner, 2
     assert {d.id for d in runner.placement.devices} == {0, 1}

@@ -541,6 +541,36 @@ def test_logit_bias_and_allowed_token_ids(client, url):
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
 
 
+def test_bad_words(client, url, tiny_dir):
+    """vLLM's bad_words through the openai client: the greedy answer's first token, banned as a word, is not
+    sampled (completions and chat, streamed too); a word that makes no token or a list that is not of strings is a
+    400 naming bad_words; the KV blocks all come back."""
+    from jaxinfer import bad_words as bw
+    from jaxinfer.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(tiny_dir)
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, ignore_eos=True, return_token_ids=True)
+    plain = httpx.post(url + "/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    word = next(w for t in plain if (w := tokenizer.decode([t])).strip() and not w[0].isspace() and
+                tokenizer.encode(w, add_special_tokens=False) == [t])
+    banned = {s[0] for s in bw.token_ids(tokenizer, [word], 10**6) if len(s) == 1}
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                  extra_body={"bad_words": [word], "ignore_eos": True, "return_token_ids": True})
+    got = r.choices[0].model_extra["token_ids"]
+    assert got != plain and not banned & set(got) and banned & set(plain)
+    events = _sse(url, "/v1/completions", {**body, "bad_words": [word]})
+    assert [t for e in events if e["choices"] for t in e["choices"][0].get("token_ids") or []] == got
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                          temperature=0.9, seed=2, extra_body={"bad_words": [word], "ignore_eos": True,
+                                                                               "return_token_ids": True})
+    assert not banned & set(chat.choices[0].model_extra["token_ids"])
+    for bad in ([""], "x", [3]):
+        r = httpx.post(url + "/v1/completions", json={**body, "bad_words": bad})
+        assert r.status_code == 400 and "bad_words" in (r.json()["error"]["param"] or "") + \
+            r.json()["error"]["message"], (bad, r.text)
+    st = wait_idle(url)
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
 def test_vllms_prompt_logprobs(client, url, ref, tok):
     """vLLM's prompt_logprobs: per prompt token None (the first) or {id: {logprob, rank, decoded_token}}, the token
     first, then the k most likely; on completion choices (every sample of n) and at the top of a chat answer; with

@@ -9,6 +9,7 @@ import bisect
 
 import numpy as np
 
+from jaxinfer import bad_words
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.scheduler import ScheduledBatch
 from jaxinfer.engine.sequence import PLACEHOLDER
@@ -142,7 +143,7 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
     (pen_slots; num_pen_slots = none), prompt length and penalties, then the prompt tokens whose logprobs
     this step computes: their index in the step's tokens and the prompt token that follows each; with bans, the
     ids each row may not sample (min_tokens not reached: its stop_token_ids and the `eos` ids); with bias, each row's
-    logit_bias / allowed_token_ids entries. Returns
+    logit_bias / allowed_token_ids entries; with bad_words, its bans. Returns
     (packed, [(seq, position of the token whose logprob it is), ...] per prompt-logprob entry)."""
     layout = extras_layout(T, B, W, extras)
     buf = np.zeros(layout["_size"][0], np.int32)
@@ -175,6 +176,13 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
             ids[i, :len(got)] = got
             vals[i, :len(got)] = [(p.logit_bias or {}).get(t, 0.0) for t in got]
             f["bias_only"][i] = bool(p.allowed_token_ids)
+    if extras.bad_words:                # (id, condition) bans for the token each row samples (bad_words.entries)
+        ids, cond = (f[k].reshape(B, extras.bad_words) for k in ("bad_ids", "bad_cond"))
+        ids[:] = BAN_PAD
+        for i, seq in enumerate(seqs):
+            got = bad_words.entries(seq.bad_words_ids, seq.token_ids[seq.num_prompt_tokens:], seq.num_pending)
+            ids[i, :len(got)] = [t for t, _ in got]
+            cond[i, :len(got)] = [c for _, c in got]
     where: list[tuple] = []
     if extras.prompt_rows:
         t = 0

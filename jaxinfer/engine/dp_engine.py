@@ -34,15 +34,20 @@ _NOT_SUMMED = ("block_size", "kv_cache_dtype")
 
 
 def create_engine(model: ModelConfig, config: EngineConfig, load: Callable[[Placement], dict],
-                  eos_token_ids: tuple[int, ...] = (), cap_max_model_len: bool = False):
+                  eos_token_ids: tuple[int, ...] = (), cap_max_model_len: bool = False, tokenizer=None):
     """The engine for `config.tensor_parallel_size` x `config.data_parallel_size` devices (the first ones).
-    load(placement) -> params placed on that placement's devices (e.g. `load_params(..., placement=p)`)."""
+    load(placement) -> params placed on that placement's devices (e.g. `load_params(..., placement=p)`).
+    tokenizer: what requests' bad_words are tokenized with (LLMEngine.tokenizer)."""
     placements = make_placements(config.tensor_parallel_size, config.data_parallel_size)
     placements[0].check(model)            # heads that do not divide: before any weight is read
     check_backend(config.attn_backend, model)
     if len(placements) == 1:
-        return LLMEngine(model, config, load(placements[0]), eos_token_ids, cap_max_model_len, placements[0])
-    return DPEngine(model, config, load, eos_token_ids, placements, cap_max_model_len)
+        engine = LLMEngine(model, config, load(placements[0]), eos_token_ids, cap_max_model_len, placements[0])
+    else:
+        engine = DPEngine(model, config, load, eos_token_ids, placements, cap_max_model_len)
+    for replica in getattr(engine, "replicas", [engine]):
+        replica.tokenizer = tokenizer
+    return engine
 
 
 def outstanding(q: Sequence) -> int:

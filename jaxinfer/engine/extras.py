@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import bad_words
 from jaxinfer.engine.batch import pack_extras
 from jaxinfer.engine.runner import compile_threads, program_switches
 from jaxinfer.engine.scheduler import PROMPT_LOGPROB_TOKENS
@@ -41,11 +42,12 @@ def choose(batch) -> Extras | None:
     prompt = batch.is_prefill and any(p.prompt_logprobs is not None for p in ps)
     bans = any(s.banning for s in batch.seqs)
     bias = bias_width(ps)
-    if not (penalties or asks or prompt or bans or bias):
+    bad = bad_words.width(max(len(s.bad_words_ids) for s in batch.seqs))   # (at most one entry per sequence)
+    if not (penalties or asks or prompt or bans or bias or bad):
         return None
     n = max(asks + [p.prompt_logprobs for p in ps if prompt and p.prompt_logprobs is not None], default=0)
     top_n = next(w for w in LOGPROB_WIDTHS if w >= n)
-    return Extras(penalties, bool(asks), top_n, -1 if prompt else 0, bans, bias)   # -1: from the bucket (`key_for`)
+    return Extras(penalties, bool(asks), top_n, -1 if prompt else 0, bans, bias, bad)   # -1: from the bucket
 
 
 def bias_width(params) -> int:
@@ -188,8 +190,9 @@ def warmup_keys(cfg, widths: tuple[int, ...], runner: "ExtrasRunner", params) ->
     """The step variants (every bucket) that requests like `params` (penalties / logprobs) need; [] if none."""
     e = Extras(params.has_penalties, params.logprobs is not None,
                next(w for w in LOGPROB_WIDTHS if w >= max(params.logprobs or 0, params.prompt_logprobs or 0)), 0,
-               params.min_tokens > 0, bias_width([params]))
-    if not (e.penalties or e.logprobs or e.bans or e.bias or params.prompt_logprobs is not None):
+               params.min_tokens > 0, bias_width([params]),
+               bad_words.width(min(2 * len(params.bad_words or ()), bad_words.MAX_SEQUENCES)))   # (the most)
+    if not (e.penalties or e.logprobs or e.bans or e.bias or e.bad_words or params.prompt_logprobs is not None):
         return []
     f = params.filter_kind
     keys = [("decode", B, B, W, f, e) for B in cfg.decode_buckets for W in widths]

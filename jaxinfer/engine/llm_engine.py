@@ -39,6 +39,7 @@ class LLMEngine:
         self.async_scheduling = engine.async_scheduling
         self.multistep = True             # K-step decode calls allowed (False: one step per call, for A/B runs)
         self.in_flight = None             # (batch, device ids) of the step dispatched but not read yet
+        self.tokenizer = None             # set by LLM: bad_words are tokenized with it (SamplingParams.check_vocab)
         # the pool is sized from one device's memory and its share of the KV (K'/tp kv heads)
         kv_model = placement.kv_view(model) if placement is not None else model
         device = placement.local_device if placement is not None else None
@@ -110,7 +111,7 @@ class LLMEngine:
                              f"prompt is longer than the maximum model length)")
         room = min(cfg.max_model_len, self.block_manager.num_blocks * cfg.block_size) - n
         params = params.clone().up_to(max(1, room))      # (clone: validated again: a stop list edited in place)
-        params.check_vocab(V, eos=self.scheduler.eos)
+        params.check_vocab(V, eos=self.scheduler.eos, tokenizer=self.tokenizer)
         need = -(-min(n + params.max_tokens - 1, cfg.max_model_len) // cfg.block_size)   # (the last token: no KV)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"{where} needs {need} KV blocks for {n} prompt + {params.max_tokens} output tokens "

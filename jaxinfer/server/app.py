@@ -135,7 +135,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         for ids in encoded:
             sp = P.sampling_params(req, len(ids), max_model_len, default_max_tokens, logprobs, prompt_logprobs,
                                    pool_tokens=limits["num_blocks"] * limits["block_size"], defaults=defaults, cap=cap)
-            P.check_request(ids, sp, limits, param)
+            P.check_request(ids, sp, limits, param, tokenizer)
             ids_list.append(ids)
             params.append(sp)
         items = C.expand(ids_list, params, req.n or 1, stream_prompt_logprobs=stream)

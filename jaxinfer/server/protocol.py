@@ -26,7 +26,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (), "logits_processors": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "use_beam_search": (False,), "length_penalty": (1.0,),
-    "bad_words": ([],), "chat_template": (), "documents": (), "mm_processor_kwargs": (), "priority": (0,),
+    "chat_template": (), "documents": (), "mm_processor_kwargs": (), "priority": (0,),
     "request_id": (),
 }
 IGNORED = ("user", "store", "metadata", "service_tier")      # bookkeeping fields with no effect on the output
@@ -98,6 +98,7 @@ class _Request(BaseModel):
                                                                   "(clamped to [-100, 100])")
     allowed_token_ids: list[Annotated[int, Field(ge=0, lt=2**63)]] | None = Field(
         None, description="vLLM: only these tokens may be sampled")
+    bad_words: list[str] | None = Field(None, description="vLLM: words the output must not contain")
 
 
 class CompletionRequest(_Request):
@@ -149,7 +150,8 @@ class ChatCompletionRequest(_Request):
 # -- request -> engine ---------------------------------------------------------------------------------------
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
                 "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens",
-                "spaces_between_special_tokens", "include_stop_str_in_output", "min_tokens", "truncate_prompt_tokens")
+                "spaces_between_special_tokens", "include_stop_str_in_output", "min_tokens", "truncate_prompt_tokens",
+                "bad_words")
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -210,13 +212,15 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
 _FIELDS = set(SamplingParams.__dataclass_fields__)
 
 
-def check_request(ids: list[int], params: SamplingParams, limits: dict, param: str = "prompt") -> None:
+def check_request(ids: list[int], params: SamplingParams, limits: dict, param: str = "prompt",
+                  tokenizer=None) -> None:
     """The engine's own request check (LLMEngine.check_request), against the limits the core reported, so
-    that a bad prompt is a 400 before any streaming starts. The core checks again, authoritatively."""
+    that a bad prompt is a 400 before any streaming starts (bad_words: tokenized with `tokenizer`, as the core
+    does). The core checks again, authoritatively."""
     V, bs, nb = limits["vocab_size"], limits["block_size"], limits["num_blocks"]
     if bad := [t for t in ids if not 0 <= t < V]:
         raise RequestError(f"the prompt has token id {bad[0]!r} out of vocabulary: ids are in [0, {V})", param=param)
-    params.check_vocab(V, lambda message: RequestError(message, param=message.split()[0]))
+    params.check_vocab(V, lambda message: RequestError(message, param=message.split()[0]), tokenizer=tokenizer)
     need = -(-min(len(ids) + params.max_tokens - 1, limits["max_model_len"]) // bs)     # (the last token: no KV)
     if need > nb:
         raise RequestError(f"the request needs {need} KV blocks for {len(ids)} prompt + {params.max_tokens} output "

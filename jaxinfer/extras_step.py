@@ -1,0 +1,94 @@
+"""The extras variant of a step (step.make_step with `extras`): penalties, logprobs, prompt logprobs, and the
+logit edits of min_tokens, logit_bias / allowed_token_ids and bad_words, for the batches that need them."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.layers import decode_matmul
+from jaxinfer.model.qwen3 import compute_logits, tp_size
+from jaxinfer.sampling import apply_bias, apply_penalties, logprob_stats, sample
+from jaxinfer.step import BAN_PAD, BAN_WIDTH, Extras, forward_rows, unpack
+
+
+def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: str, interpret: bool,
+                     max_rows: int, filtered: bool | str, mesh, extras: Extras):
+    """`step(params, kv_caches, packed, prev_ids, counts) -> (ids, kv_caches, counts, logprobs)`.
+
+    counts (penalties only, else None): (prompt_seen [S, V] bool, output_counts [S, V] int32), one row per
+    penalty slot (`pen_slot`; S = a padding slot: dropped). Every token that enters the step is counted in its
+    row's slot as it goes in (prompt tokens as seen, later ones as outputs), so a row samples with the counts
+    of every token before it; a row whose chunk starts at position 0 clears its slot first (a new or
+    recomputed sequence: such requests never reuse the prefix cache, so they always start at 0).
+    logprobs: fp32 [B (if extras.logprobs) + Tp, 2 + 2 * top_n] (sampling.logprob_stats); only it leaves
+    the device, never [B, V]. Logits: logit_bias / allowed_token_ids, the penalties, then the bans (min_tokens,
+    bad_words: -inf stays -inf under a penalty, so the order of vLLM's processors is kept in effect)."""
+    V = config.vocab_size
+    mm = decode_matmul(B, interpret, tp_size(mesh)) if kind == "decode" else None    # as the plain step's logits
+
+    def step(params, kv_caches, packed, prev_ids, counts):
+        b = unpack(packed, T, B, W, extras)
+        token_ids, rows, kv_caches = forward_rows(config, kind, backend, interpret, mesh, params, kv_caches, b,
+                                                  prev_ids, mm)
+        logits = _full_vocab(compute_logits(config, params, rows, mm), V, mesh)   # [B, V] fp32
+        raw = logits
+        if extras.bias:                                    # before the penalties, as vLLM's logits processors
+            logits = apply_bias(logits, b["bias_ids"].reshape(B, extras.bias), b["bias_vals"].reshape(B, extras.bias),
+                                b["bias_only"])
+        if extras.penalties:
+            counts = _count_tokens(counts, token_ids, b, kind == "prefill")
+            slot = b["pen_slot"]
+            seen, outs = (jnp.take(c, slot, axis=0, mode="fill", fill_value=0) for c in counts)   # [B, V] each
+            logits = apply_penalties(logits, seen, outs, b["repetition"], b["frequency"], b["presence"])
+        rows_b = jnp.arange(B)[:, None]
+        if extras.bans:                                    # (BAN_PAD is out of range: dropped)
+            logits = logits.at[rows_b, b["ban_ids"].reshape(B, BAN_WIDTH)].set(-jnp.inf, mode="drop")
+        if extras.bad_words:                               # an entry bans its id when its condition holds
+            cond = b["bad_cond"].reshape(B, extras.bad_words)
+            hit = (cond < 0) | (cond == token_ids[b["sample_idx"]][:, None])   # the row's input token
+            ban = jnp.where(hit, b["bad_ids"].reshape(B, extras.bad_words), BAN_PAD)
+            logits = logits.at[rows_b, ban].set(-jnp.inf, mode="drop")
+        ids = sample(logits, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["counters"],
+                     filtered)
+        stats = []
+        if extras.logprobs:
+            stats.append(logprob_stats(raw, ids, extras.top_n))
+        if extras.prompt_rows:
+            plogits = _full_vocab(compute_logits(config, params, b["hidden"][b["plp_idx"]]), V, mesh)  # [Tp, V]
+            stats.append(logprob_stats(plogits, b["plp_target"], extras.top_n))
+        out = jnp.concatenate(stats) if stats else None
+        return jnp.pad(ids, (0, max_rows - B)), kv_caches, counts, out
+
+    return step
+
+
+def _full_vocab(logits, V: int, mesh):
+    """Logits split by vocabulary over "tp" gathered whole (the extras variant's penalties and logprobs
+    work on full rows), without the padding columns."""
+    if tp_size(mesh) > 1:
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
+    return logits[:, :V]
+
+
+def _count_tokens(counts, token_ids, b, prefill: bool):
+    """Add this step's tokens [T] to their rows' slots (see make_extras_step). Only a prefill step can start a
+    sequence at position 0 (clearing [B, V] of slots costs a pass over them: decode steps skip it)."""
+    seen, outs = counts
+    S = seen.shape[0]
+    T, B = token_ids.shape[0], b["pen_slot"].shape[0]
+    cu = b["cu_seqlens"]                                                           # [B + 1]
+    row = jnp.minimum(jnp.searchsorted(cu[1:], jnp.arange(T), side="right"), B)  # [T]; padding tokens -> B
+    slot_of_row = jnp.concatenate([b["pen_slot"], jnp.full((1,), S, jnp.int32)])  # [B + 1]
+    if prefill:
+        first = b["positions"][jnp.minimum(cu[:-1], T - 1)]                       # [B] first token's position
+        clear = jnp.where((first == 0) & (cu[1:] > cu[:-1]), b["pen_slot"], S)
+        seen = seen.at[clear].set(False, mode="drop")
+        outs = outs.at[clear].set(0, mode="drop")
+    slot = slot_of_row[row]
+    in_prompt = b["positions"] < jnp.concatenate([b["num_prompt"], jnp.zeros((1,), jnp.int32)])[row]
+    seen = seen.at[jnp.where(in_prompt, slot, S), token_ids].set(True, mode="drop")
+    outs = outs.at[jnp.where(in_prompt, S, slot), token_ids].add(1, mode="drop")
+    return seen, outs
