@@ -49,19 +49,21 @@ def token_ids(tokenizer, words: list[str], vocab_size: int, error=ValueError) ->
     return out
 
 
-def entries(sequences: list[list[int]], outputs: list[int], pending: int) -> list[tuple[int, int]]:
-    """(id, condition) bans for the token sampled after `outputs` (the tokens generated so far, of which the last
-    `pending` are still on the device: 0, or 1 when the step's input token is the one in flight)."""
-    n, out = len(outputs), {}
+def entries(sequences: list[list[int]], tail: list[int], pending: int, n: int | None = None) -> list[tuple[int, int]]:
+    """(id, condition) bans for the token sampled after the `n` tokens generated so far (default len(tail)), of
+    which `tail` holds the last ones (at least min(n, the longest sequence's length) of them) and the last `pending`
+    are still on the device: 0, or 1 when the step's input token is the one in flight."""
+    n = len(tail) if n is None else n
+    L, out = len(tail), {}
     for seq in sequences:
         m = len(seq)
         if m > n + 1:
             continue
         if m == 1:
             out[(seq[0], NO_COND)] = None
-        elif pending == 0 and outputs[n - m + 1:] == seq[:-1]:
+        elif pending == 0 and tail[L - m + 1:] == seq[:-1]:
             out[(seq[-1], NO_COND)] = None
-        elif pending == 1 and outputs[n - m + 1:n - 1] == seq[:-2]:   # the last one: the step's input token
+        elif pending == 1 and tail[L - m + 1:L - 1] == seq[:-2]:   # the last one: the step's input token
             out[(seq[-1], seq[-2])] = None
     return list(out)
 

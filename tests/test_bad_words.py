@@ -31,6 +31,8 @@ def test_entries_with_the_input_token_in_flight_equal_vllms_rule():
         want = vllm_bans(seqs, outputs)
         known = {t for t, c in bw.entries(seqs, outputs, 0)}
         assert all(c == bw.NO_COND for _, c in bw.entries(seqs, outputs, 0)) and known == want, (seqs, outputs)
+        tail = outputs[len(outputs) - min(len(outputs), max(map(len, seqs))):]     # (what the packer passes)
+        assert bw.entries(seqs, tail, 0, len(outputs)) == bw.entries(seqs, outputs, 0)
         if outputs:
             hidden = outputs[:-1] + [-1]                 # the in-flight token is a placeholder on the host
             got = {t for t, c in bw.entries(seqs, hidden, 1) if c == bw.NO_COND or c == outputs[-1]}
@@ -141,3 +143,12 @@ def test_sampled_outputs_never_hold_a_banned_sequence(llm):
             assert ids[i] not in vllm_bans(seqs, ids[:i]), (words, ids)
     assert [o.token_ids for o in outs] != [o.token_ids for o in runs]
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_warmup_extras_compiles_the_width_requests_use(llm):
+    """`warmup_extras` tokenizes the words to pick the variant's width: nine words of one token each (width 16) run
+    with nothing compiled after it."""
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, bad_words=["x"] * 9)
+    assert llm.engine.warmup_extras(sp) > 0
+    llm.generate(PROMPTS[0], sp, use_tqdm=False)
+    assert llm.stats()["compilations"] == 0

@@ -179,8 +179,9 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
     if extras.bad_words:                # (id, condition) bans for the token each row samples (bad_words.entries)
         ids, cond = (f[k].reshape(B, extras.bad_words) for k in ("bad_ids", "bad_cond"))
         ids[:] = BAN_PAD
-        for i, seq in enumerate(seqs):
-            got = bad_words.entries(seq.bad_words_ids, seq.token_ids[seq.num_prompt_tokens:], seq.num_pending)
+        for i, seq in enumerate(seqs):           # (only the output's last tokens are read: not a copy of it all)
+            n, span = seq.num_scheduled_outputs, max(map(len, seq.bad_words_ids), default=0)
+            got = bad_words.entries(seq.bad_words_ids, seq.token_ids[len(seq) - min(n, span):], seq.num_pending, n)
             ids[i, :len(got)] = [t for t, _ in got]
             cond[i, :len(got)] = [c for _, c in got]
     where: list[tuple] = []

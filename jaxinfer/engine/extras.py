@@ -186,12 +186,13 @@ class ExtrasRunner:
             np.asarray(r.last_ids)
 
 
-def warmup_keys(cfg, widths: tuple[int, ...], runner: "ExtrasRunner", params) -> list:
-    """The step variants (every bucket) that requests like `params` (penalties / logprobs) need; [] if none."""
+def warmup_keys(cfg, widths: tuple[int, ...], runner: "ExtrasRunner", params, tokenizer=None) -> list:
+    """The step variants (every bucket) that requests like `params` (penalties / logprobs) need; [] if none.
+    tokenizer: what the engine tokenizes bad_words with (their token sequences set the variant's width)."""
+    seqs = bad_words.token_ids(tokenizer, params.bad_words, runner.runner.model.vocab_size) if params.bad_words else []
     e = Extras(params.has_penalties, params.logprobs is not None,
                next(w for w in LOGPROB_WIDTHS if w >= max(params.logprobs or 0, params.prompt_logprobs or 0)), 0,
-               params.min_tokens > 0, bias_width([params]),
-               bad_words.width(min(2 * len(params.bad_words or ()), bad_words.MAX_SEQUENCES)))   # (the most)
+               params.min_tokens > 0, bias_width([params]), bad_words.width(len(seqs)))
     if not (e.penalties or e.logprobs or e.bans or e.bias or e.bad_words or params.prompt_logprobs is not None):
         return []
     f = params.filter_kind

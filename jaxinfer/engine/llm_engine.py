@@ -272,7 +272,7 @@ class LLMEngine:
     def warmup_extras(self, params: SamplingParams) -> int:
         """Compile (and run once) the penalty / logprob step variants that requests like `params` need, for
         every bucket, so they are not compiled mid-run (e.g. before a benchmark). Returns how many."""
-        keys = extras_mod.warmup_keys(self.config, self.runner.widths, self.extras, params)
+        keys = extras_mod.warmup_keys(self.config, self.runner.widths, self.extras, params, self.tokenizer)
         if keys:
             self.extras.warmup(keys)
             self.compilations_at_warmup = self.compile_counter.count
