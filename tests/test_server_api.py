@@ -571,6 +571,22 @@ def test_bad_words(client, url, tiny_dir):
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
 
 
+def test_vllms_request_id(client, url):
+    """vLLM's answer ids: cmpl- / chatcmpl- and the X-Request-Id header if given, else the body's request_id, else a
+    new uuid; every chunk of a stream carries it."""
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"request_id": "mine-1"})
+    assert r.id == "cmpl-mine-1"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                          extra_body={"request_id": "body"}, extra_headers={"X-Request-Id": "hdr"})
+    assert chat.id == "chatcmpl-hdr"
+    events = _sse(url, "/v1/chat/completions", dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=3, request_id="s1"))
+    assert events and {e["id"] for e in events} == {"chatcmpl-s1"}
+    ids = [client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).id for _ in range(2)]
+    assert ids[0] != ids[1] and all(len(i) == len("cmpl-") + 32 for i in ids)
+    assert httpx.post(url + "/v1/completions", json=dict(prompt=PROMPT, request_id=5)).status_code == 400
+
+
 def test_vllms_prompt_logprobs(client, url, ref, tok):
     """vLLM's prompt_logprobs: per prompt token None (the first) or {id: {logprob, rank, decoded_token}}, the token
     first, then the k most likely; on completion choices (every sample of n) and at the top of a chat answer; with

@@ -169,7 +169,7 @@ def test_vllm_request_fields_this_server_refuses_are_named_as_unsupported():
     from jaxinfer.server import protocol as P
     msgs = [{"role": "user", "content": "hi"}]
     for field, value in (("chat_template", "{{ 1 }}"), ("documents", [{"text": "a"}]), ("priority", 3),
-                         ("request_id", "r1"), ("mm_processor_kwargs", {})):
+                         ("mm_processor_kwargs", {})):
         with pytest.raises(P.RequestError, match=f"{field}=.*not supported") as e:
             P.check_unsupported(P.ChatCompletionRequest(messages=msgs, **{field: value}))
         assert e.value.code == "unsupported_parameter" and e.value.param == field

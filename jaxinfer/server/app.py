@@ -238,7 +238,8 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         prompts, items = await prepare(req, asked, 16, k, P.engine_prompt_logprobs(req, k if req.echo else None),
                                        bool(req.stream))
         echoed = await off_loop(streams.echo_texts, tokenizer, asked, prompts, req) if req.echo else None
-        rid, model, n, texts = R.new_id("cmpl"), served_model_name, req.n or 1, R.token_texts(text_of, req)
+        rid, model, n = R.new_id("cmpl", request, req), served_model_name, req.n or 1
+        texts = R.token_texts(text_of, req)
         if req.stream:
             run = C.run(client(), tokenizer, items, True, metrics, t0, n, req.cache_salt)
             return streams.completion_stream(run, rid, model, prompts, n, req, texts, echoed)
@@ -259,7 +260,8 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         prompt, role, echo = await off_loop(CP.chat_prompt, tokenizer, req, calls.tools, role)
         think = reasoning.thinking_closed(app.state.options.reasoning_parser, prompt, CP.chat_template_kwargs(req))
         prompts, items = await prepare(req, [prompt], None, k, P.engine_prompt_logprobs(req), bool(req.stream))
-        rid, model, ids = R.new_id("chatcmpl"), served_model_name, prompts[0] if req.return_token_ids else None
+        rid, model = R.new_id("chatcmpl", request, req), served_model_name
+        ids = prompts[0] if req.return_token_ids else None
         if req.stream:
             run = C.run(client(), tokenizer, items, True, metrics, t0, len(items), req.cache_salt)
             return streams.chat_stream(run, rid, model, prompts, len(items), req, text_of, role, echo, think, calls)

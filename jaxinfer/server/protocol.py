@@ -27,7 +27,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "use_beam_search": (False,), "length_penalty": (1.0,),
     "chat_template": (), "documents": (), "mm_processor_kwargs": (), "priority": (0,),
-    "request_id": (),
 }
 IGNORED = ("user", "store", "metadata", "service_tier")      # bookkeeping fields with no effect on the output
 
@@ -99,6 +98,8 @@ class _Request(BaseModel):
     allowed_token_ids: list[Annotated[int, Field(ge=0, lt=2**63)]] | None = Field(
         None, description="vLLM: only these tokens may be sampled")
     bad_words: list[str] | None = Field(None, description="vLLM: words the output must not contain")
+    request_id: str | None = Field(None, description="vLLM: the answer's id is cmpl- / chatcmpl- and this (an "
+                                                     "X-Request-Id header wins)")
 
 
 class CompletionRequest(_Request):

@@ -83,8 +83,11 @@ class ChatCompletionResponse(BaseModel):
 
 
 # -- builders -----------------------------------------------------------------------------------------------
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, request=None, req=None) -> str:
+    """An answer's id as vLLM's: `prefix`-, then the X-Request-Id header of `request` if it has one, else the
+    body's `request_id` (vLLM's field), else a new uuid."""
+    given = request.headers.get("X-Request-Id") if request is not None else None
+    return f"{prefix}-{given if given is not None else getattr(req, 'request_id', None) or uuid.uuid4().hex}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
