@@ -32,6 +32,10 @@ def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, bac
         token_ids, rows, kv_caches = forward_rows(config, kind, backend, interpret, mesh, params, kv_caches, b,
                                                   prev_ids, mm)
         logits = _full_vocab(compute_logits(config, params, rows, mm), V, mesh)   # [B, V] fp32
+        last = token_ids[b["sample_idx"]][:, None]                                # [B, 1] each row's input token
+        if extras.choice:             # structured outputs first (vLLM applies its grammar mask before the sampler)
+            logits = _only_entries(logits, b["choice_ids"].reshape(B, extras.choice),
+                                   b["choice_cond"].reshape(B, extras.choice), last, b["choice_on"])
         raw = logits
         if extras.bias:                                    # before the penalties, as vLLM's logits processors
             logits = apply_bias(logits, b["bias_ids"].reshape(B, extras.bias), b["bias_vals"].reshape(B, extras.bias),
@@ -46,7 +50,7 @@ def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, bac
             logits = logits.at[rows_b, b["ban_ids"].reshape(B, BAN_WIDTH)].set(-jnp.inf, mode="drop")
         if extras.bad_words:                               # an entry bans its id when its condition holds
             cond = b["bad_cond"].reshape(B, extras.bad_words)
-            hit = (cond < 0) | (cond == token_ids[b["sample_idx"]][:, None])   # the row's input token
+            hit = (cond < 0) | (cond == last)
             ban = jnp.where(hit, b["bad_ids"].reshape(B, extras.bad_words), BAN_PAD)
             logits = logits.at[rows_b, ban].set(-jnp.inf, mode="drop")
         ids = sample(logits, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["counters"],
@@ -61,6 +65,15 @@ def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, bac
         return jnp.pad(ids, (0, max_rows - B)), kv_caches, counts, out
 
     return step
+
+
+def _only_entries(logits, ids, cond, last, on):
+    """Rows with `on` keep only the ids [B, N] of entries whose condition [B, N] is -1 or their input token `last`
+    [B, 1]; the rest of such a row is -inf (BAN_PAD ids are padding)."""
+    ids = jnp.where((cond < 0) | (cond == last), ids, BAN_PAD)
+    kept = jnp.take_along_axis(logits, jnp.minimum(ids, logits.shape[1] - 1), axis=1)
+    only = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], ids].set(kept, mode="drop")
+    return jnp.where(on[:, None] != 0, only, logits)
 
 
 def _full_vocab(logits, V: int, mesh):

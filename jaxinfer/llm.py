@@ -23,8 +23,8 @@ from jaxinfer.hub import load_weights, model_config_for
 from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, eos_ids, logprobs_of,
                                        prompt_logprobs_of, primary_eos, stop_reason, text_ids)
 from jaxinfer.outputs import CompletionOutput, RequestOutput
-from jaxinfer.prompts import Prompt
-from jaxinfer.sampling_params import SamplingParams, per_prompt, truncate
+from jaxinfer.prompts import Prompt, truncate
+from jaxinfer.sampling_params import SamplingParams, per_prompt
 from jaxinfer.tokenizer import load_tokenizer
 from jaxinfer.xla_options import warn_if_slow_command_buffers
 

@@ -260,3 +260,12 @@ def chat_prompts(tokenizer, messages, chat_template_kwargs: dict | None, *, tool
         raise ValueError(f"messages must be a conversation (list of dicts) or a list of them, got {messages!r:.80}")
     return [render_chat(tokenizer, c, chat_template_kwargs, tools=tools,
                         chat_template_content_format=chat_template_content_format, **template_args) for c in convs]
+
+
+def truncate(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """A prompt's ids cut to its last `keep` (SamplingParams.truncate_prompt_tokens; -1: max_model_len)."""
+    if keep is not None and keep > max_model_len:         # as vLLM
+        raise ValueError(f"truncate_prompt_tokens={keep} is greater than max_model_len={max_model_len}: select a "
+                         f"smaller truncation size")
+    keep = max_model_len if keep == -1 else keep
+    return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]

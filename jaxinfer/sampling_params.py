@@ -6,7 +6,8 @@ import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
-from jaxinfer import bad_words
+from jaxinfer import bad_words, structured
+from jaxinfer.structured import GuidedDecodingParams, StructuredOutputsParams  # noqa: F401  (vLLM's import path)
 
 MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
 MIN_TEMPERATURE = 0.01     # vLLM's floor for a positive temperature
@@ -136,7 +137,10 @@ class SamplingParams:
             bad("best_of", f"is not supported: only None or best_of == n ({self.n})")
         self._check_bias(bad)
         object.__setattr__(self, "bad_words", bad_words.check(self.bad_words, bad))
-        for name in ("logits_processors", "structured_outputs", "guided_decoding", "extra_args"):
+        object.__setattr__(self, "structured_outputs", structured.check(self.structured_outputs, self.guided_decoding,
+                                                                        bad))
+        object.__setattr__(self, "guided_decoding", None)        # (its older name: structured_outputs now holds it)
+        for name in ("logits_processors", "extra_args"):
             v = getattr(self, name)                    # None, or empty: nothing to apply
             if v is not None and not (isinstance(v, (list, tuple, dict)) and not v):
                 bad(name, "is not supported by jaxinfer (leave it None)")
@@ -216,7 +220,7 @@ class SamplingParams:
     def needs_extras(self) -> bool:
         """Penalties, logprobs, min_tokens, logit_bias, allowed_token_ids or bad_words: the step's extras variant."""
         return self.has_penalties or self.logprobs is not None or self.prompt_logprobs is not None or \
-            self.min_tokens > 0 or self.has_bias or bool(self.bad_words)
+            self.min_tokens > 0 or self.has_bias or bool(self.bad_words) or self.structured_outputs is not None
 
     @property
     def has_bias(self) -> bool:
@@ -233,6 +237,9 @@ class SamplingParams:
         if self.bad_words:
             object.__setattr__(self, "_bad_words_token_ids", bad_words.token_ids(tokenizer, self.bad_words,
                                                                                 vocab_size, error))
+        if self.structured_outputs is not None:       # (choice: which tokens spell it, structured.py)
+            object.__setattr__(self, "_choice_rule", structured.rule_for(self.structured_outputs.choice, tokenizer,
+                                                                         vocab_size, error))
         ban = set(self.stop_token_ids) | set(eos) if self.min_tokens and self.allowed_token_ids else ()
         if ban and set(self.allowed_token_ids) <= ban:
             raise error(f"allowed_token_ids are all stop or EOS ids, which min_tokens={self.min_tokens} bans")
@@ -283,15 +290,6 @@ def per_prompt(params, count: int, default: SamplingParams) -> list[SamplingPara
     if bad is not None:
         raise ValueError(f"sampling_params[{bad}] must be a SamplingParams, got {params[bad]!r:.80}")
     return params
-
-
-def truncate(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """A prompt's ids cut to its last `keep` (SamplingParams.truncate_prompt_tokens; -1: max_model_len)."""
-    if keep is not None and keep > max_model_len:         # as vLLM
-        raise ValueError(f"truncate_prompt_tokens={keep} is greater than max_model_len={max_model_len}: select a "
-                         f"smaller truncation size")
-    keep = max_model_len if keep == -1 else keep
-    return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
 
 
 def openai_bias(bias: dict) -> dict[int, float]:

@@ -44,7 +44,9 @@ class Extras(NamedTuple):
     bans: per row up to BAN_WIDTH token ids that cannot be sampled (min_tokens: EOS and stop ids until then).
     bias: per row up to this many (token id, bias) entries added to its logits (logit_bias), and whether they are
     the only ids it may sample (allowed_token_ids); 0: none. bad_words: per row up to this many (token id,
-    condition) bans (bad_words.py: an id is banned when its condition is -1 or the row's input token); 0: none."""
+    condition) bans (bad_words.py: an id is banned when its condition is -1 or the row's input token); 0: none.
+    choice: per row up to this many (token id, condition) entries, the only ids a constrained row may sample
+    (structured.py); 0: none."""
     penalties: bool = False
     logprobs: bool = False
     top_n: int = 0
@@ -52,6 +54,7 @@ class Extras(NamedTuple):
     bans: bool = False
     bias: int = 0
     bad_words: int = 0
+    choice: int = 0
 
 
 ALIGN = 64   # int32s: every field starts at a multiple of 256 bytes of the packed array (Mosaic GPU kernels
@@ -84,13 +87,15 @@ def batch_layout(T: int, B: int, W: int) -> dict[str, tuple[int, int]]:
 def extras_layout(T: int, B: int, W: int, extras: Extras) -> dict[str, tuple[int, int]]:
     """batch_layout plus the extras fields at its end (the plain step's layout is unchanged)."""
     layout = dict(batch_layout(T, B, W))
+    e, bad, choice = extras, extras.bad_words, extras.choice
     off = _place(layout, layout.pop("_size")[0], [*((f, B) for f in _EXTRA_ROW_FIELDS),
-                                                 *((f, extras.prompt_rows) for f in _EXTRA_TOKEN_FIELDS),
-                                                 *([("ban_ids", B * BAN_WIDTH)] if extras.bans else []),
-                                                 *([("bias_ids", B * extras.bias), ("bias_vals", B * extras.bias),
-                                                    ("bias_only", B)] if extras.bias else []),
-                                                 *([("bad_ids", B * extras.bad_words), ("bad_cond", B * extras.bad_words)]
-                                                   if extras.bad_words else [])])
+                                                 *((f, e.prompt_rows) for f in _EXTRA_TOKEN_FIELDS),
+                                                 *([("ban_ids", B * BAN_WIDTH)] if e.bans else []),
+                                                 *([("bias_ids", B * e.bias), ("bias_vals", B * e.bias),
+                                                    ("bias_only", B)] if e.bias else []),
+                                                 *([("bad_ids", B * bad), ("bad_cond", B * bad)] if bad else []),
+                                                 *([("choice_ids", B * choice), ("choice_cond", B * choice),
+                                                    ("choice_on", B)] if choice else [])])
     layout["_size"] = (off, 0)
     return layout
 

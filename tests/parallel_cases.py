@@ -140,6 +140,14 @@ def test_bad_words_tp2_equal_tp1(tp1, tp2, prompts):
     assert a == b and a[0] != plain and tok.encode(word, add_special_tokens=False)[0] not in a[0]
 
 
+def test_structured_choice_tp2_equal_tp1(tp1, tp2, prompts):
+    """structured_outputs' choice on the vocabulary-split logits: the same answers as tp=1, each one of the choices."""
+    choices = ["yes", "no", "maybe so"]
+    sp = [SamplingParams(temperature=t, seed=2, max_tokens=8, structured_outputs={"choice": choices}) for t in (0, 1.5)]
+    a, b = (run(tp, prompts[:2], sp) for tp in (tp1, tp2))
+    assert a == b and all(tp1.get_tokenizer().decode(ids, skip_special_tokens=True) in choices for ids in a)
+
+
 def test_weights_and_cache_really_split(tp2):
     runner, tp = tp2.engine.runner, 2
     assert {d.id for d in runner.placement.devices} == {0, 1}

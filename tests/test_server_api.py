@@ -587,6 +587,31 @@ def test_vllms_request_id(client, url):
     assert httpx.post(url + "/v1/completions", json=dict(prompt=PROMPT, request_id=5)).status_code == 400
 
 
+def test_structured_outputs_choice(client, url):
+    """vLLM's structured_outputs {"choice": [...]} and older guided_choice: every answer (n samples, chat, streamed)
+    is one of the choices; other kinds, both forms at once, and a choice the tokenizer cannot spell are 400s naming
+    structured_outputs."""
+    choices = ["positive", "negative", "neutral"]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.5, seed=3, n=4,
+                                  extra_body={"structured_outputs": {"choice": choices}})
+    assert all(c.text in choices and c.finish_reason == "stop" for c in r.choices)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
+                                          temperature=0, extra_body={"guided_choice": ["yes", "no"]})
+    assert chat.choices[0].message.content in ("yes", "no")
+    events = _sse(url, "/v1/chat/completions", dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=12, temperature=0, guided_choice=["yes", "no"]))
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert text == chat.choices[0].message.content
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=4)
+    for bad in ({"structured_outputs": {"json": {"type": "object"}}}, {"structured_outputs": {"choice": []}},
+                {"structured_outputs": {"choice": ["a"]}, "guided_choice": ["b"]},
+                {"guided_choice": ["\u2603"]}):
+        r = httpx.post(url + "/v1/completions", json={**body, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", (bad, r.text)
+    st = wait_idle(url)
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
 def test_vllms_prompt_logprobs(client, url, ref, tok):
     """vLLM's prompt_logprobs: per prompt token None (the first) or {id: {logprob, rank, decoded_token}}, the token
     first, then the k most likely; on completion choices (every sample of n) and at the top of a chat answer; with

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from jaxinfer.sampling_params import SamplingParams, truncate
+from jaxinfer.prompts import truncate
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import ByteTokenizer
 
 

@@ -143,7 +143,7 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
     (pen_slots; num_pen_slots = none), prompt length and penalties, then the prompt tokens whose logprobs
     this step computes: their index in the step's tokens and the prompt token that follows each; with bans, the
     ids each row may not sample (min_tokens not reached: its stop_token_ids and the `eos` ids); with bias, each row's
-    logit_bias / allowed_token_ids entries; with bad_words, its bans. Returns
+    logit_bias / allowed_token_ids entries; with bad_words, its bans; with choice, the ids it may sample. Returns
     (packed, [(seq, position of the token whose logprob it is), ...] per prompt-logprob entry)."""
     layout = extras_layout(T, B, W, extras)
     buf = np.zeros(layout["_size"][0], np.int32)
@@ -184,6 +184,15 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
             got = bad_words.entries(seq.bad_words_ids, seq.token_ids[len(seq) - min(n, span):], seq.num_pending, n)
             ids[i, :len(got)] = [t for t, _ in got]
             cond[i, :len(got)] = [c for _, c in got]
+    if extras.choice:                   # structured outputs' choice: the ids each constrained row may sample
+        ids, cond = (f[k].reshape(B, extras.choice) for k in ("choice_ids", "choice_cond"))
+        ids[:] = BAN_PAD
+        for i, seq in enumerate(seqs):
+            if seq.choice is not None:
+                got = seq.choice.entries(seq.token_ids[seq.num_prompt_tokens:], seq.num_pending, eos)
+                ids[i, :len(got)] = [t for t, _ in got]
+                cond[i, :len(got)] = [c for _, c in got]
+                f["choice_on"][i] = 1
     where: list[tuple] = []
     if extras.prompt_rows:
         t = 0

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import bad_words
+from jaxinfer import bad_words, structured
 from jaxinfer.engine.batch import pack_extras
 from jaxinfer.engine.runner import compile_threads, program_switches
 from jaxinfer.engine.scheduler import PROMPT_LOGPROB_TOKENS
@@ -43,11 +43,12 @@ def choose(batch) -> Extras | None:
     bans = any(s.banning for s in batch.seqs)
     bias = bias_width(ps)
     bad = bad_words.width(max(len(s.bad_words_ids) for s in batch.seqs))   # (at most one entry per sequence)
-    if not (penalties or asks or prompt or bans or bias or bad):
+    choice = max((s.choice.width for s in batch.seqs if s.choice is not None), default=0)
+    if not (penalties or asks or prompt or bans or bias or bad or choice):
         return None
     n = max(asks + [p.prompt_logprobs for p in ps if prompt and p.prompt_logprobs is not None], default=0)
     top_n = next(w for w in LOGPROB_WIDTHS if w >= n)
-    return Extras(penalties, bool(asks), top_n, -1 if prompt else 0, bans, bias, bad)   # -1: from the bucket
+    return Extras(penalties, bool(asks), top_n, -1 if prompt else 0, bans, bias, bad, choice)   # -1: from the bucket
 
 
 def bias_width(params) -> int:
@@ -189,11 +190,14 @@ class ExtrasRunner:
 def warmup_keys(cfg, widths: tuple[int, ...], runner: "ExtrasRunner", params, tokenizer=None) -> list:
     """The step variants (every bucket) that requests like `params` (penalties / logprobs) need; [] if none.
     tokenizer: what the engine tokenizes bad_words with (their token sequences set the variant's width)."""
-    seqs = bad_words.token_ids(tokenizer, params.bad_words, runner.runner.model.vocab_size) if params.bad_words else []
+    V, so = runner.runner.model.vocab_size, params.structured_outputs
+    seqs = bad_words.token_ids(tokenizer, params.bad_words, V) if params.bad_words else []
     e = Extras(params.has_penalties, params.logprobs is not None,
                next(w for w in LOGPROB_WIDTHS if w >= max(params.logprobs or 0, params.prompt_logprobs or 0)), 0,
-               params.min_tokens > 0, bias_width([params]), bad_words.width(len(seqs)))
-    if not (e.penalties or e.logprobs or e.bans or e.bias or e.bad_words or params.prompt_logprobs is not None):
+               params.min_tokens > 0, bias_width([params]), bad_words.width(len(seqs)),
+               structured.rule_for(so.choice, tokenizer, V).width if so is not None else 0)
+    if not (e.penalties or e.logprobs or e.bans or e.bias or e.bad_words or e.choice or
+            params.prompt_logprobs is not None):
         return []
     f = params.filter_kind
     keys = [("decode", B, B, W, f, e) for B in cfg.decode_buckets for W in widths]

@@ -171,10 +171,10 @@ class Scheduler:
         is busy anyway while the host prepares the next)."""
         if batch.is_prefill or not ks or self.waiting:
             return 1
-        # the extras variant's rows (penalties, logprobs, bans, bias, bad words) run one step a call (no K-step form)
+        # the extras variant's rows (penalties, logprobs, bans, bias, bad words, choice) run one step a call
         if any(s.filter_kind is True or len(self.stop_ids(s)) > max_stop_ids or s.needs_extras and (
                 s.params.has_penalties or s.params.logprobs is not None or s.banning or s.params.has_bias or
-                s.bad_words_ids) for s in batch.seqs):
+                s.bad_words_ids or s.choice) for s in batch.seqs):
             return 1
         rem = [self.remaining(s) for s in batch.seqs]
         # none fits: the smallest K, unless it would run more than 3 masked steps (xla compiles K = 16 alone)

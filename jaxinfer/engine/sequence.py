@@ -44,6 +44,7 @@ class Sequence:
         self.hash_seed: bytes | None = None   # the chain's start: the request's cache_salt hashed (None: no salt)
         # params.bad_words as token sequences (SamplingParams.check_vocab, bad_words.token_ids)
         self.bad_words_ids: list[list[int]] = getattr(params, "_bad_words_token_ids", None) or []
+        self.choice = getattr(params, "_choice_rule", None)     # structured_outputs' choice (structured.ChoiceRule)
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.text = ""                    # detokenized output so far (kept only when stop strings need it)

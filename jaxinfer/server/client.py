@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import asdict, fields, is_dataclass
 
 import msgpack
 import zmq
@@ -152,8 +152,8 @@ class CoreClient:
             self.counters["requests"] += 1
             coll.rids.append(rid)
             self._requests[rid] = (coll, index)
-            cmd = ["add", rid, ids, {f.name: getattr(params, f.name) for f in fields(params)
-                                     if f.name != "stop"}]            # stop strings stay here
+            cmd = ["add", rid, ids, {f.name: asdict(v) if is_dataclass(v := getattr(params, f.name)) else v
+                                     for f in fields(params) if f.name != "stop"}]   # stop strings stay here
             has_source = sources is not None and sources[index] is not None
             self._command(cmd + [coll.rids[sources[index]] if has_source else None, cache_salt])
         return coll

@@ -24,7 +24,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (), "response_format": ({"type": "text"},),
     "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (), "logits_processors": (),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_json": (), "guided_regex": (), "guided_grammar": (),
     "use_beam_search": (False,), "length_penalty": (1.0,),
     "chat_template": (), "documents": (), "mm_processor_kwargs": (), "priority": (0,),
 }
@@ -100,6 +100,8 @@ class _Request(BaseModel):
     bad_words: list[str] | None = Field(None, description="vLLM: words the output must not contain")
     request_id: str | None = Field(None, description="vLLM: the answer's id is cmpl- / chatcmpl- and this (an "
                                                      "X-Request-Id header wins)")
+    structured_outputs: dict | None = Field(None, description='vLLM: {"choice": [...]}: the answer is one of them')
+    guided_choice: list[str] | None = Field(None, description="vLLM's older form of structured_outputs' choice")
 
 
 class CompletionRequest(_Request):
@@ -195,6 +197,9 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
                                f"{list(req.logit_bias)[:4]!r:.80}", param="logit_bias") from None
     if req.allowed_token_ids is not None:
         kw["allowed_token_ids"] = req.allowed_token_ids
+    if req.structured_outputs is not None or req.guided_choice is not None:     # (both given: SamplingParams refuses)
+        kw.update(structured_outputs=req.structured_outputs,
+                  guided_decoding=None if req.guided_choice is None else {"choice": req.guided_choice})
     if logprobs is not None:
         kw["logprobs"] = logprobs
     if prompt_logprobs is not None:

@@ -10,7 +10,7 @@ from typing import Literal
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, StrictInt
 
-from jaxinfer.sampling_params import truncate
+from jaxinfer.prompts import truncate
 from jaxinfer.server import chat_prompt as CP
 from jaxinfer.server import protocol as P
 

@@ -1,0 +1,159 @@
+"""vLLM's structured outputs, the `choice` kind: the output is exactly one of the given strings, then EOS.
+
+`SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))` (vLLM's; `guided_decoding` /
+`GuidedDecodingParams` are its older names; the server's `structured_outputs: {"choice": [...]}` and
+`guided_choice`). The other kinds (json, regex, grammar, json_object, structural_tag) are refused.
+
+As vLLM's grammar backends do, any tokenization spelling a choice is allowed, not only the tokenizer's own: after
+output text g, the tokens allowed are those whose text t makes g + t a prefix of a choice, and EOS once g is a
+choice. On the device these are (token id, condition) entries of the extras step (extras_step.py): a constrained
+row keeps only the ids whose condition is -1 or equals its input token, and masks the rest. The condition lets the
+host pack a step before it has read the one in flight (whose sampled token is this step's input): it then packs,
+for each token that step may have drawn, the tokens allowed after it. Such rows run one step a call.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, fields, replace
+
+NO_COND = -1
+WIDTHS = (16, 128, 1024)      # entries a row holds in a step (step.Extras.choice): the smallest that fits
+MAX_CHARS = 4096              # the choices' characters in all
+MAX_EOS = 8                   # EOS ids a finished choice allows (the first of them, sorted)
+_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # tokenizer -> (V, texts, ids by text)
+_RULES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # tokenizer -> {(V, choices): ChoiceRule}
+_SETTINGS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+
+
+@dataclass(eq=True, kw_only=True)
+class StructuredOutputsParams:
+    """vLLM's fields; jaxinfer applies `choice` (the others must stay unset)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+
+GuidedDecodingParams = StructuredOutputsParams        # (vLLM's older name)
+
+
+def check(value, legacy, bad) -> StructuredOutputsParams | None:
+    """SamplingParams' check of structured_outputs / guided_decoding (a StructuredOutputsParams or a dict of its
+    fields; None or {} for none): the choice kind only. `bad(field, why)` raises."""
+    given = [v for v in (value, legacy) if v is not None and v != {}]
+    if len(given) > 1:
+        bad("structured_outputs", "and guided_decoding are one setting (its older name): give one")
+    if not given:
+        return None
+    v, name = given[0], "structured_outputs" if given[0] is value else "guided_decoding"   # (the field given)
+    if isinstance(v, dict):
+        if unknown := set(v) - {f.name for f in fields(StructuredOutputsParams)}:
+            bad(name, f"has no field {sorted(unknown)[0]!r}")
+        v = StructuredOutputsParams(**v)
+    if not isinstance(v, StructuredOutputsParams):
+        bad(name, "must be a StructuredOutputsParams, a dict of its fields, or None")
+    kinds = [f.name for f in fields(v) if f.name not in _SETTINGS and getattr(v, f.name) not in (None, False)]
+    if kinds != ["choice"]:
+        bad(name, f"{kinds[0]} is not supported by jaxinfer (only choice)" if set(kinds) - {"choice"} else
+            "needs one kind: choice (a list of strings)")
+    c = v.choice
+    if not isinstance(c, (list, tuple)) or not c or not all(isinstance(x, str) and x for x in c):
+        bad(name, "choice must be a non-empty list of non-empty strings")
+    if sum(map(len, c)) > MAX_CHARS:
+        bad(name, f"choice holds {sum(map(len, c))} characters: at most {MAX_CHARS}")
+    return replace(v, choice=list(dict.fromkeys(c)))
+
+
+def token_table(tokenizer, vocab_size: int) -> tuple[list[str], dict[str, list[int]]]:
+    """Each token's text (decoded alone) and the ids of each text, special tokens, empty texts and partial characters
+    left out (they cannot spell a choice's text). Made once per tokenizer and vocabulary size."""
+    got = _TABLES.get(tokenizer)
+    if got is not None and got[0] == vocab_size:
+        return got[1], got[2]
+    n = min(vocab_size, len(tokenizer)) if hasattr(tokenizer, "__len__") else min(vocab_size, 256)
+    if hasattr(tokenizer, "batch_decode"):
+        texts = tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False)
+    else:
+        texts = [tokenizer.decode([i], skip_special_tokens=False) for i in range(n)]
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    by_text: dict[str, list[int]] = {}
+    for i, t in enumerate(texts):
+        if t and "\ufffd" not in t and i not in special:
+            by_text.setdefault(t, []).append(i)
+    _TABLES[tokenizer] = (vocab_size, texts, by_text)
+    return texts, by_text
+
+
+def rule_for(choices: list[str], tokenizer, vocab_size: int, error=ValueError) -> "ChoiceRule":
+    """ChoiceRule(...), kept per tokenizer for the last 64 choice lists (a server's requests repeat them)."""
+    if tokenizer is None:
+        return ChoiceRule(choices, tokenizer, vocab_size, error)
+    rules = _RULES.setdefault(tokenizer, {})
+    key = (vocab_size, tuple(choices))
+    if key not in rules:
+        rule = ChoiceRule(choices, tokenizer, vocab_size, error)
+        if len(rules) >= 64:
+            rules.pop(next(iter(rules)))
+        rules[key] = rule
+    return rules[key]
+
+
+class ChoiceRule:
+    """A request's choices against one tokenizer's table: the bans of each step (`entries`)."""
+
+    def __init__(self, choices: list[str], tokenizer, vocab_size: int, error=ValueError):
+        if tokenizer is None:
+            raise error("structured_outputs needs a tokenizer (this engine has none)")
+        self.choices = choices
+        self.texts, self.by_text = token_table(tokenizer, vocab_size)
+        self.width, states, seen = 0, [""], {""}
+        while states:                              # every text a row can reach: the widest step, and dead ends
+            g = states.pop()
+            steps, end = self.options(g)
+            if not steps and not end:
+                raise error(f"structured_outputs choice {next(c for c in choices if c.startswith(g))!r:.80} cannot "
+                            f"be spelled with this tokenizer's whole-token texts after {g!r:.40}")
+            n = sum(len(self.options(g + t)[0]) + MAX_EOS for _, t in steps)   # (+ the EOS ids each may allow)
+            n += MAX_EOS * MAX_EOS if end else 0                 # (an EOS in flight under ignore_eos: EOS again)
+            self.width = max(self.width, n, len(steps) + MAX_EOS)
+            for _, t in steps:
+                if g + t not in seen:
+                    seen.add(g + t)
+                    states.append(g + t)
+        if self.width > WIDTHS[-1]:
+            raise error(f"structured_outputs choice allows up to {self.width} tokens at a step: at most {WIDTHS[-1]}")
+        self.width = next(w for w in WIDTHS if w >= self.width)
+
+    def options(self, text: str) -> tuple[list[tuple[int, str]], bool]:
+        """(id, its text) of the tokens allowed after output `text`, and whether `text` is a whole choice."""
+        out, end = {}, False
+        for c in self.choices:
+            if c.startswith(text):
+                rest = c[len(text):]
+                end |= not rest
+                for k in range(1, len(rest) + 1):
+                    for i in self.by_text.get(rest[:k], ()):
+                        out[i] = rest[:k]
+        return list(out.items()), end
+
+    def entries(self, outputs: list[int], pending: int, eos) -> list[tuple[int, int]]:
+        """(id, condition) entries of the ids allowed next, after `outputs` of which the last `pending` (0 or 1: the
+        step's input token) are still on the device. After an EOS (ignore_eos) only EOS ids are allowed."""
+        done, eos = outputs[:len(outputs) - pending], sorted(eos)[:MAX_EOS]
+        if done and done[-1] in eos:
+            return [(e, NO_COND) for e in eos]
+        text = "".join(self.texts[t] for t in done)
+        steps, end = self.options(text)
+        if not pending:
+            return [(i, NO_COND) for i, _ in steps] + [(e, NO_COND) for e in eos if end]
+        out = [(e, first) for first in eos for e in eos] if end else []     # (an EOS in flight)
+        for first, piece in steps:
+            nxt, nxt_end = self.options(text + piece)
+            out += [(i, first) for i, _ in nxt] + [(e, first) for e in eos if nxt_end]
+        return out

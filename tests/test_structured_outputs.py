@@ -1,0 +1,123 @@
+"""vLLM's structured outputs, the choice kind: the answer is one of the given strings, then EOS. Any tokenization of a
+choice is allowed (as vLLM's grammar backends), checked against a brute force over the whole vocabulary; the step's
+(id, condition) entries packed with the input token in flight equal those packed with it known; greedy decoding picks
+what transformers' logits under that mask pick; sampled answers are always a choice; bad values are refused by name."""
+import numpy as np
+import pytest
+from helpers import TINY_ENGINE, hf_logits, hf_model
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer import structured as so
+from jaxinfer.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+
+PROMPTS = [[5, 7, 9, 11, 300, 2, 3, 17, 40, 41, 8], [100, 200, 300, 100, 200]]
+CHOICES = [["yes", "no"], ["positive", "negative", "neutral"], ["the cat", "the dog", "a bird", "the"]]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(tiny_dir, **TINY_ENGINE)
+
+
+def brute_allowed(tok, V, choices, text, eos) -> set[int]:
+    """Every id whose text, decoded alone, keeps `text` a prefix of a choice (EOS ids once it is a whole choice)."""
+    out = {e for e in eos if text in choices}
+    for i in range(min(V, len(tok))):
+        t = tok.decode([i], skip_special_tokens=False)
+        if t and "\ufffd" not in t and i not in tok.all_special_ids and any(c.startswith(text + t) for c in choices):
+            out.add(i)
+    return out
+
+
+def test_allowed_tokens_and_entries_in_flight(llm):
+    """The ids allowed after each reachable text equal a brute force over the vocabulary; the entries packed with the
+    last token still on the device, filtered by it as the step does, equal the ones packed with it known."""
+    tok, V, eos = llm.get_tokenizer(), llm.model_config.vocab_size, {2}
+    rng = np.random.default_rng(0)
+    for choices in CHOICES:
+        rule = so.ChoiceRule(choices, tok, V)
+        for _ in range(4):                              # random walks through the allowed tokens
+            outputs, text = [], ""
+            while True:
+                known = {i for i, c in rule.entries(outputs, 0, eos)}
+                assert known == brute_allowed(tok, V, choices, text, eos), (choices, text)
+                assert len(rule.entries(outputs, 1, eos) if outputs else ()) <= rule.width
+                if outputs:
+                    held = outputs[:-1] + [-1]
+                    assert {i for i, c in rule.entries(held, 1, eos) if c in (so.NO_COND, outputs[-1])} == known
+                nxt = int(rng.choice(sorted(known)))
+                if nxt in eos:                          # in flight under ignore_eos: the same text, EOS again
+                    assert {i for i, c in rule.entries(outputs + [-1], 1, eos) if c in (so.NO_COND, nxt)} == eos
+                    assert rule.entries(outputs + [nxt], 0, eos) == [(nxt, so.NO_COND)]
+                    break
+                outputs.append(nxt)
+                text += tok.decode([nxt])
+            assert text in choices
+
+
+def test_greedy_matches_the_masked_reference(llm, tiny_dir):
+    """Greedy under each choice list, beside a plain row and a bad_words row in one batch, and alone (where K-step
+    calls would run), equals transformers' greedy loop over the allowed ids; the answer is a choice, finish "stop"."""
+    model, tok, V, eos = hf_model(tiny_dir), llm.get_tokenizer(), llm.model_config.vocab_size, {2}
+
+    def greedy(prompt, choices, n=12):
+        out, text = [], ""
+        for _ in range(n):
+            row = hf_logits(model, prompt + out)[-1].astype(np.float64)
+            mask = np.full_like(row, -np.inf)
+            ok = sorted(brute_allowed(tok, V, choices, text, eos))
+            mask[ok] = row[ok]
+            out.append(int(np.argmax(mask)))
+            if out[-1] in eos:
+                return out
+            text += tok.decode([out[-1]])
+        return out
+    sps = [SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=c))
+           for c in CHOICES] + [SamplingParams(temperature=0, max_tokens=12), SamplingParams(
+               temperature=0, max_tokens=12, bad_words=["x"], guided_decoding=GuidedDecodingParams(choice=CHOICES[0]))]
+    outs = llm.generate([PROMPTS[0]] * len(sps), sps, use_tqdm=False)
+    for out, c in zip(outs, CHOICES + [None, CHOICES[0]]):
+        if c is not None:
+            assert out.outputs[0].token_ids == greedy(PROMPTS[0], c), c
+            assert out.outputs[0].text in c and out.outputs[0].finish_reason == "stop"
+    [alone] = llm.generate(PROMPTS[1], sps[1], use_tqdm=False)
+    assert alone.outputs[0].token_ids == greedy(PROMPTS[1], CHOICES[1])
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_sampled_answers_are_choices(llm):
+    """Seeded samples at temperature 2 (n = 4, a dict of fields, streamed too) are always one of the choices; the
+    same seed repeats them; with ignore_eos the answer stays the choice followed by EOS only."""
+    sp = SamplingParams(temperature=2.0, seed=5, n=4, max_tokens=16, structured_outputs={"choice": CHOICES[2]})
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    texts = [c.text for o in outs for c in o.outputs]
+    assert set(texts) <= set(CHOICES[2]) and len(set(texts)) > 1
+    assert [c.text for o in llm.generate(PROMPTS, sp, use_tqdm=False) for c in o.outputs] == texts
+    streamed = {}
+    for d in llm.stream(PROMPTS[:1], sp):
+        streamed[d.outputs[0].index] = streamed.get(d.outputs[0].index, "") + d.outputs[0].text
+    assert [streamed[i] for i in range(4)] == texts[:4]
+    [held] = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=1, max_tokens=10, ignore_eos=True,
+                                                     structured_outputs={"choice": ["no"]}), use_tqdm=False)
+    ids = held.outputs[0].token_ids
+    assert held.outputs[0].text == "no" and len(ids) == 10 and set(ids[-8:]) == {2}
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_refusals(llm):
+    for kw, match in ((dict(structured_outputs={"json": {"type": "object"}}), "json is not supported"),
+                      (dict(structured_outputs=StructuredOutputsParams(regex="a+")), "regex is not supported"),
+                      (dict(structured_outputs={"choice": []}), "non-empty list"),
+                      (dict(structured_outputs={"choice": ["a", ""]}), "non-empty strings"),
+                      (dict(structured_outputs={"chioce": ["a"]}), "no field 'chioce'"),
+                      (dict(structured_outputs={"choice": ["a"]}, guided_decoding={"choice": ["b"]}), "give one"),
+                      (dict(structured_outputs=["a"]), "StructuredOutputsParams"),
+                      (dict(structured_outputs={"choice": ["a" * 5000]}), "at most 4096")):
+        with pytest.raises(ValueError, match=f"structured_outputs.*{match}"):
+            SamplingParams(**kw)
+    assert SamplingParams(structured_outputs={}).structured_outputs is None
+    with pytest.raises(ValueError, match="cannot be spelled"):          # (byte fragments: no whole-token text)
+        llm.generate(PROMPTS[0], SamplingParams(structured_outputs={"choice": ["\u2603"]}), use_tqdm=False)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        so.ChoiceRule(["a"], None, 10)
+    assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
