@@ -37,7 +37,7 @@ def create_engine(model: ModelConfig, config: EngineConfig, load: Callable[[Plac
                   eos_token_ids: tuple[int, ...] = (), cap_max_model_len: bool = False, tokenizer=None):
     """The engine for `config.tensor_parallel_size` x `config.data_parallel_size` devices (the first ones).
     load(placement) -> params placed on that placement's devices (e.g. `load_params(..., placement=p)`).
-    tokenizer: what requests' bad_words are tokenized with (LLMEngine.tokenizer)."""
+    tokenizer: what requests' bad_words and structured choices are read with (LLMEngine.tokenizer)."""
     placements = make_placements(config.tensor_parallel_size, config.data_parallel_size)
     placements[0].check(model)            # heads that do not divide: before any weight is read
     check_backend(config.attn_backend, model)

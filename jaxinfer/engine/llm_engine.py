@@ -39,7 +39,7 @@ class LLMEngine:
         self.async_scheduling = engine.async_scheduling
         self.multistep = True             # K-step decode calls allowed (False: one step per call, for A/B runs)
         self.in_flight = None             # (batch, device ids) of the step dispatched but not read yet
-        self.tokenizer = None             # set by LLM: bad_words are tokenized with it (SamplingParams.check_vocab)
+        self.tokenizer = None             # set by LLM: bad_words / choices are read with it (check_vocab)
         # the pool is sized from one device's memory and its share of the KV (K'/tp kv heads)
         kv_model = placement.kv_view(model) if placement is not None else model
         device = placement.local_device if placement is not None else None

@@ -221,8 +221,8 @@ _FIELDS = set(SamplingParams.__dataclass_fields__)
 def check_request(ids: list[int], params: SamplingParams, limits: dict, param: str = "prompt",
                   tokenizer=None) -> None:
     """The engine's own request check (LLMEngine.check_request), against the limits the core reported, so
-    that a bad prompt is a 400 before any streaming starts (bad_words: tokenized with `tokenizer`, as the core
-    does). The core checks again, authoritatively."""
+    that a bad prompt is a 400 before any streaming starts (bad_words and structured choices: read with
+    `tokenizer`, as the core does). The core checks again, authoritatively."""
     V, bs, nb = limits["vocab_size"], limits["block_size"], limits["num_blocks"]
     if bad := [t for t in ids if not 0 <= t < V]:
         raise RequestError(f"the prompt has token id {bad[0]!r} out of vocabulary: ids are in [0, {V})", param=param)
