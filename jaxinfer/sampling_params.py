@@ -138,7 +138,7 @@ class SamplingParams:
         self._check_bias(bad)
         object.__setattr__(self, "bad_words", bad_words.check(self.bad_words, bad))
         object.__setattr__(self, "structured_outputs", structured.check(self.structured_outputs, self.guided_decoding,
-                                                                        bad))
+                                                                        bad, self.min_tokens))
         object.__setattr__(self, "guided_decoding", None)        # (its older name: structured_outputs now holds it)
         for name in ("logits_processors", "extra_args"):
             v = getattr(self, name)                    # None, or empty: nothing to apply

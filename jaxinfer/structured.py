@@ -13,6 +13,7 @@ for each token that step may have drawn, the tokens allowed after it. Such rows 
 """
 from __future__ import annotations
 
+import bisect
 import weakref
 from dataclasses import dataclass, fields, replace
 
@@ -43,9 +44,10 @@ class StructuredOutputsParams:
 GuidedDecodingParams = StructuredOutputsParams        # (vLLM's older name)
 
 
-def check(value, legacy, bad) -> StructuredOutputsParams | None:
+def check(value, legacy, bad, min_tokens: int = 0) -> StructuredOutputsParams | None:
     """SamplingParams' check of structured_outputs / guided_decoding (a StructuredOutputsParams or a dict of its
-    fields; None or {} for none): the choice kind only. `bad(field, why)` raises."""
+    fields; None or {} for none): the choice kind only, without min_tokens > 1 (an answer may be one token, then
+    only EOS is allowed, which min_tokens bans). `bad(field, why)` raises."""
     given = [v for v in (value, legacy) if v is not None and v != {}]
     if len(given) > 1:
         bad("structured_outputs", "and guided_decoding are one setting (its older name): give one")
@@ -67,6 +69,8 @@ def check(value, legacy, bad) -> StructuredOutputsParams | None:
         bad(name, "choice must be a non-empty list of non-empty strings")
     if sum(map(len, c)) > MAX_CHARS:
         bad(name, f"choice holds {sum(map(len, c))} characters: at most {MAX_CHARS}")
+    if isinstance(min_tokens, int) and min_tokens > 1:
+        bad("min_tokens", f"cannot be {min_tokens} with structured_outputs: a choice may end (EOS) before it")
     return replace(v, choice=list(dict.fromkeys(c)))
 
 
@@ -105,42 +109,56 @@ def rule_for(choices: list[str], tokenizer, vocab_size: int, error=ValueError) -
 
 
 class ChoiceRule:
-    """A request's choices against one tokenizer's table: the bans of each step (`entries`)."""
+    """A request's choices against one tokenizer's table: the ids allowed after each output text (`options`) and the
+    entries of each step (`entries`). Made at admission: every text a row can reach is walked once, tokens that lead
+    where no choice can be finished are left out, and a choice that no tokenization spells is refused."""
 
     def __init__(self, choices: list[str], tokenizer, vocab_size: int, error=ValueError):
         if tokenizer is None:
             raise error("structured_outputs needs a tokenizer (this engine has none)")
-        self.choices = choices
+        self.choices = sorted(choices)
         self.texts, self.by_text = token_table(tokenizer, vocab_size)
-        self.width, states, seen = 0, [""], {""}
-        while states:                              # every text a row can reach: the widest step, and dead ends
-            g = states.pop()
-            steps, end = self.options(g)
-            if not steps and not end:
-                raise error(f"structured_outputs choice {next(c for c in choices if c.startswith(g))!r:.80} cannot "
-                            f"be spelled with this tokenizer's whole-token texts after {g!r:.40}")
-            n = sum(len(self.options(g + t)[0]) + MAX_EOS for _, t in steps)   # (+ the EOS ids each may allow)
-            n += MAX_EOS * MAX_EOS if end else 0                 # (an EOS in flight under ignore_eos: EOS again)
-            self.width = max(self.width, n, len(steps) + MAX_EOS)
-            for _, t in steps:
-                if g + t not in seen:
-                    seen.add(g + t)
-                    states.append(g + t)
+        longest = max(map(len, self.by_text), default=0)
+        graph: dict[str, tuple[list[tuple[int, str]], bool]] = {}
+        todo = [""]
+        while todo:                                   # every text the allowed tokens reach from ""
+            g = todo.pop()
+            if g in graph:
+                continue
+            steps, end = {}, False
+            for c in self._starting(g):
+                rest = c[len(g):]
+                end |= not rest
+                for k in range(1, min(len(rest), longest) + 1):
+                    for i in self.by_text.get(rest[:k], ()):
+                        steps[i] = rest[:k]
+            graph[g] = (list(steps.items()), end)
+            todo += [g + t for t in set(steps.values()) if g + t not in graph]
+        live = {g for g, (_, end) in graph.items() if end}      # texts from which a choice can still be finished
+        for g in sorted(graph, key=len, reverse=True):           # (a step always lengthens the text)
+            if g not in live and any(g + t in live for _, t in graph[g][0]):
+                live.add(g)
+        if missing := [c for c in choices if c not in live]:
+            raise error(f"structured_outputs choice {missing[0]!r:.80} cannot be spelled with this tokenizer's "
+                        f"whole-token texts")
+        self.graph = {g: ([(i, t) for i, t in steps if g + t in live], end) for g, (steps, end) in graph.items()
+                      if g in live}
+        self.width = max(sum(len(self.options(g + t)[0]) + MAX_EOS for _, t in steps) +    # (an EOS in flight too)
+                         (MAX_EOS * MAX_EOS if end else 0) for g, (steps, end) in self.graph.items())
         if self.width > WIDTHS[-1]:
             raise error(f"structured_outputs choice allows up to {self.width} tokens at a step: at most {WIDTHS[-1]}")
         self.width = next(w for w in WIDTHS if w >= self.width)
 
+    def _starting(self, text: str) -> list[str]:
+        """The choices that start with `text` (a range of the sorted list)."""
+        i = j = bisect.bisect_left(self.choices, text)
+        while j < len(self.choices) and self.choices[j].startswith(text):
+            j += 1
+        return self.choices[i:j]
+
     def options(self, text: str) -> tuple[list[tuple[int, str]], bool]:
         """(id, its text) of the tokens allowed after output `text`, and whether `text` is a whole choice."""
-        out, end = {}, False
-        for c in self.choices:
-            if c.startswith(text):
-                rest = c[len(text):]
-                end |= not rest
-                for k in range(1, len(rest) + 1):
-                    for i in self.by_text.get(rest[:k], ()):
-                        out[i] = rest[:k]
-        return list(out.items()), end
+        return self.graph.get(text, ([], False))
 
     def entries(self, outputs: list[int], pending: int, eos) -> list[tuple[int, int]]:
         """(id, condition) entries of the ids allowed next, after `outputs` of which the last `pending` (0 or 1: the

@@ -605,9 +605,17 @@ def test_structured_outputs_choice(client, url):
     body = dict(model=MODEL, prompt=PROMPT, max_tokens=4)
     for bad in ({"structured_outputs": {"json": {"type": "object"}}}, {"structured_outputs": {"choice": []}},
                 {"structured_outputs": {"choice": ["a"]}, "guided_choice": ["b"]},
-                {"guided_choice": ["\u2603"]}):
+                {"guided_choice": ["\u2603"]}, {"guided_choice": []}):
         r = httpx.post(url + "/v1/completions", json={**body, **bad})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", (bad, r.text)
+        want = "guided_choice" if bad == {"guided_choice": []} else "structured_outputs"
+        assert r.status_code == 400 and r.json()["error"]["param"] == want, (bad, r.text)
+    lp = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 6, "logprobs": 3, "guided_choice": ["yes"]})
+    assert lp.status_code == 200, lp.text          # (masked tokens' -inf logprobs as vLLM's -9999.0: JSON has no inf)
+    assert min(v for top in lp.json()["choices"][0]["logprobs"]["top_logprobs"] for v in top.values()) == -9999.0
+    streamed = _sse(url, "/v1/chat/completions", dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                       max_tokens=6, logprobs=True, top_logprobs=3,
+                                                       guided_choice=["yes"]))
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in streamed if e["choices"]) == "yes"
     st = wait_idle(url)
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
 

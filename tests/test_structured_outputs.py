@@ -121,3 +121,31 @@ def test_refusals(llm):
     with pytest.raises(ValueError, match="needs a tokenizer"):
         so.ChoiceRule(["a"], None, 10)
     assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+class FakeTokenizer:
+    """A vocabulary of a few texts: " " alone leads nowhere for " \u201c" (no token is "\u201c" alone)."""
+    all_special_ids = [0]
+    VOCAB = ["<eos>", "a", "b", "ab", " ", " \u201c", "x"]
+
+    def __len__(self):
+        return len(self.VOCAB)
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.VOCAB[i] for i in ids)
+
+
+def test_dead_ends_are_left_out_and_unspellable_choices_refused():
+    """A token whose text leads where no choice can be finished is not allowed (" " before a "\u201c" that no token
+    spells alone); a choice that no tokenization spells is refused even beside one that can be (vLLM's backends
+    could spell it from bytes; these texts cannot); min_tokens > 1 is refused (a choice may end first)."""
+    tok = FakeTokenizer()
+    rule = so.ChoiceRule([" \u201c", "ab"], tok, 7)
+    assert sorted(i for i, _ in rule.options("")[0]) == [1, 3, 5]          # "a", "ab", " \u201c"; not " "
+    assert rule.entries([5], 0, {0}) == [(0, so.NO_COND)] and rule.entries([1], 0, {0}) == [(2, so.NO_COND)]
+    for choices in ([" \u201cz"], ["ab\u201c", "ab"]):
+        with pytest.raises(ValueError, match="cannot be spelled"):
+            so.ChoiceRule(choices, tok, 7)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs={"choice": ["a"]})
+    assert SamplingParams(min_tokens=1, structured_outputs={"choice": ["a"]}).min_tokens == 1

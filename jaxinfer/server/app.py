@@ -135,7 +135,9 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         for ids in encoded:
             sp = P.sampling_params(req, len(ids), max_model_len, default_max_tokens, logprobs, prompt_logprobs,
                                    pool_tokens=limits["num_blocks"] * limits["block_size"], defaults=defaults, cap=cap)
-            P.check_request(ids, sp, limits, param, tokenizer)
+            tokenizer_work = sp.bad_words or sp.structured_outputs is not None     # (then off the event loop)
+            await off_loop(P.check_request, ids, sp, limits, param, tokenizer) if tokenizer_work else \
+                P.check_request(ids, sp, limits, param)
             ids_list.append(ids)
             params.append(sp)
         items = C.expand(ids_list, params, req.n or 1, stream_prompt_logprobs=stream)
@@ -238,8 +240,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         prompts, items = await prepare(req, asked, 16, k, P.engine_prompt_logprobs(req, k if req.echo else None),
                                        bool(req.stream))
         echoed = await off_loop(streams.echo_texts, tokenizer, asked, prompts, req) if req.echo else None
-        rid, model, n = R.new_id("cmpl", request, req), served_model_name, req.n or 1
-        texts = R.token_texts(text_of, req)
+        rid, n, texts, model = R.new_id("cmpl", request, req), req.n or 1, R.token_texts(text_of, req), names[0]
         if req.stream:
             run = C.run(client(), tokenizer, items, True, metrics, t0, n, req.cache_salt)
             return streams.completion_stream(run, rid, model, prompts, n, req, texts, echoed)

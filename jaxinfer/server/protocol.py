@@ -211,8 +211,9 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
         raise RequestError(f"{missing[0]} is not supported by this engine build", param=missing[0])
     try:
         return SamplingParams(max_tokens=max_tokens, **kw)
-    except (ValueError, TypeError) as e:
-        raise RequestError(str(e).replace("SamplingParams.", ""), param=str(e).split("=")[0].split(".")[-1]) from None
+    except (ValueError, TypeError) as e:       # (guided_decoding: what the request's guided_choice became)
+        param = str(e).split("=")[0].split(".")[-1].replace("guided_decoding", "guided_choice")
+        raise RequestError(str(e).replace("SamplingParams.", ""), param=param) from None
 
 
 _FIELDS = set(SamplingParams.__dataclass_fields__)

@@ -144,9 +144,10 @@ def token_texts(text_of: TokenTexts, req):
 
 
 def _top(row: list, k: int) -> list[tuple[int, float]]:
-    """The k most likely (token id, logprob) of one position, best first, from its engine row."""
+    """The k most likely (token id, logprob) of one position, best first, from its engine row (-inf, a token masked
+    by structured outputs, as vLLM's -9999.0: JSON has no infinity)."""
     w = (len(row) - 2) // 2
-    return [(int(row[2 + r]), row[2 + w + r]) for r in range(min(k, w))]
+    return [(int(row[2 + r]), max(row[2 + w + r], -9999.0)) for r in range(min(k, w))]
 
 
 def _in_context(ids: list[int], rows: list, before) -> Iterator[tuple[int, list, list[int]]]:
@@ -173,8 +174,8 @@ def completion_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int,
             lps.append(None)
             tops.append(None)
             continue
-        lps.append(row[0])
-        top = {s: row[0]}           # the token itself first, then the k most likely (vLLM's order)
+        lps.append(max(row[0], -9999.0))
+        top = {s: lps[-1]}          # the token itself first, then the k most likely (vLLM's order)
         for t, lp in _top(row, k):  # best first: a less likely id with the same text (e.g. "") keeps the best
             top.setdefault(text_of(t, context), lp)
         tops.append(top)
@@ -206,7 +207,8 @@ def chat_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int, befor
         s = text_of(tid, context)
         name = as_token_id(tid) if as_ids else s
         return {"token": name, "logprob": lp, "bytes": list((s if sampled else name).encode("utf-8"))}
-    return {"content": [{**one(tid, row[0], c, True), "top_logprobs": [one(t, lp, c) for t, lp in _top(row, k)]}
+    return {"content": [{**one(tid, max(row[0], -9999.0), c, True), "top_logprobs": [one(t, lp, c)
+                                                                                      for t, lp in _top(row, k)]}
                         for tid, row, c in _in_context(ids, rows, before)]}
 
 
