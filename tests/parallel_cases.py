@@ -128,24 +128,20 @@ def test_logit_bias_and_allowed_ids_tp2_equal_tp1(tp1, tp2, prompts):
     assert a == b and a[0] == [508] * 6 and set(a[1]) <= {2, 508, 100}
 
 
-def test_bad_words_tp2_equal_tp1(tp1, tp2, prompts):
-    """bad_words on the vocabulary-split logits (509 ids, padded): the same tokens as tp=1 beside a plain row, and the
-    banned word's token is not sampled."""
+def test_bad_words_and_structured_choice_tp2_equal_tp1(tp1, tp2, prompts):
+    """bad_words and structured outputs' choice on the vocabulary-split logits (509 ids, padded), in one batch with a
+    plain row: the same tokens as tp=1, the banned word's token not sampled, each constrained answer a choice."""
     tok = tp1.get_tokenizer()
     plain = run(tp1, prompts[:1], [GREEDY])[0]
     word = next(w for t in plain if (w := tok.decode([t])).strip() and not w[0].isspace() and
                 tok.encode(w, add_special_tokens=False) == [t])
-    sp = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word]), GREEDY]
-    a, b = (run(tp, prompts[:2], sp) for tp in (tp1, tp2))
-    assert a == b and a[0] != plain and tok.encode(word, add_special_tokens=False)[0] not in a[0]
-
-
-def test_structured_choice_tp2_equal_tp1(tp1, tp2, prompts):
-    """structured_outputs' choice on the vocabulary-split logits: the same answers as tp=1, each one of the choices."""
     choices = ["yes", "no", "maybe so"]
-    sp = [SamplingParams(temperature=t, seed=2, max_tokens=8, structured_outputs={"choice": choices}) for t in (0, 1.5)]
-    a, b = (run(tp, prompts[:2], sp) for tp in (tp1, tp2))
-    assert a == b and all(tp1.get_tokenizer().decode(ids, skip_special_tokens=True) in choices for ids in a)
+    sp = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word]), GREEDY,
+          *(SamplingParams(temperature=t, seed=2, max_tokens=8, structured_outputs={"choice": choices})
+            for t in (0, 1.5))]
+    a, b = (run(tp, prompts[:1] * 2 + prompts[1:3], sp) for tp in (tp1, tp2))
+    assert a == b and a[0] != plain and tok.encode(word, add_special_tokens=False)[0] not in a[0]
+    assert all(tok.decode(ids, skip_special_tokens=True) in choices for ids in a[2:])
 
 
 def test_weights_and_cache_really_split(tp2):
