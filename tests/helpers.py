@@ -48,6 +48,17 @@ def hf_greedy(model, token_ids: list[int], max_new_tokens: int, eos: int | None 
     return out[0, len(token_ids):].tolist()
 
 
+def hf_greedy_edited(model, prompt: list[int], n: int, edit, stop=()) -> list[int]:
+    """Greedy decoding over transformers' logits, each position's row (float64) changed by edit(row, outputs so far)
+    first (a reference for logit_bias, bad_words, structured outputs); stops after a token in `stop`."""
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(np.argmax(edit(hf_logits(model, prompt + out)[-1].astype(np.float64), out))))
+        if out[-1] in stop:
+            break
+    return out
+
+
 def assert_lowers_to_triton(fn, args) -> None:
     """fn(*args) lowers to Triton IR for CUDA (no GPU needed): catches unsupported ops before a GPU run."""
     import jax

@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from helpers import TINY_ENGINE, hf_logits, hf_model
+from helpers import TINY_ENGINE, hf_greedy_edited, hf_model
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer import bad_words as bw
@@ -48,16 +48,13 @@ def llm(tiny_dir):
 def greedy_ref(tiny_dir):
     model = hf_model(tiny_dir)
 
-    def greedy(prompt, n, sequences=(), logit_bias=None):
-        out = []
-        for _ in range(n):
-            row = hf_logits(model, prompt + out)[-1].astype(np.float64)
-            for t, v in (logit_bias or {}).items():
-                row[t] += v
-            row[list(vllm_bans(sequences, out))] = -np.inf
-            out.append(int(np.argmax(row)))
-        return out
-    return greedy
+    def edit(row, out, sequences, logit_bias):
+        for t, v in (logit_bias or {}).items():
+            row[t] += v
+        row[list(vllm_bans(sequences, out))] = -np.inf
+        return row
+    return lambda prompt, n, sequences=(), logit_bias=None: hf_greedy_edited(
+        model, prompt, n, lambda row, out: edit(row, out, sequences, logit_bias))
 
 
 def test_tokenized_as_vllm(llm):

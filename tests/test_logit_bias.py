@@ -4,7 +4,7 @@ seeded sampling and top-k; logprobs stay the raw model's (vLLM's raw_logprobs); 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY_ENGINE, hf_logits, hf_model
+from helpers import TINY_ENGINE, hf_greedy_edited, hf_model
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.sampling import apply_bias
@@ -44,12 +44,7 @@ def llm(tiny_dir):
 def greedy_ref(tiny_dir):
     model = hf_model(tiny_dir)
 
-    def greedy(prompt, n, **kw):
-        out = []
-        for _ in range(n):
-            out.append(int(np.argmax(biased(hf_logits(model, prompt + out)[-1], **kw))))
-        return out
-    return greedy
+    return lambda prompt, n, **kw: hf_greedy_edited(model, prompt, n, lambda row, out: biased(row, **kw))
 
 
 def test_greedy_with_bias_and_mask_matches_transformers(llm, greedy_ref):

@@ -4,7 +4,7 @@ choice is allowed (as vLLM's grammar backends), checked against a brute force ov
 what transformers' logits under that mask pick; sampled answers are always a choice; bad values are refused by name."""
 import numpy as np
 import pytest
-from helpers import TINY_ENGINE, hf_logits, hf_model
+from helpers import TINY_ENGINE, hf_greedy_edited, hf_model
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer import structured as so
@@ -60,18 +60,14 @@ def test_greedy_matches_the_masked_reference(llm, tiny_dir):
     calls would run), equals transformers' greedy loop over the allowed ids; the answer is a choice, finish "stop"."""
     model, tok, V, eos = hf_model(tiny_dir), llm.get_tokenizer(), llm.model_config.vocab_size, {2}
 
+    def masked(row, out, choices):
+        ok = sorted(brute_allowed(tok, V, choices, "".join(tok.decode([t]) for t in out), eos))
+        mask = np.full_like(row, -np.inf)
+        mask[ok] = row[ok]
+        return mask
+
     def greedy(prompt, choices, n=12):
-        out, text = [], ""
-        for _ in range(n):
-            row = hf_logits(model, prompt + out)[-1].astype(np.float64)
-            mask = np.full_like(row, -np.inf)
-            ok = sorted(brute_allowed(tok, V, choices, text, eos))
-            mask[ok] = row[ok]
-            out.append(int(np.argmax(mask)))
-            if out[-1] in eos:
-                return out
-            text += tok.decode([out[-1]])
-        return out
+        return hf_greedy_edited(model, prompt, n, lambda row, out: masked(row, out, choices), stop=eos)
     sps = [SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=c))
            for c in CHOICES] + [SamplingParams(temperature=0, max_tokens=12), SamplingParams(
                temperature=0, max_tokens=12, bad_words=["x"], guided_decoding=GuidedDecodingParams(choice=CHOICES[0]))]
