@@ -253,16 +253,15 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
 
     @app.post("/v1/chat/completions", responses={200: {"model": R.ChatCompletionResponse}, **ERRORS})
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
-        t0 = time.perf_counter()
-        P.check_unsupported(app.state.options.apply(req))
+        t0, opts = time.perf_counter(), app.state.options
+        P.check_unsupported(opts.apply(req))
         check_model(req.model)
-        calls, k = tools.resolve(req, app.state.options), P.chat_top_logprobs(req)
-        role = app.state.options.response_role
-        prompt, role, echo = await off_loop(CP.chat_prompt, tokenizer, req, calls.tools, role)
-        think = reasoning.thinking_closed(app.state.options.reasoning_parser, prompt, CP.chat_template_kwargs(req))
+        calls, k = tools.resolve(req, opts), P.chat_top_logprobs(req)
+        prompt, role, echo = await off_loop(CP.chat_prompt, tokenizer, req, calls.tools, opts.response_role)
+        think = reasoning.thinking_closed(opts.reasoning_parser, prompt, CP.chat_template_kwargs(req),
+                                          req.structured_outputs is not None or req.guided_choice is not None)
         prompts, items = await prepare(req, [prompt], None, k, P.engine_prompt_logprobs(req), bool(req.stream))
-        rid, model = R.new_id("chatcmpl", request, req), served_model_name
-        ids = prompts[0] if req.return_token_ids else None
+        rid, model, ids = R.new_id("chatcmpl", request, req), names[0], prompts[0] if req.return_token_ids else None
         if req.stream:
             run = C.run(client(), tokenizer, items, True, metrics, t0, len(items), req.cache_salt)
             return streams.chat_stream(run, rid, model, prompts, len(items), req, text_of, role, echo, think, calls)

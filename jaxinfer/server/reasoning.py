@@ -17,14 +17,15 @@ PARSERS = ("qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"
 
 
-def thinking_closed(parser: str | None, prompt: str, kwargs: dict) -> bool | None:
+def thinking_closed(parser: str | None, prompt: str, kwargs: dict, constrained: bool = False) -> bool | None:
     """None without a parser; else whether the answer starts as content: the prompt ends by closing the thinking
     (Qwen3's template with enable_thinking false: `<think>\n\n</think>\n\n`; a closed block earlier, e.g. an
     earlier turn's thinking or a user quoting the tags, does not count), or enable_thinking is false (also
-    reasoning_effort "none"), as vLLM's serving turns thinking off for every parser."""
+    reasoning_effort "none"), as vLLM's serving turns thinking off for every parser; or `constrained`: structured
+    outputs apply from the answer's first token here (vLLM's wait for the end of the reasoning), so none is."""
     if parser is None:
         return None
-    return prompt.rstrip().endswith(END) or kwargs.get("enable_thinking", True) is False
+    return prompt.rstrip().endswith(END) or kwargs.get("enable_thinking", True) is False or constrained
 
 
 def held(text: str, tags: tuple[str, ...]) -> int:
