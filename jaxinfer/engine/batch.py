@@ -176,23 +176,23 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
             ids[i, :len(got)] = got
             vals[i, :len(got)] = [(p.logit_bias or {}).get(t, 0.0) for t in got]
             f["bias_only"][i] = bool(p.allowed_token_ids)
-    if extras.bad_words:                # (id, condition) bans for the token each row samples (bad_words.entries)
-        ids, cond = (f[k].reshape(B, extras.bad_words) for k in ("bad_ids", "bad_cond"))
+    def fill(prefix: str, width: int, entries) -> None:     # (id, condition) entries per row (None: none)
+        ids, cond = f[prefix + "_ids"].reshape(B, width), f[prefix + "_cond"].reshape(B, width)
         ids[:] = BAN_PAD
-        for i, seq in enumerate(seqs):           # (only the output's last tokens are read: not a copy of it all)
-            n, span = seq.num_scheduled_outputs, max(map(len, seq.bad_words_ids), default=0)
-            got = bad_words.entries(seq.bad_words_ids, seq.token_ids[len(seq) - min(n, span):], seq.num_pending, n)
-            ids[i, :len(got)] = [t for t, _ in got]
-            cond[i, :len(got)] = [c for _, c in got]
-    if extras.choice:                   # structured outputs' choice: the ids each constrained row may sample
-        ids, cond = (f[k].reshape(B, extras.choice) for k in ("choice_ids", "choice_cond"))
-        ids[:] = BAN_PAD
-        for i, seq in enumerate(seqs):
-            if seq.choice is not None:
-                got = seq.choice.entries(seq.token_ids[seq.num_prompt_tokens:], seq.num_pending, eos)
+        for i, got in enumerate(entries):
+            if got is not None:
                 ids[i, :len(got)] = [t for t, _ in got]
                 cond[i, :len(got)] = [c for _, c in got]
-                f["choice_on"][i] = 1
+
+    def bans(seq):                      # (only the output's last tokens are read: not a copy of it all)
+        done, span = seq.num_scheduled_outputs, max(map(len, seq.bad_words_ids), default=0)
+        return bad_words.entries(seq.bad_words_ids, seq.token_ids[len(seq) - min(done, span):], seq.num_pending, done)
+    if extras.bad_words:                # bans of the token each row samples (bad_words.entries)
+        fill("bad", extras.bad_words, map(bans, seqs))
+    if extras.choice:                   # structured outputs' choice: the only ids each constrained row may sample
+        fill("choice", extras.choice, [None if s.choice is None else s.choice.entries(
+            s.token_ids[s.num_prompt_tokens:], s.num_pending, eos) for s in seqs])
+        f["choice_on"][:n] = [s.choice is not None for s in seqs]
     where: list[tuple] = []
     if extras.prompt_rows:
         t = 0
