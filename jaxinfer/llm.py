@@ -11,6 +11,7 @@ import jax
 from tqdm.auto import tqdm
 
 from jaxinfer import prompts as prompt_forms
+from jaxinfer.beam_search import beam_search
 from jaxinfer.compat import pop_vllm_options, python_numbers
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.dp_engine import create_engine
@@ -79,8 +80,7 @@ class LLM:
 
     @property
     def llm_engine(self):
-        """vLLM's LLMEngine API (add_request(request_id, prompt, params) / step() -> RequestOutputs / abort_request /
-        has_unfinished_requests) over this LLM's engine, whose other attributes it passes on (engine_api.py)."""
+        """vLLM's LLMEngine API (add_request / step / abort_request / ...) over this LLM's engine (engine_api.py)."""
         from jaxinfer.engine_api import EngineAPI
         return self.__dict__.setdefault("_engine_api", EngineAPI(self))
 
@@ -95,8 +95,7 @@ class LLM:
             stream.aborts.add(request_id)
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """What `generate` / `stream` / `chat` use without sampling params (vLLM's): SamplingParams() with the
-        model's generation_config.json recommendations (temperature, top_p, top_k, ...) applied, if it has any."""
+        """SamplingParams() with the model's generation_config.json recommendations, if any (vLLM's)."""
         return self._default_params.clone()
 
     def get_tokenizer(self):
@@ -119,10 +118,9 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None,
                  tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order (request_id: the prompt's index, as in
-        `stream`). `use_tqdm`: a bool, or (vLLM's) a callable that makes the bar from total= and desc=. vLLM's
-        `lora_request` (None only), `priority` (None, or 0 for every prompt) and `tokenization_kwargs` (to the
-        tokenizer; truncation + max_length cut token prompts too) work."""
+        """Generate for every prompt; outputs in prompt order (request_id: the prompt's index, as in `stream`).
+        `use_tqdm`: a bool, or (vLLM's) a callable making the bar from total= and desc=. vLLM's `lora_request` (None
+        only), `priority` (None, or 0 for each) and `tokenization_kwargs` (truncation cuts token prompts too) work."""
         prompt_forms.check_unsupported("LLM.generate", lora_request=lora_request)
         reqs = self._prepare(prompts, sampling_params, tokenization_kwargs)
         prompt_forms.check_priority(priority, len(reqs))
@@ -205,6 +203,8 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    beam_search = beam_search            # vLLM's LLM.beam_search(prompts, BeamSearchParams(...)): beam_search.py
 
     # -- streaming and chat -------------------------------------------------------------------------
     def stream(self, prompts: Prompt | Seq[Prompt],

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
 from jaxinfer import bad_words, structured
+from jaxinfer.beam_search import BeamSearchParams  # noqa: F401  (vLLM's import path)
 from jaxinfer.structured import GuidedDecodingParams, StructuredOutputsParams  # noqa: F401  (vLLM's import path)
 
 MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20

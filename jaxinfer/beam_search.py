@@ -1,0 +1,141 @@
+"""vLLM's beam search: `LLM.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=32))` -> one
+BeamSearchOutput per prompt, its `sequences` the best beam_width beams, best first.
+
+The search is vLLM's (its `LLM.beam_search`), run over `generate`:
+- each step, every live beam is a prompt (the tokens so far) that generates one token with logprobs = 2 * beam_width;
+  each returned candidate (the top 2 * beam_width, and the sampled token when temperature > 0 picks another) extends
+  the beam by that token and adds its logprob to the beam's cumulative logprob;
+- a candidate ending in the EOS token (the tokenizer's, as vLLM's) is complete, unless ignore_eos; so is a beam that
+  reached max_model_len (finish_reason "length"); the rest are ranked by score and the best beam_width stay live;
+- after max_tokens steps, or once no beam is live, the complete and live beams together are ranked and the best
+  beam_width returned, each with `text`, the decoded tokens: the prompt's as well, as vLLM's.
+Score = cum_logprob / len(tokens) ** length_penalty, where tokens hold the prompt too and a final EOS does not count
+(transformers' length penalty, as vLLM applies it). Logprobs are the model's own (before temperature), so
+temperature only changes which extra token is sampled. Each step's prompts extend the last step's, so with prefix
+caching (the default) only the newest tokens of each beam are computed again (those past its last full block).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from jaxinfer.outputs import Logprob
+
+
+def _check(name: str, value, ok: bool, want: str) -> None:
+    if not ok:
+        raise ValueError(f"BeamSearchParams.{name} must be {want}, got {value!r:.80}")
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's (`from jaxinfer.sampling_params import BeamSearchParams`), validated on construction."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False        # (vLLM's field; beams end on EOS only, so no stop string shows)
+
+    def __post_init__(self):
+        for name in ("beam_width", "max_tokens"):
+            v = getattr(self, name)
+            _check(name, v, isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1")
+        _check("temperature", self.temperature, _number(self.temperature) and self.temperature >= 0,
+               "a finite number >= 0")
+        _check("length_penalty", self.length_penalty, _number(self.length_penalty), "a finite number")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: `tokens` (the prompt's and the generated), the per-step logprobs dicts of its generated tokens,
+    `cum_logprob` their sum, `text` (set on the returned beams), finish_reason "stop" (EOS) or "length"."""
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    lora_request: None = None
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best beam_width beams of one prompt, best first."""
+    sequences: list[BeamSearchSequence]
+
+
+def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_token_id: int | None,
+                          length_penalty: float = 1.0) -> float:
+    """cumulative_logprob / len(tokens) ** length_penalty, a final EOS not counted (vLLM's)."""
+    n = len(tokens) - (1 if tokens and tokens[-1] == eos_token_id else 0)
+    return cumulative_logprob / (max(n, 1) ** length_penalty)
+
+
+def create_sort_beams_key_function(eos_token_id: int | None, length_penalty: float):
+    return lambda beam: get_beam_search_score(beam.tokens, beam.cum_logprob, eos_token_id, length_penalty)
+
+
+class _Search:                                      # one prompt's live and complete beams
+    def __init__(self, ids: list[int]):
+        self.beams, self.completed = [BeamSearchSequence(list(ids))], []
+
+
+def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
+                concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+    """`LLM.beam_search` (vLLM's signature; the module's docstring has the rules). `concurrency_limit`: how many
+    prompts are searched at once (None: all)."""
+    from jaxinfer import prompts as prompt_forms
+    from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
+
+    prompt_forms.check_unsupported("LLM.beam_search", lora_request=lora_request)
+    if not isinstance(params, BeamSearchParams):
+        raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__} {params!r:.80}")
+    if 2 * params.beam_width > MAX_LOGPROBS:
+        raise ValueError(f"beam_width={params.beam_width} is too wide: each step asks for 2 * beam_width = "
+                         f"{2 * params.beam_width} logprobs, and {MAX_LOGPROBS} is the most the engine returns "
+                         f"(vLLM's max_logprobs), so beam_width may be at most {MAX_LOGPROBS // 2}")
+    if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or isinstance(concurrency_limit, bool)
+                                          or concurrency_limit < 1):
+        raise ValueError(f"concurrency_limit must be None or an int >= 1, got {concurrency_limit!r:.80}")
+    step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature,
+                          ignore_eos=True, detokenize=False)
+    searches = [_Search(ids) for _, ids, _ in llm._prepare(prompts, step)]    # (checks every prompt first)
+    eos, limit = llm._eos[1], llm.config.max_model_len
+    key = create_sort_beams_key_function(eos, params.length_penalty)
+    width = concurrency_limit or max(len(searches), 1)
+    for start in range(0, len(searches), width):
+        group = searches[start:start + width]
+        for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm or None):
+            for s in group:                          # beams with no room for another token are complete
+                s.completed += [b for b in s.beams if len(b.tokens) >= limit]
+                s.beams = [b for b in s.beams if len(b.tokens) < limit]
+            live = [(s, b) for s in group for b in s.beams]
+            if not live:
+                break
+            outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in live], step, use_tqdm=False)
+            grown = {id(s): [] for s in group}
+            for (s, b), out in zip(live, outs):
+                lps = out.outputs[0].logprobs[0]
+                for t, lp in lps.items():
+                    new = BeamSearchSequence(b.tokens + [t], b.logprobs + [lps], cum_logprob=b.cum_logprob + lp.logprob)
+                    (s.completed if t == eos and not params.ignore_eos else grown[id(s)]).append(new)
+            for s in group:
+                s.beams = sorted(grown[id(s)], key=key, reverse=True)[:params.beam_width]
+    results = []
+    for s in searches:
+        best = sorted(s.completed + s.beams, key=key, reverse=True)[:params.beam_width]
+        for b in best:
+            ended = b.tokens[-1] == eos and not params.ignore_eos
+            b.finish_reason = "stop" if ended else "length"
+            b.text = llm.tokenizer.decode(b.tokens)       # (vLLM's: special tokens kept)
+        results.append(BeamSearchOutput(best))
+    return results
