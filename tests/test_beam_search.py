@@ -1,9 +1,8 @@
 """vLLM's `LLM.beam_search`: the beams equal a search by vLLM's rules over transformers' logprobs (EOS beams complete,
 length penalty over prompt + output, ignore_eos), one prompt at a time or all at once; max_model_len ends beams;
 every KV block comes back; bad parameters are refused by name."""
-import numpy as np
 import pytest
-from helpers import TINY_ENGINE, hf_logits, hf_model
+from helpers import TINY_ENGINE, hf_beam_search, hf_model
 
 from jaxinfer import LLM
 from jaxinfer.beam_search import BeamSearchOutput, get_beam_search_score
@@ -20,22 +19,8 @@ def llm(tiny_dir):
 
 @pytest.fixture(scope="module")
 def reference(tiny_dir, llm):
-    """vLLM's beam search over transformers' float64 logprobs: [(tokens, cum_logprob)] best first."""
     model, eos = hf_model(tiny_dir), llm.get_tokenizer().eos_token_id
-
-    def search(prompt, bw, n, length_penalty=1.0, ignore_eos=False):
-        key = lambda b: b[1] / (len(b[0]) - (b[0][-1] == eos)) ** length_penalty     # noqa: E731  (prompt counted)
-        beams, done = [(list(prompt), 0.0)], []
-        for _ in range(n):
-            grown = []
-            for toks, cum in beams:
-                row = hf_logits(model, toks)[-1].astype(np.float64)
-                lp = row - np.logaddexp.reduce(row)
-                for t in np.argsort(-lp, kind="stable")[:2 * bw]:
-                    (done if t == eos and not ignore_eos else grown).append((toks + [int(t)], cum + lp[t]))
-            beams = sorted(grown, key=key, reverse=True)[:bw]
-        return sorted(done + beams, key=key, reverse=True)[:bw]
-    return search
+    return lambda prompt, bw, n, lp=1.0, ignore_eos=False: hf_beam_search(model, prompt, bw, n, eos, lp, ignore_eos)
 
 
 def check(out: BeamSearchOutput, want, eos, ignore_eos=False):

@@ -654,3 +654,39 @@ def test_vllms_prompt_logprobs(client, url, ref, tok):
     bad = httpx.post(url + "/v1/completions", json={**ask, "prompt_logprobs": 2, "stream": True})
     assert bad.status_code == 400 and "not available when `stream=True`" in bad.json()["error"]["message"]
     assert httpx.post(url + "/v1/completions", json={**ask, "prompt_logprobs": 21}).status_code == 400
+
+
+def test_vllms_beam_search(client, url, tiny_dir):
+    """vLLM's use_beam_search (n = beam width, length_penalty): the choices are the n best beams of vLLM's search over
+    transformers' logprobs, best first (text: the generated tokens', an ending EOS left out); the same streamed (each
+    choice whole), in chat, and with logprobs; fields a beam search does not use are 400s naming them."""
+    from helpers import hf_beam_search
+    eos = load_tokenizer(tiny_dir).eos_token_id
+    prompt = [45, 147, 254, 307, 154, 12, 290, 203]          # (an EOS beam is among its best 3: test_beam_search.py)
+    want = hf_beam_search(hf_model(tiny_dir), prompt, 3, 8, eos, 0.7)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, n=3, logprobs=2,
+                                  extra_body={"use_beam_search": True, "length_penalty": 0.7, "return_token_ids": True,
+                                              "skip_special_tokens": False})
+    got = [c.model_extra["token_ids"] for c in r.choices]
+    assert [prompt + g for g in got] == [w[0] for w in want]
+    assert [c.finish_reason for c in r.choices] == ["stop" if w[0][-1] == eos else "length" for w in want]
+    assert "stop" in [c.finish_reason for c in r.choices]
+    for c, g, (_, cum) in zip(r.choices, got, want):
+        assert sum(c.logprobs.token_logprobs) == pytest.approx(cum, abs=1e-3)
+        ids = g[:-1] if g[-1] == eos else g
+        text = httpx.post(url + "/detokenize", json={"tokens": ids}).json()["prompt"] if ids else ""
+        assert c.text == text
+    events = _sse(url, "/v1/completions", dict(model=MODEL, prompt=prompt, max_tokens=8, n=3, use_beam_search=True,
+                                               length_penalty=0.7, temperature=0, skip_special_tokens=False))
+    assert sorted((c["index"], c["text"]) for e in events for c in e["choices"] if c["text"]) == \
+        [(i, c.text) for i, c in enumerate(r.choices) if c.text]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          n=2, extra_body={"use_beam_search": True})
+    assert len(chat.choices) == 2 and [c.index for c in chat.choices] == [0, 1]
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=4, use_beam_search=True)
+    for bad, param in (({"n": 11}, "n"), ({"top_p": 0.5}, "top_p"), ({"stop": ["x"]}, "stop"), ({"seed": 1}, "seed"),
+                       ({"use_beam_search": False, "length_penalty": 2.0}, "length_penalty")):
+        r = httpx.post(url + "/v1/completions", json={**body, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+    st = wait_idle(url)
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]

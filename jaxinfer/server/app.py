@@ -24,10 +24,11 @@ from jaxinfer.server import choices as C
 from jaxinfer.server import protocol as P
 from jaxinfer.server import reasoning
 from jaxinfer.server import responses as R
-from jaxinfer.server import streams, tools
+from jaxinfer.server import beam, streams, tools
 from jaxinfer.server.admission import Admission
 from jaxinfer.server.client import CoreClient, EngineDeadError, RequestFailed
 from jaxinfer.server.docs import add_docs, package_version
+from jaxinfer.server.errors import validation_error
 from jaxinfer.server.gate import add_middleware
 from jaxinfer.server.metrics import ServerMetrics
 from jaxinfer.server.options import ServerOptions
@@ -88,20 +89,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
     async def _request_error(request: Request, e: P.RequestError):
         return JSONResponse(P.error_body(str(e), e.param, e.code, e.type), status_code=e.status, headers=e.headers)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, e: RequestValidationError):
-        err = e.errors()[0]
-        loc = [x for x in err.get("loc", ()) if x != "body"]
-        param = loc[0] if loc and isinstance(loc[0], str) and err.get("type") != "json_invalid" else None
-        where = ".".join(str(x) for x in loc if not isinstance(x, str) or not x[:1].isupper() and "[" not in x)
-        got = f" (got {err['input']!r:.80})" if param and "input" in err and err.get("type") != "missing" else ""
-        msg = f"{where}: {err.get('msg')}{got}" if param else f"the request body is invalid: {err.get('msg')}"
-        if err.get("type") == "json_invalid":
-            msg = f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
-        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if not loc and not (media == "application/json" or media.endswith("+json")):   # (FastAPI parses only those)
-            msg += f" (send it as JSON with Content-Type: application/json; got {media or 'none'!r})"
-        return JSONResponse(P.error_body(msg, param), status_code=400)
+    app.exception_handler(RequestValidationError)(validation_error)     # (OpenAI's 400 naming the field, not 422)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException):
@@ -128,6 +116,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
                       prompt_logprobs: int | None, stream: bool) -> tuple[list, list]:
         """Validate, tokenize (off the loop) and admit: (prompt ids per prompt, (ids, params) per choice)."""
         P.check_unsupported(req)
+        beam.check(req)
         check_model(req.model)
         ids_list, params, param = [], [], "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"
         keep = truncation(req, max_model_len, default_max_tokens)
@@ -173,6 +162,11 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
             return task.result()
         finally:
             task.cancel()
+
+    def searched(req, request, prompts, items, n: int, t0: float):     # vLLM's beam search (beam.py): its choices
+        return beam.search(lambda its: collect(its, request, t0, len(its), req.cache_salt), tokenizer, prompts,
+                           [sp for _, sp in items[::n]], n, req.length_penalty, limits.get("eos", ((), None))[1],
+                           max_model_len)
 
     # -- routes -------------------------------------------------------------------------------------
     @app.get("/health")
@@ -241,10 +235,12 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
                                        bool(req.stream))
         echoed = await off_loop(streams.echo_texts, tokenizer, asked, prompts, req) if req.echo else None
         rid, n, texts, model = R.new_id("cmpl", request, req), req.n or 1, R.token_texts(text_of, req), names[0]
+        found = searched(req, request, prompts, items, n, t0) if req.use_beam_search else None
         if req.stream:
-            run = C.run(client(), tokenizer, items, True, metrics, t0, n, req.cache_salt)
+            run = beam.as_run(found) if found else C.run(client(), tokenizer, items, True, metrics, t0, n,
+                                                          req.cache_salt)
             return streams.completion_stream(run, rid, model, prompts, n, req, texts, echoed)
-        done = await collect(items, request, t0, n, req.cache_salt)
+        done = await (found or collect(items, request, t0, n, req.cache_salt))
         for ch in done:                           # prompt logprobs are computed for sample 0 of each prompt
             ch.prompt_logprobs = done[ch.index - ch.index % n].prompt_logprobs
         return R.completion(rid, model, [streams.completion_choice(ch, prompts[ch.index // n], req, texts,
@@ -262,10 +258,12 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
                                           req.structured_outputs is not None or req.guided_choice is not None)
         prompts, items = await prepare(req, [prompt], None, k, P.engine_prompt_logprobs(req), bool(req.stream))
         rid, model, ids = R.new_id("chatcmpl", request, req), names[0], prompts[0] if req.return_token_ids else None
+        found = searched(req, request, prompts, items, len(items), t0) if req.use_beam_search else None
         if req.stream:
-            run = C.run(client(), tokenizer, items, True, metrics, t0, len(items), req.cache_salt)
+            run = beam.as_run(found) if found else C.run(client(), tokenizer, items, True, metrics, t0, len(items),
+                                                          req.cache_salt)
             return streams.chat_stream(run, rid, model, prompts, len(items), req, text_of, role, echo, think, calls)
-        done = await collect(items, request, t0, len(items), req.cache_salt)
+        done = await (found or collect(items, request, t0, len(items), req.cache_salt))
         return R.chat_completion(rid, model, [streams.chat_choice(ch, k, text_of, role, echo, req, think, calls)
                                               for ch in done], streams.total_usage(prompts, done), ids,
                                  **streams.prompt_logprobs(done[0], prompts[0], req, text_of))

@@ -50,7 +50,7 @@ def expand(prompts: list[list[int]], params: list, n: int, stream_prompt_logprob
     items = []
     for ids, sp in zip(prompts, params):
         for i in range(n):
-            s = sp.for_sample(i) if n > 1 else sp
+            s = sp.for_sample(i) if sp.n > 1 else sp          # (beam search: n copies of one, beam.py)
             if stream_prompt_logprobs and i > 0:
                 s = replace(s, prompt_logprobs=sp.prompt_logprobs)
             items.append((ids, s))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 
@@ -29,3 +30,19 @@ def error_body(message: str, param: str | None = None, code: str | None = None,
 class ErrorResponse(BaseModel):
     """{"error": {message, type, param, code}}: every non-200 answer (OpenAI's shape)."""
     error: dict[str, Any]
+
+
+async def validation_error(request, e) -> JSONResponse:
+    """FastAPI's RequestValidationError as OpenAI's 400 naming the field (FastAPI's own answer is a 422)."""
+    err = e.errors()[0]
+    loc = [x for x in err.get("loc", ()) if x != "body"]
+    param = loc[0] if loc and isinstance(loc[0], str) and err.get("type") != "json_invalid" else None
+    where = ".".join(str(x) for x in loc if not isinstance(x, str) or not x[:1].isupper() and "[" not in x)
+    got = f" (got {err['input']!r:.80})" if param and "input" in err and err.get("type") != "missing" else ""
+    msg = f"{where}: {err.get('msg')}{got}" if param else f"the request body is invalid: {err.get('msg')}"
+    if err.get("type") == "json_invalid":
+        msg = f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if not loc and not (media == "application/json" or media.endswith("+json")):   # (FastAPI parses only those)
+        msg += f" (send it as JSON with Content-Type: application/json; got {media or 'none'!r})"
+    return JSONResponse(error_body(msg, param), status_code=400)

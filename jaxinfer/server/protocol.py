@@ -25,7 +25,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (), "response_format": ({"type": "text"},),
     "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (), "logits_processors": (),
     "guided_json": (), "guided_regex": (), "guided_grammar": (),
-    "use_beam_search": (False,), "length_penalty": (1.0,),
     "chat_template": (), "documents": (), "mm_processor_kwargs": (), "priority": (0,),
 }
 IGNORED = ("user", "store", "metadata", "service_tier")      # bookkeeping fields with no effect on the output
@@ -101,6 +100,8 @@ class _Request(BaseModel):
     request_id: str | None = Field(None, description="vLLM: the answer's id is cmpl- / chatcmpl- and this (an "
                                                      "X-Request-Id header wins)")
     structured_outputs: dict | None = Field(None, description='vLLM: {"choice": [...]}: the answer is one of them')
+    use_beam_search: bool = Field(False, description="vLLM: n beams (n <= 10) searched, the best first (beam.py)")
+    length_penalty: float = Field(1.0, description="vLLM: beam scores are logprob sums / length ** this")
     guided_choice: list[str] | None = Field(None, description="vLLM's older form of structured_outputs' choice")
 
 
@@ -204,8 +205,8 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
         kw["logprobs"] = logprobs
     if prompt_logprobs is not None:
         kw["prompt_logprobs"] = prompt_logprobs
-    if kw.get("n") == 1:
-        del kw["n"]
+    if kw.get("n") == 1 or req.use_beam_search:           # (beam search: n is the beam width, beam.py)
+        kw.pop("n", None)
     missing = [k for k in (*_PENALTIES, "n", "logprobs", "prompt_logprobs") if k in kw and k not in _FIELDS]
     if missing:
         raise RequestError(f"{missing[0]} is not supported by this engine build", param=missing[0])

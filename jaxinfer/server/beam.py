@@ -1,0 +1,103 @@
+"""vLLM's beam search on the server: `"use_beam_search": true` on /v1/completions and /v1/chat/completions, with
+`n` the beam width (<= 10) and `length_penalty` (vLLM's request fields).
+
+The search is `LLM.beam_search`'s (jaxinfer/beam_search.py) with the engine requests sent to the core: each step,
+every live beam of every prompt is a request for one token with 2 * n logprobs. The request's n best beams become its
+n choices, best first: their generated tokens, text (an ending EOS left out, as vLLM's), logprobs when asked, and
+finish_reason "stop" (EOS) or "length". Streamed, each choice comes whole in one chunk once the search ends (vLLM's
+too: its search yields once). Only temperature, max_tokens (max_completion_tokens), ignore_eos, length_penalty,
+logprobs and the text options shape a beam search; the sampling fields it does not use are refused by name (vLLM
+ignores them), and so is `length_penalty` without `use_beam_search`.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from jaxinfer.beam_search import get_beam_search_score
+from jaxinfer.output_processor import OutputProcessor, TextDelta
+from jaxinfer.outputs import logprob_dict
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.server.choices import Choice
+from jaxinfer.server.errors import RequestError
+
+MAX_WIDTH = 10          # 2 * n logprobs a step, and the engine returns at most 20 (vLLM's max_logprobs)
+# request fields that a beam search does not use, with the values that mean "not used"
+UNUSED = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0), "seed": (None,), "stop": (None, [], ""),
+          "stop_token_ids": (None, []), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+          "repetition_penalty": (None, 1.0), "min_tokens": (None, 0), "logit_bias": (None, {}),
+          "allowed_token_ids": (None,), "bad_words": (None, []), "structured_outputs": (None,),
+          "guided_choice": (None,), "echo": (None, False), "prompt_logprobs": (None,), "tools": (None, [])}
+
+
+def check(req) -> None:
+    """400s for a beam search the server cannot run as asked (fields named), before anything is submitted."""
+    if not req.use_beam_search:
+        if req.length_penalty not in (None, 1.0):
+            raise RequestError("length_penalty applies to beam search only: give use_beam_search: true",
+                               param="length_penalty")
+        return
+    if (req.n or 1) > MAX_WIDTH:
+        raise RequestError(f"n={req.n} is the beam width under use_beam_search and may be at most {MAX_WIDTH} (each "
+                           f"step asks for 2 * n logprobs, at most 20)", param="n")
+    if getattr(req, "stream", False) and getattr(req, "stream_options", None) is not None and \
+            req.stream_options.continuous_usage_stats:
+        raise RequestError("continuous_usage_stats is not available with use_beam_search", param="stream_options")
+    for name, unused in UNUSED.items():
+        if getattr(req, name, None) not in unused:
+            raise RequestError(f"{name} is not used by beam search (use_beam_search: true); leave it out",
+                               param=name, code="unsupported_parameter")
+
+
+class _Beam:
+    __slots__ = ("tokens", "rows", "cum")
+
+    def __init__(self, tokens: list[int], rows: list, cum: float):
+        self.tokens, self.rows, self.cum = tokens, rows, cum
+
+
+async def search(step, tokenizer, prompts: list[list[int]], params: list[SamplingParams], n: int,
+                 length_penalty: float, eos: int | None, max_model_len: int) -> list[Choice]:
+    """The n best beams of each prompt as finished choices (index = prompt * n + rank). `step(items)` runs engine
+    requests [(ids, SamplingParams)] to their end and returns their Choices (app.collect)."""
+    def score(b: _Beam) -> float:
+        return get_beam_search_score(b.tokens, b.cum, eos, length_penalty)
+    lives = [[_Beam(list(ids), [], 0.0)] for ids in prompts]
+    done: list[list[_Beam]] = [[] for _ in prompts]
+    plen = [len(ids) for ids in prompts]
+    steps = [SamplingParams(max_tokens=1, logprobs=2 * n, temperature=sp.temperature, ignore_eos=True, detokenize=False)
+             for sp in params]
+    for _ in range(max(sp.max_tokens for sp in params)):
+        for i, sp in enumerate(params):            # beams out of room (max_model_len, max_tokens) are complete
+            full = [b for b in lives[i] if len(b.tokens) >= max_model_len or len(b.tokens) - plen[i] >= sp.max_tokens]
+            done[i] += full
+            lives[i] = [b for b in lives[i] if b not in full]
+        live = [(i, b) for i, beams in enumerate(lives) for b in beams]
+        if not live:
+            break
+        chs = await step([(b.tokens, steps[i]) for i, b in live])
+        grown: list[list[_Beam]] = [[] for _ in prompts]
+        for (i, b), ch in zip(live, chs):
+            row = ch.logprobs[0]
+            for t, lp in logprob_dict(row, ch.token_ids[0], 2 * n).items():
+                new = _Beam(b.tokens + [t], b.rows + [[lp.logprob, lp.rank, *row[2:]]], b.cum + lp.logprob)
+                (done[i] if t == eos and not params[i].ignore_eos else grown[i]).append(new)
+        for i in range(len(prompts)):
+            lives[i] = sorted(grown[i], key=score, reverse=True)[:n]
+    out = []
+    for i, sp in enumerate(params):
+        best = sorted(done[i] + lives[i], key=score, reverse=True)[:n]
+        for j, b in enumerate(best):
+            final = replace(sp, n=1)
+            proc = OutputProcessor.for_params(tokenizer, final, False)
+            ch = Choice(i * n + j, prompts[i], final, proc, ((eos,), eos))
+            ended = b.tokens[-1] == eos and not sp.ignore_eos and len(b.tokens) > plen[i]
+            ch.proc.update(b.tokens[plen[i]:], "stop" if ended else "length")
+            ch.logprobs = b.rows
+            out.append(ch)
+    return out
+
+
+async def as_run(choices_awaitable):
+    """A finished search as choices.run's stream: (choice, its whole text delta) for each choice."""
+    for ch in await choices_awaitable:
+        yield ch, TextDelta(ch.proc.text, ch.token_ids, ch.proc.finish_reason)
