@@ -5,6 +5,8 @@ sampling.logprob_stats): [the token's logprob, its rank, top ids x W, top logpro
 W >= the N asked for. `logprob_dict` turns a row into vLLM's `{token_id: Logprob}`: the token itself plus
 the top N (N + 1 entries when the token is not among the top N). `LogprobsList` does so on access: a
 benchmark run with logprobs=5 names ~1M entries, and making them all up front took ~2 s of host time (CPU).
+The outputs' logprobs fields hold it until first read, and are plain lists from then on (`Made`), so that
+`dataclasses.asdict(output)` gives vLLM's nested dicts (json.dumps-able) and a run that never reads them makes none.
 """
 from __future__ import annotations
 
@@ -21,13 +23,30 @@ class Logprob:
     decoded_token: str | None = None
 
 
+class Made:
+    """A dataclass field whose LogprobsList value becomes a plain list when first read (see the module docstring)."""
+    def __set_name__(self, owner, name: str):
+        self.key = "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return None                           # (the field's default, as dataclass reads it)
+        value = obj.__dict__.get(self.key)
+        if isinstance(value, LogprobsList):
+            value = obj.__dict__[self.key] = list(value)
+        return value
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.key] = value
+
+
 @dataclass
 class CompletionOutput:
     index: int                            # which of the request's n samples
     text: str                             # generated text (truncated before a matched stop string)
     token_ids: list[int]                  # generated tokens
     cumulative_logprob: float | None = None    # sum of the tokens' logprobs (when logprobs were asked)
-    logprobs: Sequence[dict[int, Logprob]] | None = None   # per generated token (when logprobs were asked)
+    logprobs: Sequence[dict[int, Logprob]] | None = Made()   # per generated token (when logprobs were asked)
     finish_reason: str | None = None      # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it (None: EOS, length)
 
@@ -62,7 +81,7 @@ class RequestOutput:
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
-    prompt_logprobs: Sequence[dict[int, Logprob] | None] | None = None   # per prompt token; the first is None
+    prompt_logprobs: Sequence[dict[int, Logprob] | None] | None = Made()   # per prompt token; the first is None
     outputs: list[CompletionOutput] = field(default_factory=list)   # one per sample (n); a delta: those that moved
     # every sample has ended (a streamed delta: True on the request's last delta only); None: from `outputs`
     finished: bool | None = None

@@ -254,6 +254,21 @@ def test_logprobs_list_reads_like_a_list():
         lst[3]
 
 
+def test_outputs_as_dicts_are_json(llm):
+    """`dataclasses.asdict(output)` gives vLLM's nested dicts (its Logprob dataclasses as dicts), which json.dumps
+    writes; the logprobs are made when first read (a run that never reads them makes none), plain lists after."""
+    import dataclasses
+    import json
+    o = llm.generate([[5, 7, 9]], SamplingParams(max_tokens=3, logprobs=2, prompt_logprobs=1), use_tqdm=False)[0]
+    assert type(o.outputs[0].__dict__["_logprobs"]) is LogprobsList        # (not made yet)
+    d = json.loads(json.dumps(dataclasses.asdict(o)))
+    assert d["prompt_logprobs"][0] is None and len(d["outputs"][0]["logprobs"]) == 3
+    first = d["outputs"][0]["logprobs"][0]
+    t = str(o.outputs[0].token_ids[0])
+    assert first[t]["logprob"] == pytest.approx(o.outputs[0].logprobs[0][int(t)].logprob)
+    assert type(o.outputs[0].logprobs) is list and type(o.prompt_logprobs) is list
+
+
 def test_a_vocabulary_smaller_than_the_logprob_width(tmp_path):
     """A 7-token vocabulary: logprobs=6 gives 6 entries (the step's top-n width, 20, is cut to the vocabulary
     instead of failing inside it), logprobs=20 all 7, whose probabilities add up to 1; prompt logprobs too."""
