@@ -10,7 +10,8 @@ Others are accepted with the value that describes what jaxinfer does (FIXED), an
 chunked prefill is always on, 20 logprobs at most, Hugging Face tokenizers and safetensors weights only, no
 quantisation, text generation only, no pipeline parallelism (tensor and data parallelism instead), logprobs
 of the raw logits (vLLM's raw_logprobs), no CPU offload, the tokenizer of the model's revision.
-`tokenizer` (a folder) is used: the tokenizer is loaded from it instead of the model's folder.
+`tokenizer` (a folder) is used: the tokenizer is loaded from it instead of the model's folder; and
+`skip_tokenizer_init=True`: no tokenizer (tokenizer.NoTokenizer: token-id prompts, outputs without text).
 """
 from __future__ import annotations
 
@@ -23,15 +24,17 @@ IGNORED = {"trust_remote_code": bool, "enforce_eager": bool, "disable_log_stats"
            "max_seq_len_to_capture": int, "compilation_config": (int, dict), "disable_custom_all_reduce": bool,
            "max_lora_rank": int, "max_loras": int}          # (LoRA's sizes: no LoRA here, enable_lora=False)
 FIXED = {"enable_chunked_prefill": (True, None), "max_logprobs": (20, None), "tokenizer_mode": ("auto", "hf", None),
-         "load_format": ("auto", "safetensors", None), "quantization": (None,), "skip_tokenizer_init": (False, None),
-         "task": ("auto", "generate", None), "pipeline_parallel_size": (1, None),
+         "load_format": ("auto", "safetensors", None), "quantization": (None,), "task": ("auto", "generate", None),
+         "skip_tokenizer_init": (False, True, None), "pipeline_parallel_size": (1, None),
          "runner": ("auto", "generate", None), "convert": ("auto", "none", None),      # (vLLM's names for task)
          "cpu_offload_gb": (0, 0.0, None), "tokenizer_revision": (None,), "logprobs_mode": ("raw_logprobs", None),
          "enable_lora": (False, None)}
 
 
-def pop_vllm_options(kwargs: dict) -> str | None:
-    """Remove the options above from `kwargs` (checking their types); returns the `tokenizer` folder or None."""
+def pop_vllm_options(kwargs: dict):
+    """Remove the options above from `kwargs` (checking their types); returns the `tokenizer` folder, None, or a
+    NoTokenizer with skip_tokenizer_init=True (vLLM's: no tokenizer, token-id prompts)."""
+    skip = kwargs.get("skip_tokenizer_init") is True
     for name, typ in IGNORED.items():
         if name in kwargs:
             v = kwargs.pop(name)
@@ -46,6 +49,9 @@ def pop_vllm_options(kwargs: dict) -> str | None:
                 raise ValueError(f"{name}={v!r:.80} is not supported: jaxinfer takes " +
                                  (f"{name}={took} (or leave it out)" if took else f"no {name} (leave it out)"))
     tok = kwargs.pop("tokenizer", None)
+    if skip:
+        from jaxinfer.tokenizer import NoTokenizer
+        return NoTokenizer()
     tok = os.path.expanduser(tok) if isinstance(tok, str) else tok
     if tok is not None and not (isinstance(tok, str) and os.path.isdir(tok)):
         raise ValueError(f"tokenizer={tok!r} must be a folder holding a Hugging Face tokenizer")

@@ -22,11 +22,11 @@ from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.generation_config import folder_eos_ids, sampling_defaults
 from jaxinfer.hub import load_weights, model_config_for
 from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, eos_ids, logprobs_of,
-                                       prompt_logprobs_of, primary_eos, stop_reason, text_ids)
+                                       prompt_logprobs_of, primary_eos, stop_reason, text_ids, warm_up)
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.prompts import Prompt, truncate
 from jaxinfer.sampling_params import SamplingParams, per_prompt
-from jaxinfer.tokenizer import load_tokenizer
+from jaxinfer.tokenizer import load_tokenizer, usable
 from jaxinfer.xla_options import warn_if_slow_command_buffers
 
 
@@ -73,10 +73,8 @@ class LLM:
         if self.config.warmup:
             buckets = self.engine.runner.buckets()
             with tqdm(total=len(buckets), desc="Compiling steps", disable=None) as bar:
-                self.engine.warmup(bar)              # then the tokenizer's and the detokenizer's lazy first calls:
-            ids = prompt_forms.token_ids(self.tokenizer, "Warm-up: nothing lazy is left for the first request.", 0)
-            OutputProcessor(self.tokenizer, ("\n\n",), stream=True).update(ids, "length")
-            self.tokenizer.decode(ids, skip_special_tokens=True)
+                self.engine.warmup(bar)
+            warm_up(self.tokenizer)                  # the tokenizer's and the detokenizer's lazy first calls
 
     @property
     def llm_engine(self):
@@ -99,8 +97,9 @@ class LLM:
         return self._default_params.clone()
 
     def get_tokenizer(self):
-        """The tokenizer (a Hugging Face tokenizer for checkpoints; a byte-level stand-in for presets)."""
-        return self.tokenizer
+        """The tokenizer (a Hugging Face tokenizer for checkpoints; a byte-level stand-in for presets; none with
+        skip_tokenizer_init=True: a ValueError, as vLLM's)."""
+        return usable(self.tokenizer)
 
     # -- requests ---------------------------------------------------------------------------------
     def _prepare(self, prompts, sampling_params, tokenization_kwargs=None) -> list[tuple[Prompt, list, SamplingParams]]:

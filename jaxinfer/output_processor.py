@@ -134,8 +134,11 @@ class TokenTexts:
 
     def __init__(self, tokenizer):
         self.tokenizer, self.cache = tokenizer, {}
+        self.none = getattr(tokenizer, "skipped", False)      # no tokenizer: decoded_token None (vLLM's)
 
-    def __call__(self, token_id: int, context=None) -> str:
+    def __call__(self, token_id: int, context=None) -> str | None:
+        if self.none:
+            return None
         text = self.cache.get(token_id)
         if text is None:
             text = self.cache[token_id] = self.tokenizer.decode([token_id])
@@ -214,3 +217,13 @@ def prompt_logprobs_of(seq, texts: TokenTexts):
     return LogprobsList(rows, seq.token_ids[:seq.num_prompt_tokens], seq.params.prompt_logprobs,
                         texts if seq.params.detokenize else None, [])
 
+
+def warm_up(tokenizer) -> None:
+    """A text prompt's encoding, a stop-string detokenizer and a decode, run once (LLM() after its warm-up), so that
+    nothing lazy is left for the first request; nothing without a tokenizer (skip_tokenizer_init=True)."""
+    from jaxinfer import prompts
+    if getattr(tokenizer, "skipped", False):
+        return
+    ids = prompts.token_ids(tokenizer, "Warm-up: nothing lazy is left for the first request.", 0)
+    OutputProcessor(tokenizer, ("\n\n",), stream=True).update(ids, "length")
+    tokenizer.decode(ids, skip_special_tokens=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields, replace
 from jaxinfer import bad_words, structured
 from jaxinfer.beam_search import BeamSearchParams  # noqa: F401  (vLLM's import path)
 from jaxinfer.structured import GuidedDecodingParams, StructuredOutputsParams  # noqa: F401  (vLLM's import path)
+from jaxinfer.tokenizer import check_text_fields
 
 MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
 MIN_TEMPERATURE = 0.01     # vLLM's floor for a positive temperature
@@ -235,6 +236,7 @@ class SamplingParams:
         """`error` (ValueError) for ids past the vocabulary (vLLM's check and words), or allowed_token_ids that are
         all stop or `eos` ids banned by min_tokens (no token could be drawn). bad_words are tokenized with
         `tokenizer` (vLLM's update_from_tokenizer; kept as its `_bad_words_token_ids`), refused if they cannot be."""
+        check_text_fields(tokenizer, self, error)           # (no tokenizer: stop strings, bad_words, ... refused)
         if self.bad_words:
             object.__setattr__(self, "_bad_words_token_ids", bad_words.token_ids(tokenizer, self.bad_words,
                                                                                 vocab_size, error))
@@ -267,8 +269,7 @@ class SamplingParams:
         if seed is not None and index > 0:   # a hash of both (a sum mod 2^31 - 1 gave seeds 0 and 2^31 - 1 the same
             digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=4).digest()      # samples 1..)
             seed = int.from_bytes(digest, "little") & 0x7FFFFFFF
-        return replace(self, n=1, best_of=None, seed=seed,
-                       prompt_logprobs=self.prompt_logprobs if index == 0 else None)
+        return replace(self, n=1, best_of=None, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))

@@ -52,6 +52,46 @@ class ByteTokenizer:
         return self.encode(text) if tokenize else text
 
 
+class NoTokenizer:
+    """vLLM's skip_tokenizer_init=True: no tokenizer. Prompts are token ids; outputs carry their token ids and empty
+    text (as vLLM's); what needs text (a text prompt, chat, stop strings, bad_words, structured outputs) is a
+    ValueError saying so, and so is `LLM.get_tokenizer()` (vLLM's)."""
+    eos_token_id = None
+    chat_template = None
+    skipped = True
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        raise ValueError(needs_tokenizer("a text prompt"))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def convert_ids_to_tokens(self, ids) -> list[str]:
+        return ["" for _ in ids]
+
+    def apply_chat_template(self, *args, **kwargs):
+        raise ValueError(needs_tokenizer("chat"))
+
+
+def needs_tokenizer(what: str) -> str:
+    return f"{what} needs a tokenizer, and this LLM has none (skip_tokenizer_init=True): give prompts as token ids"
+
+
+def check_text_fields(tokenizer, params, error=ValueError) -> None:
+    """With no tokenizer (NoTokenizer), a request's fields that need text are refused by name."""
+    if getattr(tokenizer, "skipped", False):
+        for name in ("stop", "bad_words", "structured_outputs"):
+            if getattr(params, name, None):
+                raise error(needs_tokenizer(f"{name}={getattr(params, name)!r:.60}"))
+
+
+def usable(tokenizer):
+    """`LLM.get_tokenizer()`'s answer: the tokenizer, or vLLM's ValueError when there is none."""
+    if getattr(tokenizer, "skipped", False):
+        raise ValueError("Unable to get tokenizer because skip_tokenizer_init is True")
+    return tokenizer
+
+
 def render_template(template: str, messages, **kwargs) -> str:
     """A chat template rendered as transformers does (sandboxed Jinja, trim_blocks / lstrip_blocks, loop
     controls, `raise_exception`)."""
@@ -73,12 +113,13 @@ def render_template(template: str, messages, **kwargs) -> str:
     return env.from_string(template).render(messages=out, **kwargs)
 
 
-def load_tokenizer(path: str | None):
-    if path is None:
-        return ByteTokenizer()
+def load_tokenizer(path: "str | NoTokenizer | None"):
+    if path is None or isinstance(path, NoTokenizer):
+        return path or ByteTokenizer()
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
                                                                   "vocab.json")):
-        raise FileNotFoundError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {path!r}")
+        raise FileNotFoundError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {path!r}: give "
+                                f"tokenizer=FOLDER, or skip_tokenizer_init=True to run on token ids (vLLM's)")
     cls = _direct_class(path)
     if cls is not None:
         return cls.from_pretrained(path)

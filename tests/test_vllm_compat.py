@@ -326,6 +326,37 @@ def test_hf_overrides_flag(tiny_dir, capsys):
     assert "--hf-overrides" in capsys.readouterr().err
 
 
+def test_skip_tokenizer_init(tiny_dir, tmp_path):
+    """vLLM's skip_tokenizer_init=True runs a checkpoint with no tokenizer files on token-id prompts: transformers'
+    greedy tokens, empty text, logprobs without decoded tokens; what needs text is a ValueError saying so; without
+    the option such a folder is refused with a hint."""
+    import shutil
+
+    from helpers import hf_greedy, hf_model
+    bare = tmp_path / "no_tokenizer"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(tiny_dir, name), bare / name)
+    with pytest.raises(FileNotFoundError, match="skip_tokenizer_init=True"):
+        LLM(str(bare), **TINY_ENGINE)
+    llm = LLM(str(bare), skip_tokenizer_init=True, **TINY_ENGINE)
+    model, eos = hf_model(str(bare)), llm.model_config.eos_token_id[0]
+    outs = llm.generate([[5, 7, 9, 11], TokensPrompt(prompt_token_ids=[100, 200])],
+                        SamplingParams(temperature=0, max_tokens=6, logprobs=1), use_tqdm=False)
+    for o in outs:
+        assert o.outputs[0].token_ids == hf_greedy(model, o.prompt_token_ids, 6, eos)
+        assert o.outputs[0].text == "" and all(e.decoded_token is None for d in o.outputs[0].logprobs for e in d.values())
+    for call, word in [(lambda: llm.generate(["Hello"]), "a text prompt needs a tokenizer"),
+                       (lambda: llm.get_tokenizer(), "skip_tokenizer_init is True"),
+                       (lambda: llm.generate([[5]], SamplingParams(stop=["x"])), "stop"),
+                       (lambda: llm.generate([[5]], SamplingParams(bad_words=["x"])), "bad_words"),
+                       (lambda: llm.chat([{"role": "user", "content": "Hi"}]), "chat needs a tokenizer")]:
+        with pytest.raises(ValueError, match=word):
+            call()
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == st["waiting"] == 0
+
+
 def test_revision_download_dir_and_tokenizer_options(tiny_dir, tmp_path, monkeypatch):
     """vLLM's download_dir (the Hugging Face cache) and revision reach the hub lookup; tokenizer=FOLDER serves a
     checkpoint that has no tokenizer files; --tokenizer / --revision / --download-dir are command-line flags too."""
