@@ -56,7 +56,7 @@ class LLM:
             from pallas_kernels._triton_ffi import check_ready
             check_ready()
         self.model_config = model_config
-        self.tokenizer = load_tokenizer(tokenizer or (path if os.path.isdir(path) else None))
+        self.tokenizer = load_tokenizer(tokenizer or (path if os.path.isdir(path) else None), missing_ok=True)
         self._one_thread, self._streams = OneThread(), []      # one thread at a time; weak refs to the streams
 
         def load(placement):                     # (called by create_engine, under the engine's JAX settings)

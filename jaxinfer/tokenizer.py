@@ -113,13 +113,21 @@ def render_template(template: str, messages, **kwargs) -> str:
     return env.from_string(template).render(messages=out, **kwargs)
 
 
-def load_tokenizer(path: "str | NoTokenizer | None"):
+def load_tokenizer(path: "str | NoTokenizer | None", missing_ok: bool = False):
+    """The tokenizer in folder `path` (None: the presets' ByteTokenizer; a NoTokenizer: itself). A folder without
+    tokenizer files is a FileNotFoundError, or with `missing_ok` (LLM()) a NoTokenizer and a warning saying so."""
     if path is None or isinstance(path, NoTokenizer):
         return path or ByteTokenizer()
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
                                                                   "vocab.json")):
+        if missing_ok:
+            import warnings
+            warnings.warn(f"no tokenizer files in {path!r}: running without a tokenizer, as vLLM's "
+                          f"skip_tokenizer_init=True (token-id prompts, outputs without text); give tokenizer=FOLDER "
+                          f"for text", stacklevel=3)
+            return NoTokenizer()
         raise FileNotFoundError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {path!r}: give "
-                                f"tokenizer=FOLDER, or skip_tokenizer_init=True to run on token ids (vLLM's)")
+                                f"tokenizer=FOLDER (--tokenizer FOLDER); LLM() runs without one on token ids")
     cls = _direct_class(path)
     if cls is not None:
         return cls.from_pretrained(path)
