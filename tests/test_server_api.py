@@ -497,7 +497,7 @@ def test_reasoning_parser_on_the_server(server, url):
             assert "".join(d.get(key) or "" for d in deltas) == text and not any(d.get(other) for d in deltas)
         for extra in ({"guided_choice": ["yes", "no"]}, {"structured_outputs": {"choice": ["yes", "no"]}}):
             body = {**base, "messages": msgs, "ignore_eos": False, **extra}   # (a choice from the first token: content)
-            msg = httpx.post(url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]
+            msg = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
             assert msg["content"] in ("yes", "no") and msg["reasoning"] is None
             deltas = [e["choices"][0]["delta"] for e in _sse(url, "/v1/chat/completions", body) if e["choices"]]
             assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
