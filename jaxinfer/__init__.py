@@ -9,7 +9,8 @@ import importlib
 _EXPORTS = {"LLM": "jaxinfer.llm", "SamplingParams": "jaxinfer.sampling_params",
             "RequestOutput": "jaxinfer.outputs", "CompletionOutput": "jaxinfer.outputs",
             "TextPrompt": "jaxinfer.prompts", "TokensPrompt": "jaxinfer.prompts",
-            "EngineConfig": "jaxinfer.config", "LLMEngine": "jaxinfer.engine_api", "EngineArgs": "jaxinfer.engine_api"}
+            "EngineConfig": "jaxinfer.config", "LLMEngine": "jaxinfer.engine_api", "EngineArgs": "jaxinfer.engine_api",
+            "AsyncLLMEngine": "jaxinfer.async_engine", "AsyncEngineArgs": "jaxinfer.async_engine"}
 __all__ = list(_EXPORTS)
 
 

@@ -1,0 +1,190 @@
+"""vLLM's AsyncLLMEngine, for asyncio code (a web framework's handlers, agents) that streams many requests at once:
+
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model="path/to/Qwen3-0.6B"))
+    async for out in engine.generate("Hello, my name is", SamplingParams(max_tokens=32), request_id="a"):
+        print(out.outputs[0].text)                  # everything so far (vLLM's CUMULATIVE default); out.finished last
+
+One thread of its own steps the engine (`llm.llm_engine`, engine_api.py) while requests run: `generate` hands its
+request to that thread and yields the RequestOutputs the thread posts back to the caller's event loop, in the
+request's `output_kind` (CUMULATIVE, DELTA or FINAL_ONLY, as LLMEngine's). Leaving the `async for` early (break,
+an exception, the task cancelled) or `await engine.abort(request_id)` ends the request and frees its KV blocks. Bad
+input is a ValueError from `generate`'s first step, naming the value; the engine stays usable. If a step fails,
+the error reaches every running request and later calls (`engine.errored`, `engine.dead_error`). `shutdown()`
+ends the thread (running requests end with the error saying so).
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+
+from jaxinfer.engine.sequence import is_finished
+from jaxinfer.engine_api import EngineArgs, ModelConfigView
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's thread stopped (a failed step, or shutdown()); vLLM's name."""
+
+
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's AsyncEngineArgs: EngineArgs' fields (the model and LLM()'s keyword arguments)."""
+
+
+class AsyncLLMEngine:
+    """Made from an LLM (`AsyncLLMEngine(llm)`) or, as vLLM's, `AsyncLLMEngine.from_engine_args(AsyncEngineArgs(...))`.
+    While it runs, its thread alone uses the LLM: other calls on that LLM raise (an LLM serves one thread)."""
+
+    def __init__(self, llm):
+        self._llm, self._api = llm, llm.llm_engine
+        self._commands: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()             # (a command is queued only while the thread still takes them)
+        self._streams: dict = {}                  # request_id -> (event loop, asyncio.Queue)
+        self.dead_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="jaxinfer-async-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **vllm_kwargs) -> "AsyncLLMEngine":
+        """vLLM's: the engine of `LLM(engine_args.model, **engine_args.kwargs)` (usage_context, ... ignored)."""
+        from jaxinfer.llm import LLM
+        return cls(LLM(engine_args.model, **engine_args.kwargs))
+
+    # -- the caller's side (its event loop) -----------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self.errored
+
+    async def generate(self, prompt, sampling_params=None, request_id=None, *, lora_request=None,
+                       tokenization_kwargs=None, trace_headers=None, priority: int = 0, **ignored):
+        """Yield RequestOutputs of one request until it finishes (vLLM's; `request_id` a string or int of the
+        caller's, unique among running requests). Leaving the loop early aborts it."""
+        if request_id is None:
+            raise ValueError("generate needs a request_id (a string or an int, unique among running requests)")
+        loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
+        added = loop.create_future()
+        self._send(("add", request_id, dict(prompt=prompt, params=sampling_params, lora_request=lora_request,
+                                            tokenization_kwargs=tokenization_kwargs, priority=priority),
+                    (loop, outputs, added)))
+        await added                               # (a bad request: its ValueError, raised here)
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:                      # (break, an exception, cancelled): end it in the engine
+                self._commands.put(("drop", request_id, None, None))
+
+    async def abort(self, request_id) -> None:
+        """End a running request: its KV blocks are freed and its generator yields a last output, finish_reason
+        "abort" for the samples that had not ended; unknown or finished ids are ignored (vLLM's)."""
+        self._commands.put(("abort", request_id, None, None))
+
+    async def get_tokenizer(self, lora_request=None):
+        return self._llm.get_tokenizer()
+
+    async def get_model_config(self) -> ModelConfigView:
+        return self._api.model_config
+
+    async def check_health(self) -> None:
+        self._check_alive()
+
+    async def reset_prefix_cache(self, *args, **kwargs) -> bool:
+        done = asyncio.get_running_loop().create_future()
+        self._send(("reset", None, (args, kwargs), (asyncio.get_running_loop(), None, done)))
+        return await done
+
+    def shutdown(self) -> None:
+        """Stop the engine's thread; running requests end with an EngineDeadError."""
+        if self._thread.is_alive():
+            self._commands.put(("stop", None, None, None))
+            self._thread.join()
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine is not running: {self.dead_error or 'shut down'}")
+
+    def _send(self, command) -> None:
+        with self._lock:
+            self._check_alive()
+            self._commands.put(command)
+
+    # -- the engine's thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        api = self._api
+        try:
+            while True:
+                busy = api.has_unfinished_requests()
+                try:
+                    commands = [self._commands.get(block=not busy)]
+                except queue.Empty:
+                    commands = []
+                while not self._commands.empty():
+                    commands.append(self._commands.get_nowait())
+                for command in commands:
+                    if not self._do(*command):
+                        raise EngineDeadError("the engine was shut down (AsyncLLMEngine.shutdown)")
+                if api.has_unfinished_requests():
+                    for out in api.step():
+                        self._post(out.request_id, out)
+                        if out.finished:
+                            self._streams.pop(out.request_id, None)
+        except BaseException as e:                # (a failed step: every request and later call learns why)
+            dead = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine failed: {e!r}")
+            with self._lock:
+                self.dead_error = dead
+            for rid in list(self._streams):
+                self._post(rid, dead)
+            self._streams.clear()
+            while not self._commands.empty():     # (queued before it stopped: their callers must not wait forever)
+                _, _, _, reply = self._commands.get_nowait()
+                if reply is not None:
+                    reply[0].call_soon_threadsafe(lambda f=reply[2]: f.done() or f.set_exception(dead))
+            try:
+                api.abort_request(list(api._requests))
+            except Exception:                     # (the engine may be broken: its blocks go with it)
+                pass
+
+    def _do(self, kind, request_id, args, reply) -> bool:
+        """One command from a caller; False for stop."""
+        if kind == "stop":
+            return False
+        if kind == "drop":                        # (its generator was left: nobody reads what follows)
+            self._streams.pop(request_id, None)
+            self._api.abort_request(request_id)
+        elif kind == "abort":                     # the samples end now; the next step posts the last output
+            for seq in getattr(self._api._requests.get(request_id), "seqs", ()):
+                if not is_finished(seq):
+                    self._llm.engine.abort(seq)
+        elif kind == "reset":
+            loop, _, done = reply
+            self._reply(loop, done, lambda: self._api.reset_prefix_cache(*args[0], **args[1]))
+        else:                                     # add
+            loop, outputs, added = reply
+            if self._reply(loop, added, lambda: self._api.add_request(request_id, **args)):
+                self._streams[request_id] = (loop, outputs)
+        return True
+
+    @staticmethod
+    def _reply(loop, future, call) -> bool:
+        """Run `call` here and set the caller's future to its result (or its exception); True if it returned."""
+        try:
+            result, ok = call(), True
+        except Exception as e:
+            result, ok = e, False
+        loop.call_soon_threadsafe(lambda: future.done() or (future.set_result(result) if ok else
+                                                              future.set_exception(result)))
+        return ok
+
+    def _post(self, request_id, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, outputs = stream
+            loop.call_soon_threadsafe(outputs.put_nowait, item)

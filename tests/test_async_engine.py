@@ -1,0 +1,119 @@
+"""vLLM's AsyncLLMEngine over an LLM: concurrent requests from one event loop give generate's outputs (cumulative,
+delta and final-only kinds, n samples, stop strings); leaving a generator early or abort() ends a request and frees
+its blocks (abort: a last "abort" output); bad input is a ValueError naming it and the engine goes on; a failed step
+or shutdown() ends the running requests and later calls with EngineDeadError."""
+import asyncio
+
+import pytest
+from helpers import TINY_ENGINE
+
+from jaxinfer import LLM, AsyncEngineArgs, AsyncLLMEngine, SamplingParams
+from jaxinfer.async_engine import EngineDeadError
+
+PROMPTS = [[5, 7, 9, 11], [100, 200, 300], "Hello there", [40, 41, 8, 2, 3]]
+PARAMS = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+          SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=7, ignore_eos=True, logprobs=1),
+          SamplingParams(temperature=0, max_tokens=12, stop=["e"], output_kind=1),
+          SamplingParams(temperature=0, max_tokens=5, output_kind=2)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(tiny_dir, **TINY_ENGINE)
+
+
+def _free(llm):
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == st["waiting"] == 0, st
+
+
+async def _collect(engine, prompt, params, rid):
+    return [out async for out in engine.generate(prompt, params, rid)]
+
+
+def test_concurrent_requests_give_generates_outputs(llm):
+    want = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    engine = AsyncLLMEngine(llm)
+    try:
+        async def every():
+            return await asyncio.gather(*[_collect(engine, p, sp, f"r{i}") for i, (p, sp) in
+                                          enumerate(zip(PROMPTS, PARAMS))])
+        got = asyncio.run(asyncio.wait_for(every(), 120))
+        for outs, w, sp in zip(got, want, PARAMS):
+            assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+            assert {o.request_id for o in outs} == {outs[0].request_id}
+            if sp.output_kind == 1:                    # DELTA: the pieces join to generate's text and ids
+                assert "".join(o.outputs[0].text for o in outs) == w.outputs[0].text
+                assert sum((o.outputs[0].token_ids for o in outs), []) == w.outputs[0].token_ids
+            else:                                      # CUMULATIVE / FINAL_ONLY: the last holds all of it
+                assert len(outs) == 1 if sp.output_kind == 2 else len(outs) >= 1
+                assert [(c.text, c.token_ids, c.finish_reason) for c in outs[-1].outputs] == \
+                    [(c.text, c.token_ids, c.finish_reason) for c in w.outputs]
+        assert got[1][-1].outputs[1].logprobs[0] == want[1].outputs[1].logprobs[0]
+        _free(llm)
+    finally:
+        engine.shutdown()
+
+
+def test_leaving_early_abort_and_bad_input(tiny_dir):
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_dir, **TINY_ENGINE))     # (vLLM's way)
+    long = SamplingParams(max_tokens=100, ignore_eos=True)
+
+    async def scenario():
+        async for _ in engine.generate([1, 2, 3], long, "left"):
+            break                                      # leaving the loop aborts it
+        async def abort_soon():
+            await asyncio.sleep(0.05)
+            await engine.abort("ab")
+        task = asyncio.create_task(abort_soon())
+        outs = await _collect(engine, [1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True, output_kind=1), "ab")
+        await task
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        assert sum(len(o.outputs[0].token_ids) for o in outs) < 100
+        for bad, word in (([10**9], "out of vocabulary"), ([1], "max_tokens")):
+            with pytest.raises(ValueError, match=word):
+                await _collect(engine, bad, SamplingParams(max_tokens=0) if word == "max_tokens" else long, "bad")
+        with pytest.raises(ValueError, match="request_id"):
+            await _collect(engine, [1], long, None)
+        running = engine.generate([1, 2], long, "dup")
+        await running.__anext__()
+        with pytest.raises(ValueError, match="already in the engine"):
+            await _collect(engine, [1], long, "dup")
+        await running.aclose()
+        done = await _collect(engine, [5, 7], SamplingParams(temperature=0, max_tokens=3), "after")
+        assert len(done[-1].outputs[0].token_ids) == 3       # (the engine went on)
+        assert await engine.reset_prefix_cache()
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+        _free(engine._llm)
+    finally:
+        engine.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        asyncio.run(_collect(engine, [1], long, "late"))
+
+
+def test_a_failed_step_ends_every_request(llm):
+    engine = AsyncLLMEngine(llm)
+    real = engine._api.step
+    calls = []
+
+    def failing():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a broken step")
+        return real()
+    engine._api.step = failing
+
+    async def scenario():
+        results = await asyncio.gather(*[_collect(engine, [1, 2, i], SamplingParams(max_tokens=50, ignore_eos=True),
+                                                  i) for i in range(3)], return_exceptions=True)
+        assert all(isinstance(r, EngineDeadError) and "a broken step" in str(r) for r in results), results
+        assert engine.errored and not engine.is_running
+        with pytest.raises(EngineDeadError):
+            await _collect(engine, [1], SamplingParams(max_tokens=2), "next")
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        engine.shutdown()
+        del engine._api.step
+    _free(llm)                                         # (the dead engine's requests were aborted: no block kept)
