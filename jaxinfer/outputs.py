@@ -10,6 +10,7 @@ The outputs' logprobs fields hold it until first read, and are plain lists from 
 """
 from __future__ import annotations
 
+import enum
 from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +22,14 @@ class Logprob:
     logprob: float
     rank: int | None = None               # 1 = the most likely token
     decoded_token: str | None = None
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's (`from jaxinfer.sampling_params import RequestOutputKind`): what SamplingParams.output_kind asks of
+    llm.llm_engine and AsyncLLMEngine: everything so far, only what is new, or only the finished request."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class Made:

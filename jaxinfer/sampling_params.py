@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields, replace
 
 from jaxinfer import bad_words, structured
 from jaxinfer.beam_search import BeamSearchParams  # noqa: F401  (vLLM's import path)
+from jaxinfer.outputs import RequestOutputKind  # noqa: F401  (vLLM's import path)
 from jaxinfer.structured import GuidedDecodingParams, StructuredOutputsParams  # noqa: F401  (vLLM's import path)
 from jaxinfer.tokenizer import check_text_fields
 
@@ -203,9 +204,7 @@ class SamplingParams:
             kwargs["logit_bias"] = openai_bias(kwargs["logit_bias"])
         return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+    greedy = property(lambda self: self.temperature == 0.0)
 
     @property
     def needs_filter(self) -> bool:

@@ -9,11 +9,12 @@ from helpers import TINY_ENGINE
 
 from jaxinfer import LLM, AsyncEngineArgs, AsyncLLMEngine, SamplingParams
 from jaxinfer.async_engine import EngineDeadError
+from jaxinfer.sampling_params import RequestOutputKind
 
 PROMPTS = [[5, 7, 9, 11], [100, 200, 300], "Hello there", [40, 41, 8, 2, 3]]
 PARAMS = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
           SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=7, ignore_eos=True, logprobs=1),
-          SamplingParams(temperature=0, max_tokens=12, stop=["e"], output_kind=1),
+          SamplingParams(temperature=0, max_tokens=12, stop=["e"], output_kind=RequestOutputKind.DELTA),
           SamplingParams(temperature=0, max_tokens=5, output_kind=2)]
 
 
@@ -42,7 +43,7 @@ def test_concurrent_requests_give_generates_outputs(llm):
         for outs, w, sp in zip(got, want, PARAMS):
             assert outs[-1].finished and not any(o.finished for o in outs[:-1])
             assert {o.request_id for o in outs} == {outs[0].request_id}
-            if sp.output_kind == 1:                    # DELTA: the pieces join to generate's text and ids
+            if sp.output_kind == RequestOutputKind.DELTA:     # the pieces join to generate's text and ids
                 assert "".join(o.outputs[0].text for o in outs) == w.outputs[0].text
                 assert sum((o.outputs[0].token_ids for o in outs), []) == w.outputs[0].token_ids
             else:                                      # CUMULATIVE / FINAL_ONLY: the last holds all of it
