@@ -160,13 +160,14 @@ class ChoiceRule:
         """(id, its text) of the tokens allowed after output `text`, and whether `text` is a whole choice."""
         return self.graph.get(text, ([], False))
 
-    def entries(self, outputs: list[int], pending: int, eos) -> list[tuple[int, int]]:
-        """(id, condition) entries of the ids allowed next, after `outputs` of which the last `pending` (0 or 1: the
-        step's input token) are still on the device. After an EOS (ignore_eos) only EOS ids are allowed."""
-        done, eos = outputs[:len(outputs) - pending], sorted(eos)[:MAX_EOS]
-        if done and done[-1] in eos:
+    def entries(self, outputs: list[int], pending: int, eos, start: int = 0) -> list[tuple[int, int]]:
+        """(id, condition) entries of the ids allowed next, after outputs[start:] (a sequence's token ids from its
+        first output: not copied) of which the last `pending` (0 or 1: the step's input token) are still on the
+        device. After an EOS (ignore_eos) only EOS ids are allowed."""
+        n, eos = len(outputs) - pending, sorted(eos)[:MAX_EOS]
+        if n > start and outputs[n - 1] in eos:
             return [(e, NO_COND) for e in eos]
-        text = "".join(self.texts[t] for t in done)
+        text = "".join(self.texts[outputs[i]] for i in range(start, n))    # (at most a choice's length: it was one)
         steps, end = self.options(text)
         if not pending:
             return [(i, NO_COND) for i, _ in steps] + [(e, NO_COND) for e in eos if end]

@@ -191,7 +191,7 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
         fill("bad", extras.bad_words, map(bans, seqs))
     if extras.choice:                   # structured outputs' choice: the only ids each constrained row may sample
         fill("choice", extras.choice, [None if s.choice is None else s.choice.entries(
-            s.token_ids[s.num_prompt_tokens:], s.num_pending, eos) for s in seqs])
+            s.token_ids, s.num_pending, eos, s.num_prompt_tokens) for s in seqs])
         f["choice_on"][:n] = [s.choice is not None for s in seqs]
     where: list[tuple] = []
     if extras.prompt_rows:
