@@ -81,12 +81,43 @@ def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_toke
 
 
 def create_sort_beams_key_function(eos_token_id: int | None, length_penalty: float):
+    """vLLM's: the score of a BeamSearchSequence, as a sort key."""
     return lambda beam: get_beam_search_score(beam.tokens, beam.cum_logprob, eos_token_id, length_penalty)
 
 
-class _Search:                                      # one prompt's live and complete beams
-    def __init__(self, ids: list[int]):
-        self.beams, self.completed = [BeamSearchSequence(list(ids))], []
+def search(prompts: list[list[int]], width: int, limits: list[int], eos: int | None, ignore_eos: bool = False,
+           length_penalty: float = 1.0):
+    """vLLM's search (the module's rules) as a generator, driven by `LLM.beam_search` and the server (server/beam.py).
+    It yields the token lists to extend by one token (every live beam of every prompt) and is sent, for each, its
+    candidates [(token id, logprob, kept)] (`kept`: what the new beam keeps of this step in its `logprobs`); it
+    returns, per prompt, the best `width` BeamSearchSequences, best first, with their finish_reason. limits[i]: the
+    most tokens (prompt and output) prompt i's beams may hold."""
+    def score(b: BeamSearchSequence) -> float:
+        return get_beam_search_score(b.tokens, b.cum_logprob, eos, length_penalty)
+    lives = [[BeamSearchSequence(list(ids))] for ids in prompts]
+    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+    while True:
+        for i, limit in enumerate(limits):             # beams with no room for another token are complete
+            done[i] += [b for b in lives[i] if len(b.tokens) >= limit]
+            lives[i] = [b for b in lives[i] if len(b.tokens) < limit]
+        live = [(i, b) for i, beams in enumerate(lives) for b in beams]
+        if not live:
+            break
+        candidates = yield [b.tokens for _, b in live]
+        grown: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        for (i, b), found in zip(live, candidates):
+            for t, lp, kept in found:
+                new = BeamSearchSequence(b.tokens + [t], b.logprobs + [kept], cum_logprob=b.cum_logprob + lp)
+                (done[i] if t == eos and not ignore_eos else grown[i]).append(new)
+        lives = [sorted(g, key=score, reverse=True)[:width] for g in grown]
+    results = []
+    for i, ids in enumerate(prompts):
+        best = sorted(done[i] + lives[i], key=score, reverse=True)[:width]
+        for b in best:
+            ended = b.tokens[-1] == eos and not ignore_eos and len(b.tokens) > len(ids)
+            b.finish_reason = "stop" if ended else "length"
+        results.append(best)
+    return results
 
 
 def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
@@ -108,34 +139,26 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None, use_t
         raise ValueError(f"concurrency_limit must be None or an int >= 1, got {concurrency_limit!r:.80}")
     step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature,
                           ignore_eos=True, detokenize=False)
-    searches = [_Search(ids) for _, ids, _ in llm._prepare(prompts, step)]    # (checks every prompt first)
-    eos, limit = llm._eos[1], llm.config.max_model_len
-    key = create_sort_beams_key_function(eos, params.length_penalty)
-    width = concurrency_limit or max(len(searches), 1)
-    for start in range(0, len(searches), width):
-        group = searches[start:start + width]
-        for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm or None):
-            for s in group:                          # beams with no room for another token are complete
-                s.completed += [b for b in s.beams if len(b.tokens) >= limit]
-                s.beams = [b for b in s.beams if len(b.tokens) < limit]
-            live = [(s, b) for s in group for b in s.beams]
-            if not live:
-                break
-            outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in live], step, use_tqdm=False)
-            grown = {id(s): [] for s in group}
-            for (s, b), out in zip(live, outs):
-                lps = out.outputs[0].logprobs[0]
-                for t, lp in lps.items():
-                    new = BeamSearchSequence(b.tokens + [t], b.logprobs + [lps], cum_logprob=b.cum_logprob + lp.logprob)
-                    (s.completed if t == eos and not params.ignore_eos else grown[id(s)]).append(new)
-            for s in group:
-                s.beams = sorted(grown[id(s)], key=key, reverse=True)[:params.beam_width]
+    ids = [ids for _, ids, _ in llm._prepare(prompts, step)]      # (checks every prompt first)
+    width = concurrency_limit or max(len(ids), 1)
     results = []
-    for s in searches:
-        best = sorted(s.completed + s.beams, key=key, reverse=True)[:params.beam_width]
+    for start in range(0, len(ids), width):
+        group = ids[start:start + width]
+        limits = [min(llm.config.max_model_len, len(p) + params.max_tokens) for p in group]
+        run = search(group, params.beam_width, limits, llm._eos[1], params.ignore_eos, params.length_penalty)
+        bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm or None)
+        try:
+            todo = next(run)
+            while True:
+                outs = llm.generate([{"prompt_token_ids": t} for t in todo], step, use_tqdm=False)
+                bar.update(1)
+                found = [o.outputs[0].logprobs[0] for o in outs]         # ({token: Logprob} a beam)
+                todo = run.send([[(t, lp.logprob, d) for t, lp in d.items()] for d in found])
+        except StopIteration as end:
+            results += end.value
+        finally:
+            bar.close()
+    for best in results:
         for b in best:
-            ended = b.tokens[-1] == eos and not params.ignore_eos
-            b.finish_reason = "stop" if ended else "length"
-            b.text = llm.tokenizer.decode(b.tokens)       # (vLLM's: special tokens kept)
-        results.append(BeamSearchOutput(best))
-    return results
+            b.text = llm.tokenizer.decode(b.tokens)       # (vLLM's: the prompt's too, special tokens kept)
+    return [BeamSearchOutput(best) for best in results]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from jaxinfer.beam_search import get_beam_search_score
+from jaxinfer import beam_search
 from jaxinfer.output_processor import OutputProcessor, TextDelta
 from jaxinfer.outputs import logprob_dict
 from jaxinfer.sampling_params import SamplingParams
@@ -48,51 +48,30 @@ def check(req) -> None:
                                param=name, code="unsupported_parameter")
 
 
-class _Beam:
-    __slots__ = ("tokens", "rows", "cum")
-
-    def __init__(self, tokens: list[int], rows: list, cum: float):
-        self.tokens, self.rows, self.cum = tokens, rows, cum
-
-
 async def search(step, tokenizer, prompts: list[list[int]], params: list[SamplingParams], n: int,
                  length_penalty: float, eos: int | None, max_model_len: int) -> list[Choice]:
-    """The n best beams of each prompt as finished choices (index = prompt * n + rank). `step(items)` runs engine
-    requests [(ids, SamplingParams)] to their end and returns their Choices (app.collect)."""
-    def score(b: _Beam) -> float:
-        return get_beam_search_score(b.tokens, b.cum, eos, length_penalty)
-    lives = [[_Beam(list(ids), [], 0.0)] for ids in prompts]
-    done: list[list[_Beam]] = [[] for _ in prompts]
-    plen = [len(ids) for ids in prompts]
-    steps = [SamplingParams(max_tokens=1, logprobs=2 * n, temperature=sp.temperature, ignore_eos=True, detokenize=False)
-             for sp in params]
-    for _ in range(max(sp.max_tokens for sp in params)):
-        for i, sp in enumerate(params):            # beams out of room (max_model_len, max_tokens) are complete
-            full = [b for b in lives[i] if len(b.tokens) >= max_model_len or len(b.tokens) - plen[i] >= sp.max_tokens]
-            done[i] += full
-            lives[i] = [b for b in lives[i] if b not in full]
-        live = [(i, b) for i, beams in enumerate(lives) for b in beams]
-        if not live:
-            break
-        chs = await step([(b.tokens, steps[i]) for i, b in live])
-        grown: list[list[_Beam]] = [[] for _ in prompts]
-        for (i, b), ch in zip(live, chs):
-            row = ch.logprobs[0]
-            for t, lp in logprob_dict(row, ch.token_ids[0], 2 * n).items():
-                new = _Beam(b.tokens + [t], b.rows + [[lp.logprob, lp.rank, *row[2:]]], b.cum + lp.logprob)
-                (done[i] if t == eos and not params[i].ignore_eos else grown[i]).append(new)
-        for i in range(len(prompts)):
-            lives[i] = sorted(grown[i], key=score, reverse=True)[:n]
+    """The n best beams of each prompt (beam_search.search's rules) as finished choices (index = prompt * n + rank).
+    `step(items)` runs engine requests [(ids, SamplingParams)] to their end and returns their Choices (app.collect)."""
+    one = SamplingParams(max_tokens=1, logprobs=2 * n, temperature=params[0].temperature, ignore_eos=True,
+                         detokenize=False)                  # (a request's prompts share their sampling fields)
+    limits = [min(max_model_len, len(ids) + sp.max_tokens) for ids, sp in zip(prompts, params)]
+    run = beam_search.search(prompts, n, limits, eos, params[0].ignore_eos, length_penalty)
+    try:
+        todo = next(run)
+        while True:
+            chs = await step([(t, one) for t in todo])
+            todo = run.send([[(t, lp.logprob, [lp.logprob, lp.rank, *ch.logprobs[0][2:]]) for t, lp in
+                              logprob_dict(ch.logprobs[0], ch.token_ids[0], 2 * n).items()] for ch in chs])
+    except StopIteration as end:
+        results = end.value
     out = []
-    for i, sp in enumerate(params):
-        best = sorted(done[i] + lives[i], key=score, reverse=True)[:n]
+    for i, (sp, best) in enumerate(zip(params, results)):
+        final = replace(sp, n=1)
         for j, b in enumerate(best):
-            final = replace(sp, n=1)
             proc = OutputProcessor.for_params(tokenizer, final, False)
             ch = Choice(i * n + j, prompts[i], final, proc, ((eos,), eos))
-            ended = b.tokens[-1] == eos and not sp.ignore_eos and len(b.tokens) > plen[i]
-            ch.proc.update(b.tokens[plen[i]:], "stop" if ended else "length")
-            ch.logprobs = b.rows
+            ch.proc.update(b.tokens[len(prompts[i]):], b.finish_reason)
+            ch.logprobs = b.logprobs                   # (the engine's row form: the candidate's logprob and rank)
             out.append(ch)
     return out
 
