@@ -69,18 +69,18 @@ class AsyncLLMEngine:
         self._send(("add", request_id, dict(prompt=prompt, params=sampling_params, lora_request=lora_request,
                                             tokenization_kwargs=tokenization_kwargs, priority=priority),
                     (loop, outputs, added)))
-        await added                               # (a bad request: its ValueError, raised here)
         finished = False
         try:
+            await added                           # (a bad request: its ValueError, raised here)
             while not finished:
                 out = await outputs.get()
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
                 yield out
-        finally:
-            if not finished:                      # (break, an exception, cancelled): end it in the engine
-                self._commands.put(("drop", request_id, None, None))
+        finally:       # (break, an exception, cancelled, even before its first output): end it in the engine
+            if not finished:                      # (only if it is still this call's: a refused id is another's)
+                self._commands.put(("drop", request_id, outputs, None))
 
     async def abort(self, request_id) -> None:
         """End a running request: its KV blocks are freed and its generator yields a last output, finish_reason
@@ -118,18 +118,18 @@ class AsyncLLMEngine:
 
     # -- the engine's thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
-        api = self._api
+        api, batch = self._api, []
         try:
             while True:
                 busy = api.has_unfinished_requests()
                 try:
-                    commands = [self._commands.get(block=not busy)]
+                    batch.append(self._commands.get(block=not busy))
                 except queue.Empty:
-                    commands = []
+                    pass
                 while not self._commands.empty():
-                    commands.append(self._commands.get_nowait())
-                for command in commands:
-                    if not self._do(*command):
+                    batch.append(self._commands.get_nowait())
+                while batch:
+                    if not self._do(*batch.pop(0)):
                         raise EngineDeadError("the engine was shut down (AsyncLLMEngine.shutdown)")
                 if api.has_unfinished_requests():
                     for out in api.step():
@@ -144,9 +144,10 @@ class AsyncLLMEngine:
                 self._post(rid, dead)
             self._streams.clear()
             while not self._commands.empty():     # (queued before it stopped: their callers must not wait forever)
-                _, _, _, reply = self._commands.get_nowait()
+                batch.append(self._commands.get_nowait())
+            for _, _, _, reply in batch:
                 if reply is not None:
-                    reply[0].call_soon_threadsafe(lambda f=reply[2]: f.done() or f.set_exception(dead))
+                    _call_soon(reply[0], lambda f=reply[2]: f.done() or f.set_exception(dead))
             try:
                 api.abort_request(list(api._requests))
             except Exception:                     # (the engine may be broken: its blocks go with it)
@@ -157,8 +158,8 @@ class AsyncLLMEngine:
         if kind == "stop":
             return False
         if kind == "drop":                        # (its generator was left: nobody reads what follows)
-            self._streams.pop(request_id, None)
-            self._api.abort_request(request_id)
+            if self._streams.get(request_id, (None, None))[1] is args:
+                self._drop(request_id)
         elif kind == "abort":                     # the samples end now; the next step posts the last output
             for seq in getattr(self._api._requests.get(request_id), "seqs", ()):
                 if not is_finished(seq):
@@ -168,23 +169,38 @@ class AsyncLLMEngine:
             self._reply(loop, done, lambda: self._api.reset_prefix_cache(*args[0], **args[1]))
         else:                                     # add
             loop, outputs, added = reply
-            if self._reply(loop, added, lambda: self._api.add_request(request_id, **args)):
+            added_ok, told = self._reply(loop, added, lambda: self._api.add_request(request_id, **args))
+            if added_ok:
                 self._streams[request_id] = (loop, outputs)
+                if not told:                      # (its event loop has closed: nobody reads it)
+                    self._drop(request_id)
         return True
 
     @staticmethod
     def _reply(loop, future, call) -> bool:
-        """Run `call` here and set the caller's future to its result (or its exception); True if it returned."""
+        """Run `call` here and set the caller's future to its result (or its exception); returns whether it returned
+        and whether the caller could be told (its event loop still open)."""
         try:
             result, ok = call(), True
         except Exception as e:
             result, ok = e, False
-        loop.call_soon_threadsafe(lambda: future.done() or (future.set_result(result) if ok else
-                                                              future.set_exception(result)))
-        return ok
+        return ok, _call_soon(loop, lambda: future.done() or (future.set_result(result) if ok else
+                                                               future.set_exception(result)))
 
     def _post(self, request_id, item) -> None:
         stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, outputs = stream
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+        if stream is not None and not _call_soon(stream[0], lambda: stream[1].put_nowait(item)):
+            self._drop(request_id)                # (its event loop has closed: nobody reads it)
+
+    def _drop(self, request_id) -> None:
+        self._streams.pop(request_id, None)
+        self._api.abort_request(request_id)
+
+
+def _call_soon(loop, callback) -> bool:
+    """Run `callback` on the caller's event loop; False if that loop has closed (the caller is gone)."""
+    try:
+        loop.call_soon_threadsafe(callback)
+        return True
+    except RuntimeError:
+        return False

@@ -118,3 +118,49 @@ def test_a_failed_step_ends_every_request(llm):
         engine.shutdown()
         del engine._api.step
     _free(llm)                                         # (the dead engine's requests were aborted: no block kept)
+
+
+def test_callers_that_leave_early_or_race_shutdown(llm):
+    """A generator left with `break` in an asyncio.run that then ends (its loop closed before the drop reaches the
+    engine), and a task cancelled before its first output, end their requests without harming the engine; a generate
+    racing shutdown() gets EngineDeadError or its outputs, never a hang."""
+    import threading
+    import time
+    engine = AsyncLLMEngine(llm)
+    long = SamplingParams(max_tokens=100, ignore_eos=True)
+
+    async def first_only(rid):
+        async for _ in engine.generate([1, 2, 3], long, rid):
+            break
+
+    async def cancel_at_once():
+        task = asyncio.create_task(_collect(engine, [1, 2, 3], long, "x"))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    try:
+        for i in range(6):
+            asyncio.run(asyncio.wait_for(first_only(f"left{i}"), 60))
+        asyncio.run(asyncio.wait_for(cancel_at_once(), 60))
+        time.sleep(0.5)
+        done = asyncio.run(asyncio.wait_for(_collect(engine, [5, 7], SamplingParams(max_tokens=2), "x"), 60))
+        assert done[-1].finished and not engine.errored      # (the cancelled "x" was dropped: its id is free)
+        time.sleep(0.2)
+        _free(llm)
+    finally:
+        engine.shutdown()
+    for _ in range(3):
+        engine, ended = AsyncLLMEngine(llm), []
+
+        def caller():
+            try:
+                ended.append(asyncio.run(asyncio.wait_for(_collect(engine, [1, 2], long, "r"), 30))[-1].finished)
+            except EngineDeadError:
+                ended.append("dead")
+        t = threading.Thread(target=caller)
+        t.start()
+        engine.shutdown()
+        t.join(60)
+        assert ended and ended[0] in ("dead", True), ended
+    _free(llm)
