@@ -7,7 +7,8 @@
 One thread of its own steps the engine (`llm.llm_engine`, engine_api.py) while requests run: `generate` hands its
 request to that thread and yields the RequestOutputs the thread posts back to the caller's event loop, in the
 request's `output_kind` (CUMULATIVE, DELTA or FINAL_ONLY, as LLMEngine's). Leaving the `async for` early (break,
-an exception, the task cancelled) or `await engine.abort(request_id)` ends the request and frees its KV blocks. Bad
+an exception, the task cancelled) or `await engine.abort(request_id)` ends the request and frees its KV blocks (after
+a `break`, once Python closes the generator: `aclose()` it, or when its event loop ends or it is collected). Bad
 input is a ValueError from `generate`'s first step, naming the value; the engine stays usable. If a step fails,
 the error reaches every running request and later calls (`engine.errored`, `engine.dead_error`). `shutdown()`
 ends the thread (running requests end with the error saying so).
