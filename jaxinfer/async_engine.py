@@ -60,9 +60,11 @@ class AsyncLLMEngine:
         return self._thread.is_alive() and not self.errored
 
     async def generate(self, prompt, sampling_params=None, request_id=None, *, lora_request=None,
-                       tokenization_kwargs=None, trace_headers=None, priority: int = 0, **ignored):
-        """Yield RequestOutputs of one request until it finishes (vLLM's; `request_id` a string or int of the
-        caller's, unique among running requests). Leaving the loop early aborts it."""
+                       tokenization_kwargs=None, trace_headers=None, priority: int = 0, prompt_text=None,
+                       data_parallel_rank=None):
+        """Yield RequestOutputs of one request until it finishes (vLLM's signature; `request_id` a string or int of
+        the caller's, unique among running requests; trace_headers, prompt_text and the data_parallel_rank hint are
+        taken and unused). Leaving the loop early aborts it."""
         if request_id is None:
             raise ValueError("generate needs a request_id (a string or an int, unique among running requests)")
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
