@@ -5,7 +5,9 @@ The search is vLLM's (its `LLM.beam_search`), run over `generate`:
 - each step, every live beam is a prompt (the tokens so far) that generates one token with logprobs = 2 * beam_width;
   each returned candidate (the top 2 * beam_width, and the sampled token when temperature > 0 picks another) extends
   the beam by that token and adds its logprob to the beam's cumulative logprob;
-- a candidate ending in the EOS token (the tokenizer's, as vLLM's) is complete, unless ignore_eos; so is a beam that
+- a candidate ending in an EOS id is complete, unless ignore_eos (the ids `generate` stops at: the tokenizer's EOS and
+  the model's config ones, e.g. Qwen3's <|endoftext|> beside <|im_end|>; vLLM's checks the tokenizer's alone and runs
+  past the others); so is a beam that
   reached max_model_len (finish_reason "length"); the rest are ranked by score and the best beam_width stay live;
 - after max_tokens steps, or once no beam is live, the complete and live beams together are ranked and the best
   beam_width returned, each with `text`, the decoded tokens: the prompt's as well, as vLLM's.
@@ -73,25 +75,30 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_token_id: int | None,
+def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_token_id,
                           length_penalty: float = 1.0) -> float:
-    """cumulative_logprob / len(tokens) ** length_penalty, a final EOS not counted (vLLM's)."""
-    n = len(tokens) - (1 if tokens and tokens[-1] == eos_token_id else 0)
+    """cumulative_logprob / len(tokens) ** length_penalty, a final EOS not counted (vLLM's; eos_token_id: an id, or
+    a set of them)."""
+    n = len(tokens) - (1 if tokens and _is_eos(tokens[-1], eos_token_id) else 0)
     return cumulative_logprob / (max(n, 1) ** length_penalty)
 
 
-def create_sort_beams_key_function(eos_token_id: int | None, length_penalty: float):
+def _is_eos(token: int, eos) -> bool:
+    return token in eos if isinstance(eos, (set, frozenset, tuple, list)) else token == eos
+
+
+def create_sort_beams_key_function(eos_token_id, length_penalty: float):
     """vLLM's: the score of a BeamSearchSequence, as a sort key."""
     return lambda beam: get_beam_search_score(beam.tokens, beam.cum_logprob, eos_token_id, length_penalty)
 
 
-def search(prompts: list[list[int]], width: int, limits: list[int], eos: int | None, ignore_eos: bool = False,
+def search(prompts: list[list[int]], width: int, limits: list[int], eos, ignore_eos: bool = False,
            length_penalty: float = 1.0):
     """vLLM's search (the module's rules) as a generator, driven by `LLM.beam_search` and the server (server/beam.py).
     It yields the token lists to extend by one token (every live beam of every prompt) and is sent, for each, its
     candidates [(token id, logprob, kept)] (`kept`: what the new beam keeps of this step in its `logprobs`); it
     returns, per prompt, the best `width` BeamSearchSequences, best first, with their finish_reason. limits[i]: the
-    most tokens (prompt and output) prompt i's beams may hold."""
+    most tokens (prompt and output) prompt i's beams may hold; eos: the EOS ids (a set)."""
     def score(b: BeamSearchSequence) -> float:
         return get_beam_search_score(b.tokens, b.cum_logprob, eos, length_penalty)
     lives = [[BeamSearchSequence(list(ids))] for ids in prompts]
@@ -108,13 +115,13 @@ def search(prompts: list[list[int]], width: int, limits: list[int], eos: int | N
         for (i, b), found in zip(live, candidates):
             for t, lp, kept in found:
                 new = BeamSearchSequence(b.tokens + [t], b.logprobs + [kept], cum_logprob=b.cum_logprob + lp)
-                (done[i] if t == eos and not ignore_eos else grown[i]).append(new)
+                (done[i] if _is_eos(t, eos) and not ignore_eos else grown[i]).append(new)
         lives = [sorted(g, key=score, reverse=True)[:width] for g in grown]
     results = []
     for i, ids in enumerate(prompts):
         best = sorted(done[i] + lives[i], key=score, reverse=True)[:width]
         for b in best:
-            ended = b.tokens[-1] == eos and not ignore_eos and len(b.tokens) > len(ids)
+            ended = _is_eos(b.tokens[-1], eos) and not ignore_eos and len(b.tokens) > len(ids)
             b.finish_reason = "stop" if ended else "length"
         results.append(best)
     return results
@@ -145,7 +152,7 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None, use_t
     for start in range(0, len(ids), width):
         group = ids[start:start + width]
         limits = [min(llm.config.max_model_len, len(p) + params.max_tokens) for p in group]
-        run = search(group, params.beam_width, limits, llm._eos[1], params.ignore_eos, params.length_penalty)
+        run = search(group, params.beam_width, limits, llm._eos[0], params.ignore_eos, params.length_penalty)
         bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm or None)
         try:
             todo = next(run)

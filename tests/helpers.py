@@ -59,12 +59,14 @@ def hf_greedy_edited(model, prompt: list[int], n: int, edit, stop=()) -> list[in
     return out
 
 
-def hf_beam_search(model, prompt: list[int], width: int, steps: int, eos: int, length_penalty: float = 1.0,
+def hf_beam_search(model, prompt: list[int], width: int, steps: int, eos, length_penalty: float = 1.0,
                    ignore_eos: bool = False) -> list[tuple[list[int], float]]:
     """vLLM's beam search (LLM.beam_search) over transformers' float64 logprobs: the best `width` (prompt + output
-    tokens, cumulative logprob), best first."""
+    tokens, cumulative logprob), best first. eos: an id or a set of them."""
+    eos = set(eos) if isinstance(eos, (set, frozenset, list, tuple)) else {eos}
+
     def score(b):                                       # (the prompt counted, a final EOS not)
-        return b[1] / (len(b[0]) - (b[0][-1] == eos)) ** length_penalty
+        return b[1] / (len(b[0]) - (b[0][-1] in eos)) ** length_penalty
     beams, done = [(list(prompt), 0.0)], []
     for _ in range(steps):
         grown = []
@@ -72,7 +74,7 @@ def hf_beam_search(model, prompt: list[int], width: int, steps: int, eos: int, l
             row = hf_logits(model, toks)[-1].astype(np.float64)
             lp = row - np.logaddexp.reduce(row)
             for t in np.argsort(-lp, kind="stable")[:2 * width]:
-                (done if t == eos and not ignore_eos else grown).append((toks + [int(t)], cum + lp[t]))
+                (done if t in eos and not ignore_eos else grown).append((toks + [int(t)], cum + lp[t]))
         beams = sorted(grown, key=score, reverse=True)[:width]
     return sorted(done + beams, key=score, reverse=True)[:width]
 

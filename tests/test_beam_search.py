@@ -49,6 +49,17 @@ def test_beams_equal_vllms_search_over_transformers(llm, reference, length_penal
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["running"] == stats["waiting"] == 0
 
 
+def test_every_eos_id_ends_a_beam(tiny_dir, llm):
+    """The model's config EOS ids end a beam as the tokenizer's does (the ids generate stops at; vLLM's search checks
+    the tokenizer's alone and runs past the others, e.g. Qwen3's <|endoftext|>)."""
+    eos = llm.get_tokenizer().eos_token_id
+    other = LLM(tiny_dir, hf_overrides={"eos_token_id": [eos, 395]}, **TINY_ENGINE)
+    out, = other.beam_search([PROMPTS[1]], BeamSearchParams(beam_width=3, max_tokens=8))
+    want = hf_beam_search(hf_model(tiny_dir), PROMPTS[1], 3, 8, {eos, 395})
+    assert [s.tokens for s in out.sequences] == [w[0] for w in want]
+    assert any(s.tokens[-1] == 395 and s.finish_reason == "stop" for s in out.sequences)
+
+
 def test_max_model_len_ends_beams_and_sampling_runs(llm):
     prompt = list(range(3, 3 + llm.config.max_model_len - 3))
     out, = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True))

@@ -165,7 +165,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
 
     def searched(req, request, prompts, items, n: int, t0: float):     # vLLM's beam search (beam.py): its choices
         return beam.search(lambda its: collect(its, request, t0, len(its), req.cache_salt), tokenizer, prompts,
-                           [sp for _, sp in items[::n]], n, req.length_penalty, limits.get("eos", ((), None))[1],
+                           [sp for _, sp in items[::n]], n, req.length_penalty, limits.get("eos", ((), None)),
                            max_model_len)
 
     # -- routes -------------------------------------------------------------------------------------

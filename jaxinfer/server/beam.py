@@ -4,7 +4,7 @@
 The search is `LLM.beam_search`'s (jaxinfer/beam_search.py) with the engine requests sent to the core: each step,
 every live beam of every prompt is a request for one token with 2 * n logprobs. The request's n best beams become its
 n choices, best first: their generated tokens, text (an ending EOS left out, as vLLM's), logprobs when asked, and
-finish_reason "stop" (EOS) or "length". Streamed, each choice comes whole in one chunk once the search ends (vLLM's
+finish_reason "stop" (an EOS id) or "length". Streamed, each choice comes whole in one chunk once the search ends (vLLM's
 too: its search yields once). Only temperature, max_tokens (max_completion_tokens), ignore_eos, length_penalty,
 logprobs and the text options shape a beam search; the sampling fields it does not use are refused by name (vLLM
 ignores them), and so is `length_penalty` without `use_beam_search`.
@@ -49,13 +49,13 @@ def check(req) -> None:
 
 
 async def search(step, tokenizer, prompts: list[list[int]], params: list[SamplingParams], n: int,
-                 length_penalty: float, eos: int | None, max_model_len: int) -> list[Choice]:
+                 length_penalty: float, eos: tuple, max_model_len: int) -> list[Choice]:
     """The n best beams of each prompt (beam_search.search's rules) as finished choices (index = prompt * n + rank).
     `step(items)` runs engine requests [(ids, SamplingParams)] to their end and returns their Choices (app.collect)."""
     one = SamplingParams(max_tokens=1, logprobs=2 * n, temperature=params[0].temperature, ignore_eos=True,
                          detokenize=False)                  # (a request's prompts share their sampling fields)
     limits = [min(max_model_len, len(ids) + sp.max_tokens) for ids, sp in zip(prompts, params)]
-    run = beam_search.search(prompts, n, limits, eos, params[0].ignore_eos, length_penalty)
+    run = beam_search.search(prompts, n, limits, frozenset(eos[0]), params[0].ignore_eos, length_penalty)
     try:
         todo = next(run)
         while True:
@@ -69,7 +69,7 @@ async def search(step, tokenizer, prompts: list[list[int]], params: list[Samplin
         final = replace(sp, n=1)
         for j, b in enumerate(best):
             proc = OutputProcessor.for_params(tokenizer, final, False)
-            ch = Choice(i * n + j, prompts[i], final, proc, ((eos,), eos))
+            ch = Choice(i * n + j, prompts[i], final, proc, (frozenset(eos[0]), eos[1]))
             ch.proc.update(b.tokens[len(prompts[i]):], b.finish_reason)
             ch.logprobs = b.logprobs                   # (the engine's row form: the candidate's logprob and rank)
             out.append(ch)
