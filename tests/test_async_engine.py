@@ -28,6 +28,14 @@ def _free(llm):
     assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == st["waiting"] == 0, st
 
 
+def _settled(engine, timeout_s: float = 30.0) -> None:
+    """Wait until the engine's thread has taken up every drop (no request of the API left, none running)."""
+    import time
+    end = time.monotonic() + timeout_s
+    while engine._api.has_unfinished_requests() and time.monotonic() < end:
+        time.sleep(0.02)
+
+
 async def _collect(engine, prompt, params, rid):
     return [out async for out in engine.generate(prompt, params, rid)]
 
@@ -63,14 +71,13 @@ def test_leaving_early_abort_and_bad_input(tiny_dir):
     async def scenario():
         async for _ in engine.generate([1, 2, 3], long, "left"):
             break                                      # leaving the loop aborts it
-        async def abort_soon():
-            await asyncio.sleep(0.05)
-            await engine.abort("ab")
-        task = asyncio.create_task(abort_soon())
-        outs = await _collect(engine, [1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True, output_kind=1), "ab")
-        await task
+        task = asyncio.create_task(_collect(engine, [1, 2, 3], SamplingParams(max_tokens=120, ignore_eos=True,
+                                                                              output_kind=1), "ab"))
+        await asyncio.sleep(0)                           # (its request is queued: the abort comes after it)
+        await engine.abort("ab")
+        outs = await task
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
-        assert sum(len(o.outputs[0].token_ids) for o in outs) < 100
+        assert sum(len(o.outputs[0].token_ids) for o in outs) < 120
         for bad, word in (([10**9], "out of vocabulary"), ([1], "max_tokens")):
             with pytest.raises(ValueError, match=word):
                 await _collect(engine, bad, SamplingParams(max_tokens=0) if word == "max_tokens" else long, "bad")
@@ -86,6 +93,7 @@ def test_leaving_early_abort_and_bad_input(tiny_dir):
         assert await engine.reset_prefix_cache()
     try:
         asyncio.run(asyncio.wait_for(scenario(), 120))
+        _settled(engine)
         _free(engine._llm)
     finally:
         engine.shutdown()
@@ -125,7 +133,6 @@ def test_callers_that_leave_early_or_race_shutdown(llm):
     engine), and a task cancelled before its first output, end their requests without harming the engine; a generate
     racing shutdown() gets EngineDeadError or its outputs, never a hang."""
     import threading
-    import time
     engine = AsyncLLMEngine(llm)
     long = SamplingParams(max_tokens=100, ignore_eos=True)
 
@@ -143,10 +150,10 @@ def test_callers_that_leave_early_or_race_shutdown(llm):
         for i in range(6):
             asyncio.run(asyncio.wait_for(first_only(f"left{i}"), 60))
         asyncio.run(asyncio.wait_for(cancel_at_once(), 60))
-        time.sleep(0.5)
+        _settled(engine)
         done = asyncio.run(asyncio.wait_for(_collect(engine, [5, 7], SamplingParams(max_tokens=2), "x"), 60))
         assert done[-1].finished and not engine.errored      # (the cancelled "x" was dropped: its id is free)
-        time.sleep(0.2)
+        _settled(engine)
         _free(llm)
     finally:
         engine.shutdown()
