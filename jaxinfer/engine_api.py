@@ -73,7 +73,8 @@ class EngineAPI:
     def get_tokenizer(self):
         return self._llm.get_tokenizer()
 
-    tokenizer = property(get_tokenizer)                     # vLLM's LLMEngine.tokenizer
+    # vLLM's LLMEngine.tokenizer: None with skip_tokenizer_init=True (get_tokenizer() raises then, as vLLM's)
+    tokenizer = property(lambda self: None if getattr(self._llm.tokenizer, "skipped", False) else self.get_tokenizer())
 
     @property
     def model_config(self) -> "ModelConfigView":

@@ -353,6 +353,7 @@ def test_skip_tokenizer_init(tiny_dir, tmp_path):
                        (lambda: llm.chat([{"role": "user", "content": "Hi"}]), "chat needs a tokenizer")]:
         with pytest.raises(ValueError, match=word):
             call()
+    assert llm.llm_engine.tokenizer is None                 # (vLLM's LLMEngine.tokenizer; its get_tokenizer raises)
     st = llm.stats()
     assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == st["waiting"] == 0
 
