@@ -10,7 +10,7 @@ from typing import Sequence as Seq
 import jax
 from tqdm.auto import tqdm
 
-from jaxinfer import prompts as prompt_forms
+from jaxinfer import profiling, prompts as prompt_forms
 from jaxinfer.beam_search import beam_search
 from jaxinfer.compat import pop_vllm_options, python_numbers
 from jaxinfer.config import EngineConfig
@@ -203,7 +203,8 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    beam_search = beam_search            # vLLM's LLM.beam_search(prompts, BeamSearchParams(...)): beam_search.py
+    # vLLM's beam_search(prompts, BeamSearchParams(...)) (beam_search.py), start_profile / stop_profile (profiling.py)
+    beam_search, start_profile, stop_profile = beam_search, profiling.start_profile, profiling.stop_profile
 
     # -- streaming and chat -------------------------------------------------------------------------
     def stream(self, prompts: Prompt | Seq[Prompt],

@@ -358,6 +358,26 @@ def test_skip_tokenizer_init(tiny_dir, tmp_path):
     assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == st["waiting"] == 0
 
 
+def test_start_and_stop_profile(tiny_dir, tmp_path, monkeypatch):
+    """vLLM's LLM.start_profile / stop_profile: JAX's trace of what ran in between, in $JAXINFER_PROFILER_DIR (or
+    vLLM's $VLLM_TORCH_PROFILER_DIR); without either a RuntimeError; a bad profile_prefix a ValueError."""
+    llm = LLM(tiny_dir, **TINY_ENGINE)
+    for name in ("JAXINFER_PROFILER_DIR", "VLLM_TORCH_PROFILER_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="JAXINFER_PROFILER_DIR"):
+        llm.start_profile()
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="profile_prefix"):
+        llm.start_profile("../up")
+    folder = llm.start_profile("run1")
+    try:
+        llm.generate([[5, 7, 9]], SamplingParams(max_tokens=3), use_tqdm=False)
+    finally:
+        llm.stop_profile()
+    written = [f for _, _, files in os.walk(folder) for f in files]
+    assert folder == str(tmp_path / "run1") and any(f.endswith(".xplane.pb") for f in written), written
+
+
 def test_revision_download_dir_and_tokenizer_options(tiny_dir, tmp_path, monkeypatch):
     """vLLM's download_dir (the Hugging Face cache) and revision reach the hub lookup; tokenizer=FOLDER serves a
     checkpoint that has no tokenizer files; --tokenizer / --revision / --download-dir are command-line flags too."""
