@@ -4,8 +4,8 @@
 The search is `LLM.beam_search`'s (jaxinfer/beam_search.py) with the engine requests sent to the core: each step,
 every live beam of every prompt is a request for one token with 2 * n logprobs. The request's n best beams become its
 n choices, best first: their generated tokens, text (an ending EOS left out, as vLLM's), logprobs when asked, and
-finish_reason "stop" (an EOS id) or "length". Streamed, each choice comes whole in one chunk once the search ends (vLLM's
-too: its search yields once). Only temperature, max_tokens (max_completion_tokens), ignore_eos, length_penalty,
+finish_reason "stop" (an EOS id) or "length". Streamed, each choice comes whole in one chunk once the search ends
+(vLLM's too: its search yields once). Only temperature, max_tokens (max_completion_tokens), ignore_eos, length_penalty,
 logprobs and the text options shape a beam search; the sampling fields it does not use are refused by name (vLLM
 ignores them), and so is `length_penalty` without `use_beam_search`.
 """
@@ -16,11 +16,11 @@ from dataclasses import replace
 from jaxinfer import beam_search
 from jaxinfer.output_processor import OutputProcessor, TextDelta
 from jaxinfer.outputs import logprob_dict
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxinfer.server.choices import Choice
 from jaxinfer.server.errors import RequestError
 
-MAX_WIDTH = 10          # 2 * n logprobs a step, and the engine returns at most 20 (vLLM's max_logprobs)
+MAX_WIDTH = MAX_LOGPROBS // 2       # 2 * n logprobs a step, as LLM.beam_search's bound
 # request fields that a beam search does not use, with the values that mean "not used"
 UNUSED = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0), "seed": (None,), "stop": (None, [], ""),
           "stop_token_ids": (None, []), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
@@ -38,7 +38,7 @@ def check(req) -> None:
         return
     if (req.n or 1) > MAX_WIDTH:
         raise RequestError(f"n={req.n} is the beam width under use_beam_search and may be at most {MAX_WIDTH} (each "
-                           f"step asks for 2 * n logprobs, at most 20)", param="n")
+                           f"step asks for 2 * n logprobs, at most {MAX_LOGPROBS})", param="n")
     if getattr(req, "stream", False) and getattr(req, "stream_options", None) is not None and \
             req.stream_options.continuous_usage_stats:
         raise RequestError("continuous_usage_stats is not available with use_beam_search", param="stream_options")
