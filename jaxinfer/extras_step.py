@@ -36,6 +36,10 @@ def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, bac
         if extras.choice:             # structured outputs first (vLLM applies its grammar mask before the sampler)
             logits = _only_entries(logits, b["choice_ids"].reshape(B, extras.choice),
                                    b["choice_cond"].reshape(B, extras.choice), last, b["choice_on"])
+        if extras.grammar:            # json / regex rows: the ids of their bitmask's set bits
+            words = b["grammar_mask"].reshape(B, extras.grammar, 1)
+            allowed = ((words >> jnp.arange(32, dtype=jnp.int32)) & 1).reshape(B, -1)[:, :V]
+            logits = jnp.where((b["grammar_on"][:, None] != 0) & (allowed == 0), -jnp.inf, logits)
         raw = logits
         if extras.bias:                                    # before the penalties, as vLLM's logits processors
             logits = apply_bias(logits, b["bias_ids"].reshape(B, extras.bias), b["bias_vals"].reshape(B, extras.bias),

@@ -46,7 +46,8 @@ class Extras(NamedTuple):
     the only ids it may sample (allowed_token_ids); 0: none. bad_words: per row up to this many (token id,
     condition) bans (bad_words.py: an id is banned when its condition is -1 or the row's input token); 0: none.
     choice: per row up to this many (token id, condition) entries, the only ids a constrained row may sample
-    (structured.py); 0: none."""
+    (structured.py); 0: none. grammar: per row a bitmask of this many int32 words, the ids a json / regex row may
+    sample (grammar.py; ceil(V / 32)); 0: none."""
     penalties: bool = False
     logprobs: bool = False
     top_n: int = 0
@@ -55,6 +56,7 @@ class Extras(NamedTuple):
     bias: int = 0
     bad_words: int = 0
     choice: int = 0
+    grammar: int = 0
 
 
 ALIGN = 64   # int32s: every field starts at a multiple of 256 bytes of the packed array (Mosaic GPU kernels
@@ -95,7 +97,9 @@ def extras_layout(T: int, B: int, W: int, extras: Extras) -> dict[str, tuple[int
                                                     ("bias_only", B)] if e.bias else []),
                                                  *([("bad_ids", B * bad), ("bad_cond", B * bad)] if bad else []),
                                                  *([("choice_ids", B * choice), ("choice_cond", B * choice),
-                                                    ("choice_on", B)] if choice else [])])
+                                                    ("choice_on", B)] if choice else []),
+                                                 *([("grammar_mask", B * e.grammar), ("grammar_on", B)]
+                                                   if e.grammar else [])])
     layout["_size"] = (off, 0)
     return layout
 

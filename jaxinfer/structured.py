@@ -2,7 +2,7 @@
 
 `SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))` (vLLM's; `guided_decoding` /
 `GuidedDecodingParams` are its older names; the server's `structured_outputs: {"choice": [...]}` and
-`guided_choice`). The other kinds (json, regex, grammar, json_object, structural_tag) are refused.
+`guided_choice`). The json, regex and json_object kinds are grammar.py's; grammar and structural_tag are refused.
 
 As vLLM's grammar backends do, any tokenization spelling a choice is allowed, not only the tokenizer's own: after
 output text g, the tokens allowed are those whose text t makes g + t a prefix of a choice, and EOS once g is a
@@ -17,6 +17,8 @@ import bisect
 import weakref
 from dataclasses import dataclass, fields, replace
 
+from jaxinfer import grammar
+
 NO_COND = -1
 WIDTHS = (16, 128, 1024)      # entries a row holds in a step (step.Extras.choice): the smallest that fits
 MAX_CHARS = 4096              # the choices' characters in all
@@ -28,7 +30,7 @@ _SETTINGS = ("disable_fallback", "disable_any_whitespace", "disable_additional_p
 
 @dataclass(eq=True, kw_only=True)
 class StructuredOutputsParams:
-    """vLLM's fields; jaxinfer applies `choice` (the others must stay unset)."""
+    """vLLM's fields; one kind of choice, json, regex or json_object (grammar and structural_tag are refused)."""
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -61,16 +63,25 @@ def check(value, legacy, bad, min_tokens: int = 0) -> StructuredOutputsParams | 
     if not isinstance(v, StructuredOutputsParams):
         bad(name, "must be a StructuredOutputsParams, a dict of its fields, or None")
     kinds = [f.name for f in fields(v) if f.name not in _SETTINGS and getattr(v, f.name) not in (None, False)]
-    if kinds != ["choice"]:
-        bad(name, f"{kinds[0]} is not supported by jaxinfer (only choice)" if set(kinds) - {"choice"} else
-            "needs one kind: choice (a list of strings)")
+    if other := [k for k in kinds if k not in ("choice", *grammar.KINDS)]:
+        bad(name, f"{other[0]} is not supported by jaxinfer (choice, json, regex and json_object are)")
+    if len(kinds) != 1:
+        bad(name, f"needs one kind (choice, json, regex or json_object), not {len(kinds)}: {kinds}")
+    if isinstance(min_tokens, int) and min_tokens > 1:
+        bad("min_tokens", f"cannot be {min_tokens} with structured_outputs: the answer may end (EOS) before it")
+    if kinds[0] == "regex" and not isinstance(v.regex, str):
+        bad(name, "regex must be a string")
+    if kinds[0] == "json" and not isinstance(v.json, (str, dict)):
+        bad(name, "json must be a JSON schema: a dict or its JSON text")
+    if kinds[0] == "json_object" and v.json_object is not True:
+        bad(name, "json_object must be True")
+    if kinds[0] != "choice":
+        return v
     c = v.choice
     if not isinstance(c, (list, tuple)) or not c or not all(isinstance(x, str) and x for x in c):
         bad(name, "choice must be a non-empty list of non-empty strings")
     if sum(map(len, c)) > MAX_CHARS:
         bad(name, f"choice holds {sum(map(len, c))} characters: at most {MAX_CHARS}")
-    if isinstance(min_tokens, int) and min_tokens > 1:
-        bad("min_tokens", f"cannot be {min_tokens} with structured_outputs: a choice may end (EOS) before it")
     return replace(v, choice=list(dict.fromkeys(c)))
 
 

@@ -20,6 +20,7 @@ WHEELS=(
   httpx==0.28.1 httpcore==1.0.9                    # bench_serve's client (h11 above: httpcore's pin)
   pyzmq==27.3.0 msgpack==1.2.4
   prometheus-client==0.26.0 fastapi-offline==1.7.7 # /metrics; /docs without a CDN
+  outlines-core==0.2.14                            # structured outputs json / regex
 )
 mkdir -p .whl
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude

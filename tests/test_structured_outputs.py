@@ -101,8 +101,9 @@ def test_sampled_answers_are_choices(llm):
 
 
 def test_refusals(llm):
-    for kw, match in ((dict(structured_outputs={"json": {"type": "object"}}), "json is not supported"),
-                      (dict(structured_outputs=StructuredOutputsParams(regex="a+")), "regex is not supported"),
+    for kw, match in ((dict(structured_outputs={"grammar": "root ::= 'a'"}), "grammar is not supported"),
+                      (dict(structured_outputs=StructuredOutputsParams(structural_tag="x")), "structural_tag is not"),
+                      (dict(structured_outputs={"choice": ["a"], "regex": "a"}), "needs one kind"),
                       (dict(structured_outputs={"choice": []}), "non-empty list"),
                       (dict(structured_outputs={"choice": ["a", ""]}), "non-empty strings"),
                       (dict(structured_outputs={"chioce": ["a"]}), "no field 'chioce'"),

@@ -143,8 +143,8 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
     (pen_slots; num_pen_slots = none), prompt length and penalties, then the prompt tokens whose logprobs
     this step computes: their index in the step's tokens and the prompt token that follows each; with bans, the
     ids each row may not sample (min_tokens not reached: its stop_token_ids and the `eos` ids); with bias, each row's
-    logit_bias / allowed_token_ids entries; with bad_words, its bans; with choice, the ids it may sample. Returns
-    (packed, [(seq, position of the token whose logprob it is), ...] per prompt-logprob entry)."""
+    logit_bias / allowed_token_ids entries; with bad_words, its bans; with choice or grammar, the ids it may sample.
+    Returns (packed, [(seq, position of the token whose logprob it is), ...] per prompt-logprob entry)."""
     layout = extras_layout(T, B, W, extras)
     buf = np.zeros(layout["_size"][0], np.int32)
     base = pack(batch, T, B, W, block_size, num_slots, chunk_pages)
@@ -193,6 +193,12 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
         fill("choice", extras.choice, [None if s.choice is None else s.choice.entries(
             s.token_ids, s.num_pending, eos, s.num_prompt_tokens) for s in seqs])
         f["choice_on"][:n] = [s.choice is not None for s in seqs]
+    if extras.grammar:                  # json / regex: each constrained row's bitmask of the ids it may sample
+        mask = f["grammar_mask"].reshape(B, extras.grammar)
+        for i, s in enumerate(seqs):
+            if s.grammar is not None:
+                s.grammar.write(mask[i], s.token_ids, s.num_prompt_tokens, s.num_pending)
+                f["grammar_on"][i] = 1
     where: list[tuple] = []
     if extras.prompt_rows:
         t = 0

@@ -44,11 +44,13 @@ def choose(batch) -> Extras | None:
     bias = bias_width(ps)
     bad = bad_words.width(max(len(s.bad_words_ids) for s in batch.seqs))   # (at most one entry per sequence)
     choice = max((s.choice.width for s in batch.seqs if s.choice is not None), default=0)
-    if not (penalties or asks or prompt or bans or bias or bad or choice):
+    grammar = next((s.grammar.rule.words for s in batch.seqs if s.grammar is not None), 0)
+    if not (penalties or asks or prompt or bans or bias or bad or choice or grammar):
         return None
     n = max(asks + [p.prompt_logprobs for p in ps if prompt and p.prompt_logprobs is not None], default=0)
     top_n = next(w for w in LOGPROB_WIDTHS if w >= n)
-    return Extras(penalties, bool(asks), top_n, -1 if prompt else 0, bans, bias, bad, choice)   # -1: from the bucket
+    return Extras(penalties, bool(asks), top_n, -1 if prompt else 0, bans, bias, bad, choice,   # -1: from the bucket
+                  grammar)
 
 
 def bias_width(params) -> int:
@@ -195,8 +197,9 @@ def warmup_keys(cfg, widths: tuple[int, ...], runner: "ExtrasRunner", params, to
     e = Extras(params.has_penalties, params.logprobs is not None,
                next(w for w in LOGPROB_WIDTHS if w >= max(params.logprobs or 0, params.prompt_logprobs or 0)), 0,
                params.min_tokens > 0, bias_width([params]), bad_words.width(len(seqs)),
-               structured.rule_for(so.choice, tokenizer, V).width if so is not None else 0)
-    if not (e.penalties or e.logprobs or e.bans or e.bias or e.bad_words or e.choice or
+               structured.rule_for(so.choice, tokenizer, V).width if so is not None and so.choice else 0,
+               -(-V // 32) if so is not None and not so.choice else 0)
+    if not (e.penalties or e.logprobs or e.bans or e.bias or e.bad_words or e.choice or e.grammar or
             params.prompt_logprobs is not None):
         return []
     f = params.filter_kind

@@ -1,7 +1,7 @@
 """The engine core without strings: add requests, run steps, abort, report stats.
 
-`LLMEngine.step()` schedules, packs, dispatches the compiled step and applies the sampled ids. It is what
-`LLM.generate` loops over and what the HTTP server drives from its own thread.
+`LLMEngine.step()` schedules, packs, dispatches the compiled step and applies the sampled ids: what `LLM.generate`
+loops over and what the HTTP server drives from its own thread.
 """
 from __future__ import annotations
 
@@ -171,8 +171,9 @@ class LLMEngine:
         if self.runner.lost_buffers() | self.extras.lost_buffers():   # an interrupted call took the KV pages
             self.in_flight = None
             self.scheduler.recompute_all()
-        # (a queue that cannot be admitted yet, e.g. more requests than max_num_seqs, does not force a read)
-        if self.in_flight is not None and (self.scheduler.can_admit() or not self.async_scheduling):
+        # (a queue that cannot be admitted yet does not force a read; a json / regex row's mask does: grammar.py)
+        if self.in_flight is not None and (self.scheduler.can_admit() or not self.async_scheduling or
+                                           self.scheduler.needs_read()):
             if not self.async_scheduling:
                 return self._read_in_flight
             done = self._read_in_flight()
@@ -279,8 +280,7 @@ class LLMEngine:
         return len(keys)
 
     def _plan_steps(self, batch, key) -> int:
-        """Decode steps for this call (multistep.py): K > 1 only for a small batch (a bucket with a K-step
-        variant, where the host is the bottleneck) when nothing waits; see Scheduler.plan_steps."""
+        """Decode steps for this call (multistep.py): K > 1 only in a bucket with K-step variants (plan_steps)."""
         if batch.is_prefill or not self.multistep or key[2] not in self.runner.multistep_buckets():
             return 1
         queued = self.in_flight is not None and self.in_flight[0].num_steps > 1

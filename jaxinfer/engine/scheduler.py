@@ -1,10 +1,10 @@
 """Continuous batching: which sequences compute which tokens in the next step.
 
-A step is all-prefill or all-decode (as nano-vllm). Prefill steps first continue sequences whose prompt
-is partly computed, then admit waiting sequences FCFS; any prompt may be split into chunks across steps
-to fit `max_num_batched_tokens`. Decode steps compute one token for every running sequence; when the
-block pool is exhausted the newest running sequence is preempted: its blocks are freed and it goes back
-to the front of the waiting queue, to be recomputed (its prefix may still be in the prefix cache).
+A step is all-prefill or all-decode (as nano-vllm). Prefill steps first continue sequences whose prompt is partly
+computed, then admit waiting sequences FCFS; any prompt may be split into chunks across steps to fit
+`max_num_batched_tokens`. Decode steps compute one token for every running sequence; when the block pool is exhausted
+the newest running sequence is preempted: its blocks are freed and it goes back to the front of the waiting queue, to
+be recomputed (its prefix may still be in the prefix cache).
 """
 from __future__ import annotations
 
@@ -40,9 +40,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
         self.num_dropped_tokens = 0     # read back, then cut by a stop string (not counted as generated)
+        self.num_grammar = 0            # unfinished json / regex sequences (grammar.py)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.num_grammar += seq.grammar is not None
+
+    def needs_read(self) -> bool:      # a running json / regex row's input token still on the device (grammar.py)
+        return self.num_grammar > 0 and any(s.grammar is not None and s.num_pending for s in self.running)
 
     def recount_blocks(self) -> None:
         """BlockManager.recount from the sequences queued here (one_thread.recover, after an exception)."""
@@ -96,8 +101,7 @@ class Scheduler:
         return n
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        # The hot loop of every decode step (hundreds of rows, on the host between GPU steps): the checks of
-        # is_prefilling, "its last token is sampled already" and BlockManager.can_append are inlined for the common row.
+        # every decode step's hot loop (hundreds of rows): is_prefilling, "last token sampled" and can_append inlined
         seqs, bs, max_len = [], self.config.block_size, self.config.max_model_len
         for seq in list(self.running):
             n = len(seq.token_ids)
@@ -121,9 +125,8 @@ class Scheduler:
         return ScheduledBatch(seqs, [1] * len(seqs), False) if seqs else None
 
     def on_dispatch(self, batch: ScheduledBatch) -> None:
-        """The step is on its way: count its tokens as computed and give each sampling row a
-        placeholder token (a K-step call: one per token it may sample), so the next step can be scheduled
-        before this one is read back."""
+        """The step is on its way: count its tokens as computed and give each sampling row a placeholder token (a
+        K-step call: one per token it may sample), so the next step can be scheduled before this one is read back."""
         if batch.steps is not None:
             for seq, m in zip(batch.seqs, batch.steps):
                 seq.num_computed_tokens += m
@@ -161,20 +164,17 @@ class Scheduler:
                    max(room, 1))
 
     def plan_steps(self, batch: ScheduledBatch, ks: tuple[int, ...], max_stop_ids: int, queued: bool = False) -> int:
-        """Steps for this decode batch: 1, or a K of `ks` (sorted) with look-ahead blocks reserved for it.
-        K = 1 while requests wait (they join at the next call), when a row's filter needs the sorted vocabulary
-        (top-p / min-p without a small top-k: SamplingParams.filter_kind) or has more than max_stop_ids stop
-        ids, or when the pool lacks the look-ahead blocks. Otherwise the largest K that the longest row's remaining
-        tokens do not fall short of (rows that end sooner are masked on the device), else the smallest if that
-        wastes at most 3 steps, else 1. queued: a K-step call is still in flight, so this one queues behind it;
-        it takes the smallest K (a row that stops on EOS in that call leaves this one's steps wasted, and the GPU
-        is busy anyway while the host prepares the next)."""
+        """Steps for this decode batch: 1, or a K of `ks` (sorted) with look-ahead blocks reserved for it. K = 1 while
+        requests wait (they join at the next call), for a row whose filter needs the sorted vocabulary (filter_kind),
+        with more than max_stop_ids stop ids or in the extras variant, or without the pool's look-ahead blocks; else
+        the largest K the longest row's remaining tokens reach (rows that end sooner are masked on the device), or
+        the smallest if that wastes at most 3 steps. queued (a K-step call in flight): the smallest K (a row that stops
+        in that call wastes this one's steps, and the GPU is busy anyway while the host prepares the next)."""
         if batch.is_prefill or not ks or self.waiting:
             return 1
-        # the extras variant's rows (penalties, logprobs, bans, bias, bad words, choice) run one step a call
         if any(s.filter_kind is True or len(self.stop_ids(s)) > max_stop_ids or s.needs_extras and (
                 s.params.has_penalties or s.params.logprobs is not None or s.banning or s.params.has_bias or
-                s.bad_words_ids or s.choice) for s in batch.seqs):
+                s.bad_words_ids or s.choice or s.grammar) for s in batch.seqs):
             return 1
         rem = [self.remaining(s) for s in batch.seqs]
         # none fits: the smallest K, unless it would run more than 3 masked steps (xla compiles K = 16 alone)
@@ -234,9 +234,8 @@ class Scheduler:
 
     def recompute_all(self) -> None:
         """The KV pages are lost (LLMEngine.prepare: runner.lost_buffers), or a step was interrupted midway
-        (one_thread.recover): every running sequence drops the tokens still on the device (its trailing
-        placeholders, counted or not), gives back its blocks and waits to compute its KV again; the prefix cache
-        is emptied."""
+        (one_thread.recover): every running sequence drops the tokens still on the device (its trailing placeholders,
+        counted or not), gives back its blocks and waits to compute its KV again; the prefix cache is emptied."""
         for seq in list(self.running):
             while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:
                 seq.token_ids.pop()
@@ -246,8 +245,8 @@ class Scheduler:
         self.bm.reset_prefix_cache()
 
     def postprocess(self, batch: ScheduledBatch, token_ids) -> list[Sequence]:
-        """Record computed tokens and sampled ids; finish sequences that hit a stop condition.
-        Returns the sequences that received a new token this step."""
+        """Record computed tokens and sampled ids; finish sequences that hit a stop condition. Returns the sequences
+        that received a new token this step."""
         updated = []
         bs, caching = self.bm.block_size, self.bm.prefix_caching
         ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else [int(t) for t in token_ids]
@@ -289,6 +288,7 @@ class Scheduler:
             self.num_dropped_tokens += drop
         if seq.status is Status.FINISHED:
             return
+        self.num_grammar -= seq.grammar is not None
         if seq.num_pending:                               # drop tokens sampled past the end
             del seq.token_ids[len(seq) - seq.num_pending:]
             seq.num_pending = 0

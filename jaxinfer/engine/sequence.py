@@ -45,6 +45,8 @@ class Sequence:
         # params.bad_words as token sequences (SamplingParams.check_vocab, bad_words.token_ids)
         self.bad_words_ids: list[list[int]] = getattr(params, "_bad_words_token_ids", None) or []
         self.choice = getattr(params, "_choice_rule", None)     # structured_outputs' choice (structured.ChoiceRule)
+        rule = getattr(params, "_grammar_rule", None)           # its json / regex (grammar.GrammarState)
+        self.grammar = rule.start() if rule is not None else None
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.text = ""                    # detokenized output so far (kept only when stop strings need it)

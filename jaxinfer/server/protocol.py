@@ -228,7 +228,8 @@ def check_request(ids: list[int], params: SamplingParams, limits: dict, param: s
     V, bs, nb = limits["vocab_size"], limits["block_size"], limits["num_blocks"]
     if bad := [t for t in ids if not 0 <= t < V]:
         raise RequestError(f"the prompt has token id {bad[0]!r} out of vocabulary: ids are in [0, {V})", param=param)
-    params.check_vocab(V, lambda message: RequestError(message, param=message.split()[0]), tokenizer=tokenizer)
+    params.check_vocab(V, lambda message: RequestError(message, param=message.split()[0]),
+                       eos=limits.get("eos", ((),))[0], tokenizer=tokenizer)
     need = -(-min(len(ids) + params.max_tokens - 1, limits["max_model_len"]) // bs)     # (the last token: no KV)
     if need > nb:
         raise RequestError(f"the request needs {need} KV blocks for {len(ids)} prompt + {params.max_tokens} output "

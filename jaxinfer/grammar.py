@@ -1,0 +1,150 @@
+"""vLLM's structured outputs of the json, regex and json_object kinds, on outlines-core (the `structured` extra:
+`pip install "jaxinfer[structured]"`), one of vLLM's grammar backends.
+
+The kind becomes a regular expression (a JSON schema through outlines-core's `build_regex_from_schema`; json_object
+through the schema `{"type": "object"}`, whose nesting outlines-core bounds), the expression an index over the
+tokenizer's vocabulary (each token by its bytes: a token may hold part of a character), and each constrained row of a
+step gets the bitmask of the tokens allowed after its output so far, EOS ids where the expression may end. Unlike the
+choice kind's entries (structured.py), a mask cannot be packed for every token the step in flight may have drawn, so
+the engine reads that step first (llm_engine.prepare): a batch with such rows is not pipelined, and runs one step a
+call.
+"""
+from __future__ import annotations
+
+import json
+import weakref
+
+import numpy as np
+
+_INDEXES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # tokenizer -> {(V, eos, regex): Index}
+_VOCABS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # tokenizer -> {(V, eos): Vocabulary}
+KINDS = ("json", "regex", "json_object")
+
+
+def _outlines(error):
+    try:
+        import outlines_core
+        return outlines_core
+    except ImportError:
+        raise error("structured_outputs json / regex / json_object need outlines-core: pip install "
+                    "'jaxinfer[structured]' (or outlines-core)") from None
+
+
+def regex_for(so, error=ValueError) -> str:
+    """The regular expression of a StructuredOutputsParams of one of KINDS (checked by structured.check)."""
+    if so.regex is not None:
+        return so.regex
+    schema = {"type": "object"} if so.json is None else so.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise error(f"structured_outputs json is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise error(f"structured_outputs json must be a JSON schema object, not {type(schema).__name__}")
+    ws = "" if so.disable_any_whitespace else so.whitespace_pattern
+    _outlines(error)
+    from outlines_core.json_schema import build_regex_from_schema
+    try:
+        return build_regex_from_schema(json.dumps(schema), ws)
+    except Exception as e:             # (outlines-core's own errors name what it cannot take)
+        raise error(f"structured_outputs json schema is not supported: {e}") from None
+
+
+_BYTE_OF = None
+
+
+def _byte_of() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE token uses for each byte."""
+    global _BYTE_OF
+    if _BYTE_OF is None:
+        keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+        shifted = [b for b in range(256) if b not in keep]
+        _BYTE_OF = {chr(b): b for b in keep} | {chr(256 + k): b for k, b in enumerate(shifted)}
+    return _BYTE_OF
+
+
+def token_bytes(tokenizer, vocab_size: int) -> dict[bytes, list[int]]:
+    """The ids of each token's bytes, special tokens left out. Byte-level BPE tokens (Qwen's) are read through the
+    byte alphabet; another tokenizer's tokens by their text decoded alone, those that decode to part of a character
+    left out."""
+    n = min(vocab_size, len(tokenizer))
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    pieces = tokenizer.convert_ids_to_tokens(list(range(n)))
+    alphabet = _byte_of()
+    byte_level = all(p is None or set(p) <= alphabet.keys() for p in pieces)
+    texts = None if byte_level else tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False)
+    out: dict[bytes, list[int]] = {}
+    for i in range(n):
+        if i in special or pieces[i] is None:
+            continue
+        if byte_level:
+            b = bytes(alphabet[c] for c in pieces[i])
+        elif texts[i] and "\ufffd" not in texts[i]:
+            b = texts[i].encode()
+        else:
+            continue
+        if b:
+            out.setdefault(b, []).append(i)
+    return out
+
+
+class GrammarRule:
+    """A regular expression's index over one tokenizer's vocabulary, shared by the requests that give it; `start()`
+    makes a sequence's GrammarState. eos: the ids the engine stops at (allowed where the expression may end)."""
+
+    def __init__(self, regex: str, tokenizer, vocab_size: int, eos, error=ValueError):
+        if tokenizer is None:
+            raise error("structured_outputs needs a tokenizer (this engine has none)")
+        oc = _outlines(error)
+        self.eos, self.words = sorted(eos), -(-vocab_size // 32)
+        if not self.eos:
+            raise error("structured_outputs json / regex need an EOS token id (the model has none)")
+        vocabs = _VOCABS.setdefault(tokenizer, {})
+        key = (vocab_size, self.eos[0])
+        if key not in vocabs:
+            vocabs[key] = oc.Vocabulary(self.eos[0], {b: ids for b, ids in token_bytes(tokenizer, vocab_size).items()
+                                                      if self.eos[0] not in ids})
+        indexes = _INDEXES.setdefault(tokenizer, {})
+        if (key + (regex,)) not in indexes:
+            try:
+                index = oc.Index(regex, vocabs[key])
+            except Exception as e:
+                raise error(f"structured_outputs cannot be followed with this tokenizer: {e}") from None
+            if len(indexes) >= 64:
+                indexes.pop(next(iter(indexes)))
+            indexes[key + (regex,)] = index
+        self.index, self._oc = indexes[key + (regex,)], oc
+
+    def start(self) -> "GrammarState":
+        return GrammarState(self)
+
+
+class GrammarState:
+    """One sequence's place in its rule's index, moved on by the output tokens the host has read."""
+
+    def __init__(self, rule: GrammarRule):
+        self.rule, self.guide, self.read, self.ended = rule, rule._oc.Guide(rule.index, 0), 0, False
+
+    def write(self, row: np.ndarray, outputs: list[int], start: int, pending: int) -> None:
+        """Write the bitmask (token t: bit t % 32 of int32 word t // 32 of `row`) of the ids allowed after
+        outputs[start:]. The last `pending` outputs must be 0: the engine reads a step before packing the next for
+        such rows."""
+        assert pending == 0, "a constrained row was packed with its input token still on the device"
+        rule, n = self.rule, len(outputs) - start
+        for t in outputs[start + self.read:]:
+            if t in rule.eos or self.ended:    # (ignore_eos: after an EOS only EOS ids)
+                self.ended = True
+                continue
+            try:
+                self.guide.advance(t, return_tokens=False)
+            except Exception:                  # (a token the mask left out: e.g. allowed_token_ids left it none)
+                self.ended = True
+        self.read = n
+        row[:] = 0
+        if not self.ended:
+            self.guide.write_mask_into(row.ctypes.data, row.size, 4)
+        if self.ended or self.guide.is_finished() or not row.any():   # (a dead end, never reached: EOS ends it)
+            eos = np.asarray(rule.eos)
+            eos = eos[eos < 32 * row.size]
+            np.bitwise_or.at(row.view(np.uint32), eos // 32, (1 << (eos % 32)).astype(np.uint32))

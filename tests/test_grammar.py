@@ -1,0 +1,121 @@
+"""vLLM's structured outputs of the json, regex and json_object kinds (grammar.py, on outlines-core): greedy decoding
+equals transformers' greedy loop over the ids a brute force allows (each id whose text keeps the output a prefix of
+a match, by the `regex` module's partial matching; EOS once it is a whole match), in a batch with other kinds of rows
+and alone; sampled outputs always match; a preempted row resumes its place; bad values are refused by name."""
+import json
+
+import numpy as np
+import pytest
+import regex
+from helpers import TINY_ENGINE, hf_greedy_edited, hf_model
+
+from jaxinfer import LLM, SamplingParams, grammar
+from jaxinfer.sampling_params import StructuredOutputsParams
+
+PROMPTS = [[5, 7, 9, 11, 300, 2, 3, 17, 40, 41, 8], [100, 200, 300, 100, 200]]
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "the blue"]}, "n": {"type": "integer"},
+                                           "ok": {"type": "boolean"}}, "required": ["color", "n", "ok"]}
+REGEX = r"(cat|dog)s? [0-9]{1,3}(\.[0-9])?!"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(tiny_dir, **TINY_ENGINE)
+
+
+def brute_allowed(tok, V, pattern, text, eos) -> list[int]:
+    """Every id whose text, decoded alone, keeps `text` a prefix of a match of `pattern` (EOS ids once it matches)."""
+    out = [e for e in eos if regex.fullmatch(pattern, text)]
+    for i in range(min(V, len(tok))):
+        t = tok.decode([i], skip_special_tokens=False)
+        if t and "\ufffd" not in t and i not in tok.all_special_ids and regex.fullmatch(pattern, text + t,
+                                                                                         partial=True):
+            out.append(i)
+    return sorted(out)
+
+
+def test_greedy_matches_the_masked_reference(llm, tiny_dir):
+    """Greedy under a JSON schema and a regex, beside a plain row, a choice row and a penalty row in one batch, and
+    alone, equals transformers' greedy loop over the brute force's ids; finished outputs match (the JSON parses)."""
+    model, tok, V, eos = hf_model(tiny_dir), llm.get_tokenizer(), llm.model_config.vocab_size, [2]
+    pattern = grammar.regex_for(StructuredOutputsParams(json=SCHEMA))
+
+    def greedy(prompt, pat, n=40):
+        def masked(row, out):
+            mask = np.full_like(row, -np.inf)
+            ok = brute_allowed(tok, V, pat, tok.decode(out, skip_special_tokens=False), eos)
+            mask[ok] = row[ok]
+            return mask
+        return hf_greedy_edited(model, prompt, n, masked, stop=eos)
+    sps = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+           SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": REGEX}),
+           SamplingParams(temperature=0, max_tokens=12),
+           SamplingParams(temperature=0, max_tokens=12, structured_outputs={"choice": ["yes", "no"]}),
+           SamplingParams(temperature=0, max_tokens=40, guided_decoding={"json": json.dumps(SCHEMA)},
+                          repetition_penalty=1.3)]
+    outs = llm.generate([PROMPTS[0]] * len(sps), sps, use_tqdm=False)
+    for out, pat in zip(outs[:2], (pattern, REGEX)):
+        c = out.outputs[0]
+        assert c.token_ids == greedy(PROMPTS[0], pat), pat
+        assert c.finish_reason == "length" or regex.fullmatch(pat, c.text), c.text
+    parsed = json.loads(outs[0].outputs[0].text)
+    assert set(parsed) == {"color", "n", "ok"} and parsed["color"] in ("red", "green", "the blue")
+    assert outs[3].outputs[0].text in ("yes", "no")
+    assert json.loads(outs[4].outputs[0].text)["color"] in ("red", "green", "the blue")
+    [alone] = llm.generate(PROMPTS[1], sps[1], use_tqdm=False)
+    assert alone.outputs[0].token_ids == greedy(PROMPTS[1], REGEX)
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_sampled_outputs_match(llm):
+    """Seeded samples at temperature 1.5 (n = 4, streamed too) always match; the same seed repeats them; json_object
+    gives a JSON object; with ignore_eos a finished match is followed by EOS only."""
+    sp = SamplingParams(temperature=1.5, seed=3, n=4, max_tokens=30, structured_outputs={"regex": REGEX})
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    texts = [c.text for o in outs for c in o.outputs]
+    assert all(regex.fullmatch(REGEX, t) for t in texts) and len(set(texts)) > 1, texts
+    assert [c.text for o in llm.generate(PROMPTS, sp, use_tqdm=False) for c in o.outputs] == texts
+    streamed = {}
+    for d in llm.stream(PROMPTS[:1], sp):
+        streamed[d.outputs[0].index] = streamed.get(d.outputs[0].index, "") + d.outputs[0].text
+    assert [streamed[i] for i in range(4)] == texts[:4]
+    sp = SamplingParams(temperature=1.0, seed=1, max_tokens=60, structured_outputs={"json_object": True})
+    for o in llm.generate(PROMPTS, sp, use_tqdm=False):
+        if o.outputs[0].finish_reason == "stop":
+            assert isinstance(json.loads(o.outputs[0].text), dict)
+    [held] = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=1, max_tokens=30, ignore_eos=True,
+                                                     structured_outputs={"regex": "ab?"}), use_tqdm=False)
+    ids, tok = held.outputs[0].token_ids, llm.get_tokenizer()
+    end = ids.index(2)
+    assert regex.fullmatch("ab?", tok.decode(ids[:end])) and len(ids) == 30 and set(ids[end:]) == {2}
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_preempted_rows_resume(tiny_dir):
+    """With a pool too small for all rows, preempted json rows are recomputed and give the tokens of a roomy run."""
+    sp = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": SCHEMA})
+    prompts = [[i + 3, 7, 9, 11, 300, 2, 3, 17] for i in range(6)]
+    roomy = [o.outputs[0].token_ids for o in LLM(tiny_dir, **TINY_ENGINE).generate(prompts, sp, use_tqdm=False)]
+    small = LLM(tiny_dir, **{**TINY_ENGINE, "num_kvcache_blocks": 40})
+    assert [o.outputs[0].token_ids for o in small.generate(prompts, sp, use_tqdm=False)] == roomy
+    assert small.stats()["preemptions"] > 0
+    assert small.stats()["kv_blocks_free"] == small.stats()["kv_blocks_total"]
+
+
+def test_refusals(llm):
+    for kw, match in ((dict(structured_outputs={"grammar": "root ::= 'a'"}), "grammar is not supported"),
+                      (dict(structured_outputs={"regex": "a", "json": {}}), "needs one kind"),
+                      (dict(structured_outputs={"regex": 5}), "regex must be a string"),
+                      (dict(structured_outputs={"json": 5}), "json must be a JSON schema"),
+                      (dict(structured_outputs={"json_object": "yes"}), "json_object must be True"),
+                      (dict(structured_outputs={"regex": "a"}, min_tokens=3), "min_tokens")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kw)
+    for so, match in (({"json": "{not json"}, "json is not valid JSON"), ({"regex": "a("}, "cannot be followed"),
+                      ({"json": {"type": "object", "properties": {"a": {"type": "bogus"}}}}, "json schema is not supported")):
+        with pytest.raises(ValueError, match=f"structured_outputs {match}"):
+            llm.generate(PROMPTS[0], SamplingParams(structured_outputs=so), use_tqdm=False)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        grammar.GrammarRule("a", None, 10, [2])
+    assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
