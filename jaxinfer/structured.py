@@ -76,6 +76,7 @@ def check(value, legacy, bad, min_tokens: int = 0) -> StructuredOutputsParams | 
     if kinds[0] == "json_object" and v.json_object is not True:
         bad(name, "json_object must be True")
     if kinds[0] != "choice":
+        grammar.regex_for(v, lambda why: bad(name, why.removeprefix("structured_outputs ")))   # (a schema's errors)
         return v
     c = v.choice
     if not isinstance(c, (list, tuple)) or not c or not all(isinstance(x, str) and x for x in c):

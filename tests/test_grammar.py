@@ -111,9 +111,11 @@ def test_refusals(llm):
                       (dict(structured_outputs={"regex": "a"}, min_tokens=3), "min_tokens")):
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kw)
-    for so, match in (({"json": "{not json"}, "json is not valid JSON"), ({"regex": "a("}, "cannot be followed"),
-                      ({"json": {"type": "object", "properties": {"a": {"type": "bogus"}}}}, "json schema is not supported")):
-        with pytest.raises(ValueError, match=f"structured_outputs {match}"):
+    for so, match in (({"json": "{not json"}, "structured_outputs=.* json is not valid JSON"),
+                      ({"regex": "a("}, "structured_outputs cannot be followed"),
+                      ({"json": {"type": "object", "properties": {"a": {"type": "bogus"}}}},
+                       "structured_outputs=.* json schema is not supported")):
+        with pytest.raises(ValueError, match=match):
             llm.generate(PROMPTS[0], SamplingParams(structured_outputs=so), use_tqdm=False)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         grammar.GrammarRule("a", None, 10, [2])

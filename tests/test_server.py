@@ -283,7 +283,7 @@ def test_disconnect_before_a_plain_answer_aborts_it(url):
     ({"prompt": "hi", "allowed_token_ids": [1, 10**9]}, "allowed_token_ids"),
     ({"messages": [{"role": "user", "content": "x" * 400}]}, "messages"),
     ({"messages": "hi"}, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     # a last message the template drops (an unknown role) is repeated by the answer: a lone surrogate there too

@@ -595,7 +595,7 @@ def test_vllms_request_id(client, url):
 
 def test_structured_outputs_choice(client, url):
     """vLLM's structured_outputs {"choice": [...]} and older guided_choice: every answer (n samples, chat, streamed)
-    is one of the choices; other kinds, both forms at once, and a choice the tokenizer cannot spell are 400s naming
+    is one of the choices; the grammar kind, both forms at once, and a choice the tokenizer cannot spell are 400s naming
     structured_outputs."""
     choices = ["positive", "negative", "neutral"]
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.5, seed=3, n=4,
@@ -609,7 +609,7 @@ def test_structured_outputs_choice(client, url):
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
     assert text == chat.choices[0].message.content
     body = dict(model=MODEL, prompt=PROMPT, max_tokens=4)
-    for bad in ({"structured_outputs": {"json": {"type": "object"}}}, {"structured_outputs": {"choice": []}},
+    for bad in ({"structured_outputs": {"grammar": "root ::= 'a'"}}, {"structured_outputs": {"choice": []}},
                 {"structured_outputs": {"choice": ["a"]}, "guided_choice": ["b"]},
                 {"guided_choice": ["\u2603"]}, {"guided_choice": []}):
         r = httpx.post(url + "/v1/completions", json={**body, **bad})
@@ -622,6 +622,46 @@ def test_structured_outputs_choice(client, url):
                                                        max_tokens=6, logprobs=True, top_logprobs=3,
                                                        guided_choice=["yes"]))
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in streamed if e["choices"]) == "yes"
+    st = wait_idle(url)
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_structured_outputs_json_and_regex(client, url):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs json / regex and guided_json /
+    guided_regex: answers match (JSON parses to the schema's keys), streamed the same; bad forms are 400s naming
+    the field; every KV block returns."""
+    import regex
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+              "required": ["color", "ok"]}
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert chat.choices[0].finish_reason == "stop", chat
+    got = json.loads(chat.choices[0].message.content)
+    assert set(got) == {"color", "ok"} and got["color"] in ("red", "green") and isinstance(got["ok"], bool)
+    events = _sse(url, "/v1/chat/completions", dict(model=MODEL, messages=msgs, max_tokens=40, temperature=0,
+                                                     structured_outputs={"json": schema}))
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]) == \
+        chat.choices[0].message.content
+    pattern = r"(cat|dog)s? [0-9]{1,2}!"
+    for extra in ({"guided_regex": pattern}, {"structured_outputs": {"regex": pattern}}):
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=1.5, seed=2, n=3,
+                                      extra_body=extra)
+        assert all(regex.fullmatch(pattern, c.text) and c.finish_reason == "stop" for c in r.choices), r
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
+                                  extra_body={"guided_json": json.dumps(schema)})
+    assert json.loads(r.choices[0].text)["color"] in ("red", "green")
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})   # (as vLLM's)
+    assert r.choices[0].text.startswith("{")
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=4)
+    for bad, want in (({"response_format": {"type": "xml"}}, "response_format"),
+                      ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format"),
+                      ({"guided_regex": "a("}, "structured_outputs"), ({"guided_json": "{bad"}, "guided_json"),
+                      ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
+                      ({"structured_outputs": {"regex": "a"}, "guided_json": {}}, "structured_outputs")):
+        r = httpx.post(url + "/v1/completions", json={**body, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == want, (bad, r.text)
     st = wait_idle(url)
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
 

@@ -24,7 +24,7 @@ from jaxinfer.server import choices as C
 from jaxinfer.server import protocol as P
 from jaxinfer.server import reasoning
 from jaxinfer.server import responses as R
-from jaxinfer.server import beam, streams, tools
+from jaxinfer.server import beam, formats, streams, tools
 from jaxinfer.server.admission import Admission
 from jaxinfer.server.client import CoreClient, EngineDeadError, RequestFailed
 from jaxinfer.server.docs import add_docs, package_version
@@ -255,7 +255,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         calls, k = tools.resolve(req, opts), P.chat_top_logprobs(req)
         prompt, role, echo = await off_loop(CP.chat_prompt, tokenizer, req, calls.tools, opts.response_role)
         think = reasoning.thinking_closed(opts.reasoning_parser, prompt, CP.chat_template_kwargs(req),
-                                          req.structured_outputs is not None or req.guided_choice is not None)
+                                          formats.structured(req)[2] is not None)
         prompts, items = await prepare(req, [prompt], None, k, P.engine_prompt_logprobs(req), bool(req.stream))
         rid, model, ids = R.new_id("chatcmpl", request, req), names[0], prompts[0] if req.return_token_ids else None
         found = searched(req, request, prompts, items, len(items), t0) if req.use_beam_search else None

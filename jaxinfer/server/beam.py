@@ -26,7 +26,8 @@ UNUSED = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0), "s
           "stop_token_ids": (None, []), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
           "repetition_penalty": (None, 1.0), "min_tokens": (None, 0), "logit_bias": (None, {}),
           "allowed_token_ids": (None,), "bad_words": (None, []), "structured_outputs": (None,),
-          "guided_choice": (None,), "echo": (None, False), "prompt_logprobs": (None,), "tools": (None, [])}
+          "guided_choice": (None,), "guided_json": (None,), "guided_regex": (None,),
+          "response_format": (None, {"type": "text"}), "echo": (None, False), "prompt_logprobs": (None,), "tools": (None, [])}
 
 
 def check(req) -> None:

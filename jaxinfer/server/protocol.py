@@ -2,7 +2,7 @@
 
 Every problem is an OpenAI-style 400 naming the field (app.py turns FastAPI's validation errors into that,
 not 422). A field this server does not implement is refused by name (`check_unsupported`), never ignored:
-`response_format`, `best_of`, ... (UNSUPPORTED below); so is a field nobody knows. (Chat's
+`best_of`, `guided_grammar`, ... (UNSUPPORTED below); so is a field nobody knows. (Chat's
 `tools` are tools.py's.)
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from jaxinfer.sampling_params import SamplingParams, openai_bias
+from jaxinfer.server import formats
 from jaxinfer.server.errors import ErrorResponse, RequestError, error_body  # noqa: F401  (the routes' names)
 from jaxinfer.server.tools import NamedToolChoice, Tool
 
@@ -22,9 +23,9 @@ MAX_LOGPROBS = 20                # OpenAI's bound on (top_)logprobs
 # Fields of OpenAI's API that this server does not implement, with the values that mean "not used" (accepted).
 UNSUPPORTED: dict[str, tuple] = {
     "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
-    "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (), "response_format": ({"type": "text"},),
+    "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (),
     "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (), "logits_processors": (),
-    "guided_json": (), "guided_regex": (), "guided_grammar": (),
+    "guided_grammar": (),
     "chat_template": (), "documents": (), "mm_processor_kwargs": (), "priority": (0,),
 }
 IGNORED = ("user", "store", "metadata", "service_tier")      # bookkeeping fields with no effect on the output
@@ -99,10 +100,15 @@ class _Request(BaseModel):
     bad_words: list[str] | None = Field(None, description="vLLM: words the output must not contain")
     request_id: str | None = Field(None, description="vLLM: the answer's id is cmpl- / chatcmpl- and this (an "
                                                      "X-Request-Id header wins)")
-    structured_outputs: dict | None = Field(None, description='vLLM: {"choice": [...]}: the answer is one of them')
+    structured_outputs: dict | None = Field(None, description='vLLM: {"choice": [...]}, {"json": schema}, {"regex": '
+                                                               '...} or {"json_object": true} (formats.py)')
+    response_format: dict | None = Field(None, description='OpenAI: {"type": "json_schema", "json_schema": {"schema": '
+                                                           '...}} or {"type": "json_object"}')
     use_beam_search: bool = Field(False, description="vLLM: n beams (n <= 10) searched, the best first (beam.py)")
     length_penalty: float = Field(1.0, description="vLLM: beam scores are logprob sums / length ** this")
     guided_choice: list[str] | None = Field(None, description="vLLM's older form of structured_outputs' choice")
+    guided_json: dict | str | None = Field(None, description="vLLM's older form of structured_outputs' json")
+    guided_regex: str | None = Field(None, description="vLLM's older form of structured_outputs' regex")
 
 
 class CompletionRequest(_Request):
@@ -198,9 +204,9 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
                                f"{list(req.logit_bias)[:4]!r:.80}", param="logit_bias") from None
     if req.allowed_token_ids is not None:
         kw["allowed_token_ids"] = req.allowed_token_ids
-    if req.structured_outputs is not None or req.guided_choice is not None:     # (both given: SamplingParams refuses)
-        kw.update(structured_outputs=req.structured_outputs,
-                  guided_decoding=None if req.guided_choice is None else {"choice": req.guided_choice})
+    so, guided, field = formats.structured(req)
+    if field is not None:
+        kw.update(structured_outputs=so, guided_decoding=guided)
     if logprobs is not None:
         kw["logprobs"] = logprobs
     if prompt_logprobs is not None:
@@ -212,9 +218,12 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
         raise RequestError(f"{missing[0]} is not supported by this engine build", param=missing[0])
     try:
         return SamplingParams(max_tokens=max_tokens, **kw)
-    except (ValueError, TypeError) as e:       # (guided_decoding: what the request's guided_choice became)
-        param = str(e).split("=")[0].split(".")[-1].replace("guided_decoding", "guided_choice")
-        raise RequestError(str(e).replace("SamplingParams.", ""), param=param) from None
+    except (ValueError, TypeError) as e:       # (structured outputs: named as the request gave them)
+        message = str(e).replace("SamplingParams.", "")
+        param = message.split("=")[0].split(".")[-1]
+        if field is not None and param.split()[0] in ("structured_outputs", "guided_decoding"):
+            message, param = message.replace(param.split()[0], field, 1), field
+        raise RequestError(message, param=param) from None
 
 
 _FIELDS = set(SamplingParams.__dataclass_fields__)

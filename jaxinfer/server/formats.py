@@ -1,0 +1,42 @@
+"""A request's structured outputs from any of the forms vLLM's server takes: `structured_outputs` (its fields:
+choice, json, regex, json_object), the older `guided_choice` / `guided_json` / `guided_regex`, and OpenAI's
+`response_format` (`{"type": "json_schema", "json_schema": {"schema": ...}}` or `{"type": "json_object"}`; "text"
+is none). One form a request: several are a 400 naming them."""
+from __future__ import annotations
+
+from jaxinfer.server.errors import RequestError
+
+GUIDED = (("guided_choice", "choice"), ("guided_json", "json"), ("guided_regex", "regex"))
+
+
+def response_format(value) -> dict | None:
+    """structured_outputs' fields for OpenAI's response_format (None: "text" or absent)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if spec is not None and not isinstance(spec, dict):
+            raise RequestError("response_format json_schema must be an object ({\"name\": ..., \"schema\": {...}})",
+                               param="response_format")
+        schema = (spec or {}).get("schema")
+        return {"json_object": True} if schema is None else {"json": schema}
+    raise RequestError(f"response_format type {kind!r:.80} is not supported: text, json_object or json_schema",
+                       param="response_format")
+
+
+def structured(req) -> tuple[dict | None, dict | None, str | None]:
+    """(structured_outputs, guided_decoding, the request field they came from) for SamplingParams."""
+    guided = {key: getattr(req, name) for name, key in GUIDED if getattr(req, name, None) is not None}
+    fmt = response_format(getattr(req, "response_format", None))
+    given = [name for name, v in (("structured_outputs", req.structured_outputs), ("response_format", fmt))
+             if v is not None] + [name for name, key in GUIDED if key in guided]
+    if len(given) > 1:
+        raise RequestError(f"{given[0]} and {given[1]} are both structured outputs: give one", param=given[0])
+    if not given:
+        return None, None, None
+    return (fmt if fmt is not None else req.structured_outputs), guided or None, given[0]
