@@ -666,6 +666,39 @@ def test_structured_outputs_json_and_regex(client, url):
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
 
 
+def test_forced_tool_choice(client, url):
+    """vLLM's tool_choice "required" and a named function, without the tool-call flags: the answer is constrained
+    to the function's parameters schema (named) or a list of {name, parameters} (required), and comes back as
+    tool_calls with content "" and finish_reason "stop", streamed the same."""
+    params = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+              "required": ["color", "ok"]}
+    tools = [{"type": "function", "function": {"name": "paint", "parameters": params}},
+             {"type": "function", "function": {"name": "wait", "parameters": {
+                 "type": "object", "properties": {"long": {"type": "boolean"}}, "required": ["long"]}}}]
+    msgs = [{"role": "user", "content": "Hi"}]
+    named = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=40, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "paint"}})
+    c = named.choices[0]
+    assert c.finish_reason == "stop" and c.message.content == "" and len(c.message.tool_calls) == 1, c
+    assert c.message.tool_calls[0].function.name == "paint"
+    assert json.loads(c.message.tool_calls[0].function.arguments)["color"] in ("red", "green")
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=100, temperature=1.0,
+                                           seed=seed, tool_choice="required", parallel_tool_calls=False)
+        c = r.choices[0]
+        assert c.finish_reason == "stop" and c.message.content == "" and len(c.message.tool_calls) == 1, c
+        call = c.message.tool_calls[0].function
+        assert set(json.loads(call.arguments)) == ({"color", "ok"} if call.name == "paint" else {"long"})
+        events = _sse(url, "/v1/chat/completions", dict(model=MODEL, messages=msgs, tools=tools, max_tokens=100,
+                                                         temperature=1.0, seed=seed, tool_choice="required",
+                                                         parallel_tool_calls=False, stream=True))
+        got = [t for e in events if e["choices"] for t in e["choices"][0]["delta"].get("tool_calls") or []]
+        assert [(t["function"]["name"], t["function"]["arguments"]) for t in got] == [(call.name, call.arguments)]
+        assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "stop"
+    st = wait_idle(url)
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
 def test_vllms_prompt_logprobs(client, url, ref, tok):
     """vLLM's prompt_logprobs: per prompt token None (the first) or {id: {logprob, rank, decoded_token}}, the token
     first, then the k most likely; on completion choices (every sample of n) and at the top of a chat answer; with

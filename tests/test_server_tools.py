@@ -117,7 +117,7 @@ def test_tool_calls_parsed_streamed_or_not(client):
 def test_tool_choice_variants(client, server):
     """parallel_tool_calls false: the first call only; cut off inside the first call's block (max_tokens): that
     call, finish "length"; tool_choice "none": no parsing (the text as it is, special tokens skipped); a named
-    function or "required": a 400 naming tool_choice (no structured outputs); a tool result turn is templated."""
+    function or "required" with response_format: a 400 naming tool_choice; a tool result turn is templated."""
     one = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0,
                                          parallel_tool_calls=False).choices[0]
     assert _calls(one.message.tool_calls) == [CALL1] and one.finish_reason == "tool_calls"
@@ -129,8 +129,9 @@ def test_tool_choice_variants(client, server):
     assert none.message.content == "Checking both." + SCRIPT[2] + SCRIPT[4]
     for choice in ({"type": "function", "function": {"name": "get_time"}}, "required"):
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice)
-        assert e.value.body["param"] == "tool_choice" and "structured outputs" in e.value.body["message"]
+            client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                           response_format={"type": "json_object"})
+        assert e.value.body["param"] == "tool_choice" and "cannot be given with" in e.value.body["message"]
     turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(CALL1["arguments"])}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
@@ -158,11 +159,22 @@ def test_tool_requests_checked_as_vllm():
     assert T.resolve(req(tools=TOOLS, tool_choice="none"), ServerOptions(
         exclude_tools_when_tool_choice_none=True)).tools is None
     named = {"type": "function", "function": {"name": "get_time"}}
+    forced = req(tools=TOOLS, tool_choice=named)                  # (without the flags too, as vLLM's)
+    assert T.resolve(forced, off).forced == "get_time" and forced.structured_outputs == {"json": TOOLS[1][
+        "function"]["parameters"]}
+    forced = req(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert T.resolve(forced, off).forced == "required" and forced.structured_outputs["json"]["maxItems"] == 1
+    assert [i["properties"]["name"]["enum"] for i in forced.structured_outputs["json"]["items"]["anyOf"]] == \
+        [["get_weather"], ["get_time"]]
     for kw, opts, words, param in (
             (dict(tools=TOOLS), off, "requires --enable-auto-tool-choice", "tools"),
             (dict(tools=TOOLS, tool_choice="auto"), off, "requires --enable-auto-tool-choice", "tools"),
-            (dict(tools=TOOLS, tool_choice="required"), off, "structured outputs", "tools"),
-            (dict(tools=TOOLS, tool_choice=named), on, "structured outputs", "tool_choice"),
+            (dict(tools=TOOLS, tool_choice="required", guided_regex="a"), off, "cannot be given with guided_regex",
+             "tool_choice"),
+            (dict(tools=TOOLS, tool_choice=named, structured_outputs={"regex": "a"}), on, "cannot be given with",
+             "tool_choice"),
+            (dict(tools=[{"function": {"name": n, "parameters": {"$defs": {"d": {"type": t}}}}} for n, t in
+                         (("f", "string"), ("g", "integer"))], tool_choice="required"), on, "twice", "tools"),
             (dict(tool_choice="auto"), on, "`tools` must be set", "tool_choice"),
             (dict(tools=TOOLS, tool_choice="any"), on, "Invalid value for `tool_choice`", "tool_choice"),
             (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), on, "does not match",

@@ -105,15 +105,15 @@ def chat_choice(ch: Choice, k: int | None, text_of, role: str = "assistant", ech
     if think is not None:                        # (an empty part is null)
         thought, text = reasoning.split(text, think)
     if calls is not None and calls.parse and text:
-        text, found = T.extract(text, calls.first_only)
+        text, found = calls.extract(text)
     message = {"role": role, "content": echo + (text or "") if echo else text}
     if think is not None:
         message["reasoning"] = thought if req.include_reasoning else None
     if found:
         message["tool_calls"] = found
-    return {"index": ch.index, "message": message, "logprobs": lp,
-            "finish_reason": T.finish_reason(ch.proc.finish_reason, found), "stop_reason": ch.stop_reason,
-            **({} if hide else token_ids(req, ch.token_ids) or {})}
+    reason = calls.finish_reason(ch.proc.finish_reason, found) if calls else ch.proc.finish_reason
+    return {"index": ch.index, "message": message, "logprobs": lp, "finish_reason": reason,
+            "stop_reason": ch.stop_reason, **({} if hide else token_ids(req, ch.token_ids) or {})}
 
 
 def _new_logprobs(ch: Choice) -> tuple[list[int], list, list[int]]:
@@ -193,13 +193,13 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
             if shaped:
                 thought, content = split.setdefault(ch.index, reasoning.Splitter(think)).feed(d.text, last) \
                     if think is not None else ("", d.text)
-                content, found = tool.setdefault(ch.index, T.Stream(calls.first_only)).feed(content, last) \
+                content, found = tool.setdefault(ch.index, T.Stream(calls)).feed(content, last) \
                     if parse else (content, [])
                 delta = {k_: v for k_, v in (("reasoning", thought if req.include_reasoning else ""),
                                              ("content", content)) if v}
                 if found:
                     delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(found)]
-                    reason = T.finish_reason(reason, found)
+                    reason = calls.finish_reason(reason, found)
             if last:       # the finish rides on the chunk with the last text, as in vLLM
                 lp = R.chat_logprobs(text_of, ids, entries, k, before, as_ids) if ids else None
                 yield R.sse(R.chat_chunk(rid, model, delta or {"content": ""}, reason, ch.index, lp,

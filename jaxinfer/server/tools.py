@@ -19,8 +19,12 @@ the finish reason (vLLM streams the arguments in pieces; a client that joins the
 While tool calls are parsed, special tokens stay in the text (vLLM's: a tokenizer may mark the tags special).
 
 `tool_choice` "none": the tools still reach the template (not with `--exclude-tools-when-tool-choice-none`) and
-the answer is not parsed. "required" and a named function need structured outputs (vLLM constrains the
-decoding to the tools' JSON schemas), which jaxinfer does not have: a 400 says so.
+the answer is not parsed. "required" and a named function constrain the answer with structured outputs, as vLLM's
+(with or without the tool-call flags): a named function's answer is its arguments (its `parameters` schema), a
+call to it; "required"'s is a JSON list of at least one `{"name": ..., "parameters": {...}}` of the tools (their
+schemas' `$defs` merged; one with `parallel_tool_calls` false), each a call. Either way `content` is "" and
+finish_reason stays "stop" / "length"; an answer cut short that does not parse is the content instead (streamed: the
+whole answer comes in the last delta).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from jaxinfer.server import formats
 from jaxinfer.server.errors import RequestError
 from jaxinfer.server.reasoning import held
 
@@ -64,8 +69,25 @@ class NamedToolChoice(BaseModel):
 @dataclass(frozen=True)
 class ToolUse:
     tools: list[dict] | None          # what the template gets
-    parse: bool                       # tool_choice "auto": the answer is parsed for calls
+    parse: bool                       # the answer is parsed for calls (tool_choice "auto", "required" or named)
     first_only: bool = False          # parallel_tool_calls false
+    forced: str | None = None         # "required", or the named function's name: the answer is constrained
+
+    def extract(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool calls) of an answer's text."""
+        if self.forced is None:
+            return extract(text, self.first_only)
+        try:
+            if self.forced != "required":
+                json.loads(text)
+                return "", [_call({"name": self.forced, "arguments": text}, raw=True)]
+            calls = [_call({"name": c["name"], "arguments": c["parameters"]}) for c in json.loads(text)]
+            return ("", calls[:1] if self.first_only else calls) if calls else (text, [])
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+            return text, []
+
+    def finish_reason(self, reason: str | None, calls: list) -> str | None:
+        return reason if self.forced else finish_reason(reason, calls)
 
 
 def resolve(req, options) -> ToolUse:
@@ -89,24 +111,47 @@ def resolve(req, options) -> ToolUse:
         raise RequestError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set; '
                            'without them this server parses no tool calls, and tools may only be given with '
                            'tool_choice "none" (for the chat template)', param=param)
-    if choice not in ("auto", "none"):
-        shown = choice if isinstance(choice, str) else f"function {choice.function.name!r:.80}"
-        raise RequestError(f"tools with tool_choice={shown} are not supported by this server: it needs structured "
-                           f"outputs (the decoding constrained to the tools' schemas), which jaxinfer does not have; "
-                           f"use \"auto\" (--enable-auto-tool-choice --tool-call-parser hermes) or \"none\"",
-                           param=param, code="unsupported_parameter")
     shown = None if choice == "none" and options.exclude_tools_when_tool_choice_none else tools
     if choice == "auto":
         req.skip_special_tokens = False
-    return ToolUse(shown, choice == "auto", choice == "auto" and req.parallel_tool_calls is False)
+    forced = None if choice in ("auto", "none") else "required" if choice == "required" else choice.function.name
+    if forced is not None:
+        if formats.structured(req)[2] is not None:
+            raise RequestError(f"tool_choice={choice if forced == 'required' else 'a named function'} constrains the "
+                               f"answer itself: it cannot be given with {formats.structured(req)[2]}",
+                               param="tool_choice")
+        req.structured_outputs = {"json": _schema(tools, forced, req.parallel_tool_calls is False)}
+    return ToolUse(shown, choice != "none", choice != "none" and req.parallel_tool_calls is False, forced)
 
 
-def _call(obj) -> dict:
+def _schema(tools: list[dict], forced: str, one: bool) -> dict:
+    """The JSON schema of a forced call's answer (vLLM's): the named function's parameters, or for "required" a
+    list of at least one {name, parameters} of the tools, their `$defs` at the top (one: at most one item, for
+    parallel_tool_calls false)."""
+    empty = {"type": "object", "properties": {}}
+    fns = [t["function"] for t in tools]
+    if forced != "required":
+        return next(f.get("parameters") or empty for f in fns if f["name"] == forced)
+    defs, items = {}, []
+    for f in fns:
+        params = dict(f.get("parameters") or empty)
+        for name, d in params.pop("$defs", {}).items():
+            if defs.setdefault(name, d) != d:
+                raise RequestError(f"tools define $defs {name!r:.80} twice, differently: tool_choice \"required\" "
+                                   f"needs one", param="tools")
+        items.append({"properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": params},
+                      "required": ["name", "parameters"]})
+    return {"type": "array", "minItems": 1, **({"maxItems": 1} if one else {}),
+            "items": {"type": "object", "anyOf": items}, **({"$defs": defs} if defs else {})}
+
+
+def _call(obj, raw: bool = False) -> dict:
+    """A tool call of {name, arguments} (raw: arguments already JSON text)."""
     name, arguments = obj["name"], obj["arguments"]       # (not a dict, or a key missing: TypeError, KeyError)
     if not isinstance(name, str):
         raise TypeError("a tool call's name must be a string")
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            "function": {"name": name, "arguments": arguments if raw else json.dumps(arguments, ensure_ascii=False)}}
 
 
 def extract(text: str, first_only: bool = False) -> tuple[str | None, list[dict]]:
@@ -128,8 +173,8 @@ def finish_reason(reason: str | None, calls: list) -> str | None:
 class Stream:
     """One streamed choice's content, delta by delta: (content to send, tool calls) per delta."""
 
-    def __init__(self, first_only: bool = False):
-        self.buf, self.calling, self.first_only = "", False, first_only
+    def __init__(self, use: ToolUse):
+        self.buf, self.calling, self.use = "", use.forced is not None, use     # (forced: all held to the end)
 
     def feed(self, text: str, last: bool = False) -> tuple[str, list[dict]]:
         self.buf += text
@@ -143,5 +188,5 @@ class Stream:
             out, self.buf, self.calling = self.buf[:i], self.buf[i:], True
         if not last:
             return out, []
-        content, calls = extract(self.buf, self.first_only)
+        content, calls = self.use.extract(self.buf)
         return out + (content or ""), calls
