@@ -129,8 +129,9 @@ def test_logit_bias_and_allowed_ids_tp2_equal_tp1(tp1, tp2, prompts):
 
 
 def test_bad_words_and_structured_choice_tp2_equal_tp1(tp1, tp2, prompts):
-    """bad_words and structured outputs' choice on the vocabulary-split logits (509 ids, padded), in one batch with a
-    plain row: the same tokens as tp=1, the banned word's token not sampled, each constrained answer a choice."""
+    """bad_words and structured outputs' choice and regex on the vocabulary-split logits (509 ids, padded), in one
+    batch with a plain row: the same tokens as tp=1, the banned word's token not sampled, each constrained answer a
+    choice or a match of the regex."""
     tok = tp1.get_tokenizer()
     plain = run(tp1, prompts[:1], [GREEDY])[0]
     word = next(w for t in plain if (w := tok.decode([t])).strip() and not w[0].isspace() and
@@ -138,10 +139,13 @@ def test_bad_words_and_structured_choice_tp2_equal_tp1(tp1, tp2, prompts):
     choices = ["yes", "no", "maybe so"]
     sp = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word]), GREEDY,
           *(SamplingParams(temperature=t, seed=2, max_tokens=8, structured_outputs={"choice": choices})
+            for t in (0, 1.5)),
+          *(SamplingParams(temperature=t, seed=3, max_tokens=12, structured_outputs={"regex": "[a-z]{1,4} [0-9]{1,2}"})
             for t in (0, 1.5))]
-    a, b = (run(tp, prompts[:1] * 2 + prompts[1:3], sp) for tp in (tp1, tp2))
+    a, b = (run(tp, prompts[:1] * 2 + prompts[1:3] + prompts[:2], sp) for tp in (tp1, tp2))
     assert a == b and a[0] != plain and tok.encode(word, add_special_tokens=False)[0] not in a[0]
-    assert all(tok.decode(ids, skip_special_tokens=True) in choices for ids in a[2:])
+    assert all(tok.decode(ids, skip_special_tokens=True) in choices for ids in a[2:4])
+    assert all(re.fullmatch("[a-z]{1,4} [0-9]{1,2}", tok.decode(ids, skip_special_tokens=True)) for ids in a[4:]), a[4:]
 
 
 def test_weights_and_cache_really_split(tp2):
@@ -240,6 +244,9 @@ def test_data_parallel_equals_one_replica(ckpts, tp1, prompts):
         outs = llm.generate(ps[1:3], nsp, use_tqdm=False)
         hits.append((llm.stats()["prefix_cache_hit_tokens"] - before, [[c.token_ids for c in o.outputs] for o in outs]))
     assert hits[0] == hits[1] and hits[0][0] > 0
+    rx = [SamplingParams(temperature=1.2, seed=i, max_tokens=12, structured_outputs={"regex": "[a-z]{1,4} [0-9]{1,2}"})
+          for i in range(4)]                          # (json / regex rows: each replica reads its step first)
+    assert run(dp, ps[:4], rx) == run(tp1, ps[:4], rx)
 
 
 def test_a_replica_launch_that_fails_is_raised_and_loses_nothing(ckpts, tp1, prompts, monkeypatch):
