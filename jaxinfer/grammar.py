@@ -1,5 +1,5 @@
-"""vLLM's structured outputs of the json, regex and json_object kinds, on outlines-core (the `structured` extra:
-`pip install "jaxinfer[structured]"`), one of vLLM's grammar backends.
+"""vLLM's structured outputs of the json, regex and json_object kinds, on outlines-core (one of vLLM's grammar
+backends; a dependency of jaxinfer, imported on first use).
 
 The kind becomes a regular expression (a JSON schema through outlines-core's `build_regex_from_schema`; json_object
 through the schema `{"type": "object"}`, whose nesting outlines-core bounds), the expression an index over the
@@ -27,7 +27,7 @@ def _outlines(error):
         return outlines_core
     except ImportError:
         raise error("structured_outputs json / regex / json_object need outlines-core: pip install "
-                    "'jaxinfer[structured]' (or outlines-core)") from None
+                    "'outlines-core>=0.2.11,<0.3'") from None
 
 
 def regex_for(so, error=ValueError) -> str:
