@@ -208,10 +208,19 @@ def test_hermes_parsing_and_its_stream():
         assert T.extract("x" + bad) == ("x" + bad, [])
     assert T.extract(call)[0] is None and len(T.extract(call + call, first_only=True)[1]) == 1
     assert T.finish_reason("stop", [1]) == "tool_calls" and T.finish_reason("length", [1]) == "length"
+    named, required = T.ToolUse(None, True, forced="f"), T.ToolUse(None, True, True, forced="required")
+    content, calls = named.extract('{"x": 1}')            # forced calls (vLLM's): content "", "stop" stays "stop"
+    assert content == "" and calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert named.finish_reason("stop", calls) == "stop" and named.extract('{"x": ') == ('{"x": ', [])
+    content, calls = required.extract('[{"name": "g", "parameters": {"y": "é"}}, {"name": "f", "parameters": {}}]')
+    assert content == "" and [c["function"] for c in calls] == [{"name": "g", "arguments": '{"y": "é"}'}]
+    assert required.extract("[]") == ("[]", []) and required.extract('[{"name": "g"}]') == ('[{"name": "g"}]', [])
+    s = T.Stream(named)
+    assert s.feed('{"x"') == ("", []) and s.feed(": 1}", last=True)[1][0]["function"]["arguments"] == '{"x": 1}'
     for text in ("Hi <tool_cal> " + call + call, "a<tool_call>{bad}</tool_call>", "no calls <tool_", "<tool_call"):
         whole = T.extract(text)
         for step in (1, 3, 7):
-            s, out, found = T.Stream(), "", []
+            s, out, found = T.Stream(T.ToolUse(None, True)), "", []
             for i in range(0, len(text), step):
                 piece, calls = s.feed(text[i:i + step], last=i + step >= len(text))
                 out, found = out + piece, found + calls
