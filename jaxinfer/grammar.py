@@ -12,6 +12,7 @@ call.
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 
 import numpy as np
@@ -19,6 +20,11 @@ import numpy as np
 _INDEXES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # tokenizer -> {(V, eos, regex): Index}
 _VOCABS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # tokenizer -> {(V, eos): Vocabulary}
 KINDS = ("json", "regex", "json_object")
+BUILD_TIMEOUT_S = 20.0        # an index build that takes longer is refused (e.g. a string's maxLength in the 20s)
+# JSON schema keywords outlines-core's expressions do not enforce (its expression is the same without them): refused
+UNENFORCED = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems", "contains",
+              "minContains", "maxContains", "minProperties", "maxProperties", "patternProperties", "dependentRequired",
+              "dependentSchemas", "if", "then", "else", "propertyNames", "unevaluatedProperties", "unevaluatedItems"}
 
 
 def _outlines(error):
@@ -42,6 +48,9 @@ def regex_for(so, error=ValueError) -> str:
             raise error(f"structured_outputs json is not valid JSON: {e}") from None
     if not isinstance(schema, dict):
         raise error(f"structured_outputs json must be a JSON schema object, not {type(schema).__name__}")
+    if found := unenforced(schema):
+        raise error(f"structured_outputs json schema keyword {found[1]!r} at {found[0]} is not supported "
+                    f"(outlines-core would not enforce it)")
     ws = "" if so.disable_any_whitespace else so.whitespace_pattern
     _outlines(error)
     from outlines_core.json_schema import build_regex_from_schema
@@ -49,6 +58,26 @@ def regex_for(so, error=ValueError) -> str:
         return build_regex_from_schema(json.dumps(schema), ws)
     except Exception as e:             # (outlines-core's own errors name what it cannot take)
         raise error(f"structured_outputs json schema is not supported: {e}") from None
+
+
+def unenforced(schema, where: str = "#") -> tuple[str, str] | None:
+    """(path, keyword) of the first UNENFORCED keyword in a schema (or `required` without `properties`: any object
+    would pass), else None."""
+    if not isinstance(schema, dict):
+        return None
+    if hit := sorted(UNENFORCED & schema.keys()):
+        return where, hit[0]
+    if schema.get("required") and "properties" not in schema:
+        return where, "required"
+    for key, value in schema.items():
+        if key in ("enum", "const", "examples", "default", "required"):
+            continue                               # (values, not schemas)
+        named = key in ("properties", "$defs", "definitions") and isinstance(value, dict)
+        subs = value.items() if named else enumerate(value) if isinstance(value, list) else [(None, value)]
+        for k, sub in subs:
+            if found := unenforced(sub, f"{where}/{key}" + ("" if k is None else f"/{k}")):
+                return found
+    return None
 
 
 _BYTE_OF = None
@@ -67,7 +96,9 @@ def _byte_of() -> dict[str, int]:
 def token_bytes(tokenizer, vocab_size: int) -> dict[bytes, list[int]]:
     """The ids of each token's bytes, special tokens left out. Byte-level BPE tokens (Qwen's) are read through the
     byte alphabet; another tokenizer's tokens by their text decoded alone, those that decode to part of a character
-    left out."""
+    left out; tokenizer.ByteTokenizer's (a preset's) ids 0..255 are the bytes."""
+    if not hasattr(tokenizer, "__len__"):
+        return {bytes([i]): [i] for i in range(min(vocab_size, 256))}
     n = min(vocab_size, len(tokenizer))
     special = set(getattr(tokenizer, "all_special_ids", None) or ())
     pieces = tokenizer.convert_ids_to_tokens(list(range(n)))
@@ -107,17 +138,32 @@ class GrammarRule:
                                                       if self.eos[0] not in ids})
         indexes = _INDEXES.setdefault(tokenizer, {})
         if (key + (regex,)) not in indexes:
-            try:
-                index = oc.Index(regex, vocabs[key])
-            except Exception as e:
-                raise error(f"structured_outputs cannot be followed with this tokenizer: {e}") from None
             if len(indexes) >= 64:
                 indexes.pop(next(iter(indexes)))
-            indexes[key + (regex,)] = index
-        self.index, self._oc = indexes[key + (regex,)], oc
+            indexes[key + (regex,)] = _build(oc, regex, vocabs[key])
+        index = indexes[key + (regex,)]
+        if isinstance(index, str):            # (a build that failed or ran out of time: refused again at once)
+            raise error(f"structured_outputs {'regex ' + repr(regex)[:80] + ' ' if len(regex) < 200 else ''}{index}")
+        self.index, self._oc = index, oc
 
     def start(self) -> "GrammarState":
         return GrammarState(self)
+
+
+def _build(oc, regex: str, vocab):
+    """outlines-core's Index, or why not (a string): it cannot be built, or not within BUILD_TIMEOUT_S (the build,
+    which releases the GIL, then finishes in the background: a thread cannot be stopped)."""
+    box = []
+
+    def build():
+        try:
+            box.append(oc.Index(regex, vocab))
+        except Exception as e:
+            box.append(f"cannot be followed: {e}")
+    t = threading.Thread(target=build, daemon=True, name="jaxinfer-grammar-index")
+    t.start()
+    t.join(BUILD_TIMEOUT_S)
+    return box[0] if box else f"takes over {BUILD_TIMEOUT_S:.0f} s to index: simplify it (e.g. a shorter maxLength)"
 
 
 class GrammarState:

@@ -26,7 +26,7 @@ def reference(tiny_dir, llm):
 def check(out: BeamSearchOutput, want, eos, ignore_eos=False):
     assert [s.tokens for s in out.sequences] == [w[0] for w in want]
     for s, (toks, cum) in zip(out.sequences, want):
-        assert s.cum_logprob == pytest.approx(cum, abs=1e-3)
+        assert s.cum_logprob == pytest.approx(cum, abs=1e-3 * len(s.logprobs))   # (GPU fp32 dots: ~3e-4 a token)
         assert s.finish_reason == ("stop" if toks[-1] == eos and not ignore_eos else "length")
         assert sum(d[t].logprob for d, t in zip(s.logprobs, s.tokens[-len(s.logprobs):])) == pytest.approx(
             s.cum_logprob, abs=1e-4)

@@ -102,17 +102,32 @@ def test_preempted_rows_resume(tiny_dir):
     assert small.stats()["kv_blocks_free"] == small.stats()["kv_blocks_total"]
 
 
+def test_slow_index_builds_are_refused(llm, monkeypatch):
+    """An index that takes longer than BUILD_TIMEOUT_S to build is refused (and refused again at once), naming it;
+    the engine stays usable."""
+    monkeypatch.setattr(grammar, "BUILD_TIMEOUT_S", 0.0)
+    sp = SamplingParams(max_tokens=4, structured_outputs={"json": {"type": "string", "maxLength": 12}})  # (~0.2 s)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"structured_outputs regex '.*\{0,12\}.*' takes over 0 s to index"):
+            llm.generate(PROMPTS[0], sp, use_tqdm=False)
+    assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
 def test_refusals(llm):
     for kw, match in ((dict(structured_outputs={"grammar": "root ::= 'a'"}), "grammar is not supported"),
                       (dict(structured_outputs={"regex": "a", "json": {}}), "needs one kind"),
                       (dict(structured_outputs={"regex": 5}), "regex must be a string"),
                       (dict(structured_outputs={"json": 5}), "json must be a JSON schema"),
                       (dict(structured_outputs={"json_object": "yes"}), "json_object must be True"),
-                      (dict(structured_outputs={"regex": "a"}, min_tokens=3), "min_tokens")):
+                      (dict(structured_outputs={"regex": "a"}, min_tokens=3), "min_tokens"),
+                      (dict(structured_outputs={"json": {"type": "object", "properties": {"n": {"anyOf": [
+                          {"type": "integer", "maximum": 9}]}}}}), "keyword 'maximum' at #/properties/n/anyOf/0"),
+                      (dict(structured_outputs={"json": {"type": "object", "required": ["a"]}}), "'required' at #")):
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kw)
     for so, match in (({"json": "{not json"}, "structured_outputs=.* json is not valid JSON"),
-                      ({"regex": "a("}, "structured_outputs cannot be followed"),
+                      ({"regex": "a("}, "structured_outputs regex 'a\\(' cannot be followed"),
                       ({"json": {"type": "object", "properties": {"a": {"type": "bogus"}}}},
                        "structured_outputs=.* json schema is not supported")):
         with pytest.raises(ValueError, match=match):

@@ -613,7 +613,7 @@ def test_structured_outputs_choice(client, url):
                 {"structured_outputs": {"choice": ["a"]}, "guided_choice": ["b"]},
                 {"guided_choice": ["\u2603"]}, {"guided_choice": []}):
         r = httpx.post(url + "/v1/completions", json={**body, **bad})
-        want = "guided_choice" if bad == {"guided_choice": []} else "structured_outputs"
+        want = "structured_outputs" if "structured_outputs" in bad else "guided_choice"    # (the field used)
         assert r.status_code == 400 and r.json()["error"]["param"] == want, (bad, r.text)
     lp = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 6, "logprobs": 3, "guided_choice": ["yes"]})
     assert lp.status_code == 200, lp.text          # (masked tokens' -inf logprobs as vLLM's -9999.0: JSON has no inf)
@@ -657,7 +657,7 @@ def test_structured_outputs_json_and_regex(client, url):
     body = dict(model=MODEL, prompt=PROMPT, max_tokens=4)
     for bad, want in (({"response_format": {"type": "xml"}}, "response_format"),
                       ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format"),
-                      ({"guided_regex": "a("}, "structured_outputs"), ({"guided_json": "{bad"}, "guided_json"),
+                      ({"guided_regex": "a("}, "guided_regex"), ({"guided_json": "{bad"}, "guided_json"),
                       ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
                       ({"structured_outputs": {"regex": "a"}, "guided_json": {}}, "structured_outputs")):
         r = httpx.post(url + "/v1/completions", json={**body, **bad})
@@ -669,7 +669,7 @@ def test_structured_outputs_json_and_regex(client, url):
 def test_forced_tool_choice(client, url):
     """vLLM's tool_choice "required" and a named function, without the tool-call flags: the answer is constrained
     to the function's parameters schema (named) or a list of {name, parameters} (required), and comes back as
-    tool_calls with content "" and finish_reason "stop", streamed the same."""
+    tool_calls with content "" and finish_reason "stop" (named) or "tool_calls" (required), streamed the same."""
     params = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
               "required": ["color", "ok"]}
     tools = [{"type": "function", "function": {"name": "paint", "parameters": params}},
@@ -686,7 +686,7 @@ def test_forced_tool_choice(client, url):
         r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=100, temperature=1.0,
                                            seed=seed, tool_choice="required", parallel_tool_calls=False)
         c = r.choices[0]
-        assert c.finish_reason == "stop" and c.message.content == "" and len(c.message.tool_calls) == 1, c
+        assert c.finish_reason == "tool_calls" and c.message.content == "" and len(c.message.tool_calls) == 1, c
         call = c.message.tool_calls[0].function
         assert set(json.loads(call.arguments)) == ({"color", "ok"} if call.name == "paint" else {"long"})
         events = _sse(url, "/v1/chat/completions", dict(model=MODEL, messages=msgs, tools=tools, max_tokens=100,
@@ -694,7 +694,7 @@ def test_forced_tool_choice(client, url):
                                                          parallel_tool_calls=False, stream=True))
         got = [t for e in events if e["choices"] for t in e["choices"][0]["delta"].get("tool_calls") or []]
         assert [(t["function"]["name"], t["function"]["arguments"]) for t in got] == [(call.name, call.arguments)]
-        assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "stop"
+        assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "tool_calls"
     st = wait_idle(url)
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
 

@@ -214,6 +214,7 @@ def test_hermes_parsing_and_its_stream():
     assert named.finish_reason("stop", calls) == "stop" and named.extract('{"x": ') == ('{"x": ', [])
     content, calls = required.extract('[{"name": "g", "parameters": {"y": "é"}}, {"name": "f", "parameters": {}}]')
     assert content == "" and [c["function"] for c in calls] == [{"name": "g", "arguments": '{"y": "é"}'}]
+    assert required.finish_reason("stop", calls) == "tool_calls" and required.finish_reason("length", []) == "length"
     assert required.extract("[]") == ("[]", []) and required.extract('[{"name": "g"}]') == ('[{"name": "g"}]', [])
     s = T.Stream(named)
     assert s.feed('{"x"') == ("", []) and s.feed(": 1}", last=True)[1][0]["function"]["arguments"] == '{"x": 1}'

@@ -22,9 +22,9 @@ While tool calls are parsed, special tokens stay in the text (vLLM's: a tokenize
 the answer is not parsed. "required" and a named function constrain the answer with structured outputs, as vLLM's
 (with or without the tool-call flags): a named function's answer is its arguments (its `parameters` schema), a
 call to it; "required"'s is a JSON list of at least one `{"name": ..., "parameters": {...}}` of the tools (their
-schemas' `$defs` merged; one with `parallel_tool_calls` false), each a call. Either way `content` is "" and
-finish_reason stays "stop" / "length"; an answer cut short that does not parse is the content instead (streamed: the
-whole answer comes in the last delta).
+schemas' `$defs` merged; one with `parallel_tool_calls` false), each a call. Either way `content` is ""; the finish
+reason is vLLM's: "tool_calls" for "required" (when it stopped), "stop" for a named function; an answer cut short that
+does not parse is the content instead (streamed: the whole answer comes in the last delta).
 """
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ class ToolUse:
             return text, []
 
     def finish_reason(self, reason: str | None, calls: list) -> str | None:
-        return reason if self.forced else finish_reason(reason, calls)
+        """vLLM's: "tool_calls" after a stop with calls, but for a named function ("stop")."""
+        return reason if self.forced not in (None, "required") else finish_reason(reason, calls)
 
 
 def resolve(req, options) -> ToolUse:
