@@ -12,7 +12,9 @@ call.
 from __future__ import annotations
 
 import json
+import logging
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -122,9 +124,11 @@ def token_bytes(tokenizer, vocab_size: int) -> dict[bytes, list[int]]:
 
 class GrammarRule:
     """A regular expression's index over one tokenizer's vocabulary, shared by the requests that give it; `start()`
-    makes a sequence's GrammarState. eos: the ids the engine stops at (allowed where the expression may end)."""
+    makes a sequence's GrammarState. eos: the ids the engine stops at (allowed where the expression may end).
+    wait=False (the server's engine core, whose API process built the same index first): a new index is built in
+    the background, and the scheduler admits the sequence once it is `ready()`, so running requests go on."""
 
-    def __init__(self, regex: str, tokenizer, vocab_size: int, eos, error=ValueError):
+    def __init__(self, regex: str, tokenizer, vocab_size: int, eos, error=ValueError, wait: bool = True):
         if tokenizer is None:
             raise error("structured_outputs needs a tokenizer (this engine has none)")
         oc = _outlines(error)
@@ -140,37 +144,53 @@ class GrammarRule:
         if (key + (regex,)) not in indexes:
             if len(indexes) >= 64:
                 indexes.pop(next(iter(indexes)))
-            indexes[key + (regex,)] = _build(oc, regex, vocabs[key])
-        index = indexes[key + (regex,)]
-        if isinstance(index, str):            # (a build that failed or ran out of time: refused again at once)
-            raise error(f"structured_outputs {'regex ' + repr(regex)[:80] + ' ' if len(regex) < 200 else ''}{index}")
-        self.index, self._oc = index, oc
+            indexes[key + (regex,)] = _Build(oc, regex, vocabs[key])
+        self.build, self._oc = indexes[key + (regex,)], oc
+        if wait:
+            self.build.thread.join(max(0.0, self.build.deadline - time.monotonic()))
+        if isinstance(why := self.build.result(), str):   # (failed or out of time: refused again at once)
+            raise error(f"structured_outputs {'regex ' + repr(regex)[:80] + ' ' if len(regex) < 200 else ''}{why}")
+
+    def ready(self) -> bool:
+        return self.build.result() is not None
 
     def start(self) -> "GrammarState":
         return GrammarState(self)
 
 
-def _build(oc, regex: str, vocab):
-    """outlines-core's Index, or why not (a string): it cannot be built, or not within BUILD_TIMEOUT_S (the build,
-    which releases the GIL, then finishes in the background: a thread cannot be stopped)."""
-    box = []
+class _Build:
+    """outlines-core's Index built in a thread (it releases the GIL); `result()`: the Index, why not (a string: it
+    cannot be built, or not within BUILD_TIMEOUT_S; the thread then finishes in the background: it cannot be
+    stopped), or None while it runs."""
 
-    def build():
-        try:
-            box.append(oc.Index(regex, vocab))
-        except Exception as e:
-            box.append(f"cannot be followed: {e}")
-    t = threading.Thread(target=build, daemon=True, name="jaxinfer-grammar-index")
-    t.start()
-    t.join(BUILD_TIMEOUT_S)
-    return box[0] if box else f"takes over {BUILD_TIMEOUT_S:.0f} s to index: simplify it (e.g. a shorter maxLength)"
+    def __init__(self, oc, regex: str, vocab):
+        self.box, self.deadline = [], time.monotonic() + BUILD_TIMEOUT_S
+
+        def build():
+            try:
+                self.box.append(oc.Index(regex, vocab))
+            except Exception as e:
+                self.box.append(f"cannot be followed: {e}")
+        self.thread = threading.Thread(target=build, daemon=True, name="jaxinfer-grammar-index")
+        self.thread.start()
+
+    def result(self):
+        if self.box:
+            return self.box[0]
+        if time.monotonic() >= self.deadline:
+            return f"takes over {BUILD_TIMEOUT_S:.0f} s to index: simplify it (e.g. a shorter maxLength)"
+        return None
 
 
 class GrammarState:
-    """One sequence's place in its rule's index, moved on by the output tokens the host has read."""
+    """One sequence's place in its rule's index, moved on by the output tokens the host has read (the guide made at
+    its first step: the index is ready by then)."""
 
     def __init__(self, rule: GrammarRule):
-        self.rule, self.guide, self.read, self.ended = rule, rule._oc.Guide(rule.index, 0), 0, False
+        self.rule, self.guide, self.read, self.ended = rule, None, 0, False
+
+    def ready(self) -> bool:
+        return self.rule.ready()
 
     def write(self, row: np.ndarray, outputs: list[int], start: int, pending: int) -> None:
         """Write the bitmask (token t: bit t % 32 of int32 word t // 32 of `row`) of the ids allowed after
@@ -178,6 +198,13 @@ class GrammarState:
         such rows."""
         assert pending == 0, "a constrained row was packed with its input token still on the device"
         rule, n = self.rule, len(outputs) - start
+        if self.guide is None:
+            index = rule.build.result()
+            if isinstance(index, str) or index is None:   # (a background build that failed: the answer ends at once)
+                logging.getLogger("jaxinfer").warning("structured_outputs %s: the request ends", index)
+                self.ended = True
+            else:
+                self.guide = rule._oc.Guide(index, 0)
         for t in outputs[start + self.read:]:
             if t in rule.eos or self.ended:    # (ignore_eos: after an EOS only EOS ids)
                 self.ended = True

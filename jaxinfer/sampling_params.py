@@ -231,7 +231,7 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    def check_vocab(self, vocab_size: int, error=ValueError, eos=(), tokenizer=None) -> None:
+    def check_vocab(self, vocab_size: int, error=ValueError, eos=(), tokenizer=None, wait: bool = True) -> None:
         """`error` (ValueError) for ids past the vocabulary (vLLM's check and words), or allowed_token_ids that are
         all stop or `eos` ids banned by min_tokens (no token could be drawn). bad_words are tokenized with
         `tokenizer` (vLLM's update_from_tokenizer; kept as its `_bad_words_token_ids`), refused if they cannot be."""
@@ -242,7 +242,7 @@ class SamplingParams:
         if (so := self.structured_outputs) is not None:   # (choice: structured.py; json / regex: grammar.py)
             object.__setattr__(self, *("_choice_rule", structured.rule_for(so.choice, tokenizer, vocab_size, error))
                                if so.choice is not None else ("_grammar_rule", grammar.GrammarRule(
-                                   grammar.regex_for(so, error), tokenizer, vocab_size, eos, error)))
+                                   grammar.regex_for(so, error), tokenizer, vocab_size, eos, error, wait)))
         ban = set(self.stop_token_ids) | set(eos) if self.min_tokens and self.allowed_token_ids else ()
         if ban and set(self.allowed_token_ids) <= ban:
             raise error(f"allowed_token_ids are all stop or EOS ids, which min_tokens={self.min_tokens} bans")

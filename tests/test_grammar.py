@@ -114,6 +114,37 @@ def test_slow_index_builds_are_refused(llm, monkeypatch):
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
+def test_background_index_builds(llm):
+    """With grammar_wait False (the server's engine core), a new index is built beside the steps: a running plain
+    request keeps decoding meanwhile, the constrained one is admitted once its index is ready and its answer matches;
+    an engine with only that request waits without error."""
+    eng, tok = llm.engine, llm.get_tokenizer()
+    schema = {"type": "string", "maxLength": 13}                   # (~0.4 s to index on a CPU)
+    eng.grammar_wait = False
+    try:
+        plain = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+        eng.step()
+        seq = eng.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=40, structured_outputs={
+            "json": schema}))
+        assert not seq.grammar.ready()
+        while not seq.grammar.ready():
+            eng.step()
+        assert len(plain.token_ids) - plain.num_prompt_tokens > 1       # (it decoded while the index was built)
+        while eng.has_unfinished():
+            eng.step()
+        text = tok.decode(seq.token_ids[seq.num_prompt_tokens:], skip_special_tokens=True)
+        assert seq.finish_reason == "length" or regex.fullmatch(grammar.regex_for(StructuredOutputsParams(
+            json=schema)), text), text
+        alone = eng.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, structured_outputs={
+            "regex": "[a-z]{1,6}[0-9]{0,2}x"}))
+        while eng.has_unfinished():
+            eng.step()
+        assert regex.fullmatch("[a-z]{1,6}[0-9]{0,2}x", tok.decode(alone.token_ids[alone.num_prompt_tokens:], True))
+    finally:
+        eng.grammar_wait = True
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
 def test_refusals(llm):
     for kw, match in ((dict(structured_outputs={"grammar": "root ::= 'a'"}), "grammar is not supported"),
                       (dict(structured_outputs={"regex": "a", "json": {}}), "needs one kind"),

@@ -40,6 +40,7 @@ class LLMEngine:
         self.multistep = True             # K-step decode calls allowed (False: one step per call, for A/B runs)
         self.in_flight = None             # (batch, device ids) of the step dispatched but not read yet
         self.tokenizer = None             # set by LLM: bad_words / choices are read with it (check_vocab)
+        self.grammar_wait = True          # False (the server's core): json / regex indexes built in the background
         # the pool is sized from one device's memory and its share of the KV (K'/tp kv heads)
         kv_model = placement.kv_view(model) if placement is not None else model
         device = placement.local_device if placement is not None else None
@@ -111,7 +112,7 @@ class LLMEngine:
                              f"prompt is longer than the maximum model length)")
         room = min(cfg.max_model_len, self.block_manager.num_blocks * cfg.block_size) - n
         params = params.clone().up_to(max(1, room))      # (clone: validated again: a stop list edited in place)
-        params.check_vocab(V, eos=self.scheduler.eos, tokenizer=self.tokenizer)
+        params.check_vocab(V, eos=self.scheduler.eos, tokenizer=self.tokenizer, wait=self.grammar_wait)
         need = -(-min(n + params.max_tokens - 1, cfg.max_model_len) // cfg.block_size)   # (the last token: no KV)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"{where} needs {need} KV blocks for {n} prompt + {params.max_tokens} output tokens "
@@ -184,6 +185,8 @@ class LLMEngine:
                 return self._read_in_flight
             if done is not None or not self.scheduler.has_unfinished():   # nothing left: a step returns [] (vLLM)
                 return lambda: done or []
+            if any(s.grammar is not None and not s.grammar.rule.ready() for s in self.scheduler.waiting):
+                return lambda: time.sleep(0.002) or []          # (a json / regex index still building: grammar.py)
             raise RuntimeError("scheduler found no work although requests are pending (pool too small?)")
         key = bucket_for(self.config, (r := self.runner).widths, batch, r.chunk_pages)
         K = self._plan_steps(batch, key)
@@ -251,18 +254,15 @@ class LLMEngine:
     def _apply(self, batch, ids, entry=None, pending=None) -> list[Sequence]:
         """Read a dispatched step's sampled ids (blocks until it ran) and apply them."""
         t0 = time.perf_counter()
-        ids = np.asarray(ids)
-        t1 = time.perf_counter()
+        ids, t1 = np.asarray(ids), time.perf_counter()
         if batch.num_steps > 1:
             updated, count = self.scheduler.postprocess_steps(batch, ids[:, :len(batch.seqs)])
         else:
-            updated = self.scheduler.postprocess(batch, ids[:len(batch.seqs)])
-            count = len(updated)
+            count = len(updated := self.scheduler.postprocess(batch, ids[:len(batch.seqs)]))
             if pending is not None:
                 extras_mod.apply(batch, updated, pending)
-        now = time.perf_counter()
-        self.host_time["wait_s"] += t1 - t0
-        self.host_time["apply_s"] += now - t1
+        now, h = time.perf_counter(), self.host_time
+        h["wait_s"], h["apply_s"] = h["wait_s"] + t1 - t0, h["apply_s"] + now - t1
         if entry is not None:
             entry[5:7] = t1 - t0, now - t1
         stamp_token_times(updated, now, one_each=not batch.is_prefill and batch.num_steps == 1)

@@ -88,8 +88,8 @@ class Scheduler:
         return ScheduledBatch(seqs, counts, True) if seqs else None
 
     def _waits(self, seq: Sequence) -> bool:
-        """An n > 1 sample waiting for sample 0's prompt to be cached (Sequence.waits_for_prompt)."""
-        return self.bm.prefix_caching and seq.waits_for_prompt()
+        """An n > 1 sample waiting for sample 0's cached prompt (waits_for_prompt), or a json / regex one its index."""
+        return self.bm.prefix_caching and seq.waits_for_prompt() or seq.grammar is not None and not seq.grammar.ready()
 
     def _chunk(self, seq: Sequence, budget: int, plp: list[int], take: bool = False) -> int:
         """Tokens of seq's prompt to compute this step: what is left, within the token budget; a request with

@@ -80,6 +80,8 @@ def run_core(model: str, engine_kwargs: dict, in_addr: str, out_addrs: list[str]
 class EngineCore:
     def __init__(self, engine, in_addr: str, out_addrs: list[str], parent_pid: int):
         self.engine, self.parent_pid = engine, parent_pid
+        for replica in getattr(engine, "replicas", [engine]):  # json / regex indexes built beside the steps (the API
+            replica.grammar_wait = False                       # process built each first: grammar.GrammarRule)
         # numpy scalars (in stats, say) as Python numbers: a message that cannot be packed must not kill the core
         self.pack = msgpack.Packer(default=lambda o: o.item() if hasattr(o, "item") else repr(o))
         self.unpackb = functools.partial(msgpack.unpackb, strict_map_key=False)     # (logit_bias: int keys)
