@@ -62,6 +62,21 @@ def regex_for(so, error=ValueError) -> str:
         raise error(f"structured_outputs json schema is not supported: {e}") from None
 
 
+_VALUES = ("enum", "const", "examples", "default", "required")     # keywords whose values are not schemas
+_NAMED = ("properties", "$defs", "definitions")                     # keywords whose values are {name: schema}
+
+
+def relaxed(schema, named: bool = False):
+    """A copy of `schema` without its UNENFORCED keywords (server/tools.py: a tool's parameters)."""
+    if isinstance(schema, list):
+        return [relaxed(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    if named:
+        return {k: relaxed(v) for k, v in schema.items()}
+    return {k: v if k in _VALUES else relaxed(v, k in _NAMED) for k, v in schema.items() if k not in UNENFORCED}
+
+
 def unenforced(schema, where: str = "#") -> tuple[str, str] | None:
     """(path, keyword) of the first UNENFORCED keyword in a schema (or `required` without `properties`: any object
     would pass), else None."""
@@ -72,9 +87,9 @@ def unenforced(schema, where: str = "#") -> tuple[str, str] | None:
     if schema.get("required") and "properties" not in schema:
         return where, "required"
     for key, value in schema.items():
-        if key in ("enum", "const", "examples", "default", "required"):
-            continue                               # (values, not schemas)
-        named = key in ("properties", "$defs", "definitions") and isinstance(value, dict)
+        if key in _VALUES:
+            continue
+        named = key in _NAMED and isinstance(value, dict)
         subs = value.items() if named else enumerate(value) if isinstance(value, list) else [(None, value)]
         for k, sub in subs:
             if found := unenforced(sub, f"{where}/{key}" + ("" if k is None else f"/{k}")):

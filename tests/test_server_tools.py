@@ -162,6 +162,11 @@ def test_tool_requests_checked_as_vllm():
     forced = req(tools=TOOLS, tool_choice=named)                  # (without the flags too, as vLLM's)
     assert T.resolve(forced, off).forced == "get_time" and forced.structured_outputs == {"json": TOOLS[1][
         "function"]["parameters"]}
+    bounded = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "minimum": {"type": "integer", "minimum": 1, "maximum": 9}}, "$defs": {"d": {"multipleOf": 2}}}}}]
+    assert T.resolve(req(tools=bounded, tool_choice={"type": "function", "function": {"name": "f"}}), off) and \
+        T._schema(bounded, "f", False) == {"type": "object", "properties": {"minimum": {"type": "integer"}},
+                                          "$defs": {"d": {}}}      # (bounds left out, names kept)
     forced = req(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     assert T.resolve(forced, off).forced == "required" and forced.structured_outputs["json"]["maxItems"] == 1
     assert [i["properties"]["name"]["enum"] for i in forced.structured_outputs["json"]["items"]["anyOf"]] == \

@@ -22,7 +22,8 @@ While tool calls are parsed, special tokens stay in the text (vLLM's: a tokenize
 the answer is not parsed. "required" and a named function constrain the answer with structured outputs, as vLLM's
 (with or without the tool-call flags): a named function's answer is its arguments (its `parameters` schema), a
 call to it; "required"'s is a JSON list of at least one `{"name": ..., "parameters": {...}}` of the tools (their
-schemas' `$defs` merged; one with `parallel_tool_calls` false), each a call. Either way `content` is ""; the finish
+schemas' `$defs` merged; one with `parallel_tool_calls` false; keywords outlines-core cannot enforce, such as
+`minimum`, left out), each a call. Either way `content` is ""; the finish
 reason is vLLM's: "tool_calls" for "required" (when it stopped), "stop" for a named function; an answer cut short that
 does not parse is the content instead (streamed: the whole answer comes in the last delta).
 """
@@ -36,6 +37,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from jaxinfer import grammar
 from jaxinfer.server import formats
 from jaxinfer.server.errors import RequestError
 from jaxinfer.server.reasoning import held
@@ -128,9 +130,10 @@ def resolve(req, options) -> ToolUse:
 def _schema(tools: list[dict], forced: str, one: bool) -> dict:
     """The JSON schema of a forced call's answer (vLLM's): the named function's parameters, or for "required" a
     list of at least one {name, parameters} of the tools, their `$defs` at the top (one: at most one item, for
-    parallel_tool_calls false)."""
+    parallel_tool_calls false). Keywords outlines-core cannot enforce (grammar.UNENFORCED: minimum, ...) are left
+    out: the arguments may break them."""
     empty = {"type": "object", "properties": {}}
-    fns = [t["function"] for t in tools]
+    fns = [{**t["function"], "parameters": grammar.relaxed(t["function"].get("parameters"))} for t in tools]
     if forced != "required":
         return next(f.get("parameters") or empty for f in fns if f["name"] == forced)
     defs, items = {}, []
