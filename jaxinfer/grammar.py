@@ -26,7 +26,9 @@ BUILD_TIMEOUT_S = 20.0        # an index build that takes longer is refused (e.g
 # JSON schema keywords outlines-core's expressions do not enforce (its expression is the same without them): refused
 UNENFORCED = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems", "contains",
               "minContains", "maxContains", "minProperties", "maxProperties", "patternProperties", "dependentRequired",
-              "dependentSchemas", "if", "then", "else", "propertyNames", "unevaluatedProperties", "unevaluatedItems"}
+              "dependentSchemas", "if", "then", "else", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+              "dependencies"}
+LENGTHS = {"minLength", "maxLength"}     # not enforced beside a pattern, a format or an enum (outlines-core drops them)
 
 
 def _outlines(error):
@@ -74,7 +76,9 @@ def relaxed(schema, named: bool = False):
         return schema
     if named:
         return {k: relaxed(v) for k, v in schema.items()}
-    return {k: v if k in _VALUES else relaxed(v, k in _NAMED) for k, v in schema.items() if k not in UNENFORCED}
+    drop = UNENFORCED | (LENGTHS if {"pattern", "format", "enum"} & schema.keys() else set()) | \
+        ({"required"} if "properties" not in schema else set())
+    return {k: v if k in _VALUES else relaxed(v, k in _NAMED) for k, v in schema.items() if k not in drop}
 
 
 def unenforced(schema, where: str = "#") -> tuple[str, str] | None:
@@ -86,6 +90,11 @@ def unenforced(schema, where: str = "#") -> tuple[str, str] | None:
         return where, hit[0]
     if schema.get("required") and "properties" not in schema:
         return where, "required"
+    beside = sorted({"pattern", "format", "enum"} & schema.keys())
+    if (lengths := sorted(LENGTHS & schema.keys())) and beside:
+        return where, f"{lengths[0]} beside {beside[0]}"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return where, "allOf of more than one schema"
     for key, value in schema.items():
         if key in _VALUES:
             continue
@@ -144,6 +153,7 @@ class GrammarRule:
     the background, and the scheduler admits the sequence once it is `ready()`, so running requests go on."""
 
     def __init__(self, regex: str, tokenizer, vocab_size: int, eos, error=ValueError, wait: bool = True):
+        self.wait = wait
         if tokenizer is None:
             raise error("structured_outputs needs a tokenizer (this engine has none)")
         oc = _outlines(error)
@@ -163,11 +173,11 @@ class GrammarRule:
         self.build, self._oc = indexes[key + (regex,)], oc
         if wait:
             self.build.thread.join(max(0.0, self.build.deadline - time.monotonic()))
-        if isinstance(why := self.build.result(), str):   # (failed or out of time: refused again at once)
+        if isinstance(why := self.build.result(wait), str):   # (failed or out of time: refused again at once)
             raise error(f"structured_outputs {'regex ' + repr(regex)[:80] + ' ' if len(regex) < 200 else ''}{why}")
 
     def ready(self) -> bool:
-        return self.build.result() is not None
+        return self.build.result(self.wait) is not None
 
     def start(self) -> "GrammarState":
         return GrammarState(self)
@@ -189,10 +199,12 @@ class _Build:
         self.thread = threading.Thread(target=build, daemon=True, name="jaxinfer-grammar-index")
         self.thread.start()
 
-    def result(self):
+    def result(self, deadline: bool = True):
+        """deadline False (a background build, which the API process built within BUILD_TIMEOUT_S first): no time
+        limit."""
         if self.box:
             return self.box[0]
-        if time.monotonic() >= self.deadline:
+        if deadline and time.monotonic() >= self.deadline:
             return f"takes over {BUILD_TIMEOUT_S:.0f} s to index: simplify it (e.g. a shorter maxLength)"
         return None
 
@@ -214,7 +226,7 @@ class GrammarState:
         assert pending == 0, "a constrained row was packed with its input token still on the device"
         rule, n = self.rule, len(outputs) - start
         if self.guide is None:
-            index = rule.build.result()
+            index = rule.build.result(rule.wait)
             if isinstance(index, str) or index is None:   # (a background build that failed: the answer ends at once)
                 logging.getLogger("jaxinfer").warning("structured_outputs %s: the request ends", index)
                 self.ended = True

@@ -114,22 +114,26 @@ def test_slow_index_builds_are_refused(llm, monkeypatch):
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
-def test_background_index_builds(llm):
-    """With grammar_wait False (the server's engine core), a new index is built beside the steps: a running plain
-    request keeps decoding meanwhile, the constrained one is admitted once its index is ready and its answer matches;
-    an engine with only that request waits without error."""
+def test_background_index_builds(llm, monkeypatch):
+    """With grammar_wait False (the server's engine core), a new index is built beside the steps, with no time limit
+    (the API process applied it): a running plain request keeps decoding meanwhile and one queued behind is admitted
+    and finishes, the constrained one is admitted once its index is ready and its answer matches; an engine with
+    only such a request waits without error."""
     eng, tok = llm.engine, llm.get_tokenizer()
-    schema = {"type": "string", "maxLength": 13}                   # (~0.4 s to index on a CPU)
+    schema = {"type": "string", "maxLength": 14}                   # (~1 s to index on a CPU)
+    monkeypatch.setattr(grammar, "BUILD_TIMEOUT_S", 0.0)
     eng.grammar_wait = False
     try:
         plain = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
         eng.step()
         seq = eng.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=40, structured_outputs={
             "json": schema}))
-        assert not seq.grammar.ready()
+        behind = eng.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        assert not seq.grammar.ready() and llm.stats()["waiting"] == 2
         while not seq.grammar.ready():
             eng.step()
         assert len(plain.token_ids) - plain.num_prompt_tokens > 1       # (it decoded while the index was built)
+        assert behind.finish_reason == "length"                         # (not held up behind it)
         while eng.has_unfinished():
             eng.step()
         text = tok.decode(seq.token_ids[seq.num_prompt_tokens:], skip_special_tokens=True)
@@ -154,7 +158,13 @@ def test_refusals(llm):
                       (dict(structured_outputs={"regex": "a"}, min_tokens=3), "min_tokens"),
                       (dict(structured_outputs={"json": {"type": "object", "properties": {"n": {"anyOf": [
                           {"type": "integer", "maximum": 9}]}}}}), "keyword 'maximum' at #/properties/n/anyOf/0"),
-                      (dict(structured_outputs={"json": {"type": "object", "required": ["a"]}}), "'required' at #")):
+                      (dict(structured_outputs={"json": {"type": "object", "required": ["a"]}}), "'required' at #"),
+                      (dict(structured_outputs={"json": {"type": "string", "pattern": "a+", "maxLength": 3}}),
+                       "'maxLength beside pattern' at #"),
+                      (dict(structured_outputs={"json": {"allOf": [{"type": "object"}, {"type": "object"}]}}),
+                       "'allOf of more than one schema'"),
+                      (dict(structured_outputs={"json": {"type": "object", "dependencies": {"a": ["b"]}}}),
+                       "'dependencies'")):
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kw)
     for so, match in (({"json": "{not json"}, "structured_outputs=.* json is not valid JSON"),

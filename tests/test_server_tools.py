@@ -163,10 +163,11 @@ def test_tool_requests_checked_as_vllm():
     assert T.resolve(forced, off).forced == "get_time" and forced.structured_outputs == {"json": TOOLS[1][
         "function"]["parameters"]}
     bounded = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "minimum": {"type": "integer", "minimum": 1, "maximum": 9}}, "$defs": {"d": {"multipleOf": 2}}}}}]
+        "minimum": {"type": "integer", "minimum": 1, "maximum": 9}}, "anyOf": [{"required": ["minimum"]}],
+        "$defs": {"d": {"multipleOf": 2, "type": "string", "pattern": "a", "maxLength": 2}}}}}]
     assert T.resolve(req(tools=bounded, tool_choice={"type": "function", "function": {"name": "f"}}), off) and \
         T._schema(bounded, "f", False) == {"type": "object", "properties": {"minimum": {"type": "integer"}},
-                                          "$defs": {"d": {}}}      # (bounds left out, names kept)
+                                          "anyOf": [{}], "$defs": {"d": {"type": "string", "pattern": "a"}}}
     forced = req(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     assert T.resolve(forced, off).forced == "required" and forced.structured_outputs["json"]["maxItems"] == 1
     assert [i["properties"]["name"]["enum"] for i in forced.structured_outputs["json"]["items"]["anyOf"]] == \

@@ -58,7 +58,7 @@ def outstanding(q: Sequence) -> int:
 def outstanding_tokens(engine: LLMEngine) -> int:
     """A replica's work left: its sequences' `outstanding` tokens."""
     s = engine.scheduler
-    return sum(outstanding(q) for q in (*s.waiting, *s.running))
+    return sum(outstanding(q) for q in (*s.waiting, *s.building, *s.running))
 
 
 class DPEngine:
@@ -142,6 +142,7 @@ class DPEngine:
         once (one thread per replica: see `_launch_all`), then read them in turn."""
         self._load = None
         todo = [(r, r.prepare()) for r in self.replicas if r.has_unfinished() or r.in_flight is not None]
+        todo = [(r, p) for r, p in todo if p is not r.idle] or todo[:1]   # (one idle replica's sleep at most)
         error = self._launch_all([(r, p) for r, p in todo if not callable(p)])
         # (a launch that failed leaves its plan without ids: the others are still recorded, then it is raised)
         reads = [p if callable(p) else r.finish_dispatch(p) for r, p in todo if callable(p) or p.ids is not None]
@@ -217,7 +218,7 @@ class _SchedulerView:
 
     @property
     def waiting(self) -> list[Sequence]:
-        return [s for r in self._dp.replicas for s in r.scheduler.waiting]
+        return [s for r in self._dp.replicas for s in (*r.scheduler.waiting, *r.scheduler.building)]
 
     @property
     def running(self) -> list[Sequence]:

@@ -28,6 +28,7 @@ from jaxinfer.sampling_params import SamplingParams
 
 
 class LLMEngine:
+    idle = staticmethod(lambda: time.sleep(0.002) or [])   # what `prepare` returns while only indexes are built
     def __init__(self, model: ModelConfig, engine: EngineConfig, params, eos_token_ids: tuple[int, ...] = (),
                  cap_max_model_len: bool = False, placement: Placement | None = None):
         """`engine` must be resolved (EngineConfig.resolve). cap_max_model_len: max_model_len was left to the
@@ -185,8 +186,8 @@ class LLMEngine:
                 return self._read_in_flight
             if done is not None or not self.scheduler.has_unfinished():   # nothing left: a step returns [] (vLLM)
                 return lambda: done or []
-            if any(s.grammar is not None and not s.grammar.rule.ready() for s in self.scheduler.waiting):
-                return lambda: time.sleep(0.002) or []          # (a json / regex index still building: grammar.py)
+            if self.scheduler.building:
+                return self.idle                               # (only json / regex indexes being built: grammar.py)
             raise RuntimeError("scheduler found no work although requests are pending (pool too small?)")
         key = bucket_for(self.config, (r := self.runner).widths, batch, r.chunk_pages)
         K = self._plan_steps(batch, key)
@@ -271,8 +272,7 @@ class LLMEngine:
 
     @counts_compiles
     def warmup_extras(self, params: SamplingParams) -> int:
-        """Compile (and run once) the penalty / logprob step variants that requests like `params` need, for
-        every bucket, so they are not compiled mid-run (e.g. before a benchmark). Returns how many."""
+        """Compile (and run once) the extras step variants requests like `params` need, every bucket; how many."""
         keys = extras_mod.warmup_keys(self.config, self.runner.widths, self.extras, params, self.tokenizer)
         if keys:
             self.extras.warmup(keys)
@@ -295,6 +295,6 @@ class LLMEngine:
                     compiled_buckets=len(self.runner.compiled),
                     compiled_multistep=sum(k[0] == "multistep" for k in self.runner.compiled),
                     compiled_extras=len(self.extras.compiled),
-                    running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                    running=len(s.running), waiting=len(s.waiting) + len(s.building),
                     **{**self.counters, "generated_tokens": self.counters["generated_tokens"] - s.num_dropped_tokens},
                     **{f"host_{k}": v for k, v in self.host_time.items()})

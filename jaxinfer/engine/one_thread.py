@@ -202,7 +202,7 @@ def recover(engine, seqs, since: Window | None = None) -> None:
             engine.abort(seq)
     for replica in getattr(engine, "replicas", None) or [engine]:       # (a DPEngine: each replica's pool)
         if since is not None:
-            for seq in [*replica.scheduler.waiting, *replica.scheduler.running]:
+            for seq in [*replica.scheduler.waiting, *replica.scheduler.building, *replica.scheduler.running]:
                 if seq.seq_id in since:
                     engine.abort(seq)
                     replica.abort(seq)                      # (a DPEngine may not have listed its owner yet)

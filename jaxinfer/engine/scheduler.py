@@ -41,9 +41,10 @@ class Scheduler:
         self.num_prefix_hit_tokens = 0
         self.num_dropped_tokens = 0     # read back, then cut by a stop string (not counted as generated)
         self.num_grammar = 0            # unfinished json / regex sequences (grammar.py)
+        self.building: list[Sequence] = []    # such sequences whose index is being built: they join `waiting` then
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        (self.building if seq.grammar is not None and not seq.grammar.ready() else self.waiting).append(seq)
         self.num_grammar += seq.grammar is not None
 
     def needs_read(self) -> bool:      # a running json / regex row's input token still on the device (grammar.py)
@@ -59,9 +60,13 @@ class Scheduler:
             self.bm.can_allocate(self.waiting[0]) and not self._waits(self.waiting[0])
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.building)
 
     def schedule(self) -> ScheduledBatch | None:
+        if self.building:               # (vLLM's WAITING_FOR_FSM: the requests behind them are not held up)
+            ready = [s.grammar.ready() for s in self.building]
+            self.waiting.extend(s for s, r in zip(self.building, ready) if r)
+            self.building = [s for s, r in zip(self.building, ready) if not r]
         return self._schedule_prefill() or self._schedule_decode()
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
@@ -88,12 +93,11 @@ class Scheduler:
         return ScheduledBatch(seqs, counts, True) if seqs else None
 
     def _waits(self, seq: Sequence) -> bool:
-        """An n > 1 sample waiting for sample 0's cached prompt (waits_for_prompt), or a json / regex one its index."""
-        return self.bm.prefix_caching and seq.waits_for_prompt() or seq.grammar is not None and not seq.grammar.ready()
+        """An n > 1 sample waiting for sample 0's prompt to be cached (Sequence.waits_for_prompt)."""
+        return self.bm.prefix_caching and seq.waits_for_prompt()
 
     def _chunk(self, seq: Sequence, budget: int, plp: list[int], take: bool = False) -> int:
-        """Tokens of seq's prompt to compute this step: what is left, within the token budget; a request with
-        prompt logprobs also within plp[0], the step's prompt-logprob rows left (taken when `take`)."""
+        """Tokens of seq's prompt to compute this step, within the budget (and plp[0], prompt-logprob rows left)."""
         n = min(len(seq) - seq.num_computed_tokens, budget)
         if seq.params.prompt_logprobs is not None:
             n = min(n, plp[0])
@@ -151,14 +155,12 @@ class Scheduler:
 
     # -- K-step decode calls (multistep.py) --------------------------------------------------------
     def stop_ids(self, seq: Sequence) -> list[int]:
-        """The ids that end seq (EOS unless ignore_eos, and stop_token_ids), for the device. An id past int32
-        (so past any vocabulary) can never be sampled: it is left out."""
+        """The ids that end seq (EOS unless ignore_eos, stop_token_ids) for the device; ids past int32 left out."""
         ids = [] if seq.params.ignore_eos else sorted(self.eos)
         return ids + [t for t in seq.params.stop_token_ids if t not in ids and t < 2**31]
 
     def remaining(self, seq: Sequence) -> int:
-        """Tokens seq may still sample (max_tokens, max_model_len), counting those still on the device; a prompt
-        of max_model_len tokens samples one."""
+        """Tokens seq may still sample (max_tokens, max_model_len; those on the device counted; a full prompt: 1)."""
         room = self.config.max_model_len - len(seq)
         return min(seq.params.max_tokens - seq.num_scheduled_outputs, room if len(seq) > seq.num_prompt_tokens else
                    max(room, 1))
@@ -194,10 +196,9 @@ class Scheduler:
         return K
 
     def postprocess_steps(self, batch: ScheduledBatch, ids) -> tuple[list[Sequence], int]:
-        """Apply a K-step call's ids [K, rows] (-1 after a row stopped) to its rows' placeholders (on_dispatch);
-        return (updated sequences, tokens). Calls are applied in the order they were dispatched, so a row's first
-        pending tokens are this call's (a later call's may follow them). The host checks every stop condition
-        again (the finish reason is set here); a row that stops drops the tokens still pending after it."""
+        """Apply a K-step call's ids [K, rows] (-1 after a row stopped) to its rows' placeholders (on_dispatch); return
+        (updated sequences, tokens). Calls apply in dispatch order, so a row's first pending tokens are this call's.
+        The host checks every stop condition again; a row that stops drops the tokens still pending after it."""
         updated, count, max_len = [], 0, self.config.max_model_len
         for i, (seq, m) in enumerate(zip(batch.seqs, batch.steps)):
             if seq.status is Status.FINISHED:             # finished (or aborted) while the call ran
@@ -233,9 +234,8 @@ class Scheduler:
         self.num_preemptions += 1
 
     def recompute_all(self) -> None:
-        """The KV pages are lost (LLMEngine.prepare: runner.lost_buffers), or a step was interrupted midway
-        (one_thread.recover): every running sequence drops the tokens still on the device (its trailing placeholders,
-        counted or not), gives back its blocks and waits to compute its KV again; the prefix cache is emptied."""
+        """The KV pages are lost (runner.lost_buffers) or a step was interrupted (one_thread.recover): running sequences
+        drop their tokens on the device, give back their blocks and compute them again; the prefix cache is emptied."""
         for seq in list(self.running):
             while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:
                 seq.token_ids.pop()
@@ -257,8 +257,7 @@ class Scheduler:
             if sampled:                                   # not a prompt chunk that stops mid-prompt
                 toks[len(toks) - seq.num_pending] = tok
                 seq.num_pending -= 1
-                # len - num_pending: a token dispatched after this one is not part of the sequence yet (counting it
-                # ended async runs one token before max_model_len)
+                # len - num_pending: a token dispatched after this one is not part of the sequence yet
                 reason = self.check_stop(seq, tok, len(toks) - seq.num_pending)
                 if reason == "stop":    # a K-step call queued behind this step masks the row: its KV is not written
                     seq.num_computed_tokens = min(seq.num_computed_tokens, len(toks) - seq.num_pending - 1)
@@ -292,7 +291,8 @@ class Scheduler:
         if seq.num_pending:                               # drop tokens sampled past the end
             del seq.token_ids[len(seq) - seq.num_pending:]
             seq.num_pending = 0
-        queue = self.running if seq.status is Status.RUNNING else self.waiting
+        queue = self.running if seq.status is Status.RUNNING else self.building if seq in self.building else \
+            self.waiting
         if seq in queue:       # (in neither: an exception, e.g. a KeyboardInterrupt, came between taking it from
             queue.remove(seq)  # the waiting queue and adding it to the running one)
         self.bm.free_seq(seq)
