@@ -11,6 +11,7 @@ call.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -106,17 +107,12 @@ def unenforced(schema, where: str = "#") -> tuple[str, str] | None:
     return None
 
 
-_BYTE_OF = None
-
-
+@functools.cache
 def _byte_of() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE token uses for each byte."""
-    global _BYTE_OF
-    if _BYTE_OF is None:
-        keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-        shifted = [b for b in range(256) if b not in keep]
-        _BYTE_OF = {chr(b): b for b in keep} | {chr(256 + k): b for k, b in enumerate(shifted)}
-    return _BYTE_OF
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    shifted = [b for b in range(256) if b not in keep]
+    return {chr(b): b for b in keep} | {chr(256 + k): b for k, b in enumerate(shifted)}
 
 
 def token_bytes(tokenizer, vocab_size: int) -> dict[bytes, list[int]]:
