@@ -3,6 +3,7 @@ equals transformers' greedy loop over the ids a brute force allows (each id whos
 a match, by the `regex` module's partial matching; EOS once it is a whole match), in a batch with other kinds of rows
 and alone; sampled outputs always match; a preempted row resumes its place; bad values are refused by name."""
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -120,20 +121,27 @@ def test_background_index_builds(llm, monkeypatch):
     and finishes, the constrained one is admitted once its index is ready and its answer matches; an engine with
     only such a request waits without error."""
     eng, tok = llm.engine, llm.get_tokenizer()
-    schema = {"type": "string", "maxLength": 14}                   # (~1 s to index on a CPU)
-    monkeypatch.setattr(grammar, "BUILD_TIMEOUT_S", 0.0)
+    schema = {"type": "string", "maxLength": 10}
+    monkeypatch.setattr(grammar, "BUILD_TIMEOUT_S", 0.0)        # (past it at once: a background build ignores it)
     eng.grammar_wait = False
     try:
         plain = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
         eng.step()
         seq = eng.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=40, structured_outputs={
             "json": schema}))
+        build, built = seq.grammar.rule.build, threading.Event()     # (held "building" until the test lets it go)
+        seq.grammar.rule.build = type("Held", (), {"result": lambda self, deadline=True: build.result(
+            deadline) if built.is_set() else None})()
         behind = eng.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         assert not seq.grammar.ready() and llm.stats()["waiting"] == 2
-        while not seq.grammar.ready():
+        for _ in range(200):
+            if behind.finish_reason is not None:
+                break
             eng.step()
+        assert behind.finish_reason == "length" and not seq.grammar.ready()    # (not held up behind it)
         assert len(plain.token_ids) - plain.num_prompt_tokens > 1       # (it decoded while the index was built)
-        assert behind.finish_reason == "length"                         # (not held up behind it)
+        build.thread.join()
+        built.set()
         while eng.has_unfinished():
             eng.step()
         text = tok.decode(seq.token_ids[seq.num_prompt_tokens:], skip_special_tokens=True)
