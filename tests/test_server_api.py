@@ -695,6 +695,11 @@ def test_forced_tool_choice(client, url):
         got = [t for e in events if e["choices"] for t in e["choices"][0]["delta"].get("tool_calls") or []]
         assert [(t["function"]["name"], t["function"]["arguments"]) for t in got] == [(call.name, call.arguments)]
         assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "tool_calls"
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "bogus"}}}}}]
+    r = httpx.post(url + "/v1/chat/completions", json=dict(model=MODEL, messages=msgs, tools=bad,
+                                                           tool_choice="required"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     st = wait_idle(url)
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
 

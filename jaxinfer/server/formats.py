@@ -39,4 +39,5 @@ def structured(req) -> tuple[dict | None, dict | None, str | None]:
         raise RequestError(f"{given[0]} and {given[1]} are both structured outputs: give one", param=given[0])
     if not given:
         return None, None, None
-    return (fmt if fmt is not None else req.structured_outputs), guided or None, given[0]
+    return (fmt if fmt is not None else req.structured_outputs), guided or None, \
+        getattr(req, "_structured_from", None) or given[0]        # (tools.resolve's schema: "tools")

@@ -109,6 +109,7 @@ class _Request(BaseModel):
     guided_choice: list[str] | None = Field(None, description="vLLM's older form of structured_outputs' choice")
     guided_json: dict | str | None = Field(None, description="vLLM's older form of structured_outputs' json")
     guided_regex: str | None = Field(None, description="vLLM's older form of structured_outputs' regex")
+    _structured_from: str | None = None       # (a private attribute: tools.resolve's forced-call schema, "tools")
 
 
 class CompletionRequest(_Request):

@@ -124,6 +124,7 @@ def resolve(req, options) -> ToolUse:
                                f"answer itself: it cannot be given with {formats.structured(req)[2]}",
                                param="tool_choice")
         req.structured_outputs = {"json": _schema(tools, forced, req.parallel_tool_calls is False)}
+        req._structured_from = "tools"            # (what a 400 about that schema names: formats.structured)
     return ToolUse(shown, choice != "none", choice != "none" and req.parallel_tool_calls is False, forced)
 
 
