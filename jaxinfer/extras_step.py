@@ -39,7 +39,7 @@ def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, bac
         if extras.grammar:            # json / regex rows: the ids of their bitmask's set bits
             words = b["grammar_mask"].reshape(B, extras.grammar, 1)
             allowed = ((words >> jnp.arange(32, dtype=jnp.int32)) & 1).reshape(B, -1)[:, :V]
-            logits = jnp.where((b["grammar_on"][:, None] != 0) & (allowed == 0), -jnp.inf, logits)
+            logits = jnp.where(_on(b["grammar_on"], last) & (allowed == 0), -jnp.inf, logits)
         raw = logits
         if extras.bias:                                    # before the penalties, as vLLM's logits processors
             logits = apply_bias(logits, b["bias_ids"].reshape(B, extras.bias), b["bias_vals"].reshape(B, extras.bias),
@@ -72,12 +72,17 @@ def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, bac
 
 
 def _only_entries(logits, ids, cond, last, on):
-    """Rows with `on` keep only the ids [B, N] of entries whose condition [B, N] is -1 or their input token `last`
+    """Rows `on` (_on) keep only the ids [B, N] of entries whose condition [B, N] is -1 or their input token `last`
     [B, 1]; the rest of such a row is -inf (BAN_PAD ids are padding)."""
     ids = jnp.where((cond < 0) | (cond == last), ids, BAN_PAD)
     kept = jnp.take_along_axis(logits, jnp.minimum(ids, logits.shape[1] - 1), axis=1)
     only = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], ids].set(kept, mode="drop")
-    return jnp.where(on[:, None] != 0, only, logits)
+    return jnp.where(_on(on, last), only, logits)
+
+
+def _on(cond, last):
+    """[B, 1]: the rows whose structured output applies: on-condition [B] -1 or their input token (reasoning)."""
+    return (cond[:, None] == -1) | (cond[:, None] == last)
 
 
 def _full_vocab(logits, V: int, mesh):

@@ -21,11 +21,12 @@ from jaxinfer.engine.one_thread import OneThread, Stream, Window, recovering
 from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.generation_config import folder_eos_ids, sampling_defaults
 from jaxinfer.hub import load_weights, model_config_for
-from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, eos_ids, logprobs_of,
-                                       prompt_logprobs_of, primary_eos, stop_reason, text_ids, warm_up)
+from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, completion, eos_ids, logprobs_of,
+                                       prompt_logprobs_of, primary_eos, stop_reason, warm_up)
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.prompts import Prompt, truncate
 from jaxinfer.sampling_params import SamplingParams, per_prompt
+from jaxinfer.structured import reasoning_end_id, reasoning_wait
 from jaxinfer.tokenizer import load_tokenizer, usable
 from jaxinfer.xla_options import warn_if_slow_command_buffers
 
@@ -33,18 +34,19 @@ from jaxinfer.xla_options import warn_if_slow_command_buffers
 class LLM:
     """An offline engine for one model: `LLM(model, **engine_options)`.
 
-    `model` is a checkpoint directory, an embedded preset ("qwen3-0.6b": random weights) or a hub id. The
-    engine options are the fields of `jaxinfer.config.EngineConfig`, with vLLM's names (dtype, attn_backend,
-    max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_kvcache_blocks,
-    gpu_memory_utilization, enable_prefix_caching, seed, async_scheduling, warmup, ...). Options left unset
-    take the platform's defaults (`PLATFORM_DEFAULTS`: the benchmarked configuration on a GPU, small
-    settings on a CPU); `llm.config` shows them (the pool: `stats()`). `generation_config`: where the defaults of
-    `generate(prompts)` without sampling params come from (`get_default_sampling_params`; generation_config.py).
+    `model` is a checkpoint directory, an embedded preset ("qwen3-0.6b": random weights) or a hub id. The engine
+    options are the fields of `jaxinfer.config.EngineConfig`, with vLLM's names (dtype, attn_backend, max_num_seqs,
+    max_num_batched_tokens, max_model_len, block_size, num_kvcache_blocks, gpu_memory_utilization,
+    enable_prefix_caching, seed, async_scheduling, warmup, ...); unset, the platform's defaults
+    (`PLATFORM_DEFAULTS`: the benchmarked configuration on a GPU, small settings on a CPU; `llm.config` shows them,
+    the pool `stats()`). `generation_config`: where the defaults of `generate(prompts)` without sampling params come
+    from (`get_default_sampling_params`). vLLM's `reasoning_parser` ("qwen3", "deepseek_r1"): structured outputs
+    apply after the thinking's `</think>` (unless the prompt closed it).
     """
 
     def __init__(self, model: str, generation_config: str = "auto", override_generation_config=None, **kwargs):
         kwargs = python_numbers(kwargs)           # (numpy ints, floats and bools as Python's)
-        tokenizer = pop_vllm_options(kwargs)      # vLLM options with no meaning here are accepted (compat.py)
+        tokenizer, parser = pop_vllm_options(kwargs), kwargs.pop("reasoning_parser", None)     # (compat.py)
         hub = {k: kwargs.pop(k) for k in ("hf_overrides", "revision", "download_dir", "hf_token") if k in kwargs}
         requested = EngineConfig.from_kwargs(**kwargs)
         path, model_config = model_config_for(model, **hub)
@@ -57,6 +59,7 @@ class LLM:
             check_ready()
         self.model_config = model_config
         self.tokenizer = load_tokenizer(tokenizer or (path if os.path.isdir(path) else None), missing_ok=True)
+        self._reasoning_end = reasoning_end_id(parser, self.tokenizer)     # structured outputs wait for it (vLLM's)
         self._one_thread, self._streams = OneThread(), []      # one thread at a time; weak refs to the streams
 
         def load(placement):                     # (called by create_engine, under the engine's JAX settings)
@@ -83,9 +86,9 @@ class LLM:
         return self.__dict__.setdefault("_engine_api", EngineAPI(self))
 
     def abort(self, request_id: int) -> None:
-        """Stop a request of the newest `stream` not ended (its request_id: the prompt's index), from the loop's
-        body or another thread: its samples end with finish_reason "abort" and free their KV blocks before
-        the next step. Unknown or finished ids are ignored (as vLLM). vLLM's string form ("3") is taken too."""
+        """Stop a request of the newest `stream` not ended (request_id: the prompt's index; "3" too), from the loop's
+        body or another thread: its samples end with finish_reason "abort", freeing their KV blocks before the next
+        step. Unknown or finished ids are ignored (as vLLM)."""
         request_id = int(request_id) if isinstance(request_id, str) and request_id.isdigit() else request_id
         if not isinstance(request_id, int) or isinstance(request_id, bool):
             raise ValueError(f"request_id must be an int (RequestOutput.request_id of LLM.stream), got {request_id!r}")
@@ -147,9 +150,11 @@ class LLM:
         groups = []
         for p, ids, sp in reqs:
             groups.append([])
+            end = reasoning_wait(self._reasoning_end, ids, sp, self.tokenizer)
             for j in range(sp.n):
                 groups[-1].append(self.engine.add_request(ids, sp if sp.n == 1 else sp.for_sample(j), cache_salt=
-                                  prompt_forms.cache_salt(p, 0), prompt_source=groups[-1][0] if j else None))
+                                  prompt_forms.cache_salt(p, 0), prompt_source=groups[-1][0] if j else None,
+                                  reasoning_end=end))
         mine.close()                    # (later sequences, e.g. a nested call's, are not this call's)
         return groups
 
@@ -168,7 +173,8 @@ class LLM:
         return delta
 
     def _output(self, i: int, prompt: Prompt, group: list[Sequence], texts: TokenTexts, procs: dict) -> RequestOutput:
-        outs = [self._completion(j, seq, texts, procs.get(seq.seq_id)) for j, seq in enumerate(group)]
+        outs = [completion(j, seq, texts, procs.get(seq.seq_id), self.tokenizer, self._eos)
+                for j, seq in enumerate(group)]
         seq = group[0]
         m = {}
         if seq.first_token_time is not None:
@@ -179,19 +185,6 @@ class LLM:
                              prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], outputs=outs,
                              prompt_logprobs=prompt_logprobs_of(seq, texts),
                              num_cached_tokens=seq.num_cached_tokens, metrics=m)
-
-    def _completion(self, index: int, seq: Sequence, texts: TokenTexts,
-                    proc: OutputProcessor | None) -> CompletionOutput:
-        if proc is not None:      # stop strings: the processor's text (cut before a match) and its reason
-            text, reason = proc.text, proc.finish_reason or seq.finish_reason
-        else:
-            p = seq.params
-            ids = text_ids(seq.output_token_ids, seq.finish_reason, p.include_stop_str_in_output)
-            text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens) if p.detokenize else ""
-            reason = seq.finish_reason
-        ids = seq.output_token_ids
-        lps, cum = logprobs_of(seq, 0, ids, texts)
-        return CompletionOutput(index, text, ids, cum, lps, reason, stop_reason(seq, proc, *self._eos))
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget the cached KV of prompts (vLLM's): the next identical prompt is computed again. False, as vLLM's,
@@ -211,13 +204,12 @@ class LLM:
                sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[RequestOutput]:
         """Generate like `generate`, yielding deltas as tokens arrive (vLLM's DELTA output kind).
 
-        Each yielded RequestOutput holds only what is new for one request: `request_id` is the prompt's
-        index in `prompts`, `text` / `token_ids` are the new text and ids (n > 1: of the sample that moved,
-        `outputs[0].index`), and `finished` / `finish_reason` are set on the request's last delta, once all n
-        samples ended. A request's text deltas concatenate to its `generate` text (n > 1: per sample).
-        Leaving the loop early (break / close) aborts the unfinished requests and frees their KV blocks.
-        Bad input raises here; `abort` calls from here on are this stream's until it ends or a newer one is made. Begun,
-        it holds the LLM for the thread iterating it (which may change between deltas: a web framework's pool)."""
+        Each delta holds what is new for one request: request_id (the prompt's index), the new text / token_ids (n > 1:
+        of the sample that moved, `outputs[0].index`), finished / finish_reason on its last delta (all n samples ended);
+        its text deltas concatenate to its `generate` text. Leaving the loop early (break / close) aborts the unfinished
+        requests and frees their KV blocks. Bad input raises here; `abort` calls from here on are this stream's until it
+        ends or a newer one is made. Begun, it holds the LLM for the thread iterating it (which may change between
+        deltas: a web framework's pool)."""
         reqs = self._prepare(prompts, sampling_params)
         stream = Stream(self._one_thread, lambda aborts: self._streaming(reqs, aborts))    # (one_thread.py)
         if not self._one_thread.held_elsewhere():        # (else it is refused: the running stream keeps its aborts)

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 
 from jaxinfer.detokenizer import FIXUP_TOKENS, REPLACEMENT, make_detokenizer
-from jaxinfer.outputs import LogprobsList, cumulative_logprob
+from jaxinfer.outputs import CompletionOutput, LogprobsList, cumulative_logprob
 
 
 @dataclass
@@ -171,6 +171,20 @@ def stop_reason(seq, proc: OutputProcessor | None, eos, primary: int | None = No
     if seq.finish_reason != "stop" or not seq.output_token_ids:
         return None
     return stop_token_reason(seq.output_token_ids[-1], seq.params, eos, primary)
+
+
+def completion(index: int, seq, texts: "TokenTexts", proc: OutputProcessor | None, tokenizer, eos: tuple):
+    """A finished sample's CompletionOutput (LLM.generate's): with stop strings the processor's text (cut before the
+    match) and reason, else its ids decoded; `eos`: (the engine's EOS ids, the primary one) for stop_reason."""
+    if proc is not None:
+        text, reason = proc.text, proc.finish_reason or seq.finish_reason
+    else:
+        p = seq.params
+        ids = text_ids(seq.output_token_ids, seq.finish_reason, p.include_stop_str_in_output)
+        text = tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens) if p.detokenize else ""
+        reason = seq.finish_reason
+    lps, cum = logprobs_of(seq, 0, seq.output_token_ids, texts)
+    return CompletionOutput(index, text, seq.output_token_ids, cum, lps, reason, stop_reason(seq, proc, *eos))
 
 
 def stop_token_reason(tok: int, params, eos, primary: int | None) -> int | None:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, fields, replace
 from jaxinfer import grammar
 
 NO_COND = -1
+OFF = -2                      # a row's on-condition that never holds (Sequence.constraint)
+REASONING_PARSERS = ("qwen3", "deepseek_r1")      # vLLM's reasoning parsers for <think>...</think> (server/reasoning.py)
 WIDTHS = (16, 128, 1024)      # entries a row holds in a step (step.Extras.choice): the smallest that fits
 MAX_CHARS = 4096              # the choices' characters in all
 MAX_EOS = 8                   # EOS ids a finished choice allows (the first of them, sorted)
@@ -188,3 +190,29 @@ class ChoiceRule:
             nxt, nxt_end = self.options(text + piece)
             out += [(i, first) for i, _ in nxt] + [(e, first) for e in eos if nxt_end]
         return out
+
+
+def reasoning_end_id(parser: str | None, tokenizer) -> int | None:
+    """The id of `</think>`, which ends a reasoning parser's thinking (vLLM's `reasoning_parser`: structured outputs
+    apply after it), or None without a parser."""
+    if parser is None:
+        return None
+    if parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser={parser!r} is not one of {REASONING_PARSERS}")
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    if "</think>" not in vocab:
+        raise ValueError(f"reasoning_parser={parser!r} needs '</think>' as one token of the tokenizer's vocabulary")
+    return vocab["</think>"]
+
+
+def thinking_closed(ids: list[int], end: int, tokenizer) -> bool:
+    """Whether a prompt's ids end by closing the thinking: `end`, then only whitespace (Qwen3's template with
+    enable_thinking false ends with `<think>\n\n</think>\n\n`); an earlier turn's thinking does not count."""
+    tail = list(ids[-8:])
+    return end in tail and not tokenizer.decode(tail[len(tail) - tail[::-1].index(end):]).strip()
+
+
+def reasoning_wait(end: int | None, ids: list[int], params, tokenizer) -> int | None:
+    """The id a request's structured outputs wait for (`end`: reasoning_end_id's), or None: they apply from the first
+    token (no parser, no structured outputs, or a prompt that closed the thinking)."""
+    return None if end is None or params.structured_outputs is None or thinking_closed(ids, end, tokenizer) else end

@@ -476,10 +476,11 @@ def test_return_token_ids_and_tokens_as_token_ids(url, tok):
                for x in content for t in x["top_logprobs"])
 
 
-def test_reasoning_parser_on_the_server(server, url):
+def test_reasoning_parser_on_the_server(server, url, tiny_dir):
     """--reasoning-parser qwen3: an answer without </think> is all thinking (cut off), unless the prompt closed the
-    thinking (enable_thinking false): then all content; streamed as the plain answer; a multi-turn assistant message
-    may carry its `reasoning` (vLLM's field, given to the template as reasoning_content too)."""
+    thinking (enable_thinking false): then all content; streamed as the plain answer; structured outputs apply after
+    the thinking (vLLM's), or from the first token of a prompt that closed it; a multi-turn assistant message may
+    carry its `reasoning` (vLLM's field, given to the template as reasoning_content too)."""
     app, before = server[1], server[1].state.options
     app.state.options = before.replace(reasoning_parser="qwen3")
     try:
@@ -495,12 +496,22 @@ def test_reasoning_parser_on_the_server(server, url):
             assert msg[key] == text and msg[other] is None
             deltas = [e["choices"][0]["delta"] for e in _sse(url, "/v1/chat/completions", body) if e["choices"]]
             assert "".join(d.get(key) or "" for d in deltas) == text and not any(d.get(other) for d in deltas)
-        for extra in ({"guided_choice": ["yes", "no"]}, {"structured_outputs": {"choice": ["yes", "no"]}}):
-            body = {**base, "messages": msgs, "ignore_eos": False, **extra}   # (a choice from the first token: content)
+        end = load_tokenizer(tiny_dir).convert_tokens_to_ids("</think>")    # (special in the tiny tokenizer: shown)
+        think = {"logit_bias": {str(end): 100}, "skip_special_tokens": False}   # (the thinking ends at once)
+        for extra in ({"guided_choice": ["yes", "no"]}, {"structured_outputs": {"choice": ["yes", "no"]}},
+                      {"response_format": {"type": "json_object"}}):
+            body = {**base, "messages": msgs, "ignore_eos": False, "max_tokens": 40, **extra}
             msg = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
-            assert msg["content"] in ("yes", "no") and msg["reasoning"] is None
+            assert msg["content"] is None and msg["reasoning"]       # (constrained after </think>: none came)
+            body.update(think)                                       # (structured outputs after the thinking)
+            msg = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+            assert msg["reasoning"] is None and (msg["content"] in ("yes", "no") if "json" not in str(extra) else
+                                                 isinstance(json.loads(msg["content"]), dict)), msg
             deltas = [e["choices"][0]["delta"] for e in _sse(url, "/v1/chat/completions", body) if e["choices"]]
             assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
+            closed = {**body, "chat_template_kwargs": {"enable_thinking": False}}     # (from the first token)
+            msg = httpx.post(url + "/v1/chat/completions", json=closed, timeout=60).json()["choices"][0]["message"]
+            assert msg["reasoning"] is None and msg["content"]
         turn = [*msgs, {"role": "assistant", "content": "Hello", "reasoning": "greet"},
                 {"role": "user", "content": "Bye"}]
         assert httpx.post(url + "/v1/chat/completions", json={**base, "messages": turn}).status_code == 200

@@ -13,6 +13,7 @@ from jaxinfer import bad_words
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.scheduler import ScheduledBatch
 from jaxinfer.engine.sequence import PLACEHOLDER
+from jaxinfer.structured import NO_COND, OFF
 from jaxinfer.multistep import STOP_IDS, multistep_layout
 from jaxinfer.step import BAN_PAD, BAN_WIDTH, FLOAT_FIELDS, Extras, batch_layout, extras_layout
 
@@ -189,16 +190,20 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
         return bad_words.entries(seq.bad_words_ids, seq.token_ids[len(seq) - min(done, span):], seq.num_pending, done)
     if extras.bad_words:                # bans of the token each row samples (bad_words.entries)
         fill("bad", extras.bad_words, map(bans, seqs))
-    if extras.choice:                   # structured outputs' choice: the only ids each constrained row may sample
-        fill("choice", extras.choice, [None if s.choice is None else s.choice.entries(
-            s.token_ids, s.num_pending, eos, s.num_prompt_tokens) for s in seqs])
-        f["choice_on"][:n] = [s.choice is not None for s in seqs]
+    # structured outputs: a row applies them when its on-condition is -1 or its input token (Sequence.constraint)
+    gates = [s.constraint() if s.choice is not None or s.grammar is not None else (OFF, 0) for s in seqs]
+    if extras.choice:                   # the choice kind: the only ids each constrained row may sample
+        fill("choice", extras.choice, [None if s.choice is None or c == OFF else s.choice.entries(
+            s.token_ids, s.num_pending if c == NO_COND else 0, eos, start) for s, (c, start) in zip(seqs, gates)])
+        f["choice_on"][:] = OFF
+        f["choice_on"][:n] = [c if s.choice is not None else OFF for s, (c, _) in zip(seqs, gates)]
     if extras.grammar:                  # json / regex: each constrained row's bitmask of the ids it may sample
         mask = f["grammar_mask"].reshape(B, extras.grammar)
-        for i, s in enumerate(seqs):
-            if s.grammar is not None:
-                s.grammar.write(mask[i], s.token_ids, s.num_prompt_tokens, s.num_pending)
-                f["grammar_on"][i] = 1
+        f["grammar_on"][:] = OFF
+        for i, (s, (c, start)) in enumerate(zip(seqs, gates)):
+            if s.grammar is not None and c != OFF:
+                s.grammar.write(mask[i], s.token_ids, start, s.num_pending if c == NO_COND else 0)
+                f["grammar_on"][i] = c
     where: list[tuple] = []
     if extras.prompt_rows:
         t = 0

@@ -106,15 +106,15 @@ class DPEngine:
     def check_request(self, token_ids: list[int], params: SamplingParams, where: str = "prompt") -> SamplingParams:
         return self.replicas[0].check_request(token_ids, params, where)
 
-    def add_request(self, token_ids: list[int], params: SamplingParams,
-                    prompt_source: Sequence | None = None, cache_salt: str | None = None) -> Sequence:
+    def add_request(self, token_ids: list[int], params: SamplingParams, prompt_source: Sequence | None = None,
+                    cache_salt: str | None = None, reasoning_end: int | None = None) -> Sequence:
         # the samples of one request stay on one replica (they share its cached prompt); the replicas' loads are
         # counted once a step and kept up to date by the adds (counting them at each add made N adds O(N^2))
         if self._load is None:
             self._load = {r: outstanding_tokens(r) for r in self.replicas}
         replica = (self._owner.get(prompt_source.seq_id) if prompt_source is not None else None) or \
             min(self.replicas, key=self._load.__getitem__)
-        seq = replica.add_request(token_ids, params, prompt_source, cache_salt)
+        seq = replica.add_request(token_ids, params, prompt_source, cache_salt, reasoning_end)
         self._owner[seq.seq_id], self._load[replica] = replica, self._load[replica] + outstanding(seq)
         return seq
 

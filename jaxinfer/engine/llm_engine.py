@@ -120,11 +120,11 @@ class LLMEngine:
                              f"but the pool has only {self.block_manager.num_blocks} (num_kvcache_blocks)")
         return params
 
-    def add_request(self, token_ids: list[int], params: SamplingParams,
-                    prompt_source: Sequence | None = None, cache_salt: str | None = None) -> Sequence:
-        """One sequence. An n > 1 request is n of them: add `params.for_sample(i)` for i in range(n), passing
-        sample 0 as `prompt_source` of the others (they wait for its prompt KV and reuse it from the cache).
-        cache_salt: vLLM's; only requests with the same salt (or none) share prefix-cache blocks."""
+    def add_request(self, token_ids: list[int], params: SamplingParams, prompt_source: Sequence | None = None,
+                    cache_salt: str | None = None, reasoning_end: int | None = None) -> Sequence:
+        """One sequence (an n > 1 request is n: add `params.for_sample(i)` for each i, sample 0 as the others'
+        `prompt_source`: they reuse its cached prompt KV). cache_salt: vLLM's (only requests with the same salt, or
+        none, share cached blocks). reasoning_end: structured outputs apply after this id (`</think>`)."""
         params = self.check_request(token_ids, params)      # (max_tokens None: the room the request has)
         if params.n != 1:
             raise ValueError(f"LLMEngine.add_request runs one sample, got n={params.n}: add "
@@ -133,7 +133,7 @@ class LLMEngine:
         seq = Sequence([int(t) for t in token_ids], params, device_seed(seed), self.config.block_size)
         seq.arrival_time = time.perf_counter()
         seq.prompt_source = prompt_source
-        seq.hash_seed = salt_seed(cache_salt)
+        seq.hash_seed, seq.reasoning_end = salt_seed(cache_salt), reasoning_end     # (Sequence.constraint)
         self.counters["prompt_tokens"] += len(seq)
         self.scheduler.add(seq)
         return seq

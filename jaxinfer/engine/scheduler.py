@@ -1,10 +1,8 @@
 """Continuous batching: which sequences compute which tokens in the next step.
 
-A step is all-prefill or all-decode (as nano-vllm). Prefill steps first continue sequences whose prompt is partly
-computed, then admit waiting sequences FCFS; any prompt may be split into chunks across steps to fit
-`max_num_batched_tokens`. Decode steps compute one token for every running sequence; when the block pool is exhausted
-the newest running sequence is preempted: its blocks are freed and it goes back to the front of the waiting queue, to
-be recomputed (its prefix may still be in the prefix cache).
+A step is all-prefill or all-decode (as nano-vllm). Prefill steps continue partly computed prompts, then admit waiting
+sequences FCFS, chunked to fit `max_num_batched_tokens`. Decode steps compute a token per running sequence; when blocks
+run out the newest is preempted (its blocks freed) and goes back to the queue's front, to be recomputed.
 """
 from __future__ import annotations
 
@@ -16,6 +14,7 @@ import numpy as np
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, Status
+from jaxinfer.structured import NO_COND
 
 PROMPT_LOGPROB_TOKENS = 256   # prompt tokens with logprobs per step: their [Tp, V] fp32 logits stay small
 
@@ -47,8 +46,9 @@ class Scheduler:
         (self.building if seq.grammar is not None and not seq.grammar.ready() else self.waiting).append(seq)
         self.num_grammar += seq.grammar is not None
 
-    def needs_read(self) -> bool:      # a running json / regex row's input token still on the device (grammar.py)
-        return self.num_grammar > 0 and any(s.grammar is not None and s.num_pending for s in self.running)
+    def needs_read(self) -> bool:      # a running json / regex row's input token still on the device (grammar.py;
+        return self.num_grammar > 0 and any(s.grammar is not None and s.num_pending and    # not while it thinks)
+                                            s.constraint()[0] == NO_COND for s in self.running)
 
     def recount_blocks(self) -> None:
         """BlockManager.recount from the sequences queued here (one_thread.recover, after an exception)."""

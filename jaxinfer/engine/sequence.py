@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.structured import NO_COND, OFF
 
 
 class Status(enum.Enum):
@@ -47,6 +48,8 @@ class Sequence:
         self.choice = getattr(params, "_choice_rule", None)     # structured_outputs' choice (structured.ChoiceRule)
         rule = getattr(params, "_grammar_rule", None)           # its json / regex (grammar.GrammarState)
         self.grammar = rule.start() if rule is not None else None
+        self.reasoning_end: int | None = None     # choice / grammar wait for this id (a reasoning parser's </think>)
+        self.constrained_from = self.num_prompt_tokens  # where the structured output starts (or the scan, waiting)
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.text = ""                    # detokenized output so far (kept only when stop strings need it)
@@ -73,6 +76,21 @@ class Sequence:
     def num_scheduled_outputs(self) -> int:
         """Generated tokens including those still on the device."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def constraint(self) -> tuple[int, int]:
+        """(condition, start) of this row's structured output (choice / grammar) in the step being packed: (-1, the
+        index of its first token in token_ids) when it applies. While it waits for `reasoning_end` (the thinking is
+        not constrained): (reasoning_end, len) when the token in flight may be that id (the structured output's
+        first step, which applies on the device only if it is), else (OFF, len)."""
+        if self.reasoning_end is not None:
+            read = len(self.token_ids) - self.num_pending
+            tail = self.token_ids[self.constrained_from:read]
+            if self.reasoning_end not in tail:
+                self.constrained_from = read
+                return (self.reasoning_end if self.num_pending else OFF), len(self.token_ids)
+            self.constrained_from += tail.index(self.reasoning_end) + 1
+            self.reasoning_end = None
+        return NO_COND, self.constrained_from
 
     @property
     def banning(self) -> bool:

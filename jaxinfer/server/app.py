@@ -255,9 +255,10 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         check_model(req.model)
         calls, k = tools.resolve(req, opts), P.chat_top_logprobs(req)
         prompt, role, echo = await off_loop(CP.chat_prompt, tokenizer, req, calls.tools, opts.response_role)
-        think = reasoning.thinking_closed(opts.reasoning_parser, prompt, CP.chat_template_kwargs(req),
-                                          formats.structured(req)[2] is not None)
+        think = reasoning.thinking_closed(opts.reasoning_parser, prompt, CP.chat_template_kwargs(req))
         prompts, items = await prepare(req, [prompt], None, k, P.engine_prompt_logprobs(req), bool(req.stream))
+        if think is False:                                 # structured outputs apply after the thinking (vLLM's)
+            reasoning.after_thinking(items, opts.reasoning_parser, tokenizer)
         rid, model, ids = R.new_id("chatcmpl", request, req), names[0], prompts[0] if req.return_token_ids else None
         found = searched(req, request, prompts, items, len(items), t0) if req.use_beam_search else None
         if req.stream:

@@ -155,7 +155,8 @@ class CoreClient:
             cmd = ["add", rid, ids, {f.name: asdict(v) if is_dataclass(v := getattr(params, f.name)) else v
                                      for f in fields(params) if f.name != "stop"}]   # stop strings stay here
             has_source = sources is not None and sources[index] is not None
-            self._command(cmd + [coll.rids[sources[index]] if has_source else None, cache_salt])
+            self._command(cmd + [coll.rids[sources[index]] if has_source else None, cache_salt,
+                                 getattr(params, "_reasoning_end", None)])    # (app.py's chat route sets it)
         return coll
 
     def abort(self, coll: Collector, indices=None) -> None:

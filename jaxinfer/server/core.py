@@ -153,11 +153,12 @@ class EngineCore:
             self.running = False
 
     def _add(self, rid: int, token_ids: list[int], fields: dict, source: int | None = None,
-             cache_salt: str | None = None) -> None:
+             cache_salt: str | None = None, reasoning_end: int | None = None) -> None:
         from jaxinfer.sampling_params import SamplingParams
         src = self.live[self.by_rid[source]][1] if source in self.by_rid else None
         try:
-            seq = self.engine.add_request(token_ids, SamplingParams(**fields), prompt_source=src, cache_salt=cache_salt)
+            seq = self.engine.add_request(token_ids, SamplingParams(**fields), prompt_source=src, cache_salt=cache_salt,
+                                          reasoning_end=reasoning_end)
         except (ValueError, TypeError) as e:    # the API checked it already; this is the authoritative check
             self._send(rid % len(self.outs), ["out", [[rid, [], "rejected", str(e)]]])
             return

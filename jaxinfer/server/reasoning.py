@@ -13,19 +13,46 @@ tokens (Qwen3's) or not.
 """
 from __future__ import annotations
 
-PARSERS = ("qwen3", "deepseek_r1")
+import weakref
+
+from jaxinfer.structured import REASONING_PARSERS, reasoning_end_id
+
+PARSERS = REASONING_PARSERS
+_END_IDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # tokenizer -> {parser: id or None}
 START, END = "<think>", "</think>"
 
 
-def thinking_closed(parser: str | None, prompt: str, kwargs: dict, constrained: bool = False) -> bool | None:
+def thinking_closed(parser: str | None, prompt: str, kwargs: dict) -> bool | None:
     """None without a parser; else whether the answer starts as content: the prompt ends by closing the thinking
     (Qwen3's template with enable_thinking false: `<think>\n\n</think>\n\n`; a closed block earlier, e.g. an
     earlier turn's thinking or a user quoting the tags, does not count), or enable_thinking is false (also
-    reasoning_effort "none"), as vLLM's serving turns thinking off for every parser; or `constrained`: structured
-    outputs apply from the answer's first token here (vLLM's wait for the end of the reasoning), so none is."""
+    reasoning_effort "none"), as vLLM's serving turns thinking off for every parser. Otherwise a request's
+    structured outputs apply after the thinking (from the token after `</think>`), as vLLM's."""
     if parser is None:
         return None
-    return prompt.rstrip().endswith(END) or kwargs.get("enable_thinking", True) is False or constrained
+    return prompt.rstrip().endswith(END) or kwargs.get("enable_thinking", True) is False
+
+
+def after_thinking(items: list[tuple], parser: str, tokenizer) -> None:
+    """Mark the structured outputs of a chat request's (ids, SamplingParams) items to apply after `</think>`: the
+    engine core's add_request gets `reasoning_end` (client.py reads the mark)."""
+    end = end_id(parser, tokenizer)
+    for _, sp in items:
+        if sp.structured_outputs is not None:
+            object.__setattr__(sp, "_reasoning_end", end)     # (not a field: SamplingParams refuses unknown ones)
+
+
+def end_id(parser: str, tokenizer) -> int | None:
+    """The id of `</think>` (structured.reasoning_end_id, once per tokenizer), None where the vocabulary lacks it
+    (then structured outputs apply from the first token)."""
+    got = _END_IDS.get(tokenizer, {})
+    if parser not in got:
+        try:
+            got[parser] = reasoning_end_id(parser, tokenizer)
+        except ValueError:
+            got[parser] = None
+        _END_IDS[tokenizer] = got
+    return got[parser]
 
 
 def held(text: str, tags: tuple[str, ...]) -> int:
