@@ -21,7 +21,7 @@ from jaxinfer import grammar
 
 NO_COND = -1
 OFF = -2                      # a row's on-condition that never holds (Sequence.constraint)
-REASONING_PARSERS = ("qwen3", "deepseek_r1")      # vLLM's reasoning parsers for <think>...</think> (server/reasoning.py)
+REASONING_PARSERS = ("qwen3", "deepseek_r1")      # vLLM's parsers of <think>...</think> (server/reasoning.py)
 WIDTHS = (16, 128, 1024)      # entries a row holds in a step (step.Extras.choice): the smallest that fits
 MAX_CHARS = 4096              # the choices' characters in all
 MAX_EOS = 8                   # EOS ids a finished choice allows (the first of them, sorted)
