@@ -267,6 +267,14 @@ def test_metrics(url, client):
     for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert m[f"jaxinfer:{h}_count" + lab] >= 1
     assert m['jaxinfer:request_success_total{finished_reason="length",model_name="tiny-qwen3"}'] >= 1
+    from jaxinfer.server.metrics import VLLM_NAMES             # the same numbers under vLLM's names (its dashboards)
+    twins, back = {k: v for k, v in m.items() if k.startswith("vllm:")}, {v: k for k, v in VLLM_NAMES.items()}
+    for name, v in twins.items():
+        base, brace, rest = name.removeprefix("vllm:").partition("{")
+        stem = max((n for n in back if base.startswith(n)), key=len)
+        assert m["jaxinfer:" + back[stem] + base[len(stem):] + brace + rest] == v or base.endswith("_created"), name
+    assert m["vllm:request_time_per_output_token_seconds_count" + lab] >= 1 and len(twins) > 40
+    assert m["vllm:num_requests_running" + lab] == 0 and m["vllm:prefix_cache_hits_total" + lab] >= 0
 
 
 def _latency_sums(url) -> dict:

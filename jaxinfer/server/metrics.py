@@ -1,4 +1,5 @@
-"""/metrics in Prometheus' text format (prometheus_client), names as vLLM's with a `jaxinfer:` prefix.
+"""/metrics in Prometheus' text format (prometheus_client), names as vLLM's with a `jaxinfer:` prefix, and the same
+numbers again under vLLM's own `vllm:` names (VLLM_NAMES), so that dashboards made for vLLM read this server.
 
 Where each number comes from:
 - engine gauges and counters (running / waiting requests, KV cache usage, prompt and generation tokens,
@@ -24,6 +25,18 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0)
 P = "jaxinfer:"
+# jaxinfer's name -> vLLM's (its current releases): the metrics given twice
+VLLM_NAMES = {"time_to_first_token_seconds": "time_to_first_token_seconds",
+              "time_per_output_token_seconds": "request_time_per_output_token_seconds",
+              "e2e_request_latency_seconds": "e2e_request_latency_seconds", "request_success": "request_success",
+              "num_requests_running": "num_requests_running", "num_requests_waiting": "num_requests_waiting",
+              "kv_cache_usage_perc": "kv_cache_usage_perc", "prompt_tokens": "prompt_tokens",
+              "generation_tokens": "generation_tokens", "num_preemptions": "num_preemptions",
+              "prefix_cache_hit_tokens": "prefix_cache_hits"}
+
+
+def _names(name: str) -> list[str]:
+    return [P + name] + (["vllm:" + VLLM_NAMES[name]] if name in VLLM_NAMES else [])
 
 
 def available() -> bool:
@@ -46,14 +59,17 @@ class ServerMetrics:
         from prometheus_client import CollectorRegistry, Counter, Histogram
         self.registry = CollectorRegistry(auto_describe=True)
         lb = ["model_name"]
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token (API process: request "
-                              "received to first token out)", lb, buckets=TTFT_BUCKETS, registry=self.registry)
-        self.tpot = Histogram(P + "time_per_output_token_seconds", "Mean time per output token after the first, "
-                              "per request", lb, buckets=TPOT_BUCKETS, registry=self.registry)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Request received to last token out", lb,
-                             buckets=E2E_BUCKETS, registry=self.registry)
-        self.success = Counter(P + "request_success", "Finished engine requests (one per prompt and n)",
-                               lb + ["finished_reason"], registry=self.registry)
+
+        def both(cls, name, doc, labels, **kw):       # (jaxinfer's name and vLLM's)
+            return [cls(n, doc, labels, registry=self.registry, **kw) for n in _names(name)]
+        self.ttft = both(Histogram, "time_to_first_token_seconds", "Time to first token (API process: request "
+                         "received to first token out)", lb, buckets=TTFT_BUCKETS)
+        self.tpot = both(Histogram, "time_per_output_token_seconds", "Mean time per output token after the first, "
+                         "per request", lb, buckets=TPOT_BUCKETS)
+        self.e2e = both(Histogram, "e2e_request_latency_seconds", "Request received to last token out", lb,
+                        buckets=E2E_BUCKETS)
+        self.success = both(Counter, "request_success", "Finished engine requests (one per prompt and n)",
+                            lb + ["finished_reason"])
         self.rejected = Counter(P + "requests_rejected", "Requests refused with 503 (queue bound, draining, "
                                 "engine gone)", lb + ["reason"], registry=self.registry)
         self._stats: dict = {}
@@ -64,12 +80,13 @@ class ServerMetrics:
         if not self.enabled:
             return
         name = self.model_name
-        if t_first is not None:
-            self.ttft.labels(name).observe(t_first - t_start)
-            if n_tokens > 1:
-                self.tpot.labels(name).observe((t_end - t_first) / (n_tokens - 1))
-        self.e2e.labels(name).observe(t_end - t_start)
-        self.success.labels(name, reason or "abort").inc()
+        for i in range(len(self.e2e)):
+            if t_first is not None:
+                self.ttft[i].labels(name).observe(t_first - t_start)
+                if n_tokens > 1:
+                    self.tpot[i].labels(name).observe((t_end - t_first) / (n_tokens - 1))
+            self.e2e[i].labels(name).observe(t_end - t_start)
+            self.success[i].labels(name, reason or "abort").inc()
 
     def observe_rejected(self, reason: str) -> None:
         if self.enabled:
@@ -109,9 +126,10 @@ def engine_text(st: dict, model_name: str) -> bytes:
     class Engine:
         def collect(self):
             for cls, name, doc, value in families:
-                m = cls(P + name, doc, labels=["model_name"])
-                m.add_metric([model_name], float(value))
-                yield m
+                for full in _names(name):
+                    m = cls(full, doc, labels=["model_name"])
+                    m.add_metric([model_name], float(value))
+                    yield m
     reg = CollectorRegistry(auto_describe=False)
     reg.register(Engine())
     return generate_latest(reg)
