@@ -13,9 +13,9 @@ from jaxinfer import bad_words
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.scheduler import ScheduledBatch
 from jaxinfer.engine.sequence import PLACEHOLDER
-from jaxinfer.structured import NO_COND, OFF
 from jaxinfer.multistep import STOP_IDS, multistep_layout
 from jaxinfer.step import BAN_PAD, BAN_WIDTH, FLOAT_FIELDS, Extras, batch_layout, extras_layout
+from jaxinfer.structured import NO_COND, OFF
 
 
 def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
