@@ -166,11 +166,18 @@ class GrammarRule:
             if len(indexes) >= 64:
                 indexes.pop(next(iter(indexes)))
             indexes[key + (regex,)] = _Build(oc, regex, vocabs[key])
-        self.build, self._oc = indexes[key + (regex,)], oc
+        self.build, self._oc, self._regex = indexes[key + (regex,)], oc, regex
         if wait:
             self.build.thread.join(max(0.0, self.build.deadline - time.monotonic()))
-        if isinstance(why := self.build.result(wait), str):   # (failed or out of time: refused again at once)
-            raise error(f"structured_outputs {'regex ' + repr(regex)[:80] + ' ' if len(regex) < 200 else ''}{why}")
+        if why := self.refusal(wait):                  # (failed or out of time: refused again at once)
+            raise error(why)
+
+    def refusal(self, deadline: bool = True) -> str | None:
+        """Why the index cannot be used: it cannot be built, or (deadline) not within BUILD_TIMEOUT_S; else None
+        (built, or still building: the server's API process awaits it so, off its tokenizer thread)."""
+        why, r = self.build.result(deadline), self._regex
+        return f"structured_outputs {'regex ' + repr(r)[:80] + ' ' if len(r) < 200 else ''}{why}" \
+            if isinstance(why, str) else None
 
     def ready(self) -> bool:
         return self.build.result(self.wait) is not None

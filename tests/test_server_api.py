@@ -4,6 +4,7 @@ lm-evaluation-harness' loglikelihood sends), n, seeds, penalties; the API key, t
 vLLM's /tokenize, /detokenize, /tokenizer_info, /version, the offline /docs and the body size limit."""
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -681,6 +682,43 @@ def test_structured_outputs_json_and_regex(client, url):
                       ({"structured_outputs": {"regex": "a"}, "guided_json": {}}, "structured_outputs")):
         r = httpx.post(url + "/v1/completions", json={**body, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == want, (bad, r.text)
+    st = wait_idle(url)
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_index_builds_wait_off_the_tokenizer_thread(url, monkeypatch):
+    """A new json / regex index is awaited on the event loop, not on the tokenizer thread: while one is (held)
+    building, other requests are tokenized and answered; released, its request answers a match. One past
+    grammar.BUILD_TIMEOUT_S is a 400 naming the request's field."""
+    import concurrent.futures
+
+    import regex
+
+    from jaxinfer import grammar
+    gate = threading.Event()
+
+    class Held(grammar._Build):                   # (its thread builds once the gate opens)
+        def __init__(self, oc, regex, vocab):
+            gated = type("Gated", (), {"Index": staticmethod(lambda r, v: gate.wait(30) and oc.Index(r, v))})
+            super().__init__(gated, regex, vocab)
+    monkeypatch.setattr(grammar, "_Build", Held)
+    pattern = r"(held|kept) [0-9]{2}!"
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, url + "/v1/completions", json={**body, "guided_regex": pattern}, timeout=60)
+        time.sleep(0.3)
+        for _ in range(3):                     # (the tokenizer thread is free: these do not wait for the index)
+            r = httpx.post(url + "/v1/completions", json={**body, "prompt": "other text"}, timeout=10)
+            assert r.status_code == 200 and not held.done()
+        gate.set()
+        r = held.result()
+    assert r.status_code == 200 and regex.fullmatch(pattern, r.json()["choices"][0]["text"]), r.text
+    monkeypatch.setattr(grammar, "_Build", Held.__base__)
+    monkeypatch.setattr(grammar, "BUILD_TIMEOUT_S", 0.0)
+    r = httpx.post(url + "/v1/completions", json={**body, "structured_outputs": {"json": {
+        "type": "string", "maxLength": 13}}}, timeout=60)                # (~0.2 s to index: past 0 s)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+    assert "takes over 0 s to index" in r.json()["error"]["message"]
     st = wait_idle(url)
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
 

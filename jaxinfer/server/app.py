@@ -125,9 +125,10 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
             sp = P.sampling_params(req, len(ids), max_model_len, default_max_tokens, logprobs, prompt_logprobs,
                                    pool_tokens=limits["num_blocks"] * limits["block_size"], defaults=defaults, cap=cap)
             tokenizer_work = sp.bad_words or sp.structured_outputs is not None     # (then off the event loop)
-            await off_loop(P.check_request, ids, sp, limits, param, tokenizer, formats.structured(req)[2]) \
+            await off_loop(P.check_request, ids, sp, limits, param, tokenizer, formats.structured(req)[2], False) \
                 if tokenizer_work else \
                 P.check_request(ids, sp, limits, param)
+            await formats.index_built(sp, formats.structured(req)[2])    # (on the loop: the tokenizer thread goes on)
             ids_list.append(ids)
             params.append(sp)
         items = C.expand(ids_list, params, req.n or 1, stream_prompt_logprobs=stream)

@@ -4,6 +4,8 @@ choice, json, regex, json_object), the older `guided_choice` / `guided_json` / `
 is none). One form a request: several are a 400 naming them."""
 from __future__ import annotations
 
+import asyncio
+
 from jaxinfer.server.errors import RequestError
 
 GUIDED = (("guided_choice", "choice"), ("guided_json", "json"), ("guided_regex", "regex"))
@@ -41,3 +43,14 @@ def structured(req) -> tuple[dict | None, dict | None, str | None]:
         return None, None, None
     return (fmt if fmt is not None else req.structured_outputs), guided or None, \
         getattr(req, "_structured_from", None) or given[0]        # (tools.resolve's schema: "tools")
+
+
+async def index_built(params, field: str | None) -> None:
+    """Wait, on the event loop, for the json / regex index a request's check left building (its tokenizer-thread
+    work is done, so other requests' tokenization goes on meanwhile); one that cannot be built, or not within
+    grammar.BUILD_TIMEOUT_S, is a 400 naming the request's field, as the check's own errors."""
+    rule = getattr(params, "_grammar_rule", None)
+    while rule is not None and rule.build.result(True) is None:
+        await asyncio.sleep(0.005)
+    if rule is not None and (why := rule.refusal()):
+        raise RequestError(why, param=field or "structured_outputs")

@@ -231,18 +231,19 @@ _FIELDS = set(SamplingParams.__dataclass_fields__)
 
 
 def check_request(ids: list[int], params: SamplingParams, limits: dict, param: str = "prompt",
-                  tokenizer=None, structured: str | None = None) -> None:
+                  tokenizer=None, structured: str | None = None, wait: bool = True) -> None:
     """The engine's own request check (LLMEngine.check_request), against the limits the core reported, so
     that a bad prompt is a 400 before any streaming starts (bad_words and structured choices: read with
     `tokenizer`, as the core does; `structured`: the request field its structured outputs came from, which errors
-    name). The core checks again, authoritatively."""
+    name; wait False: a json / regex index is left building, formats.index_built awaits it). The core checks again,
+    authoritatively."""
     V, bs, nb = limits["vocab_size"], limits["block_size"], limits["num_blocks"]
     if bad := [t for t in ids if not 0 <= t < V]:
         raise RequestError(f"the prompt has token id {bad[0]!r} out of vocabulary: ids are in [0, {V})", param=param)
     def error(message):
         first = message.split()[0]
         return RequestError(message, param=structured if structured and first == "structured_outputs" else first)
-    params.check_vocab(V, error, eos=limits.get("eos", ((),))[0], tokenizer=tokenizer)
+    params.check_vocab(V, error, eos=limits.get("eos", ((),))[0], tokenizer=tokenizer, wait=wait)
     need = -(-min(len(ids) + params.max_tokens - 1, limits["max_model_len"]) // bs)     # (the last token: no KV)
     if need > nb:
         raise RequestError(f"the request needs {need} KV blocks for {len(ids)} prompt + {params.max_tokens} output "
