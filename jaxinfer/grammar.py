@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import threading
 import time
 import weakref
@@ -24,6 +25,8 @@ _INDEXES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # tokenize
 _VOCABS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # tokenizer -> {(V, eos): Vocabulary}
 KINDS = ("json", "regex", "json_object")
 BUILD_TIMEOUT_S = 20.0        # an index build that takes longer is refused (e.g. a string's maxLength in the 20s)
+# index builds running at once in a process (each takes a core; the rest wait their turn, within their deadline)
+BUILD_SLOTS = threading.BoundedSemaphore(max(1, min(4, (os.cpu_count() or 2) // 2)))
 # JSON schema keywords outlines-core's expressions do not enforce (its expression is the same without them): refused
 UNENFORCED = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems", "contains",
               "minContains", "maxContains", "minProperties", "maxProperties", "patternProperties", "dependentRequired",
@@ -187,16 +190,17 @@ class GrammarRule:
 
 
 class _Build:
-    """outlines-core's Index built in a thread (it releases the GIL); `result()`: the Index, why not (a string: it
-    cannot be built, or not within BUILD_TIMEOUT_S; the thread then finishes in the background: it cannot be
-    stopped), or None while it runs."""
+    """outlines-core's Index built in a thread (it releases the GIL) once one of BUILD_SLOTS is free; `result()`: the
+    Index, why not (a string: it cannot be built, or not within BUILD_TIMEOUT_S of the request, waiting for a slot
+    included; the thread then finishes in the background: it cannot be stopped), or None while it runs."""
 
     def __init__(self, oc, regex: str, vocab):
         self.box, self.deadline = [], time.monotonic() + BUILD_TIMEOUT_S
 
         def build():
             try:
-                self.box.append(oc.Index(regex, vocab))
+                with BUILD_SLOTS:
+                    self.box.append(oc.Index(regex, vocab))
             except Exception as e:
                 self.box.append(f"cannot be followed: {e}")
         self.thread = threading.Thread(target=build, daemon=True, name="jaxinfer-grammar-index")

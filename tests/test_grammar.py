@@ -157,6 +157,34 @@ def test_background_index_builds(llm, monkeypatch):
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
+def test_index_builds_share_a_few_slots(monkeypatch):
+    """At most BUILD_SLOTS' worth of index builds run at once (each takes a core); the others wait their turn and
+    then build."""
+    monkeypatch.setattr(grammar, "BUILD_SLOTS", threading.BoundedSemaphore(2))
+    gate, lock, running, most = threading.Event(), threading.Lock(), [0], [0]
+
+    def index(regex, vocab):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        gate.wait(30)
+        with lock:
+            running[0] -= 1
+        return regex
+    oc = type("FakeOutlines", (), {"Index": staticmethod(index)})
+    builds = [grammar._Build(oc, f"r{i}", None) for i in range(5)]
+    for _ in range(100):
+        if running[0] == 2:
+            break
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.1)
+    assert running[0] == 2 and all(b.result(False) is None for b in builds)
+    gate.set()
+    for b in builds:
+        b.thread.join(10)
+    assert most[0] == 2 and [b.result(False) for b in builds] == [f"r{i}" for i in range(5)]
+
+
 def test_refusals(llm):
     for kw, match in ((dict(structured_outputs={"grammar": "root ::= 'a'"}), "grammar is not supported"),
                       (dict(structured_outputs={"regex": "a", "json": {}}), "needs one kind"),
