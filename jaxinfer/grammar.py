@@ -25,7 +25,8 @@ _INDEXES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # tokenize
 _VOCABS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # tokenizer -> {(V, eos): Vocabulary}
 KINDS = ("json", "regex", "json_object")
 BUILD_TIMEOUT_S = 20.0        # an index build that takes longer is refused (e.g. a string's maxLength in the 20s)
-# index builds running at once in a process (each takes a core; the rest wait their turn, within their deadline)
+# index builds running at once in a process (each takes a core; the rest wait their turn: BUILD_TIMEOUT_S counts from
+# when a build gets its slot)
 BUILD_SLOTS = threading.BoundedSemaphore(max(1, min(4, (os.cpu_count() or 2) // 2)))
 # JSON schema keywords outlines-core's expressions do not enforce (its expression is the same without them): refused
 UNENFORCED = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems", "contains",
@@ -170,8 +171,8 @@ class GrammarRule:
                 indexes.pop(next(iter(indexes)))
             indexes[key + (regex,)] = _Build(oc, regex, vocabs[key])
         self.build, self._oc, self._regex = indexes[key + (regex,)], oc, regex
-        if wait:
-            self.build.thread.join(max(0.0, self.build.deadline - time.monotonic()))
+        while wait and self.build.result() is None:     # (its deadline runs from when it gets a slot)
+            self.build.thread.join(0.02)
         if why := self.refusal(wait):                  # (failed or out of time: refused again at once)
             raise error(why)
 
@@ -191,15 +192,16 @@ class GrammarRule:
 
 class _Build:
     """outlines-core's Index built in a thread (it releases the GIL) once one of BUILD_SLOTS is free; `result()`: the
-    Index, why not (a string: it cannot be built, or not within BUILD_TIMEOUT_S of the request, waiting for a slot
-    included; the thread then finishes in the background: it cannot be stopped), or None while it runs."""
+    Index, why not (a string: it cannot be built, or not within BUILD_TIMEOUT_S of getting its slot; the thread then
+    finishes in the background: it cannot be stopped), or None while it waits or runs."""
 
     def __init__(self, oc, regex: str, vocab):
-        self.box, self.deadline = [], time.monotonic() + BUILD_TIMEOUT_S
+        self.box, self.deadline = [], None          # (set when the build gets its slot)
 
         def build():
             try:
                 with BUILD_SLOTS:
+                    self.deadline = time.monotonic() + BUILD_TIMEOUT_S
                     self.box.append(oc.Index(regex, vocab))
             except Exception as e:
                 self.box.append(f"cannot be followed: {e}")
@@ -211,7 +213,7 @@ class _Build:
         limit."""
         if self.box:
             return self.box[0]
-        if deadline and time.monotonic() >= self.deadline:
+        if deadline and self.deadline is not None and time.monotonic() >= self.deadline:
             return f"takes over {BUILD_TIMEOUT_S:.0f} s to index: simplify it (e.g. a shorter maxLength)"
         return None
 

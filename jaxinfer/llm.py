@@ -26,7 +26,7 @@ from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, c
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.prompts import Prompt, truncate
 from jaxinfer.sampling_params import SamplingParams, per_prompt
-from jaxinfer.structured import reasoning_end_id, reasoning_wait
+from jaxinfer.structured import reasoning_marks, reasoning_wait
 from jaxinfer.tokenizer import load_tokenizer, usable
 from jaxinfer.xla_options import warn_if_slow_command_buffers
 
@@ -59,7 +59,7 @@ class LLM:
             check_ready()
         self.model_config = model_config
         self.tokenizer = load_tokenizer(tokenizer or (path if os.path.isdir(path) else None), missing_ok=True)
-        self._reasoning_end = reasoning_end_id(parser, self.tokenizer)     # structured outputs wait for it (vLLM's)
+        self._reasoning = reasoning_marks(parser, self.tokenizer)     # structured outputs wait for </think> (vLLM's)
         self._one_thread, self._streams = OneThread(), []      # one thread at a time; weak refs to the streams
 
         def load(placement):                     # (called by create_engine, under the engine's JAX settings)
@@ -150,7 +150,7 @@ class LLM:
         groups = []
         for p, ids, sp in reqs:
             groups.append([])
-            end = reasoning_wait(self._reasoning_end, ids, sp, self.tokenizer)
+            end = reasoning_wait(self._reasoning, ids, sp)
             for j in range(sp.n):
                 groups[-1].append(self.engine.add_request(ids, sp if sp.n == 1 else sp.for_sample(j), cache_salt=
                                   prompt_forms.cache_salt(p, 0), prompt_source=groups[-1][0] if j else None,

@@ -192,9 +192,12 @@ class ChoiceRule:
         return out
 
 
-def reasoning_end_id(parser: str | None, tokenizer) -> int | None:
-    """The id of `</think>`, which ends a reasoning parser's thinking (vLLM's `reasoning_parser`: structured outputs
-    apply after it), or None without a parser."""
+TURN_OPENERS = ("<think>", "<|im_start|>", "<｜Assistant｜>", "<｜User｜>")     # (Qwen's and DeepSeek's)
+
+
+def reasoning_marks(parser: str | None, tokenizer) -> tuple[int, frozenset[int]] | None:
+    """(the id of `</think>`, which ends a reasoning parser's thinking: vLLM's `reasoning_parser`, structured outputs
+    apply after it; the ids of TURN_OPENERS in the vocabulary), or None without a parser."""
     if parser is None:
         return None
     if parser not in REASONING_PARSERS:
@@ -202,17 +205,21 @@ def reasoning_end_id(parser: str | None, tokenizer) -> int | None:
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     if "</think>" not in vocab:
         raise ValueError(f"reasoning_parser={parser!r} needs '</think>' as one token of the tokenizer's vocabulary")
-    return vocab["</think>"]
+    return vocab["</think>"], frozenset(vocab[t] for t in TURN_OPENERS if t in vocab)
 
 
-def thinking_closed(ids: list[int], end: int, tokenizer) -> bool:
-    """Whether a prompt's ids end by closing the thinking: `end`, then only whitespace (Qwen3's template with
-    enable_thinking false ends with `<think>\n\n</think>\n\n`); an earlier turn's thinking does not count."""
-    tail = list(ids[-8:])
-    return end in tail and not tokenizer.decode(tail[len(tail) - tail[::-1].index(end):]).strip()
+def thinking_closed(ids: list[int], marks: tuple[int, frozenset[int]]) -> bool:
+    """Whether a prompt closed the thinking of the turn it ends in: a `</think>` after its last `<think>` and after
+    the last turn's start (Qwen3's template with enable_thinking false ends with `<think>\n\n</think>\n\n`; an
+    answer continued after its closed thinking counts; an earlier turn's thinking does not)."""
+    end, openers = marks
+    for t in reversed(ids):
+        if t == end or t in openers:
+            return t == end
+    return False
 
 
-def reasoning_wait(end: int | None, ids: list[int], params, tokenizer) -> int | None:
-    """The id a request's structured outputs wait for (`end`: reasoning_end_id's), or None: they apply from the first
+def reasoning_wait(marks, ids: list[int], params) -> int | None:
+    """The id a request's structured outputs wait for (`marks`: reasoning_marks'), or None: they apply from the first
     token (no parser, no structured outputs, or a prompt that closed the thinking)."""
-    return None if end is None or params.structured_outputs is None or thinking_closed(ids, end, tokenizer) else end
+    return None if marks is None or params.structured_outputs is None or thinking_closed(ids, marks) else marks[0]

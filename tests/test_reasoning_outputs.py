@@ -9,7 +9,7 @@ from helpers import TINY_ENGINE
 import jaxinfer.llm
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.sequence import Sequence
-from jaxinfer.structured import OFF, thinking_closed
+from jaxinfer.structured import OFF, reasoning_marks, thinking_closed
 
 PROMPTS = [[5, 7, 9, 11, 300, 2, 3, 17, 40, 41, 8], [100, 200, 300, 100, 200], [9, 8, 7, 6, 5, 4, 3]]
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "the blue"]}, "n": {"type": "integer"}},
@@ -48,7 +48,7 @@ def test_thinking_then_structured_output(llm, monkeypatch):
     armed, current = [], {}
     real = Sequence.constraint
     monkeypatch.setattr(Sequence, "constraint", lambda s: armed.append(c := real(s)) or c)
-    monkeypatch.setattr(jaxinfer.llm, "reasoning_wait", lambda e, ids, sp, tok: current.get("end")
+    monkeypatch.setattr(jaxinfer.llm, "reasoning_wait", lambda marks, ids, sp: current.get("end")
                         if sp.structured_outputs is not None else None)
     for k, end in ends.items():
         current["end"] = end
@@ -69,7 +69,8 @@ def test_thinking_then_structured_output(llm, monkeypatch):
 def test_real_end_token_and_closed_prompts(llm):
     """With the tokenizer's own `</think>` (drawn first through a logit bias, which the constraint then overrides),
     the rest is the constrained output of the prompt ending with `</think>`, which a prompt closing the thinking
-    gets from its first token; the chat template with enable_thinking false closes it too."""
+    gets from its first token; the chat template with enable_thinking false closes it too, and so does an assistant
+    answer continued after its closed thinking; an earlier turn's does not."""
     tok = llm.get_tokenizer()
     end = tok.convert_tokens_to_ids("</think>")
     for kind in KINDS[:2]:
@@ -85,9 +86,16 @@ def test_real_end_token_and_closed_prompts(llm):
     assert regex.fullmatch(REGEX, off.text) or off.finish_reason == "length", off.text
     prompt = llm.get_tokenizer().apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
                                                      enable_thinking=False)
-    assert thinking_closed(tok.encode(prompt, add_special_tokens=False), end, tok)
-    assert not thinking_closed(tok.encode(prompt + "x", add_special_tokens=False), end, tok)
-    assert not thinking_closed(PROMPTS[0], end, tok)
+    marks = reasoning_marks("qwen3", tok)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    assert thinking_closed(ids, marks) and thinking_closed(ids + tok.encode("The answer is"), marks)  # (continued)
+    assert not thinking_closed(PROMPTS[0], marks)
+    turn = tok.encode(prompt + "yes<|im_end|>\n<|im_start|>user\nmore</think><|im_end|>\n<|im_start|>assistant\n")
+    assert not thinking_closed(turn, marks)                 # (an earlier turn's thinking, a quoted tag)
+    cont = [*msgs, {"role": "assistant", "content": "<think>\nok\n</think>\n\nThe answer is "}]
+    out = llm.chat(cont, SamplingParams(temperature=0, max_tokens=N, structured_outputs={"choice": ["yes", "no"]}),
+                   use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0].outputs[0]
+    assert out.text in ("yes", "no"), out.text            # (constrained from its first token)
 
 
 def test_preempted_thinking_rows_resume(tiny_dir, llm, monkeypatch):
@@ -96,7 +104,7 @@ def test_preempted_thinking_rows_resume(tiny_dir, llm, monkeypatch):
     plain = SamplingParams(temperature=0, max_tokens=N)
     frees = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
     ends = {tuple(p): next(iter(ends_at(f, 4, 12).values()), None) for p, f in zip(prompts, frees)}
-    monkeypatch.setattr(jaxinfer.llm, "reasoning_wait", lambda e, ids, sp, tok: ends[tuple(ids)])
+    monkeypatch.setattr(jaxinfer.llm, "reasoning_wait", lambda marks, ids, sp: ends[tuple(ids)])
     sp = SamplingParams(temperature=0, max_tokens=N, structured_outputs={"json": SCHEMA})
     roomy = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     small = LLM(tiny_dir, **{**TINY_ENGINE, "num_kvcache_blocks": 40})

@@ -521,6 +521,11 @@ def test_reasoning_parser_on_the_server(server, url, tiny_dir):
             closed = {**body, "chat_template_kwargs": {"enable_thinking": False}}     # (from the first token)
             msg = httpx.post(url + "/v1/chat/completions", json=closed, timeout=60).json()["choices"][0]["message"]
             assert msg["reasoning"] is None and msg["content"]
+        cont = {**base, "ignore_eos": False, "guided_choice": ["yes", "no"], "add_generation_prompt": False,
+                "continue_final_message": True, "messages": [*msgs, {"role": "assistant", "content":
+                                                                     "<think>\nok\n</think>\n\nThe answer is "}]}
+        msg = httpx.post(url + "/v1/chat/completions", json=cont, timeout=60).json()["choices"][0]["message"]
+        assert msg["content"] in ("yes", "no") and msg["reasoning"] is None, msg     # (its thinking was closed)
         turn = [*msgs, {"role": "assistant", "content": "Hello", "reasoning": "greet"},
                 {"role": "user", "content": "Bye"}]
         assert httpx.post(url + "/v1/chat/completions", json={**base, "messages": turn}).status_code == 200

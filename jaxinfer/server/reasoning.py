@@ -4,8 +4,9 @@ between `<think>` and `</think>`, goes to the message's `reasoning` field (vLLM'
 
 As vLLM's Qwen3ReasoningParser: the first `<think>` (before any `</think>`) is dropped (a template may also put it
 in the prompt); the text before `</think>` is reasoning, after it content; with no `</think>` the whole output is
-reasoning (cut off while thinking), unless the prompt ends by closing the thinking (Qwen3's template with
-`enable_thinking: false` ends it with an empty `<think></think>`) or the request turned thinking off
+reasoning (cut off while thinking), unless the prompt closed the thinking of the turn it ends in (Qwen3's template
+with `enable_thinking: false` ends with an empty `<think></think>`; an assistant answer continued after its closed
+thinking) or the request turned thinking off
 (`enable_thinking: false`, `reasoning_effort: "none"`): then it is all content. (Text before that `<think>` stays
 reasoning, as vLLM streams it; vLLM's unstreamed answer drops it.) The split works on the text, holding back the
 end of a delta that may be the start of a tag, so it is the same streamed or not, whether the tags are single
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 
-from jaxinfer.structured import REASONING_PARSERS, reasoning_end_id
+from jaxinfer.structured import REASONING_PARSERS, TURN_OPENERS, reasoning_marks
 
 PARSERS = REASONING_PARSERS
 _END_IDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # tokenizer -> {parser: id or None}
@@ -23,14 +24,16 @@ START, END = "<think>", "</think>"
 
 
 def thinking_closed(parser: str | None, prompt: str, kwargs: dict) -> bool | None:
-    """None without a parser; else whether the answer starts as content: the prompt ends by closing the thinking
-    (Qwen3's template with enable_thinking false: `<think>\n\n</think>\n\n`; a closed block earlier, e.g. an
-    earlier turn's thinking or a user quoting the tags, does not count), or enable_thinking is false (also
+    """None without a parser; else whether the answer starts as content: the prompt closed the thinking of the turn
+    it ends in, a `</think>` after its last `<think>` and the last turn's start (Qwen3's template with
+    enable_thinking false: `<think>\n\n</think>\n\n`; an answer continued after its closed thinking counts; an
+    earlier turn's thinking, or a user quoting the tags, does not), or enable_thinking is false (also
     reasoning_effort "none"), as vLLM's serving turns thinking off for every parser. Otherwise a request's
     structured outputs apply after the thinking (from the token after `</think>`), as vLLM's."""
     if parser is None:
         return None
-    return prompt.rstrip().endswith(END) or kwargs.get("enable_thinking", True) is False
+    closed = prompt.rfind(END) > max(prompt.rfind(t) for t in TURN_OPENERS)
+    return closed or kwargs.get("enable_thinking", True) is False
 
 
 def after_thinking(items: list[tuple], parser: str, tokenizer) -> None:
@@ -43,12 +46,12 @@ def after_thinking(items: list[tuple], parser: str, tokenizer) -> None:
 
 
 def end_id(parser: str, tokenizer) -> int | None:
-    """The id of `</think>` (structured.reasoning_end_id, once per tokenizer), None where the vocabulary lacks it
+    """The id of `</think>` (structured.reasoning_marks, once per tokenizer), None where the vocabulary lacks it
     (then structured outputs apply from the first token)."""
     got = _END_IDS.get(tokenizer, {})
     if parser not in got:
         try:
-            got[parser] = reasoning_end_id(parser, tokenizer)
+            got[parser] = reasoning_marks(parser, tokenizer)[0]
         except ValueError:
             got[parser] = None
         _END_IDS[tokenizer] = got
