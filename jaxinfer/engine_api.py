@@ -231,7 +231,8 @@ def _engine_args_fields() -> list[tuple]:
     from jaxinfer.compat import ALIASES, FIXED, IGNORED
     from jaxinfer.config import EngineConfig
     defaults = {f.name: f.default for f in fields(EngineConfig)}
-    names = sorted({*defaults, *VLLM_MODEL_OPTIONS, *IGNORED, *FIXED, *ALIASES, "override_generation_config"})
+    names = sorted({*defaults, *VLLM_MODEL_OPTIONS, *IGNORED, *FIXED, *ALIASES, "override_generation_config",
+                    "reasoning_parser"})
     out = [("model", str, field(default="qwen3-pydoc")), ("generation_config", str, field(default="auto"))]
     return out + [(n, object, field(default=defaults.get(n))) for n in names]
 

@@ -160,6 +160,8 @@ def test_vllms_engine_args_and_from_engine_args(tiny_dir):
     engine_args = EngineArgs.from_cli_args(args)
     assert engine_args.model == tiny_dir and engine_args.kwargs["max_model_len"] == 128
     assert (engine_args.max_model_len, engine_args.enable_prefix_caching, engine_args.dtype) == (128, True, "float32")
+    thinking = EngineArgs.from_cli_args(parser.parse_args([*argv, "--reasoning-parser", "qwen3"]))   # (vLLM's)
+    assert thinking.kwargs["reasoning_parser"] == "qwen3" and EngineArgs(reasoning_parser="qwen3").reasoning_parser
     parser.add_argument("--my-own-flag", type=int)       # vLLM's basic example: LLM(**vars(args)) of the engine flags
     mine = vars(parser.parse_args(["--model", tiny_dir, "--enforce-eager", "--my-own-flag", "3", *argv[2:]]))
     assert mine.pop("my_own_flag") == 3 and LLM(**mine).config.max_model_len == 128
