@@ -251,6 +251,7 @@ def test_two_api_processes_and_a_killed_server(tiny_dir, jax_cache):
             for _ in range(4):            # whichever process answers
                 m = c.get(url + "/metrics").text
                 assert 'jaxinfer:e2e_request_latency_seconds_count{model_name="tiny"} 6.0' in m, m[-2000:]
+                assert 'vllm:e2e_request_latency_seconds_count{model_name="tiny"} 6.0' in m      # (vLLM's name)
         with httpx.stream("POST", url + "/v1/completions", json=stream_body(110), timeout=60) as s:
             next(s.iter_lines())
             proc.kill()                   # no drain, no shutdown message
