@@ -6,8 +6,8 @@ through the schema `{"type": "object"}`, whose nesting outlines-core bounds), th
 tokenizer's vocabulary (each token by its bytes: a token may hold part of a character), and each constrained row of a
 step gets the bitmask of the tokens allowed after its output so far, EOS ids where the expression may end. Unlike the
 choice kind's entries (structured.py), a mask cannot be packed for every token the step in flight may have drawn, so
-the engine reads that step first (llm_engine.prepare): a batch with such rows is not pipelined, and runs one step a
-call.
+the packer writes the masks last, with the tokens of the step in flight, read as it ends (extras.in_flight_tokens):
+the rest of the batch is scheduled and packed while that step runs, and such rows run one step a call.
 """
 from __future__ import annotations
 
@@ -228,11 +228,11 @@ class GrammarState:
     def ready(self) -> bool:
         return self.rule.ready()
 
-    def write(self, row: np.ndarray, outputs: list[int], start: int, pending: int) -> None:
+    def write(self, row: np.ndarray, outputs: list[int], start: int, pending: int, last: int | None = None) -> None:
         """Write the bitmask (token t: bit t % 32 of int32 word t // 32 of `row`) of the ids allowed after
-        outputs[start:]. The last `pending` outputs must be 0: the engine reads a step before packing the next for
-        such rows."""
-        assert pending == 0, "a constrained row was packed with its input token still on the device"
+        outputs[start:], whose last `pending` (0 or 1: the input token of the step being packed, still on the
+        device) is `last` (the engine waits for the step in flight to read it)."""
+        assert pending == 0 or (pending == 1 and last is not None), "a grammar row's input token was not read"
         rule, n = self.rule, len(outputs) - start
         if self.guide is None:
             index = rule.build.result(rule.wait)
@@ -241,7 +241,7 @@ class GrammarState:
                 self.ended = True
             else:
                 self.guide = rule._oc.Guide(index, 0)
-        for t in outputs[start + self.read:]:
+        for t in outputs[start + self.read:len(outputs) - pending] + ([last] if pending else []):
             if t in rule.eos or self.ended:    # (ignore_eos: after an EOS only EOS ids)
                 self.ended = True
                 continue

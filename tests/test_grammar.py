@@ -68,11 +68,16 @@ def test_greedy_matches_the_masked_reference(llm, tiny_dir):
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
-def test_sampled_outputs_match(llm):
+def test_sampled_outputs_match(llm, monkeypatch):
     """Seeded samples at temperature 1.5 (n = 4, streamed too) always match; the same seed repeats them; json_object
-    gives a JSON object; with ignore_eos a finished match is followed by EOS only."""
+    gives a JSON object; with ignore_eos a finished match is followed by EOS only. The steps stay pipelined: a step's
+    masks are written with the tokens of the step in flight, read as it ends (extras.in_flight_tokens)."""
+    from jaxinfer.engine import extras
+    real, peeks = extras.in_flight_tokens, []
+    monkeypatch.setattr(extras, "in_flight_tokens", lambda f: peeks.append(1) or real(f))
     sp = SamplingParams(temperature=1.5, seed=3, n=4, max_tokens=30, structured_outputs={"regex": REGEX})
     outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    assert len(peeks) > 5
     texts = [c.text for o in outs for c in o.outputs]
     assert all(regex.fullmatch(REGEX, t) for t in texts) and len(set(texts)) > 1, texts
     assert [c.text for o in llm.generate(PROMPTS, sp, use_tqdm=False) for c in o.outputs] == texts

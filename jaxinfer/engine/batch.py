@@ -139,12 +139,13 @@ def pack_multistep(batch: ScheduledBatch, B: int, W: int, block_size: int, num_s
 
 def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slots: int, extras: Extras,
                 pen_slots: list[int], num_pen_slots: int, chunk_pages: int = 0,
-                eos=frozenset()) -> tuple[np.ndarray, list[tuple]]:
+                eos=frozenset(), in_flight=dict) -> tuple[np.ndarray, list[tuple]]:
     """The extras variant's batch (step.make_extras_step): `pack`'s fields, then per row its penalty slot
     (pen_slots; num_pen_slots = none), prompt length and penalties, then the prompt tokens whose logprobs
     this step computes: their index in the step's tokens and the prompt token that follows each; with bans, the
     ids each row may not sample (min_tokens not reached: its stop_token_ids and the `eos` ids); with bias, each row's
-    logit_bias / allowed_token_ids entries; with bad_words, its bans; with choice or grammar, the ids it may sample.
+    logit_bias / allowed_token_ids entries; with bad_words, its bans; with choice or grammar, the ids it may sample
+    (a grammar row's mask after its input token still on the device: `in_flight()`, seq_id -> that token, waits).
     Returns (packed, [(seq, position of the token whose logprob it is), ...] per prompt-logprob entry)."""
     layout = extras_layout(T, B, W, extras)
     buf = np.zeros(layout["_size"][0], np.int32)
@@ -199,10 +200,13 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
         f["choice_on"][:n] = [c if s.choice is not None else OFF for s, (c, _) in zip(seqs, gates)]
     if extras.grammar:                  # json / regex: each constrained row's bitmask of the ids it may sample
         mask = f["grammar_mask"].reshape(B, extras.grammar)
-        f["grammar_on"][:] = OFF
+        f["grammar_on"][:], last = OFF, None
         for i, (s, (c, start)) in enumerate(zip(seqs, gates)):
             if s.grammar is not None and c != OFF:
-                s.grammar.write(mask[i], s.token_ids, start, s.num_pending if c == NO_COND else 0)
+                pending = s.num_pending if c == NO_COND else 0
+                if pending and last is None:
+                    last = in_flight()                          # (the step in flight's tokens, read once)
+                s.grammar.write(mask[i], s.token_ids, start, pending, last.get(s.seq_id) if pending else None)
                 f["grammar_on"][i] = c
     where: list[tuple] = []
     if extras.prompt_rows:

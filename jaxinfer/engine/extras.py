@@ -144,13 +144,15 @@ class ExtrasRunner:
         self.counts = None
         return True
 
-    def dispatch(self, batch, key: tuple, block_size: int, eos=frozenset()):
+    def dispatch(self, batch, key: tuple, block_size: int, eos=frozenset(), in_flight=None):
         """Pack, send and run one extras step (asynchronous). Returns (key, device logprob rows or None,
-        [(seq, prompt position)] of its prompt-logprob rows), for `apply`."""
+        [(seq, prompt position)] of its prompt-logprob rows), for `apply`. in_flight: the engine's step in flight
+        (a json / regex row's mask is packed with the token it sampled: in_flight_tokens)."""
         r = self.runner
         kind, T, B, W, filtered, extras = key
         packed, where = pack_extras(batch, T, B, W, block_size, r.num_slots, extras,
-                                    self.slots(batch.seqs), self.num_slots, r.chunk_pages, eos)
+                                    self.slots(batch.seqs), self.num_slots, r.chunk_pages, eos,
+                                    lambda: in_flight_tokens(in_flight))
         exe = self.compile(key)
         counts = self._counts() if extras.penalties else None
         r.last_ids, r.kv_caches, counts, out = exe(r.params, r.kv_caches, r.put(packed), r.last_ids, counts)
@@ -227,3 +229,10 @@ def apply(batch, updated: list[Sequence], pending) -> None:
     for (seq, pos), row in zip(where, rows):
         if seq.prompt_logprob_rows is not None:
             seq.prompt_logprob_rows[pos] = row
+
+
+def in_flight_tokens(in_flight) -> dict[int, int]:
+    """seq_id -> the token the one-step call in flight sampled for it, read once that step has run (blocking): a json
+    / regex row's mask is packed with it (grammar.py), so the rest of such a step is packed while that one runs."""
+    batch, ids = in_flight[0], np.asarray(in_flight[1])
+    return {s.seq_id: int(t) for s, t in zip(batch.seqs, ids[:len(batch.seqs)])} if batch.num_steps == 1 else {}

@@ -173,9 +173,8 @@ class LLMEngine:
         if self.runner.lost_buffers() | self.extras.lost_buffers():   # an interrupted call took the KV pages
             self.in_flight = None
             self.scheduler.recompute_all()
-        # (a queue that cannot be admitted yet does not force a read; a json / regex row's mask does: grammar.py)
-        if self.in_flight is not None and (self.scheduler.can_admit() or not self.async_scheduling or
-                                           self.scheduler.needs_read()):
+        # (a queue that cannot be admitted yet does not force a read; a json / regex mask: extras.in_flight_tokens)
+        if self.in_flight is not None and (self.scheduler.can_admit() or not self.async_scheduling):
             if not self.async_scheduling:
                 return self._read_in_flight
             done = self._read_in_flight()
@@ -219,7 +218,8 @@ class LLMEngine:
         plan.t_put = time.perf_counter() - plan.t_launch
         if plan.extras is not None:
             xkey = self.extras.key_for(key + (plan.filtered,), plan.extras)
-            plan.pending = self.extras.dispatch(plan.batch, xkey, self.config.block_size, self.scheduler.eos)
+            plan.pending = self.extras.dispatch(plan.batch, xkey, self.config.block_size, self.scheduler.eos,
+                                                self.in_flight)
             ids = self.extras.sampled_ids()
         elif plan.K > 1:
             ids = self.runner.run(("multistep", *key[1:], plan.filtered, plan.K), packed)

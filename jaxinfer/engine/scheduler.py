@@ -14,7 +14,6 @@ import numpy as np
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, Status
-from jaxinfer.structured import NO_COND
 
 PROMPT_LOGPROB_TOKENS = 256   # prompt tokens with logprobs per step: their [Tp, V] fp32 logits stay small
 
@@ -39,16 +38,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
         self.num_dropped_tokens = 0     # read back, then cut by a stop string (not counted as generated)
-        self.num_grammar = 0            # unfinished json / regex sequences (grammar.py)
         self.building: list[Sequence] = []    # such sequences whose index is being built: they join `waiting` then
 
     def add(self, seq: Sequence) -> None:
         (self.building if seq.grammar is not None and not seq.grammar.ready() else self.waiting).append(seq)
-        self.num_grammar += seq.grammar is not None
-
-    def needs_read(self) -> bool:      # a running json / regex row's input token still on the device (grammar.py;
-        return self.num_grammar > 0 and any(s.grammar is not None and s.num_pending and    # not while it thinks)
-                                            s.constraint()[0] == NO_COND for s in self.running)
 
     def recount_blocks(self) -> None:
         """BlockManager.recount from the sequences queued here (one_thread.recover, after an exception)."""
@@ -287,7 +280,6 @@ class Scheduler:
             self.num_dropped_tokens += drop
         if seq.status is Status.FINISHED:
             return
-        self.num_grammar -= seq.grammar is not None
         if seq.num_pending:                               # drop tokens sampled past the end
             del seq.token_ids[len(seq) - seq.num_pending:]
             seq.num_pending = 0
