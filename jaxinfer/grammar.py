@@ -228,6 +228,11 @@ class GrammarState:
     def ready(self) -> bool:
         return self.rule.ready()
 
+    def reset(self) -> None:
+        """Forget the guide's place (the next write replays the output read so far): a step whose token it went
+        past while on the device was dropped (Scheduler.recompute_all, after an interrupt)."""
+        self.guide, self.read, self.ended = None, 0, False
+
     def write(self, row: np.ndarray, outputs: list[int], start: int, pending: int, last: int | None = None) -> None:
         """Write the bitmask (token t: bit t % 32 of int32 word t // 32 of `row`) of the ids allowed after
         outputs[start:], whose last `pending` (0 or 1: the input token of the step being packed, still on the

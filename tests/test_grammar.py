@@ -108,6 +108,33 @@ def test_preempted_rows_resume(tiny_dir):
     assert small.stats()["kv_blocks_free"] == small.stats()["kv_blocks_total"]
 
 
+def test_a_row_that_survives_an_interrupt_after_its_mask_resumes_in_place(llm, monkeypatch):
+    """A KeyboardInterrupt once a step's masks were written with the token of the step in flight: the engine API's
+    requests go on, recomputed (that token is dropped, then drawn again), and their guides replay the output read
+    so far: the output is the uninterrupted one."""
+    from jaxinfer.engine import extras
+    sp = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": REGEX})
+    want = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0].token_ids
+    real, calls = extras.pack_extras, []
+
+    def interrupted(*args, **kw):
+        out = real(*args, **kw)
+        calls.append(1)
+        if len(calls) == 3:                     # (a decode step's: its mask went past the token in flight)
+            raise KeyboardInterrupt
+        return out
+    monkeypatch.setattr(extras, "pack_extras", interrupted)
+    api, final = llm.llm_engine, None
+    api.add_request("r", PROMPTS[0], sp)
+    while api.has_unfinished_requests():
+        try:
+            final = next((o for o in api.step() if o.finished), final)
+        except KeyboardInterrupt:
+            pass
+    assert len(calls) > 3 and final.outputs[0].token_ids == want, final.outputs[0].text
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
 def test_slow_index_builds_are_refused(llm, monkeypatch):
     """An index that takes longer than BUILD_TIMEOUT_S to build is refused (and refused again at once), naming it;
     the engine stays usable."""

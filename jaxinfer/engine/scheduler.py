@@ -232,6 +232,8 @@ class Scheduler:
         for seq in list(self.running):
             while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:
                 seq.token_ids.pop()
+            if seq.grammar is not None:               # (its guide may have gone past a dropped token: replayed)
+                seq.grammar.reset()
             seq.num_pending, n = 0, len(seq.token_ids)     # (its last token may have ended it: an interrupted finish)
             reason = n > seq.num_prompt_tokens and self.check_stop(seq, seq.token_ids[-1], n)
             self.finish(seq, reason) if reason else self.preempt(seq)
