@@ -39,12 +39,12 @@ def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True, llm_nam
 
     from jaxinfer.compat import FIXED, IGNORED
     from jaxinfer.config import EngineConfig
+    from jaxinfer.structured import REASONING_PARSERS
     if llm_names:                          # (LLM()'s own arguments too: the server has them as its options)
         p.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory, preset or hub id")
         p.add_argument("--generation-config", default="auto", help="auto, vllm or a folder (vLLM's)")
         p.add_argument("--override-generation-config", type=json_object, metavar="JSON")
-        p.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"),
-                       help="structured outputs apply after the thinking's </think> (vLLM's)")
+        p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, help="structured outputs after </think>")
     elif with_model:
         p.add_argument("model", nargs="?", default=None,
                        help=f"checkpoint directory, preset name (random weights) or Hugging Face hub id (default: "
