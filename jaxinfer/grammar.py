@@ -33,6 +33,9 @@ UNENFORCED = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "mul
               "minContains", "maxContains", "minProperties", "maxProperties", "patternProperties", "dependentRequired",
               "dependentSchemas", "if", "then", "else", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
               "dependencies"}
+# masks kept per index, by the guide's state: rows at a state seen before get a copy (~1 us) instead of outlines-core's
+# write (~13 us at Qwen3's vocabulary); 64 rows of 19 KB at most per index
+MASK_CACHE = 64
 LENGTHS = {"minLength", "maxLength"}     # not enforced beside a pattern, a format or an enum (outlines-core drops them)
 
 
@@ -197,6 +200,7 @@ class _Build:
 
     def __init__(self, oc, regex: str, vocab):
         self.box, self.deadline = [], None          # (set when the build gets its slot)
+        self.masks: dict = {}                       # (guide state or None when ended, eos ids, words) -> the row
 
         def build():
             try:
@@ -255,6 +259,10 @@ class GrammarState:
             except Exception:                  # (a token the mask left out: e.g. allowed_token_ids left it none)
                 self.ended = True
         self.read = n
+        key, masks = (None if self.ended else self.guide.get_state(), tuple(rule.eos), row.size), rule.build.masks
+        if (known := masks.get(key)) is not None:     # (a mask depends on the state alone)
+            row[:] = known
+            return
         row[:] = 0
         if not self.ended:
             self.guide.write_mask_into(row.ctypes.data, row.size, 4)
@@ -262,3 +270,7 @@ class GrammarState:
             eos = np.asarray(rule.eos)
             eos = eos[eos < 32 * row.size]
             np.bitwise_or.at(row.view(np.uint32), eos // 32, (1 << (eos % 32)).astype(np.uint32))
+        if MASK_CACHE:
+            if len(masks) >= MASK_CACHE:
+                masks.clear()                          # (the states in use come back at once)
+            masks[key] = row.copy()

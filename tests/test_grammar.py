@@ -135,6 +135,38 @@ def test_a_row_that_survives_an_interrupt_after_its_mask_resumes_in_place(llm, m
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
+def test_masks_kept_by_state_equal_fresh_ones(llm, monkeypatch):
+    """A row at a state seen before gets the mask kept for it (MASK_CACHE): along random allowed paths of the schema
+    (EOS among them: ended rows), every mask equals the one outlines-core writes with nothing kept, hits happen, and
+    an index keeps at most MASK_CACHE masks."""
+    tok, V = llm.get_tokenizer(), llm.model_config.vocab_size
+    rule = grammar.GrammarRule(grammar.regex_for(StructuredOutputsParams(json=SCHEMA)), tok, V, [2])
+    class Kept(dict):                         # counts the masks written into the index's keep
+        writes = 0
+
+        def __setitem__(self, key, value):
+            Kept.writes += 1
+            super().__setitem__(key, value)
+    rng, words = np.random.default_rng(0), -(-V // 32)
+    monkeypatch.setattr(rule.build, "masks", Kept())
+    for walk in range(6):        # two walks along the same path (the lowest allowed id), then random ones
+        monkeypatch.setattr(grammar, "MASK_CACHE", 64 if walk < 2 else 8)
+        if walk == 2:
+            rule.build.masks.clear()
+        kept, fresh, out, Kept.writes = rule.start(), rule.start(), [], 0
+        for _ in range(30):
+            a, b = np.zeros(words, np.int32), np.zeros(words, np.int32)
+            kept.write(a, out, 0, 0)
+            with monkeypatch.context() as m:
+                m.setattr(grammar, "MASK_CACHE", 0)
+                m.setattr(rule.build, "masks", {})
+                fresh.write(b, out, 0, 0)
+            assert (a == b).all() and len(rule.build.masks) <= grammar.MASK_CACHE
+            allowed = np.flatnonzero(np.unpackbits(a.view(np.uint8), bitorder="little")[:V])
+            out.append(int(allowed[0] if walk < 2 else rng.choice(allowed)))
+        assert Kept.writes > 0 if walk != 1 else Kept.writes == 0, (walk, Kept.writes)
+
+
 def test_slow_index_builds_are_refused(llm, monkeypatch):
     """An index that takes longer than BUILD_TIMEOUT_S to build is refused (and refused again at once), naming it;
     the engine stays usable."""
@@ -163,7 +195,7 @@ def test_background_index_builds(llm, monkeypatch):
             "json": schema}))
         build, built = seq.grammar.rule.build, threading.Event()     # (held "building" until the test lets it go)
         seq.grammar.rule.build = type("Held", (), {"result": lambda self, deadline=True: build.result(
-            deadline) if built.is_set() else None})()
+            deadline) if built.is_set() else None, "masks": {}})()
         behind = eng.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         assert not seq.grammar.ready() and llm.stats()["waiting"] == 2
         for _ in range(200):
