@@ -6,8 +6,8 @@ the same executables, the variants timed in turn (twice each) so machine drift h
 Variants: plain (the W workload as bench.py runs it); every request with logprobs=N; every request with
 presence_penalty = frequency_penalty = X and repetition_penalty = 1 + X / 10; with --regex, every request under
 structured_outputs {"regex": RE} (grammar.py: a bitmask per row, written once the step before it is read; W's
-ignore_eos keeps the output lengths). Prints output tok/s of each and the ratio to plain (issue targets: logprobs=5 costs <= 10%, penalties
-<= 5%).
+ignore_eos keeps the output lengths). Prints output tok/s of each and the ratio to plain (issue targets: logprobs=5
+costs <= 10%, penalties <= 5%).
 """
 from __future__ import annotations
 
