@@ -13,7 +13,7 @@ from jaxinfer.step import BAN_PAD, BAN_WIDTH, Extras, forward_rows, unpack
 
 
 def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: str, interpret: bool,
-                     max_rows: int, filtered: bool | str, mesh, extras: Extras):
+                     max_rows: int, filtered: bool | str, mesh, extras: Extras, part: str = "whole"):
     """`step(params, kv_caches, packed, prev_ids, counts) -> (ids, kv_caches, counts, logprobs)`.
 
     counts (penalties only, else None): (prompt_seen [S, V] bool, output_counts [S, V] int32), one row per
@@ -23,16 +23,26 @@ def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, bac
     recomputed sequence: such requests never reuse the prefix cache, so they always start at 0).
     logprobs: fp32 [B (if extras.logprobs) + Tp, 2 + 2 * top_n] (sampling.logprob_stats); only it leaves
     the device, never [B, V]. Logits: logit_bias / allowed_token_ids, the penalties, then the bans (min_tokens,
-    bad_words: -inf stays -inf under a penalty, so the order of vLLM's processors is kept in effect)."""
+    bad_words: -inf stays -inf under a penalty, so the order of vLLM's processors is kept in effect).
+
+    part: "whole", or the step in two programs (a decode step with json / regex rows, whose masks need the tokens of
+    the step before it: the model part runs while the host writes them): "model" `(params, kv_caches, packed,
+    prev_ids, counts) -> (rows [B, E], input tokens [B], kv_caches, counts)` and "draw" `(params, rows, packed, last,
+    counts) -> (ids, logprobs)`, the same computation as "whole" (no prompt logprobs)."""
     V = config.vocab_size
     mm = decode_matmul(B, interpret, tp_size(mesh)) if kind == "decode" else None    # as the plain step's logits
 
-    def step(params, kv_caches, packed, prev_ids, counts):
+    def model(params, kv_caches, packed, prev_ids, counts):
         b = unpack(packed, T, B, W, extras)
         token_ids, rows, kv_caches = forward_rows(config, kind, backend, interpret, mesh, params, kv_caches, b,
                                                   prev_ids, mm)
+        if extras.penalties:
+            counts = _count_tokens(counts, token_ids, b, kind == "prefill")
+        return b, (rows, token_ids[b["sample_idx"]], kv_caches, counts)     # (each row's input token)
+
+    def draw(params, rows, b, last, counts):
         logits = _full_vocab(compute_logits(config, params, rows, mm), V, mesh)   # [B, V] fp32
-        last = token_ids[b["sample_idx"]][:, None]                                # [B, 1] each row's input token
+        last = last[:, None]                                                      # [B, 1]
         if extras.choice:             # structured outputs first (vLLM applies its grammar mask before the sampler)
             logits = _only_entries(logits, b["choice_ids"].reshape(B, extras.choice),
                                    b["choice_cond"].reshape(B, extras.choice), last, b["choice_on"])
@@ -45,7 +55,6 @@ def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, bac
             logits = apply_bias(logits, b["bias_ids"].reshape(B, extras.bias), b["bias_vals"].reshape(B, extras.bias),
                                 b["bias_only"])
         if extras.penalties:
-            counts = _count_tokens(counts, token_ids, b, kind == "prefill")
             slot = b["pen_slot"]
             seen, outs = (jnp.take(c, slot, axis=0, mode="fill", fill_value=0) for c in counts)   # [B, V] each
             logits = apply_penalties(logits, seen, outs, b["repetition"], b["frequency"], b["presence"])
@@ -59,16 +68,21 @@ def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, bac
             logits = logits.at[rows_b, ban].set(-jnp.inf, mode="drop")
         ids = sample(logits, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["counters"],
                      filtered)
-        stats = []
-        if extras.logprobs:
-            stats.append(logprob_stats(raw, ids, extras.top_n))
-        if extras.prompt_rows:
+        stats = [logprob_stats(raw, ids, extras.top_n)] if extras.logprobs else []
+        return jnp.pad(ids, (0, max_rows - B)), stats
+
+    def step(params, kv_caches, packed, prev_ids, counts):
+        b, (rows, last, kv_caches, counts) = model(params, kv_caches, packed, prev_ids, counts)
+        ids, stats = draw(params, rows, b, last, counts)
+        if extras.prompt_rows:                 # (b["hidden"]: every token's hidden state, kept by forward_rows)
             plogits = _full_vocab(compute_logits(config, params, b["hidden"][b["plp_idx"]]), V, mesh)  # [Tp, V]
             stats.append(logprob_stats(plogits, b["plp_target"], extras.top_n))
-        out = jnp.concatenate(stats) if stats else None
-        return jnp.pad(ids, (0, max_rows - B)), kv_caches, counts, out
+        return ids, kv_caches, counts, jnp.concatenate(stats) if stats else None
 
-    return step
+    def draw_part(params, rows, packed, last, counts):
+        ids, stats = draw(params, rows, unpack(packed, T, B, W, extras), last, counts)
+        return ids, jnp.concatenate(stats) if stats else None
+    return {"model": lambda *args: model(*args)[1], "draw": draw_part, "whole": step}[part]
 
 
 def _only_entries(logits, ids, cond, last, on):

@@ -4,7 +4,8 @@ the same executables, the variants timed in turn (twice each) so machine drift h
     python scripts/bench_sampling_extras.py [model] [--logprobs 5] [--penalty 0.5] [--regex RE] [--json out.json]
 
 Variants: plain (the W workload as bench.py runs it); every request with logprobs=N; every request with
-presence_penalty = frequency_penalty = X and repetition_penalty = 1 + X / 10; with --regex, every request under
+presence_penalty = frequency_penalty = X and repetition_penalty = 1 + X / 10 (--structured-only: neither); with
+--schema, every request under structured_outputs {"json": SCHEMA}; with --regex, every request under
 structured_outputs {"regex": RE} (grammar.py: a bitmask per row, written once the step before it is read; W's
 ignore_eos keeps the output lengths). Prints output tok/s of each and the ratio to plain (issue targets: logprobs=5
 costs <= 10%, penalties <= 5%).
@@ -28,6 +29,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--logprobs", type=int, default=5)
     ap.add_argument("--penalty", type=float, default=0.5)
     ap.add_argument("--regex", default=None, help='a structured_outputs regex variant too (e.g. "[a-z ]+")')
+    ap.add_argument("--schema", default=None, help='a structured_outputs json variant too (a JSON schema, e.g. '
+                    '\'{"type": "object", "properties": {"text": {"type": "string"}}}\')')
+    ap.add_argument("--structured-only", action="store_true", help="plain and the structured variants alone")
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-len", type=int, default=1024, help="longest prompt and output (W: 1024)")
@@ -47,8 +51,12 @@ def main(argv=None) -> dict:
         f"penalties={a.penalty}": [replace(p, presence_penalty=a.penalty, frequency_penalty=a.penalty,
                                            repetition_penalty=1 + a.penalty / 10) for p in plain],
     }
+    if a.structured_only:
+        variants = {"plain": plain}
     if a.regex:
         variants["regex"] = [replace(p, structured_outputs={"regex": a.regex}) for p in plain]
+    if a.schema:
+        variants["json"] = [replace(p, structured_outputs={"json": json.loads(a.schema)}) for p in plain]
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     t = time.perf_counter()
     for params in list(variants.values())[1:]:        # their step variants, before anything is timed

@@ -135,6 +135,57 @@ def test_a_row_that_survives_an_interrupt_after_its_mask_resumes_in_place(llm, m
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
+@pytest.mark.parametrize("through", ["llm_engine", "engine"])
+def test_an_interrupt_between_a_steps_model_part_and_its_draw(llm, monkeypatch, through):
+    """A decode step with json / regex rows runs its model part, then writes the masks (reading the step in flight)
+    and draws (ExtrasRunner split): a KeyboardInterrupt while the masks are written leaves a model part without its
+    draw. The requests (a regex row with penalties and logprobs, a plain one whose frequency penalty would count the
+    step's input tokens twice if the model part ran again as it was) go on, through the engine API (which recomputes
+    them) and through the engine itself (ExtrasRunner.lost_buffers), with the uninterrupted outputs (and logprobs);
+    every KV block comes back."""
+    sps = [SamplingParams(temperature=0, max_tokens=30, structured_outputs={"regex": REGEX}, logprobs=2,
+                          presence_penalty=0.5),
+           SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=0.3)]
+    want = llm.generate([PROMPTS[0], PROMPTS[1]], sps, use_tqdm=False)
+    api, eng, final = llm.llm_engine, llm.engine, {}
+
+    def counted(seqs):                  # each row's output tokens counted for its penalties, in all
+        outs = np.asarray(eng.extras.counts[1])
+        return [int(outs[eng.extras.slot_of[s.seq_id]].sum()) for s in seqs]
+    seqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, sps)]
+    while eng.has_unfinished():
+        eng.step()
+    want_counts = counted(seqs)
+    real, calls = grammar.GrammarState.write, []
+
+    def interrupted(self, *args, **kw):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(self, *args, **kw)
+    monkeypatch.setattr(grammar.GrammarState, "write", interrupted)
+    seqs = [api.add_request(f"x{i}", p, sp) if through == "llm_engine" else eng.add_request(p, sp)
+            for i, (p, sp) in enumerate(zip(PROMPTS, sps))]
+    while api.has_unfinished_requests() if through == "llm_engine" else eng.has_unfinished():
+        try:
+            if through == "llm_engine":
+                final.update({o.request_id: o for o in api.step() if o.finished})
+            else:
+                eng.step()
+        except KeyboardInterrupt:
+            pass
+    assert len(calls) > 4 and llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+    for i, w in enumerate(want):
+        if through == "engine":
+            assert seqs[i].token_ids[seqs[i].num_prompt_tokens:] == w.outputs[0].token_ids, i
+            assert counted(seqs) == want_counts         # (not twice for the step whose draw was interrupted)
+            continue
+        got = final[f"x{i}"].outputs[0]
+        assert got.token_ids == w.outputs[0].token_ids, i
+        if i == 0:
+            assert [list(d) for d in got.logprobs] == [list(d) for d in w.outputs[0].logprobs]
+
+
 def test_masks_kept_by_state_equal_fresh_ones(llm, monkeypatch):
     """A row at a state seen before gets the mask kept for it (MASK_CACHE): along random allowed paths of the schema
     (EOS among them: ended rows), every mask equals the one outlines-core writes with nothing kept, hits happen, and

@@ -89,7 +89,7 @@ def test_small_top_k_with_logprobs_skips_the_sort_with_the_same_tokens(tiny_dir)
     before = llm.stats()["compilations"]
     a = llm.generate(PROMPTS[:1], with_lp, use_tqdm=False)[0]
     assert llm.stats()["compilations"] == before
-    assert {k[4] for k in llm.engine.extras.compiled} == {"top_k"}
+    assert {key[4] for key, part in llm.engine.extras.compiled} == {"top_k"}
     assert a.token_ids == llm.generate(PROMPTS[:1], qwen, use_tqdm=False)[0].token_ids
     other = SamplingParams(temperature=1.0, top_p=0.8, seed=1, max_tokens=8, logprobs=1)
     assert llm.generate(PROMPTS[:2], [with_lp, other], use_tqdm=False)[0].token_ids == a.token_ids

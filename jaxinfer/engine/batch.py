@@ -139,14 +139,16 @@ def pack_multistep(batch: ScheduledBatch, B: int, W: int, block_size: int, num_s
 
 def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, num_slots: int, extras: Extras,
                 pen_slots: list[int], num_pen_slots: int, chunk_pages: int = 0,
-                eos=frozenset(), in_flight=dict) -> tuple[np.ndarray, list[tuple]]:
+                eos=frozenset(), in_flight=dict, defer: bool = False) -> tuple[np.ndarray, list[tuple], object]:
     """The extras variant's batch (step.make_extras_step): `pack`'s fields, then per row its penalty slot
     (pen_slots; num_pen_slots = none), prompt length and penalties, then the prompt tokens whose logprobs
     this step computes: their index in the step's tokens and the prompt token that follows each; with bans, the
     ids each row may not sample (min_tokens not reached: its stop_token_ids and the `eos` ids); with bias, each row's
     logit_bias / allowed_token_ids entries; with bad_words, its bans; with choice or grammar, the ids it may sample
     (a grammar row's mask after its input token still on the device: `in_flight()`, seq_id -> that token, waits).
-    Returns (packed, [(seq, position of the token whose logprob it is), ...] per prompt-logprob entry)."""
+    Returns (packed, [(seq, position of the token whose logprob it is), ...] per prompt-logprob entry, None); with
+    `defer` and grammar rows, the masks are left out and the third item writes them into a copy and returns it (the
+    step's draw, run after its model part: ExtrasRunner)."""
     layout = extras_layout(T, B, W, extras)
     buf = np.zeros(layout["_size"][0], np.int32)
     base = pack(batch, T, B, W, block_size, num_slots, chunk_pages)
@@ -198,16 +200,19 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
             s.token_ids, s.num_pending if c == NO_COND else 0, eos, start) for s, (c, start) in zip(seqs, gates)])
         f["choice_on"][:] = OFF
         f["choice_on"][:n] = [c if s.choice is not None else OFF for s, (c, _) in zip(seqs, gates)]
-    if extras.grammar:                  # json / regex: each constrained row's bitmask of the ids it may sample
-        mask = f["grammar_mask"].reshape(B, extras.grammar)
-        f["grammar_on"][:], last = OFF, None
+
+    def masks(out: np.ndarray) -> np.ndarray:   # json / regex: each constrained row's bitmask of the ids it may sample
+        (off, size), (on_off, _) = layout["grammar_mask"], layout["grammar_on"]
+        mask, on, last = out[off:off + size].reshape(B, extras.grammar), out[on_off:on_off + B], None
+        on[:] = OFF
         for i, (s, (c, start)) in enumerate(zip(seqs, gates)):
             if s.grammar is not None and c != OFF:
                 pending = s.num_pending if c == NO_COND else 0
                 if pending and last is None:
                     last = in_flight()                          # (the step in flight's tokens, read once)
                 s.grammar.write(mask[i], s.token_ids, start, pending, last.get(s.seq_id) if pending else None)
-                f["grammar_on"][i] = c
+                on[i] = c
+        return out
     where: list[tuple] = []
     if extras.prompt_rows:
         t = 0
@@ -222,7 +227,9 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
                     where.append((seq, p + 1))
             t += c
         assert len(where) <= extras.prompt_rows, (len(where), extras.prompt_rows)   # the scheduler's limit
-    return buf, where
+    if defer and extras.grammar:
+        return buf, where, lambda: masks(buf.copy())
+    return (masks(buf) if extras.grammar else buf), where, None
 
 
 class StepPlan:

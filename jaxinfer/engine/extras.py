@@ -26,7 +26,8 @@ from jaxinfer.engine.runner import compile_threads, program_switches
 from jaxinfer.engine.scheduler import PROMPT_LOGPROB_TOKENS
 from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.parallel.layout import KV_SPEC
-from jaxinfer.step import BIAS_WIDTHS, Extras, extras_layout, idle_batch, make_step
+from jaxinfer.extras_step import make_extras_step
+from jaxinfer.step import BIAS_WIDTHS, Extras, extras_layout, idle_batch
 from jaxinfer.xla_options import step_compiler_options
 
 LOGPROB_WIDTHS = (5, 20)        # static top-N widths: a batch asking N logprobs computes the smallest >= N
@@ -69,8 +70,9 @@ class ExtrasRunner:
         self.owner: list[Sequence | None] = [None] * num_slots
         self.slot_of: dict[int, int] = {}            # seq_id -> slot
         self.counts = None                           # (prompt_seen, output_counts), made on first use
-        self.compiled: dict[tuple, object] = {}
+        self.compiled: dict[tuple, object] = {}      # (key, part) -> executable
         self._lock = threading.Lock()
+        self.drawless = False                        # a split variant's model part ran but its draw did not
 
     # -- slots ----------------------------------------------------------------------------------------
     def slots(self, seqs: list[Sequence]) -> list[int]:
@@ -102,8 +104,9 @@ class ExtrasRunner:
             extras = extras._replace(prompt_rows=min(key[1], PROMPT_LOGPROB_TOKENS))
         return (*key, extras)
 
-    def compile(self, key: tuple):
-        exe = self.compiled.get(key)
+    def compile(self, key: tuple, part: str = "whole"):
+        """The executable of one extras variant, or of one part of a split one (split: "model" / "draw")."""
+        exe = self.compiled.get((key, part))
         if exe is not None:
             return exe
         if key[-1].penalties:
@@ -113,21 +116,58 @@ class ExtrasRunner:
         kind, T, B, W, filtered, extras = key
         shared = ("extras", r.model, r.engine.attn_backend, str(r.dtype), str(r.kv_dtype), r.num_blocks,
                   r.engine.block_size, r.interpret, r.max_rows, isinstance(r.params["layers"], tuple),
-                  r.cache_kind, len(r.placement.devices), self.num_slots, key, *program_switches())
+                  r.cache_kind, len(r.placement.devices), self.num_slots, key, part, *program_switches())
 
         def build():
-            step = make_step(r.model, kind, T, B, W, r.engine.attn_backend, r.interpret, r.max_rows, filtered,
-                             r.mesh, extras)
+            step = make_extras_step(r.model, kind, T, B, W, r.engine.attn_backend, r.interpret, r.max_rows, filtered,
+                                    r.mesh, extras, part)
             rep = r.placement.replicated
             packed = jax.ShapeDtypeStruct((extras_layout(T, B, W, extras)["_size"][0],), jnp.int32, sharding=rep)
             counts = self._counts() if extras.penalties else None
-            out = (rep, r.placement.sharding(KV_SPEC), rep, rep)
-            jitted = jax.jit(step, donate_argnums=(1, 4), out_shardings=out)
-            lowered = jitted.lower(r.params, r.kv_caches, packed, r.last_ids, counts)
+            if part == "draw":                  # (params, rows, packed, input tokens, counts): nothing donated
+                rows = jax.ShapeDtypeStruct((B, r.hidden_size), r.dtype, sharding=rep)
+                last = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=rep)
+                lowered = jax.jit(step, out_shardings=(rep, rep)).lower(r.params, rows, packed, last, counts)
+            else:
+                kv = r.placement.sharding(KV_SPEC)
+                out = (rep, rep, kv, rep) if part == "model" else (rep, kv, rep, rep)
+                jitted = jax.jit(step, donate_argnums=(1, 4), out_shardings=out)
+                lowered = jitted.lower(r.params, r.kv_caches, packed, r.last_ids, counts)
             return lowered.compile(compiler_options=step_compiler_options(
                 r.placement.devices[0].platform, len(r.placement.devices)))
-        exe = self.compiled[key] = r.executables.get(shared, r.placement.devices, build)
+        exe = self.compiled[(key, part)] = r.executables.get(shared, r.placement.devices, build)
         return exe
+
+    @staticmethod
+    def split(key: tuple) -> bool:
+        """Whether a variant runs as two programs: a decode step with json / regex rows, whose masks need the tokens
+        of the step in flight: its model part is queued behind that step before the host reads them and writes the
+        masks, its draw after (extras_step.make_extras_step's parts)."""
+        return key[0] == "decode" and bool(key[-1].grammar)
+
+    def parts(self, key: tuple) -> tuple[str, ...]:
+        return ("model", "draw") if self.split(key) else ("whole",)
+
+    def _run(self, key: tuple, packed: np.ndarray, masks=None):
+        """Run a variant on a packed batch (masks: what writes a split variant's masks and returns the batch to draw
+        with); returns the device logprob rows or None."""
+        r, extras = self.runner, key[-1]
+        counts = self._counts() if extras.penalties else None
+        if not self.split(key):
+            r.last_ids, r.kv_caches, counts, out = self.compile(key)(r.params, r.kv_caches, r.put(packed), r.last_ids,
+                                                                     counts)
+            self.counts = counts if extras.penalties else self.counts
+            return out
+        rows, last, r.kv_caches, counts = self.compile(key, "model")(r.params, r.kv_caches, r.put(packed), r.last_ids,
+                                                                     counts)
+        self.counts = counts if extras.penalties else self.counts
+        try:
+            drawn = masks() if masks is not None else packed      # (waits for the step in flight's tokens)
+            r.last_ids, out = self.compile(key, "draw")(r.params, rows, r.put(drawn), last, counts)
+        except BaseException:
+            self.drawless = True        # (a model part without its draw: the engine recomputes, as for lost buffers)
+            raise
+        return out
 
     def _counts(self):
         if self.counts is None:
@@ -139,6 +179,9 @@ class ExtrasRunner:
     def lost_buffers(self) -> bool:
         """Whether the penalty counts were donated to a call whose outputs were not kept (runner.lost_buffers):
         then they are made again, zeroed, on next use, and the running requests must start over."""
+        if self.drawless:
+            self.drawless, self.counts = False, None
+            return True
         if self.counts is None or not self.counts[0].is_deleted():
             return False
         self.counts = None
@@ -150,14 +193,10 @@ class ExtrasRunner:
         (a json / regex row's mask is packed with the token it sampled: in_flight_tokens)."""
         r = self.runner
         kind, T, B, W, filtered, extras = key
-        packed, where = pack_extras(batch, T, B, W, block_size, r.num_slots, extras,
-                                    self.slots(batch.seqs), self.num_slots, r.chunk_pages, eos,
-                                    lambda: in_flight_tokens(in_flight))
-        exe = self.compile(key)
-        counts = self._counts() if extras.penalties else None
-        r.last_ids, r.kv_caches, counts, out = exe(r.params, r.kv_caches, r.put(packed), r.last_ids, counts)
-        if extras.penalties:
-            self.counts = counts
+        packed, where, masks = pack_extras(batch, T, B, W, block_size, r.num_slots, extras,
+                                           self.slots(batch.seqs), self.num_slots, r.chunk_pages, eos,
+                                           lambda: in_flight_tokens(in_flight), self.split(key))
+        out = self._run(key, packed, masks)
         if jax.process_count() > 1 and out is not None:   # replicated over hosts: read this host's copy
             out = out.addressable_data(0)
         if out is not None:
@@ -173,10 +212,9 @@ class ExtrasRunner:
         """Compile the given extras keys and run each once on an all-padding batch."""
         r = self.runner
         with ThreadPoolExecutor(compile_threads()) as pool:   # XLA compiles outside the GIL
-            list(pool.map(self.compile, keys))
+            list(pool.map(lambda kp: self.compile(*kp), [(k, p) for k in keys for p in self.parts(k)]))
         for key in keys:
             kind, T, B, W, filtered, extras = key
-            exe = self.compile(key)
             size = extras_layout(T, B, W, extras)["_size"][0]
             buf = idle_batch(size, T, B, W, r.num_slots)
             lay = extras_layout(T, B, W, extras)
@@ -184,10 +222,7 @@ class ExtrasRunner:
             buf[off:off + n] = self.num_slots                       # padding rows: the dropped slot
             off, n = lay["repetition"]
             buf[off:off + n].view(np.float32)[:] = 1.0
-            counts = self._counts() if extras.penalties else None
-            r.last_ids, r.kv_caches, counts, out = exe(r.params, r.kv_caches, r.put(buf), r.last_ids, counts)
-            if extras.penalties:
-                self.counts = counts
+            self._run(key, buf)
             np.asarray(r.last_ids)
 
 
