@@ -55,6 +55,11 @@ class _Request:
     ids: list = field(default_factory=list)                 # per sample: token ids shown so far
     prompt_sent: bool = False
     cum: dict = field(default_factory=dict)                 # per sample: cumulative logprob sent (DELTA)
+    ended: set = field(default_factory=set)                 # samples whose finish_reason was sent
+
+    def sent(self) -> tuple:
+        """What its outputs gave (step puts it back when an exception keeps them from the caller)."""
+        return list(self.text), list(self.ids), self.prompt_sent, dict(self.cum), set(self.ended)
 
 
 class EngineAPI:
@@ -133,31 +138,38 @@ class EngineAPI:
             if self._llm.engine.has_unfinished():
                 self._llm._one_thread.steps += 1
                 self._llm.engine.step()
-            outputs, texts = [], TokenTexts(self._llm.tokenizer)
-            for rid, req in list(self._requests.items()):
-                out = self._output(req, texts)
-                if out is not None:
-                    outputs.append(out)
-                if all(is_finished(s) and self._shown(req, j) for j, s in enumerate(req.seqs)):
-                    del self._requests[rid]
+            outputs, texts, saved = [], TokenTexts(self._llm.tokenizer), dict(self._requests)
+            sent = [(r, r.sent()) for r in saved.values()]
+            try:       # (an exception: nothing of this step counts as sent, the next step gives it)
+                for rid, req in saved.items():
+                    out = self._output(req, texts)
+                    if out is not None:
+                        outputs.append(out)
+                    if all(is_finished(s) and j in req.ended for j, s in enumerate(req.seqs)):
+                        del self._requests[rid]
+            except BaseException:
+                self._requests = saved
+                for req, state in sent:
+                    req.text, req.ids, req.prompt_sent, req.cum, req.ended = state
+                raise
             return outputs
-
-    def _shown(self, req: _Request, j: int) -> bool:
-        proc = req.procs.get(req.seqs[j].seq_id)
-        return proc is not None and proc.finished
 
     def _output(self, req: _Request, texts: TokenTexts) -> RequestOutput | None:
         moved = []
         for j, seq in enumerate(req.seqs):
-            d = self._llm._process_text(seq, req.procs, stream=True)
+            self._llm._process_text(seq, req.procs, stream=True)
+            # what the processor gave beyond what was sent (also what an interrupted step did not return)
+            d = req.procs[seq.seq_id].since(len(req.text[j]), len(req.ids[j]), j in req.ended)
             if d.text or d.token_ids or d.finish_reason:
                 moved.append((j, d))
         if not moved:
             return None
-        finished = all(self._shown(req, j) for j in range(len(req.seqs)))
         starts = {j: len(req.ids[j]) for j, _ in moved}
         for j, d in moved:
             req.text[j], req.ids[j] = req.text[j] + d.text, req.ids[j] + d.token_ids
+            if d.finish_reason:
+                req.ended.add(j)
+        finished = len(req.ended) == len(req.seqs)
         if req.kind == "FINAL_ONLY" and not finished:
             return None
         if req.kind == "DELTA":

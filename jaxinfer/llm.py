@@ -166,10 +166,13 @@ class LLM:
         if proc is None:
             proc = procs[seq.seq_id] = OutputProcessor.for_params(self.tokenizer, seq.params, stream)
         new = seq.output_token_ids[len(proc.token_ids):]
-        delta = proc.update(new, seq.finish_reason)
-        if proc.stopped:      # a stop string; the tokens a K-step call read back after it are dropped
-            drop = len(new) - len(delta.token_ids) if delta.finish_reason else 0
-            self.engine.scheduler.finish(seq, "stop", drop)
+        try:
+            delta = proc.update(new, seq.finish_reason)
+        except BaseException:      # half applied: a new processor reads all of seq's ids at the next call (engine_api)
+            del procs[seq.seq_id]
+            raise
+        if proc.stopped:      # a stop string; the tokens a K-step call (or later calls) read back after it are dropped
+            self.engine.scheduler.finish(seq, "stop", len(seq.output_token_ids) - len(proc.token_ids))
         return delta
 
     def _output(self, i: int, prompt: Prompt, group: list[Sequence], texts: TokenTexts, procs: dict) -> RequestOutput:

@@ -81,6 +81,11 @@ class OutputProcessor:
                              parts[-1].finish_reason)
         return self._update(new, finish_reason)
 
+    def since(self, chars: int, ids: int, ended: bool = False) -> TextDelta:
+        """What the deltas so far gave after their first `chars` characters and `ids` ids (and the finish reason,
+        unless `ended`): a caller's catch-up after an exception lost deltas it was given (engine_api)."""
+        return TextDelta(self.text[chars:self._sent_chars], self.token_ids[ids:], None if ended else self.finish_reason)
+
     def _update(self, new: list[int], finish_reason: str | None) -> TextDelta:
         self.token_ids += new
         shown = text_ids(new, finish_reason, self.include_stop)

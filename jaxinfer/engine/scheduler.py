@@ -76,10 +76,10 @@ class Scheduler:
             seq = self.waiting[0]
             if not self.bm.can_allocate(seq) or not self._chunk(seq, budget, plp) or self._waits(seq):
                 break
-            self.waiting.popleft()
-            self.num_prefix_hit_tokens += self.bm.allocate(seq)
             seq.status = Status.RUNNING
-            self.running.append(seq)
+            self.running.append(seq)    # queued before it leaves `waiting` and before allocate (an exception there:
+            self.waiting.popleft()      # recompute_all puts it back)
+            self.num_prefix_hit_tokens += self.bm.allocate(seq)
             n = self._chunk(seq, budget, plp, take=True)
             seqs.append(seq), counts.append(n)
             budget -= n
@@ -220,23 +220,28 @@ class Scheduler:
         return updated, count
 
     def preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.bm.free_seq(seq)
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.appendleft(seq)    # queued before it leaves `running` and before free_seq (an exception there:
+        self.running.remove(seq)        # recompute_all frees its blocks)
+        self.bm.free_seq(seq)
         self.num_preemptions += 1
 
     def recompute_all(self) -> None:
-        """The KV pages are lost (runner.lost_buffers) or a step was interrupted (one_thread.recover): running sequences
-        drop their tokens on the device, give back their blocks and compute them again; the prefix cache is emptied."""
-        for seq in list(self.running):
+        """The KV pages are lost (runner.lost_buffers) or a step was interrupted (one_thread.recover): every queued
+        sequence drops its tokens on the device, gives back its blocks and waits; the prefix cache is emptied."""
+        keep = [s for s in dict.fromkeys([*reversed(self.running), *self.waiting]) if s.status is not Status.FINISHED]
+        for seq in keep:                              # (in the order preempt gives them)
             while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:
                 seq.token_ids.pop()
             if seq.grammar is not None:               # (its guide may have gone past a dropped token: replayed)
                 seq.grammar.reset()
             seq.num_pending, n = 0, len(seq.token_ids)     # (its last token may have ended it: an interrupted finish)
             reason = n > seq.num_prompt_tokens and self.check_stop(seq, seq.token_ids[-1], n)
-            self.finish(seq, reason) if reason else self.preempt(seq)
+            self.finish(seq, reason) if reason else self.bm.free_seq(seq)
+        self.running, self.waiting = [], deque(s for s in keep if s.status is not Status.FINISHED)
+        self.num_preemptions += sum(s.status is Status.RUNNING for s in self.waiting)
+        for seq in self.waiting:
+            seq.status = Status.WAITING
         self.bm.reset_prefix_cache()
 
     def postprocess(self, batch: ScheduledBatch, token_ids) -> list[Sequence]:
@@ -287,8 +292,7 @@ class Scheduler:
             seq.num_pending = 0
         queue = self.running if seq.status is Status.RUNNING else self.building if seq in self.building else \
             self.waiting
-        if seq in queue:       # (in neither: an exception, e.g. a KeyboardInterrupt, came between taking it from
-            queue.remove(seq)  # the waiting queue and adding it to the running one)
+        seq.finish_reason, seq.status = reason, Status.FINISHED   # first (one line): an exception below, e.g. a
+        if seq in queue:       # KeyboardInterrupt, leaves it finished; recompute_all drops it from the queues (in
+            queue.remove(seq)  # neither, or both: one cut short a move between them) and recount frees its blocks
         self.bm.free_seq(seq)
-        seq.status = Status.FINISHED
-        seq.finish_reason = reason
