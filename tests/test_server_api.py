@@ -276,6 +276,16 @@ def test_metrics(url, client):
         assert m["jaxinfer:" + back[stem] + base[len(stem):] + brace + rest] == v or base.endswith("_created"), name
     assert m["vllm:request_time_per_output_token_seconds_count" + lab] >= 1 and len(twins) > 40
     assert m["vllm:num_requests_running" + lab] == 0 and m["vllm:prefix_cache_hits_total" + lab] >= 0
+    # the engine core's histograms of finished requests: its phases add up, its token gaps span its decode time
+    assert m["vllm:prefix_cache_queries_total" + lab] == st["prefix_cache_query_tokens"] >= st["prompt_tokens"]
+    h = {k.removeprefix("vllm:").removesuffix(lab): v for k, v in m.items() if k.endswith(lab)}
+    assert h["request_queue_time_seconds_count"] == h["request_inference_time_seconds_count"] >= 1
+    assert h["request_inference_time_seconds_sum"] == pytest.approx(
+        h["request_prefill_time_seconds_sum"] + h["request_decode_time_seconds_sum"], abs=1e-6)
+    assert h["inter_token_latency_seconds_sum"] == pytest.approx(h["request_decode_time_seconds_sum"], abs=1e-6)
+    assert h["inter_token_latency_seconds_count"] == h["request_generation_tokens_sum"] - h[
+        "request_generation_tokens_count"] >= 4
+    assert m['vllm:request_generation_tokens_bucket{le="5.0",model_name="tiny-qwen3"}'] >= 1
 
 
 def _latency_sums(url) -> dict:

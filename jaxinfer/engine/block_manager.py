@@ -13,6 +13,7 @@ sequence can never read a block another sequence has not computed yet.
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
 from collections import OrderedDict
 
@@ -48,6 +49,7 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # FIFO = LRU
         self.cached: dict[bytes, int] = {}      # hash -> block id
         self.prefix_caching = enable_prefix_caching
+        self.query_tokens = 0                   # tokens looked up in the cache (allocate): vLLM's prefix_cache_queries
 
     @property
     def num_blocks(self) -> int:
@@ -135,8 +137,10 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = hits + [self._take_free() for _ in range(seq.num_blocks_needed - len(hits))]
         seq.num_computed_tokens = len(hits) * self.block_size
+        self.query_tokens += len(seq) if self.prefix_caching else 0
         if not seq.admitted:
             seq.num_cached_tokens, seq.admitted = seq.num_computed_tokens, True
+            seq.first_scheduled_time = time.perf_counter()
         seq.num_hashed_blocks = len(hits)
         seq.last_hash = self.blocks[hits[-1]].hash if hits else None
         return seq.num_computed_tokens

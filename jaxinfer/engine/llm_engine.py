@@ -291,10 +291,10 @@ class LLMEngine:
         return dict(kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
                     block_size=self.config.block_size, kv_cache_dtype=str(self.runner.kv_dtype),
                     preemptions=s.num_preemptions, prefix_cache_hit_tokens=s.num_prefix_hit_tokens,
+                    prefix_cache_query_tokens=bm.query_tokens,
                     compilations=self.compile_counter.count - self.compilations_at_warmup,
-                    compiled_buckets=len(self.runner.compiled),
-                    compiled_multistep=sum(k[0] == "multistep" for k in self.runner.compiled),
-                    compiled_extras=len(self.extras.compiled),
+                    compiled_buckets=len(c := self.runner.compiled),
+                    compiled_multistep=sum(k[0] == "multistep" for k in c), compiled_extras=len(self.extras.compiled),
                     running=len(s.running), waiting=len(s.waiting) + len(s.building),
                     **{**self.counters, "generated_tokens": self.counters["generated_tokens"] - s.num_dropped_tokens},
                     **{f"host_{k}": v for k, v in self.host_time.items()})

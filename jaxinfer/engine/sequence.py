@@ -55,6 +55,7 @@ class Sequence:
         self.text = ""                    # detokenized output so far (kept only when stop strings need it)
         self.first_token_time: float | None = None
         self.arrival_time: float | None = None
+        self.first_scheduled_time: float | None = None   # given its first KV blocks (block_manager.allocate)
         self.token_times: list[float] = []
         # logprobs (engine/extras.py): one row per output token read back, and per prompt position (None
         # for the first token and for positions not computed yet); rows as outputs.logprob_dict reads them

@@ -37,6 +37,8 @@ import traceback
 import msgpack
 import zmq
 
+from jaxinfer.server.metrics import RequestTimes
+
 log = logging.getLogger("jaxinfer.server.core")
 IDLE_POLL_MS = 500          # idle: wake this often to check that the parent process still exists
 
@@ -99,6 +101,7 @@ class EngineCore:
         self.live: dict[int, list] = {}          # seq_id -> [rid, seq, tokens sent]
         self.by_rid: dict[int, int] = {}         # rid -> seq_id
         self.running = True
+        self.times = RequestTimes(engine.config.max_model_len)     # finished requests' histograms (/metrics)
 
     # -- loop ---------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -144,7 +147,7 @@ class EngineCore:
                 seq = self.live.pop(seq_id)[1]
                 self.engine.abort(seq)
         elif kind == "stats":
-            self._send(cmd[1], ["stats", cmd[2], self.engine.stats()])
+            self._send(cmd[1], ["stats", cmd[2], {**self.engine.stats(), "request_times": self.times.snapshot()}])
         elif kind == "ping":                     # (an API process starting: until one arrives there)
             self._send(cmd[1], ["pong", cmd[2], None])
         elif kind == "shutdown":
@@ -179,6 +182,7 @@ class EngineCore:
             reason = seq.finish_reason
             if reason is not None:               # finished: forget it
                 del self.live[seq.seq_id], self.by_rid[rid]
+                self.times.add(seq)
             row = [rid, seq.token_ids[p + sent:p + n], reason]
             if seq.params.logprobs is not None or (sent == 0 and seq.prompt_logprob_rows is not None):
                 extra = {"logprobs": seq.logprob_rows[sent:n]} if seq.params.logprobs is not None else {}

@@ -3,8 +3,9 @@ numbers again under vLLM's own `vllm:` names (VLLM_NAMES), so that dashboards ma
 
 Where each number comes from:
 - engine gauges and counters (running / waiting requests, KV cache usage, prompt and generation tokens,
-  preemptions, prefix-cache hits) are the engine core's `stats()`, fetched at scrape time: one core, so every
-  API process reports the same values;
+  preemptions, prefix-cache queries and hits) and the histograms of finished requests' phases, token gaps and
+  lengths (RequestTimes, kept by the core) are the engine core's `stats()`, fetched at scrape time: one core, so
+  every API process reports the same values;
 - latency histograms (time to first token, time per output token, end-to-end latency) and the request
   counters (finished by reason, rejected 503s) are measured in the API process, as the client sees them.
   With several API processes (--api-server-count) these go through prometheus_client's multiprocess mode:
@@ -15,6 +16,7 @@ Without prometheus_client installed the server runs and /metrics answers 501.
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 # bucket bounds (seconds), as vLLM's
@@ -24,6 +26,18 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 
                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0)
+# the engine core's request histograms (RequestTimes): vLLM's phases of a request, its inter-token latency (finer
+# buckets below 10 ms added), its prompt and output lengths
+LATENCY_BUCKETS = E2E_BUCKETS + (7680.0,)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+CORE_HISTOGRAMS = {"request_queue_time_seconds": "Waiting before the request's first step (engine core)",
+                   "request_prefill_time_seconds": "First step to first token (engine core)",
+                   "request_decode_time_seconds": "First token to last token (engine core)",
+                   "request_inference_time_seconds": "First step to last token (engine core)",
+                   "inter_token_latency_seconds": "Time between a request's consecutive tokens (engine core)",
+                   "request_prompt_tokens": "Prompt tokens of each finished request",
+                   "request_generation_tokens": "Output tokens of each finished request"}
 P = "jaxinfer:"
 # jaxinfer's name -> vLLM's (its current releases): the metrics given twice
 VLLM_NAMES = {"time_to_first_token_seconds": "time_to_first_token_seconds",
@@ -32,7 +46,8 @@ VLLM_NAMES = {"time_to_first_token_seconds": "time_to_first_token_seconds",
               "num_requests_running": "num_requests_running", "num_requests_waiting": "num_requests_waiting",
               "kv_cache_usage_perc": "kv_cache_usage_perc", "prompt_tokens": "prompt_tokens",
               "generation_tokens": "generation_tokens", "num_preemptions": "num_preemptions",
-              "prefix_cache_hit_tokens": "prefix_cache_hits"}
+              "prefix_cache_hit_tokens": "prefix_cache_hits", "prefix_cache_query_tokens": "prefix_cache_queries",
+              **{name: name for name in CORE_HISTOGRAMS}}
 
 
 def _names(name: str) -> list[str]:
@@ -104,10 +119,56 @@ class ServerMetrics:
         return generate_latest(registry) + engine_text(stats, self.model_name), CONTENT_TYPE_LATEST
 
 
+def token_buckets(max_model_len: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's build_1_2_5_buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(float(m * scale))
+        scale *= 10
+
+
+class RequestTimes:
+    """The engine core's histograms of finished requests (CORE_HISTOGRAMS), as bucket counts: `add(seq)` when a request
+    finishes (a few numpy calls), `snapshot()` for the core's stats reply, which /metrics renders (engine_text)."""
+
+    def __init__(self, max_model_len: int):
+        import numpy as np
+        self.np, tokens = np, token_buckets(max_model_len)
+        self.bounds = {name: (ITL_BUCKETS if name.startswith("inter") else tokens if name.endswith("tokens")
+                              else LATENCY_BUCKETS) for name in CORE_HISTOGRAMS}
+        self.counts = {name: np.zeros(len(b) + 1, np.int64) for name, b in self.bounds.items()}
+        self.sums = dict.fromkeys(CORE_HISTOGRAMS, 0.0)
+
+    def add(self, seq) -> None:
+        times, sched, first = seq.token_times, seq.first_scheduled_time, seq.first_token_time
+        if not times or sched is None or first is None or seq.arrival_time is None:
+            return
+        self._observe("request_queue_time_seconds", [sched - seq.arrival_time])
+        self._observe("request_prefill_time_seconds", [first - sched])
+        self._observe("request_decode_time_seconds", [times[-1] - first])
+        self._observe("request_inference_time_seconds", [times[-1] - sched])
+        self._observe("inter_token_latency_seconds", self.np.diff(times))
+        self._observe("request_prompt_tokens", [seq.num_prompt_tokens])
+        self._observe("request_generation_tokens", [seq.num_output_tokens])
+
+    def _observe(self, name: str, values) -> None:
+        values = self.np.asarray(values, self.np.float64)
+        if values.size:       # (bucket i: bounds[i - 1] < v <= bounds[i]; the last one: past every bound)
+            idx = self.np.searchsorted(self.bounds[name], values, side="left")
+            self.counts[name] += self.np.bincount(idx, minlength=len(self.counts[name]))
+            self.sums[name] += float(values.sum())
+
+    def snapshot(self) -> dict:
+        return {name: [self.bounds[name], self.counts[name].tolist(), self.sums[name]] for name in CORE_HISTOGRAMS}
+
+
 def engine_text(st: dict, model_name: str) -> bytes:
     """The engine core's gauges and counters in the exposition format."""
     from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
     total = st.get("kv_blocks_total") or 0
     usage = 1.0 - st.get("kv_blocks_free", total) / total if total else 0.0
@@ -121,6 +182,8 @@ def engine_text(st: dict, model_name: str) -> bytes:
          st.get("preemptions", 0)),
         (CounterMetricFamily, "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
          st.get("prefix_cache_hit_tokens", 0)),
+        (CounterMetricFamily, "prefix_cache_query_tokens", "Tokens looked up in the prefix cache",
+         st.get("prefix_cache_query_tokens", 0)),
     ]
 
     class Engine:
@@ -129,6 +192,13 @@ def engine_text(st: dict, model_name: str) -> bytes:
                 for full in _names(name):
                     m = cls(full, doc, labels=["model_name"])
                     m.add_metric([model_name], float(value))
+                    yield m
+            for name, (bounds, counts, total) in st.get("request_times", {}).items():
+                cum = list(itertools.accumulate(counts))
+                buckets = [(str(float(b)), c) for b, c in zip(bounds, cum)] + [("+Inf", cum[-1])]
+                for full in _names(name):
+                    m = HistogramMetricFamily(full, CORE_HISTOGRAMS.get(name, name), labels=["model_name"])
+                    m.add_metric([model_name], buckets, sum_value=total)
                     yield m
     reg = CollectorRegistry(auto_describe=False)
     reg.register(Engine())
