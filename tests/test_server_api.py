@@ -3,6 +3,7 @@ logprobs (completion and chat shapes) against transformers' fp32 log_softmax, ec
 lm-evaluation-harness' loglikelihood sends), n, seeds, penalties; the API key, the waiting-queue bound, /metrics,
 vLLM's /tokenize, /detokenize, /tokenizer_info, /version, the offline /docs and the body size limit."""
 import asyncio
+import functools
 import json
 import threading
 import time
@@ -18,6 +19,8 @@ from test_server import MODEL, run_server, wait_idle  # noqa: E402
 from jaxinfer.tokenizer import load_tokenizer  # noqa: E402
 
 PROMPT = [5, 7, 9, 11, 300, 2, 3, 17, 40, 41, 8]
+# (a request may compile a new step variant on the CPU, slow under load: httpx's 5 s default is too short)
+post = functools.partial(httpx.post, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,7 @@ def tok(url):
 
     def text(t):
         if t not in cache:
-            cache[t] = httpx.post(url + "/detokenize", json={"tokens": [t]}).json()["prompt"]
+            cache[t] = post(url + "/detokenize", json={"tokens": [t]}).json()["prompt"]
         return cache[t]
     return text
 
@@ -77,7 +80,7 @@ def test_completion_echo_logprobs_match_transformers(client, ref, tok):
         assert lp.tokens[k] == tok(ids[k]) or "\ufffd" in tok(ids[k])
     assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
     assert lp.tokens[1:] == [next(iter(top)) for top in lp.top_logprobs[1:]]     # (the token first: vLLM's order)
-    assert c.text.startswith(httpx.post(str(client.base_url).replace("/v1/", "/detokenize"),
+    assert c.text.startswith(post(str(client.base_url).replace("/v1/", "/detokenize"),
                                         json={"tokens": PROMPT}).json()["prompt"])
 
 
@@ -100,15 +103,15 @@ def test_completion_echo_only_scores_the_prompt(url, client, ref):
     # before the length), streamed or not
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True, "temperature": 0,
             "stop_token_ids": list(range(512))}        # every id of the tiny vocabulary
-    whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    whole = post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
     assert whole["finish_reason"] == "stop" and whole["stop_reason"] in range(512), whole
     assert whole["text"] == c.text
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
         last = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")][-1]["choices"][0]
     assert (last["finish_reason"], last["stop_reason"]) == ("stop", whole["stop_reason"]), last
-    bad = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 0})
+    bad = post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 0})
     assert bad.status_code == 400 and "echo" in bad.json()["error"]["message"]
-    bad = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "temperature": -1.5})
+    bad = post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "temperature": -1.5})
     assert bad.status_code == 400 and "-1.5" in bad.json()["error"]["message"], bad.json()
 
 
@@ -123,7 +126,7 @@ def test_models_retrieve(url, client):
 def test_truncate_prompt_tokens(url, client):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"truncate_prompt_tokens": 4})
     assert r.usage.prompt_tokens == 4
-    bad = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "truncate_prompt_tokens": 0})
+    bad = post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "truncate_prompt_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
@@ -164,7 +167,7 @@ def test_cache_salt_isolates_the_prefix_cache(url, client):
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 30}], max_tokens=2, n=2,
                                    extra_body={"cache_salt": "c"})
     assert wait_idle(url)["prefix_cache_hit_tokens"] > before            # sample 1 reused sample 0's salted blocks
-    r = httpx.post(url + "/v1/completions", json=dict(model=MODEL, prompt="hi", cache_salt=""))
+    r = post(url + "/v1/completions", json=dict(model=MODEL, prompt="hi", cache_salt=""))
     assert r.status_code == 400 and "cache_salt" in r.text
 
 
@@ -312,10 +315,10 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_encoded(url):
     """A text prompt longer than max_model_len tokens of the vocabulary's longest entry could be: 400 at once,
     without encoding it (tokens.prompt_char_limit); with truncate_prompt_tokens it is encoded and truncated."""
     body = {"model": MODEL, "prompt": "ab " * 700_000, "max_tokens": 1}
-    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    r = post(url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert "2100000 characters" in r.json()["error"]["message"]
-    ok = httpx.post(url + "/v1/completions", json={**body, "prompt": "ab " * 20_000, "truncate_prompt_tokens": 8},
+    ok = post(url + "/v1/completions", json={**body, "prompt": "ab " * 20_000, "truncate_prompt_tokens": 8},
                     timeout=120)
     assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 8
 
@@ -329,29 +332,29 @@ def test_echo_is_the_prompt_as_sent(url, client):
                                            stream=True)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
         ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=0, echo=True).choices[0].text
-        assert ids == httpx.post(url + "/detokenize", json={"tokens": [5, 6, 7]}).json()["prompt"]
+        assert ids == post(url + "/detokenize", json={"tokens": [5, 6, 7]}).json()["prompt"]
 
 
 def test_tokenize_detokenize_version_docs(url, tiny_dir):
-    t = httpx.post(url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    t = post(url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
     assert t["count"] == len(t["tokens"]) > 0 and t["max_model_len"] == 128 and len(t["token_strs"]) == t["count"]
     tok = load_tokenizer(tiny_dir)                                 # token_strs: the vocabulary's strings, as vLLM's
-    u = httpx.post(url + "/tokenize", json={"prompt": "é 你好 world", "return_token_strs": True}).json()
+    u = post(url + "/tokenize", json={"prompt": "é 你好 world", "return_token_strs": True}).json()
     assert u["token_strs"] == tok.convert_ids_to_tokens(u["tokens"]) and "\ufffd" not in "".join(u["token_strs"])
-    assert httpx.post(url + "/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == "Hello world"
-    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert post(url + "/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == "Hello world"
+    chat = post(url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat["count"] > t["count"] - 2
     # vLLM's TokenizeChatRequest fields: null means absent; continue_final_message leaves the last message open
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
-    open_ = httpx.post(url + "/tokenize", json={"messages": msgs, "add_generation_prompt": False, "tools": None,
+    open_ = post(url + "/tokenize", json={"messages": msgs, "add_generation_prompt": False, "tools": None,
                                                 "continue_final_message": True, "chat_template": None}).json()
-    closed = httpx.post(url + "/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()
+    closed = post(url + "/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()
     assert open_["tokens"] == closed["tokens"][:open_["count"]] and open_["count"] < closed["count"]
-    bad = httpx.post(url + "/tokenize", json={"messages": msgs, "chat_template": "{{ messages }}"})
+    bad = post(url + "/tokenize", json={"messages": msgs, "chat_template": "{{ messages }}"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
-    bad = httpx.post(url + "/tokenize", json={"messages": msgs, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}})
+    bad = post(url + "/tokenize", json={"messages": msgs, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
-    assert httpx.post(url + "/detokenize", json={"tokens": [10**9]}).status_code == 400
+    assert post(url + "/detokenize", json={"tokens": [10**9]}).status_code == 400
     assert "eos_token" in httpx.get(url + "/tokenizer_info").json()
     assert httpx.get(url + "/version").json()["version"]
     schema = httpx.get(url + "/openapi.json").json()
@@ -367,12 +370,12 @@ def test_body_size_limit(server, url):
     before = app.state.options
     app.state.options = before.replace(max_request_body_bytes=1000)
     try:
-        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 2000})
+        r = post(url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 2000})
         def chunks():
             yield b'{"model": "tiny-qwen3", "prompt": "'
             yield b"y" * 2000
             yield b'"}'
-        r2 = httpx.post(url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        r2 = post(url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     finally:
         app.state.options = before
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
@@ -383,7 +386,7 @@ def test_vllm_request_fields_cors_ping_and_empty_model(url, client):
     """vLLM's chat fields (add_generation_prompt, continue_final_message, echo; they win over chat_template_kwargs),
     add_special_tokens, model "" (the served model), a browser's CORS preflight without the API key, /ping."""
     msgs = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi th"}]
-    tok = lambda **kw: httpx.post(url + "/tokenize", json={"messages": msgs, **kw}).json()["tokens"]   # noqa: E731
+    tok = lambda **kw: post(url + "/tokenize", json={"messages": msgs, **kw}).json()["tokens"]   # noqa: E731
     kw = dict(model=MODEL, messages=msgs, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
     cont = client.chat.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "add_generation_prompt": False,
                                                                   "continue_final_message": True, "echo": True}})
@@ -403,16 +406,16 @@ def test_vllm_request_fields_cors_ping_and_empty_model(url, client):
     assert plain.usage.prompt_tokens == len(tok()) and plain.choices[0].message.content.startswith("Hi th")
     user = client.chat.completions.create(**{**kw, "messages": msgs[:1], "extra_body": {"echo": True}})
     assert not user.choices[0].message.content.startswith("Hello")        # the answer's role is not the user's
-    both = httpx.post(url + "/v1/chat/completions", json={"messages": msgs, "continue_final_message": True})
+    both = post(url + "/v1/chat/completions", json={"messages": msgs, "continue_final_message": True})
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
-    r = httpx.post(url + "/v1/completions", json={"model": "", "prompt": PROMPT, "max_tokens": 1,
+    r = post(url + "/v1/completions", json={"model": "", "prompt": PROMPT, "max_tokens": 1,
                                                   "add_special_tokens": True})
     assert r.status_code == 200 and r.json()["model"] == MODEL
     pre = httpx.options(url + "/v1/completions", headers={"Origin": "http://example.com",
                                                           "Access-Control-Request-Method": "POST"})
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
-    assert httpx.get(url + "/ping").json() == httpx.post(url + "/ping").json() == {"status": "ok"}
-    big = httpx.post(url + "/v1/completions", json={"prompt": "a", "truncate_prompt_tokens": 10**5})
+    assert httpx.get(url + "/ping").json() == post(url + "/ping").json() == {"status": "ok"}
+    big = post(url + "/v1/completions", json={"prompt": "a", "truncate_prompt_tokens": 10**5})
     assert big.status_code == 400 and big.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
@@ -429,10 +432,10 @@ def test_a_dropped_last_message_that_the_answer_repeats_must_be_text(tiny_dir, t
         for m, extra in [(last[0], b""), (last[0], b', "stream": true'), (last[1], b', "echo": true')]:
             body = b'{"messages": [{"role": "user", "content": "hi"}, ' + m + b'], "max_tokens": 2, ' \
                    b'"add_generation_prompt": false' + extra + b'}'
-            r = httpx.post(url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"},
+            r = post(url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"},
                            timeout=30)
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
-        ok = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+        ok = post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                              "max_tokens": 2}, timeout=60)
         st = wait_idle(url)
         assert ok.status_code == 200 and st["kv_blocks_free"] == st["kv_blocks_total"], (ok.text, st)
@@ -451,12 +454,12 @@ def test_return_token_ids_and_tokens_as_token_ids(url, tok):
     return_tokens_as_token_ids names logprob tokens "token_id:N"."""
     prompt = [5, 6, 7, 8, 9]
     base = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, ignore_eos=True, return_token_ids=True)
-    plain = httpx.post(url + "/v1/completions", json={**base, "return_token_ids": None}).json()["choices"][0]
+    plain = post(url + "/v1/completions", json={**base, "return_token_ids": None}).json()["choices"][0]
     assert "token_ids" not in plain and "prompt_token_ids" not in plain
-    c = httpx.post(url + "/v1/completions", json=base).json()["choices"][0]
+    c = post(url + "/v1/completions", json=base).json()["choices"][0]
     assert c["prompt_token_ids"] == prompt and len(c["token_ids"]) == 6 and c["text"] == plain["text"]
     assert "".join(tok(t) for t in c["token_ids"]) == c["text"]
-    tokens = httpx.post(url + "/v1/completions", json={**base, "logprobs": 2}).json()["choices"][0]["logprobs"]
+    tokens = post(url + "/v1/completions", json={**base, "logprobs": 2}).json()["choices"][0]["logprobs"]
     tokens = tokens["tokens"]
     for lp in (None, 2):                             # (streamed logprobs: their own path)
         chunks = [ch["choices"][0] for ch in _sse(url, "/v1/completions", {**base, "logprobs": lp}) if ch["choices"]]
@@ -464,32 +467,32 @@ def test_return_token_ids_and_tokens_as_token_ids(url, tok):
         assert [t for ch in chunks for t in ch["token_ids"]] == c["token_ids"]
         assert "".join(ch["text"] for ch in chunks) == c["text"]
         assert lp is None or [t for ch in chunks for t in ch["logprobs"]["tokens"]] == tokens and len(tokens) == 6
-    echo = httpx.post(url + "/v1/completions", json={**base, "echo": True, "logprobs": 1}).json()["choices"][0]
+    echo = post(url + "/v1/completions", json={**base, "echo": True, "logprobs": 1}).json()["choices"][0]
     assert echo["text"] == c["text"] and echo["token_ids"] == c["token_ids"]           # (the prompt's text left out)
     assert len(echo["logprobs"]["tokens"]) == len(prompt) + 6
-    only = httpx.post(url + "/v1/completions", json={**base, "echo": True, "max_tokens": 0}).json()["choices"][0]
+    only = post(url + "/v1/completions", json={**base, "echo": True, "max_tokens": 0}).json()["choices"][0]
     assert only["prompt_token_ids"] == prompt and only["token_ids"] == [] and only["text"] == ""
-    stop = httpx.post(url + "/v1/completions", json={**base, "stop": [tok(c["token_ids"][2])]}).json()["choices"][0]
+    stop = post(url + "/v1/completions", json={**base, "stop": [tok(c["token_ids"][2])]}).json()["choices"][0]
     assert stop["finish_reason"] == "stop" and stop["token_ids"] == c["token_ids"][:3]
 
-    ids_lp = httpx.post(url + "/v1/completions", json={**base, "logprobs": 2, "return_tokens_as_token_ids": True})
+    ids_lp = post(url + "/v1/completions", json={**base, "logprobs": 2, "return_tokens_as_token_ids": True})
     lp = ids_lp.json()["choices"][0]["logprobs"]
     assert lp["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
     assert all(set(top) >= {f"token_id:{t}"} for top, t in zip(lp["top_logprobs"], c["token_ids"]))
 
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0,
                 ignore_eos=True, return_token_ids=True)
-    full = httpx.post(url + "/v1/chat/completions", json=chat).json()
+    full = post(url + "/v1/chat/completions", json=chat).json()
     pids, out = full["prompt_token_ids"], full["choices"][0]
     assert len(pids) == full["usage"]["prompt_tokens"] and len(out["token_ids"]) == 5
     events = _sse(url, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 1})
     assert events[0]["prompt_token_ids"] == pids and "prompt_token_ids" not in events[1]
     assert [t for e in events[1:] for t in e["choices"][0].get("token_ids", [])] == out["token_ids"]
-    named = httpx.post(url + "/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 2,
+    named = post(url + "/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 2,
                                                            "return_tokens_as_token_ids": True})
     content = named.json()["choices"][0]["logprobs"]["content"]
     assert [x["token"] for x in content] == [f"token_id:{t}" for t in out["token_ids"]]
-    plain = httpx.post(url + "/v1/chat/completions", json={**chat, "logprobs": True}).json()
+    plain = post(url + "/v1/chat/completions", json={**chat, "logprobs": True}).json()
     assert [x["bytes"] for x in content] == [x["bytes"] for x in plain["choices"][0]["logprobs"]["content"]]  # (vLLM's)
     assert all(t["bytes"] == list(t["token"].encode()) and t["token"].startswith("token_id:")
                for x in content for t in x["top_logprobs"])
@@ -507,11 +510,11 @@ def test_reasoning_parser_on_the_server(server, url, tiny_dir):
         base = dict(model=MODEL, max_tokens=8, temperature=0, ignore_eos=True)
         for extra, key, other in (({}, "reasoning", "content"),
                                   ({"chat_template_kwargs": {"enable_thinking": False}}, "content", "reasoning")):
-            ids = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": msgs, **extra}).json()["tokens"]
-            text = httpx.post(url + "/v1/completions", json={**base, "prompt": ids}).json()["choices"][0]["text"]
+            ids = post(url + "/tokenize", json={"model": MODEL, "messages": msgs, **extra}).json()["tokens"]
+            text = post(url + "/v1/completions", json={**base, "prompt": ids}).json()["choices"][0]["text"]
             assert text and "think>" not in text
             body = {**base, "messages": msgs, **extra}
-            msg = httpx.post(url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]
+            msg = post(url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]
             assert msg[key] == text and msg[other] is None
             deltas = [e["choices"][0]["delta"] for e in _sse(url, "/v1/chat/completions", body) if e["choices"]]
             assert "".join(d.get(key) or "" for d in deltas) == text and not any(d.get(other) for d in deltas)
@@ -520,27 +523,27 @@ def test_reasoning_parser_on_the_server(server, url, tiny_dir):
         for extra in ({"guided_choice": ["yes", "no"]}, {"structured_outputs": {"choice": ["yes", "no"]}},
                       {"response_format": {"type": "json_object"}}):
             body = {**base, "messages": msgs, "ignore_eos": False, "max_tokens": 40, **extra}
-            msg = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+            msg = post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
             assert msg["content"] is None and msg["reasoning"]       # (constrained after </think>: none came)
             body.update(think)                                       # (structured outputs after the thinking)
-            msg = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+            msg = post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
             assert msg["reasoning"] is None and (msg["content"] in ("yes", "no") if "json" not in str(extra) else
                                                  isinstance(json.loads(msg["content"]), dict)), msg
             deltas = [e["choices"][0]["delta"] for e in _sse(url, "/v1/chat/completions", body) if e["choices"]]
             assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
             closed = {**body, "chat_template_kwargs": {"enable_thinking": False}}     # (from the first token)
-            msg = httpx.post(url + "/v1/chat/completions", json=closed, timeout=60).json()["choices"][0]["message"]
+            msg = post(url + "/v1/chat/completions", json=closed, timeout=60).json()["choices"][0]["message"]
             assert msg["reasoning"] is None and msg["content"]
         cont = {**base, "ignore_eos": False, "guided_choice": ["yes", "no"], "add_generation_prompt": False,
                 "continue_final_message": True, "messages": [*msgs, {"role": "assistant", "content":
                                                                      "<think>\nok\n</think>\n\nThe answer is "}]}
-        msg = httpx.post(url + "/v1/chat/completions", json=cont, timeout=60).json()["choices"][0]["message"]
+        msg = post(url + "/v1/chat/completions", json=cont, timeout=60).json()["choices"][0]["message"]
         assert msg["content"] in ("yes", "no") and msg["reasoning"] is None, msg     # (its thinking was closed)
         turn = [*msgs, {"role": "assistant", "content": "Hello", "reasoning": "greet"},
                 {"role": "user", "content": "Bye"}]
-        assert httpx.post(url + "/v1/chat/completions", json={**base, "messages": turn}).status_code == 200
+        assert post(url + "/v1/chat/completions", json={**base, "messages": turn}).status_code == 200
         turn[1] = {"role": "user", "content": "Hello", "reasoning": "greet"}          # (an assistant's only)
-        assert httpx.post(url + "/v1/chat/completions", json={**base, "messages": turn}).status_code == 400
+        assert post(url + "/v1/chat/completions", json={**base, "messages": turn}).status_code == 400
     finally:
         app.state.options = before
 
@@ -552,11 +555,11 @@ def test_response_role_flag(server, url):
     app.state.options = before.replace(response_role="bot")
     try:
         body = dict(model=MODEL, max_tokens=2, temperature=0, messages=[{"role": "user", "content": "Hi"}])
-        assert httpx.post(url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]["role"] == "bot"
+        assert post(url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]["role"] == "bot"
         assert _sse(url, "/v1/chat/completions", body)[0]["choices"][0]["delta"]["role"] == "bot"
         turns = [*body["messages"], {"role": "tool", "content": "x"}]
         cont = {**body, "add_generation_prompt": False, "messages": turns}
-        assert httpx.post(url + "/v1/chat/completions", json=cont).json()["choices"][0]["message"]["role"] == "tool"
+        assert post(url + "/v1/chat/completions", json=cont).json()["choices"][0]["message"]["role"] == "tool"
     finally:
         app.state.options = before
 
@@ -575,7 +578,7 @@ def test_logit_bias_and_allowed_token_ids(client, url):
     events = _sse(url, "/v1/completions", dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
                                                logit_bias={"300": 100}, ignore_eos=True, return_token_ids=True))
     assert [t for e in events if e["choices"] for t in e["choices"][0].get("token_ids") or []] == [300] * 3
-    banned = httpx.post(url + "/v1/completions", json=dict(model=MODEL, prompt=PROMPT, max_tokens=4, min_tokens=2,
+    banned = post(url + "/v1/completions", json=dict(model=MODEL, prompt=PROMPT, max_tokens=4, min_tokens=2,
                                                            stop_token_ids=[40], allowed_token_ids=[40]))
     assert banned.status_code == 400 and "all stop or EOS ids" in banned.json()["error"]["message"]
     st = wait_idle(url)
@@ -590,7 +593,7 @@ def test_bad_words(client, url, tiny_dir):
     from jaxinfer.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(tiny_dir)
     body = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, ignore_eos=True, return_token_ids=True)
-    plain = httpx.post(url + "/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    plain = post(url + "/v1/completions", json=body).json()["choices"][0]["token_ids"]
     word = next(w for t in plain if (w := tokenizer.decode([t])).strip() and not w[0].isspace() and
                 tokenizer.encode(w, add_special_tokens=False) == [t])
     banned = {s[0] for s in bw.token_ids(tokenizer, [word], 10**6) if len(s) == 1}
@@ -605,7 +608,7 @@ def test_bad_words(client, url, tiny_dir):
                                                                                "return_token_ids": True})
     assert not banned & set(chat.choices[0].model_extra["token_ids"])
     for bad in ([""], "x", [3]):
-        r = httpx.post(url + "/v1/completions", json={**body, "bad_words": bad})
+        r = post(url + "/v1/completions", json={**body, "bad_words": bad})
         assert r.status_code == 400 and "bad_words" in (r.json()["error"]["param"] or "") + \
             r.json()["error"]["message"], (bad, r.text)
     st = wait_idle(url)
@@ -625,7 +628,7 @@ def test_vllms_request_id(client, url):
     assert events and {e["id"] for e in events} == {"chatcmpl-s1"}
     ids = [client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).id for _ in range(2)]
     assert ids[0] != ids[1] and all(len(i) == len("cmpl-") + 32 for i in ids)
-    assert httpx.post(url + "/v1/completions", json=dict(prompt=PROMPT, request_id=5)).status_code == 400
+    assert post(url + "/v1/completions", json=dict(prompt=PROMPT, request_id=5)).status_code == 400
 
 
 def test_structured_outputs_choice(client, url):
@@ -647,10 +650,10 @@ def test_structured_outputs_choice(client, url):
     for bad in ({"structured_outputs": {"grammar": "root ::= 'a'"}}, {"structured_outputs": {"choice": []}},
                 {"structured_outputs": {"choice": ["a"]}, "guided_choice": ["b"]},
                 {"guided_choice": ["\u2603"]}, {"guided_choice": []}):
-        r = httpx.post(url + "/v1/completions", json={**body, **bad})
+        r = post(url + "/v1/completions", json={**body, **bad})
         want = "structured_outputs" if "structured_outputs" in bad else "guided_choice"    # (the field used)
         assert r.status_code == 400 and r.json()["error"]["param"] == want, (bad, r.text)
-    lp = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 6, "logprobs": 3, "guided_choice": ["yes"]})
+    lp = post(url + "/v1/completions", json={**body, "max_tokens": 6, "logprobs": 3, "guided_choice": ["yes"]})
     assert lp.status_code == 200, lp.text          # (masked tokens' -inf logprobs as vLLM's -9999.0: JSON has no inf)
     assert min(v for top in lp.json()["choices"][0]["logprobs"]["top_logprobs"] for v in top.values()) == -9999.0
     streamed = _sse(url, "/v1/chat/completions", dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
@@ -695,7 +698,7 @@ def test_structured_outputs_json_and_regex(client, url):
                       ({"guided_regex": "a("}, "guided_regex"), ({"guided_json": "{bad"}, "guided_json"),
                       ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
                       ({"structured_outputs": {"regex": "a"}, "guided_json": {}}, "structured_outputs")):
-        r = httpx.post(url + "/v1/completions", json={**body, **bad})
+        r = post(url + "/v1/completions", json={**body, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == want, (bad, r.text)
     st = wait_idle(url)
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
@@ -723,14 +726,14 @@ def test_index_builds_wait_off_the_tokenizer_thread(url, monkeypatch):
         held = pool.submit(httpx.post, url + "/v1/completions", json={**body, "guided_regex": pattern}, timeout=60)
         time.sleep(0.3)
         for _ in range(3):                     # (the tokenizer thread is free: these do not wait for the index)
-            r = httpx.post(url + "/v1/completions", json={**body, "prompt": "other text"}, timeout=10)
+            r = post(url + "/v1/completions", json={**body, "prompt": "other text"}, timeout=10)
             assert r.status_code == 200 and not held.done()
         gate.set()
         r = held.result()
     assert r.status_code == 200 and regex.fullmatch(pattern, r.json()["choices"][0]["text"]), r.text
     monkeypatch.setattr(grammar, "_Build", Held.__base__)
     monkeypatch.setattr(grammar, "BUILD_TIMEOUT_S", 0.0)
-    r = httpx.post(url + "/v1/completions", json={**body, "structured_outputs": {"json": {
+    r = post(url + "/v1/completions", json={**body, "structured_outputs": {"json": {
         "type": "string", "maxLength": 13}}}, timeout=60)                # (~0.2 s to index: past 0 s)
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
     assert "takes over 0 s to index" in r.json()["error"]["message"]
@@ -769,7 +772,7 @@ def test_forced_tool_choice(client, url):
         assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "tool_calls"
     bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "x": {"type": "bogus"}}}}}]
-    r = httpx.post(url + "/v1/chat/completions", json=dict(model=MODEL, messages=msgs, tools=bad,
+    r = post(url + "/v1/chat/completions", json=dict(model=MODEL, messages=msgs, tools=bad,
                                                            tool_choice="required"))
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     st = wait_idle(url)
@@ -796,14 +799,14 @@ def test_vllms_prompt_logprobs(client, url, ref, tok):
             assert entries[0][1]["decoded_token"] == tok(PROMPT[i]) or "\ufffd" in tok(PROMPT[i])
         assert all(len(top) <= 2 for top in c.logprobs.top_logprobs[1:])           # echo's own width (1)
     hi = [{"role": "user", "content": "Hi"}]
-    chat = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": hi, "max_tokens": 1,
+    chat = post(url + "/v1/chat/completions", json={"model": MODEL, "messages": hi, "max_tokens": 1,
                                                           "prompt_logprobs": 0, "return_token_ids": True}).json()
     assert len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"]) and chat["prompt_logprobs"][0] is None
     assert all(len(d) == 1 for d in chat["prompt_logprobs"][1:])
     ask = {"model": MODEL, "prompt": "hi"}
-    bad = httpx.post(url + "/v1/completions", json={**ask, "prompt_logprobs": 2, "stream": True})
+    bad = post(url + "/v1/completions", json={**ask, "prompt_logprobs": 2, "stream": True})
     assert bad.status_code == 400 and "not available when `stream=True`" in bad.json()["error"]["message"]
-    assert httpx.post(url + "/v1/completions", json={**ask, "prompt_logprobs": 21}).status_code == 400
+    assert post(url + "/v1/completions", json={**ask, "prompt_logprobs": 21}).status_code == 400
 
 
 def test_vllms_beam_search(client, url, tiny_dir):
@@ -824,7 +827,7 @@ def test_vllms_beam_search(client, url, tiny_dir):
     for c, g, (_, cum) in zip(r.choices, got, want):
         assert sum(c.logprobs.token_logprobs) == pytest.approx(cum, abs=1e-3)
         ids = g[:-1] if g[-1] == eos else g
-        text = httpx.post(url + "/detokenize", json={"tokens": ids}).json()["prompt"] if ids else ""
+        text = post(url + "/detokenize", json={"tokens": ids}).json()["prompt"] if ids else ""
         assert c.text == text
     events = _sse(url, "/v1/completions", dict(model=MODEL, prompt=prompt, max_tokens=8, n=3, use_beam_search=True,
                                                length_penalty=0.7, temperature=0, skip_special_tokens=False))
@@ -836,7 +839,7 @@ def test_vllms_beam_search(client, url, tiny_dir):
     body = dict(model=MODEL, prompt=PROMPT, max_tokens=4, use_beam_search=True)
     for bad, param in (({"n": 11}, "n"), ({"top_p": 0.5}, "top_p"), ({"stop": ["x"]}, "stop"), ({"seed": 1}, "seed"),
                        ({"use_beam_search": False, "length_penalty": 2.0}, "length_penalty")):
-        r = httpx.post(url + "/v1/completions", json={**body, **bad})
+        r = post(url + "/v1/completions", json={**body, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
     st = wait_idle(url)
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
