@@ -158,15 +158,13 @@ class ExtrasRunner:
                                                                      counts)
             self.counts = counts if extras.penalties else self.counts
             return out
+        self.drawless = True      # until the draw is dispatched: an interrupt between the parts means a recompute
         rows, last, r.kv_caches, counts = self.compile(key, "model")(r.params, r.kv_caches, r.put(packed), r.last_ids,
                                                                      counts)
         self.counts = counts if extras.penalties else self.counts
-        try:
-            drawn = masks() if masks is not None else packed      # (waits for the step in flight's tokens)
-            r.last_ids, out = self.compile(key, "draw")(r.params, rows, r.put(drawn), last, counts)
-        except BaseException:
-            self.drawless = True        # (a model part without its draw: the engine recomputes, as for lost buffers)
-            raise
+        drawn = masks() if masks is not None else packed      # (waits for the step in flight's tokens)
+        r.last_ids, out = self.compile(key, "draw")(r.params, rows, r.put(drawn), last, counts)
+        self.drawless = False
         return out
 
     def _counts(self):
