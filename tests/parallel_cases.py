@@ -271,6 +271,37 @@ def test_a_replica_launch_that_fails_is_raised_and_loses_nothing(ckpts, tp1, pro
     assert run(dp, ps) == run(tp1, ps)
 
 
+def test_a_ctrl_c_in_the_first_launch_waits_for_the_other_replicas(ckpts, tp1, prompts, monkeypatch):
+    """Ctrl-C during replica 0's launch (this thread) while replica 1's launch (a pool thread) still runs: the
+    interrupt leaves step() only once that launch is done (before, it left at once, and a launch still writing
+    its grammar masks raced the recovery's guide resets: a json row broke its schema). Nothing is lost after."""
+    import time
+    dp = LLM(ckpts["gqa_v509"], data_parallel_size=2, num_scheduler_steps=1, **BASE)
+    r0, r1 = dp.engine.replicas
+    calls, ended = [], []
+    real0, real1 = r0.launch, r1.launch
+
+    def launch0(plan):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real0(plan)
+
+    def launch1(plan):
+        time.sleep(0.3)
+        real1(plan)
+        ended.append(time.perf_counter())
+    monkeypatch.setattr(r0, "launch", launch0)
+    monkeypatch.setattr(r1, "launch", launch1)
+    ps = prompts * 2
+    with pytest.raises(KeyboardInterrupt):
+        dp.generate(ps, GREEDY, use_tqdm=False)
+    left = time.perf_counter()
+    assert len(calls) == 3 and len(ended) == 3 and ended[-1] <= left
+    monkeypatch.undo()
+    assert run(dp, ps) == run(tp1, ps)
+
+
 @pytest.mark.parametrize("at_call", [1, 4])
 def test_an_interrupt_inside_a_replica_call_leaves_the_engine_usable(ckpts, tp1, prompts, at_call):
     """Ctrl-C after a tensor-parallel replica's step call consumed its donated (sharded) KV pages and ids, before

@@ -154,7 +154,7 @@ class DPEngine:
         self._just_finished = [seq for seq in updated if seq.finish_reason is not None]
         return updated
 
-    def _launch_all(self, plans: list) -> Exception | None:
+    def _launch_all(self, plans: list) -> BaseException | None:
         """Launch the replicas' device calls: this thread launches the first, a pool thread each other one.
         A launch spends most of its ~0.8 ms (Qwen3-0.6B) in XLA's C++ with the GIL released, so launches from
         several threads overlap: on 2 H200s two launches took 0.90 ms from two threads against 1.78 ms one after
@@ -171,13 +171,19 @@ class DPEngine:
         errors = []
         try:
             plans[0][0].launch(plans[0][1])
-        except Exception as e:          # the other launches still finish (and are recorded) before it is raised
-            errors.append(e)
+        except BaseException as e:      # (Ctrl-C too) the other launches still finish and are recorded first:
+            errors.append(e)            # one left running would write its masks while recovery resets the guides
         for f in futures:
-            try:
-                f.result()
-            except Exception as e:
-                errors.append(e)
+            while True:
+                try:
+                    f.result()
+                except KeyboardInterrupt as e:      # a Ctrl-C while waiting: wait on until that launch is done
+                    errors.append(e)
+                    if not f.done():
+                        continue
+                except BaseException as e:
+                    errors.append(e)
+                break
         return errors[0] if errors else None
 
     @property
