@@ -520,6 +520,24 @@ def test_engine_api_requests_outlive_an_interrupted_step_on_replicas(ckpts, tp1,
     assert run(llm, ps) == want
 
 
+@pytest.mark.parametrize("where", ["finish_dispatch", "_apply"])
+def test_data_parallel_engine_step_itself_recovers_from_an_interrupt(ckpts, tp1, prompts, where):
+    """Ctrl-C in a replica's bookkeeping after the device calls of a decode step ran, through `llm.engine.step()`
+    itself (no LLM or engine API around it): DPEngine.step recovers, so the requests go on with the plain
+    engine's tokens (before: a wrong replay of that step)."""
+    llm = LLM(ckpts["gqa_v509"], data_parallel_size=2, **BASE)
+    ps = prompts * 2
+    eng = llm.engine
+    seqs = [eng.add_request(p, GREEDY) for p in ps]
+    for _ in range(3):
+        eng.step()
+    caught = Interrupt(3, where).run(eng.step) is not None
+    while eng.has_unfinished():
+        eng.step()
+    assert caught and [s.output_token_ids for s in seqs] == run(tp1, ps)
+    assert run(llm, ps) == run(tp1, ps)
+
+
 def test_replicas_route_requests_without_rescanning_their_queues(ckpts, monkeypatch):
     """Each add counted every queued sequence of every replica (N adds: O(N^2)); the loads are now counted once a
     step. A request that ends on a stop string leaves no entry in the replica map behind."""

@@ -3,6 +3,7 @@ the output processor: its requests go on, and stepping until done gives every on
 finish reason), with every KV block back in the pool. A sequence taken from one queue before the call that raised
 and not yet put in the other was lost (`while has_unfinished_requests(): step()` never ended), and an output
 processor's update cut short lost its tokens from the request's output."""
+import contextlib
 import sys
 
 import pytest
@@ -178,3 +179,37 @@ def test_an_exception_as_a_stop_string_ends_a_request_loses_no_output(tiny_dir, 
         got, caught = outputs(llm, "a", kind)
     assert caught == 1
     assert got == want[kind]
+
+
+def engine_steps(llm, interrupt=None):
+    """Token ids of a greedy, a seeded and a regex request stepped through `llm.engine.step()` itself (no LLM or
+    engine API around it to recover); a KeyboardInterrupt out of step() is caught and stepping goes on."""
+    eng, caught = llm.engine, 0
+    sps = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+           SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True),
+           SamplingParams(temperature=0, max_tokens=20, structured_outputs={"regex": r"(cat|dog)s? [0-9]{1,3}!"})]
+    seqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, sps)]
+    with interrupt or contextlib.nullcontext():
+        for _ in range(100):
+            if not eng.has_unfinished():
+                break
+            try:
+                eng.step()
+            except KeyboardInterrupt:
+                caught += 1
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and not eng.has_unfinished(), st
+    return [list(s.output_token_ids) for s in seqs], caught
+
+
+@pytest.mark.parametrize("function, line, skip", [("finish_dispatch", 1, 2), ("finish_dispatch", 3, 4),
+                                                  ("_apply", 1, 2), ("_apply", 2, 5), ("launch", 2, 3)])
+def test_engine_step_itself_recovers_from_an_interrupt(tiny_dir, function, line, skip):
+    """An interrupt after a step's device call ran but before the engine recorded it (finish_dispatch) or applied
+    it (_apply) replayed the step on the wrong input ids when the loop called `engine.step()` directly: wrong tokens
+    (a regex row broke its pattern) or a failed check at the next step. step() now recovers (its sequences compute
+    their KV again)."""
+    want, _ = engine_steps(LLM(tiny_dir, **KW))
+    got, caught = engine_steps(LLM(tiny_dir, **KW), Once(function, line, skip=skip))
+    assert caught == 1
+    assert got == want

@@ -23,6 +23,7 @@ from typing import Callable
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.memory import num_blocks_for_memory
+from jaxinfer.engine.one_thread import recovering
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.model.attention import check_backend
 from jaxinfer.model.kv_scales import kv_cache_dtype
@@ -140,19 +141,20 @@ class DPEngine:
     def step(self) -> list[Sequence]:
         """Prepare a step on every replica with work (schedule, pack: Python, this thread), launch them all at
         once (one thread per replica: see `_launch_all`), then read them in turn."""
-        self._load = None
-        todo = [(r, r.prepare()) for r in self.replicas if r.has_unfinished() or r.in_flight is not None]
-        todo = [(r, p) for r, p in todo if p is not r.idle] or todo[:1]   # (one idle replica's sleep at most)
-        error = self._launch_all([(r, p) for r, p in todo if not callable(p)])
-        # (a launch that failed leaves its plan without ids: the others are still recorded, then it is raised)
-        reads = [p if callable(p) else r.finish_dispatch(p) for r, p in todo if callable(p) or p.ids is not None]
-        if error is not None:
-            raise error
-        updated = [seq for read in reads for seq in read()]
-        for seq in self._just_finished:   # kept one step longer: a stop string's cut (LLM._process_text) is theirs
-            self._owner.pop(seq.seq_id, None)
-        self._just_finished = [seq for seq in updated if seq.finish_reason is not None]
-        return updated
+        with recovering(self, []):      # (any exception, Ctrl-C too: the replicas' sequences compute their KV again)
+            self._load = None
+            todo = [(r, r.prepare()) for r in self.replicas if r.has_unfinished() or r.in_flight is not None]
+            todo = [(r, p) for r, p in todo if p is not r.idle] or todo[:1]   # (one idle replica's sleep at most)
+            error = self._launch_all([(r, p) for r, p in todo if not callable(p)])
+            # (a launch that failed leaves its plan without ids: the others are still recorded, then it is raised)
+            reads = [p if callable(p) else r.finish_dispatch(p) for r, p in todo if callable(p) or p.ids is not None]
+            if error is not None:
+                raise error
+            updated = [seq for read in reads for seq in read()]
+            for seq in self._just_finished:   # kept one step longer: a stop string's cut (LLM._process_text) is theirs
+                self._owner.pop(seq.seq_id, None)
+            self._just_finished = [seq for seq in updated if seq.finish_reason is not None]
+            return updated
 
     def _launch_all(self, plans: list) -> BaseException | None:
         """Launch the replicas' device calls: this thread launches the first, a pool thread each other one.

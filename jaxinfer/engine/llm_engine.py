@@ -1,8 +1,6 @@
-"""The engine core without strings: add requests, run steps, abort, report stats.
-
-`LLMEngine.step()` schedules, packs, dispatches the compiled step and applies the sampled ids: what `LLM.generate`
-loops over and what the HTTP server drives from its own thread.
-"""
+"""The engine core without strings: add requests, run steps, abort, report stats. `LLMEngine.step()` schedules,
+packs, dispatches the compiled step and applies the sampled ids: what `LLM.generate` loops over and what the HTTP
+server drives from its own thread."""
 from __future__ import annotations
 
 import functools
@@ -17,6 +15,7 @@ from jaxinfer.engine.block_manager import BlockManager, salt_seed
 from jaxinfer.engine import extras as extras_mod
 from jaxinfer.engine.executables import CompileCounter, counts_compiles
 from jaxinfer.engine.memory import check_pool_fits, num_blocks_for_memory
+from jaxinfer.engine.one_thread import recovering
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.model.kv_scales import kv_cache_dtype
@@ -148,7 +147,8 @@ class LLMEngine:
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Run one step; return the sequences that got a new token (finished ones included)."""
-        return self.dispatch()()
+        with recovering(self, []):      # (any exception, Ctrl-C too: its sequences compute their KV again next step)
+            return self.dispatch()()
 
     def dispatch(self) -> Callable[[], list[Sequence]]:
         """The first half of `step`: schedule and dispatch. Returns the second half, which reads a dispatched
