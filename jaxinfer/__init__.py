@@ -17,8 +17,13 @@ __all__ = list(_EXPORTS)
 def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name == "__version__":                   # (vLLM's vllm.__version__; the installed package's)
+        try:
+            return importlib.import_module("importlib.metadata").version("jaxinfer")
+        except Exception:
+            return "0+unknown"
     raise AttributeError(f"module 'jaxinfer' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(list(globals()) + __all__)
+    return sorted(list(globals()) + __all__ + ["__version__"])

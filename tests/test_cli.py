@@ -158,6 +158,12 @@ def test_vllm_flag_forms(capsys):
     assert parse(*cli.dashed(["serve", "m", "--num_gpu_blocks_override", "64"])).num_kvcache_blocks == 64
     cli.check_vllm_flags(a)
     assert cli.main(["generate", "m", "--enable-lora"]) == 2 and "enable_lora=True" in capsys.readouterr().err
+    # vLLM's executor backend (every device is driven from this process) and scheduling policy
+    a = parse("serve", "m", "--distributed-executor-backend", "mp", "--scheduling-policy", "fcfs", "-tp", "1")
+    assert (a.vllm_distributed_executor_backend, a.vllm_scheduling_policy) == ("mp", "fcfs")
+    cli.check_vllm_flags(a)
+    assert cli.main(["generate", "m", "--distributed-executor-backend", "ray"]) == 2
+    assert "distributed_executor_backend='ray'" in capsys.readouterr().err
 
 
 def test_bench_delegates_or_explains(monkeypatch, tmp_path, capsys):

@@ -138,7 +138,8 @@ def test_vllm_options_that_describe_jaxinfer():
     kw = dict(enable_chunked_prefill=True, max_logprobs=20, quantization=None, max_seq_len_to_capture=8192,
               task="generate", pipeline_parallel_size=1, max_num_seqs=4, runner="generate", convert="none",
               compilation_config={"level": 3}, disable_custom_all_reduce=True, cpu_offload_gb=0,
-              tokenizer_revision=None, logprobs_mode="raw_logprobs", enable_lora=False, max_lora_rank=16)
+              tokenizer_revision=None, logprobs_mode="raw_logprobs", enable_lora=False, max_lora_rank=16,
+              distributed_executor_backend="mp", scheduling_policy="fcfs", served_model_name="my-model")
     pop_vllm_options(kw)                                  # (runner / convert: vLLM's names for task since 2025)
     assert kw == {"max_num_seqs": 4}
     pop_vllm_options(dict(compilation_config=None, cpu_offload_gb=0.0))
@@ -148,7 +149,10 @@ def test_vllm_options_that_describe_jaxinfer():
                       (dict(compilation_config="O3"), "int or dict"),
                       (dict(runner="pooling"), "runner='auto' or 'generate'"), (dict(convert="embed"), "convert"),
                       (dict(max_logprobs=5), "max_logprobs=20"), (dict(quantization="awq"), "no quantization"),
-                      (dict(pipeline_parallel_size=2), "pipeline_parallel_size=1")]:
+                      (dict(pipeline_parallel_size=2), "pipeline_parallel_size=1"),
+                      (dict(distributed_executor_backend="ray"), "'mp' or 'uni' or 'external_launcher'"),
+                      (dict(scheduling_policy="priority"), "scheduling_policy='fcfs'"),
+                      (dict(served_model_name=3), "served_model_name=3 must be a str or list")]:
         with pytest.raises(ValueError, match=word):
             pop_vllm_options(bad)
 
@@ -618,3 +622,20 @@ def test_llm_engine_has_vllms_model_config_tokenizer_and_reset_prefix_cache(tiny
     assert llm.reset_prefix_cache(reset_running_requests=True) is True
     assert llm.generate([list(range(3, 40))], sp, use_tqdm=False)[0].num_cached_tokens == 0
     assert len(list(running)) > 0 and llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_version_and_vllms_inputs_module(tiny_dir):
+    """`jaxinfer.__version__` (vllm.__version__) is the installed package's; `jaxinfer.inputs` has vLLM's prompt
+    types (`from vllm.inputs import TokensPrompt`), which generate takes; LLM() takes vLLM's executor backend,
+    scheduling policy and served model name."""
+    import importlib.metadata
+
+    import jaxinfer
+    from jaxinfer.inputs import PromptType, TextPrompt, TokensPrompt
+    assert jaxinfer.__version__ == importlib.metadata.version("jaxinfer") and "__version__" in dir(jaxinfer)
+    llm = LLM(tiny_dir, distributed_executor_backend="mp", scheduling_policy="fcfs", served_model_name="m",
+              **TINY_ENGINE)                                    # (vLLM's options that describe what jaxinfer does)
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    a, b = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7]), TextPrompt(prompt="hi")], sp, use_tqdm=False)
+    assert a.outputs[0].token_ids == llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert b.prompt == "hi" and PromptType is not None

@@ -59,8 +59,5 @@ def add_docs(app, off: bool = False) -> None:
 
 def package_version() -> str:
     """jaxinfer's installed version (the OpenAPI schema's and /version's)."""
-    try:
-        from importlib.metadata import version
-        return version("jaxinfer")
-    except Exception:
-        return "0+unknown"
+    import jaxinfer
+    return jaxinfer.__version__
