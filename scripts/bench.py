@@ -4,7 +4,7 @@
     python scripts/bench.py                              # embedded Qwen3-0.6B, random weights
     python scripts/bench.py --attn-backend xla --json out.json
     python scripts/bench.py --latency                    # 1 request: 1024-token prompt, 256 outputs
-    python scripts/bench.py qwen3-8b -tp 2
+    python scripts/bench.py qwen3-8b -tp 2               # also vLLM's --num-prompts, --input-len, --output-len
 Engine options are the engine's own flags (as `jaxinfer generate --help`), with the engine's defaults: the
 benchmark runs what `LLM(model)` runs.
 The roofline: every step must read the weights once and the K/V of every context token it attends to;
@@ -25,15 +25,19 @@ import numpy as np  # noqa: E402
 from timing import pct, write_json  # noqa: E402,F401  (write_json: scripts import it from here)
 
 
-def workload(num_seqs: int, max_input: int, max_output: int, vocab: int = 151936, seed: int = 0):
+def workload(num_seqs: int, max_input: int, max_output: int, vocab: int = 151936, seed: int = 0,
+             fixed_input: bool = False, fixed_output: bool = False):
     """Exactly nano-vllm bench.py's prompts and lengths (same random calls, same order). Token ids are
-    taken modulo the vocabulary so tiny test models can run it too."""
+    taken modulo the vocabulary so tiny test models can run it too. fixed_*: every length is the max (vLLM's
+    --input-len / --output-len)."""
     from jaxinfer import SamplingParams
     random.seed(seed)
-    prompts = [[random.randint(0, 10000) % vocab for _ in range(random.randint(min(100, max_input), max_input))]
+    lo_in = max_input if fixed_input else min(100, max_input)
+    lo_out = max_output if fixed_output else min(100, max_output)
+    prompts = [[random.randint(0, 10000) % vocab for _ in range(random.randint(lo_in, max_input))]
                for _ in range(num_seqs)]       # (limits below 100: lengths up to them; nano-vllm's needs >= 100)
     params = [SamplingParams(temperature=0.6, ignore_eos=True,
-                             max_tokens=random.randint(min(100, max_output), max_output)) for _ in range(num_seqs)]
+                             max_tokens=random.randint(lo_out, max_output)) for _ in range(num_seqs)]
     return prompts, params
 
 
@@ -121,7 +125,8 @@ def run_throughput(args) -> dict:
     from jaxinfer import SamplingParams
     from trace_summary import profiled, summarize_profile
     llm = build(args)
-    prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, llm.model_config.vocab_size)
+    prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, llm.model_config.vocab_size,
+                               fixed_input=args.input_len is not None, fixed_output=args.output_len is not None)
     params = with_extras(llm, params, args)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)            # warm-up, as nano-vllm
     walls = []
@@ -175,6 +180,8 @@ def with_extras(llm, params, args):
 def run_latency(args) -> dict:
     from jaxinfer import SamplingParams
     llm = build(args)
+    if args.latency_output < 2:
+        raise ValueError(f"--output-len {args.latency_output}: a TPOT needs 2 output tokens or more")
     if args.latency_prompt + args.latency_output > (mml := llm.config.max_model_len):
         raise ValueError(f"--latency-prompt + --latency-output exceed max_model_len={mml}: the requests would stop")
     V = min(10000, llm.model_config.vocab_size)
@@ -227,14 +234,14 @@ def parse(argv=None):
     g.add_argument("--num-seqs", "--num-prompts", type=positive_int, default=256, help="requests (default: 256)")
     g.add_argument("--max-input-len", type=positive_int, default=1024, help="longest prompt (default: 1024)")
     g.add_argument("--max-output-len", type=positive_int, default=1024, help="most output tokens (default: 1024)")
+    g.add_argument("--input-len", type=positive_int, help="every prompt this long (vLLM's; --latency: its prompt)")
+    g.add_argument("--output-len", type=positive_int, help="every output this long (vLLM's; --latency: its output)")
     add_engine_args(ap, with_model=False)
     ap.add_argument("--latency", action="store_true", help="one request: TTFT and TPOT")
     ap.add_argument("--latency-prompt", type=positive_int, default=1024, help="--latency: prompt tokens (default 1024)")
     ap.add_argument("--latency-output", type=at_least_two, default=256, help="output tokens (TPOT needs >= 2)")
-    ap.add_argument("--latency-batch", type=positive_int, default=1,
-                    help="--latency: requests decoded together (default 1)")
-    ap.add_argument("--peer", choices=["hf"], default=None,
-                    help="also run HF transformers' continuous batching on a subset (scripts/bench_peer.py)")
+    ap.add_argument("--latency-batch", type=positive_int, default=1, help="--latency: requests decoded together")
+    ap.add_argument("--peer", choices=["hf"], help="also HF transformers' continuous batching (bench_peer.py)")
     ap.add_argument("--peer-num-seqs", type=positive_int, default=64, help="--peer: requests (default 64)")
     ap.add_argument("--peer-max-tokens", type=positive_int, default=256, help="--peer: tokens each (default 256)")
     ap.add_argument("--json", type=output_path, default=None, help="write the results here")
@@ -249,12 +256,10 @@ def parse(argv=None):
                    help="every request has top_p=P (cost of filtered sampling; default: 1, no filter; Qwen3's "
                    "generation config: --top-k 20 --top-p 0.95)")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="every request has top_k=K (default 0)")
-    ap.add_argument("--repeats", type=positive_int, default=1,
-                    help="time the workload this many times; report the median wall (A/B runs: less noise)")
+    ap.add_argument("--repeats", type=positive_int, default=1, help="time it N times; the median wall (A/B runs)")
     ap.add_argument("--step-log", type=output_path, default=None, metavar="PATH",
                     help="log every step's host times (schedule, dispatch, wait, apply) to PATH; print them by bucket")
-    ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="trace the timed run into DIR and print where the GPU time went (trace_summary.py)")
+    ap.add_argument("--profile", metavar="DIR", help="trace the timed run into DIR; where the GPU time went")
     ap.add_argument("--no-process-flags", action="store_true",
                     help="run as a plain `LLM()` in a user's Python does: XLA_FLAGS left as they are (A/B of the "
                          "SKIP_TEMP mode that the jaxinfer commands set)")
@@ -266,6 +271,10 @@ def main(argv=None) -> dict:
     if args.model_flag and args.model not in (args.model_flag, None):
         raise SystemExit(f"bench.py: two models given: {args.model!r} and --model {args.model_flag!r}")
     args.model = args.model_flag or args.model or "qwen3-0.6b"
+    if args.input_len:                          # vLLM's fixed lengths: the workload's, and --latency's request's
+        args.max_input_len = args.latency_prompt = args.input_len
+    if args.output_len:
+        args.max_output_len = args.latency_output = args.output_len
     from jaxinfer import SamplingParams      # the per-request flags' values: refused now, not after the warm-up
     SamplingParams(top_p=args.top_p, top_k=args.top_k, logprobs=args.logprobs, presence_penalty=args.presence_penalty)
     if args.peer and args.hf_overrides:     # transformers would load the checkpoint as its config.json says

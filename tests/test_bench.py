@@ -55,6 +55,19 @@ def test_workload_is_nano_vllms():
     assert sum(p.max_tokens for p in params) == 133966
 
 
+def test_vllms_fixed_lengths(tiny_dir):
+    """vLLM's `bench throughput --num-prompts N --input-len I --output-len O`: every prompt I tokens, every output O;
+    with --latency they are its request's lengths."""
+    prompts, params = bench.workload(6, 30, 9, vocab=512, fixed_input=True, fixed_output=True)
+    assert {len(p) for p in prompts} == {30} and {p.max_tokens for p in params} == {9}
+    base = ["--model", tiny_dir, "--dtype", "float32", "--attn-backend", "xla", "--max-model-len", "128",
+            "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--block-size", "16"]
+    r = bench.main(base + ["--num-prompts", "3", "--input-len", "20", "--output-len", "7"])
+    assert r["num_seqs"] == 3 and r["output_tokens"] == 21
+    r = bench.main(base + ["--latency", "--input-len", "40", "--output-len", "5"])
+    assert r["prompt_tokens"] == 40 and r["output_tokens"] == 5, r
+
+
 def test_peer_hf_runs_same_subset(tiny_dir, tmp_path):
     args = ["--model", tiny_dir, "--dtype", "float32", "--attn-backend", "xla", "--num-seqs", "3",
             "--max-input-len", "40", "--max-output-len", "20", "--max-num-seqs", "4",
