@@ -136,9 +136,10 @@ def test_the_key_bound_counts_yarns_attention_factor(tiny_dirs):
     np.testing.assert_allclose(np.asarray(v1), np.asarray(v0), rtol=1e-6)
 
 
-def _with_scale_tensors(src, dst, layers, which=("k", "v"), value=None):
+def _with_scale_tensors(src, dst, layers, which=("k", "v"), value=None, name="self_attn.{w}_scale", shape=()):
     """A copy of checkpoint `src` carrying vLLM-style k_scale / v_scale tensors (`which` of them) for the first
-    `layers` layers; `value`: that scale for all of them instead of 0.01 (k) / 0.02 (v) x (l + 1)."""
+    `layers` layers; `value`: that scale for all of them instead of 0.01 (k) / 0.02 (v) x (l + 1); `name`: the
+    tensor's name in the layer ({w}: k or v), `shape`: its shape."""
     import shutil
     from safetensors.numpy import load_file, save_file
     shutil.copytree(src, dst)
@@ -147,8 +148,8 @@ def _with_scale_tensors(src, dst, layers, which=("k", "v"), value=None):
     for l in range(layers):
         for w, unit in (("k", 0.01), ("v", 0.02)):
             if w in which:
-                t[f"model.layers.{l}.self_attn.{w}_scale"] = np.asarray(unit * (l + 1) if value is None else value,
-                                                                        np.float32)
+                t[f"model.layers.{l}." + name.format(w=w)] = np.full(shape, unit * (l + 1) if value is None else value,
+                                                                     np.float32)
     save_file(t, path)
     return dst
 
@@ -170,6 +171,18 @@ def test_checkpoint_scales_are_used(tiny_dir, tmp_path):
     assert tokens(LLM(bad, **TINY_ENGINE), [[1, 2, 3]]) == tokens(LLM(tiny_dir, **TINY_ENGINE), [[1, 2, 3]])
     with pytest.raises(ValueError, match="self_attn.k_scale' must be one positive scale"):
         LLM(bad, **FP8)
+
+
+@pytest.mark.parametrize("name, shape", [("self_attn.attn.{w}_scale", (1,)), ("self_attn.{w}_proj.{w}_scale", ()),
+                                         ("self_attn.{w}_proj.output_scale", (1,)), ("self_attn.kv_scale", ())])
+def test_checkpoint_scales_under_every_name_vllm_reads(tiny_dir, tmp_path, name, shape):
+    """The other names vLLM loads a layer's scales under (its own with attn., ModelOpt's k_proj.k_scale,
+    compressed-tensors' k_proj.output_scale, and the old kv_scale, which holds for k and v): all used (before,
+    all but the first were skipped without a word and the weight bound used instead)."""
+    path = _with_scale_tensors(tiny_dir, str(tmp_path / "scaled"), 2, name=name, shape=shape)
+    p = LLM(path, **FP8).engine.runner.params
+    np.testing.assert_allclose(np.asarray(p["k_scale"])[:, 0], [0.01, 0.02] if "{w}" in name else [0.02, 0.04])
+    np.testing.assert_allclose(np.asarray(p["v_scale"])[:, 0], [0.02, 0.04], rtol=1e-6)
 
 
 class _FakeGPU:
