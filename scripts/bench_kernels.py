@@ -12,11 +12,10 @@ the same run; the fp8 columns run both decode kernels on float8_e4m3fn pages (pe
 counts the bytes actually read (half of bf16's). Prefill: causal TFLOP/s (only the visible half of each score
 matrix counted), next to the bf16 matmul rate measured in the same run. Each time is the median of several
 timed runs of `n` back-to-back dispatches of the jitted kernel (each output fed back as the next query);
-dispatch is asynchronous, so it is hidden behind kernels longer than ~20-40 us (the batch-1 decode rows are
-dispatch-bound).
+dispatch is asynchronous, so it hides behind kernels longer than ~20-40 us (batch-1 decode rows: dispatch-bound).
 
   PYTHONPATH=. python scripts/bench_kernels.py [--quick] [--sweep] [--impls pallas,mosaic,...] [--json PATH]
-  PYTHONPATH=. python scripts/bench_kernels.py --smoke   # CPU, interpret mode, tiny shapes: checks the script
+  PYTHONPATH=. python scripts/bench_kernels.py --smoke   # interpret mode, tiny shapes (what a CPU always runs)
 """
 from __future__ import annotations
 
@@ -59,8 +58,8 @@ def set_heads(h: int, k: int) -> None:
 
 
 def paged_cache(key, batch, max_blocks):
-    """A pool of batch * max_blocks + 16 pages (more than the tables use, as in the engine: cuDNN then reads
-    the shared pool, not a private set per row), each row's pages scattered by a permutation."""
+    """batch * max_blocks + 16 pages (more than the tables use, as in the engine: cuDNN reads the shared pool),
+    each row's pages scattered by a permutation."""
     kk, kv, kp = jax.random.split(key, 3)
     pages = batch * max_blocks + 16
     k = jax.random.normal(kk, (pages, PAGE, K, D), DTYPE)
@@ -242,7 +241,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--sweep", action="store_true", help="also run a small tile-size sweep")
     ap.add_argument("--only-sweep", action="store_true", help="run only the tile-size sweep")
-    ap.add_argument("--decode-only", action="store_true", help="with a sweep: leave out the prefill tiles")
+    ap.add_argument("--decode-only", action="store_true", help="with a sweep: no prefill tiles")
     ap.add_argument("--impls", default=None, help="comma-separated columns to time (default: all); decode: "
                     + ",".join(DECODE_IMPLS + EXTRA_DECODE_IMPLS) + "; prefill: " + ",".join(PREFILL_IMPLS))
     ap.add_argument("--json", help="write all results to this path")
@@ -259,15 +258,16 @@ def main():
     dec_impls = DECODE_IMPLS if picked is None else tuple(i for i in DECODE_IMPLS + EXTRA_DECODE_IMPLS if i in picked)
     pre_impls = PREFILL_IMPLS if picked is None else tuple(i for i in PREFILL_IMPLS if i in picked)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    if jax.default_backend() == "cpu" and not args.smoke:      # (the GPU's sizes would run for hours, interpreted)
+        print("no GPU: running --smoke (interpret mode, tiny shapes)", flush=True)
+        args.smoke = True
     timing.ONE_CALL = args.smoke
     ceil = machine_ceilings(args.smoke)
     print(f"measured ceilings: XLA elementwise copy {ceil['copy_tbps']:.2f} TB/s (read + write; a raw device copy "
           f"reaches ~4.3 TB/s on an H200), bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s")
     from kernel_sweep import sweep
     if args.only_sweep:
-        result = {"ceilings": ceil, "sweep": sweep(ceil, args.smoke, prefill=not args.decode_only)}
-        write_json(args.json, result)
-        return
+        return write_json(args.json, {"ceilings": ceil, "sweep": sweep(ceil, args.smoke, prefill=not args.decode_only)})
     if args.smoke:
         batches, contexts, cases = (2,), (40,), {"2x24": ([24, 9], [0, 20])}
     elif args.quick:
@@ -275,8 +275,7 @@ def main():
         cases = {k: PREFILL_CASES[k] for k in ("1x512", "8x1024", "1x8192", "mixed+prefix")}
     else:
         batches, contexts, cases = (1, 16, 64, 256), (128, 512, 1024, 2048, 4096), PREFILL_CASES
-    dec_opts = dict(block_n=16) if args.smoke else {}
-    pre_opts = dict(block_q=16, block_k=16) if args.smoke else {}
+    dec_opts, pre_opts = (dict(block_n=16), dict(block_q=16, block_k=16)) if args.smoke else ({}, {})
     decode, prefill = [], []
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "ceilings": ceil,
               "decode": decode, "prefill": prefill}

@@ -11,7 +11,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_four_way_notebook_runs(monkeypatch):
+def test_four_way_notebook_runs(monkeypatch, tmp_path):
+    """Run from a folder outside the checkout (the notebook then finds it through the jaxinfer it imports)."""
     nbclient = pytest.importorskip("nbclient")   # not on the GPU image: skip there, not fail
     nbformat = pytest.importorskip("nbformat")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")                # the kernel inherits the environment
@@ -19,7 +20,7 @@ def test_four_way_notebook_runs(monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     nb = nbformat.read(os.path.join(ROOT, "notebooks", "xla_vs_pallas.ipynb"), as_version=4)
     nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}}).execute()
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     text = "".join(o.get("text", "") for o in outputs)
     assert not any(o.get("output_type") == "error" for o in outputs), text[-2000:]
