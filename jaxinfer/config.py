@@ -1,8 +1,6 @@
-"""ModelConfig (the Qwen3 architecture, read from config.json) and EngineConfig (how the engine runs).
-
-This is the one place Hugging Face field names are read. Both configs are frozen and validated on
-construction; every error message prints the offending value.
-"""
+"""ModelConfig (the Qwen3 architecture, read from config.json) and EngineConfig (how the engine runs). This is the
+one place Hugging Face field names are read. Both configs are frozen and validated on construction; every error
+message prints the offending value."""
 from __future__ import annotations
 
 import dataclasses
@@ -55,8 +53,7 @@ class ModelConfig:
     def __post_init__(self):
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not isinstance(v := getattr(self, f), int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ModelConfig.{f}={v!r} must be a positive integer")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -131,7 +128,7 @@ def read_json(path: str, broken: dict | None = None) -> dict:
 ATTN_BACKENDS = ("xla", "pallas", "cudnn", "triton", "mosaic")
 GPU_ONLY_BACKENDS = {"cudnn": "cuDNN attention", "triton": "Triton kernels (jax-triton)",   # no CPU/interpret path
                      "mosaic": "Pallas Mosaic GPU kernels (Hopper)"}
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # vLLM's names; fp8 is e4m3 (model/kv_scales.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "bfloat16", "float16")   # vLLM's; fp8: e4m3 (model/kv_scales.py)
 # Past any real use; refused at LLM(), not later (2**31 rows: a 2 TiB host buffer; 2**20-token blocks: no start-up)
 UPPER_BOUNDS = dict(max_num_seqs=1 << 16, max_num_batched_tokens=1 << 20, block_size=1024)
 
@@ -163,8 +160,8 @@ class EngineConfig:
     dtype: str | None = _opt(None, "weights and KV cache dtype: auto (the checkpoint's), float32, bfloat16, float16 "
                                    "(default: GPU auto, CPU float32)", choices=("auto", *_DTYPE_NAMES, "half", "float"))
     attn_backend: str | None = _opt(None, "attention implementation (GPU: pallas; CPU: xla)", choices=ATTN_BACKENDS)
-    kv_cache_dtype: str = _opt("auto", "KV cache dtype: auto (the model dtype), fp8 / fp8_e4m3 (float8_e4m3fn with "
-                                       "per-layer scales: 2x the blocks in the same memory)", choices=KV_CACHE_DTYPES)
+    kv_cache_dtype: str = _opt("auto", "KV cache dtype: auto (the model's; bfloat16 / float16: the same, if that is "
+                                       "it), fp8 / fp8_e4m3 (float8_e4m3fn, per-layer scales)", choices=KV_CACHE_DTYPES)
     max_num_seqs: int | None = _opt(None, "most sequences in one step (GPU: 256; CPU: 8)")
     max_num_batched_tokens: int | None = _opt(None, "most prompt tokens in one prefill step (GPU: 16384; CPU: 512)")
     max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's, capped by the KV pool)")
@@ -246,7 +243,7 @@ class EngineConfig:
             if platform != "gpu":
                 raise ValueError(f"attn_backend={self.attn_backend!r} needs a CUDA GPU ({what} has no CPU or "
                                  f"interpret mode); JAX's platform here is {platform!r}: use 'xla' or 'pallas'")
-            if self.kv_cache_dtype != "auto":
+            if self.kv_cache_dtype.startswith("fp8"):
                 raise ValueError(f"attn_backend={self.attn_backend!r} does not read an fp8 KV cache "
                                  f"(kv_cache_dtype={self.kv_cache_dtype!r}): use 'pallas' or 'xla' for fp8")
             if self.attn_backend == "mosaic" and self.block_size < 8:   # (its kernels' whole 8-row SMEM tiles)
@@ -257,11 +254,14 @@ class EngineConfig:
             kw["attn_backend"] = "xla"     # the kernels tile a power-of-two head_dim (model/attention.check_backend)
         if (self.dtype or kw.get("dtype")) == "auto":
             kw["dtype"] = model.torch_dtype
-        mml = self.max_model_len or model.max_length
+        if self.kv_cache_dtype in ("bfloat16", "float16"):      # a full-precision cache: the model's dtype here
+            if canonical_dtype(dt := kw.get("dtype", self.dtype)) != self.kv_cache_dtype:
+                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} differs from dtype={dt!r}: use 'auto' or fp8")
+            kw["kv_cache_dtype"] = "auto"
+        kw["max_model_len"] = mml = self.max_model_len or model.max_length
         if mml > model.max_length:
             raise ValueError(f"max_model_len={mml} exceeds the model's longest context, {model.max_length} "
                              f"(max_position_embeddings; with rope scaling, the trained length times its factor)")
-        kw["max_model_len"] = mml
         seqs = self.max_num_seqs or kw["max_num_seqs"]
         tokens = self.max_num_batched_tokens or kw["max_num_batched_tokens"]
         backend = BACKEND_DEFAULTS.get(self.attn_backend or kw["attn_backend"], BACKEND_DEFAULTS["pallas"])

@@ -208,9 +208,14 @@ def test_fp8_pool_holds_twice_the_blocks(tiny_dir):
     assert totals[1] == 4 * totals[0]            # float32 on a CPU: four fp8 blocks in one float32 block's bytes
 
 
-def test_kv_cache_dtype_option():
+def test_kv_cache_dtype_option(tiny_dir):
     with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
         EngineConfig(kv_cache_dtype="int8")
+    # vLLM's names of a full-precision cache: the model's dtype here ("auto"), another one refused naming both
+    llm = LLM(tiny_dir, kv_cache_dtype="float16", dtype="float16", max_model_len=64)
+    assert llm.config.kv_cache_dtype == "auto" and llm.stats()["kv_cache_dtype"] == "float16"
+    with pytest.raises(ValueError, match="kv_cache_dtype='bfloat16' differs from dtype='float32'"):
+        LLM(tiny_dir, kv_cache_dtype="bfloat16", max_model_len=64)                  # (a CPU's default: float32)
     assert EngineConfig().kv_cache_dtype == "auto"
     from jaxinfer.cli import add_engine_args, engine_kwargs
     p = argparse.ArgumentParser()
