@@ -132,6 +132,7 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None, use_t
     """`LLM.beam_search` (vLLM's signature; the module's docstring has the rules). `concurrency_limit`: how many
     prompts are searched at once (None: all)."""
     from jaxinfer import prompts as prompt_forms
+    from jaxinfer.output_processor import TokenTexts
     from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 
     prompt_forms.check_unsupported("LLM.beam_search", lora_request=lora_request)
@@ -165,7 +166,10 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None, use_t
             results += end.value
         finally:
             bar.close()
+    texts = TokenTexts(llm.tokenizer)
     for best in results:
         for b in best:
             b.text = llm.tokenizer.decode(b.tokens)       # (vLLM's: the prompt's too, special tokens kept)
+            for t, lp in ((t, lp) for entry in b.logprobs for t, lp in entry.items()):
+                lp.decoded_token = texts(t)               # (vLLM's; the steps ran without detokenizing)
     return [BeamSearchOutput(best) for best in results]

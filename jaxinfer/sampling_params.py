@@ -143,10 +143,10 @@ class SamplingParams:
         object.__setattr__(self, "structured_outputs", structured.check(self.structured_outputs, self.guided_decoding,
                                                                         bad, self.min_tokens))
         object.__setattr__(self, "guided_decoding", None)        # (its older name: structured_outputs now holds it)
-        for name in ("logits_processors", "extra_args"):
-            v = getattr(self, name)                    # None, or empty: nothing to apply
-            if v is not None and not (isinstance(v, (list, tuple, dict)) and not v):
-                bad(name, "is not supported by jaxinfer (leave it None)")
+        if (v := self.logits_processors) is not None and not (isinstance(v, (list, tuple)) and not v):
+            bad("logits_processors", "is not supported by jaxinfer (leave it None)")   # (None or empty: nothing)
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):   # (vLLM's: for plugins; unread)
+            bad("extra_args", "must be a dict or None")
         m = self.min_tokens
         if not isinstance(m, int) or isinstance(m, bool) or m < 0 or (mt is not None and m > mt):
             bad("min_tokens", f"must be an integer in [0, max_tokens={mt}]")
@@ -199,10 +199,10 @@ class SamplingParams:
 
     @classmethod
     def from_optional(cls, **kwargs) -> "SamplingParams":
-        """vLLM's: None arguments take the defaults; logit_bias keys become ints, biases clamped to [-100, 100]."""
+        """vLLM's: None arguments take the defaults (max_tokens: no limit); logit_bias keys ints, clamped to +-100."""
         if kwargs.get("logit_bias"):
             kwargs["logit_bias"] = openai_bias(kwargs["logit_bias"])
-        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+        return cls(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
 
     greedy = property(lambda self: self.temperature == 0.0)
 

@@ -43,6 +43,8 @@ def test_beams_equal_vllms_search_over_transformers(llm, reference, length_penal
     ended = [s.tokens[-1] == eos for o in outs for s in o.sequences]
     assert any(ended) != ignore_eos                       # (the EOS rule was exercised, or rightly not applied)
     assert outs[0].sequences[0].text == llm.get_tokenizer().decode(outs[0].sequences[0].tokens)  # prompt's text too
+    tok = llm.get_tokenizer()                  # each step's candidates carry their text (vLLM's decoded_token)
+    assert all(lp.decoded_token == tok.decode([t]) for s in outs[0].sequences for d in s.logprobs for t, lp in d.items())
     one_at_a_time = llm.beam_search(PROMPTS, params, concurrency_limit=1)
     assert [[s.tokens for s in o.sequences] for o in one_at_a_time] == [[s.tokens for s in o.sequences] for o in outs]
     stats = llm.stats()

@@ -127,9 +127,11 @@ def test_sampling_params_take_vllms_unused_fields_unset():
                         structured_outputs=None, guided_decoding=None, extra_args={}, output_kind=2)
     assert sp.for_sample(1).best_of is None and sp.spaces_between_special_tokens is False and sp.output_kind == 2
     assert SamplingParams(allowed_token_ids=[1], logit_bias={1: 1.0}).has_bias       # (test_logit_bias.py)
+    assert SamplingParams(extra_args={"a": 1}).extra_args == {"a": 1}   # (vLLM's: for plugins, read by nothing here)
+    assert SamplingParams.from_optional(max_tokens=None, n=None).max_tokens is None     # (vLLM's: no limit)
     for kw in (dict(best_of=3), dict(bad_words="x"), dict(logits_processors=[print]), dict(spaces_between_special_tokens=1),
                dict(structured_outputs={"grammar": "g"}), dict(guided_decoding={"json": 5}),
-               dict(extra_args={"a": 1})):
+               dict(extra_args="a")):
         with pytest.raises(ValueError, match=next(iter(kw))):
             SamplingParams(**kw)
 
