@@ -170,6 +170,7 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None, use_t
     for best in results:
         for b in best:
             b.text = llm.tokenizer.decode(b.tokens)       # (vLLM's: the prompt's too, special tokens kept)
-            for t, lp in ((t, lp) for entry in b.logprobs for t, lp in entry.items()):
-                lp.decoded_token = texts(t)               # (vLLM's; the steps ran without detokenizing)
+            for entry in b.logprobs:                      # vLLM's decoded_token (the steps ran without detokenizing)
+                for t, lp in entry.items():
+                    lp.decoded_token = texts(t)
     return [BeamSearchOutput(best) for best in results]
