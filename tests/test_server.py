@@ -469,6 +469,14 @@ def test_openai_client_errors(url, client):
         assert r.status_code == 404 and "\\ud800" in r.json()["error"]["message"], r.text
 
 
+def _generation_tokens(url) -> tuple[float, float]:
+    """The engine core's request_generation_tokens histogram: (count, sum)."""
+    m = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in httpx.get(url + "/metrics").text.splitlines()
+         if ln.startswith("vllm:request_generation_tokens_")}
+    lab = '{model_name="tiny-qwen3"}'
+    return m.get("vllm:request_generation_tokens_count" + lab, 0.0), m.get("vllm:request_generation_tokens_sum" + lab, 0.0)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_cuts_text_and_aborts_in_the_core(url, client, stream):
     # The stop string sits early in a long completion, so the core still has ~90 tokens to go when the API process
@@ -479,7 +487,7 @@ def test_stop_string_cuts_text_and_aborts_in_the_core(url, client, stream):
     stop = full[6:8]
     expected = full[:full.find(stop)]
     for attempt in range(3):      # on a loaded machine (CI) the core may finish the ~90 tokens before the abort lands
-        before = wait_idle(url)["api_aborts"]
+        before, counted = wait_idle(url)["api_aborts"], _generation_tokens(url)
         if stream:
             chunks = list(client.completions.create(**kw, stop=[stop], stream=True))
             text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
@@ -493,6 +501,10 @@ def test_stop_string_cuts_text_and_aborts_in_the_core(url, client, stream):
         if st["api_aborts"] == before + 1:
             break
     assert st["api_aborts"] == before + 1, "the stop string did not end the request in the core (3 tries)"
+    # /metrics' engine histograms count it as finished, with the tokens kept (the core ran past the stop): vLLM
+    # records a stop string's finish like any other
+    count, total = _generation_tokens(url)
+    assert count == counted[0] + 1 and 0 < total - counted[1] < 100
     kept = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True,
                                                               "skip_special_tokens": True}}, stop=[stop], stream=stream)
     kept = "".join(c.choices[0].text for c in kept) if stream else kept.choices[0].text

@@ -695,6 +695,8 @@ def test_structured_outputs_json_and_regex(client, url):
     body = dict(model=MODEL, prompt=PROMPT, max_tokens=4)
     for bad, want in (({"response_format": {"type": "xml"}}, "response_format"),
                       ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format"),
+                      ({"response_format": {"type": "json_schema"}}, "response_format"),    # (no schema: OpenAI 400s)
+                      ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format"),
                       ({"guided_regex": "a("}, "guided_regex"), ({"guided_json": "{bad"}, "guided_json"),
                       ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
                       ({"structured_outputs": {"regex": "a"}, "guided_json": {}}, "structured_outputs")):

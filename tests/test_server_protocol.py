@@ -176,6 +176,12 @@ def test_vllm_request_fields_this_server_refuses_are_named_as_unsupported():
         assert e.value.code == "unsupported_parameter" and e.value.param == field
     P.check_unsupported(P.ChatCompletionRequest(messages=msgs, priority=0, return_tokens_as_token_ids=True,
                                                 return_token_ids=True))
+    # the openai package's bookkeeping fields are accepted as no-ops; verbosity only at its default
+    P.check_unsupported(P.ChatCompletionRequest(messages=msgs, safety_identifier="u1", prompt_cache_key="k",
+                                                prompt_cache_retention="24h", verbosity="medium", stream=True,
+                                                stream_options={"include_obfuscation": False}))
+    with pytest.raises(P.RequestError, match="verbosity='low'.*not supported"):
+        P.check_unsupported(P.ChatCompletionRequest(messages=msgs, verbosity="low"))
 
 
 

@@ -91,7 +91,7 @@ async def _follow(client: CoreClient, coll, choices: list[Choice], metrics, t_st
                 if ch.proc.stopped:                         # no token (or logprob row) past the match counts
                     del ch.logprobs[len(ch.token_ids):]
                 if ch.proc.stopped and reason is None:      # a stop string matched: end it in the core
-                    client.abort(coll, [index])
+                    client.abort(coll, [index], kept=len(ch.token_ids))
                 if d.finish_reason is not None:
                     left -= 1
                     ch.t_end = now

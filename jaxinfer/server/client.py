@@ -159,12 +159,13 @@ class CoreClient:
                                  getattr(params, "_reasoning_end", None)])    # (app.py's chat route sets it)
         return coll
 
-    def abort(self, coll: Collector, indices=None) -> None:
-        """Stop the collector's unfinished prompts in the core (their KV blocks return to the pool)."""
+    def abort(self, coll: Collector, indices=None, kept: int | None = None) -> None:
+        """Stop the collector's unfinished prompts in the core (their KV blocks return to the pool). `kept`: a stop
+        string ended them after that many output tokens, a finish that the core's /metrics histograms count."""
         for i in (coll.unfinished if indices is None else indices):
             rid = coll.rids[i]
             if self._requests.pop(rid, None) is not None and not self.dead:
-                self._command(["abort", rid])
+                self._command(["abort", rid] if kept is None else ["abort", rid, kept])
                 self.counters["aborts"] += 1
         coll.unfinished.difference_update(range(len(coll.rids)) if indices is None else indices)
 

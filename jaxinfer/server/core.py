@@ -8,7 +8,7 @@ error) through a pipe. Then it loops:
     drain the inbox (blocking only when idle) -> engine.step() -> one message per API process
 
 Inbound (PULL, any API process may push): msgpack lists of commands
-    ["add", rid, prompt_token_ids, sampling_params_fields, (source rid)]   ["abort", rid]
+    ["add", rid, prompt_token_ids, sampling_params_fields, (source rid)]   ["abort", rid, (kept)]
                                       (source rid: sample 0 of the same n > 1 request, whose prompt KV this
                                       sample waits for and reuses, as LLM.generate: Sequence.prompt_source)
     ["stats", api_index, token]     ["ping", api_index, token]    ["shutdown"]
@@ -21,7 +21,8 @@ Outbound (one PUSH socket per API process; request ids are owned by API `rid % a
     ["stats", token, {...}]     ["pong", token, None]     ["bye"] (the last message before a clean exit)
 
 A request is one sample: the API process expands n > 1 into `params.for_sample(i)`, one rid each (the core
-refuses n > 1). Stop strings are not the core's business: the API process matches them and sends "abort".
+refuses n > 1). Stop strings are not the core's business: the API process matches them and sends "abort" with
+the output tokens it kept (`kept`), so that /metrics' histograms count the request as finished, as vLLM does.
 SIGINT and SIGTERM are ignored here: the API process drains HTTP first and then sends "shutdown". If the
 parent process disappears (killed), the core exits by itself.
 """
@@ -146,6 +147,8 @@ class EngineCore:
             if seq_id is not None:
                 seq = self.live.pop(seq_id)[1]
                 self.engine.abort(seq)
+                if len(cmd) > 2:                 # a stop string ended it: a finished request for the histograms
+                    self.times.add(seq, num_output=cmd[2])
         elif kind == "stats":
             self._send(cmd[1], ["stats", cmd[2], {**self.engine.stats(), "request_times": self.times.snapshot()}])
         elif kind == "ping":                     # (an API process starting: until one arrives there)

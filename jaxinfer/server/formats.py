@@ -22,11 +22,11 @@ def response_format(value) -> dict | None:
         return {"json_object": True}
     if kind == "json_schema":
         spec = value.get("json_schema")
-        if spec is not None and not isinstance(spec, dict):
-            raise RequestError("response_format json_schema must be an object ({\"name\": ..., \"schema\": {...}})",
-                               param="response_format")
-        schema = (spec or {}).get("schema")
-        return {"json_object": True} if schema is None else {"json": schema}
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if schema is None:     # (OpenAI: 400; vLLM: "none are specified") rather than any JSON in its place
+            raise RequestError(f"response_format type 'json_schema' needs json_schema: {{\"name\": ..., \"schema\": "
+                               f"{{...}}}}, got json_schema={spec!r:.80}", param="response_format")
+        return {"json": schema}
     raise RequestError(f"response_format type {kind!r:.80} is not supported: text, json_object or json_schema",
                        param="response_format")
 

@@ -142,8 +142,10 @@ class RequestTimes:
         self.counts = {name: np.zeros(len(b) + 1, np.int64) for name, b in self.bounds.items()}
         self.sums = dict.fromkeys(CORE_HISTOGRAMS, 0.0)
 
-    def add(self, seq) -> None:
-        times, sched, first = seq.token_times, seq.first_scheduled_time, seq.first_token_time
+    def add(self, seq, num_output: int | None = None) -> None:
+        """`num_output`: the tokens kept when a stop string ended the request (the core ran past it)."""
+        n = seq.num_output_tokens if num_output is None else num_output
+        times, sched, first = seq.token_times[:max(n, 1)], seq.first_scheduled_time, seq.first_token_time
         if not times or sched is None or first is None or seq.arrival_time is None:
             return
         self._observe("request_queue_time_seconds", [sched - seq.arrival_time])
@@ -152,7 +154,7 @@ class RequestTimes:
         self._observe("request_inference_time_seconds", [times[-1] - sched])
         self._observe("inter_token_latency_seconds", self.np.diff(times))
         self._observe("request_prompt_tokens", [seq.num_prompt_tokens])
-        self._observe("request_generation_tokens", [seq.num_output_tokens])
+        self._observe("request_generation_tokens", [n])
 
     def _observe(self, name: str, values) -> None:
         values = self.np.asarray(values, self.np.float64)

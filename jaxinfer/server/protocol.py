@@ -26,9 +26,11 @@ UNSUPPORTED: dict[str, tuple] = {
     "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (),
     "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (), "logits_processors": (),
     "guided_grammar": (),
-    "chat_template": (), "documents": (), "mm_processor_kwargs": (), "priority": (0,),
+    "chat_template": (), "documents": (), "mm_processor_kwargs": (), "priority": (0,), "verbosity": ("medium",),
 }
-IGNORED = ("user", "store", "metadata", "service_tier")      # bookkeeping fields with no effect on the output
+# bookkeeping fields with no effect on the output (the openai package sends the last three on request)
+IGNORED = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+           "prompt_cache_retention")
 
 
 def check_unsupported(req: BaseModel) -> None:
@@ -54,6 +56,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+    include_obfuscation: bool | None = None   # (OpenAI's random padding field; this server sends none)
 
 
 class _Request(BaseModel):

@@ -24,8 +24,10 @@ the answer is not parsed. "required" and a named function constrain the answer w
 call to it; "required"'s is a JSON list of at least one `{"name": ..., "parameters": {...}}` of the tools (their
 schemas' `$defs` merged; one with `parallel_tool_calls` false; keywords outlines-core cannot enforce, such as
 `minimum`, left out), each a call. Either way `content` is ""; the finish
-reason is vLLM's: "tool_calls" for "required" (when it stopped), "stop" for a named function; an answer cut short that
-does not parse is the content instead (streamed: the whole answer comes in the last delta).
+reason is vLLM's: "tool_calls" for "required" (when it stopped), "stop" for a named function. A named function's
+answer cut short (finish "length") is still its call, with the arguments as far as they came (vLLM's); a "required"
+answer that does not parse is the content instead, where vLLM drops it (streamed: the whole answer comes in the last
+delta).
 """
 from __future__ import annotations
 
@@ -79,10 +81,9 @@ class ToolUse:
         """(content, tool calls) of an answer's text."""
         if self.forced is None:
             return extract(text, self.first_only)
+        if self.forced != "required":     # vLLM's: the answer is the arguments, even cut short (finish "length")
+            return "", [_call({"name": self.forced, "arguments": text}, raw=True)]
         try:
-            if self.forced != "required":
-                json.loads(text)
-                return "", [_call({"name": self.forced, "arguments": text}, raw=True)]
             calls = [_call({"name": c["name"], "arguments": c["parameters"]}) for c in json.loads(text)]
             return ("", calls[:1] if self.first_only else calls) if calls else (text, [])
         except (ValueError, KeyError, TypeError, IndexError, RecursionError):
