@@ -474,7 +474,8 @@ def _generation_tokens(url) -> tuple[float, float]:
     m = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in httpx.get(url + "/metrics").text.splitlines()
          if ln.startswith("vllm:request_generation_tokens_")}
     lab = '{model_name="tiny-qwen3"}'
-    return m.get("vllm:request_generation_tokens_count" + lab, 0.0), m.get("vllm:request_generation_tokens_sum" + lab, 0.0)
+    name = "vllm:request_generation_tokens_"
+    return m.get(name + "count" + lab, 0.0), m.get(name + "sum" + lab, 0.0)
 
 
 @pytest.mark.parametrize("stream", [False, True])
