@@ -197,7 +197,11 @@ class LLM:
         return not bm.cached
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        """The engine's numbers, summed over replicas; at every size also `data_parallel_size`,
+        `tensor_parallel_size` and `replicas` (each replica's own numbers)."""
+        st = self.engine.stats()
+        st = st if "replicas" in st else {**st, "data_parallel_size": 1, "replicas": [dict(st)]}
+        return {**st, "tensor_parallel_size": self.config.tensor_parallel_size}
 
     # vLLM's beam_search(prompts, BeamSearchParams(...)) (beam_search.py), start_profile / stop_profile (profiling.py)
     beam_search, start_profile, stop_profile = beam_search, profiling.start_profile, profiling.stop_profile

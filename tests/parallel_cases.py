@@ -151,6 +151,7 @@ def test_bad_words_and_structured_choice_tp2_equal_tp1(tp1, tp2, prompts):
 def test_weights_and_cache_really_split(tp2):
     runner, tp = tp2.engine.runner, 2
     assert {d.id for d in runner.placement.devices} == {0, 1}
+    assert (tp2.stats()["tensor_parallel_size"], tp2.stats()["data_parallel_size"]) == (2, 1)
     layers = runner.params["layers"]
     qkv = layers[0]["qkv_proj"] if isinstance(layers, tuple) else layers["qkv_proj"]
     E, X = qkv.shape[-2:]
@@ -186,18 +187,20 @@ def test_loader_gives_each_device_only_its_slices(ckpts):
 
 def test_preset_random_weights_copy_replicated_kv_heads():
     """A preset's random weights at tp > num_key_value_heads: the replicated kv heads are exact copies (the MQA
-    model its config describes) and tp = 2 and 4 run the same model (same greedy tokens, drawn once per layer in the
-    checkpoint layout)."""
+    model its config describes) and tp = 1, 2 and 4 run the same model (same greedy tokens, drawn once per layer in
+    the checkpoint layout)."""
     tiny = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=1, head_dim=16, vocab_size=301)
-    outs = []
+    one = LLM("qwen3-0.6b", hf_overrides=tiny, **BASE)
+    outs, embed = [run(one, [[1, 2, 3], list(range(5, 30))])], np.asarray(one.engine.runner.params["embed_tokens"])
     for tp in (2, 4):
         llm = LLM("qwen3-0.6b", hf_overrides=tiny, tensor_parallel_size=tp, **BASE)
         qkv = np.asarray(llm.engine.runner.params["layers"]["qkv_proj"]).reshape(2, 64, tp, 4 // tp + 2, 16)
         for i in range(1, tp):
             np.testing.assert_array_equal(qkv[:, :, i, -2:], qkv[:, :, 0, -2:])      # its k and v heads
+        np.testing.assert_array_equal(np.asarray(llm.engine.runner.params["embed_tokens"])[:301], embed)
         outs.append(run(llm, [[1, 2, 3], list(range(5, 30))]))
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
 
 
 def test_step_collectives_are_small(tp2):
@@ -223,7 +226,7 @@ def test_data_parallel_equals_one_replica(ckpts, tp1, prompts):
     assert dp.stats()["compilations"] == 0          # (warmup=False: nothing compiled for a request yet)
     assert run(dp, ps, sp) == want
     st = dp.stats()
-    assert st["data_parallel_size"] == 2 and len(st["replicas"]) == 2
+    assert st["data_parallel_size"] == 2 and len(st["replicas"]) == 2 and st["tensor_parallel_size"] == 1
     assert all(r["generated_tokens"] > 0 for r in st["replicas"]), "both replicas got requests"
     assert st["generated_tokens"] == sum(r["generated_tokens"] for r in st["replicas"]) == 6 * len(ps)
     devices = [{d.id for d in r.runner.placement.devices} for r in dp.engine.replicas]

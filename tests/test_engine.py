@@ -54,6 +54,14 @@ def test_batch_neighbours_do_not_matter(tiny_dir, alone):
     assert tokens(llm, ps[::-1]) == ref[::-1]
 
 
+def test_stats_and_config_give_the_sizes_on_one_device(tiny_dir):
+    """stats() has the same keys at every size (dp = 1: one replica, itself); config holds the pool as sized."""
+    llm = LLM(tiny_dir, **{**BASE, "num_kvcache_blocks": None})
+    st = llm.stats()
+    assert (st["data_parallel_size"], st["tensor_parallel_size"], len(st["replicas"])) == (1, 1, 1)
+    assert st["replicas"][0]["kv_blocks_total"] == st["kv_blocks_total"] == llm.config.num_kvcache_blocks > 0
+
+
 def test_chunked_prefill(tiny_dir, alone):
     ps, ref = alone
     llm = LLM(tiny_dir, **{**BASE, "max_num_batched_tokens": 8, "prefill_buckets": (8,), "enable_prefix_caching": False})

@@ -49,7 +49,7 @@ class LLMEngine:
                                                                         strict=not cap_max_model_len, device=device)
         if cap_max_model_len:
             engine = engine.replace(max_model_len=min(engine.max_model_len, num_blocks * engine.block_size))
-        self.config = engine
+        self.config = engine.replace(num_kvcache_blocks=num_blocks)     # (the pool as sized)
         check_pool_fits(kv_model, engine, num_blocks, device=device)
         self.runner = ModelRunner(model, engine, params, num_blocks, placement)
         self.block_manager = BlockManager(num_blocks, engine.block_size, engine.enable_prefix_caching)

@@ -177,25 +177,22 @@ def read_params(path: str, config: ModelConfig, dtype=jnp.bfloat16, kv_scales: b
 
 
 def random_params(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0, placement=None) -> dict:
-    """A preset's random weights, made on the device(s). One device: `init_params`. With tp > 1 each weight is
-    drawn directly in the tensor-parallel layout, sharded, one layer at a time into a donated buffer, so a
-    device holds only its own slices plus one layer's temporaries (one jitted `init_params` kept ~5x the
-    model in temporaries when compiled for the CPU; at 32B that cannot fit a GPU). Each is drawn in the
-    checkpoint layout and then laid out as a checkpoint's weight is (`to_tp`), so kv heads replicated past
-    num_key_value_heads are exact copies and every tp > 1 gets the same model. Same distribution as tp = 1
-    (normal(INIT_STD), norms 1), other numbers."""
+    """A preset's random weights, made on the device(s): normal(INIT_STD), norms 1. Each weight is drawn in the
+    checkpoint layout from a key of (seed, its name, its layer) and then laid out for tensor parallelism as a
+    checkpoint's weight is (`to_tp`), so one seed gives the same model at every tp (kv heads replicated past
+    num_key_value_heads are exact copies). Stacked weights are drawn one layer at a time into a donated buffer,
+    sharded, so a device holds only its own slices plus one layer's temporaries (one jitted `init_params` kept
+    ~5x the model in temporaries when compiled for the CPU; at 32B that cannot fit a GPU)."""
     dtype = jnp.dtype(dtype)
-    if placement is None or placement.tp == 1:
-        out = None if placement is None else placement.replicated
-        return jax.jit(lambda: init_params(config, dtype, seed), out_shardings=out)()
-    placement.check(config)
-    tp = placement.tp
+    tp = 1 if placement is None else placement.tp
+    if placement is not None:
+        placement.check(config)
     logical = jax.eval_shape(lambda: init_params(config, dtype))                  # the checkpoint layout
     shapes = jax.eval_shape(lambda: map_params(lambda n, w: to_tp(n, w, config, tp, jnp), init_params(config, dtype)))
     key = jax.random.key(seed % 2**63, impl="threefry2x32")         # (not the user's default PRNG; any int seed)
 
     def one(name, s):
-        sharding = placement.sharding(spec(name, len(s.shape)))
+        sharding = None if placement is None else placement.sharding(spec(name, len(s.shape)))
         std = 0.0 if name.endswith("norm") else INIT_STD
         k = jax.random.fold_in(key, zlib.crc32(name.encode()))
         if name in _LAYER_TABLE:      # stacked [L, ...]: layer by layer
