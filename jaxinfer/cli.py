@@ -125,8 +125,9 @@ def build_llm(a: argparse.Namespace):
     kw = engine_kwargs(a)
     a.model = model_arg(a)
     shown = ", ".join(f"{k}={'***' if k == 'hf_token' else v}" for k, v in kw.items())
-    print(f"loading {a.model} ({shown or 'engine defaults'})",
-          file=sys.stderr, flush=True)
+    print(f"loading {a.model} ({shown or 'engine defaults'})", file=sys.stderr, flush=True)
+    from jaxinfer.tokenizer import check_text_tokenizer
+    check_text_tokenizer(kw.get("tokenizer") or a.model)     # (generate and chat print text: before the load)
     llm = LLM(a.model, **kw)
     c = llm.config
     print(f"engine: {c.attn_backend} attention, {c.dtype}, max_num_seqs={c.max_num_seqs}, max_model_len="
@@ -165,7 +166,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     sampling(a)                           # bad values fail before the model loads
     llm = build_llm(a)
     sp = sampling(a, llm.default_sampling_params)
-    prompts = a.prompt or DEFAULT_PROMPTS
+    prompts = [q for p in a.prompt or DEFAULT_PROMPTS for q in (sys.stdin.read().splitlines() if p == "-" else [p])]
     inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts] if a.chat else prompts
     t0 = time.perf_counter()
     outs = llm.generate(inputs, sp, use_tqdm=False, tokenization_kwargs={"add_special_tokens": not a.chat})
@@ -185,8 +186,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from jaxinfer.chat import chat_loop
     sampling(a)                           # bad values fail before the model loads
     llm = build_llm(a)
-    return chat_loop(llm, sampling(a, llm.default_sampling_params), system=a.system,
-                     thinking=not a.no_thinking)
+    return chat_loop(llm, sampling(a, llm.default_sampling_params), system=a.system, thinking=not a.no_thinking)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -204,7 +204,10 @@ def bench_script() -> str:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    """`jaxinfer bench ARGS` is `python scripts/bench.py ARGS` (all arguments, --help included, go to it)."""
+    """`jaxinfer bench ARGS` is `python scripts/bench.py ARGS` (all arguments, --help included, go to it); vLLM's
+    `bench throughput ARGS` and `bench latency ARGS` are `bench ARGS` and `bench --latency ARGS`."""
+    if argv[:1] in (["throughput"], ["latency"]):
+        argv = ["--latency"] * (argv[0] == "latency") + argv[1:]
     path = bench_script()
     if not os.path.isfile(path):
         if "-h" in argv or "--help" in argv:
@@ -215,9 +218,6 @@ def cmd_bench(argv: list[str]) -> int:
     spec = importlib.util.spec_from_file_location("jaxinfer_bench_script", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    if not hasattr(module, "main"):
-        print(f"jaxinfer bench: {path} has no main(argv)", file=sys.stderr)
-        return 2
     sys.argv[0] = "jaxinfer bench"         # the script's argparse names itself after argv[0]
     rc = module.main(list(argv))
     return rc if isinstance(rc, int) else 0
@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate from prompts and print text and tokens/s",
                        description="Generate from a few prompts; print the outputs and the throughput.")
     add_engine_args(g)
-    g.add_argument("-p", "--prompt", action="append", help="a prompt (repeatable; default: 4 sample prompts)")
+    g.add_argument("-p", "--prompt", action="append", help="a prompt (repeatable; -: stdin's lines; default: 4)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     add_sampling_args(g, max_tokens=32, temperature=0.0)
     g.set_defaults(func=cmd_generate)
@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive chat, streaming the replies",
                        description="Chat with the model in the terminal; replies stream as they are generated.")
     add_engine_args(c)
-    c.add_argument("--system", help="system prompt")
+    c.add_argument("--system", "--system-prompt", help="system prompt")
     c.add_argument("--no-thinking", action="store_true", help="Qwen3: disable thinking (enable_thinking=False)")
     add_sampling_args(c, max_tokens=256, temperature=0.6)
     c.set_defaults(func=cmd_chat)
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         command, run = a.command, lambda: check_vllm_flags(a) or a.func(a)
     try:
         return run()
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError, RuntimeError) as e:    # (bad input, unreadable files, a core that could not load)
         print(f"jaxinfer {command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -14,7 +14,7 @@ from jaxinfer import profiling, prompts as prompt_forms
 from jaxinfer.beam_search import beam_search
 from jaxinfer.compat import pop_vllm_options, python_numbers
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine.dp_engine import create_engine
+from jaxinfer.engine.dp_engine import create_engine, sized_stats
 from jaxinfer.engine.executables import engine_numerics
 from jaxinfer.engine.llm_engine import is_finished
 from jaxinfer.engine.one_thread import OneThread, Stream, Window, recovering
@@ -199,9 +199,7 @@ class LLM:
     def stats(self) -> dict:
         """The engine's numbers, summed over replicas; at every size also `data_parallel_size`,
         `tensor_parallel_size` and `replicas` (each replica's own numbers)."""
-        st = self.engine.stats()
-        st = st if "replicas" in st else {**st, "data_parallel_size": 1, "replicas": [dict(st)]}
-        return {**st, "tensor_parallel_size": self.config.tensor_parallel_size}
+        return sized_stats(self.engine)
 
     # vLLM's beam_search(prompts, BeamSearchParams(...)) (beam_search.py), start_profile / stop_profile (profiling.py)
     beam_search, start_profile, stop_profile = beam_search, profiling.start_profile, profiling.stop_profile

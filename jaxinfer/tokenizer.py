@@ -113,13 +113,24 @@ def render_template(template: str, messages, **kwargs) -> str:
     return env.from_string(template).render(messages=out, **kwargs)
 
 
+def has_tokenizer_files(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+
+
+def check_text_tokenizer(path: str) -> None:
+    """For commands that print text: a checkpoint folder without tokenizer files is a ValueError naming --tokenizer
+    (LLM() would run without one, on token ids only)."""
+    if os.path.isdir(path) and not has_tokenizer_files(path):
+        raise ValueError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {path!r}: give --tokenizer "
+                         f"FOLDER")
+
+
 def load_tokenizer(path: "str | NoTokenizer | None", missing_ok: bool = False):
     """The tokenizer in folder `path` (None: the presets' ByteTokenizer; a NoTokenizer: itself). A folder without
     tokenizer files is a FileNotFoundError, or with `missing_ok` (LLM()) a NoTokenizer and a warning saying so."""
     if path is None or isinstance(path, NoTokenizer):
         return path or ByteTokenizer()
-    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
-                                                                  "vocab.json")):
+    if not has_tokenizer_files(path):
         if missing_ok:
             import warnings
             warnings.warn(f"no tokenizer files in {path!r}: running without a tokenizer, as vLLM's "

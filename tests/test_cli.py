@@ -30,10 +30,10 @@ def test_help(cmd, capsys):
 
 
 def test_generate(tiny_dir):
-    r = jaxinfer("generate", tiny_dir, "-p", "Hello world", "-p", "你好", "--max-tokens", "4", *SMALL)
+    r = jaxinfer("generate", tiny_dir, "-p", "Hello world", "-p", "-", "--max-tokens", "4", *SMALL, stdin="你好\nabc\n")
     assert r.returncode == 0, r.stderr
-    assert "Prompt: 'Hello world'" in r.stdout and "Prompt: '你好'" in r.stdout
-    assert r.stdout.count("Output: ") == 2 and "tokens/s" in r.stdout
+    assert "Prompt: 'Hello world'" in r.stdout and "Prompt: '你好'" in r.stdout and "Prompt: 'abc'" in r.stdout
+    assert r.stdout.count("Output: ") == 3 and "tokens/s" in r.stdout      # (-p -: a prompt per line of stdin)
 
 
 def test_chat_streams_and_keeps_history(tiny_dir):
@@ -112,9 +112,20 @@ def test_serve(tiny_dir):
     assert cli.main(["serve", tiny_dir, "--max-logprobs", "5"]) == 2          # before anything loads
 
 
-def test_bad_input_is_a_clear_error(tmp_path):
+def test_bad_input_is_a_clear_error(tmp_path, tiny_dir):
     r = jaxinfer("generate", str(tmp_path / "missing-dir"), *SMALL, timeout=120)
     assert r.returncode == 2 and "error:" in r.stderr and "missing-dir" in r.stderr
+    import shutil                     # no tokenizer files: before the load, naming --tokenizer; an unreadable weight
+    shutil.copytree(tiny_dir, tmp_path / "bad")       # file (an OSError): one line, no traceback
+    for f in os.listdir(tmp_path / "bad"):
+        if f.startswith("tokenizer") or f == "vocab.json":
+            os.remove(tmp_path / "bad" / f)
+    assert cli.main(["generate", str(tmp_path / "bad"), *SMALL]) == 2
+    shutil.copytree(tiny_dir, tmp_path / "bad2")
+    os.remove(tmp_path / "bad2" / "model.safetensors")
+    os.mkdir(tmp_path / "bad2" / "model.safetensors")
+    r = jaxinfer("generate", str(tmp_path / "bad2"), *SMALL, timeout=120)
+    assert r.returncode == 2 and "error:" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert cli.main(["generate", "--temperature", "-1"]) == 2       # fails before loading any model
     assert cli.build_parser().parse_args(["serve", "--dtype", "half"]).dtype == "half"     # vLLM's dtype names
     from jaxinfer.server.__main__ import main as server_main
@@ -172,6 +183,8 @@ def test_bench_delegates_or_explains(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(cli, "bench_script", lambda: str(script))
     assert cli.main(["bench", "--num-seqs", "2"]) == 0
     assert "BENCH ['--num-seqs', '2']" in capsys.readouterr().out
+    assert cli.main(["bench", "throughput", "-tp", "2"]) == cli.main(["bench", "latency", "-tp", "2"]) == 0  # (vLLM's)
+    assert "BENCH ['-tp', '2']\nBENCH ['--latency', '-tp', '2']" in capsys.readouterr().out
     monkeypatch.setattr(cli, "bench_script", lambda: str(tmp_path / "nope.py"))
     assert cli.main(["bench", "--help"]) == 2
     assert "missing" in capsys.readouterr().err

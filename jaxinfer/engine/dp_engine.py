@@ -12,7 +12,8 @@ over dp of them. `DPEngine` offers what `LLM`, the server and the benchmarks use
   the calling thread; only the device calls run at once, from one thread per replica (`_launch_all`). (A whole
   engine step per thread was measured on 2 H200s, 30,051 / 31,210 tok/s against 30,409 / 29,248 from one
   thread: no gain, since each thread's Python work held up the others' launches; `h200x2_2026-11-30_dp_threads.json`.)
-- `stats()` sums the replicas' counters and lists each replica's own under "replicas".
+- `stats()` sums the replicas' counters and lists each replica's own under "replicas"; `sized_stats(engine)` gives
+  either engine's with the same keys at every size (what `LLM.stats()` and the server's /stats show).
 """
 from __future__ import annotations
 
@@ -49,6 +50,13 @@ def create_engine(model: ModelConfig, config: EngineConfig, load: Callable[[Plac
     for replica in getattr(engine, "replicas", [engine]):
         replica.tokenizer = tokenizer
     return engine
+
+
+def sized_stats(engine) -> dict:
+    """engine.stats() with `replicas` (dp = 1: itself), `data_parallel_size` and `tensor_parallel_size` at any size."""
+    st = engine.stats()
+    st = st if "replicas" in st else {**st, "data_parallel_size": 1, "replicas": [dict(st)]}
+    return {**st, "tensor_parallel_size": engine.config.tensor_parallel_size}
 
 
 def outstanding(q: Sequence) -> int:

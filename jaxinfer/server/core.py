@@ -150,7 +150,8 @@ class EngineCore:
                 if len(cmd) > 2:                 # a stop string ended it: a finished request for the histograms
                     self.times.add(seq, num_output=cmd[2])
         elif kind == "stats":
-            self._send(cmd[1], ["stats", cmd[2], {**self.engine.stats(), "request_times": self.times.snapshot()}])
+            from jaxinfer.engine.dp_engine import sized_stats
+            self._send(cmd[1], ["stats", cmd[2], {**sized_stats(self.engine), "request_times": self.times.snapshot()}])
         elif kind == "ping":                     # (an API process starting: until one arrives there)
             self._send(cmd[1], ["pong", cmd[2], None])
         elif kind == "shutdown":

@@ -1,8 +1,9 @@
 """`serve(model, engine_kwargs, ...)`: start the engine core, then the HTTP side, and tear both down in order.
 
 Exit codes (`serve` returns them; `jaxinfer serve` and `python -m jaxinfer.server` exit with them):
-- 0: stopped by SIGTERM or SIGINT after draining: new requests get 503, in-flight ones finish (or end with
-  finish_reason "abort" after `shutdown_timeout`), then the core is shut down; a second signal stops at once;
+- 0: stopped by SIGTERM after draining: new requests get 503, in-flight ones finish (or end with finish_reason
+  "abort" after `shutdown_timeout`), then the core is shut down; a second signal stops at once. SIGINT (Ctrl-C)
+  drains the same way; uvicorn then raises it again, so `jaxinfer serve` exits 130, the shell's code for Ctrl-C;
 - 1: the engine core died (in-flight requests got an error; /health answered 503 meanwhile), or an API
   process died (api_server_count > 1).
 A model that fails to load raises (ValueError / FileNotFoundError / RuntimeError) before anything listens.
