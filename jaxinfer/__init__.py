@@ -10,7 +10,8 @@ _EXPORTS = {"LLM": "jaxinfer.llm", "SamplingParams": "jaxinfer.sampling_params",
             "RequestOutput": "jaxinfer.outputs", "CompletionOutput": "jaxinfer.outputs",
             "TextPrompt": "jaxinfer.prompts", "TokensPrompt": "jaxinfer.prompts",
             "EngineConfig": "jaxinfer.config", "LLMEngine": "jaxinfer.engine_api", "EngineArgs": "jaxinfer.engine_api",
-            "AsyncLLMEngine": "jaxinfer.async_engine", "AsyncEngineArgs": "jaxinfer.async_engine"}
+            "AsyncLLMEngine": "jaxinfer.async_engine", "AsyncEngineArgs": "jaxinfer.async_engine",
+            "StructuredOutputsParams": "jaxinfer.sampling_params", "BeamSearchParams": "jaxinfer.beam_search"}
 __all__ = list(_EXPORTS)
 
 

@@ -166,7 +166,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _opt(None, "most prompt tokens in one prefill step (GPU: 16384; CPU: 512)")
     max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's, capped by the KV pool)")
     block_size: int = _opt(16, "tokens per KV cache block (a power of two, <= 1024)", aliases=("--kvcache-block-size",))
-    num_kvcache_blocks: int | None = _opt(None, "KV blocks (default: GPU: free memory; CPU: max_num_seqs x max_model_len)")
+    num_kvcache_blocks: int | None = _opt(None, "KV blocks (default GPU: memory left; CPU: seqs x len up to 2 GiB)")
     gpu_memory_utilization: float = _opt(0.9, "fraction of the GPU memory JAX may use that the engine takes")
     enable_prefix_caching: bool = _opt(True, "reuse the KV of cached prompt prefixes")
     decode_buckets: tuple[int, ...] | None = _opt(None, "decode batch sizes to compile (default: 8, 32, 2^k; xla 8^k)")
