@@ -220,8 +220,10 @@ def test_random_init_is_finite_in_bf16():
     from jaxinfer.model.qwen3 import dense_logits
     cfg = preset("qwen3-0.6b")
     small = ModelConfig(**{**cfg.__dict__, "num_hidden_layers": 2, "vocab_size": 1000})
-    logits = dense_logits(small, init_params(small, jnp.bfloat16), jnp.arange(16)[None])
-    assert bool(jnp.all(jnp.isfinite(logits))) and float(jnp.abs(logits).max()) < 100
+    from jaxinfer.model.loader import random_params             # (a preset's weights, as LLM() draws them)
+    for params in (init_params(small, jnp.bfloat16), random_params(small, jnp.bfloat16)):
+        logits = dense_logits(small, params, jnp.arange(16)[None])
+        assert bool(jnp.all(jnp.isfinite(logits))) and float(jnp.abs(logits).max()) < 100
 
 
 BAD_HEADERS = [{"w": {"dtype": "F32", "shape": [4]}}, {"w": {"dtype": "F32", "data_offsets": [0, 16]}},
