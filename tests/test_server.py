@@ -505,7 +505,7 @@ def test_stop_string_cuts_text_and_aborts_in_the_core(url, client, stream):
     # /metrics' engine histograms count it as finished, with the tokens kept (the core ran past the stop): vLLM
     # records a stop string's finish like any other
     count, total = _generation_tokens(url)
-    assert count == counted[0] + 1 and 0 < total - counted[1] < 100
+    assert count == counted[0] + 1 and 0 < total - counted[1] <= 100      # (100: the core ended first)
     kept = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True,
                                                               "skip_special_tokens": True}}, stop=[stop], stream=stream)
     kept = "".join(c.choices[0].text for c in kept) if stream else kept.choices[0].text
