@@ -250,8 +250,6 @@ class EngineConfig:
                 raise ValueError(f"attn_backend='mosaic' needs block_size >= 8, got block_size={self.block_size}")
         kw = {k: v for k, v in PLATFORM_DEFAULTS["gpu" if platform == "gpu" else "cpu"].items()
               if getattr(self, k) is None}
-        if "attn_backend" in kw and model.head_dim & (model.head_dim - 1):
-            kw["attn_backend"] = "xla"     # the kernels tile a power-of-two head_dim (model/attention.check_backend)
         if (self.dtype or kw.get("dtype")) == "auto":
             kw["dtype"] = model.torch_dtype
         if self.kv_cache_dtype in ("bfloat16", "float16"):      # a full-precision cache: the model's dtype here

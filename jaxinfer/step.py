@@ -214,7 +214,7 @@ def step_attention(config, kind, backend, meta, interpret, mesh, params, kv_cach
     L = config.num_hidden_layers
     stacked = L if len(kv_caches) == 1 and L > 1 else 0
     return paged_attention_layer(kind, backend, meta, interpret, mesh, kv_scales(params), stacked,
-                                 kv_caches[0][0].shape[1])
+                                 kv_caches[0][0].shape[1], kv_caches[0][0].shape[-1] != config.head_dim)
 
 
 def jit_step(step, out_shardings=None, donate=(1,)):

@@ -221,16 +221,40 @@ def test_bad_model_paths(tmp_path):
         LLM(path, **{**BASE, "max_model_len": 4096})
 
 
-def test_kernel_backends_need_a_power_of_two_head_dim(tiny_dirs):
-    """head_dim 24: a kernel backend chosen by the user is refused at LLM() (not at the first request); left to
-    the engine on a GPU, the backend falls back to xla, which takes any head_dim."""
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_pallas_pads_a_head_dim_that_is_not_a_power_of_two(tiny_dirs, kv):
+    """head_dim 24 (3 layers, GQA group 4): the pallas backend keeps 32-wide pages (q/k/v padded with zeros, the
+    model's 1/sqrt(24) scale) and gives xla's greedy tokens and logprobs, prompts over several chunks, a prefix hit,
+    K-step calls (fp8: V pages in pairs of the padded width). The pool counts the padded bytes; cudnn, triton and
+    mosaic (power-of-two tiles, no padding) are refused naming the head_dim; left to the engine, a GPU runs pallas."""
+    import numpy as np
+
     from jaxinfer.config import ModelConfig
+    from jaxinfer.engine.memory import kv_bytes_per_block
+    from jaxinfer.model.attention import check_backend
     path = tiny_dirs["gqa4_wide_head"]
-    with pytest.raises(ValueError, match="power-of-two head_dim; this model's head_dim=24"):
-        LLM(path, **{**TINY_ENGINE, "attn_backend": "pallas"})
+    rng = np.random.default_rng(3)
+    ps = [rng.integers(0, 512, n).tolist() for n in (5, 70, 19)]
+    ps.append(ps[1][:40] + [7, 8])
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    got = {}
+    for backend in ("xla", "pallas"):
+        llm = LLM(path, **{**BASE, "attn_backend": backend, "kv_cache_dtype": kv, "num_scheduler_steps": 4})
+        outs = [o.outputs[0] for o in llm.generate(ps, sp, use_tqdm=False)]
+        got[backend] = [o.token_ids for o in outs], [[d[t].logprob for d, t in zip(o.logprobs, o.token_ids)]
+                                                     for o in outs]
+        st = llm.stats()
+        assert st["kv_blocks_free"] == st["kv_blocks_total"]
+        assert llm.engine.runner.kv_caches[0][0].shape[-1] == (32 if backend == "pallas" else 24)
+    assert got["pallas"][0] == got["xla"][0]
+    np.testing.assert_allclose(np.array(got["pallas"][1]), np.array(got["xla"][1]), atol=2e-3 if kv == "fp8" else 1e-4)
     model = ModelConfig.from_pretrained(path)
-    assert EngineConfig().resolve("gpu", model).attn_backend == "xla"
-    assert EngineConfig().resolve("gpu", ModelConfig.from_pretrained(tiny_dirs["gqa2"])).attn_backend == "pallas"
+    assert kv_bytes_per_block(model, 4, "float32", "pallas") == kv_bytes_per_block(model, 4, "float32") * 32 // 24
+    for backend in ("cudnn", "triton", "mosaic"):
+        with pytest.raises(ValueError, match=f"attn_backend='{backend}' needs a power-of-two head_dim; this model's "
+                                             "head_dim=24"):
+            check_backend(backend, model)
+    assert EngineConfig().resolve("gpu", model).attn_backend == "pallas"
 
 
 def test_kv_pool_larger_than_memory(tiny_dir):

@@ -11,9 +11,19 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model.kv_scales import kv_cache_dtype
 
 
-def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype) -> int:
-    return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * \
-        jnp.dtype(dtype).itemsize
+def cache_head_dim(backend: str, head_dim: int) -> int:
+    """The head dimension of the KV pages: the model's, or for the pallas backend the next power of two (its kernels
+    tile the head dimension). q, k and v are then padded with zeros, which changes no score and no output column;
+    the softmax keeps the model's 1/sqrt(head_dim), and decode takes the unfused path (model/attention.py)."""
+    if backend == "pallas" and head_dim & (head_dim - 1):
+        return 1 << (head_dim - 1).bit_length()
+    return head_dim
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype, backend: str = "") -> int:
+    """A block's K and V bytes over all layers (`backend`: its pages' head dimension, cache_head_dim)."""
+    return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * \
+        cache_head_dim(backend, model.head_dim) * jnp.dtype(dtype).itemsize
 
 
 _HEADROOM = 2 * 2**30   # activations / logits of the largest bucket
@@ -82,7 +92,7 @@ def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype, stric
     """Size the KV pool from free device memory (GPU), or from the memory max_num_seqs full sequences take in
     the model's dtype (CPU, at most 2 GiB, or one max_model_len sequence when strict). strict (max_model_len was
     given): refuse a pool that cannot hold one max_model_len sequence (else the caller caps it)."""
-    per_block = kv_bytes_per_block(model, engine.block_size, dtype)
+    per_block = kv_bytes_per_block(model, engine.block_size, dtype, engine.attn_backend)
     mem = device_memory(device)
     if mem is not None:
         free = mem[0] * engine.gpu_memory_utilization - mem[1]
@@ -99,7 +109,8 @@ def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype, stric
                          "(nvidia-ml-py) did not answer): give num_kvcache_blocks explicitly")
     # CPU: the bytes max_num_seqs full sequences take in the model's dtype (at most 2 GiB), so that an fp8 cache
     # holds more blocks in the same memory here too (twice bf16's, four times float32's)
-    seqs = engine.max_num_seqs * engine.max_blocks_per_seq * kv_bytes_per_block(model, engine.block_size, engine.dtype)
+    full = kv_bytes_per_block(model, engine.block_size, engine.dtype, engine.attn_backend)
+    seqs = engine.max_num_seqs * engine.max_blocks_per_seq * full
     blocks = max(1, int(min(seqs, CPU_POOL_BYTES) // per_block))
     if strict and blocks < engine.max_blocks_per_seq:      # a max_model_len given: one such sequence fits, past 2 GiB
         blocks, free = engine.max_blocks_per_seq, free_memory_bytes(device)
@@ -116,7 +127,7 @@ def inexact_offsets(model: ModelConfig, engine: EngineConfig, dtype, num_blocks:
     `model` is one device's view. Returns (its elements, the most blocks under that range, the fewest past it), else
     None. Models of more layers stack their caches past that range or keep them per layer under it
     (attention.cache_layout)."""
-    per_block = engine.block_size * model.num_key_value_heads * model.head_dim
+    per_block = engine.block_size * model.num_key_value_heads * cache_head_dim(engine.attn_backend, model.head_dim)
     n = num_blocks * per_block
     if engine.attn_backend == "pallas" and jnp.dtype(dtype).itemsize == 1 and model.num_hidden_layers == 1 \
             and 2**31 < n <= 2**32:
@@ -132,7 +143,7 @@ def check_pool_fits(model: ModelConfig, engine: EngineConfig, num_blocks: int, d
         raise ValueError(f"num_kvcache_blocks={num_blocks} gives a one-layer fp8 page array of {inexact[0]} elements, "
                          f"which the Pallas kernels cannot index exactly (2^31 to 2^32); use at most {inexact[1]} "
                          f"blocks, or at least {inexact[2]} (docs/kernels.md)")
-    need = num_blocks * kv_bytes_per_block(model, engine.block_size, kv_dtype)
+    need = num_blocks * kv_bytes_per_block(model, engine.block_size, kv_dtype, engine.attn_backend)
     free = free_memory_bytes(device)
     if free is not None and need > free:        # None: a GPU that cannot tell; XLA will fail if it is too big
         raise ValueError(f"num_kvcache_blocks={num_blocks} needs {need / 2**30:.1f} GiB of KV cache but only "

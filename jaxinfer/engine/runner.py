@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.model import layers
-from jaxinfer.model import xla_decode
+from jaxinfer.engine.memory import cache_head_dim
+from jaxinfer.model import layers, xla_decode
 from jaxinfer.model.attention import cache_dtypes, cache_layout
 from jaxinfer.model.kv_scales import kv_cache_dtype, with_kv_scales
 from jaxinfer.parallel import Placement, kv_heads, make_placements
@@ -99,7 +99,7 @@ class ModelRunner:
         # [P, bs, K', D] pages per layer (xla, pallas: one pair [L * P, ...] for all layers), split by kv head: each
         # device holds K'/tp heads (parallel/layout.py)
         shape = (num_blocks, engine.block_size, kv_heads(model, tp) if tp > 1 else model.num_key_value_heads,
-                 model.head_dim)
+                 cache_head_dim(engine.attn_backend, model.head_dim))
         kv_shape, pairs = cache_layout(engine.attn_backend, model.num_hidden_layers, shape,
                                        jnp.dtype(self.kv_dtype).itemsize, tp)
         # pallas fp8: V in pairs; xla fp8 off the GPU: byte pages. cache_kind: part of the shared executables' key

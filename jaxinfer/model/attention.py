@@ -62,15 +62,10 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
     return k_cache.reshape(P, bs, K, D), v_cache.reshape(P, bs, K, Dv)
 
 
-# Decode over long contexts: block tables wider than LONG_DECODE_TOKENS (the engine's wide decode programs, which run
-# only when a row's context outgrows the narrow context bucket) cut each row into as many context splits as its
-# share of the batch's context needs (the kernel's balanced splits), up to LONG_DECODE_SPLITS, to LONG_DECODE_GRID
-# programs (kv heads x splits x rows; splits a row does not need exit at once) and to PARTIALS_BUDGET bytes of fp32
-# partial outputs. The narrow programs' fixed count (8 splits in the 8-row bucket that batch 1 runs in) leaves one
-# long row to 64 programs. On the H200 (docs/performance.md, twentieth run), batch-1 TPOT at 32,000 tokens: 2.97 ms
-# against 4.17 (2.52 with a 2048-program grid, 2.69 with 4096); at 100,000 tokens 4.34 against 10.19 ms (4096).
-# The price: a full 8-row bucket of 32k-token rows takes 8.05 instead of 7.62 ms a step (9 splits a row, 576
-# programs, are a second wave where 8 fit in one); larger grids cost that bucket more (8.95-9.86 ms).
+# Decode over long contexts: block tables wider than LONG_DECODE_TOKENS (the wide decode programs) cut each row
+# into the context splits its share of the batch's context needs (the kernel's balanced splits), up to
+# LONG_DECODE_SPLITS, LONG_DECODE_GRID programs and PARTIALS_BUDGET bytes of fp32 partial outputs. Batch-1 TPOT at
+# 32,000 tokens on the H200: 2.97 against 4.17 ms; a full 8-row bucket of such rows pays 5% (docs/performance.md).
 LONG_DECODE_TOKENS = 4096
 LONG_DECODE_SPLITS = 64
 LONG_DECODE_GRID = 1024
@@ -108,12 +103,12 @@ def v_pages(backend: str, shape: tuple[int, ...], kv_dtype) -> tuple[tuple[int, 
 
 
 def check_backend(backend: str, model) -> None:
-    """ValueError, at LLM() rather than at the first request, when the backend's kernels cannot take the model: every
-    backend but xla (plain jnp) tiles the head dimension and needs a power of two."""
+    """ValueError, at LLM() rather than at the first request, when the backend's kernels cannot take the model:
+    cudnn, triton and mosaic tile the head dimension and need a power of two (xla and pallas take any)."""
     D = model.head_dim
-    if backend != "xla" and D & (D - 1):
+    if backend not in ("xla", "pallas") and D & (D - 1):
         raise ValueError(f"attn_backend={backend!r} needs a power-of-two head_dim; this model's head_dim={D} "
-                         f"(attn_backend='xla' takes any)")
+                         f"(attn_backend='xla' or 'pallas' takes any)")
 
 
 STACKED_BACKENDS = ("xla", "pallas")
@@ -201,7 +196,7 @@ class LayerAttention:
 
 
 def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool = False, mesh=None,
-                          kv_scales=None, stacked_layers: int = 0, block_size: int = 0) -> LayerAttention:
+                          kv_scales=None, stacked_layers: int = 0, block_size: int = 0, padded=False) -> LayerAttention:
     """The model's attention over the paged cache for one step: write K/V, then prefill or decode attention.
 
     A pallas decode step also gets the fused `from_qkv` path: one kernel takes the raw qkv projection,
@@ -214,7 +209,10 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
     kv_scales: (k_scale, v_scale) [L, 1] of an fp8 cache, else None. They travel in `meta` (replicated).
 
     stacked_layers = L: the caches are one stacked pair ([L * P, bs, K, D], `stacked_cache`), block_size their bs
-    (the xla decode's work list is made here, before the model's scan over layers)."""
+    (the xla decode's work list is made here, before the model's scan over layers).
+
+    padded: the pages' head dimension is wider than the model's (engine/memory.cache_head_dim); decode then takes the
+    unfused path (the fused kernel's RoPE pairs dimension j with j + D/2 of the model's D)."""
     prefill_fn, decode_fn = attention_fns(backend, interpret)
     if kv_scales is not None:
         meta = {**meta, "k_scale": kv_scales[0], "v_scale": kv_scales[1]}
@@ -237,6 +235,14 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
         work_list(meta, block_size)
 
     def attn_local(meta, l, q, k, v, cache):
+        D = q.shape[-1]
+        if cache[0].shape[-1] != D:     # pages of a padded head dimension (memory.cache_head_dim): zeros past D
+            q, k, v = (jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, cache[0].shape[-1] - D)]) for x in (q, k, v))
+            o, cache = attend_pages(meta, l, q, k, v, cache, scale=D ** -0.5)
+            return o[..., :D], cache
+        return attend_pages(meta, l, q, k, v, cache)
+
+    def attend_pages(meta, l, q, k, v, cache, **scale):
         scales = fp8_kwargs(meta, l)
         write_scales = layer_scales(meta["k_scale"], meta["v_scale"], l) if scales else ()
         slots, tables, work = meta["slot_mapping"], meta["block_tables"], None
@@ -251,9 +257,9 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
             o = decode_fn(q, k_cache, v_cache, tables, meta["seq_lens"], table_start=meta.get("table_start"),
                           work=work, **scales)
         elif kind == "decode":
-            o = decode_fn(q, k_cache, v_cache, tables, meta["seq_lens"], **scales)
+            o = decode_fn(q, k_cache, v_cache, tables, meta["seq_lens"], **scales, **scale)
         else:
-            o = prefill_fn(q, k_cache, v_cache, tables, meta["cu_seqlens"], meta["seq_lens"], **scales)
+            o = prefill_fn(q, k_cache, v_cache, tables, meta["cu_seqlens"], meta["seq_lens"], **scales, **scale)
         return o, (k_cache, v_cache)
 
     per_device = mesh is not None and mesh.shape["tp"] > 1 and backend != "xla"    # kernels / custom calls
@@ -267,7 +273,7 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
         return shard_map(f, mesh, (P(), P(), heads, heads, heads, kv), (heads, kv))(meta, jnp.asarray(l), q, k, v,
                                                                                      cache)
 
-    if kind == "decode" and backend == "pallas":
+    if kind == "decode" and backend == "pallas" and not padded:
         from pallas_kernels.paged_attention import paged_attention_qkv
         meta = {**meta, "context_total": jnp.sum(meta["seq_lens"]).reshape(1)}   # once a step (long_decode_tiles)
 
