@@ -56,6 +56,18 @@ def is_pow2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
 
+def padded_head_dim(q, k_cache, v_cache):
+    """(q, k_cache, v_cache) of a head_dim D that is not a power of two, zero-padded to the next one (the kernels tile
+    D; zero columns change no score and no output column: the caller keeps 1/sqrt(D) and cuts the output), or None
+    when D is one already, or the shapes disagree (the checks then name them). V pages in pairs pad to half."""
+    D = q.shape[-1]
+    if is_pow2(D) or k_cache.shape[-1] != D:
+        return None
+    Dp = next_pow2(D)
+    pad = lambda x, n: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
+    return pad(q, Dp), pad(k_cache, Dp), pad(v_cache, Dp // 2 if is_pairs(v_cache.dtype) else Dp)
+
+
 def check_cu_seqlens(name: str, cu_seqlens_q, batch: int) -> None:
     """cu_seqlens_q of a varlen prefill: int32 [batch + 1]."""
     if cu_seqlens_q.shape != (batch + 1,) or cu_seqlens_q.dtype != jnp.int32:

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._common import (LOG2E, NEG_BIG, acc_zeros, check_cu_seqlens, check_paged_inputs, dot_precision,
-                                    load_kv_tile, online_softmax_update, out_columns)
+                                    load_kv_tile, online_softmax_update, out_columns, padded_head_dim)
 from pallas_kernels.quant import compute_dtype, dequantize_cache, kv_scales, load_scales
 
 DEFAULT_BLOCK_Q = 128
@@ -146,6 +146,9 @@ def flash_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
     """
     if q.ndim != 3:
         raise ValueError(f"flash_attention: q must be [T, H, D], got shape {q.shape}")
+    D, scale = q.shape[-1], float(q.shape[-1] ** -0.5 if scale is None else scale)
+    if (padded := padded_head_dim(q, k_cache, v_cache)) is not None:     # D not a power of two (_common)
+        q, k_cache, v_cache = padded
     num_tokens, heads, head_dim = q.shape
     batch = seq_lens.shape[0] if seq_lens.ndim == 1 else -1
     check_paged_inputs("flash_attention", heads, head_dim, q.dtype, k_cache, v_cache, block_tables, seq_lens,
@@ -154,11 +157,10 @@ def flash_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
     for name, size in (("block_q", block_q), ("block_k", block_k)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"flash_attention: {name} must be a power of two >= 16, got {size}")
-    scale = float(head_dim ** -0.5 if scale is None else scale)
     scales = kv_scales("flash_attention", k_cache, k_scale, v_scale, layer)
     return _flash_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scales, scale=scale,
                             interpret=interpret, block_q=block_q, block_k=block_k, num_warps=num_warps,
-                            num_stages=num_stages)
+                            num_stages=num_stages)[..., :D]
 
 
 def flash_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,

@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels import _common
 from pallas_kernels._common import (LOG2E, NEG_BIG, acc_zeros, check_paged_inputs, context_total_operand,
                                     dot_precision, load_kv_tile, next_pow2, online_softmax_update, out_columns,
-                                    prev_pow2)
+                                    padded_head_dim, prev_pow2)
 from pallas_kernels._qkv_prologue import attend_new_token, check_qkv_inputs, new_token, norm_rope
 from pallas_kernels.quant import compute_dtype, is_fp8, kv_scales, load_scales
 
@@ -221,12 +221,15 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
     """
     if q.ndim != 3:
         raise ValueError(f"paged_attention: q must be [B, H, D], got shape {q.shape}")
+    D, scale = q.shape[-1], _scale(scale, q)
+    if (padded := padded_head_dim(q, k_cache, v_cache)) is not None:     # D not a power of two (_common)
+        q, k_cache, v_cache = padded
     total = context_total_operand("paged_attention", context_total)
     tiles = _tiles("paged_attention", q, q.shape[1], k_cache, v_cache, block_tables, seq_lens, block_n, num_splits,
                    order, num_warps, num_stages, total is not None)
     scales = kv_scales("paged_attention", k_cache, k_scale, v_scale, layer)
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, order=order, scales=scales, total=total,
-                            scale=_scale(scale, q), interpret=interpret, **tiles)
+                            scale=scale, interpret=interpret, **tiles)[..., :D]
 
 
 def paged_attention_qkv(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: jax.Array, sin: jax.Array,

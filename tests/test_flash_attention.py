@@ -43,6 +43,7 @@ CASES = [
     ([5, 16, 1, 9], [5, 20, 30, 9], 4, 4, 2, 16, 3),  # full prompts, prefix hits, a 1-token chunk, padding
     ([3, 0, 17], [19, 0, 17], 1, 2, 2, 16, 0),  # block size 1, no GQA, an empty padding sequence
     ([32, 7, 16], [48, 40, 16], 16, 8, 2, 32, 5),  # GQA 4, chunked-prefill continuations, exact multiples
+    ([6, 11], [6, 25], 4, 6, 2, 48, 2),  # head_dim not a power of two: padded to 64 (_common.padded_head_dim)
 ]
 
 
@@ -56,7 +57,7 @@ def test_reference_matches_dense(case):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("case,block_q,block_k", [(0, 16, 16), (1, 16, 32), (2, 32, 16)])
+@pytest.mark.parametrize("case,block_q,block_k", [(0, 16, 16), (1, 16, 32), (2, 32, 16), (3, 16, 16)])
 def test_kernel_matches_reference(dtype, case, block_q, block_k):
     n_new, ctx, block_size, heads, kv_heads, head_dim, pad = CASES[case]
     q, k, v, tables, cu, seq_lens = make_prefill(np.random.default_rng(2), n_new, ctx, block_size, heads, kv_heads,

@@ -30,7 +30,8 @@ def test_pack_unpack_round_trip_and_halves():
     np.testing.assert_array_equal(np.asarray(odd), np.asarray(x[..., 1::2], np.float32))
 
 
-@pytest.mark.parametrize("dtype,case,num_splits", [(jnp.float32, 0, 1), (jnp.bfloat16, 2, 3), (jnp.float32, 3, None)])
+@pytest.mark.parametrize("dtype,case,num_splits", [(jnp.float32, 0, 1), (jnp.bfloat16, 2, 3), (jnp.float32, 3, None),
+                                                    (jnp.float32, 4, 2)])   # 4: head_dim 48, pairs padded to 32
 def test_decode_pairs_equal_fp8_pages(dtype, case, num_splits):
     lens, block_size, heads, kv_heads, head_dim = CASES[case]
     rng = np.random.default_rng(21)
@@ -61,7 +62,7 @@ def test_qkv_kernel_on_pairs_writes_and_attends(dtype, case, num_splits):
     check_qkv(fused, qkv, norms, kq, pack_pairs(vq), tables, lens, SAME[dtype], scales=(ks, vs))
 
 
-@pytest.mark.parametrize("dtype,case", [(jnp.float32, 0), (jnp.bfloat16, 2)])
+@pytest.mark.parametrize("dtype,case", [(jnp.float32, 0), (jnp.bfloat16, 2), (jnp.float32, 3)])
 def test_prefill_pairs_equal_fp8_pages(dtype, case):
     n_new, ctx, block_size, heads, kv_heads, head_dim, pad = PREFILL_CASES[case]
     q, k, v, tables, cu, seq_lens = make_prefill(np.random.default_rng(23), n_new, ctx, block_size, heads, kv_heads,

@@ -42,6 +42,7 @@ CASES = [
     ([5, 1, 32], 1, 2, 2, 16),  # block size 1, no GQA
     ([16, 47, 1, 33], 16, 8, 2, 32),  # GQA 4
     ([9, 3, 0, 17], 4, 6, 3, 16),  # heads and kv heads not powers of two
+    ([7, 20, 0, 3], 4, 6, 2, 48),  # head_dim not a power of two: the kernel pads it to 64 (_common.padded_head_dim)
 ]
 
 
@@ -55,7 +56,7 @@ def test_reference_matches_dense(lens, block_size, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("case,num_splits", [(0, 1), (0, 3), (1, 2), (2, None), (3, 2)])
+@pytest.mark.parametrize("case,num_splits", [(0, 1), (0, 3), (1, 2), (2, None), (3, 2), (4, 2)])
 def test_kernel_matches_reference(dtype, case, num_splits):
     lens, block_size, heads, kv_heads, head_dim = CASES[case]
     rng = np.random.default_rng(2)
