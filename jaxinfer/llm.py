@@ -119,11 +119,14 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None,
-                 tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
+                 tokenization_kwargs: dict | None = None, stream: bool = False) -> list[RequestOutput]:
         """Generate for every prompt; outputs in prompt order (request_id: the prompt's index, as in `stream`).
         `use_tqdm`: a bool, or (vLLM's) a callable making the bar from total= and desc=. vLLM's `lora_request` (None
-        only), `priority` (None, or 0 for each) and `tokenization_kwargs` (truncation cuts token prompts too) work."""
-        prompt_forms.check_unsupported("LLM.generate", lora_request=lora_request)
+        only), `priority` (None / 0s) and `tokenization_kwargs` (cuts token prompts too) work. stream=True: stream()."""
+        prompt_forms.check_unsupported("LLM.generate", lora_request=lora_request, **(
+            dict(priority=priority, tokenization_kwargs=tokenization_kwargs) if stream else {}))
+        if stream:
+            return self.stream(prompts, sampling_params)
         reqs = self._prepare(prompts, sampling_params, tokenization_kwargs)
         prompt_forms.check_priority(priority, len(reqs))
         with self._one_thread():

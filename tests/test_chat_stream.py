@@ -41,6 +41,18 @@ def test_stream_deltas_concatenate_to_generate(llm, sp):
     assert idle(llm)
 
 
+def test_generate_with_stream_true_streams(llm):
+    """Issue 6's other spelling: llm.generate(..., stream=True) is llm.stream(...); priority / tokenization_kwargs
+    (generate's own) are refused with it, naming them, and the engine stays usable."""
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    got = [(d.request_id, d.text, d.token_ids, d.finish_reason) for d in llm.generate(PROMPTS, sp, stream=True)]
+    assert got == [(d.request_id, d.text, d.token_ids, d.finish_reason) for d in llm.stream(PROMPTS, sp)]
+    assert len(got) > len(PROMPTS)
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(PROMPTS, sp, stream=True, priority=[0] * len(PROMPTS))
+    assert idle(llm) and llm.generate(PROMPTS[:1], sp, use_tqdm=False)[0].token_ids
+
+
 def test_stream_with_n_samples_finishes_the_request_once(llm):
     """n > 1: each delta holds the sample that moved; the request's `finished` and `finish_reason` come on its last
     delta only, once every sample ended (vLLM's DELTA mode), and each sample's deltas concatenate to its output."""
