@@ -127,6 +127,8 @@ def test_bad_input_is_a_clear_error(tmp_path, tiny_dir):
     r = jaxinfer("generate", str(tmp_path / "bad2"), *SMALL, timeout=120)
     assert r.returncode == 2 and "error:" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert cli.main(["generate", "--temperature", "-1"]) == 2       # fails before loading any model
+    r = jaxinfer("serve", tiny_dir, "--num-scheduler-steps", "0", "--port", "0", timeout=120)   # the core refuses it
+    assert r.returncode == 2 and "num_scheduler_steps=0" in r.stderr and "code -9" not in r.stderr, r.stderr
     assert cli.build_parser().parse_args(["serve", "--dtype", "half"]).dtype == "half"     # vLLM's dtype names
     from jaxinfer.server.__main__ import main as server_main
     with pytest.raises(SystemExit) as e:

@@ -56,7 +56,9 @@ class CoreProcess:
         if self._info is None:
             try:
                 msg = self._wait_ready(self._recv)
-            except BaseException:                 # load error, or Ctrl-C while loading
+            except BaseException as e:            # load error, or Ctrl-C while loading
+                if isinstance(e, Exception):
+                    self.proc.join(5)             # a reported load error: the core exits by itself (1, not -9)
                 self.kill()
                 raise
             self._info = CoreInfo(self.model, *self._addrs, self.proc.pid, msg["limits"], self.tokenizer)
