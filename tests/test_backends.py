@@ -182,12 +182,14 @@ def test_gpu_backend_meets_the_contract(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cudnn", "triton", "xla"])
-def test_gpu_backend_generates_like_pallas(tiny_dir, backend, monkeypatch):
+@pytest.mark.parametrize("name,backend", [("gqa2", "cudnn"), ("gqa2", "triton"), ("gqa2", "xla"),
+                                          ("gqa4_wide_head", "xla")])
+def test_gpu_backend_generates_like_pallas(tiny_dirs, name, backend, monkeypatch):
     """Greedy tokens through LLM() in bf16 agree with the pallas backend's (a bf16 near-tie may split a path:
     agreement is counted up to each output's first difference). xla: decode in 32-token chunks over flat tables,
-    so rows span several chunks."""
+    so rows span several chunks. gqa4_wide_head: head_dim 24, the pallas pages padded to 32 (unfused decode)."""
     _needs_packages(backend)
+    tiny_dir = tiny_dirs[name]
     import jaxinfer.model.xla_decode as xd
     monkeypatch.setattr(xd, "DECODE_CHUNK", 32)
     prompts = [[1 + i, 7, 30 + i, 2, 9] * (1 + i) for i in range(6)]
