@@ -9,7 +9,7 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 
-from jaxinfer.model.rope import flag, number, rope_fields, with_overrides
+from jaxinfer.model.rope import flag, hf_rope_scaling, number, rope_fields, with_overrides
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32", "bf16": "bfloat16",
            "fp16": "float16", "half": "float16", "float": "float32"}
@@ -67,6 +67,7 @@ class ModelConfig:
     max_length = property(lambda self: int((self.rope_yarn[0] if self.rope_yarn else self.max_position_embeddings)
                                            * self.rope_scaling_factor))   # the longest context, as vLLM derives it
     kv_size = property(lambda self: self.num_key_value_heads * self.head_dim)
+    rope_scaling = property(hf_rope_scaling)    # HF's rope_scaling dict ("linear" / "yarn"); None: plain RoPE
 
     def num_params(self) -> int:
         """Parameter count as stored (tied embeddings counted once)."""

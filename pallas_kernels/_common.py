@@ -150,9 +150,11 @@ def dot_precision(dtype):
 
 def paged_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
                               seq_lens: jax.Array, *, scale: float | None = None, k_scale: jax.Array | None = None,
-                              v_scale: jax.Array | None = None, layer: int | jax.Array = 0) -> jax.Array:
+                              v_scale: jax.Array | None = None, layer: int | jax.Array = 0, interpret: bool = False,
+                              **tile_options) -> jax.Array:
     """Plain jnp decode attention: gathers each sequence's pages, masks positions >= seq_len, fp32 softmax.
-    fp8 caches are dequantised to fp32 first (scales as in paged_attention)."""
+    fp8 caches are dequantised to fp32 first (scales as in paged_attention). `interpret` and paged_attention's tile
+    options are taken (the kernel's contract) and mean nothing here."""
     k_cache, v_cache = dequantize_cache(k_cache, v_cache, k_scale, v_scale, layer, "paged_attention_reference")
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape

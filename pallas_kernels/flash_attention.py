@@ -166,8 +166,10 @@ def flash_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
 def flash_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
                               cu_seqlens_q: jax.Array, seq_lens: jax.Array, *, scale: float | None = None,
                               k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
-                              layer: int | jax.Array = 0, q_chunk: int = 64) -> jax.Array:
-    """Plain jnp causal varlen attention over the paged cache (gathering pages), same contract as the kernel.
+                              layer: int | jax.Array = 0, q_chunk: int = 64, interpret: bool = False,
+                              **tile_options) -> jax.Array:
+    """Plain jnp causal varlen attention over the paged cache (gathering pages), same contract as the kernel
+    (`interpret` and the kernel's tile options are taken and mean nothing here).
 
     Tokens are taken in chunks of q_chunk consecutive rows of one sequence (the kernel's tiling), so memory
     stays ~ (T + B * q_chunk) * H * S scores instead of a per-token copy of the whole context. fp8 caches are

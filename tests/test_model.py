@@ -52,6 +52,8 @@ def test_config_refuses_other_models_and_rope_kinds():
     # old-style (transformers 4) fields are read too
     c = ModelConfig.from_dict(_base(rope_theta=123.0, rope_scaling={"type": "linear", "factor": 2.0}))
     assert c.rope_theta == 123.0 and c.rope_scaling_factor == 2.0
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 2.0}       # issue 2's field name, HF's dict
+    assert ModelConfig.from_dict(_base()).rope_scaling is None
     with pytest.raises(ValueError, match="num_key_value_heads=3"):
         ModelConfig.from_dict(_base(num_key_value_heads=3))
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
@@ -68,6 +70,7 @@ def test_yarn_fields_as_qwen3_documents_them():
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}))
     assert c.rope_scaling_factor == 4.0 and c.rope_theta == 1e6
     assert c.rope_yarn == (32768, 32.0, 1.0, pytest.approx(0.1 * np.log(4.0) + 1.0), True)
+    assert ModelConfig.from_dict(_base(max_position_embeddings=40960, rope_scaling=c.rope_scaling, rope_theta=1e6)) == c
     assert c.max_length == 131072
     assert ModelConfig.from_dict(_base(max_position_embeddings=512)).max_length == 512
     assert ModelConfig.from_dict(_base(max_position_embeddings=512, rope_scaling={

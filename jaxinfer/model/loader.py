@@ -22,6 +22,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.kv_scales import checkpoint_scales
 from jaxinfer.model.qwen3 import INIT_STD, init_params, layer_shapes
+from jaxinfer.model.rope import hf_rope_scaling
 from jaxinfer.parallel.layout import map_params, spec, to_tp
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -234,14 +235,7 @@ def hf_config(c: ModelConfig, dtype: str | None = None) -> dict:
 
 def rope_parameters(c: ModelConfig) -> dict:
     """config.json's rope_parameters (transformers >= 5) for c: the inverse of model/rope.rope_fields."""
-    if c.rope_yarn:
-        orig, fast, slow, attention, truncate = c.rope_yarn
-        return {"rope_type": "yarn", "rope_theta": c.rope_theta, "factor": c.rope_scaling_factor,
-                "original_max_position_embeddings": orig, "beta_fast": fast, "beta_slow": slow,
-                "attention_factor": attention, "truncate": truncate}
-    if c.rope_scaling_factor != 1.0:
-        return {"rope_type": "linear", "rope_theta": c.rope_theta, "factor": c.rope_scaling_factor}
-    return {"rope_type": "default", "rope_theta": c.rope_theta}
+    return {**(hf_rope_scaling(c) or {"rope_type": "default"}), "rope_theta": c.rope_theta}
 
 
 def save_checkpoint(params: dict, config: ModelConfig, path: str, dtype: str = "bfloat16") -> str:

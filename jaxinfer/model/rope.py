@@ -96,6 +96,16 @@ def rope_fields(d: dict) -> dict:
     return dict(rope_theta=theta, rope_scaling_factor=factor, rope_yarn=yarn)
 
 
+def hf_rope_scaling(c) -> dict | None:
+    """A ModelConfig's rope scaling as HF's `rope_scaling` dict ("linear" / "yarn"), None for plain RoPE: the inverse
+    of rope_fields (ModelConfig.rope_scaling; loader.rope_parameters adds rope_theta)."""
+    if c.rope_yarn:
+        orig, fast, slow, attention, truncate = c.rope_yarn
+        return {"rope_type": "yarn", "factor": c.rope_scaling_factor, "original_max_position_embeddings": orig,
+                "beta_fast": fast, "beta_slow": slow, "attention_factor": attention, "truncate": truncate}
+    return {"rope_type": "linear", "factor": c.rope_scaling_factor} if c.rope_scaling_factor != 1.0 else None
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: float = 1.0, yarn: tuple = ()) -> tuple[np.ndarray, float]:
     """(inv_freq [D/2] float32, factor cos/sin are multiplied by). Linear scaling is applied to the positions
     (rope_cos_sin), YaRN here."""
