@@ -210,14 +210,13 @@ class LLM:
     # -- streaming and chat -------------------------------------------------------------------------
     def stream(self, prompts: Prompt | Seq[Prompt],
                sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[RequestOutput]:
-        """Generate like `generate`, yielding deltas as tokens arrive (vLLM's DELTA output kind).
-
-        Each delta holds what is new for one request: request_id (the prompt's index), the new text / token_ids (n > 1:
-        of the sample that moved, `outputs[0].index`), finished / finish_reason on its last delta (all n samples ended);
-        its text deltas concatenate to its `generate` text. Leaving the loop early (break / close) aborts the unfinished
-        requests and frees their KV blocks. Bad input raises here; `abort` calls from here on are this stream's until it
-        ends or a newer one is made. Begun, it holds the LLM for the thread iterating it (which may change between
-        deltas: a web framework's pool)."""
+        """Generate like `generate`, yielding deltas as tokens arrive (vLLM's DELTA output kind). Each delta holds
+        what is new for one request: request_id (the prompt's index), the new text / token_ids (n > 1: the moved
+        sample's, `outputs[0].index`), finished / finish_reason on its last delta (all n samples ended); its text
+        deltas concatenate to its `generate` text. Ending it early (close(), a `with` block, a break out of `for d
+        in llm.stream(...)`; one kept in a variable waits for close()) aborts the unfinished requests and frees
+        their KV blocks. Bad input raises here; `abort` calls from here on are this stream's until it ends or a
+        newer one is made. Begun, it holds the LLM for the thread iterating it (it may change between deltas)."""
         reqs = self._prepare(prompts, sampling_params)
         stream = Stream(self._one_thread, lambda aborts: self._streaming(reqs, aborts))    # (one_thread.py)
         if not self._one_thread.held_elsewhere():        # (else it is refused: the running stream keeps its aborts)

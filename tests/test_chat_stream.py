@@ -90,6 +90,16 @@ def test_leaving_a_stream_early_aborts_and_frees_blocks(llm):
     assert not idle(llm)
     it.close()
     assert idle(llm)
+    sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    with llm.stream(PROMPTS, sp) as s:      # a `with` block closes it on leaving, a break included
+        for i, d in enumerate(s):
+            if i == 2:
+                break
+        assert not idle(llm)
+    assert idle(llm)
+    for d in llm.stream(PROMPTS, sp):      # a break out of a stream no variable keeps: dropped, so closed
+        break
+    assert idle(llm)
 
 
 def test_chat_applies_the_template(llm):

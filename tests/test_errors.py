@@ -222,7 +222,7 @@ def test_bad_model_paths(tmp_path):
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_pallas_pads_a_head_dim_that_is_not_a_power_of_two(tiny_dirs, kv):
+def test_pallas_pads_a_head_dim_that_is_not_a_power_of_two(tiny_dirs, kv, monkeypatch):
     """head_dim 24 (3 layers, GQA group 4): the pallas backend keeps 32-wide pages (q/k/v padded with zeros, the
     model's 1/sqrt(24) scale) and gives xla's greedy tokens and logprobs, prompts over several chunks, a prefix hit,
     K-step calls (fp8: V pages in pairs of the padded width). The pool counts the padded bytes; cudnn, triton and
@@ -255,6 +255,12 @@ def test_pallas_pads_a_head_dim_that_is_not_a_power_of_two(tiny_dirs, kv):
                                              "head_dim=24"):
             check_backend(backend, model)
     assert EngineConfig().resolve("gpu", model).attn_backend == "pallas"
+    import jaxinfer.engine.memory as memory     # a pool past free memory: the padded bytes named, MiB below a GiB
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device=None: 2**20)
+    with pytest.raises(ValueError, match=r"needs 1.2 MiB of KV cache \(pages of head_dim 32: pallas pads 24\) but "
+                                         r"only 1.0 MiB is free"):
+        LLM(path, **{**BASE, "attn_backend": "pallas", "kv_cache_dtype": kv, "num_kvcache_blocks": 800 if kv == "fp8"
+                     else 200})     # 6,144 bytes a block in fp32, 1,536 in fp8: 1.17 MiB
 
 
 def test_kv_pool_larger_than_memory(tiny_dir):

@@ -20,6 +20,16 @@ def cache_head_dim(backend: str, head_dim: int) -> int:
     return head_dim
 
 
+def size_text(n: float) -> str:
+    """Bytes for an error message: GiB, or MiB below one."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def padding_note(model: ModelConfig, engine: EngineConfig) -> str:
+    D = cache_head_dim(engine.attn_backend, model.head_dim)
+    return f" (pages of head_dim {D}: {engine.attn_backend} pads {model.head_dim})" if D != model.head_dim else ""
+
+
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype, backend: str = "") -> int:
     """A block's K and V bytes over all layers (`backend`: its pages' head dimension, cache_head_dim)."""
     return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * \
@@ -115,9 +125,10 @@ def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype, stric
     if strict and blocks < engine.max_blocks_per_seq:      # a max_model_len given: one such sequence fits, past 2 GiB
         blocks, free = engine.max_blocks_per_seq, free_memory_bytes(device)
         if free is not None and blocks * per_block > free:
-            raise ValueError(f"one max_model_len={engine.max_model_len} sequence needs {blocks * per_block / 2**30:.1f}"
-                             f" GiB of KV cache, more than the {free / 2**30:.1f} GiB of memory available; lower "
-                             f"max_model_len (or give num_kvcache_blocks)")
+            need = size_text(blocks * per_block)
+            raise ValueError(f"one max_model_len={engine.max_model_len} sequence needs {need} of KV cache"
+                             f"{padding_note(model, engine)}, more than the {size_text(free)} of memory available; "
+                             f"lower max_model_len (or give num_kvcache_blocks)")
     return blocks
 
 
@@ -146,6 +157,6 @@ def check_pool_fits(model: ModelConfig, engine: EngineConfig, num_blocks: int, d
     need = num_blocks * kv_bytes_per_block(model, engine.block_size, kv_dtype, engine.attn_backend)
     free = free_memory_bytes(device)
     if free is not None and need > free:        # None: a GPU that cannot tell; XLA will fail if it is too big
-        raise ValueError(f"num_kvcache_blocks={num_blocks} needs {need / 2**30:.1f} GiB of KV cache but only "
-                         f"{free / 2**30:.1f} GiB is free; lower num_kvcache_blocks (or leave it None to size "
-                         f"the pool from free memory)")
+        raise ValueError(f"num_kvcache_blocks={num_blocks} needs {size_text(need)} of KV cache"
+                         f"{padding_note(model, engine)} but only {size_text(free)} is free; lower num_kvcache_blocks "
+                         f"(or leave it None to size the pool from free memory)")

@@ -169,6 +169,12 @@ class Stream:
                 self._gen.close()
         self._gen.close()                                    # (not begun: nothing ran)
 
+    def __enter__(self):        # `with llm.stream(...) as s:` closes it on leaving the block (a break included)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def __del__(self):
         try:                                        # (at interpreter exit the modules' names may be gone)
             if inspect.getgeneratorstate(self._gen) == inspect.GEN_SUSPENDED:
