@@ -21,8 +21,9 @@ def cache_head_dim(backend: str, head_dim: int) -> int:
 
 
 def size_text(n: float) -> str:
-    """Bytes for an error message: GiB, or MiB below one."""
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    """Bytes for an error message, in GiB, MiB or KiB."""
+    unit = next(u for u in (3, 2, 1, 0) if n >= 2 ** (10 * u) or u == 0)
+    return f"{n / 2 ** (10 * unit):.1f} {('bytes', 'KiB', 'MiB', 'GiB')[unit]}"
 
 
 def padding_note(model: ModelConfig, engine: EngineConfig) -> str:
