@@ -237,8 +237,7 @@ class EngineConfig:
         self.decode_buckets, self.prefill_buckets, self.warmup))
 
     def resolve(self, platform: str, model: "ModelConfig") -> "EngineConfig":
-        """Fill every None field for `platform` ("gpu" or "cpu") and `model`. max_model_len left None becomes the
-        model's max_position_embeddings here; the engine caps it by the KV pool once the pool is sized."""
+        """Fill every None field for `platform` ("gpu" / "cpu") and `model` (max_model_len: the model's length)."""
         if self.attn_backend in GPU_ONLY_BACKENDS:
             what = GPU_ONLY_BACKENDS[self.attn_backend]
             if platform != "gpu":
@@ -261,6 +260,8 @@ class EngineConfig:
         if mml > model.max_length:
             raise ValueError(f"max_model_len={mml} exceeds the model's longest context, {model.max_length} "
                              f"(max_position_embeddings; with rope scaling, the trained length times its factor)")
+        if (k := self.num_scheduler_steps) and k > mml:        # (its warm-up would compile a call no request uses)
+            raise ValueError(f"num_scheduler_steps={k} is more than max_model_len={mml}: no request could use it")
         seqs = self.max_num_seqs or kw["max_num_seqs"]
         tokens = self.max_num_batched_tokens or kw["max_num_batched_tokens"]
         backend = BACKEND_DEFAULTS.get(self.attn_backend or kw["attn_backend"], BACKEND_DEFAULTS["pallas"])

@@ -1,6 +1,7 @@
 """One of two processes of tests/test_parallel.py's multi-host case: jax.distributed over gloo (CPU
 collectives), one CPU device per process, a tp=2 mesh spanning both processes. Every process runs the same
-program on the same requests; each writes the tokens it read back.
+program on the same requests; each writes the tokens it read back (a seed=None engine's draws included) and
+the error a data-parallel size gets.
 
     python tests/parallel_multihost_worker.py PROCESS_ID PORT CHECKPOINT OUT_JSON
 """
@@ -16,7 +17,7 @@ jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processe
 from jaxinfer import LLM, SamplingParams  # noqa: E402  (after jax.distributed.initialize)
 
 assert len(jax.devices()) == 2 and len(jax.local_devices()) == 1
-llm = LLM(path, tensor_parallel_size=2, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
+llm = LLM(path, tensor_parallel_size=2, seed=None, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
           prefill_buckets=(64,), max_model_len=64, block_size=8, num_kvcache_blocks=64, warmup=False)
 shards = llm.engine.runner.params["embed_tokens"].addressable_shards
 prompts = json.loads(sys.argv[5])
@@ -24,9 +25,18 @@ outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_
 # filtered sampling (the step, then its resample program, across both processes): top_k=1 is greedy at any heat
 top1 = llm.generate(prompts, SamplingParams(temperature=5.0, top_k=1, max_tokens=6, ignore_eos=True, seed=1),
                     use_tqdm=False)
+# no request seed and seed=None: every process must draw the same seeds (process 0's engine seed)
+drawn = llm.generate(prompts, SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_tokens=6, ignore_eos=True),
+                     use_tqdm=False)
 st = llm.stats()
+try:      # dp = 2 would put a replica on one process only: refused on every process, before any collective
+    LLM(path, data_parallel_size=2, dtype="float32", warmup=False)
+    refused = ""
+except ValueError as e:
+    refused = str(e)
 with open(out, "w") as f:
-    json.dump(dict(tokens=[o.token_ids for o in outs], top1=[o.token_ids for o in top1],
+    json.dump(dict(tokens=[o.token_ids for o in outs], top1=[o.token_ids for o in top1], refused=refused,
+                   drawn=[o.token_ids for o in drawn],
                    local_shards=[s.data.shape[0] for s in shards],
                    vocab=llm.engine.runner.params["embed_tokens"].shape[0],
                    blocks_returned=st["kv_blocks_free"] == st["kv_blocks_total"]), f)

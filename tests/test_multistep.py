@@ -192,9 +192,12 @@ def test_streaming_order(llms, reference):
     assert max(sizes) > 1                        # several tokens per delta: one per call, not per step
 
 
-def test_bad_num_scheduler_steps(tiny_dir):
-    with pytest.raises(ValueError, match="num_scheduler_steps"):
-        LLM(tiny_dir, **{**BASE, "num_scheduler_steps": 0})
+@pytest.mark.parametrize("k, words", [(0, "num_scheduler_steps=0 must be a positive"), (2.5, "=2.5 must be"),
+                                      (True, "=True must be"), (10**9, "=1000000000 is more than max_model_len=")])
+def test_bad_num_scheduler_steps(tiny_dir, k, words):
+    """Not a positive integer, or more steps than any request could take (a call no request would use)."""
+    with pytest.raises(ValueError, match=words):
+        LLM(tiny_dir, **{**BASE, "num_scheduler_steps": k})
 
 
 def test_no_compilation_after_warmup(tiny_dir):

@@ -28,7 +28,7 @@ def test_parallel_cases_on_eight_cpu_devices():
 def test_two_processes_one_mesh(tmp_path, tiny_dir):
     """Several hosts, on one machine: two processes joined by jax.distributed (gloo CPU collectives), a tp=2
     mesh spanning both. Both read back the same tokens, equal to HF transformers (greedy, and top_k=1 through the
-    resample program); each holds half the vocab."""
+    resample program) and the same draws without a seed; each holds half the vocab; dp = 2 is refused."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
@@ -44,8 +44,10 @@ def test_two_processes_one_mesh(tmp_path, tiny_dir):
     got = [json.load(open(tmp_path / f"{i}.json")) for i in range(2)]
     ref = hf_model(tiny_dir)
     want = [hf_greedy(ref, p, 6) for p in prompts]
+    assert got[0]["drawn"] == got[1]["drawn"]       # seed=None: process 0's engine seed on both
     for g in got:
         assert g["tokens"] == want and g["top1"] == want
+        assert "replica 0 would run on devices [0] of process(es) [0] only" in g["refused"], g["refused"]
         assert g["local_shards"] == [g["vocab"] // 2] and g["blocks_returned"]
 
 

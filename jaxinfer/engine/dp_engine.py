@@ -28,7 +28,7 @@ from jaxinfer.engine.one_thread import recovering
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.model.attention import check_backend
 from jaxinfer.model.kv_scales import kv_cache_dtype
-from jaxinfer.parallel import Placement, make_placements
+from jaxinfer.parallel import Placement, make_placements, shared_seed
 from jaxinfer.sampling_params import SamplingParams
 
 # stats that are the same for every replica, not summed (compilations are each replica's own: summed)
@@ -41,6 +41,7 @@ def create_engine(model: ModelConfig, config: EngineConfig, load: Callable[[Plac
     load(placement) -> params placed on that placement's devices (e.g. `load_params(..., placement=p)`).
     tokenizer: what requests' bad_words and structured choices are read with (LLMEngine.tokenizer)."""
     placements = make_placements(config.tensor_parallel_size, config.data_parallel_size)
+    config = config.replace(seed=shared_seed(config.seed))       # several hosts: one engine seed for all
     placements[0].check(model)            # heads that do not divide: before any weight is read
     check_backend(config.attn_backend, model)
     if len(placements) == 1:

@@ -11,23 +11,26 @@ Data parallelism (`data_parallel_size` = dp): dp independent engine replicas on 
 process (engine/dp_engine.py); each may itself be tensor-parallel. Replica 0 compiles the steps; the others
 load those executables onto their own devices (relocate.py) instead of compiling them again.
 
-Several hosts. Every host runs the same program (`jaxinfer serve ...` or a script) after
+Several hosts. Every host runs the same Python script, which first calls
 
     import jax
     jax.distributed.initialize(coordinator_address="host0:1234", num_processes=N, process_id=i)
 
-(on Slurm / TPU pods / with JAX_COORDINATOR_ADDRESS etc. set, plain `jax.distributed.initialize()`).
-`jax.devices()` then lists every host's devices and `make_placements` builds the mesh from that global list,
-so a tp group may span hosts (XLA uses NCCL across them; prefer tp within a host's NVLink and dp across
-hosts). Each process runs the same scheduler on the same requests, so every host packs the same batch and
-supplies it to its own devices (`Placement.put`); sampled ids are replicated, so each host reads its local
-copy. Requests must therefore reach every process in the same order (`LLM.generate` with the same prompts on
-every host does; the HTTP server does not broadcast requests between hosts); the library hand-rolls no RPC.
-On CPUs, `jax.config.update("jax_cpu_collectives_implementation", "gloo")` before `initialize` gives the
-collectives: tests/parallel_multihost_worker.py runs a tp=2 mesh over two processes that way.
+(on Slurm / TPU pods / with JAX_COORDINATOR_ADDRESS etc. set, plain `jax.distributed.initialize()`), then builds its
+`LLM`; the CLI and the server do not call it. `jax.devices()` then lists every host's devices and `make_placements`
+builds the mesh from that global list, so a tp group spans hosts (XLA uses NCCL across them). Every process runs
+every replica, so each replica needs devices on every process (`make_placements` refuses sizes that would not; for
+dp across hosts, run one LLM per host without jax.distributed). Each process runs the same scheduler on the same
+requests, so every host packs the same batch and supplies it to its own devices (`Placement.put`); sampled ids are
+replicated, so each host reads its local copy. Requests must therefore reach every process in the same order
+(`LLM.generate` with the same prompts on every host does), and a seed=None engine takes process 0's seed
+(`shared_seed`); the library hand-rolls no RPC. On CPUs, `jax.config.update("jax_cpu_collectives_implementation",
+"gloo")` before `initialize` gives the collectives: tests/parallel_multihost_worker.py runs a tp=2 mesh over two
+processes that way.
 """
 from jaxinfer.parallel.compat import shard_map
 from jaxinfer.parallel.layout import check_tp, kv_heads, padded_vocab
-from jaxinfer.parallel.placement import Placement, available_devices, make_placements
+from jaxinfer.parallel.placement import Placement, available_devices, make_placements, shared_seed
 
-__all__ = ["Placement", "available_devices", "check_tp", "kv_heads", "make_placements", "padded_vocab", "shard_map"]
+__all__ = ["Placement", "available_devices", "check_tp", "kv_heads", "make_placements", "padded_vocab", "shard_map",
+           "shared_seed"]

@@ -39,7 +39,27 @@ def make_placements(tensor_parallel_size: int = 1, data_parallel_size: int = 1, 
     if tp * dp > len(devices):
         raise ValueError(f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {tp * dp} devices but only "
                          f"{len(devices)} are available ({devices[0].platform})")
-    return [Placement(Mesh(np.array(devices[r * tp:(r + 1) * tp]), ("tp",))) for r in range(dp)]
+    placements = [Placement(Mesh(np.array(devices[r * tp:(r + 1) * tp]), ("tp",))) for r in range(dp)]
+    for r, p in enumerate(placements if jax.process_count() > 1 else []):
+        hosts = sorted({d.process_index for d in p.devices})
+        if len(hosts) < jax.process_count():      # every process runs every replica: each needs a device there
+            raise ValueError(
+                f"tensor_parallel_size={tp} x data_parallel_size={dp} over {jax.process_count()} processes "
+                f"({len(devices)} devices): replica {r} would run on devices {[d.id for d in p.devices]} of "
+                f"process(es) {hosts} only, but under jax.distributed every process runs every replica; make each "
+                f"replica span every process (tensor_parallel_size = all {len(devices)} devices), or for data "
+                "parallelism across hosts run one LLM per host without jax.distributed")
+    return placements
+
+
+def shared_seed(seed: int | None) -> int | None:
+    """The engine seed every process uses: under jax.distributed a seed=None engine's draw is process 0's, so
+    requests without a seed sample the same tokens on every host (they feed one replicated batch)."""
+    if seed is not None or jax.process_count() == 1:
+        return seed
+    from jax.experimental import multihost_utils
+    mine = np.random.default_rng().integers(0, 2**31 - 1, dtype=np.int64)
+    return int(multihost_utils.broadcast_one_to_all(mine))
 
 
 @dataclasses.dataclass(frozen=True)
