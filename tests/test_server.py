@@ -280,6 +280,7 @@ def test_disconnect_before_a_plain_answer_aborts_it(url):
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),     # without stream (as vLLM)
     ({"prompt": "hi", "stream": True, "stream_options": {"bogus": 1}}, "stream_options"),
     ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "hi", "user": 5}, "user"),
     ({"prompt": "hi", "allowed_token_ids": [1, 10**9]}, "allowed_token_ids"),
     ({"messages": [{"role": "user", "content": "x" * 400}]}, "messages"),
     ({"messages": "hi"}, "messages"),

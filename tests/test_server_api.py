@@ -289,6 +289,10 @@ def test_metrics(url, client):
     assert h["inter_token_latency_seconds_count"] == h["request_generation_tokens_sum"] - h[
         "request_generation_tokens_count"] >= 4
     assert m['vllm:request_generation_tokens_bucket{le="5.0",model_name="tiny-qwen3"}'] >= 1
+    # each finished prompt's n, max_tokens and longest choice (vLLM's request_params_* histograms)
+    assert h["request_params_n_count"] == h["request_params_max_tokens_count"] >= 1
+    assert h["request_max_num_generation_tokens_count"] == h["request_params_n_count"]
+    assert m['vllm:request_params_max_tokens_bucket{le="5.0",model_name="tiny-qwen3"}'] >= 1
 
 
 def _latency_sums(url) -> dict:

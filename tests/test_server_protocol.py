@@ -129,13 +129,18 @@ def test_truncate_refuses_more_than_max_model_len_and_cors_origins():
 
 def test_completion_top_logprobs_keep_the_best_of_tokens_with_the_same_text():
     """Several ids may decode to one text (partial UTF-8 bytes all give "\ufffd"): the legacy dict, keyed by text,
-    keeps the more likely one's logprob instead of letting a later, less likely id overwrite it."""
+    keeps the more likely one's logprob, whichever comes first."""
     from jaxinfer.server.responses import completion_logprobs
     texts = {5: "\ufffd", 6: "\ufffd", 7: "a"}
     row = [-0.5, 0.0, 5, 6, 7, -0.5, -1.5, -2.0]   # sampled logprob, rank, then the top 3 ids and their logprobs
     out = completion_logprobs(texts.get, [5], [row], 3)
     assert out["token_logprobs"] == [-0.5]
     assert out["top_logprobs"] == [{"\ufffd": -0.5, "a": -2.0}]
+    # the sampled id is the worse of two with its text: the key holds the better one's, so a client reading
+    # "token_logprob == max(top)" as greedy (lm-eval) sees that it was not
+    row = [-3.0, 2.0, 7, 6, 5, -0.2, -1.0, -3.0]
+    out = completion_logprobs(texts.get, [5], [row], 2)
+    assert out["top_logprobs"] == [{"\ufffd": -1.0, "a": -0.2}] and out["token_logprobs"] == [-3.0]
 
 
 def test_check_request_counts_the_kv_the_request_writes():

@@ -69,11 +69,11 @@ def run(client: CoreClient, tokenizer, items: list[tuple], stream: bool, metrics
                for i, (ids, sp) in enumerate(items)]
     sources = [i - i % n if i % n else None for i in range(len(items))] if n > 1 else None   # sample 0's prompt KV
     coll = client.submit(items, eager=stream or any(sp.stop for _, sp in items), sources=sources, cache_salt=cache_salt)
-    return _follow(client, coll, choices, metrics, t_start)
+    return _follow(client, coll, choices, metrics, t_start, n)
 
 
-async def _follow(client: CoreClient, coll, choices: list[Choice], metrics, t_start: float):
-    left = len(choices)
+async def _follow(client: CoreClient, coll, choices: list[Choice], metrics, t_start: float, n: int = 1):
+    left, done = len(choices), [0] * -(-len(choices) // n)     # choices finished per prompt (n each)
     try:
         while left:
             for index, ids, reason, lps, plps in await coll.get():
@@ -97,6 +97,10 @@ async def _follow(client: CoreClient, coll, choices: list[Choice], metrics, t_st
                     ch.t_end = now
                     if metrics is not None:
                         metrics.observe_request(t_start, ch.t_first, now, len(ch.token_ids), d.finish_reason)
+                        done[g := index // n] += 1
+                        if done[g] == n:
+                            group = choices[g * n:(g + 1) * n]
+                            metrics.observe_group(n, ch.params.max_tokens, max(len(c.token_ids) for c in group))
                 yield ch, d
     finally:
         client.abort(coll)

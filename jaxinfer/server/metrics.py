@@ -47,7 +47,9 @@ VLLM_NAMES = {"time_to_first_token_seconds": "time_to_first_token_seconds",
               "kv_cache_usage_perc": "kv_cache_usage_perc", "prompt_tokens": "prompt_tokens",
               "generation_tokens": "generation_tokens", "num_preemptions": "num_preemptions",
               "prefix_cache_hit_tokens": "prefix_cache_hits", "prefix_cache_query_tokens": "prefix_cache_queries",
-              **{name: name for name in CORE_HISTOGRAMS}}
+              **{name: name for name in (*CORE_HISTOGRAMS, *"request_params_n request_params_max_tokens "
+                                                              "request_max_num_generation_tokens".split())}}
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 def _names(name: str) -> list[str]:
@@ -66,7 +68,7 @@ class ServerMetrics:
     """One API process's metrics. `observe_*` are cheap (a lock and an add); `render(stats)` builds the
     text of a scrape, with the engine core's `stats` dict."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_model_len: int = 1 << 20):
         self.enabled = available()
         self.model_name = model_name
         if not self.enabled:
@@ -85,6 +87,12 @@ class ServerMetrics:
                         buckets=E2E_BUCKETS)
         self.success = both(Counter, "request_success", "Finished engine requests (one per prompt and n)",
                             lb + ["finished_reason"])
+        tokens = token_buckets(max_model_len)
+        self.params_n = both(Histogram, "request_params_n", "The n of each finished request", lb, buckets=N_BUCKETS)
+        self.params_max_tokens = both(Histogram, "request_params_max_tokens", "The max_tokens of each finished "
+                                      "request", lb, buckets=tokens)
+        self.most_tokens = both(Histogram, "request_max_num_generation_tokens", "The most output tokens of any of "
+                                "a finished request's n choices", lb, buckets=tokens)
         self.rejected = Counter(P + "requests_rejected", "Requests refused with 503 (queue bound, draining, "
                                 "engine gone)", lb + ["reason"], registry=self.registry)
         self._stats: dict = {}
@@ -102,6 +110,14 @@ class ServerMetrics:
                     self.tpot[i].labels(name).observe((t_end - t_first) / (n_tokens - 1))
             self.e2e[i].labels(name).observe(t_end - t_start)
             self.success[i].labels(name, reason or "abort").inc()
+
+    def observe_group(self, n: int, max_tokens: int, most_tokens: int) -> None:
+        """All n choices of one prompt finished (vLLM's request: its n, max_tokens, longest output)."""
+        if self.enabled:
+            for i in range(len(self.params_n)):
+                self.params_n[i].labels(self.model_name).observe(n)
+                self.params_max_tokens[i].labels(self.model_name).observe(max_tokens)
+                self.most_tokens[i].labels(self.model_name).observe(most_tokens)
 
     def observe_rejected(self, reason: str) -> None:
         if self.enabled:

@@ -36,6 +36,8 @@ IGNORED = ("user", "store", "metadata", "service_tier", "safety_identifier", "pr
 def check_unsupported(req: BaseModel) -> None:
     """400 naming the first field that is unsupported (UNSUPPORTED) or unknown; no-op values pass."""
     extra = {k: v for k, v in (req.model_extra or {}).items() if v is not None and k not in IGNORED}
+    if not isinstance(user := (req.model_extra or {}).get("user"), (str, type(None))):     # (vLLM: str | None)
+        raise RequestError(f"user={user!r:.200} must be a string", param="user")
     for name, ok in UNSUPPORTED.items():          # in this table's order: `tools` before `tool_choice`
         if name in extra and extra[name] not in ok:
             raise RequestError(f"{name}={extra[name]!r:.200} is not supported by this server (see docs/serving.md)",

@@ -176,8 +176,9 @@ def completion_logprobs(text_of: TokenTexts, ids: list[int], rows: list, k: int,
             continue
         lps.append(max(row[0], -9999.0))
         top = {s: lps[-1]}          # the token itself first, then the k most likely (vLLM's order)
-        for t, lp in _top(row, k):  # best first: a less likely id with the same text (e.g. "") keeps the best
-            top.setdefault(text_of(t, context), lp)
+        for t, lp in _top(row, k):  # ids with the same text (e.g. "" for byte pieces) share a key: the best one's
+            if lp > top.get(key := text_of(t, context), -float("inf")):     # (the token itself may be the worse)
+                top[key] = lp
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
