@@ -129,9 +129,9 @@ def build_llm(a: argparse.Namespace):
     from jaxinfer.tokenizer import check_text_tokenizer
     check_text_tokenizer(kw.get("tokenizer") or a.model)     # (generate and chat print text: before the load)
     llm = LLM(a.model, **kw)
-    c = llm.config
+    c, st = llm.config, llm.stats()
     print(f"engine: {c.attn_backend} attention, {c.dtype}, max_num_seqs={c.max_num_seqs}, max_model_len="
-          f"{c.max_model_len}, {llm.stats()['kv_blocks_total']} KV blocks of {c.block_size} tokens"
+          f"{c.max_model_len}, {st['kv_blocks_total']} KV blocks of {c.block_size} tokens ({st['kv_cache_dtype']})"
           + ("" if c.warmup else "; steps compile when first used"), file=sys.stderr, flush=True)
     return llm
 

@@ -180,7 +180,7 @@ def main():
     k_h, v_h = calibrated_amax(config, params, np.stack(windows), per_head=True)      # [L, K]
     k_c, v_c = k_h.max(axis=1), v_h.max(axis=1)                                        # [L]
     scale = lambda a: jnp.asarray(a * BOUND_MARGIN / FP8_MAX, jnp.float32).reshape(a.shape[0], -1)  # noqa: E731
-    kinds = {"bound": None, "calibrated": (scale(k_c), scale(v_c)),
+    kinds = {"bound": (scale(k_b), scale(v_b)), "calibrated": (scale(k_c), scale(v_c)),   # (None: the checkpoint's)
              "calibrated_per_head": (scale(k_h), scale(v_h))}
     if "k_scale" in params:
         kinds["checkpoint"] = tuple(jnp.asarray(params[k]).reshape(-1, 1) for k in ("k_scale", "v_scale"))

@@ -48,7 +48,8 @@ VLLM_NAMES = {"time_to_first_token_seconds": "time_to_first_token_seconds",
               "generation_tokens": "generation_tokens", "num_preemptions": "num_preemptions",
               "prefix_cache_hit_tokens": "prefix_cache_hits", "prefix_cache_query_tokens": "prefix_cache_queries",
               **{name: name for name in (*CORE_HISTOGRAMS, *"request_params_n request_params_max_tokens "
-                                                              "request_max_num_generation_tokens".split())}}
+                                                              "request_max_num_generation_tokens cache_config_info"
+                                                              .split())}}
 N_BUCKETS = (1, 2, 5, 10, 20)
 
 
@@ -211,6 +212,12 @@ def engine_text(st: dict, model_name: str) -> bytes:
                     m = cls(full, doc, labels=["model_name"])
                     m.add_metric([model_name], float(value))
                     yield m
+            labels = dict(block_size=st.get("block_size"), cache_dtype=st.get("kv_cache_dtype"),
+                          num_gpu_blocks=st.get("kv_blocks_total"))
+            for full in _names("cache_config_info"):      # (vLLM's info gauge: the values are its labels)
+                m = GaugeMetricFamily(full, "The KV cache's configuration", labels=list(labels))
+                m.add_metric([str(v) for v in labels.values()], 1.0)
+                yield m
             for name, (bounds, counts, total) in st.get("request_times", {}).items():
                 cum = list(itertools.accumulate(counts))
                 buckets = [(str(float(b)), c) for b, c in zip(bounds, cum)] + [("+Inf", cum[-1])]
