@@ -99,3 +99,26 @@ def engine_names(kwargs: dict) -> dict:
     if kwargs.get("max_model_len") in (-1, "auto"):
         kwargs["max_model_len"] = None
     return kwargs
+
+
+class PoolingRefused:
+    """vLLM's pooling methods on `LLM`: a generative model answers them with a ValueError (as vLLM's does)."""
+
+    def _pooling(self, name: str):
+        raise ValueError(f"LLM.{name}() needs a pooling model (embedding, classification, scoring); jaxinfer runs "
+                         "generative Qwen3 models only: use generate(), chat() or beam_search()")
+
+    def encode(self, *args, **kwargs):
+        self._pooling("encode")
+
+    def embed(self, *args, **kwargs):
+        self._pooling("embed")
+
+    def classify(self, *args, **kwargs):
+        self._pooling("classify")
+
+    def score(self, *args, **kwargs):
+        self._pooling("score")
+
+    def reward(self, *args, **kwargs):
+        self._pooling("reward")

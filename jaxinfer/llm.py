@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer import profiling, prompts as prompt_forms
 from jaxinfer.beam_search import beam_search
-from jaxinfer.compat import pop_vllm_options, python_numbers
+from jaxinfer.compat import PoolingRefused, pop_vllm_options, python_numbers
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.dp_engine import create_engine, sized_stats
 from jaxinfer.engine.executables import engine_numerics
@@ -31,7 +31,7 @@ from jaxinfer.tokenizer import load_tokenizer, usable
 from jaxinfer.xla_options import warn_if_slow_command_buffers
 
 
-class LLM:
+class LLM(PoolingRefused):
     """An offline engine for one model: `LLM(model, **engine_options)`.
 
     `model` is a checkpoint directory, an embedded preset ("qwen3-0.6b": random weights) or a hub id. The engine

@@ -1,7 +1,6 @@
 """Per-request sampling parameters (vLLM names), validated on construction."""
 from __future__ import annotations
 
-import hashlib
 import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
@@ -258,18 +257,17 @@ class SamplingParams:
                                                                   min_tokens=min(self.min_tokens, room))
 
     def for_sample(self, index: int) -> "SamplingParams":
-        """The params of completion `index` of an n > 1 request, as one n = 1 request. Sample 0 keeps the
-        seed (so n = 1 and sample 0 of n draw the same tokens); sample i > 0 gets a seed derived from
-        (seed, i), so the same seed repeats all n samples and they differ from each other. Without a seed
-        each sample gets its own random seed from the engine. Prompt logprobs are asked of sample 0 only
-        (they are the same for every sample; the others may then reuse the prompt's cached KV)."""
+        """The params of completion `index` of an n > 1 request, as one n = 1 request. Sample i takes seed + i,
+        as vLLM's (so n = 1 and sample 0 of n draw the same tokens, the same seed repeats all n samples, and they
+        differ from each other). Without a seed each sample gets its own random seed from the engine. Prompt
+        logprobs are asked of sample 0 only (they are the same for every sample; the others may then reuse the
+        prompt's cached KV)."""
         if not 0 <= index < self.n:
             raise ValueError(f"sample index {index} is outside [0, n={self.n})")
-        seed = self.seed
-        if seed is not None and index > 0:   # a hash of both (a sum mod 2^31 - 1 gave seeds 0 and 2^31 - 1 the same
-            digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=4).digest()      # samples 1..)
-            seed = int.from_bytes(digest, "little") & 0x7FFFFFFF
-        return replace(self, n=1, best_of=None, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
+        out = replace(self, n=1, best_of=None, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
+        if self.seed is not None:        # (set after: a sum of -1 is a seed here, not vLLM's "no seed")
+            object.__setattr__(out, "seed", self.seed + index)
+        return out
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))

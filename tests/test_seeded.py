@@ -76,11 +76,22 @@ def test_other_seed_gives_other_tokens(tiny_dir, alone):
 
 
 def test_the_samples_of_different_seeds_differ():
-    """Sample i > 0 of n takes a seed derived from (seed, i): a hash of both, so seeds whose difference is a multiple
-    of 2^31 - 1 (0 and 2^31 - 1: both as the device takes them) no longer share samples 1.. ."""
+    """Sample i of n takes seed + i, as vLLM's; as the device takes them (31 bits, a hash past that), seeds whose
+    difference is a multiple of 2^31 - 1 do not share samples, and a sum of -1 stays a seed (not "no seed")."""
     from jaxinfer.sampling import device_seed
     for a, b in [(0, 2**31 - 1), (-3, 2**31 - 4), (12345, 12345 + 2**31 - 1), (7, 2**40 + 7)]:
         sa, sb = SamplingParams(n=4, seed=a), SamplingParams(n=4, seed=b)
         derived = [device_seed(p.for_sample(i).seed) for p in (sa, sb) for i in range(1, 4)]
         assert len(set(derived)) == 6, (a, b, derived)
-    assert SamplingParams(n=3, seed=5).for_sample(2).seed == SamplingParams(n=3, seed=5).for_sample(2).seed
+    assert [SamplingParams(n=3, seed=5).for_sample(i).seed for i in range(3)] == [5, 6, 7]
+    assert SamplingParams(n=3, seed=-3).for_sample(2).seed == -1
+
+
+def test_sample_i_of_n_is_the_request_with_seed_plus_i(tiny_dir):
+    """vLLM's relation between requests: sample i of (n, seed) draws what one request with seed + i draws."""
+    llm = LLM(tiny_dir, **BASE)
+    sp = SamplingParams(n=3, seed=11, temperature=1.0, max_tokens=6, ignore_eos=True)
+    got = [c.token_ids for c in llm.generate([[1, 2, 3]], sp, use_tqdm=False)[0].outputs]
+    one = [llm.generate([[1, 2, 3]], SamplingParams(seed=11 + i, temperature=1.0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids for i in range(3)]
+    assert got == one and len({tuple(t) for t in got}) == 3

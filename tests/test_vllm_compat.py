@@ -176,6 +176,9 @@ def test_prompt_dicts_bad_params_entry_and_detokenize_false(tiny_dir):
     assert entries and all(lp.decoded_token is None for lp in entries)          # as vLLM: nothing decoded
     assert all(lp.decoded_token is not None for d in b.outputs[0].logprobs for lp in d.values())
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+    for name in ("encode", "embed", "classify", "score", "reward"):       # vLLM's pooling methods: a clear refusal
+        with pytest.raises(ValueError, match=rf"LLM.{name}\(\) needs a pooling model"):
+            getattr(llm, name)(["Hello"])
     # vLLM's generate arguments: lora_request=None and priority 0 run; anything else is refused by name
     same = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False, lora_request=None,
                         priority=[0])[0]

@@ -77,7 +77,7 @@ class _Request(BaseModel):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     seed: Annotated[int, Field(ge=-2**63, lt=2**63)] | None = Field(
-        None, description="reproducible samples (sample i of n: a seed derived from it)")
+        None, description="reproducible samples (sample i of n: seed + i)")
     # vLLM's extensions
     top_k: Annotated[int, Field(lt=2**63)] | None = Field(
         None, description="vLLM: sample among the k most likely (0 or -1: off)")
