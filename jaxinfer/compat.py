@@ -47,6 +47,8 @@ def pop_vllm_options(kwargs: dict):
             if v is not None and (not isinstance(v, typ) or (typ is not bool and isinstance(v, bool))):
                 what = " or ".join(t.__name__ for t in typ) if isinstance(typ, tuple) else typ.__name__
                 raise ValueError(f"{name}={v!r} must be a {what}")
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not v >= 0:    # (sizes: vLLM's too)
+                raise ValueError(f"{name}={v!r} must be >= 0")
     for name, ok in FIXED.items():
         if name in kwargs:
             v = kwargs.pop(name)

@@ -102,7 +102,7 @@ class EngineAPI:
             raise ValueError(f"LLMEngine.add_request: priority={priority!r:.80} is not supported by jaxinfer (0 only)")
         if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
             raise ValueError(f"request_id must be a string (vLLM's) or an int, got {request_id!r:.80}")
-        if request_id in self._requests:
+        if request_id in self._requests or str(request_id) in map(str, self._requests):      # (5 and "5": one id)
             raise ValueError(f"request_id {request_id!r} is already in the engine (abort it or let it finish first)")
         if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], Integral):
             raise ValueError(f"add_request takes one prompt, got a list of {len(prompt)} (add one request each)")

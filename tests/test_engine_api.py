@@ -74,6 +74,10 @@ def test_abort_bad_requests_and_passthrough(llm):
     eng.add_request("drop", [3, 4, 5], long)
     with pytest.raises(ValueError, match="'keep' is already"):
         eng.add_request("keep", "again", long)
+    eng.add_request(12, [3, 4], long)
+    with pytest.raises(ValueError, match="request_id '12' is already in the engine"):     # 12 and "12": one id
+        eng.add_request("12", "again", long)
+    eng.abort_request(12)
     with pytest.raises(ValueError, match="one prompt"):
         eng.add_request("many", ["a", "b"], long)
     with pytest.raises(ValueError, match="request_id"):

@@ -537,6 +537,8 @@ def test_vllm_options_a_ported_script_passes(tiny_dir, llm):
     assert out.finished and out.outputs[0].finished() is True and out.outputs[0].finished
     with pytest.raises(ValueError, match="enforce_eager='yes'"):
         LLM(tiny_dir, enforce_eager="yes", **BASE)
+    with pytest.raises(ValueError, match="swap_space=-1 must be >= 0"):
+        LLM(tiny_dir, swap_space=-1, **BASE)
     with pytest.raises(ValueError, match="tokenizer='/nowhere'"):
         LLM(tiny_dir, tokenizer="/nowhere", **BASE)
     llm.abort("3")                          # vLLM's request ids are strings

@@ -18,7 +18,7 @@ def test_server_options():
     with pytest.raises(ValueError, match="not a valid Jinja template"):            # at start-up, not per request
         ServerOptions.create(env={}, chat_template="{% for m in messages %}{{ m.content }}")
     for bad in [dict(max_waiting_requests=-1), dict(shutdown_timeout=-2), dict(shutdown_timeout=float("nan")),
-                dict(api_key=""), dict(nope=1)]:
+                dict(api_key=""), dict(nope=1), dict(max_request_body_bytes=0)]:
         with pytest.raises(ValueError, match=next(iter(bad))):
             ServerOptions.create(env={}, **bad)
 

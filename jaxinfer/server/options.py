@@ -85,10 +85,10 @@ class ServerOptions:
             raise ValueError(f"api_key={self.api_key!r} must be a non-empty string, or several (vLLM's: any of them)")
         if isinstance(self.api_key, list):
             object.__setattr__(self, "api_key", self.api_key[0] if len(k) == 1 else tuple(k))
-        for name in ("max_waiting_requests", "max_request_body_bytes", "retry_after_s"):
+        for name, least in (("max_waiting_requests", 0), ("max_request_body_bytes", 1), ("retry_after_s", 0)):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise ValueError(f"{name}={v!r} must be an integer >= 0")
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):
+                raise ValueError(f"{name}={v!r} must be an integer >= {least}")
         check_generation_config(self.generation_config)
         g = self.generation_config                       # (checks the values: a folder's file, the override)
         sampling_defaults(None, "vllm" if g == "auto" else g, self.override_generation_config)
