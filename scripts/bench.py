@@ -6,7 +6,7 @@
     python scripts/bench.py --latency                    # 1 request: 1024-token prompt, 256 outputs
     python scripts/bench.py qwen3-8b -tp 2               # also vLLM's --num-prompts, --input-len, --output-len
 Engine options are the engine's own flags (as `jaxinfer generate --help`), with the engine's defaults: the
-benchmark runs what `LLM(model)` runs.
+benchmark runs what `LLM(model)` runs, compiled ahead of time (`warmup=True`: a GPU's default; the JSON's "engine").
 The roofline: every step must read the weights once and the K/V of every context token it attends to;
 those bytes divided by the HBM bandwidth measured in this process give the floor time.
 """
@@ -111,7 +111,7 @@ def build(args):
     t = time.perf_counter()
     llm = LLM(args.model, **{"warmup": True, **engine_kwargs(args)})
     args.warmup_s = time.perf_counter() - t
-    args.attn_backend = llm.config.attn_backend
+    args.attn_backend, args.engine = llm.config.attn_backend, llm.config.__dict__     # (the JSON records it)
     print(f"engine: {llm.config}", flush=True)
     from timing import warmup_breakdown
     w = args.warmup_breakdown = warmup_breakdown(llm, args.warmup_s)
@@ -287,7 +287,7 @@ def main(argv=None) -> dict:
     if args.peer:   # leave GPU memory for PyTorch: JAX would otherwise preallocate 75% of it
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
     r = run_latency(args) if args.latency else run_throughput(args)
-    r["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    r["xla_flags"], r["engine"] = os.environ.get("XLA_FLAGS", ""), getattr(args, "engine", None)
     write_json(args.json, r)
     return r
 

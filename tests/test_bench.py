@@ -1,6 +1,7 @@
 """bench.py stays honest: the benchmark code path runs on a tiny model, counts every output token and
 compiles nothing after warm-up. (Speed itself is only measured on the GPU machine.)"""
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +23,9 @@ def test_bench_runs_and_counts(tiny_dir, tmp_path, capsys):
     _, params = bench.workload(5, 120, 110, vocab=512)
     assert r["output_tokens"] == sum(p.max_tokens for p in params)
     assert r["compilations_after_warmup"] == 0 and r["num_seqs"] == 5
+    with open(tmp_path / "r.json") as f:                               # the engine the run measured, every field
+        on_disk = json.load(f)["engine"]
+    assert on_disk["num_scheduler_steps"] == 1 and on_disk["block_size"] == 64 and on_disk["warmup"] is True
     assert r["decode_steps"] >= max(p.max_tokens for p in params) - 1
     assert 0 < r["pct_of_floor"] and r["floor_s"] > 0
     assert r["floor_s_at_reference"] > 0 and r["pct_of_reference_floor"] > 0
@@ -37,7 +41,6 @@ def test_bench_runs_and_counts(tiny_dir, tmp_path, capsys):
     assert os.path.isfile(tmp_path / "r.json")
     assert len(r["walls_s"]) == 2 and min(r["walls_s"]) <= r["wall_s"] <= max(r["walls_s"])
     assert r["prefix_cache_hit_tokens"] == 0, "each repeat computes its prompts (prefix cache reset)"
-    import json
     log = json.load(open(tmp_path / "log.json"))["steps"]
     assert len(log) == r["prefill_steps"] + r["decode_steps"]
     by_bucket = r["host_ms_by_bucket"]
