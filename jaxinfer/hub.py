@@ -87,17 +87,21 @@ def model_config_for(model: str, hf_overrides: dict | None = None, revision: str
                      download_dir: str | None = None, hf_token=None) -> tuple[str, "ModelConfig"]:
     """(resolved path or preset name, ModelConfig) of a checkpoint directory, an embedded preset (random
     weights) or a Hugging Face hub id. Reads config.json only. vLLM's options: `hf_overrides`, config.json fields
-    that replace the checkpoint's (a preset's own fields are written as its config.json first); `revision` and
+    that replace the checkpoint's (a preset's own fields are written as its config.json first), or a function of
+    the transformers config (`overrides_of`); `revision` and
     `download_dir` (the Hugging Face cache to use) and `hf_token` (str or bool), for hub ids."""
     from jaxinfer.config import ModelConfig
     from jaxinfer.model.presets import preset
-    if hf_overrides is not None and not isinstance(hf_overrides, dict):
-        raise ValueError(f"hf_overrides={hf_overrides!r:.80} must be a dict of config.json fields")
+    if hf_overrides is not None and not isinstance(hf_overrides, dict) and not callable(hf_overrides):
+        raise ValueError(f"hf_overrides={hf_overrides!r:.80} must be a dict of config.json fields or a function "
+                         "of the transformers config (vLLM's two forms)")
     for name, v in (("revision", revision), ("download_dir", download_dir), ("hf_token", hf_token)):
         if v is not None and not (isinstance(v, str) and v) and not (name == "hf_token" and isinstance(v, bool)):
             raise ValueError(f"{name}={'***' if name == 'hf_token' else repr(v)[:80]} must be a non-empty string"
                              + (" or a bool" if name == "hf_token" else ""))
     model = resolve_model(model, revision, os.path.expanduser(download_dir) if download_dir else None, hf_token)
+    if callable(hf_overrides) and (os.path.isdir(model) or is_preset(model)):
+        hf_overrides = overrides_of(hf_overrides, model)
     if os.path.isdir(model):
         return model, ModelConfig.from_pretrained(model, hf_overrides)
     if not is_preset(model):
@@ -110,6 +114,26 @@ def model_config_for(model: str, hf_overrides: dict | None = None, revision: str
         return model, ModelConfig.from_dict(with_overrides(hf_config(preset(model)), hf_overrides), name=model)
     except KeyError as e:                      # a required field overridden with None
         raise ValueError(f"hf_overrides leave {model!r} without the field {e.args[0]!r}") from None
+
+
+def overrides_of(fn, model: str) -> dict:
+    """vLLM's callable hf_overrides as a dict: the config.json fields that `fn` changes in the model's transformers
+    config (it gets a copy, and may change it in place or return another)."""
+    import copy
+
+    from transformers import AutoConfig
+
+    from jaxinfer.config import read_json
+    from jaxinfer.model.loader import hf_config
+    from jaxinfer.model.presets import preset
+    d = read_json(os.path.join(model, "config.json")) if os.path.isdir(model) else hf_config(preset(model))
+    d = dict(d)
+    before = AutoConfig.for_model(d.pop("model_type", "qwen3"), **d)
+    out = fn(copy.deepcopy(before))
+    if not hasattr(out, "to_dict"):
+        raise ValueError(f"hf_overrides={fn!r:.80} must return the config it is given (or another), got {out!r:.80}")
+    old, new = before.to_dict(), out.to_dict()
+    return {k: v for k, v in new.items() if k not in old or old[k] != v}
 
 
 def load_weights(model: str, config: "ModelConfig", dtype: str, seed: int = 0, placement=None, kv_scales: bool = True):

@@ -1,5 +1,6 @@
 """vLLM's offline API details that ported scripts rely on: numpy numbers and list fields in SamplingParams, the
 prompt TypedDicts, a bad entry in a list of params, LLM options that only describe jaxinfer, detokenize=False."""
+import dataclasses
 import os
 
 import numpy as np
@@ -281,6 +282,15 @@ def test_hf_overrides_on_presets_and_bad_values(tiny_dir, tmp_path):
     assert model_config_for("qwen3-0.6b", {})[1] == want
     with pytest.raises(ValueError, match="hf_overrides='x'"):
         LLM(tiny_dir, hf_overrides="x", **TINY_ENGINE)
+
+    def fewer_layers(config):              # vLLM's other form: a function of the transformers config
+        config.num_hidden_layers = 1
+        return config
+    assert model_config_for("qwen3-0.6b", fewer_layers)[1] == dataclasses.replace(want, num_hidden_layers=1)
+    assert model_config_for(tiny_dir, fewer_layers)[1] == model_config_for(tiny_dir, {"num_hidden_layers": 1})[1]
+    assert model_config_for(tiny_dir, lambda c: c)[1] == model_config_for(tiny_dir)[1]
+    with pytest.raises(ValueError, match="must return the config"):
+        LLM(tiny_dir, hf_overrides=lambda c: None, **TINY_ENGINE)
     with pytest.raises(ValueError, match="llama"):
         LLM(tiny_dir, hf_overrides={"model_type": "llama"}, **TINY_ENGINE)
     # generation_config.json's EOS ids still end generation when eos_token_id is overridden
