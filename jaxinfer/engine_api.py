@@ -102,7 +102,9 @@ class EngineAPI:
             raise ValueError(f"LLMEngine.add_request: priority={priority!r:.80} is not supported by jaxinfer (0 only)")
         if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
             raise ValueError(f"request_id must be a string (vLLM's) or an int, got {request_id!r:.80}")
-        if request_id in self._requests or str(request_id) in map(str, self._requests):      # (5 and "5": one id)
+        twin = str(request_id) if isinstance(request_id, int) else \
+            (int(request_id) if request_id.lstrip("-").isdigit() and str(int(request_id)) == request_id else None)
+        if request_id in self._requests or twin in self._requests:          # (5 and "5": one id)
             raise ValueError(f"request_id {request_id!r} is already in the engine (abort it or let it finish first)")
         if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], Integral):
             raise ValueError(f"add_request takes one prompt, got a list of {len(prompt)} (add one request each)")
