@@ -224,8 +224,9 @@ def test_hermes_parsing_and_its_stream():
     assert content == "" and [c["function"] for c in calls] == [{"name": "g", "arguments": '{"y": "é"}'}]
     assert required.finish_reason("stop", calls) == "tool_calls" and required.finish_reason("length", []) == "length"
     assert required.extract("[]") == ("[]", []) and required.extract('[{"name": "g"}]') == ('[{"name": "g"}]', [])
-    s = T.Stream(named)
+    s = T.Stream(named)                                        # as the plain answer (streams.py: `and text`)
     assert s.feed('{"x"') == ("", []) and s.feed(": 1}", last=True)[1][0]["function"]["arguments"] == '{"x": 1}'
+    assert T.Stream(named).feed("", last=True) == ("", [])    # no answer text (cut off while thinking): no call,
     for text in ("Hi <tool_cal> " + call + call, "a<tool_call>{bad}</tool_call>", "no calls <tool_", "<tool_call"):
         whole = T.extract(text)
         for step in (1, 3, 7):

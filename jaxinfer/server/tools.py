@@ -194,5 +194,5 @@ class Stream:
             out, self.buf, self.calling = self.buf[:i], self.buf[i:], True
         if not last:
             return out, []
-        content, calls = self.use.extract(self.buf)
-        return out + (content or ""), calls
+        content, calls = self.use.extract(self.buf) if self.buf else (None, [])    # (nothing after the thinking: no
+        return out + (content or ""), calls                                        # forced call, as the plain answer)
