@@ -103,24 +103,15 @@ def engine_names(kwargs: dict) -> dict:
     return kwargs
 
 
-class PoolingRefused:
-    """vLLM's pooling methods on `LLM`: a generative model answers them with a ValueError (as vLLM's does)."""
 
-    def _pooling(self, name: str):
+def _pooling(name: str):
+    def refused(self, *args, **kwargs):
         raise ValueError(f"LLM.{name}() needs a pooling model (embedding, classification, scoring); jaxinfer runs "
                          "generative Qwen3 models only: use generate(), chat() or beam_search()")
+    refused.__name__ = name
+    return refused
 
-    def encode(self, *args, **kwargs):
-        self._pooling("encode")
 
-    def embed(self, *args, **kwargs):
-        self._pooling("embed")
-
-    def classify(self, *args, **kwargs):
-        self._pooling("classify")
-
-    def score(self, *args, **kwargs):
-        self._pooling("score")
-
-    def reward(self, *args, **kwargs):
-        self._pooling("reward")
+class PoolingRefused:
+    """vLLM's pooling methods on `LLM`: a generative model answers them with a ValueError (as vLLM's does)."""
+    encode, embed, classify, score, reward = map(_pooling, ("encode", "embed", "classify", "score", "reward"))

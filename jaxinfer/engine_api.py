@@ -62,6 +62,16 @@ class _Request:
         return list(self.text), list(self.ids), self.prompt_sent, dict(self.cum), set(self.ended)
 
 
+def _twin(request_id):
+    """The id's other spelling (5 and "5" name one request), None if it has none."""
+    if isinstance(request_id, int):
+        return str(request_id)
+    try:
+        return int(request_id) if str(int(request_id)) == request_id else None
+    except ValueError:
+        return None
+
+
 class EngineAPI:
     def __init__(self, llm):
         self._llm, self._requests = llm, {}                  # request_id -> _Request, in arrival order
@@ -102,9 +112,7 @@ class EngineAPI:
             raise ValueError(f"LLMEngine.add_request: priority={priority!r:.80} is not supported by jaxinfer (0 only)")
         if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
             raise ValueError(f"request_id must be a string (vLLM's) or an int, got {request_id!r:.80}")
-        twin = str(request_id) if isinstance(request_id, int) else \
-            (int(request_id) if request_id.lstrip("-").isdigit() and str(int(request_id)) == request_id else None)
-        if request_id in self._requests or twin in self._requests:          # (5 and "5": one id)
+        if request_id in self._requests or _twin(request_id) in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine (abort it or let it finish first)")
         if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], Integral):
             raise ValueError(f"add_request takes one prompt, got a list of {len(prompt)} (add one request each)")

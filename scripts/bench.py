@@ -111,7 +111,7 @@ def build(args):
     t = time.perf_counter()
     llm = LLM(args.model, **{"warmup": True, **engine_kwargs(args)})
     args.warmup_s = time.perf_counter() - t
-    args.attn_backend, args.engine = llm.config.attn_backend, llm.config.__dict__     # (the JSON records it)
+    args.attn_backend, args.engine = llm.config.attn_backend, dict(vars(llm.config))    # (the JSON records it)
     print(f"engine: {llm.config}", flush=True)
     from timing import warmup_breakdown
     w = args.warmup_breakdown = warmup_breakdown(llm, args.warmup_s)

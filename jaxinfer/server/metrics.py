@@ -47,9 +47,8 @@ VLLM_NAMES = {"time_to_first_token_seconds": "time_to_first_token_seconds",
               "kv_cache_usage_perc": "kv_cache_usage_perc", "prompt_tokens": "prompt_tokens",
               "generation_tokens": "generation_tokens", "num_preemptions": "num_preemptions",
               "prefix_cache_hit_tokens": "prefix_cache_hits", "prefix_cache_query_tokens": "prefix_cache_queries",
-              **{name: name for name in (*CORE_HISTOGRAMS, *"request_params_n request_params_max_tokens "
-                                                              "request_max_num_generation_tokens cache_config_info"
-                                                              .split())}}
+              **{name: name for name in (*CORE_HISTOGRAMS, "request_params_n", "request_params_max_tokens",
+                                         "request_max_num_generation_tokens", "cache_config_info")}}
 N_BUCKETS = (1, 2, 5, 10, 20)
 
 
