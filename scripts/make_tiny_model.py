@@ -11,6 +11,7 @@ import argparse
 import os
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+THINK_TAGS = ("<think>", "</think>")     # ids 3 and 4, but not special: decoded text keeps them, as Qwen3's does
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -30,8 +31,9 @@ def main():\n    print("hello")\n    return 0\n
 
 
 def build_tokenizer(vocab_size: int = 400):
-    """A byte-level BPE trained on a small embedded corpus, wrapped as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE trained on a small embedded corpus, wrapped as a transformers fast tokenizer. As Qwen3's,
+    `<|im_start|>`, `<|im_end|>` and `<|endoftext|>` are special and the thinking tags are plain added tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -40,8 +42,9 @@ def build_tokenizer(vocab_size: int = 400):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TAGS])   # (as Qwen3's: kept in text)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>", "<think>", "</think>"])
+                                   additional_special_tokens=["<|im_start|>"])
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
