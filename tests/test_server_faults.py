@@ -264,3 +264,23 @@ def test_two_api_processes_and_a_killed_server(tiny_dir, jax_cache):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("apis", [1, 2])
+def test_sigterm_right_after_the_ready_line_stops_the_server(tiny_dir, jax_cache, apis):
+    """A supervisor that stops the server as soon as it says it listens: the SIGTERM comes before uvicorn's handler
+    is in (in this process, or in the API processes being started); it is kept and drains then (exit 0), not lost."""
+    env = {**os.environ, **jax_cache, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.server", tiny_dir, "--engine", json.dumps(ENGINE),
+                             "--port", "0", "--log-level", "info", "--api-server-count", str(apis)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "API server on" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)

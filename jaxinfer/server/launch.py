@@ -10,6 +10,7 @@ A model that fails to load raises (ValueError / FileNotFoundError / RuntimeError
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -46,17 +47,18 @@ def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1"
             # while the core loads the model: this process's own start-up (transformers' import: seconds)
             tokenizer = load_model_tokenizer(core.tokenizer) if api_server_count == 1 else None
             core.wait_ready()
+            pending: list[int] = []      # a SIGTERM before uvicorn's handler is in: kept, then drains (vLLM's)
+            if main:
+                signal.signal(signal.SIGTERM, lambda sig, frame: pending.append(sig))
             where = f"[{host}]" if ":" in host else host
             sock.listen(2048)               # before the line: a client that waits for it is queued, not refused
             log.info("jaxinfer API server on http%s://%s:%d (model %s)", "s" * bool(options and options.ssl_certfile),
                      where, sock.getsockname()[1],
                      name if isinstance(name, str) else ", ".join(name))
-            if main:
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)    # uvicorn's handler drains; re-raised after
             if api_server_count == 1:
                 return run_api(core.info, name, host, port, log_level, alive=core.alive, sock=sock,
-                               tokenizer=tokenizer, options=options)
-            return _run_api_processes(core, name, host, port, log_level, api_server_count, sock, options)
+                               tokenizer=tokenizer, options=options, pending=pending)
+            return _run_api_processes(core, name, host, port, log_level, api_server_count, sock, options, pending)
         finally:
             code = core.shutdown()
             log.info("engine core exited with code %s", code)
@@ -104,11 +106,12 @@ def _interrupt(sig, frame):
 
 def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api_index: int = 0,
             alive=None, sock=None, tokenizer=None, options: ServerOptions | None = None,
-            ignore_sigint: bool = False) -> int:
+            ignore_sigint: bool = False, pending: list[int] | None = None) -> int:
     """One API process: uvicorn on (host, port) or on an inherited listening socket. Returns 1 if the core
     died, else 0. ignore_sigint: one of several API processes, whose parent forwards SIGINT (Ctrl-C reaches the
     whole process group) as SIGTERM; taking both would make the forwarded one a second signal, which stops at
-    once instead of draining."""
+    once instead of draining. pending: signals that came before uvicorn's handlers were in (the caller's handler
+    appends them; uvicorn restores it after): handled as soon as they are."""
     import asyncio
 
     import uvicorn
@@ -123,6 +126,13 @@ def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api
         finish_reason "abort" now (their streams end cleanly; a response a client stopped reading is dropped after
         1 s); after the drain, a signal ends uvicorn's wait for connections."""
         signals = 0
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                while pending:
+                    self.handle_exit(pending.pop(0), None)
+                yield
 
         def handle_exit(self, sig, frame):
             if ignore_sigint and sig == signal.SIGINT:
@@ -155,19 +165,21 @@ def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api
 
 def _api_main(info: CoreInfo, name: str, host: str, port: int, log_level: str, api_index: int, sock,
               options: ServerOptions, metrics_dir: str) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)      # uvicorn installs its own while it runs
+    pending: list[int] = []                            # until uvicorn's handler is in (run_api)
+    signal.signal(signal.SIGTERM, lambda sig, frame: pending.append(sig))
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # the parent forwards it (run_api's ignore_sigint)
     # this process is ours: prometheus_client's multiprocess mode (metrics.py), set before it is imported
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     logging.basicConfig(level=log_level.upper(), format=f"%(levelname)s:     [api {api_index}] %(message)s")
     raise SystemExit(run_api(info, name, host, port, log_level, api_index, sock=sock, options=options,
-                             ignore_sigint=True))
+                             ignore_sigint=True, pending=pending))
 
 
 def _run_api_processes(core: CoreProcess, name: str, host: str, port: int, log_level: str, n: int, sock,
-                       options: ServerOptions) -> int:
+                       options: ServerOptions, pending: list[int]) -> int:
     """n API processes share one listening socket (the kernel spreads connections); this process watches
-    them and the core. SIGTERM/SIGINT here are forwarded to the API processes, which drain."""
+    them and the core. SIGTERM/SIGINT here (or one in `pending`, come before) are forwarded to the API
+    processes, which drain; one that a signal stopped before its start-up is done counts as a clean stop."""
     import multiprocessing as mp
     from multiprocessing.connection import wait
 
@@ -176,17 +188,20 @@ def _run_api_processes(core: CoreProcess, name: str, host: str, port: int, log_l
     procs = [ctx.Process(target=_api_main, name=f"jaxinfer-api-{i}",
                          args=(core.info, name, host, port, log_level, i, sock, options, metrics_dir))
              for i in range(n)]
-    for p in procs:
-        p.start()
-    stopping = []
+    stopping, told = [], set()
 
-    def forward(sig, frame):
+    def forward(sig, frame, untold_only=False):
         stopping.append(sig)
         for p in procs:
-            if p.is_alive():
+            if p.is_alive() and not (untold_only and p.pid in told):
+                told.add(p.pid)
                 p.terminate()                             # SIGTERM: uvicorn drains
     prev = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
+        for p in procs:
+            p.start()
+        if pending or stopping:                           # (came while they started: each is told once)
+            forward(signal.SIGTERM, None, untold_only=True)
         rc = 0
         while any(p.is_alive() for p in procs):
             wait([p.sentinel for p in procs] + [core.proc.sentinel], timeout=1.0)
@@ -197,7 +212,7 @@ def _run_api_processes(core: CoreProcess, name: str, host: str, port: int, log_l
                 forward(signal.SIGTERM, None)
         for p in procs:
             p.join()
-        return rc or max((p.exitcode or 0) != 0 for p in procs)
+        return rc or max(p.exitcode not in (0, -signal.SIGTERM) for p in procs)
     finally:
         for s, h in prev.items():
             signal.signal(s, h)
