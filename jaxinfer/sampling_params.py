@@ -153,12 +153,12 @@ class SamplingParams:
             bad("stop_token_ids", f"holds {len(ids)} ids: with min_tokens at most {MAX_STOP_IDS_WITH_MIN_TOKENS}")
 
     def _check_bias(self, bad) -> None:
-        """logit_bias {id: finite bias}, allowed_token_ids (non-empty): {int: float}, distinct ints; <= MAX_BIASED."""
+        """logit_bias {id: bias, -inf bans it}, allowed_token_ids (non-empty): {int: float}, ints; <= MAX_BIASED."""
         lb, allowed = self.logit_bias, self.allowed_token_ids
         isid = lambda t: isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0   # noqa: E731
-        finite = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and abs(v) < float("inf")  # noqa
-        if lb is not None and (not isinstance(lb, dict) or not all(isid(k) and finite(v) for k, v in lb.items())):
-            bad("logit_bias", "must be a dict of token ids (integers >= 0) to finite numbers, or None")
+        real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and v < float("inf")  # noqa: E731
+        if lb is not None and (not isinstance(lb, dict) or not all(isid(k) and real(v) for k, v in lb.items())):
+            bad("logit_bias", "must be a dict of token ids (integers >= 0) to finite numbers or -inf, or None")
         if allowed is not None and (not isinstance(allowed, (list, tuple)) or not all(map(isid, allowed))):
             bad("allowed_token_ids", "must be a list of token ids (integers >= 0) or None")
         if allowed is not None and not allowed:

@@ -65,6 +65,22 @@ def test_greedy_with_bias_and_mask_matches_transformers(llm, greedy_ref):
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
+def test_minus_inf_bans_a_token(llm, greedy_ref):
+    """vLLM's idiom `logit_bias={id: -inf}` bans the id (greedy, and seeded with a repetition penalty that would
+    multiply a negative logit); +inf is refused (it would make every other token's probability nan)."""
+    plain = greedy_ref(PROMPTS[0], 6)
+    banned = {t: float("-inf") for t in set(plain)}
+    [g] = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias=banned),
+                       use_tqdm=False)
+    assert g.outputs[0].token_ids == greedy_ref(PROMPTS[0], 6, logit_bias=banned) and not set(plain) & set(
+        g.outputs[0].token_ids)
+    sp = SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True, logit_bias=banned,
+                        repetition_penalty=0.5)
+    assert not set(plain) & set(llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0].token_ids)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: float("inf")})
+
+
 def test_bias_with_penalties_seeds_topk_and_raw_logprobs(llm):
     """A bias large enough wins over any penalty and any seeded draw (top_k too); a seeded biased request repeats;
     logprobs are the raw model's (the same with and without the bias), as vLLM's default logprobs mode."""
