@@ -21,18 +21,21 @@ import weakref
 
 import numpy as np
 
+from jaxinfer import index_worker
+
 _INDEXES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # tokenizer -> {(V, eos, regex): Index}
 _VOCABS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # tokenizer -> {(V, eos): Vocabulary}
 KINDS = ("json", "regex", "json_object")
 BUILD_TIMEOUT_S = 20.0        # an index build that takes longer is refused (e.g. a string's maxLength in the 20s)
-# index builds running at once in a process (each takes a core; the rest wait their turn: BUILD_TIMEOUT_S counts from
-# when a build gets its slot)
+BACKGROUND_TIMEOUT_S = 60.0   # the same for a background build (the engine core's: the API process built it first)
+# index builds running at once in a process (each takes a core, in a worker process that is killed at its time limit;
+# the rest wait their turn: the time limit counts from when a build gets its slot)
 BUILD_SLOTS = threading.BoundedSemaphore(max(1, min(4, (os.cpu_count() or 2) // 2)))
 # JSON schema keywords outlines-core's expressions do not enforce (its expression is the same without them): refused
 UNENFORCED = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems", "contains",
               "minContains", "maxContains", "minProperties", "maxProperties", "patternProperties", "dependentRequired",
               "dependentSchemas", "if", "then", "else", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
-              "dependencies"}
+              "dependencies", "not"}
 # masks kept per index, by the guide's state: rows at a state seen before get a copy (~1 us) instead of outlines-core's
 # write (~13 us at Qwen3's vocabulary); 64 rows of 19 KB at most per index
 MASK_CACHE = 64
@@ -49,9 +52,15 @@ def _outlines(error):
 
 
 def regex_for(so, error=ValueError) -> str:
-    """The regular expression of a StructuredOutputsParams of one of KINDS (checked by structured.check)."""
+    """The regular expression of a StructuredOutputsParams of one of KINDS (checked by structured.check), or of a
+    choice list the choice kind cannot take (structured.Unspellable). A regex's leading `^` and trailing `$` are
+    dropped: the whole output must match anyway (xgrammar, vLLM's default backend, drops them too)."""
+    if so.choice is not None:
+        return "(" + "|".join("".join("\\" + c if c in _META else c for c in choice) for choice in so.choice) + ")"
     if so.regex is not None:
-        return so.regex
+        r = so.regex[1:] if so.regex.startswith("^") else so.regex
+        escapes = len(r[:-1]) - len(r[:-1].rstrip("\\"))          # (backslashes before a last `$`: `\$` is a $)
+        return r[:-1] if r.endswith("$") and escapes % 2 == 0 else r
     schema = {"type": "object"} if so.json is None else so.json
     if isinstance(schema, str):
         try:
@@ -72,6 +81,8 @@ def regex_for(so, error=ValueError) -> str:
         raise error(f"structured_outputs json schema is not supported: {e}") from None
 
 
+_META = set("\\.^$|?*+()[]{}")                  # a choice's characters escaped in its regex (only these: outlines-core
+#                                                   refuses an escaped character that needs none, e.g. a space)
 _VALUES = ("enum", "const", "examples", "default", "required")     # keywords whose values are not schemas
 _NAMED = ("properties", "$defs", "definitions")                     # keywords whose values are {name: schema}
 
@@ -86,7 +97,10 @@ def relaxed(schema, named: bool = False):
         return {k: relaxed(v) for k, v in schema.items()}
     drop = UNENFORCED | (LENGTHS if {"pattern", "format", "enum"} & schema.keys() else set()) | \
         ({"required"} if "properties" not in schema else set())
-    return {k: v if k in _VALUES else relaxed(v, k in _NAMED) for k, v in schema.items() if k not in drop}
+    out = {k: v if k in _VALUES else relaxed(v, k in _NAMED) for k, v in schema.items() if k not in drop}
+    if isinstance(out.get("required"), list) and isinstance(out.get("properties"), dict):
+        out["required"] = [k for k in out["required"] if k in out["properties"]]
+    return out
 
 
 def unenforced(schema, where: str = "#") -> tuple[str, str] | None:
@@ -98,6 +112,9 @@ def unenforced(schema, where: str = "#") -> tuple[str, str] | None:
         return where, hit[0]
     if schema.get("required") and "properties" not in schema:
         return where, "required"
+    if isinstance(schema.get("properties"), dict) and isinstance(schema.get("required"), list) and (
+            missing := [k for k in schema["required"] if k not in schema["properties"]]):
+        return where, f"required {missing[0]!r:.40} (not in properties)"
     beside = sorted({"pattern", "format", "enum"} & schema.keys())
     if (lengths := sorted(LENGTHS & schema.keys())) and beside:
         return where, f"{lengths[0]} beside {beside[0]}"
@@ -172,7 +189,7 @@ class GrammarRule:
         if (key + (regex,)) not in indexes:
             if len(indexes) >= 64:
                 indexes.pop(next(iter(indexes)))
-            indexes[key + (regex,)] = _Build(oc, regex, vocabs[key])
+            indexes[key + (regex,)] = _Build(regex, vocabs[key], BUILD_TIMEOUT_S if wait else BACKGROUND_TIMEOUT_S)
         self.build, self._oc, self._regex = indexes[key + (regex,)], oc, regex
         while wait and self.build.result() is None:     # (its deadline runs from when it gets a slot)
             self.build.thread.join(0.02)
@@ -194,11 +211,11 @@ class GrammarRule:
 
 
 class _Build:
-    """outlines-core's Index built in a thread (it releases the GIL) once one of BUILD_SLOTS is free; `result()`: the
-    Index, why not (a string: it cannot be built, or not within BUILD_TIMEOUT_S of getting its slot; the thread then
-    finishes in the background: it cannot be stopped), or None while it waits or runs."""
+    """outlines-core's Index built in a worker process (index_worker.py), waited for by a thread, once one of
+    BUILD_SLOTS is free; `result()`: the Index, why not (a string: it cannot be built, or not within BUILD_TIMEOUT_S
+    of getting its slot; the worker is killed at `limit`), or None while it waits or runs. make: what builds it."""
 
-    def __init__(self, oc, regex: str, vocab):
+    def __init__(self, regex: str, vocab, limit: float, make=index_worker.build):
         self.box, self.deadline = [], None          # (set when the build gets its slot)
         self.masks: dict = {}                       # (guide state or None when ended, eos ids, words) -> the row
 
@@ -206,7 +223,9 @@ class _Build:
             try:
                 with BUILD_SLOTS:
                     self.deadline = time.monotonic() + BUILD_TIMEOUT_S
-                    self.box.append(oc.Index(regex, vocab))
+                    got = make(regex, vocab, limit)
+                self.box.append(_too_long(limit) if got is None else f"cannot be followed: {got}"
+                                if isinstance(got, str) else got)
             except Exception as e:
                 self.box.append(f"cannot be followed: {e}")
         self.thread = threading.Thread(target=build, daemon=True, name="jaxinfer-grammar-index")
@@ -218,8 +237,13 @@ class _Build:
         if self.box:
             return self.box[0]
         if deadline and self.deadline is not None and time.monotonic() >= self.deadline:
-            return f"takes over {BUILD_TIMEOUT_S:.0f} s to index: simplify it (e.g. a shorter maxLength)"
+            return _too_long(BUILD_TIMEOUT_S)
         return None
+
+
+def _too_long(limit: float) -> str:
+    return (f"takes over {limit:.0f} s to index: simplify it (long or wide repetitions cost most: maxLength, "
+            f"maxItems, {{m,n}} counts)")
 
 
 class GrammarState:

@@ -5,7 +5,7 @@ import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
-from jaxinfer import bad_words, grammar, structured
+from jaxinfer import bad_words, structured
 from jaxinfer.beam_search import BeamSearchParams  # noqa: F401  (vLLM's import path)
 from jaxinfer.outputs import RequestOutputKind  # noqa: F401  (vLLM's import path)
 from jaxinfer.structured import GuidedDecodingParams, StructuredOutputsParams  # noqa: F401  (vLLM's import path)
@@ -239,9 +239,7 @@ class SamplingParams:
             object.__setattr__(self, "_bad_words_token_ids", bad_words.token_ids(tokenizer, self.bad_words,
                                                                                 vocab_size, error))
         if (so := self.structured_outputs) is not None:   # (choice: structured.py; json / regex: grammar.py)
-            object.__setattr__(self, *("_choice_rule", structured.rule_for(so.choice, tokenizer, vocab_size, error))
-                               if so.choice is not None else ("_grammar_rule", grammar.GrammarRule(
-                                   grammar.regex_for(so, error), tokenizer, vocab_size, eos, error, wait)))
+            object.__setattr__(self, *structured.rule_of(so, tokenizer, vocab_size, eos, error, wait))
         ban = set(self.stop_token_ids) | set(eos) if self.min_tokens and self.allowed_token_ids else ()
         if ban and set(self.allowed_token_ids) <= ban:
             raise error(f"allowed_token_ids are all stop or EOS ids, which min_tokens={self.min_tokens} bans")

@@ -108,8 +108,34 @@ def token_table(tokenizer, vocab_size: int) -> tuple[list[str], dict[str, list[i
     return texts, by_text
 
 
+class Unspellable(ValueError):
+    """Choices the step's entries cannot hold: one that whole-token texts cannot spell (a character split over byte
+    tokens: "café", emoji), or too many ids at a step. Such a list goes to grammar.py's regex path (its index works
+    on bytes, as vLLM's grammar backends)."""
+
+
+def rule_of(so, tokenizer, vocab_size: int, eos, error=ValueError, wait: bool = True) -> tuple[str, object]:
+    """("_choice_rule", ChoiceRule) or ("_grammar_rule", grammar.GrammarRule): the rule a request's
+    StructuredOutputsParams `so` follows (choices the choice kind cannot take go the regex path)."""
+    if so.choice is not None:
+        try:
+            return "_choice_rule", rule_for(so.choice, tokenizer, vocab_size, error)
+        except Unspellable:
+            pass
+    return "_grammar_rule", grammar.GrammarRule(grammar.regex_for(so, error), tokenizer, vocab_size, eos, error, wait)
+
+
+def choice_width(choices: list[str], tokenizer, vocab_size: int) -> int:
+    """The entries a row of these choices needs (its ChoiceRule's width), 0 if they go the regex path."""
+    try:
+        return rule_for(choices, tokenizer, vocab_size).width
+    except Unspellable:
+        return 0
+
+
 def rule_for(choices: list[str], tokenizer, vocab_size: int, error=ValueError) -> "ChoiceRule":
-    """ChoiceRule(...), kept per tokenizer for the last 64 choice lists (a server's requests repeat them)."""
+    """ChoiceRule(...), kept per tokenizer for the last 64 choice lists (a server's requests repeat them); raises
+    Unspellable for choices it cannot take."""
     if tokenizer is None:
         return ChoiceRule(choices, tokenizer, vocab_size, error)
     rules = _RULES.setdefault(tokenizer, {})
@@ -153,14 +179,15 @@ class ChoiceRule:
             if g not in live and any(g + t in live for _, t in graph[g][0]):
                 live.add(g)
         if missing := [c for c in choices if c not in live]:
-            raise error(f"structured_outputs choice {missing[0]!r:.80} cannot be spelled with this tokenizer's "
-                        f"whole-token texts")
+            raise Unspellable(f"structured_outputs choice {missing[0]!r:.80} cannot be spelled with this "
+                              f"tokenizer's whole-token texts")
         self.graph = {g: ([(i, t) for i, t in steps if g + t in live], end) for g, (steps, end) in graph.items()
                       if g in live}
         self.width = max(sum(len(self.options(g + t)[0]) + MAX_EOS for _, t in steps) +    # (an EOS in flight too)
                          (MAX_EOS * MAX_EOS if end else 0) for g, (steps, end) in self.graph.items())
         if self.width > WIDTHS[-1]:
-            raise error(f"structured_outputs choice allows up to {self.width} tokens at a step: at most {WIDTHS[-1]}")
+            raise Unspellable(f"structured_outputs choice allows up to {self.width} tokens at a step: at most "
+                              f"{WIDTHS[-1]}")
         self.width = next(w for w in WIDTHS if w >= self.width)
 
     def _starting(self, text: str) -> list[str]:

@@ -4,6 +4,7 @@ a match, by the `regex` module's partial matching; EOS once it is a whole match)
 and alone; sampled outputs always match; a preempted row resumes its place; bad values are refused by name."""
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -230,6 +231,31 @@ def test_slow_index_builds_are_refused(llm, monkeypatch):
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
+def test_a_build_past_its_limit_is_stopped(llm, monkeypatch):
+    """A build past BUILD_TIMEOUT_S is killed with its worker process (index_worker.py), so its slot (one here) and
+    its memory come back at once: the next new index builds now (`.{20000}` takes minutes and gigabytes; a build in
+    a thread, which cannot be stopped, held its slot all that time)."""
+    monkeypatch.setattr(grammar, "BUILD_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(grammar, "BUILD_SLOTS", threading.BoundedSemaphore(1))
+    t = time.monotonic()
+    with pytest.raises(ValueError, match=r"regex '\.\{20000\}' takes over 2 s to index"):
+        llm.generate(PROMPTS[0], SamplingParams(structured_outputs={"regex": ".{20000}"}), use_tqdm=False)
+    [out] = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, structured_outputs={"regex": "[a-c]{3}!"}),
+                         use_tqdm=False)
+    assert regex.fullmatch("[a-c]{3}!", out.outputs[0].text) and time.monotonic() - t < 20
+
+
+def test_anchors_and_byte_choices(llm):
+    """A regex's leading ^ and trailing $ are dropped (the whole output matches anyway; xgrammar's rule), an escaped
+    last $ kept; choices split over byte tokens take the regex path."""
+    for pattern, full in (("^[0-9]{2}$", "[0-9]{2}"), ("^(yes|no)", "(yes|no)"), (r"a\$$", r"a\$")):
+        sp = SamplingParams(temperature=1.0, seed=3, max_tokens=8, structured_outputs={"regex": pattern})
+        assert regex.fullmatch(full, llm.generate(PROMPTS[1], sp, use_tqdm=False)[0].outputs[0].text), pattern
+    sp = SamplingParams(temperature=1.0, seed=3, max_tokens=20, n=3, structured_outputs={"choice": ["\U0001f44d",
+                                                                                                   "\u65e5\u672c"]})
+    assert {c.text for c in llm.generate(PROMPTS[1], sp, use_tqdm=False)[0].outputs} <= {"\U0001f44d", "\u65e5\u672c"}
+
+
 def test_background_index_builds(llm, monkeypatch):
     """With grammar_wait False (the server's engine core), a new index is built beside the steps, with no time limit
     (the API process applied it): a running plain request keeps decoding meanwhile and one queued behind is admitted
@@ -278,16 +304,15 @@ def test_index_builds_share_a_few_slots(monkeypatch):
     monkeypatch.setattr(grammar, "BUILD_SLOTS", threading.BoundedSemaphore(2))
     gate, lock, running, most = threading.Event(), threading.Lock(), [0], [0]
 
-    def index(regex, vocab):
+    def index(regex, vocab, limit):
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
         gate.wait(30)
         with lock:
             running[0] -= 1
-        return regex
-    oc = type("FakeOutlines", (), {"Index": staticmethod(index)})
-    builds = [grammar._Build(oc, f"r{i}", None) for i in range(5)]
+        return [regex]                                # (an index: not a string, which would be an error)
+    builds = [grammar._Build(f"r{i}", None, None, make=index) for i in range(5)]
     for _ in range(100):
         if running[0] == 2:
             break
@@ -297,7 +322,7 @@ def test_index_builds_share_a_few_slots(monkeypatch):
     gate.set()
     for b in builds:
         b.thread.join(10)
-    assert most[0] == 2 and [b.result(False) for b in builds] == [f"r{i}" for i in range(5)]
+    assert most[0] == 2 and [b.result(False) for b in builds] == [[f"r{i}"] for i in range(5)]
 
 
 def test_refusals(llm):
@@ -315,7 +340,10 @@ def test_refusals(llm):
                       (dict(structured_outputs={"json": {"allOf": [{"type": "object"}, {"type": "object"}]}}),
                        "'allOf of more than one schema'"),
                       (dict(structured_outputs={"json": {"type": "object", "dependencies": {"a": ["b"]}}}),
-                       "'dependencies'")):
+                       "'dependencies'"),
+                      (dict(structured_outputs={"json": {"type": "integer", "not": {"enum": [1, 2]}}}), "'not' at #"),
+                      (dict(structured_outputs={"json": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                         "required": ["b"]}}), "required 'b' \\(not in properties")):
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kw)
     for so, match in (({"json": "{not json"}, "structured_outputs=.* json is not valid JSON"),

@@ -640,8 +640,8 @@ def test_vllms_request_id(client, url):
 
 def test_structured_outputs_choice(client, url):
     """vLLM's structured_outputs {"choice": [...]} and older guided_choice: every answer (n samples, chat, streamed)
-    is one of the choices; the grammar kind, both forms at once, and a choice the tokenizer cannot spell are 400s naming
-    structured_outputs."""
+    is one of the choices, one spelled by byte pieces too; the grammar kind, both forms at once and an empty list are
+    400s naming the field."""
     choices = ["positive", "negative", "neutral"]
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.5, seed=3, n=4,
                                   extra_body={"structured_outputs": {"choice": choices}})
@@ -656,10 +656,12 @@ def test_structured_outputs_choice(client, url):
     body = dict(model=MODEL, prompt=PROMPT, max_tokens=4)
     for bad in ({"structured_outputs": {"grammar": "root ::= 'a'"}}, {"structured_outputs": {"choice": []}},
                 {"structured_outputs": {"choice": ["a"]}, "guided_choice": ["b"]},
-                {"guided_choice": ["\u2603"]}, {"guided_choice": []}):
+                {"guided_choice": []}):
         r = post(url + "/v1/completions", json={**body, **bad})
         want = "structured_outputs" if "structured_outputs" in bad else "guided_choice"    # (the field used)
         assert r.status_code == 400 and r.json()["error"]["param"] == want, (bad, r.text)
+    snow = post(url + "/v1/completions", json={**body, "max_tokens": 8, "guided_choice": ["\u2603"]}).json()
+    assert snow["choices"][0]["text"] == "\u2603"          # (byte pieces only: the regex path)
     lp = post(url + "/v1/completions", json={**body, "max_tokens": 6, "logprobs": 3, "guided_choice": ["yes"]})
     assert lp.status_code == 200, lp.text          # (masked tokens' -inf logprobs as vLLM's -9999.0: JSON has no inf)
     assert min(v for top in lp.json()["choices"][0]["logprobs"]["top_logprobs"] for v in top.values()) == -9999.0
@@ -725,9 +727,8 @@ def test_index_builds_wait_off_the_tokenizer_thread(url, monkeypatch):
     gate = threading.Event()
 
     class Held(grammar._Build):                   # (its thread builds once the gate opens)
-        def __init__(self, oc, regex, vocab):
-            gated = type("Gated", (), {"Index": staticmethod(lambda r, v: gate.wait(30) and oc.Index(r, v))})
-            super().__init__(gated, regex, vocab)
+        def __init__(self, regex, vocab, limit):
+            super().__init__(regex, vocab, limit, make=lambda *a: gate.wait(30) and grammar.index_worker.build(*a))
     monkeypatch.setattr(grammar, "_Build", Held)
     pattern = r"(held|kept) [0-9]{2}!"
     body = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)

@@ -113,8 +113,10 @@ def test_refusals(llm):
         with pytest.raises(ValueError, match=f"structured_outputs.*{match}"):
             SamplingParams(**kw)
     assert SamplingParams(structured_outputs={}).structured_outputs is None
-    with pytest.raises(ValueError, match="cannot be spelled"):          # (byte fragments: no whole-token text)
-        llm.generate(PROMPTS[0], SamplingParams(structured_outputs={"choice": ["\u2603"]}), use_tqdm=False)
+    for choices in (["\u2603"], ["caf\u00e9", "na\u00efve", "a.b (c)|[d]$"]):   # (byte pieces: the regex path)
+        sp = SamplingParams(temperature=1.0, seed=4, max_tokens=30, n=2, structured_outputs={"choice": choices})
+        outs = llm.generate([PROMPTS[0]] * 3, sp, use_tqdm=False)
+        assert all(c.text in choices and c.finish_reason == "stop" for o in outs for c in o.outputs), outs
     with pytest.raises(ValueError, match="needs a tokenizer"):
         so.ChoiceRule(["a"], None, 10)
     assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids

@@ -232,8 +232,8 @@ def warmup_keys(cfg, widths: tuple[int, ...], runner: "ExtrasRunner", params, to
     e = Extras(params.has_penalties, params.logprobs is not None,
                next(w for w in LOGPROB_WIDTHS if w >= max(params.logprobs or 0, params.prompt_logprobs or 0)), 0,
                params.min_tokens > 0, bias_width([params]), bad_words.width(len(seqs)),
-               structured.rule_for(so.choice, tokenizer, V).width if so is not None and so.choice else 0,
-               -(-V // 32) if so is not None and not so.choice else 0)
+               choice := structured.choice_width(so.choice, tokenizer, V) if so is not None and so.choice else 0,
+               -(-V // 32) if so is not None and not choice else 0)
     if not (e.penalties or e.logprobs or e.bans or e.bias or e.bad_words or e.choice or e.grammar or
             params.prompt_logprobs is not None):
         return []
