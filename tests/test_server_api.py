@@ -698,6 +698,9 @@ def test_structured_outputs_json_and_regex(client, url):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
                                   extra_body={"guided_json": json.dumps(schema)})
     assert json.loads(r.choices[0].text)["color"] in ("red", "green")
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, extra_body={
+        "guided_json": schema, "guided_whitespace_pattern": "", "guided_decoding_backend": "xgrammar"})  # (vLLM's)
+    assert json.loads(r.choices[0].text)["color"] in ("red", "green") and " " not in r.choices[0].text
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
                                   extra_body={"response_format": {"type": "json_object"}})   # (as vLLM's)
     assert r.choices[0].text.startswith("{")

@@ -34,6 +34,8 @@ def response_format(value) -> dict | None:
 def structured(req) -> tuple[dict | None, dict | None, str | None]:
     """(structured_outputs, guided_decoding, the request field they came from) for SamplingParams."""
     guided = {key: getattr(req, name) for name, key in GUIDED if getattr(req, name, None) is not None}
+    if guided and getattr(req, "guided_whitespace_pattern", None) is not None:
+        guided["whitespace_pattern"] = req.guided_whitespace_pattern
     fmt = response_format(getattr(req, "response_format", None))
     given = [name for name, v in (("structured_outputs", req.structured_outputs), ("response_format", fmt))
              if v is not None] + [name for name, key in GUIDED if key in guided]

@@ -30,7 +30,7 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 # bookkeeping fields with no effect on the output (the openai package sends the last three on request)
 IGNORED = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-           "prompt_cache_retention")
+           "prompt_cache_retention", "guided_decoding_backend")     # (vLLM's deprecated backend choice: one here)
 
 
 def check_unsupported(req: BaseModel) -> None:
@@ -114,6 +114,8 @@ class _Request(BaseModel):
     guided_choice: list[str] | None = Field(None, description="vLLM's older form of structured_outputs' choice")
     guided_json: dict | str | None = Field(None, description="vLLM's older form of structured_outputs' json")
     guided_regex: str | None = Field(None, description="vLLM's older form of structured_outputs' regex")
+    guided_whitespace_pattern: str | None = Field(None, description="vLLM's older form of structured_outputs' "
+                                                                    "whitespace_pattern (with guided_json)")
     _structured_from: str | None = None       # (a private attribute: tools.resolve's forced-call schema, "tools")
 
 
