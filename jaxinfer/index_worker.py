@@ -32,6 +32,9 @@ def build(regex: str, vocab, limit: float | None):
     died); None when not done within `limit` seconds (None: no limit), the worker then killed."""
     with _LOCK:
         proc = _IDLE.pop() if _IDLE else None
+    if proc is not None and proc.poll() is not None:     # (one that died while idle: killed by hand, say)
+        _stop(proc)
+        proc = None
     if proc is None:
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, bufsize=0)

@@ -245,6 +245,19 @@ def test_a_build_past_its_limit_is_stopped(llm, monkeypatch):
     assert regex.fullmatch("[a-c]{3}!", out.outputs[0].text) and time.monotonic() - t < 20
 
 
+def test_a_dead_idle_worker_is_replaced(llm):
+    """An idle index worker that died (killed by hand, or by the OOM killer) is replaced, not handed the next build."""
+    from jaxinfer import index_worker
+    llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, structured_outputs={"regex": "[d-f]{2}"}), use_tqdm=False)
+    assert index_worker._IDLE
+    for proc in index_worker._IDLE:
+        proc.kill()
+        proc.wait()
+    [out] = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, structured_outputs={"regex": "[g-i]{2}!"}),
+                         use_tqdm=False)
+    assert regex.fullmatch("[g-i]{2}!", out.outputs[0].text)
+
+
 def test_anchors_and_byte_choices(llm):
     """A regex's leading ^ and trailing $ are dropped (the whole output matches anyway; xgrammar's rule), an escaped
     last $ kept; choices split over byte tokens take the regex path."""
