@@ -1,7 +1,5 @@
 """vLLM's structured outputs of the json, regex and json_object kinds, on outlines-core (one of vLLM's grammar
-backends; a dependency of jaxinfer, imported on first use).
-
-The kind becomes a regular expression (a JSON schema through outlines-core's `build_regex_from_schema`; json_object
+backends; a dependency of jaxinfer, imported on first use). The kind becomes a regular expression (a JSON schema through outlines-core's `build_regex_from_schema`; json_object
 through the schema `{"type": "object"}`, whose nesting outlines-core bounds), the expression an index over the
 tokenizer's vocabulary (each token by its bytes: a token may hold part of a character), and each constrained row of a
 step gets the bitmask of the tokens allowed after its output so far, EOS ids where the expression may end. Unlike the
@@ -27,17 +25,16 @@ _INDEXES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # tokenize
 _VOCABS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # tokenizer -> {(V, eos): Vocabulary}
 KINDS = ("json", "regex", "json_object")
 BUILD_TIMEOUT_S = 20.0        # an index build that takes longer is refused (e.g. a string's maxLength in the 20s)
-BACKGROUND_TIMEOUT_S = 60.0   # the same for a background build (the engine core's: the API process built it first)
-# index builds running at once in a process (each takes a core, in a worker process that is killed at its time limit;
-# the rest wait their turn: the time limit counts from when a build gets its slot)
+BACKGROUND_TIMEOUT_S = 60.0   # the same in the server's engine core (its API process built the index first)
+IN_ENGINE_CORE = False        # set by the server's engine core (its process is ours)
+# index builds at once in a process (a core each, in worker processes; the rest wait: a limit counts from the slot)
 BUILD_SLOTS = threading.BoundedSemaphore(max(1, min(4, (os.cpu_count() or 2) // 2)))
 # JSON schema keywords outlines-core's expressions do not enforce (its expression is the same without them): refused
 UNENFORCED = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems", "contains",
               "minContains", "maxContains", "minProperties", "maxProperties", "patternProperties", "dependentRequired",
               "dependentSchemas", "if", "then", "else", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
               "dependencies", "not"}
-# masks kept per index, by the guide's state: rows at a state seen before get a copy (~1 us) instead of outlines-core's
-# write (~13 us at Qwen3's vocabulary); 64 rows of 19 KB at most per index
+# masks kept per index by guide state: a copy (~1 us) instead of outlines-core's write (~13 us at Qwen3's vocabulary)
 MASK_CACHE = 64
 LENGTHS = {"minLength", "maxLength"}     # not enforced beside a pattern, a format or an enum (outlines-core drops them)
 
@@ -81,8 +78,7 @@ def regex_for(so, error=ValueError) -> str:
         raise error(f"structured_outputs json schema is not supported: {e}") from None
 
 
-_META = set("\\.^$|?*+()[]{}")                  # a choice's characters escaped in its regex (only these: outlines-core
-#                                                   refuses an escaped character that needs none, e.g. a space)
+_META = set("\\.^$|?*+()[]{}")   # escaped in a choice's regex (only these: outlines-core refuses "\\ ", say)
 _VALUES = ("enum", "const", "examples", "default", "required")     # keywords whose values are not schemas
 _NAMED = ("properties", "$defs", "definitions")                     # keywords whose values are {name: schema}
 
@@ -186,10 +182,11 @@ class GrammarRule:
             vocabs[key] = oc.Vocabulary(self.eos[0], {b: ids for b, ids in token_bytes(tokenizer, vocab_size).items()
                                                       if self.eos[0] not in ids})
         indexes = _INDEXES.setdefault(tokenizer, {})
-        if (key + (regex,)) not in indexes:
+        if (key + (regex,)) not in indexes or indexes[key + (regex,)].transient:     # (a worker that died: again)
             if len(indexes) >= 64:
                 indexes.pop(next(iter(indexes)))
-            indexes[key + (regex,)] = _Build(regex, vocabs[key], BUILD_TIMEOUT_S if wait else BACKGROUND_TIMEOUT_S)
+            limit = BACKGROUND_TIMEOUT_S if IN_ENGINE_CORE else BUILD_TIMEOUT_S
+            indexes[key + (regex,)] = _Build(regex, vocabs[key], limit)
         self.build, self._oc, self._regex = indexes[key + (regex,)], oc, regex
         while wait and self.build.result() is None:     # (its deadline runs from when it gets a slot)
             self.build.thread.join(0.02)
@@ -215,25 +212,24 @@ class _Build:
     BUILD_SLOTS is free; `result()`: the Index, why not (a string: it cannot be built, or not within BUILD_TIMEOUT_S
     of getting its slot; the worker is killed at `limit`), or None while it waits or runs. make: what builds it."""
 
-    def __init__(self, regex: str, vocab, limit: float, make=index_worker.build):
-        self.box, self.deadline = [], None          # (set when the build gets its slot)
+    def __init__(self, regex: str, vocab, limit: float, make=None):
+        self.box, self.deadline, self.transient = [], None, False    # (deadline: set when the build gets its slot)
         self.masks: dict = {}                       # (guide state or None when ended, eos ids, words) -> the row
 
         def build():
             try:
                 with BUILD_SLOTS:
                     self.deadline = time.monotonic() + BUILD_TIMEOUT_S
-                    got = make(regex, vocab, limit)
-                self.box.append(_too_long(limit) if got is None else f"cannot be followed: {got}"
-                                if isinstance(got, str) else got)
-            except Exception as e:
-                self.box.append(f"cannot be followed: {e}")
+                    got = (make or index_worker.build)(regex, vocab, limit)
+                self.box.append(_too_long(limit) if got is None else _cannot(got) if isinstance(got, str) else got)
+            except Exception as e:                  # (a worker that died: the next request builds it again)
+                self.transient = isinstance(e, index_worker.WorkerDied)
+                self.box.append(_cannot(str(e)))
         self.thread = threading.Thread(target=build, daemon=True, name="jaxinfer-grammar-index")
         self.thread.start()
 
     def result(self, deadline: bool = True):
-        """deadline False (a background build, which the API process built within BUILD_TIMEOUT_S first): no time
-        limit."""
+        """deadline False (a background build, which the API process built within BUILD_TIMEOUT_S first): no limit."""
         if self.box:
             return self.box[0]
         if deadline and self.deadline is not None and time.monotonic() >= self.deadline:
@@ -241,9 +237,12 @@ class _Build:
         return None
 
 
+def _cannot(error: str) -> str:
+    return f"cannot be followed: {error}" + " (^ and $ are taken only at its ends)" * ("anchored" in error)
+
+
 def _too_long(limit: float) -> str:
-    return (f"takes over {limit:.0f} s to index: simplify it (long or wide repetitions cost most: maxLength, "
-            f"maxItems, {{m,n}} counts)")
+    return f"takes over {limit:.0f} s to index: simplify it (long or wide repetitions cost most: maxLength, {{m,n}})"
 
 
 class GrammarState:

@@ -27,9 +27,13 @@ _IDLE: list[subprocess.Popen] = []
 _LOCK = threading.Lock()
 
 
+class WorkerDied(RuntimeError):
+    """The worker died mid-build (killed by hand or by the OOM killer): not the expression's fault (not kept)."""
+
+
 def build(regex: str, vocab, limit: float | None):
-    """outlines_core.Index(regex, vocab) built in a worker: the Index; a string (outlines-core's error, or the worker
-    died); None when not done within `limit` seconds (None: no limit), the worker then killed."""
+    """outlines_core.Index(regex, vocab) built in a worker: the Index; a string (outlines-core's error); None when not
+    done within `limit` seconds (None: no limit), the worker then killed. Raises WorkerDied."""
     with _LOCK:
         proc = _IDLE.pop() if _IDLE else None
     if proc is not None and proc.poll() is not None:     # (one that died while idle: killed by hand, say)
@@ -46,7 +50,7 @@ def build(regex: str, vocab, limit: float | None):
         kind, value = _read(proc.stdout)
     except (OSError, EOFError, pickle.UnpicklingError) as e:
         _stop(proc)
-        return f"the index builder process died ({type(e).__name__}; exit code {proc.returncode})"
+        raise WorkerDied(f"the index builder process died ({type(e).__name__}; exit code {proc.returncode})")
     with _LOCK:
         _IDLE.append(proc)
     return value                        # (the Index, or outlines-core's error)
@@ -92,11 +96,19 @@ def _serve() -> None:
             regex, vocab = _read(inp)
         except EOFError:
             return
-        try:
-            reply = ("index", outlines_core.Index(regex, vocab))
-        except Exception as e:
-            reply = ("error", str(e))
-        _send(out, reply)
+        box: list = []
+
+        def work():
+            try:
+                box.append(("index", outlines_core.Index(regex, vocab)))      # (it releases the GIL)
+            except Exception as e:
+                box.append(("error", str(e)))
+        worker = threading.Thread(target=work, daemon=True)
+        worker.start()
+        while worker.is_alive():        # the parent sends nothing mid-build: stdin readable is its end (it exited,
+            if select.select([inp], [], [], 0.2)[0]:       # Ctrl-C, killed): no build outlives the process it is for
+                os._exit(0)
+        _send(out, box.pop())           # (the Index is not kept while idle)
 
 
 if __name__ == "__main__":

@@ -88,8 +88,10 @@ def token_ids(tokenizer, prompt: Prompt, i: int, tokenization_kwargs: dict | Non
             return token_ids(tokenizer, ids, i, kw)                 # (vLLM: the ids win; "prompt" is only shown)
         if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
             return token_ids(tokenizer, prompt["prompt"], i, kw)
+        got = f"keys {sorted(prompt)}" if set(prompt) - {"prompt", "prompt_token_ids"} or not prompt else \
+            f"'prompt_token_ids' = {ids!r:.80}" if "prompt_token_ids" in prompt else f"'prompt' = {prompt['prompt']!r:.80}"
         raise ValueError(f"prompt {i}: a dict prompt holds 'prompt' (a string) or 'prompt_token_ids' (a list of "
-                         f"ints; with it, 'prompt' is only shown), got keys {sorted(prompt)}")
+                         f"ints; with it, 'prompt' is only shown), got {got}")
     if isinstance(prompt, str):
         rest = {k: v for k, v in kw.items() if k not in ("truncation", "max_length")}
         try:

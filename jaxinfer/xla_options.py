@@ -93,8 +93,10 @@ def use_triton_ptxas(env: dict | None = None) -> str | None:
 def set_process_flags() -> None:
     """For programs that own their process (the `jaxinfer` commands, a serving core): call before JAX starts.
     Also silences JAX's (once a process) note that the Pallas Triton backend is deprecated: it still runs through
-    JAX 0.12, and docs/kernels.md says what replaces it."""
+    JAX 0.12, and docs/kernels.md says what replaces it; and transformers' advice, printed on import where torch is
+    not installed, that its models are unavailable (jaxinfer uses only its tokenizers)."""
     os.environ["XLA_FLAGS"] = command_buffer_flags()
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
 
 

@@ -372,6 +372,9 @@ def test_dict_prompts(tiny_dir):
     assert llm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)[0].token_ids == plain[1].token_ids
     with pytest.raises(ValueError, match=r"prompt 1: a dict prompt .* got keys \['text'\]"):
         llm.generate(["Hello", {"text": "x"}], sp, use_tqdm=False)
+    for bad, named in (({"prompt": 5}, "'prompt' = 5"), ({"prompt_token_ids": "abc"}, "'prompt_token_ids' = 'abc'")):
+        with pytest.raises(ValueError, match=f"prompt 0: a dict prompt .* got {named}"):
+            llm.generate(bad, sp, use_tqdm=False)
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 

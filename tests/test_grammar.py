@@ -258,6 +258,57 @@ def test_a_dead_idle_worker_is_replaced(llm):
     assert regex.fullmatch("[g-i]{2}!", out.outputs[0].text)
 
 
+def test_a_worker_that_died_mid_build_is_built_again(llm, monkeypatch):
+    """A build whose worker died (the OOM killer, say) refuses its request but is not kept: the next one builds."""
+    from jaxinfer import index_worker
+    real, calls = index_worker.build, []
+
+    def dies_once(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise index_worker.WorkerDied("the index builder process died (EOFError; exit code -9)")
+        return real(*args)
+    monkeypatch.setattr(index_worker, "build", dies_once)
+    sp = SamplingParams(max_tokens=6, structured_outputs={"regex": "[j-l]{2}!"})
+    with pytest.raises(ValueError, match="process died"):
+        llm.generate(PROMPTS[0], sp, use_tqdm=False)
+    assert regex.fullmatch("[j-l]{2}!", llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0].text)
+
+
+def test_no_build_outlives_its_process(tmp_path):
+    """A worker building when the process it builds for dies (killed, Ctrl-C) exits too: it sees its stdin end."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    script = ("import outlines_core as oc; from jaxinfer import index_worker\n"
+              "index_worker.build('.{20000}', oc.Vocabulary(9, {b'a': [1], b'b': [2]}), None)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        for _ in range(300):
+            kids = open(f"/proc/{parent.pid}/task/{parent.pid}/children").read().split()
+            if kids:
+                break
+            time.sleep(0.05)
+        worker = int(kids[0])
+        time.sleep(0.5)                               # (building)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        for _ in range(100):
+            try:
+                if open(f"/proc/{worker}/stat").read().split()[2] == "Z":
+                    break
+            except FileNotFoundError:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(worker, signal.SIGKILL)
+            raise AssertionError("the index worker outlived its process")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
 def test_anchors_and_byte_choices(llm):
     """A regex's leading ^ and trailing $ are dropped (the whole output matches anyway; xgrammar's rule), an escaped
     last $ kept; choices split over byte tokens take the regex path."""
@@ -278,6 +329,7 @@ def test_background_index_builds(llm, monkeypatch):
     schema = {"type": "string", "maxLength": 10}
     monkeypatch.setattr(grammar, "BUILD_TIMEOUT_S", 0.0)        # (past it at once: a background build ignores it)
     eng.grammar_wait = False
+    monkeypatch.setattr(grammar, "IN_ENGINE_CORE", True)        # (the core's limit, BACKGROUND_TIMEOUT_S)
     try:
         plain = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
         eng.step()

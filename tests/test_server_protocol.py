@@ -394,3 +394,17 @@ def test_https_with_vllms_ssl_flags(tiny_dir, tmp_path):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_a_drain_ends_the_wait_for_an_index():
+    """A request waiting for its json / regex index when the drain (SIGTERM) starts gets the drain's 503 (it is not
+    in the engine, so the drain would not wait for it; uvicorn cancelled it after 5 s with a 500)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from jaxinfer.server import formats
+    from jaxinfer.server.errors import RequestError
+    building = SimpleNamespace(_grammar_rule=SimpleNamespace(build=SimpleNamespace(result=lambda deadline: None)))
+    with pytest.raises(RequestError) as e:
+        asyncio.run(asyncio.wait_for(formats.index_built(building, "guided_json", lambda: True), 5))
+    assert e.value.status == 503 and e.value.code == "shutting_down"

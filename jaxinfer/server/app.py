@@ -128,7 +128,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
             await off_loop(P.check_request, ids, sp, limits, param, tokenizer, formats.structured(req)[2], False) \
                 if tokenizer_work else \
                 P.check_request(ids, sp, limits, param)
-            await formats.index_built(sp, formats.structured(req)[2])    # (on the loop: the tokenizer thread goes on)
+            await formats.index_built(sp, formats.structured(req)[2], lambda: app.state.draining)    # (on the loop)
             ids_list.append(ids)
             params.append(sp)
         items = C.expand(ids_list, params, req.n or 1, stream_prompt_logprobs=stream)

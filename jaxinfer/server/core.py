@@ -82,7 +82,9 @@ def run_core(model: str, engine_kwargs: dict, in_addr: str, out_addrs: list[str]
 
 class EngineCore:
     def __init__(self, engine, in_addr: str, out_addrs: list[str], parent_pid: int):
+        from jaxinfer import grammar
         self.engine, self.parent_pid = engine, parent_pid
+        grammar.IN_ENGINE_CORE = True                           # (this process is the core's: its index limit)
         for replica in getattr(engine, "replicas", [engine]):  # json / regex indexes built beside the steps (the API
             replica.grammar_wait = False                       # process built each first: grammar.GrammarRule)
         # numpy scalars (in stats, say) as Python numbers: a message that cannot be packed must not kill the core

@@ -47,12 +47,16 @@ def structured(req) -> tuple[dict | None, dict | None, str | None]:
         getattr(req, "_structured_from", None) or given[0]        # (tools.resolve's schema: "tools")
 
 
-async def index_built(params, field: str | None) -> None:
+async def index_built(params, field: str | None, draining=lambda: False) -> None:
     """Wait, on the event loop, for the json / regex index a request's check left building (its tokenizer-thread
     work is done, so other requests' tokenization goes on meanwhile); one that cannot be built, or not within
-    grammar.BUILD_TIMEOUT_S, is a 400 naming the request's field, as the check's own errors."""
+    grammar.BUILD_TIMEOUT_S, is a 400 naming the request's field, as the check's own errors. A drain (SIGTERM)
+    that starts meanwhile makes it a 503, as a new request's (it is not in the engine yet: the drain waits for
+    no such request)."""
     rule = getattr(params, "_grammar_rule", None)
     while rule is not None and rule.build.result(True) is None:
+        if draining():
+            raise RequestError("the server is shutting down", code="shutting_down", status=503)
         await asyncio.sleep(0.005)
     if rule is not None and (why := rule.refusal()):
         raise RequestError(why, param=field or "structured_outputs")
