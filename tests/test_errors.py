@@ -407,7 +407,7 @@ def test_one_llm_serves_one_thread_at_a_time(llm):
     out = []
     t = threading.Thread(target=other, args=(out,))
     t.start(), t.join()
-    assert isinstance(out[0], RuntimeError) and "another thread" in str(out[0])
+    assert isinstance(out[0], RuntimeError) and "unfinished LLM.stream begun on another thread" in str(out[0])
     it.close()
     t = threading.Thread(target=other, args=(out,))
     t.start(), t.join()

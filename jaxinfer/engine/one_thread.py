@@ -17,6 +17,8 @@ from jaxinfer.engine.sequence import Sequence, id_mark, is_finished
 
 REFUSED = ("this LLM is generating on another thread: an LLM serves one thread at a time (give each thread its own "
            "LLM, or serve it: `python -m jaxinfer serve`)")
+STREAM_HELD = ("this LLM is held by an unfinished LLM.stream begun on another thread: iterate it to its end (from any "
+               "thread, this one too), close() it, or use `with llm.stream(...)`; an LLM serves one thread at a time")
 
 
 class _Call:
@@ -58,7 +60,9 @@ class OneThread:
         me = threading.get_ident()
         call = _Call(me)
         with self._locked():
-            if self._holders(stream) - {me}:
+            if others := self._holders(stream) - {me}:
+                if not {c.thread for c in self._calls} & others:     # (only begun streams of other threads hold it)
+                    raise RuntimeError(STREAM_HELD)
                 raise RuntimeError(REFUSED)
             self._calls.add(call)
             if stream is not None:
