@@ -1,11 +1,12 @@
-"""vLLM's structured outputs of the json, regex and json_object kinds, on outlines-core (one of vLLM's grammar
-backends; a dependency of jaxinfer, imported on first use). The kind becomes a regular expression (a JSON schema through outlines-core's `build_regex_from_schema`; json_object
-through the schema `{"type": "object"}`, whose nesting outlines-core bounds), the expression an index over the
-tokenizer's vocabulary (each token by its bytes: a token may hold part of a character), and each constrained row of a
-step gets the bitmask of the tokens allowed after its output so far, EOS ids where the expression may end. Unlike the
-choice kind's entries (structured.py), a mask cannot be packed for every token the step in flight may have drawn, so
-the packer writes the masks last, with the tokens of the step in flight, read as it ends (extras.in_flight_tokens):
-the rest of the batch is scheduled and packed while that step runs, and such rows run one step a call.
+"""vLLM's structured outputs of the json, regex and json_object kinds, on outlines-core (one of vLLM's grammar backends;
+a dependency of jaxinfer, imported on first use). The kind becomes a regular expression (a JSON schema through
+outlines-core's `build_regex_from_schema`; json_object through the schema `{"type": "object"}`, whose nesting
+outlines-core bounds), the expression an index over the tokenizer's vocabulary (each token by its bytes: a token may
+hold part of a character), and each constrained row of a step gets the bitmask of the tokens allowed after its output
+so far, EOS ids where the expression may end. Unlike the choice kind's entries (structured.py), a mask cannot be
+packed for every token the step in flight may have drawn, so the packer writes the masks last, with the tokens of the
+step in flight, read as it ends (extras.in_flight_tokens): the rest of the batch is scheduled and packed while that
+step runs, and such rows run one step a call.
 """
 from __future__ import annotations
 

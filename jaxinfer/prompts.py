@@ -88,8 +88,9 @@ def token_ids(tokenizer, prompt: Prompt, i: int, tokenization_kwargs: dict | Non
             return token_ids(tokenizer, ids, i, kw)                 # (vLLM: the ids win; "prompt" is only shown)
         if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
             return token_ids(tokenizer, prompt["prompt"], i, kw)
+        name = "prompt_token_ids" if "prompt_token_ids" in prompt else "prompt"
         got = f"keys {sorted(prompt)}" if set(prompt) - {"prompt", "prompt_token_ids"} or not prompt else \
-            f"'prompt_token_ids' = {ids!r:.80}" if "prompt_token_ids" in prompt else f"'prompt' = {prompt['prompt']!r:.80}"
+            f"'{name}' = {prompt[name]!r:.80}"
         raise ValueError(f"prompt {i}: a dict prompt holds 'prompt' (a string) or 'prompt_token_ids' (a list of "
                          f"ints; with it, 'prompt' is only shown), got {got}")
     if isinstance(prompt, str):
