@@ -64,9 +64,10 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _send(f, obj) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    f.write(_HEADER.pack(len(data)) + data)
-    f.flush()
+    body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    data = memoryview(_HEADER.pack(len(body)) + body)
+    while data:                         # (unbuffered: a write may take part of it)
+        data = data[f.write(data):]
 
 
 def _read(f):
