@@ -164,7 +164,7 @@ class AsyncLLMEngine:
             if self._streams.get(request_id, (None, None))[1] is args:
                 self._drop(request_id)
         elif kind == "abort":                     # the samples end now; the next step posts the last output
-            for seq in getattr(self._api._requests.get(request_id), "seqs", ()):
+            for seq in getattr(self._api._requests.get(self._api._key(request_id)), "seqs", ()):
                 if not is_finished(seq):
                     self._llm.engine.abort(seq)
         elif kind == "reset":

@@ -138,6 +138,7 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None, use_t
     prompt_forms.check_unsupported("LLM.beam_search", lora_request=lora_request)
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__} {params!r:.80}")
+    params.__post_init__()                          # (a field set after construction: checked too)
     if 2 * params.beam_width > MAX_LOGPROBS:
         raise ValueError(f"beam_width={params.beam_width} is too wide: each step asks for 2 * beam_width = "
                          f"{2 * params.beam_width} logprobs, and {MAX_LOGPROBS} is the most the engine returns "

@@ -26,7 +26,7 @@ from numbers import Integral
 from jaxinfer import prompts as prompt_forms
 from jaxinfer.engine.one_thread import Window, recovering
 from jaxinfer.engine.sequence import Sequence, is_finished
-from jaxinfer.output_processor import TokenTexts, logprobs_of, prompt_logprobs_of, stop_reason
+from jaxinfer.output_processor import TokenTexts, logprobs_of, metrics_of, prompt_logprobs_of, stop_reason
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 
 KINDS = {0: "CUMULATIVE", 1: "DELTA", 2: "FINAL_ONLY"}     # vLLM's RequestOutputKind values
@@ -131,10 +131,15 @@ class EngineAPI:
             else request_id                                  # (a numpy int)
         ids = [request_id] if isinstance(request_id, (str, int)) else list(request_id)
         for rid in ids:
-            req = self._requests.pop(rid, None)
+            req = self._requests.pop(self._key(rid), None)
             for seq in req.seqs if req else ():
                 if not is_finished(seq):
                     self._llm.engine.abort(seq)
+
+    def _key(self, request_id):
+        """The key a request was added under: the id itself or its other spelling (5 and "5" name one request)."""
+        return request_id if request_id in self._requests or _twin(request_id) not in self._requests \
+            else _twin(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or self._llm.engine.has_unfinished()
@@ -193,7 +198,8 @@ class EngineAPI:
         return RequestOutput(request_id=req.request_id, prompt=prompt_forms.text(req.prompt),
                              prompt_token_ids=req.prompt_ids, outputs=outs,
                              prompt_logprobs=prompt_logprobs_of(req.seqs[0], texts) if first else None,
-                             num_cached_tokens=req.seqs[0].num_cached_tokens, finished=finished)
+                             num_cached_tokens=req.seqs[0].num_cached_tokens, finished=finished,
+                             metrics=metrics_of(req.seqs[0]) if finished and req.kind != "DELTA" else {})
 
     def _completion(self, j, seq, start, text, ids, reason, req, texts) -> CompletionOutput:
         # (the cumulative logprob counts every token so far: a delta adds its rows to the running sum)

@@ -22,7 +22,7 @@ from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.generation_config import folder_eos_ids, sampling_defaults
 from jaxinfer.hub import load_weights, model_config_for
 from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, completion, eos_ids, logprobs_of,
-                                       prompt_logprobs_of, primary_eos, stop_reason, warm_up)
+                                       metrics_of, prompt_logprobs_of, primary_eos, stop_reason, warm_up)
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.prompts import Prompt, truncate
 from jaxinfer.sampling_params import SamplingParams, per_prompt
@@ -182,15 +182,10 @@ class LLM(PoolingRefused):
         outs = [completion(j, seq, texts, procs.get(seq.seq_id), self.tokenizer, self._eos)
                 for j, seq in enumerate(group)]
         seq = group[0]
-        m = {}
-        if seq.first_token_time is not None:
-            m["ttft_s"] = seq.first_token_time - seq.arrival_time
-            if seq.num_output_tokens > 1:
-                m["tpot_s"] = (seq.token_times[-1] - seq.first_token_time) / (seq.num_output_tokens - 1)
         return RequestOutput(request_id=i, prompt=prompt_forms.text(prompt),
                              prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], outputs=outs,
                              prompt_logprobs=prompt_logprobs_of(seq, texts),
-                             num_cached_tokens=seq.num_cached_tokens, metrics=m)
+                             num_cached_tokens=seq.num_cached_tokens, metrics=metrics_of(seq))
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget the cached KV of prompts (vLLM's): the next identical prompt is computed again. False, as vLLM's,

@@ -237,6 +237,16 @@ def prompt_logprobs_of(seq, texts: TokenTexts):
                         texts if seq.params.detokenize else None, [])
 
 
+def metrics_of(seq) -> dict:
+    """A request's timings from its first sample: ttft_s once a token came, tpot_s once two did."""
+    m = {}
+    if seq.first_token_time is not None:
+        m["ttft_s"] = seq.first_token_time - seq.arrival_time
+        if seq.num_output_tokens > 1:
+            m["tpot_s"] = (seq.token_times[-1] - seq.first_token_time) / (seq.num_output_tokens - 1)
+    return m
+
+
 def warm_up(tokenizer) -> None:
     """A text prompt's encoding, a stop-string detokenizer and a decode, run once (LLM() after its warm-up), so that
     nothing lazy is left for the first request; nothing without a tokenizer (skip_tokenizer_init=True)."""

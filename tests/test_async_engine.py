@@ -75,6 +75,10 @@ def test_leaving_early_abort_and_bad_input(tiny_dir):
                                                                               output_kind=1), "ab"))
         await asyncio.sleep(0)                           # (its request is queued: the abort comes after it)
         await engine.abort("ab")
+        twin = asyncio.create_task(_collect(engine, [1, 2], SamplingParams(max_tokens=120, ignore_eos=True), 9))
+        await asyncio.sleep(0)
+        await engine.abort("9")                          # (9 and "9" name one request)
+        assert (await twin)[-1].outputs[0].finish_reason == "abort"
         outs = await task
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
         assert sum(len(o.outputs[0].token_ids) for o in outs) < 120

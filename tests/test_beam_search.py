@@ -91,6 +91,11 @@ def test_bad_calls_are_refused_and_the_engine_stays_usable(llm):
         with pytest.raises(ValueError, match=match):
             call()
     assert len(llm.beam_search([[1, 2]], BeamSearchParams(2, 2))[0].sequences) == 2
+    for field, value in [("beam_width", 0), ("max_tokens", -2), ("length_penalty", float("nan"))]:
+        params = BeamSearchParams(2, 2)
+        setattr(params, field, value)                  # (a field set after construction is checked too)
+        with pytest.raises(ValueError, match=field):
+            llm.beam_search([[1, 2]], params)
 
 
 def test_score_is_vllms():

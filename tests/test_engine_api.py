@@ -62,6 +62,8 @@ def test_delta_and_final_only(llm):
     for rid, r in zip("bc", ref[1:]):
         [out] = seen[rid]
         assert out.finished and out.outputs[0].token_ids == r.outputs[0].token_ids
+        assert out.metrics.ttft_s >= 0 and out.metrics.tpot_s >= 0       # (the final output's timings, as generate's)
+    assert all(not o.metrics for o in deltas)
     with pytest.raises(ValueError, match="output_kind"):
         llm.llm_engine.add_request("x", "hi", SamplingParams(output_kind="SOMETIMES"))
     free(llm)
@@ -77,7 +79,9 @@ def test_abort_bad_requests_and_passthrough(llm):
     eng.add_request(12, [3, 4], long)
     with pytest.raises(ValueError, match="request_id '12' is already in the engine"):     # 12 and "12": one id
         eng.add_request("12", "again", long)
-    eng.abort_request(12)
+    eng.add_request("7", [3, 4], long)
+    eng.abort_request(["12", 7])                       # (aborted by the other spelling of their ids too)
+    assert eng.get_num_unfinished_requests() == 2
     with pytest.raises(ValueError, match="one prompt"):
         eng.add_request("many", ["a", "b"], long)
     with pytest.raises(ValueError, match="request_id"):
