@@ -489,17 +489,22 @@ def test_stop_string_cuts_text_and_aborts_in_the_core(url, client, stream):
     stop = full[6:8]
     expected = full[:full.find(stop)]
     for attempt in range(3):      # on a loaded machine (CI) the core may finish the ~90 tokens before the abort lands
-        before, counted = wait_idle(url)["api_aborts"], _generation_tokens(url)
+        idle = wait_idle(url)
+        before, counted = idle["api_aborts"], _generation_tokens(url)
         if stream:
-            chunks = list(client.completions.create(**kw, stop=[stop], stream=True))
-            text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
-            stop_reason = chunks[-1].choices[0].model_extra["stop_reason"]
+            chunks = list(client.completions.create(**kw, stop=[stop], stream=True,
+                                                    stream_options={"include_usage": True}))
+            text, reason = "".join(c.choices[0].text for c in chunks[:-1]), chunks[-2].choices[0].finish_reason
+            stop_reason, usage = chunks[-2].choices[0].model_extra["stop_reason"], chunks[-1].usage
         else:
-            out = client.completions.create(**kw, stop=[stop]).choices[0]
+            resp = client.completions.create(**kw, stop=[stop])
+            out, usage = resp.choices[0], resp.usage
             text, reason, stop_reason = out.text, out.finish_reason, out.model_extra["stop_reason"]
         assert (text, reason, stop_reason) == (expected, "stop", stop)     # vLLM's stop_reason: the matched string
         st = wait_idle(url)
         assert st["kv_blocks_free"] == st["kv_blocks_total"]
+        if st["api_aborts"] == before + 1:       # the tokens the core ran past the stop are not counted (as LLM's)
+            assert st["generated_tokens"] - idle["generated_tokens"] == usage.completion_tokens
         if st["api_aborts"] == before + 1:
             break
     assert st["api_aborts"] == before + 1, "the stop string did not end the request in the core (3 tries)"

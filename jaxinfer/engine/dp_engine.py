@@ -131,9 +131,9 @@ class DPEngine:
     def owner(self, seq: Sequence) -> LLMEngine:
         return self._owner[seq.seq_id]
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: Sequence, drop: int = 0) -> None:
         if seq.seq_id in self._owner:
-            self._owner.pop(seq.seq_id).abort(seq)
+            self._owner.pop(seq.seq_id).abort(seq, drop)
 
     def has_unfinished(self) -> bool:
         return any(r.has_unfinished() for r in self.replicas)

@@ -137,8 +137,10 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def abort(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq, "abort")
+    def abort(self, seq: Sequence, drop: int = 0) -> None:
+        """drop: output tokens read back after a stop string's match (the server's API process found it), not
+        counted as generated (Scheduler.finish)."""
+        self.scheduler.finish(seq, "abort", drop)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

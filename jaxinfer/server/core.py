@@ -148,8 +148,10 @@ class EngineCore:
             seq_id = self.by_rid.pop(cmd[1], None)
             if seq_id is not None:
                 seq = self.live.pop(seq_id)[1]
-                self.engine.abort(seq)
-                if len(cmd) > 2:                 # a stop string ended it: a finished request for the histograms
+                # a stop string ended it (kept: the tokens up to the match): the tokens read past it are not
+                # counted as generated (as LLM.generate's), and the request is finished for the histograms
+                self.engine.abort(seq, max(0, seq.num_output_tokens - cmd[2]) if len(cmd) > 2 else 0)
+                if len(cmd) > 2:
                     self.times.add(seq, num_output=cmd[2])
         elif kind == "stats":
             from jaxinfer.engine.dp_engine import sized_stats
