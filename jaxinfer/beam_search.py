@@ -155,18 +155,20 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None, use_t
         group = ids[start:start + width]
         limits = [min(llm.config.max_model_len, len(p) + params.max_tokens) for p in group]
         run = search(group, params.beam_width, limits, llm._eos[0], params.ignore_eos, params.length_penalty)
-        bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm or None)
+        bar = tqdm(total=params.max_tokens, desc="Beam search", disable=None) if use_tqdm else None   # (off: none)
         try:
             todo = next(run)
             while True:
                 outs = llm.generate([{"prompt_token_ids": t} for t in todo], step, use_tqdm=False)
-                bar.update(1)
+                if bar is not None:
+                    bar.update(1)
                 found = [o.outputs[0].logprobs[0] for o in outs]         # ({token: Logprob} a beam)
                 todo = run.send([[(t, lp.logprob, d) for t, lp in d.items()] for d in found])
         except StopIteration as end:
             results += end.value
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
     texts = TokenTexts(llm.tokenizer)
     for best in results:
         for b in best:

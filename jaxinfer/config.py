@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from jaxinfer.model.rope import flag, hf_rope_scaling, number, rope_fields, with_overrides
+from jaxinfer.model.supported import check_supported
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32", "bf16": "bfloat16",
            "fp16": "float16", "half": "float16", "float": "float32"}
@@ -22,7 +23,8 @@ def canonical_dtype(name: str, stored: bool = False) -> str:
     key = str(name).replace("torch.", "").lower()
     key = "float32" if stored and key in ("float64", "double", "fp64") else key
     if key not in _DTYPES:
-        raise ValueError(f"dtype={name!r} is not supported; use one of 'float32', 'bfloat16', 'float16'")
+        what, auto = ("the checkpoint's dtype", "") if stored else ("dtype", "'auto', ")
+        raise ValueError(f"{what}={name!r} is not supported: use one of {auto}'float32', 'bfloat16', 'float16'")
     return _DTYPES[key]
 
 
@@ -77,14 +79,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict, name: str = "qwen3") -> "ModelConfig":
-        model_type, arch = d.get("model_type"), d.get("architectures") or ["Qwen3ForCausalLM"]   # (absent: fine)
-        if model_type != "qwen3" or "Qwen3ForCausalLM" not in arch:
-            raise ValueError(f"model_type={model_type!r} architectures={arch!r} is not supported: jaxinfer runs "
-                             f"Qwen3 dense causal LMs (model_type 'qwen3', Qwen3ForCausalLM)")
-        for key, ok, why in (("attention_bias", False, " (Qwen3 checkpoints have none)"),
-                             ("use_sliding_window", False, ""), ("hidden_act", "silu", ": Qwen3's MLP is SwiGLU")):
-            if d.get(key, ok) not in (ok, None):
-                raise ValueError(f"{key}={d[key]!r} is not supported{why}")
+        check_supported(d)
         d = {**QWEN3_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}       # (rope_fields reads them too)
         heads, seq = d["num_attention_heads"], lambda v: v if isinstance(v, (list, tuple)) else [v]
         eos = tuple(dict.fromkeys(number({"eos_token_id": t}, "eos_token_id", 0, int)

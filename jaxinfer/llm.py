@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Iterator
+from contextlib import nullcontext
+from types import SimpleNamespace
 from typing import Sequence as Seq
 
 import jax
@@ -137,7 +139,9 @@ class LLM(PoolingRefused):
         with recovering(self.engine, seqs, mine):   # (an exception: nothing stays queued, no block is lost)
             groups = self._add(reqs, mine)
             seqs.extend(s for g in groups for s in g)   # (not an inlined list comprehension: test_interrupts)
-            make = use_tqdm if callable(use_tqdm) else lambda **kw: tqdm(**kw, disable=not use_tqdm or None)
+            # (no tqdm at all when off: making one fixes multiprocessing's start method and starts a monitor thread)
+            make = use_tqdm if callable(use_tqdm) else lambda **kw: tqdm(**kw, disable=None) if use_tqdm else \
+                nullcontext(SimpleNamespace(update=lambda n=1: None))
             with make(total=len(seqs), desc="Generating") as bar:
                 for _, seq in self._one_thread.run(self.engine, seqs):     # per token: keep it lean
                     if seq.params.stop:             # only these are detokenized as they run (the rest at the end)

@@ -60,8 +60,11 @@ class NoTokenizer:
     chat_template = None
     skipped = True
 
+    def __init__(self, why: str = "skip_tokenizer_init=True"):
+        self.why = why             # what the error messages blame: the option, or a folder without tokenizer files
+
     def encode(self, text: str, **kwargs) -> list[int]:
-        raise ValueError(needs_tokenizer("a text prompt"))
+        raise ValueError(needs_tokenizer("a text prompt", self.why))
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return ""
@@ -70,11 +73,11 @@ class NoTokenizer:
         return ["" for _ in ids]
 
     def apply_chat_template(self, *args, **kwargs):
-        raise ValueError(needs_tokenizer("chat"))
+        raise ValueError(needs_tokenizer("chat", self.why))
 
 
-def needs_tokenizer(what: str) -> str:
-    return f"{what} needs a tokenizer, and this LLM has none (skip_tokenizer_init=True): give prompts as token ids"
+def needs_tokenizer(what: str, why: str = "skip_tokenizer_init=True") -> str:
+    return f"{what} needs a tokenizer, and this LLM has none ({why}): give prompts as token ids"
 
 
 def check_text_fields(tokenizer, params, error=ValueError) -> None:
@@ -82,7 +85,8 @@ def check_text_fields(tokenizer, params, error=ValueError) -> None:
     if getattr(tokenizer, "skipped", False):
         for name in ("stop", "bad_words", "structured_outputs"):
             if getattr(params, name, None):
-                raise error(needs_tokenizer(f"{name}={getattr(params, name)!r:.60}"))
+                raise error(needs_tokenizer(f"{name}={getattr(params, name)!r:.60}", getattr(tokenizer, "why",
+                                                                                          "skip_tokenizer_init=True")))
 
 
 def usable(tokenizer):
@@ -136,7 +140,7 @@ def load_tokenizer(path: "str | NoTokenizer | None", missing_ok: bool = False):
             warnings.warn(f"no tokenizer files in {path!r}: running without a tokenizer, as vLLM's "
                           f"skip_tokenizer_init=True (token-id prompts, outputs without text); give tokenizer=FOLDER "
                           f"for text", stacklevel=3)
-            return NoTokenizer()
+            return NoTokenizer(f"no tokenizer files in {path!r}; give tokenizer=FOLDER for text")
         raise FileNotFoundError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {path!r}: give "
                                 f"tokenizer=FOLDER (--tokenizer FOLDER); LLM() runs without one on token ids")
     cls = _direct_class(path)

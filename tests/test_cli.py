@@ -112,7 +112,7 @@ def test_serve(tiny_dir):
     assert cli.main(["serve", tiny_dir, "--max-logprobs", "5"]) == 2          # before anything loads
 
 
-def test_bad_input_is_a_clear_error(tmp_path, tiny_dir):
+def test_bad_input_is_a_clear_error(tmp_path, tiny_dir, capsys):
     r = jaxinfer("generate", str(tmp_path / "missing-dir"), *SMALL, timeout=120)
     assert r.returncode == 2 and "error:" in r.stderr and "missing-dir" in r.stderr
     import shutil                     # no tokenizer files: before the load, naming --tokenizer; an unreadable weight
@@ -131,9 +131,10 @@ def test_bad_input_is_a_clear_error(tmp_path, tiny_dir):
     assert r.returncode == 2 and "num_scheduler_steps=0" in r.stderr and "code -9" not in r.stderr, r.stderr
     assert cli.build_parser().parse_args(["serve", "--dtype", "half"]).dtype == "half"     # vLLM's dtype names
     from jaxinfer.server.__main__ import main as server_main
-    with pytest.raises(SystemExit) as e:
-        server_main(["m", "--engine", "[1]"])
-    assert e.value.code == 2
+    for bad, word in (("[1]", "JSON object"), ("{bad", "not JSON")):
+        with pytest.raises(SystemExit) as e:
+            server_main(["m", "--engine", bad])
+        assert e.value.code == 2 and word in capsys.readouterr().err
 
 
 def test_vllm_flag_forms(capsys):

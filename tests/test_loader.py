@@ -121,6 +121,9 @@ def test_missing_weights_file(ckpt):
     os.remove(os.path.join(ckpt, "model.safetensors"))
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_params(ckpt)
+    open(os.path.join(ckpt, "pytorch_model.bin"), "wb").close()        # (vLLM reads these; the message says why not)
+    with pytest.raises(FileNotFoundError, match="found pytorch_model.bin: jaxinfer reads safetensors only"):
+        load_params(ckpt)
 
 
 def test_missing_shard(tmp_path):

@@ -58,6 +58,21 @@ def test_config_refuses_other_models_and_rope_kinds():
         ModelConfig.from_dict(_base(num_key_value_heads=3))
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
         ModelConfig.from_dict(_base(hidden_act="gelu"))
+    with pytest.raises(ValueError, match="quant_method='awq'.* not supported"):      # (not "lacks tensor ...")
+        ModelConfig.from_dict(_base(quantization_config={"quant_method": "awq", "bits": 4}))
+    kv_only = {"quant_method": "compressed-tensors", "config_groups": {}, "kv_cache_scheme": {"num_bits": 8}}
+    assert ModelConfig.from_dict(_base(quantization_config=kv_only)).vocab_size == 10    # (weights plain: runs)
+    with pytest.raises(ValueError, match="quant_method='compressed-tensors'"):
+        ModelConfig.from_dict(_base(quantization_config={**kv_only, "config_groups": {"group_0": {"targets": ["Linear"]}}}))
+    # transformers' Qwen3 slides layers from max_window_layers on (or those layer_types names): none here, so it runs
+    sliding = dict(use_sliding_window=True, sliding_window=8, num_hidden_layers=2)
+    assert ModelConfig.from_dict(_base(**sliding, max_window_layers=2)).num_hidden_layers == 2
+    assert ModelConfig.from_dict(_base(**sliding)).num_hidden_layers == 2          # (Qwen3Config's default: 28)
+    for extra in (dict(max_window_layers=1), dict(layer_types=["full_attention", "sliding_attention"])):
+        with pytest.raises(ValueError, match=r"sliding-window attention .* layers \[1\]"):
+            ModelConfig.from_dict(_base(**sliding, **extra))
+    with pytest.raises(ValueError, match="the checkpoint's dtype='int8'"):
+        ModelConfig.from_dict(_base(torch_dtype="int8"))
     # fields config.json leaves out take transformers' Qwen3Config defaults (so vLLM's), not hidden / heads
     c = ModelConfig.from_dict({k: v for k, v in _base(hidden_act="silu").items() if k != "head_dim"})
     assert (c.head_dim, c.max_position_embeddings) == (128, 32768)

@@ -196,6 +196,28 @@ def test_port_in_use_fails_before_loading(tiny_dir):
         assert time.time() - t < 5, "the port must be checked before the model loads"
 
 
+def test_serve_from_python_tells_the_port_it_took(tiny_dir, jax_cache):
+    """serve(port=0) from a script without logging set up: the address line still reaches stderr."""
+    code = f"from jaxinfer.server import serve; serve({tiny_dir!r}, {ENGINE!r}, port=0)"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **jax_cache, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "API server on http://127.0.0.1:" in line:
+                break
+        assert lines and " on http" in lines[-1], lines
+        url = lines[-1].split(" on ")[1].split()[0]
+        assert httpx.get(url + "/health", timeout=10).status_code == 200, lines
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 def test_load_error_is_raised_before_serving(tiny_dir):
     with pytest.raises(ValueError, match="max_num_seqs"):
         CoreProcess(tiny_dir, {**ENGINE, "max_num_seqs": -1}).wait_ready()

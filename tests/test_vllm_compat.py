@@ -360,7 +360,10 @@ def test_skip_tokenizer_init(tiny_dir, tmp_path):
     for name in ("config.json", "model.safetensors"):
         shutil.copy(os.path.join(tiny_dir, name), bare / name)
     with pytest.warns(UserWarning, match="skip_tokenizer_init=True"):     # (without it: the same, and a warning)
-        assert LLM(str(bare), **TINY_ENGINE).generate([[5, 7]], use_tqdm=False)[0].outputs[0].text == ""
+        quiet = LLM(str(bare), **TINY_ENGINE)
+    assert quiet.generate([[5, 7]], use_tqdm=False)[0].outputs[0].text == ""
+    with pytest.raises(ValueError, match="no tokenizer files in .*no_tokenizer.*tokenizer=FOLDER"):   # (the cause)
+        quiet.generate(["Hello"])
     llm = LLM(str(bare), skip_tokenizer_init=True, **TINY_ENGINE)
     model, eos = hf_model(str(bare)), llm.model_config.eos_token_id[0]
     outs = llm.generate([[5, 7, 9, 11], TokensPrompt(prompt_token_ids=[100, 200])],

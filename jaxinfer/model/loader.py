@@ -113,7 +113,11 @@ def _open_checkpoint(path: str) -> dict[str, SafetensorsFile]:
         return {t: files[f] for t, f in weight_map.items()}
     paths = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not paths:
-        raise FileNotFoundError(f"no *.safetensors weights in {path!r}")
+        other = sorted(os.path.basename(p) for e in ("*.bin", "*.pt", "*.pth", "*.gguf")
+                       for p in glob.glob(os.path.join(path, e)))
+        raise FileNotFoundError(f"no *.safetensors weights in {path!r}" + (
+            f" (found {', '.join(other[:3])}: jaxinfer reads safetensors only; convert them, e.g. with transformers' "
+            f"from_pretrained(...).save_pretrained(dir))" if other else ""))
     table = {}
     for p in paths:
         st = SafetensorsFile(p)

@@ -5,7 +5,7 @@ import json
 import logging
 import sys
 
-from jaxinfer.cli_types import port
+from jaxinfer.cli_types import json_object, port
 from jaxinfer.server.launch import serve
 from jaxinfer.server.options import add_server_args, server_options
 
@@ -13,7 +13,7 @@ from jaxinfer.server.options import add_server_args, server_options
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxinfer.server", description=__doc__)
     ap.add_argument("model", help="checkpoint directory, preset name or Hugging Face hub id")
-    ap.add_argument("--engine", type=json.loads, default={},
+    ap.add_argument("--engine", type=json_object, default={},
                     help='engine options as a JSON object, e.g. \'{"max_num_seqs": 64}\'')
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=port, default=8000)

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 
@@ -52,9 +53,13 @@ def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1"
                 signal.signal(signal.SIGTERM, lambda sig, frame: pending.append(sig))
             where = f"[{host}]" if ":" in host else host
             sock.listen(2048)               # before the line: a client that waits for it is queued, not refused
-            log.info("jaxinfer API server on http%s://%s:%d (model %s)", "s" * bool(options and options.ssl_certfile),
-                     where, sock.getsockname()[1],
-                     name if isinstance(name, str) else ", ".join(name))
+            line = "jaxinfer API server on http%s://%s:%d (model %s)" % (
+                "s" * bool(options and options.ssl_certfile), where, sock.getsockname()[1],
+                name if isinstance(name, str) else ", ".join(name))
+            if log.isEnabledFor(logging.INFO) and log.hasHandlers():
+                log.info(line)
+            else:           # serve() from Python without logging set up: the port (port=0) must still be told
+                print(line, file=sys.stderr, flush=True)
             if api_server_count == 1:
                 return run_api(core.info, name, host, port, log_level, alive=core.alive, sock=sock,
                                tokenizer=tokenizer, options=options, pending=pending)
