@@ -105,6 +105,8 @@ def _full_vocab(logits, V: int, mesh):
     if tp_size(mesh) > 1:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
+        # (split first: else XLA may gather a tied embedding [V, E] to every device instead of the logits)
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P(None, "tp")))
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
     return logits[:, :V]
 

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.layers import decode_matmul
 from jaxinfer.model.qwen3 import compute_logits, forward, tp_size
-from jaxinfer.sampling import sample, sample_sharded
+from jaxinfer.parallel.sample import sample_sharded
+from jaxinfer.sampling import sample
 from jaxinfer.step import aligned, batch_layout, step_attention, unpack
 
 STOP_IDS = 4          # stop ids per row carried on the device; a row with more runs one step per call

@@ -24,10 +24,7 @@ import hashlib
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from jaxinfer.parallel import shard_map
 from jaxinfer.sampling_params import TOP_K_CANDIDATES
 
 _NEG = -1e30
@@ -118,7 +115,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: 
         return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
     n = min(candidates, scaled.shape[-1])
     few = (top_k > 0) & (top_k <= candidates)              # rows whose draw lies among their top n candidates
-    draw = functools.partial(_draw, top_k=top_k, top_p=top_p, min_p=min_p, sampled_row=sampled_row, seeds=seeds,
+    draw = functools.partial(draw_among, top_k=top_k, top_p=top_p, min_p=min_p, sampled_row=sampled_row, seeds=seeds,
                              counters=counters)
     if filtered == "top_k_only":       # every row is greedy or has such a top_k: no plain draw at all (a greedy
         return draw(*top_n_of(scaled, n, CANDIDATE_CHUNK))    # row's argmax is its first candidate, lowest id first)
@@ -137,7 +134,7 @@ def _draw_by_threshold(scaled, top_k, top_p, min_p, sampled_row, seeds, counters
     """The filtered draw over whole rows with the values sorted alone, not with their ids (CUB's radix sort of
     keys alone moves half the bytes). `_keep_sorted` gives the kept prefix's length J and its last value tau; the
     row then draws in its own order among the tokens above tau and, of those equal to tau, the lowest ids up to
-    J: the tokens a stable sort's prefix holds, and picks as `_draw` does over the sorted row with ids (the largest
+    J: the tokens a stable sort's prefix holds, and picks as `draw_among` does over the sorted row with ids (the largest
     logit + noise; of equal ones the larger logit, then the lower id), so both give the same token."""
     values = from_descending_key(jax.lax.sort(descending_key(scaled), dimension=-1))
     J = jnp.sum(_keep_sorted(values, top_k, top_p, min_p), axis=-1, keepdims=True)      # [B, 1], >= 1
@@ -180,42 +177,13 @@ def from_descending_key(k):
     return jax.lax.bitcast_convert_type(jnp.where(k >> 31 == 0, k ^ jnp.uint32(0x7FFFFFFF), k), jnp.float32)
 
 
-def _draw(values, ids, top_k, top_p, min_p, sampled_row, seeds, counters):
+def draw_among(values, ids, top_k, top_p, min_p, sampled_row, seeds, counters):
     """The token drawn from descending scaled logits `values` [B, N] (token `ids` [B, N]), filtered."""
     masked = _filter_sorted(values, top_k, top_p, min_p)        # a greedy row keeps its top entry
     noise = jnp.where(sampled_row, gumbel_at(seeds, counters, ids), 0.0)
     pick = jnp.argmax(masked + noise, axis=-1)
     return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
-
-def sample_sharded(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered: bool | str, mesh,
-                   vocab_size: int, plain=None):
-    """`sample` for logits [B, V'] split by vocabulary over the mesh axis "tp" (V' >= vocab_size, padding -inf).
-
-    Each device takes argmax(logits / T + gumbel) over its own shard, with the noise of the global token ids
-    it holds; then the [tp, B] (max, id) pairs are all-gathered and the first largest wins: the same token
-    as `sample` on the whole row (argmax returns the first maximum, and shards are in vocabulary order).
-    The filtered variants (top-k / top-p / min-p) gather [B, V] first."""
-    if filtered:
-        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))[:, :vocab_size]
-        return sample(logits, temperature, top_k, top_p, min_p, seeds, counters, filtered, plain=plain)
-
-    def local(lg, temperature, seeds, counters):                    # lg [B, V'/tp]
-        n = lg.shape[-1]
-        start = jax.lax.axis_index("tp") * n
-        sampled_row = (temperature > 0)[:, None]
-        scaled = lg / jnp.where(sampled_row, temperature[:, None], 1.0)
-        z = scaled + jnp.where(sampled_row, gumbel_noise(seeds, counters, n, start), 0.0)
-        best = jnp.argmax(z, axis=-1)                                            # [B]
-        # one collective for both: ids ride as fp32 (exact below 2^24, and vocabularies are far smaller)
-        mine = jnp.stack([jnp.max(z, axis=-1), (best + start).astype(jnp.float32)])  # [2, B]
-        peaks, ids = jnp.moveaxis(jax.lax.all_gather(mine, "tp"), 1, 0)          # [tp, B] each
-        shard = jnp.argmax(peaks, axis=0)                                        # first shard with the maximum
-        return jnp.take_along_axis(ids, shard[None, :], axis=0)[0].astype(jnp.int32)
-    return shard_map(local, mesh, (P(None, "tp"), P(), P(), P()), P())(logits, temperature, seeds, counters)
-
-
-# -- penalties and logprobs (the step's "extras" variant: step.py; only batches that ask for them pay) -----
 
 def apply_penalties(logits, prompt_seen, output_counts, repetition, frequency, presence):
     """vLLM's penalties on logits [B, V] fp32, before temperature: repetition over prompt + output tokens

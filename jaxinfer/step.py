@@ -19,7 +19,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model.attention import paged_attention_layer
 from jaxinfer.model.layers import decode_matmul
 from jaxinfer.model.qwen3 import compute_logits, forward, tp_size
-from jaxinfer.sampling import sample, sample_sharded
+from jaxinfer.parallel.sample import sample_sharded
+from jaxinfer.sampling import sample
 from jaxinfer.sampling_params import TOP_K_CANDIDATES
 
 _INT_FIELDS = ("token_ids", "positions", "slot_mapping", "prev_row")           # [T]

@@ -67,7 +67,7 @@ def test_pallas_interpret_tp2_equals_transformers(ckpts, prompts):
 
 
 def test_top_k_only_step_tp2_equals_tp1_resample(ckpts, prompts, monkeypatch):
-    """The large decode buckets' "top_k_only" step (here every bucket's) at tp=2 draws on the gathered logits:
+    """The large decode buckets' "top_k_only" step (here every bucket's) at tp=2 draws on gathered candidates:
     Qwen3-style seeded rows beside a greedy one get tp=1's tokens from the step + resample path."""
     from jaxinfer.engine import runner as runner_mod
     sp = [SamplingParams(temperature=t, top_k=20, top_p=0.95, seed=s, max_tokens=6, ignore_eos=True)
@@ -214,6 +214,24 @@ def test_step_collectives_are_small(tp2):
     assert len(re.findall(r"all-reduce(?:-start)?\(", hlo)) == 2 * L + 1
     gathers = re.findall(r"(\S+) all-gather(?:-start)?\(", hlo)
     assert len(gathers) == 1 and "[2,2,8]" in gathers[0], gathers
+
+
+def test_filtered_draws_gather_no_weights(ckpts, prompts):
+    """A tied model at tp=2: Qwen3's top_k / top_p draw gathers each shard's top candidates, not [B, V]; the extras
+    step (logprobs) gathers at most the [B, V] logits: no program gathers the vocabulary-split [V, E] embedding
+    (XLA would rather replicate the tied weight than the logits, unless told)."""
+    llm = LLM(ckpts["mha_tied"], tensor_parallel_size=2, num_scheduler_steps=1, **BASE)
+    tp1 = run(LLM(ckpts["mha_tied"], num_scheduler_steps=1, **BASE), prompts, seeded(True))
+    assert run(llm, prompts, seeded(True)) == tp1
+    run(llm, prompts, SamplingParams(temperature=0.6, max_tokens=3, seed=1, logprobs=1))
+    V, E = llm.model_config.vocab_size, llm.model_config.hidden_size
+    programs = [*llm.engine.runner.compiled.items(), *llm.engine.extras.compiled.items()]
+    assert any(k[0] == "resample" for k, _ in programs)
+    for key, exe in programs:
+        for shape in re.findall(r"\S+\[([\d,]+)\]\S* all-gather(?:-start)?\(", exe.as_text()):
+            dims = [int(d) for d in shape.split(",")]
+            assert E not in dims or max(dims) < V, (key, shape)                   # never the embedding
+            assert key[0] != "resample" or max(dims) < V, (key, shape)            # candidates, not logits
 
 
 def test_data_parallel_equals_one_replica(ckpts, tp1, prompts):
@@ -414,7 +432,7 @@ def test_replicas_load_replica_zeros_compiled_steps(ckpts, tp1, prompts, monkeyp
 @pytest.mark.parametrize("kw, words", [
     (dict(tensor_parallel_size=0), ["tensor_parallel_size=0"]),
     (dict(data_parallel_size=-1), ["data_parallel_size=-1"]),
-    (dict(tensor_parallel_size=4, data_parallel_size=4), ["16", "8"]),
+    (dict(tensor_parallel_size=4, data_parallel_size=4), ["16", "8 are available (cpu); on a CPU, XLA_FLAGS="]),
     (dict(tensor_parallel_size=3), ["tensor_parallel_size=3", "num_attention_heads=4"]),
     (dict(tensor_parallel_size=8), ["tensor_parallel_size=8", "num_attention_heads=4"]),
 ])

@@ -5,7 +5,8 @@ with axis "tp". Weights are split as `layout.py` says (heads for qkv / gate_up, 
 down_proj, vocabulary for the embedding and LM head); XLA inserts one all-reduce after o_proj and one after
 down_proj. The KV cache is split by kv head (replicated when tp > num_key_value_heads). The packed batch is
 replicated: still one host->device transfer per step. Sampling reduces each device's vocabulary shard to
-(max, argmax) per row, then all-gathers those [tp, B] pairs: [B, V] logits are never gathered.
+(max, argmax) per row, then all-gathers those [tp, B] pairs; a small top_k gathers each shard's top candidates. Only the
+sorted filters (top-p / min-p alone) and the extras variant (logprobs, penalties, logit edits) gather [B, V] logits.
 
 Data parallelism (`data_parallel_size` = dp): dp independent engine replicas on disjoint devices in one
 process (engine/dp_engine.py); each may itself be tensor-parallel. Replica 0 compiles the steps; the others

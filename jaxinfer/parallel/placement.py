@@ -37,8 +37,11 @@ def make_placements(tensor_parallel_size: int = 1, data_parallel_size: int = 1, 
         devices = [default]
     devices = list(devices if devices is not None else available_devices())
     if tp * dp > len(devices):
+        n, platform = len(devices), devices[0].platform
+        hint = ("; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N set before JAX starts gives N devices"
+                if platform == "cpu" else "")
         raise ValueError(f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {tp * dp} devices but only "
-                         f"{len(devices)} are available ({devices[0].platform})")
+                         f"{n} {'is' if n == 1 else 'are'} available ({platform}){hint}")
     placements = [Placement(Mesh(np.array(devices[r * tp:(r + 1) * tp]), ("tp",))) for r in range(dp)]
     for r, p in enumerate(placements if jax.process_count() > 1 else []):
         hosts = sorted({d.process_index for d in p.devices})
