@@ -174,8 +174,8 @@ class EngineConfig:
         "640, 768, 1024, 1536, 2048, 8192: mean tokens a row of its flat tables; other backends: context_buckets)")
     seed: int | None = _opt(0, "engine seed: draws the seeds of requests that give none")
     async_scheduling: bool = _opt(True, "schedule step N+1 while step N runs (sampled ids stay on the device)")
-    num_scheduler_steps: int | None = _opt(None, "decode steps per device call for small batches (default: the "
-                                                 "engine picks 4 or 16 when nothing waits, xla 16; 1: one step)")
+    num_scheduler_steps: int | None = _opt(None, "decode steps per device call (default: the engine picks 4 or 16 "
+                                                 "for small batches when nothing waits, xla 16; 1: one step)")
     warmup: bool | None = _opt(None, "compile every step bucket at start-up (GPU: yes; CPU: no, compile lazily)")
     tensor_parallel_size: int = _opt(1, "devices each replica's weights and KV cache are split over (tensor "
                                         "parallelism; must divide the attention heads)", aliases=("-tp",))
@@ -236,8 +236,8 @@ class EngineConfig:
         if self.attn_backend in GPU_ONLY_BACKENDS:
             what = GPU_ONLY_BACKENDS[self.attn_backend]
             if platform != "gpu":
-                raise ValueError(f"attn_backend={self.attn_backend!r} needs a CUDA GPU ({what} has no CPU or "
-                                 f"interpret mode); JAX's platform here is {platform!r}: use 'xla' or 'pallas'")
+                raise ValueError(f"attn_backend={self.attn_backend!r} needs a CUDA GPU (the engine runs {what} only "
+                                 f"on a GPU); JAX's platform here is {platform!r}: use 'xla' or 'pallas'")
             if self.kv_cache_dtype.startswith("fp8"):
                 raise ValueError(f"attn_backend={self.attn_backend!r} does not read an fp8 KV cache "
                                  f"(kv_cache_dtype={self.kv_cache_dtype!r}): use 'pallas' or 'xla' for fp8")

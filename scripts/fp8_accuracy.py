@@ -167,6 +167,9 @@ def main():
             model = demo_model_path()
         except FileNotFoundError:
             model = "qwen3-0.6b"
+    else:           # a name LLM() takes ("qwen3-pydoc", a hub id): its folder, so that heldout.txt is found
+        from jaxinfer.hub import model_config_for
+        model = model_config_for(model)[0]
     config, params, tok = load(model, dtype)
     ids = heldout_ids(tok, model, args.tokens)
     window = min(args.window, config.max_position_embeddings, len(ids))

@@ -216,6 +216,18 @@ def test_step_collectives_are_small(tp2):
     assert len(gathers) == 1 and "[2,2,8]" in gathers[0], gathers
 
 
+def test_unseeded_requests_draw_one_replicas_seeds(ckpts, prompts):
+    """Requests without a seed take their seeds from one draw sequence in submission order (the engine seed's), so
+    dp replicas sample one replica's tokens (n samples too), as tp does."""
+    sp = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True), SamplingParams(n=2, max_tokens=4)]
+    def samples(llm):
+        outs = llm.generate(prompts * 2, sp * 3, use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outs]
+    want = samples(LLM(ckpts["gqa_v509"], **BASE))
+    assert samples(LLM(ckpts["gqa_v509"], data_parallel_size=2, **BASE)) == want
+    assert samples(LLM(ckpts["gqa_v509"], data_parallel_size=3, **BASE)) == want
+
+
 def test_filtered_draws_gather_no_weights(ckpts, prompts):
     """A tied model at tp=2: Qwen3's top_k / top_p draw gathers each shard's top candidates, not [B, V]; the extras
     step (logprobs) gathers at most the [B, V] logits: no program gathers the vocabulary-split [V, E] embedding

@@ -194,6 +194,25 @@ def test_cpu_call_is_a_clear_error():
                                z((6, 16, 2, 64), jnp.bfloat16), z((2, 3), jnp.int32), z((2,), jnp.int32))
 
 
+def test_the_engine_backend_checks_the_gpu_before_loading(monkeypatch):
+    """attn_backend="mosaic" at LLM(): a GPU other than Hopper, or a head_dim its tiles do not take, is a ValueError
+    naming it before any weight loads (not a compile error in warm-up)."""
+    from types import SimpleNamespace
+
+    from pallas_kernels.mosaic import check_hopper
+    monkeypatch.setattr(_common, "available", lambda: True)
+    for cc, kind in (("8.0", "NVIDIA A100-SXM4-80GB"), ("10.0", "NVIDIA B200"), (None, "cpu")):
+        with pytest.raises(ValueError, match=f"needs a Hopper GPU .*{kind}"):
+            check_hopper(SimpleNamespace(device_kind=kind, compute_capability=cc), 128)
+    hopper = SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
+    with pytest.raises(ValueError, match="head_dim 64 or 128, got 256"):
+        check_hopper(hopper, 256)
+    check_hopper(hopper, 64)
+    monkeypatch.setattr(_common, "available", lambda: False)
+    with pytest.raises(ValueError, match="no Pallas Mosaic GPU"):
+        check_hopper(hopper, 128)
+
+
 def test_smem_estimate_matches_the_limit_mosaic_reports():
     """Qwen3's shape fits with room for 2 programs per SM at one split; the 256-wide case above does not fit."""
     assert 2 * paged_decode.smem_bytes(128, 64, 2, 1) < 228 * 1024

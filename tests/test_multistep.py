@@ -243,6 +243,16 @@ def test_xla_chunks_over_flat_tables_same_tokens(tiny_dir, reference, monkeypatc
     assert any(k[0] in ("decode", "multistep") and k[3] < 16 for k in llm.engine.runner.compiled)
 
 
+def test_an_explicit_k_runs_batches_past_the_auto_limit(tiny_dir, llms):
+    """num_scheduler_steps=K (vLLM's multi-step) overrides the engine's choice at any batch size: 12 rows (past the
+    auto policy's 8) run K-step calls, with K=1's tokens."""
+    ps = [[5 + i, 6, 7 + i] for i in range(12)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(tiny_dir, **{**BASE, "max_num_seqs": 16, "num_scheduler_steps": 4})
+    out, st = _generate(llm, ps, sp)
+    assert st["multistep_calls"] > 0 and out == _generate(llms[1], ps, sp)[0]
+
+
 def test_k_choice():
     """K = 1 while requests wait, for filtered sampling, too many stop ids or too few free blocks; else the
     largest compiled K that no row's remaining tokens fall short of, with look-ahead blocks reserved."""

@@ -44,6 +44,9 @@ def create_engine(model: ModelConfig, config: EngineConfig, load: Callable[[Plac
     config = config.replace(seed=shared_seed(config.seed))       # several hosts: one engine seed for all
     placements[0].check(model)            # heads that do not divide: before any weight is read
     check_backend(config.attn_backend, model)
+    if config.attn_backend == "mosaic":   # (a GPU: EngineConfig.resolve refuses it elsewhere) Hopper, head_dim 64/128
+        from pallas_kernels.mosaic import check_hopper
+        check_hopper(placements[0].devices[0], model.head_dim)
     if len(placements) == 1:
         engine = LLMEngine(model, config, load(placements[0]), eos_token_ids, cap_max_model_len, placements[0])
     else:
@@ -83,12 +86,12 @@ class DPEngine:
             config = config.replace(num_kvcache_blocks=num_blocks_for_memory(
                 placements[0].kv_view(model), config, kv_dtype, strict=not cap_max_model_len,
                 device=placements[0].local_device))
-        # distinct engine seeds: requests without a seed draw different seeds on different replicas
-        seeds = [None if config.seed is None else config.seed + r for r in range(len(placements))]
-        self.replicas = [LLMEngine(model, config.replace(seed=seeds[r]), p, eos_token_ids, cap_max_model_len,
-                                   placement) for r, (p, placement) in enumerate(zip(params, placements))]
+        self.replicas = [LLMEngine(model, config, p, eos_token_ids, cap_max_model_len, placement)
+                         for p, placement in zip(params, placements)]
         del params
-        self.config = self.replicas[0].config.replace(seed=config.seed)
+        for r in self.replicas[1:]:      # one draw sequence in submission order: requests without a seed get the
+            r.rng = self.replicas[0].rng  # seeds (so the tokens) one replica would give them, no two the same
+        self.config = self.replicas[0].config
         self._owner: dict[int, LLMEngine] = {}            # seq_id -> its replica, until a step after it finished
         self._just_finished: list[Sequence] = []
         self._load: dict[LLMEngine, int] | None = None     # outstanding tokens per replica (add_request)

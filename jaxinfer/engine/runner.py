@@ -160,7 +160,10 @@ class ModelRunner:
         return auto if n is None else (() if n == 1 else (n,))
 
     def multistep_buckets(self) -> tuple[int, ...]:
-        return tuple(B for B in self.engine.decode_buckets if B <= MULTISTEP_MAX_ROWS) if self.multistep_ks() else ()
+        # an explicit num_scheduler_steps (vLLM's multi-step) applies to every decode bucket; auto: small ones only
+        explicit = self.engine.num_scheduler_steps is not None
+        most = max(MULTISTEP_MAX_ROWS, self.engine.max_num_seqs) if explicit else MULTISTEP_MAX_ROWS
+        return tuple(B for B in self.engine.decode_buckets if B <= most) if self.multistep_ks() else ()
 
     def compile(self, key: tuple[str, int, int, int, bool], quiet: bool = False):
         if key not in self.compiled:
