@@ -25,6 +25,8 @@ TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=3e-2, rt
 DECODE_CASES = [([1, 8, 13, 0], 8, 4, 2, 16), ([16, 47, 1, 33], 16, 8, 2, 32), ([130, 5, 64], 16, 4, 1, 32)]
 # (new tokens per row, cached prefix per row, block_size): chunks after prefixes, one-token rows, padding
 PREFILL_CASES = [([5, 30, 1], [0, 20, 95], 16), ([9, 3, 17], [4, 0, 11], 8)]
+# the Mosaic GPU kernels tile head_dim in 128-byte swizzled rows (64 or 128) and pages of >= 8 tokens
+MOSAIC_DECODE_CASES = [([1, 8, 13, 0], 8, 4, 2, 64), ([16, 47, 1, 33], 16, 8, 2, 128), ([130, 5, 64], 16, 4, 1, 64)]
 
 
 def decode_case(case, dtype, seed=0):
@@ -55,9 +57,9 @@ def check_decode(decode_fn, dtype, cases=DECODE_CASES):
         assert not np.asarray(out[np.asarray(lens) == 0], np.float32).any(), "padding rows must be zeros"
 
 
-def check_prefill(prefill_fn, dtype, cases=PREFILL_CASES):
+def check_prefill(prefill_fn, dtype, cases=PREFILL_CASES, D=32):
     for case in cases:
-        q, k, v, tables, cu, lens = prefill_case(case, dtype)
+        q, k, v, tables, cu, lens = prefill_case(case, dtype, D=D)
         out = jax.jit(prefill_fn)(q, k, v, tables, cu, lens)
         ref = jax.jit(flash_attention_reference)(q, k, v, tables, cu, lens)
         assert out.shape == q.shape and out.dtype == q.dtype
@@ -72,6 +74,16 @@ def test_cpu_backends_meet_the_contract(backend):
     prefill_fn, decode_fn = attention_fns(backend, interpret=True)
     check_decode(decode_fn, jnp.float32, DECODE_CASES[:1] if backend == "pallas" else DECODE_CASES)
     check_prefill(prefill_fn, jnp.float32, PREFILL_CASES[:1] if backend == "pallas" else PREFILL_CASES)
+
+
+def test_mosaic_decode_meets_the_contract_in_its_interpreter():
+    """The mosaic backend's paged decode through Mosaic GPU's interpreter (bf16: wgmma's inputs); its prefill
+    takes ~40 s a case there, so the contract runs it on the GPU (test_gpu_backend_meets_the_contract)."""
+    from pallas_kernels.mosaic import paged_decode
+    if not paged_decode.available() or paged_decode._interpreter() is None:
+        pytest.skip("this JAX has no Mosaic GPU interpreter")
+    fn = functools.partial(paged_decode.paged_decode_attention, interpret=True)
+    check_decode(fn, jnp.bfloat16, MOSAIC_DECODE_CASES[:1] + MOSAIC_DECODE_CASES[2:])
 
 
 def test_cudnn_tiling_and_masks_through_xla(monkeypatch):
@@ -161,6 +173,7 @@ GPU_BACKENDS = {
         "pallas_kernels.triton_decode", fromlist=["x"]).triton_paged_decode, path="jax_triton")),
     # the raw Triton prefill kernel (the triton backend's prefill is still the Pallas kernel: docs/kernels.md)
     "triton_prefill": lambda: (__import__("pallas_kernels.triton_prefill", fromlist=["x"]).triton_prefill, None),
+    "mosaic": lambda: attention_fns("mosaic", False),       # (its own cases: head_dim 64 / 128)
 }
 
 
@@ -175,10 +188,13 @@ def _needs_packages(backend: str) -> None:
 def test_gpu_backend_meets_the_contract(backend):
     _needs_packages(backend)
     prefill_fn, decode_fn = GPU_BACKENDS[backend]()
+    mosaic = backend == "mosaic"
+    if mosaic and not __import__("pallas_kernels.mosaic._common", fromlist=["x"]).available():
+        pytest.skip("this JAX has no Pallas Mosaic GPU backend")
     if decode_fn is not None:
-        check_decode(decode_fn, jnp.bfloat16)
+        check_decode(decode_fn, jnp.bfloat16, MOSAIC_DECODE_CASES if mosaic else DECODE_CASES)
     if prefill_fn is not None:
-        check_prefill(prefill_fn, jnp.bfloat16)
+        check_prefill(prefill_fn, jnp.bfloat16, D=64 if mosaic else 32)
 
 
 @pytest.mark.gpu
