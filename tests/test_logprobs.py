@@ -283,3 +283,17 @@ def test_a_vocabulary_smaller_than_the_logprob_width(tmp_path):
         if want == 7:
             assert abs(sum(np.exp(lp.logprob) for lp in o.outputs[0].logprobs[0].values()) - 1) < 1e-5
     _free(llm)
+
+
+def test_a_cpu_engine_holds_few_extras_variants(tiny_dir, monkeypatch):
+    """On a CPU an engine keeps only the extras variants it used last (each holds ~250 memory mappings; a process
+    sending ever new mixes ran out of them): an evicted variant is compiled again and gives the same tokens."""
+    from jaxinfer.engine import extras
+    monkeypatch.setattr(extras, "CPU_VARIANTS", 2)
+    llm = LLM(tiny_dir, **TINY_ENGINE)
+    mixes = [dict(logprobs=1), dict(presence_penalty=0.5), dict(logprobs=1, min_tokens=2), dict(logprobs=1)]
+    outs = [llm.generate([[5, 6, 7]], SamplingParams(temperature=0.8, seed=1, max_tokens=4, **kw), use_tqdm=False)
+            for kw in mixes]
+    assert len(llm.engine.extras.compiled) == 2                    # (three variants used: the oldest went)
+    assert outs[3][0].outputs[0].token_ids == outs[0][0].outputs[0].token_ids       # (compiled again: the same)
+    _free(llm)

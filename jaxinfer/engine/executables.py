@@ -29,7 +29,7 @@ class ExecutableCache:
     pile up compiled code until the process runs out of memory mappings (~1,300 more for each tiny CPU engine of
     new shapes, measured; Linux allows 65,530)."""
 
-    def __init__(self, keep: int = 128):
+    def __init__(self, keep: int = 64):
         self._compiled = weakref.WeakValueDictionary()   # (key, device ids) -> executable, while anyone holds it
         self._recent: collections.OrderedDict = collections.OrderedDict()   # the `keep` last used, held
         self._any_devices: dict[tuple, tuple] = {}       # program key -> (devices, (key, ids)): one to relocate

@@ -13,6 +13,7 @@ needed. Only [B, 2 + 2W] fp32 logprob rows come back per step, never [B, V].
 """
 from __future__ import annotations
 
+import collections
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,6 +31,7 @@ from jaxinfer.extras_step import make_extras_step
 from jaxinfer.step import BIAS_WIDTHS, Extras, extras_layout, idle_batch
 from jaxinfer.xla_options import step_compiler_options
 
+CPU_VARIANTS = 32               # extras programs an engine on the CPU holds (the least recently used go first)
 LOGPROB_WIDTHS = (5, 20)        # static top-N widths: a batch asking N logprobs computes the smallest >= N
 
 
@@ -70,8 +72,11 @@ class ExtrasRunner:
         self.owner: list[Sequence | None] = [None] * num_slots
         self.slot_of: dict[int, int] = {}            # seq_id -> slot
         self.counts = None                           # (prompt_seen, output_counts), made on first use
-        self.compiled: dict[tuple, object] = {}      # (key, part) -> executable
-        self._lock = threading.Lock()
+        # (key, part) -> executable. On a CPU only the CPU_VARIANTS used last: the variant space is combinatorial,
+        # and every program held keeps its code mapped (~200-300 memory mappings each; Linux allows 65,530)
+        self.compiled: collections.OrderedDict[tuple, object] = collections.OrderedDict()
+        self._keep = CPU_VARIANTS if runner.placement.devices[0].platform == "cpu" else None
+        self._lock, self._lru = threading.Lock(), threading.Lock()
         self.drawless = False                        # a split variant's model part ran but its draw did not
 
     # -- slots ----------------------------------------------------------------------------------------
@@ -106,9 +111,11 @@ class ExtrasRunner:
 
     def compile(self, key: tuple, part: str = "whole"):
         """The executable of one extras variant, or of one part of a split one (split: "model" / "draw")."""
-        exe = self.compiled.get((key, part))
-        if exe is not None:
-            return exe
+        with self._lru:
+            exe = self.compiled.get((key, part))
+            if exe is not None:
+                self.compiled.move_to_end((key, part))
+                return exe
         if key[-1].penalties:
             with self._lock:                     # the counts state is made once, whichever thread lowers first
                 self._counts()
@@ -135,7 +142,11 @@ class ExtrasRunner:
                 lowered = jitted.lower(r.params, r.kv_caches, packed, r.last_ids, counts)
             return lowered.compile(compiler_options=step_compiler_options(
                 r.placement.devices[0].platform, len(r.placement.devices)))
-        exe = self.compiled[(key, part)] = r.executables.get(shared, r.placement.devices, build)
+        exe = r.executables.get(shared, r.placement.devices, build)
+        with self._lru:
+            self.compiled[(key, part)] = exe
+            while self._keep and len(self.compiled) > self._keep:
+                self.compiled.popitem(last=False)           # (compiled again if it is wanted again)
         return exe
 
     @staticmethod
