@@ -63,7 +63,7 @@ def test_config_refuses_other_models_and_rope_kinds():
     kv_only = {"quant_method": "compressed-tensors", "config_groups": {}, "kv_cache_scheme": {"num_bits": 8}}
     assert ModelConfig.from_dict(_base(quantization_config=kv_only)).vocab_size == 10    # (weights plain: runs)
     with pytest.raises(ValueError, match="quant_method='compressed-tensors'"):
-        ModelConfig.from_dict(_base(quantization_config={**kv_only, "config_groups": {"group_0": {"targets": ["Linear"]}}}))
+        ModelConfig.from_dict(_base(quantization_config={**kv_only, "config_groups": {"g0": {"targets": ["Linear"]}}}))
     # transformers' Qwen3 slides layers from max_window_layers on (or those layer_types names): none here, so it runs
     sliding = dict(use_sliding_window=True, sliding_window=8, num_hidden_layers=2)
     assert ModelConfig.from_dict(_base(**sliding, max_window_layers=2)).num_hidden_layers == 2
