@@ -137,9 +137,7 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def abort(self, seq: Sequence, drop: int = 0) -> None:
-        """drop: output tokens read back after a stop string's match (the server's API process found it), not
-        counted as generated (Scheduler.finish)."""
+    def abort(self, seq: Sequence, drop: int = 0) -> None:     # drop: tokens read past a stop string, not counted
         self.scheduler.finish(seq, "abort", drop)
 
     def has_unfinished(self) -> bool:

@@ -67,8 +67,7 @@ def decode_chunk_pages(engine: EngineConfig) -> int:
 def program_switches() -> tuple:
     """The module switches a compiled step depends on (part of every executables key): the small-batch matmul
     choice, the xla decode's form, chunk and merge."""
-    return (layers.GEMV_MAX_ROWS, layers.GEMV_FUSE, xla_decode.DECODE_FORM, xla_decode.DECODE_CHUNK,
-            xla_decode.MERGE)
+    return layers.GEMV_MAX_ROWS, layers.GEMV_FUSE, xla_decode.DECODE_FORM, xla_decode.DECODE_CHUNK, xla_decode.MERGE
 
 
 def rows_out(kind: str) -> bool:
@@ -160,10 +159,8 @@ class ModelRunner:
         return auto if n is None else (() if n == 1 else (n,))
 
     def multistep_buckets(self) -> tuple[int, ...]:
-        # an explicit num_scheduler_steps (vLLM's multi-step) applies to every decode bucket; auto: small ones only
-        explicit = self.engine.num_scheduler_steps is not None
-        most = max(MULTISTEP_MAX_ROWS, self.engine.max_num_seqs) if explicit else MULTISTEP_MAX_ROWS
-        return tuple(B for B in self.engine.decode_buckets if B <= most) if self.multistep_ks() else ()
+        few = self.engine.num_scheduler_steps is None and MULTISTEP_MAX_ROWS    # (an explicit K: every decode bucket)
+        return tuple(B for B in self.engine.decode_buckets if not few or B <= few) * bool(self.multistep_ks())
 
     def compile(self, key: tuple[str, int, int, int, bool], quiet: bool = False):
         if key not in self.compiled:
