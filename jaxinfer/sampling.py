@@ -185,6 +185,7 @@ def draw_among(values, ids, top_k, top_p, min_p, sampled_row, seeds, counters):
     return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
+# -- penalties and logprobs (the step's "extras" variant: step.py; only batches that ask for them pay) -----
 def apply_penalties(logits, prompt_seen, output_counts, repetition, frequency, presence):
     """vLLM's penalties on logits [B, V] fp32, before temperature: repetition over prompt + output tokens
     (a positive logit is divided by it, a negative one multiplied), then frequency (times the token's count

@@ -59,6 +59,3 @@ def sample_sharded(logits, temperature, top_k, top_p, min_p, seeds, counters, fi
         shard = jnp.argmax(peaks, axis=0)                                        # first shard with the maximum
         return jnp.take_along_axis(ids, shard[None, :], axis=0)[0].astype(jnp.int32)
     return shard_map(local, mesh, (P(None, "tp"), P(), P(), P()), P())(logits, temperature, seeds, counters)
-
-
-# -- penalties and logprobs (the step's "extras" variant: step.py; only batches that ask for them pay) -----
