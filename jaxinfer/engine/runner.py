@@ -147,20 +147,20 @@ class ModelRunner:
                     for W in self.widths]
         out += [("resample", B, B, 0, f) for B in sorted({k[2] for k in out if rows_out(k[0])})
                 for f in (True, "top_k")]
-        # K-step decode calls (multistep.py): small batches only (host-bound); unfiltered sampling, or small top_k's
+        # K-step decode calls (multistep.py): small batches (host-bound) unless K is given; plain or small-top_k draws
         return out + [("multistep", B, B, W, f, K) for B in self.multistep_buckets() for W in self.widths
                       for K in self.multistep_ks() for f in (False, "top_k")]
 
     def multistep_ks(self) -> tuple[int, ...]:
-        """Steps per call that get a compiled variant: num_scheduler_steps, or MULTISTEP_KS (auto; the xla backend
-        the largest alone: its K-step programs, one per decode width, took a third of its warm-up)."""
+        """Steps per call compiled: num_scheduler_steps, or MULTISTEP_KS (auto; xla the largest alone: warm-up)."""
         n = self.engine.num_scheduler_steps
         auto = MULTISTEP_KS[-1:] if self.engine.attn_backend == "xla" else MULTISTEP_KS
         return auto if n is None else (() if n == 1 else (n,))
 
     def multistep_buckets(self) -> tuple[int, ...]:
-        few = self.engine.num_scheduler_steps is None and MULTISTEP_MAX_ROWS    # (an explicit K: every decode bucket)
-        return tuple(B for B in self.engine.decode_buckets if not few or B <= few) * bool(self.multistep_ks())
+        explicit = self.engine.num_scheduler_steps is not None     # (as vLLM's multi-step: every decode bucket)
+        buckets = [B for B in self.engine.decode_buckets if explicit or B <= MULTISTEP_MAX_ROWS]
+        return tuple(buckets) if self.multistep_ks() else ()
 
     def compile(self, key: tuple[str, int, int, int, bool], quiet: bool = False):
         if key not in self.compiled:
