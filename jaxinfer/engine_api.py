@@ -120,7 +120,10 @@ class EngineAPI:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.80}")
         kind = output_kind(params or self._llm.get_default_sampling_params())
         with self._llm._one_thread(), recovering(self._llm.engine, [], mine := Window()):   # (Ctrl-C: none left)
-            [(p, ids, sp)] = self._llm._prepare([prompt], params, tokenization_kwargs)
+            try:
+                [(p, ids, sp)] = self._llm._prepare([prompt], params, tokenization_kwargs)
+            except ValueError as e:           # (it names the prompt by its place in a list of one: name the request)
+                raise ValueError(str(e).replace("prompt 0", f"request {request_id!r}", 1)) from None
             [group] = self._llm._add([(p, ids, sp)], mine)
             self._requests[request_id] = _Request(request_id, p, ids, group, kind, text=[""] * len(group),
                                                   ids=list([] for _ in group))

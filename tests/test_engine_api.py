@@ -88,8 +88,10 @@ def test_abort_bad_requests_and_passthrough(llm):
         eng.add_request(None, "a", long)
     with pytest.raises(ValueError, match="LLMEngine.add_request: priority=5 "):
         eng.add_request("prio", "a", long, priority=5)
-    with pytest.raises(ValueError, match="max_model_len|longer"):
+    with pytest.raises(ValueError, match="^request 'huge'.*(max_model_len|longer)"):    # (named by its id)
         eng.add_request("huge", list(range(1, 500)), long)
+    with pytest.raises(ValueError, match="^request 9 is empty"):
+        eng.add_request(9, [], long)
     assert eng.get_num_unfinished_requests() == 2
     eng.step()
     eng.abort_request(["drop", "unknown"])
