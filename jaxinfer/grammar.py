@@ -3,10 +3,10 @@ a dependency of jaxinfer, imported on first use). The kind becomes a regular exp
 outlines-core's `build_regex_from_schema`; json_object through the schema `{"type": "object"}`, whose nesting
 outlines-core bounds), the expression an index over the tokenizer's vocabulary (each token by its bytes: a token may
 hold part of a character), and each constrained row of a step gets the bitmask of the tokens allowed after its output
-so far, EOS ids where the expression may end. Unlike the choice kind's entries (structured.py), a mask cannot be
-packed for every token the step in flight may have drawn, so the packer writes the masks last, with the tokens of the
-step in flight, read as it ends (extras.in_flight_tokens): the rest of the batch is scheduled and packed while that
-step runs, and such rows run one step a call.
+so far, EOS ids where the expression may end. Unlike the choice kind's entries (structured.py), a mask cannot be packed
+for every token the step in flight may have drawn, so the packer writes the masks last, with the tokens of the step in
+flight, read as it ends (extras.in_flight_tokens): the rest of the batch is packed meanwhile; such rows run one step a
+call. An index that failed or ran out of time is refused again at once (for TIMED_OUT_RETRY_S when out of time).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ _VOCABS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # tokenize
 KINDS = ("json", "regex", "json_object")
 BUILD_TIMEOUT_S = 20.0        # an index build that takes longer is refused (e.g. a string's maxLength in the 20s)
 BACKGROUND_TIMEOUT_S = 60.0   # the same in the server's engine core (its API process built the index first)
+TIMED_OUT_RETRY_S = 60.0      # a build that ran out of time is refused at once for this long, then tried again
 IN_ENGINE_CORE = False        # set by the server's engine core (its process is ours)
 # index builds at once in a process (a core each, in worker processes; the rest wait: a limit counts from the slot)
 BUILD_SLOTS = threading.BoundedSemaphore(max(1, min(4, (os.cpu_count() or 2) // 2)))
@@ -42,8 +43,7 @@ LENGTHS = {"minLength", "maxLength"}     # not enforced beside a pattern, a form
 
 def _outlines(error):
     try:
-        import outlines_core
-        return outlines_core
+        return __import__("outlines_core")
     except ImportError:
         raise error("structured_outputs json / regex / json_object need outlines-core: pip install "
                     "'outlines-core>=0.2.11,<0.3'") from None
@@ -101,8 +101,7 @@ def relaxed(schema, named: bool = False):
 
 
 def unenforced(schema, where: str = "#") -> tuple[str, str] | None:
-    """(path, keyword) of the first UNENFORCED keyword in a schema (or `required` without `properties`: any object
-    would pass), else None."""
+    """(path, keyword) of the first UNENFORCED keyword in a schema (or `required` without `properties`), else None."""
     if not isinstance(schema, dict):
         return None
     if hit := sorted(UNENFORCED & schema.keys()):
@@ -183,7 +182,7 @@ class GrammarRule:
             vocabs[key] = oc.Vocabulary(self.eos[0], {b: ids for b, ids in token_bytes(tokenizer, vocab_size).items()
                                                       if self.eos[0] not in ids})
         indexes = _INDEXES.setdefault(tokenizer, {})
-        if (key + (regex,)) not in indexes or indexes[key + (regex,)].transient:     # (a worker that died: again)
+        if (key + (regex,)) not in indexes or indexes[key + (regex,)].retry_at <= time.monotonic():
             if len(indexes) >= 64:
                 indexes.pop(next(iter(indexes)))
             limit = BACKGROUND_TIMEOUT_S if IN_ENGINE_CORE else BUILD_TIMEOUT_S
@@ -195,8 +194,7 @@ class GrammarRule:
             raise error(why)
 
     def refusal(self, deadline: bool = True) -> str | None:
-        """Why the index cannot be used: it cannot be built, or (deadline) not within BUILD_TIMEOUT_S; else None
-        (built, or still building: the server's API process awaits it so, off its tokenizer thread)."""
+        """Why the index cannot be used: it cannot be built, or (deadline) not within BUILD_TIMEOUT_S; else None."""
         why, r = self.build.result(deadline), self._regex
         return f"structured_outputs {'regex ' + repr(r)[:80] + ' ' if len(r) < 200 else ''}{why}" \
             if isinstance(why, str) else None
@@ -214,7 +212,8 @@ class _Build:
     of getting its slot; the worker is killed at `limit`), or None while it waits or runs. make: what builds it."""
 
     def __init__(self, regex: str, vocab, limit: float, make=None):
-        self.box, self.deadline, self.transient = [], None, False    # (deadline: set when the build gets its slot)
+        # deadline: set when the build gets its slot; retry_at: when a new request builds it again (worker died: 0)
+        self.box, self.deadline, self.retry_at = [], None, float("inf")
         self.masks: dict = {}                       # (guide state or None when ended, eos ids, words) -> the row
 
         def build():
@@ -222,9 +221,11 @@ class _Build:
                 with BUILD_SLOTS:
                     self.deadline = time.monotonic() + BUILD_TIMEOUT_S
                     got = (make or index_worker.build)(regex, vocab, limit)
+                if got is None:                     # (how long it took depends on how busy the machine was)
+                    self.retry_at = time.monotonic() + TIMED_OUT_RETRY_S
                 self.box.append(_too_long(limit) if got is None else _cannot(got) if isinstance(got, str) else got)
             except Exception as e:                  # (a worker that died: the next request builds it again)
-                self.transient = isinstance(e, index_worker.WorkerDied)
+                self.retry_at = 0.0 if isinstance(e, index_worker.WorkerDied) else self.retry_at
                 self.box.append(_cannot(str(e)))
         self.thread = threading.Thread(target=build, daemon=True, name="jaxinfer-grammar-index")
         self.thread.start()
@@ -247,8 +248,7 @@ def _too_long(limit: float) -> str:
 
 
 class GrammarState:
-    """One sequence's place in its rule's index, moved on by the output tokens the host has read (the guide made at
-    its first step: the index is ready by then)."""
+    """One sequence's place in its rule's index, moved on by the output tokens the host has read."""
 
     def __init__(self, rule: GrammarRule):
         self.rule, self.guide, self.read, self.ended = rule, None, 0, False

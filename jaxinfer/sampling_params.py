@@ -291,6 +291,7 @@ def per_prompt(params, count: int, default: SamplingParams) -> list[SamplingPara
 
 
 def openai_bias(bias: dict) -> dict[int, float]:
-    """OpenAI's logit_bias as vLLM reads it: keys as ints (else ValueError), values clamped to [-100, 100]."""
-    return {int(k): min(100.0, max(-100.0, v)) for k, v in bias.items()}
+    """OpenAI's logit_bias as vLLM reads it: keys as ints (else ValueError), values clamped to [-100, 100] (a NaN is
+    kept as it is, so that SamplingParams refuses it: clamping would make it -100)."""
+    return {int(k): v if v != v else min(100.0, max(-100.0, v)) for k, v in bias.items()}
 

@@ -275,6 +275,27 @@ def test_a_worker_that_died_mid_build_is_built_again(llm, monkeypatch):
     assert regex.fullmatch("[j-l]{2}!", llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0].text)
 
 
+def test_a_build_that_ran_out_of_time_is_tried_again_later(llm, monkeypatch):
+    """A build that ran out of time (how long it takes depends on how busy the machine is) is refused again at once
+    for TIMED_OUT_RETRY_S, then a new request builds it again."""
+    from jaxinfer import index_worker
+    real, calls = index_worker.build, []
+
+    def slow_once(*args):
+        calls.append(args)
+        return None if len(calls) == 1 else real(*args)       # (None: not done within its limit)
+    monkeypatch.setattr(index_worker, "build", slow_once)
+    monkeypatch.setattr(grammar, "TIMED_OUT_RETRY_S", 1.0)
+    sp = SamplingParams(max_tokens=6, structured_outputs={"regex": "[m-o]{2}!"})
+    for _ in range(2):
+        with pytest.raises(ValueError, match="takes over"):
+            llm.generate(PROMPTS[0], sp, use_tqdm=False)
+    assert len(calls) == 1
+    time.sleep(1.1)
+    assert regex.fullmatch("[m-o]{2}!", llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0].text)
+    assert len(calls) == 2
+
+
 def test_no_build_outlives_its_process(tmp_path):
     """A worker building when the process it builds for dies (killed, Ctrl-C) exits too: it sees its stdin end."""
     import os

@@ -107,6 +107,8 @@ def test_bad_bias_is_refused_by_name(llm):
             SamplingParams(**kw)
     assert SamplingParams.from_optional(logit_bias={"7": 500.0, 8: -1e9}, seed=None).logit_bias == {7: 100.0,
                                                                                                      8: -100.0}
+    with pytest.raises(ValueError, match="logit_bias"):             # (a NaN is refused, not clamped to -100)
+        SamplingParams.from_optional(logit_bias={"5": float("nan")})
     eos = llm.engine.scheduler.eos
     with pytest.raises(ValueError, match="all stop or EOS ids"):         # min_tokens would ban every allowed id
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[40],
