@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from numbers import Integral
 
-from jaxinfer.engine.sequence import is_finished
 from jaxinfer.engine_api import EngineArgs, ModelConfigView
 
 
@@ -67,6 +67,7 @@ class AsyncLLMEngine:
         taken and unused). Leaving the loop early aborts it."""
         if request_id is None:
             raise ValueError("generate needs a request_id (a string or an int, unique among running requests)")
+        _check_id(request_id)                     # (before anything is queued: the engine's thread hashes it)
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
         added = loop.create_future()
         self._send(("add", request_id, dict(prompt=prompt, params=sampling_params, lora_request=lora_request,
@@ -86,9 +87,18 @@ class AsyncLLMEngine:
                 self._commands.put(("drop", request_id, outputs, None))
 
     async def abort(self, request_id) -> None:
-        """End a running request: its KV blocks are freed and its generator yields a last output, finish_reason
-        "abort" for the samples that had not ended; unknown or finished ids are ignored (vLLM's)."""
-        self._commands.put(("abort", request_id, None, None))
+        """End a running request, or several (an iterable of ids, as vLLM's): its KV blocks are freed, its id is free
+        again, and its generator yields a last output, finish_reason "abort" for the samples that had not ended;
+        unknown or finished ids are ignored (vLLM's)."""
+        ids = [request_id] if isinstance(request_id, (str, Integral)) else request_id
+        try:
+            ids = [int(r) if isinstance(r, Integral) and not isinstance(r, bool) else r for r in ids]
+        except TypeError:
+            raise ValueError(f"request_id must be a string, an int or an iterable of them, got {request_id!r:.80}") \
+                from None
+        for rid in ids:
+            _check_id(rid)
+        self._commands.put(("abort", ids, None, None))
 
     async def get_tokenizer(self, lora_request=None):
         return self._llm.get_tokenizer()
@@ -163,10 +173,12 @@ class AsyncLLMEngine:
         if kind == "drop":                        # (its generator was left: nobody reads what follows)
             if self._streams.get(request_id, (None, None))[1] is args:
                 self._drop(request_id)
-        elif kind == "abort":                     # the samples end now; the next step posts the last output
-            for seq in getattr(self._api._requests.get(self._api._key(request_id)), "seqs", ()):
-                if not is_finished(seq):
-                    self._llm.engine.abort(seq)
+        elif kind == "abort":                     # the samples end now, their last output is posted now
+            for rid in request_id:
+                out = self._api._abort_with_output(rid)
+                if out is not None:
+                    self._post(out.request_id, out)
+                    self._streams.pop(out.request_id, None)
         elif kind == "reset":
             loop, _, done = reply
             self._reply(loop, done, lambda: self._api.reset_prefix_cache(*args[0], **args[1]))
@@ -198,6 +210,11 @@ class AsyncLLMEngine:
     def _drop(self, request_id) -> None:
         self._streams.pop(request_id, None)
         self._api.abort_request(request_id)
+
+
+def _check_id(request_id) -> None:
+    if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+        raise ValueError(f"request_id must be a string (vLLM's) or an int, got {request_id!r:.80}")
 
 
 def _call_soon(loop, callback) -> bool:

@@ -114,7 +114,7 @@ class EngineAPI:
             raise ValueError(f"request_id must be a string (vLLM's) or an int, got {request_id!r:.80}")
         if request_id in self._requests or _twin(request_id) in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine (abort it or let it finish first)")
-        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], Integral):
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, dict, list, tuple)):
             raise ValueError(f"add_request takes one prompt, got a list of {len(prompt)} (add one request each)")
         if params is not None and not hasattr(params, "n"):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.80}")
@@ -132,12 +132,34 @@ class EngineAPI:
         """End one request or several (an iterable of ids) and free their KV blocks; unknown ids are ignored."""
         request_id = int(request_id) if isinstance(request_id, Integral) and not isinstance(request_id, bool) \
             else request_id                                  # (a numpy int)
-        ids = [request_id] if isinstance(request_id, (str, int)) else list(request_id)
+        try:
+            ids = [request_id] if isinstance(request_id, (str, int)) else list(request_id)
+        except TypeError:
+            raise ValueError(f"request_id must be a string, an int or an iterable of them, got {request_id!r:.80}") \
+                from None
+        ids = [int(r) if isinstance(r, Integral) and not isinstance(r, bool) else r for r in ids]
+        if bad := [r for r in ids if isinstance(r, bool) or not isinstance(r, (str, int))]:
+            raise ValueError(f"request_id must be a string or an int, got {bad[0]!r:.80}")
         for rid in ids:
             req = self._requests.pop(self._key(rid), None)
             for seq in req.seqs if req else ():
                 if not is_finished(seq):
                     self._llm.engine.abort(seq)
+
+    def _abort_with_output(self, request_id) -> RequestOutput | None:
+        """abort_request for one id, returning the request's last output (finish_reason "abort" for the samples
+        that had not ended); None for an unknown id. AsyncLLMEngine.abort's: the id is free again at once."""
+        key = self._key(request_id)
+        req = self._requests.get(key)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not is_finished(seq):
+                self._llm.engine.abort(seq)
+        try:
+            return self._output(req, TokenTexts(self._llm.tokenizer))
+        finally:
+            del self._requests[key]
 
     def _key(self, request_id):
         """The key a request was added under: the id itself or its other spelling (5 and "5" name one request)."""

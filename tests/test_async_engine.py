@@ -175,3 +175,29 @@ def test_callers_that_leave_early_or_race_shutdown(llm):
         t.join(60)
         assert ended and ended[0] in ("dead", True), ended
     _free(llm)
+
+
+def test_abort_takes_vllms_iterables_and_bad_ids_leave_the_engine_running(llm):
+    engine = AsyncLLMEngine(llm)
+    long = SamplingParams(max_tokens=100, ignore_eos=True)
+
+    async def scenario():
+        with pytest.raises(ValueError, match=r"\['l'\]"):
+            await _collect(engine, [1, 2], long, ["l"])        # (an unhashable id: refused before it is queued)
+        for bad in (None, ("x", ["y"]), 1.5):
+            with pytest.raises(ValueError, match="request_id"):
+                await engine.abort(bad)
+        gen = engine.generate([1, 2, 3], long, "a")
+        await gen.__anext__()
+        await engine.abort(["a", "unknown"])                   # (vLLM's AsyncLLM.abort: str | Iterable[str])
+        reused = await _collect(engine, [5, 7], SamplingParams(temperature=0, max_tokens=3), "a")   # free at once
+        assert reused[-1].finished and len(reused[-1].outputs[0].token_ids) == 3
+        rest = [out async for out in gen]
+        assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+        assert not engine.errored
+        _settled(engine)
+        _free(llm)
+    finally:
+        engine.shutdown()

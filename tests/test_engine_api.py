@@ -92,6 +92,11 @@ def test_abort_bad_requests_and_passthrough(llm):
         eng.add_request("huge", list(range(1, 500)), long)
     with pytest.raises(ValueError, match="^request 9 is empty"):
         eng.add_request(9, [], long)
+    with pytest.raises(ValueError, match="token id 1.5"):           # (not "takes one prompt")
+        eng.add_request("floats", [1.5, 2.0], long)
+    for bad in (None, 1.5, [[1]]):
+        with pytest.raises(ValueError, match="request_id must be"):
+            eng.abort_request(bad)
     assert eng.get_num_unfinished_requests() == 2
     eng.step()
     eng.abort_request(["drop", "unknown"])
