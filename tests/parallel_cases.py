@@ -146,6 +146,74 @@ def test_bad_words_and_structured_choice_tp2_equal_tp1(tp1, tp2, prompts):
     assert a == b and a[0] != plain and tok.encode(word, add_special_tokens=False)[0] not in a[0]
     assert all(tok.decode(ids, skip_special_tokens=True) in choices for ids in a[2:4])
     assert all(re.fullmatch("[a-z]{1,4} [0-9]{1,2}", tok.decode(ids, skip_special_tokens=True)) for ids in a[4:]), a[4:]
+    taken = {t for c in choices for t in tok.encode(c, add_special_tokens=False)}
+    dead = SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[i for i in (10, 20, 30) if i not in taken],
+                          structured_outputs={"choice": choices})      # (the masks together leave no token)
+    eos = tp1.model_config.eos_token_id[0]
+    assert run(tp1, prompts[:1], dead) == run(tp2, prompts[:1], dead) == [[eos]]      # ends with EOS, never id 0
+
+
+@pytest.fixture(scope="session")
+def tp4(ckpts):
+    return LLM(ckpts["gqa_v509"], tensor_parallel_size=4, **BASE)
+
+
+def big_gathers(llm, V):
+    """(program key, shape) of every all-gather in the engine's extras programs with a dimension of V or more."""
+    found = []
+    for key, exe in llm.engine.extras.compiled.items():
+        for shape in re.findall(r"\S+\[([\d,]+)\]\S* all-gather(?:-start)?\(", exe.as_text()):
+            if max(int(d) for d in shape.split(",")) >= V:
+                found.append((key, shape))
+    return found
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_extras_steps_keep_logits_split_and_equal_tp1(tp1, tp2, tp4, prompts, tp):
+    """The extras step at tp = 2, 4 (509 ids: padded) edits, counts and draws on the vocabulary-split logits: logprobs
+    with top-n, prompt logprobs, the penalties, logit_bias / allowed_token_ids, min_tokens' bans, bad_words, choice
+    and regex give tp=1's tokens, ids and ranks, and its logprobs to fp32 rounding (the sum of exp is added in another
+    order); the padding ids are never drawn or listed. No extras program all-gathers [B, V] (the sorted top-p draw,
+    which needs whole rows, gets B / tp of them by an all-to-all); the penalty counts are split by vocabulary too."""
+    llm = {2: tp2, 4: tp4}[tp]
+    V = llm.model_config.vocab_size
+    tok = tp1.get_tokenizer()
+    word = next(w for t in run(tp1, prompts[:1], [GREEDY])[0] if (w := tok.decode([t])).strip() and
+                not w[0].isspace() and tok.encode(w, add_special_tokens=False) == [t])
+    edits = [SamplingParams(temperature=0.8, seed=1, max_tokens=6, logprobs=5, prompt_logprobs=3, presence_penalty=1.0,
+                            frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={508: 2.0, 3: -4.0},
+                            min_tokens=4, stop_token_ids=[508]),
+             SamplingParams(temperature=0, max_tokens=6, logprobs=20, bad_words=[word], ignore_eos=True),
+             SamplingParams(temperature=1.2, seed=5, max_tokens=6, logprobs=2, allowed_token_ids=[2, 508, 100, 7],
+                            logit_bias={100: 1.5}, ignore_eos=True),
+             SamplingParams(temperature=1.0, seed=7, top_k=20, top_p=0.9, max_tokens=6, logprobs=1,
+                            frequency_penalty=1.0, ignore_eos=True)]
+    shapes = ({"choice": ["yes", "no", "maybe so"]}, {"regex": "[a-z]{1,4} [0-9]{1,2}"})
+    structured = [SamplingParams(temperature=t, seed=2, max_tokens=8, logprobs=3, structured_outputs=s)
+                  for t in (0, 1.5) for s in shapes]
+    batches = [(prompts + prompts[:1], edits), (prompts[:2] * 2, structured)]
+    flat = lambda lps: [(t, e.rank, e.logprob) for d in lps or [] if d for t, e in d.items()]   # noqa: E731
+    compared = 0
+    for ps, sp in batches:
+        a, b = (x.generate(ps, sp, use_tqdm=False) for x in (tp1, llm))
+        assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+        for x, y in zip(a, b):
+            for lx, ly in ((x.outputs[0].logprobs, y.outputs[0].logprobs), (x.prompt_logprobs, y.prompt_logprobs)):
+                fx, fy = flat(lx), flat(ly)
+                assert [f[:2] for f in fx] == [f[:2] for f in fy] and all(f[0] < V for f in fy)
+                np.testing.assert_allclose([f[2] for f in fx], [f[2] for f in fy], rtol=0, atol=1e-5)
+                compared += len(fx)
+    assert compared > 6 * 20 + 3 * 2                        # (the top-20 rows and the prompt logprobs among them)
+    keys = [k for k, _ in llm.engine.extras.compiled]
+    assert {k[0] for k in keys} == {"prefill", "decode"} and any(k[-1].grammar for k in keys)
+    assert big_gathers(llm, V) == []
+    for counts in llm.engine.extras.counts:
+        assert {s.data.shape for s in counts.addressable_shards} == {(counts.shape[0], -(-V // tp))}
+    sorted_draw = [SamplingParams(temperature=t, seed=9, top_p=0.8, min_p=m, max_tokens=4, logprobs=3,
+                                  ignore_eos=True) for t, m in ((1.0, 0), (1.5, 0.05), (0, 0))]
+    assert run(tp1, prompts, sorted_draw) == run(llm, prompts, sorted_draw)
+    assert big_gathers(llm, V) == []
+    assert any(k[4] is True and "all-to-all" in exe.as_text() for (k, _), exe in llm.engine.extras.compiled.items())
 
 
 def test_weights_and_cache_really_split(tp2):
@@ -229,21 +297,23 @@ def test_unseeded_requests_draw_one_replicas_seeds(ckpts, prompts):
 
 
 def test_filtered_draws_gather_no_weights(ckpts, prompts):
-    """A tied model at tp=2: Qwen3's top_k / top_p draw gathers each shard's top candidates, not [B, V]; the extras
-    step (logprobs) gathers at most the [B, V] logits: no program gathers the vocabulary-split [V, E] embedding
-    (XLA would rather replicate the tied weight than the logits, unless told)."""
+    """A tied model at tp=2: Qwen3's top_k / top_p draw gathers each shard's top candidates, not [B, V], a top_p
+    alone all-to-all's whole rows, and the extras step (logprobs) gathers per-shard statistics: no program gathers the
+    logits or the vocabulary-split [V, E] embedding (XLA would rather replicate the tied weight than the logits,
+    unless told)."""
     llm = LLM(ckpts["mha_tied"], tensor_parallel_size=2, num_scheduler_steps=1, **BASE)
-    tp1 = run(LLM(ckpts["mha_tied"], num_scheduler_steps=1, **BASE), prompts, seeded(True))
-    assert run(llm, prompts, seeded(True)) == tp1
+    one = LLM(ckpts["mha_tied"], num_scheduler_steps=1, **BASE)
+    top_p = [SamplingParams(temperature=1.0, top_p=0.7, seed=s, max_tokens=4, ignore_eos=True) for s in (1, 2, 3)]
+    for sp in (seeded(True), top_p):
+        assert run(llm, prompts, sp) == run(one, prompts, sp)
     run(llm, prompts, SamplingParams(temperature=0.6, max_tokens=3, seed=1, logprobs=1))
-    V, E = llm.model_config.vocab_size, llm.model_config.hidden_size
+    V = llm.model_config.vocab_size
     programs = [*llm.engine.runner.compiled.items(), *llm.engine.extras.compiled.items()]
-    assert any(k[0] == "resample" for k, _ in programs)
+    assert {k[4] for k, _ in programs if k[0] == "resample"} == {"top_k", True}
     for key, exe in programs:
         for shape in re.findall(r"\S+\[([\d,]+)\]\S* all-gather(?:-start)?\(", exe.as_text()):
             dims = [int(d) for d in shape.split(",")]
-            assert E not in dims or max(dims) < V, (key, shape)                   # never the embedding
-            assert key[0] != "resample" or max(dims) < V, (key, shape)            # candidates, not logits
+            assert max(dims) < V, (key, shape)              # candidates, not logits, never the embedding
 
 
 def test_data_parallel_equals_one_replica(ckpts, tp1, prompts):

@@ -148,3 +148,16 @@ def test_dead_ends_are_left_out_and_unspellable_choices_refused():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=2, structured_outputs={"choice": ["a"]})
     assert SamplingParams(min_tokens=1, structured_outputs={"choice": ["a"]}).min_tokens == 1
+
+
+def test_a_choice_that_other_masks_leave_no_token_ends_with_eos(llm):
+    """allowed_token_ids (or bad_words) that leave a choice's row no token end the answer with EOS: the argmax of an
+    all -inf row (id 0, which no mask allowed) is never emitted."""
+    tok = llm.get_tokenizer()
+    choice_ids = set(tok.encode("yes")) | set(tok.encode("no"))
+    allowed = [i for i in (10, 20, 30) if i not in choice_ids]
+    sp = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=allowed,
+                        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    out = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
+    assert 0 not in out.token_ids and out.finish_reason == "stop", (out.token_ids, out.finish_reason)
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]

@@ -7,9 +7,10 @@ compiled on first use and counted in stats (`compiled_extras`); `LLMEngine.warmu
 them ahead of time (benchmarks, servers that expect them).
 
 Penalty counts live on the device, one row per slot: prompt_seen [S, V] bool and output_counts [S, V]
-int32 (S = max_num_seqs). A running request with penalties holds a slot; slots of requests that stopped
-running (finished, or preempted: they restart at position 0 and clear their slot) are taken back when
-needed. Only [B, 2 + 2W] fp32 logprob rows come back per step, never [B, V].
+int32 (S = max_num_seqs; with tp > 1, V padded and split by vocabulary, as the logits are). A running request
+with penalties holds a slot; slots of requests that stopped running (finished, or preempted: they restart at
+position 0 and clear their slot) are taken back when needed. Only [B, 2 + 2W] fp32 logprob rows come back per
+step, never [B, V].
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from jaxinfer.engine.batch import pack_extras
 from jaxinfer.engine.runner import compile_threads, program_switches
 from jaxinfer.engine.scheduler import PROMPT_LOGPROB_TOKENS
 from jaxinfer.engine.sequence import Sequence, Status
-from jaxinfer.parallel.layout import KV_SPEC
+from jaxinfer.parallel.layout import KV_SPEC, padded_vocab
+from jaxinfer.parallel.vocab import VOCAB_SPEC
 from jaxinfer.extras_step import make_extras_step
 from jaxinfer.step import BIAS_WIDTHS, Extras, extras_layout, idle_batch
 from jaxinfer.xla_options import step_compiler_options
@@ -136,8 +138,8 @@ class ExtrasRunner:
                 last = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=rep)
                 lowered = jax.jit(step, out_shardings=(rep, rep)).lower(r.params, rows, packed, last, counts)
             else:
-                kv = r.placement.sharding(KV_SPEC)
-                out = (rep, rep, kv, rep) if part == "model" else (rep, kv, rep, rep)
+                kv, split = r.placement.sharding(KV_SPEC), r.placement.sharding(VOCAB_SPEC)
+                out = (rep, rep, kv, split) if part == "model" else (rep, kv, split, rep)
                 jitted = jax.jit(step, donate_argnums=(1, 4), out_shardings=out)
                 lowered = jitted.lower(r.params, r.kv_caches, packed, r.last_ids, counts)
             return lowered.compile(compiler_options=step_compiler_options(
@@ -180,9 +182,9 @@ class ExtrasRunner:
 
     def _counts(self):
         if self.counts is None:
-            V, S = self.runner.model.vocab_size, self.num_slots
-            put = self.runner.placement.put               # device state, kept across steps
-            self.counts = (put(np.zeros((S, V), bool)), put(np.zeros((S, V), np.int32)))
+            placement, S = self.runner.placement, self.num_slots
+            V = padded_vocab(self.runner.model.vocab_size, placement.tp)   # (split by vocabulary, as the logits)
+            self.counts = tuple(placement.put(np.zeros((S, V), dt), VOCAB_SPEC) for dt in (bool, np.int32))
         return self.counts
 
     def lost_buffers(self) -> bool:

@@ -5,8 +5,10 @@ with axis "tp". Weights are split as `layout.py` says (heads for qkv / gate_up, 
 down_proj, vocabulary for the embedding and LM head); XLA inserts one all-reduce after o_proj and one after
 down_proj. The KV cache is split by kv head (replicated when tp > num_key_value_heads). The packed batch is
 replicated: still one host->device transfer per step. Sampling reduces each device's vocabulary shard to
-(max, argmax) per row, then all-gathers those [tp, B] pairs; a small top_k gathers each shard's top candidates. Only the
-sorted filters (top-p / min-p alone) and the extras variant (logprobs, penalties, logit edits) gather [B, V] logits.
+(max, argmax) per row, then all-gathers those [tp, B] pairs; a small top_k gathers each shard's top candidates; the
+extras variant edits and counts each shard's own columns and combines per-shard logprob statistics (vocab.py). The
+sorted filters (top-p / min-p alone) need whole rows: one all-to-all gives each device B / tp of them. No [B, V]
+logits are gathered.
 
 Data parallelism (`data_parallel_size` = dp): dp independent engine replicas on disjoint devices in one
 process (engine/dp_engine.py); each may itself be tensor-parallel. Replica 0 compiles the steps; the others

@@ -128,8 +128,9 @@ class Placement:
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.sharding(KV_SPEC))
         return [zeros() for _ in range(count)]
 
-    def put(self, x: np.ndarray) -> jax.Array:
-        """One host array to every device of the replica (the packed batch: replicated)."""
-        if jax.process_count() > 1:    # a global mesh: each process supplies its own devices' copies
-            return jax.make_array_from_callback(x.shape, self.replicated, lambda idx: x[idx])
-        return jax.device_put(x, self.replicated)
+    def put(self, x: np.ndarray, spec: P | None = None) -> jax.Array:
+        """One host array to the devices of the replica: replicated (the packed batch), or split as `spec` says."""
+        sharding = self.replicated if spec is None else self.sharding(spec)
+        if jax.process_count() > 1:    # a global mesh: each process supplies its own devices' slices
+            return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+        return jax.device_put(x, sharding)
