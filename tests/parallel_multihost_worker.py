@@ -28,6 +28,11 @@ top1 = llm.generate(prompts, SamplingParams(temperature=5.0, top_k=1, max_tokens
 # no request seed and seed=None: every process must draw the same seeds (process 0's engine seed)
 drawn = llm.generate(prompts, SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_tokens=6, ignore_eos=True),
                      use_tqdm=False)
+# top_p alone (each process draws its rows of an all-to-all), logprobs and penalties (per vocabulary shard)
+TOP_P = SamplingParams(temperature=1.0, top_p=0.8, seed=3, max_tokens=6, ignore_eos=True)
+EXTRAS = SamplingParams(temperature=0.7, seed=4, max_tokens=6, ignore_eos=True, logprobs=2, presence_penalty=1.0)
+top_p = llm.generate(prompts, TOP_P, use_tqdm=False)
+extras = llm.generate(prompts, EXTRAS, use_tqdm=False)
 st = llm.stats()
 try:      # dp = 2 would put a replica on one process only: refused on every process, before any collective
     LLM(path, data_parallel_size=2, dtype="float32", warmup=False)
@@ -36,7 +41,8 @@ except ValueError as e:
     refused = str(e)
 with open(out, "w") as f:
     json.dump(dict(tokens=[o.token_ids for o in outs], top1=[o.token_ids for o in top1], refused=refused,
-                   drawn=[o.token_ids for o in drawn],
+                   drawn=[o.token_ids for o in drawn], top_p=[o.token_ids for o in top_p],
+                   extras=[o.token_ids for o in extras],
                    local_shards=[s.data.shape[0] for s in shards],
                    vocab=llm.engine.runner.params["embed_tokens"].shape[0],
                    blocks_returned=st["kv_blocks_free"] == st["kv_blocks_total"]), f)

@@ -10,6 +10,8 @@ import sys
 import pytest
 from helpers import hf_greedy, hf_model
 
+from jaxinfer import LLM, SamplingParams
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -45,8 +47,14 @@ def test_two_processes_one_mesh(tmp_path, tiny_dir):
     ref = hf_model(tiny_dir)
     want = [hf_greedy(ref, p, 6) for p in prompts]
     assert got[0]["drawn"] == got[1]["drawn"]       # seed=None: process 0's engine seed on both
+    one = LLM(tiny_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, prefill_buckets=(64,),
+              max_model_len=64, block_size=8, num_kvcache_blocks=64, warmup=False)
+    sp = [SamplingParams(temperature=1.0, top_p=0.8, seed=3, max_tokens=6, ignore_eos=True),        # (the worker's)
+          SamplingParams(temperature=0.7, seed=4, max_tokens=6, ignore_eos=True, logprobs=2, presence_penalty=1.0)]
+    top_p, extras = ([o.token_ids for o in one.generate(prompts, s, use_tqdm=False)] for s in sp)
     for g in got:
         assert g["tokens"] == want and g["top1"] == want
+        assert g["top_p"] == top_p and g["extras"] == extras          # (tp=1's tokens)
         assert "replica 0 would run on devices [0] of process(es) [0] only" in g["refused"], g["refused"]
         assert g["local_shards"] == [g["vocab"] // 2] and g["blocks_returned"]
 
