@@ -336,6 +336,7 @@ def test_chat_content_parts_read_as_vllm_reads_them(url):
     bad = httpx.post(url + "/v1/chat/completions", json={**body, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    assert "content.0.type" in bad.json()["error"]["message"] and "'image_url'" in bad.json()["error"]["message"]
 
 
 def test_ids_past_int32_run_beside_other_requests(url):

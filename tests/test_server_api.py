@@ -846,6 +846,11 @@ def test_vllms_beam_search(client, url, tiny_dir):
                                                length_penalty=0.7, temperature=0, skip_special_tokens=False))
     assert sorted((c["index"], c["text"]) for e in events for c in e["choices"] if c["text"]) == \
         [(i, c.text) for i, c in enumerate(r.choices) if c.text]
+    events = _sse(url, "/v1/completions", dict(model=MODEL, prompt=prompt, max_tokens=8, n=3, use_beam_search=True,
+                                               length_penalty=0.7, temperature=0, skip_special_tokens=False,
+                                               stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(e.get("usage") for e in events) and not events[-1]["choices"]           # (usage in every chunk)
+    assert events[-1]["usage"]["completion_tokens"] == r.usage.completion_tokens
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
                                           n=2, extra_body={"use_beam_search": True})
     assert len(chat.choices) == 2 and [c.index for c in chat.choices] == [0, 1]

@@ -40,9 +40,6 @@ def check(req) -> None:
     if (req.n or 1) > MAX_WIDTH:
         raise RequestError(f"n={req.n} is the beam width under use_beam_search and may be at most {MAX_WIDTH} (each "
                            f"step asks for 2 * n logprobs, at most {MAX_LOGPROBS})", param="n")
-    if getattr(req, "stream", False) and getattr(req, "stream_options", None) is not None and \
-            req.stream_options.continuous_usage_stats:
-        raise RequestError("continuous_usage_stats is not available with use_beam_search", param="stream_options")
     for name, unused in UNUSED.items():
         if getattr(req, name, None) not in unused:
             raise RequestError(f"{name} is not used by beam search (use_beam_search: true); leave it out",

@@ -34,7 +34,8 @@ class ErrorResponse(BaseModel):
 
 async def validation_error(request, e) -> JSONResponse:
     """FastAPI's RequestValidationError as OpenAI's 400 naming the field (FastAPI's own answer is a 422)."""
-    err = e.errors()[0]
+    errs = e.errors()       # (of a union's alternatives, the deepest: "content.0.type: should be 'text', ...")
+    err = max((x for x in errs if x.get("loc", ())[:2] == errs[0].get("loc", ())[:2]), key=lambda x: len(x["loc"]))
     loc = [x for x in err.get("loc", ()) if x != "body"]
     param = loc[0] if loc and isinstance(loc[0], str) and err.get("type") != "json_invalid" else None
     where = ".".join(str(x) for x in loc if not isinstance(x, str) or not x[:1].isupper() and "[" not in x)
