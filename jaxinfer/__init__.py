@@ -11,7 +11,8 @@ _EXPORTS = {"LLM": "jaxinfer.llm", "SamplingParams": "jaxinfer.sampling_params",
             "TextPrompt": "jaxinfer.prompts", "TokensPrompt": "jaxinfer.prompts",
             "EngineConfig": "jaxinfer.config", "LLMEngine": "jaxinfer.engine_api", "EngineArgs": "jaxinfer.engine_api",
             "AsyncLLMEngine": "jaxinfer.async_engine", "AsyncEngineArgs": "jaxinfer.async_engine",
-            "StructuredOutputsParams": "jaxinfer.sampling_params", "BeamSearchParams": "jaxinfer.beam_search"}
+            "StructuredOutputsParams": "jaxinfer.sampling_params", "BeamSearchParams": "jaxinfer.beam_search",
+            "RequestOutputKind": "jaxinfer.outputs"}
 __all__ = list(_EXPORTS)
 
 

@@ -115,3 +115,21 @@ def _pooling(name: str):
 class PoolingRefused:
     """vLLM's pooling methods on `LLM`: a generative model answers them with a ValueError (as vLLM's does)."""
     encode, embed, classify, score, reward = map(_pooling, ("encode", "embed", "classify", "score", "reward"))
+
+
+def _engine_control(name: str, why: str):
+    def refused(self, *args, **kwargs):
+        raise NotImplementedError(f"LLM.{name}() is not supported by jaxinfer: {why}")
+    refused.__name__ = name
+    return refused
+
+
+class EngineControlRefused:
+    """vLLM `LLM` methods that drive its GPU workers or swap its parts: refused by name (not an AttributeError)."""
+    sleep = _engine_control("sleep", "the weights and the KV pool stay on the device (reset_prefix_cache() forgets "
+                                     "cached KV)")
+    wake_up = _engine_control("wake_up", "there is no sleep mode")
+    collective_rpc = _engine_control("collective_rpc", "one process drives every device; there are no workers")
+    apply_model = _engine_control("apply_model", "the model is a JAX function, not a torch module on workers")
+    set_tokenizer = _engine_control("set_tokenizer", "give LLM(model, tokenizer=FOLDER) instead")
+    get_metrics = _engine_control("get_metrics", "llm.stats() gives the engine's numbers as a dict")

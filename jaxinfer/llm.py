@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer import profiling, prompts as prompt_forms
 from jaxinfer.beam_search import beam_search
-from jaxinfer.compat import PoolingRefused, pop_vllm_options, python_numbers
+from jaxinfer.compat import EngineControlRefused, PoolingRefused, pop_vllm_options, python_numbers
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.dp_engine import create_engine, sized_stats
 from jaxinfer.engine.executables import engine_numerics
@@ -33,7 +33,7 @@ from jaxinfer.tokenizer import load_tokenizer, usable
 from jaxinfer.xla_options import warn_if_slow_command_buffers
 
 
-class LLM(PoolingRefused):
+class LLM(PoolingRefused, EngineControlRefused):
     """An offline engine for one model: `LLM(model, **engine_options)`.
 
     `model` is a checkpoint directory, an embedded preset ("qwen3-0.6b": random weights) or a hub id. The engine

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 
 from jaxinfer import bad_words, structured
 from jaxinfer.beam_search import BeamSearchParams  # noqa: F401  (vLLM's import path)
-from jaxinfer.outputs import RequestOutputKind  # noqa: F401  (vLLM's import path)
+from jaxinfer.outputs import RequestOutputKind  # (also vLLM's import path)
 from jaxinfer.structured import GuidedDecodingParams, StructuredOutputsParams  # noqa: F401  (vLLM's import path)
 from jaxinfer.tokenizer import check_text_fields
 
@@ -55,7 +55,7 @@ class SamplingParams:
     structured_outputs: object = None             # (vLLM's structured output; `guided_decoding` in older vLLM)
     guided_decoding: object = None
     extra_args: dict | None = None
-    output_kind: object = None                    # any: vLLM's LLM.generate sets its own (final outputs; stream: deltas)
+    output_kind: object = RequestOutputKind.CUMULATIVE   # vLLM's; LLM.generate sets its own (stream: deltas)
 
     def __post_init__(self):
         for f in _INT_FIELDS:          # numpy integers / floats (e.g. seed=np.random.randint(...)) as Python's

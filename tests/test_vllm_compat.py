@@ -128,6 +128,8 @@ def test_sampling_params_take_vllms_unused_fields_unset():
                         structured_outputs=None, guided_decoding=None, extra_args={}, output_kind=2)
     assert sp.for_sample(1).best_of is None and sp.spaces_between_special_tokens is False and sp.output_kind == 2
     assert SamplingParams(allowed_token_ids=[1], logit_bias={1: 1.0}).has_bias       # (test_logit_bias.py)
+    from jaxinfer import RequestOutputKind
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE                # (vLLM's default)
     assert SamplingParams(extra_args={"a": 1}).extra_args == {"a": 1}   # (vLLM's: for plugins, read by nothing here)
     assert SamplingParams.from_optional(max_tokens=None, n=None).max_tokens is None     # (vLLM's: no limit)
     for kw in (dict(best_of=3), dict(bad_words="x"), dict(logits_processors=[print]), dict(spaces_between_special_tokens=1),
@@ -180,6 +182,9 @@ def test_prompt_dicts_bad_params_entry_and_detokenize_false(tiny_dir):
     for name in ("encode", "embed", "classify", "score", "reward"):       # vLLM's pooling methods: a clear refusal
         with pytest.raises(ValueError, match=rf"LLM.{name}\(\) needs a pooling model"):
             getattr(llm, name)(["Hello"])
+    for name in ("sleep", "wake_up", "collective_rpc", "apply_model", "set_tokenizer", "get_metrics"):
+        with pytest.raises(NotImplementedError, match=rf"LLM.{name}\(\) is not supported"):     # (not AttributeError)
+            getattr(llm, name)()
     # vLLM's generate arguments: lora_request=None and priority 0 run; anything else is refused by name
     same = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False, lora_request=None,
                         priority=[0])[0]

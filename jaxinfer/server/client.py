@@ -153,7 +153,7 @@ class CoreClient:
             coll.rids.append(rid)
             self._requests[rid] = (coll, index)
             cmd = ["add", rid, ids, {f.name: asdict(v) if is_dataclass(v := getattr(params, f.name)) else v
-                                     for f in fields(params) if f.name != "stop"}]   # stop strings stay here
+                                     for f in fields(params) if f.name not in ("stop", "output_kind")}]   # (stop: here)
             has_source = sources is not None and sources[index] is not None
             self._command(cmd + [coll.rids[sources[index]] if has_source else None, cache_salt,
                                  getattr(params, "_reasoning_end", None)])    # (app.py's chat route sets it)
