@@ -18,9 +18,8 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from numbers import Integral
 
-from jaxinfer.engine_api import EngineArgs, ModelConfigView
+from jaxinfer.engine_api import EngineArgs, ModelConfigView, check_id, request_ids
 
 
 class EngineDeadError(RuntimeError):
@@ -67,7 +66,7 @@ class AsyncLLMEngine:
         taken and unused). Leaving the loop early aborts it."""
         if request_id is None:
             raise ValueError("generate needs a request_id (a string or an int, unique among running requests)")
-        _check_id(request_id)                     # (before anything is queued: the engine's thread hashes it)
+        check_id(request_id)                      # (before anything is queued: the engine's thread hashes it)
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
         added = loop.create_future()
         self._send(("add", request_id, dict(prompt=prompt, params=sampling_params, lora_request=lora_request,
@@ -90,15 +89,7 @@ class AsyncLLMEngine:
         """End a running request, or several (an iterable of ids, as vLLM's): its KV blocks are freed, its id is free
         again, and its generator yields a last output, finish_reason "abort" for the samples that had not ended;
         unknown or finished ids are ignored (vLLM's)."""
-        ids = [request_id] if isinstance(request_id, (str, Integral)) else request_id
-        try:
-            ids = [int(r) if isinstance(r, Integral) and not isinstance(r, bool) else r for r in ids]
-        except TypeError:
-            raise ValueError(f"request_id must be a string, an int or an iterable of them, got {request_id!r:.80}") \
-                from None
-        for rid in ids:
-            _check_id(rid)
-        self._commands.put(("abort", ids, None, None))
+        self._commands.put(("abort", request_ids(request_id), None, None))
 
     async def get_tokenizer(self, lora_request=None):
         return self._llm.get_tokenizer()
@@ -175,7 +166,7 @@ class AsyncLLMEngine:
                 self._drop(request_id)
         elif kind == "abort":                     # the samples end now, their last output is posted now
             for rid in request_id:
-                out = self._api._abort_with_output(rid)
+                out = self._api._abort(rid, output=True)
                 if out is not None:
                     self._post(out.request_id, out)
                     self._streams.pop(out.request_id, None)
@@ -210,11 +201,6 @@ class AsyncLLMEngine:
     def _drop(self, request_id) -> None:
         self._streams.pop(request_id, None)
         self._api.abort_request(request_id)
-
-
-def _check_id(request_id) -> None:
-    if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
-        raise ValueError(f"request_id must be a string (vLLM's) or an int, got {request_id!r:.80}")
 
 
 def _call_soon(loop, callback) -> bool:

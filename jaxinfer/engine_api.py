@@ -62,6 +62,26 @@ class _Request:
         return list(self.text), list(self.ids), self.prompt_sent, dict(self.cum), set(self.ended)
 
 
+def check_id(request_id) -> None:
+    if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+        raise ValueError(f"request_id must be a string (vLLM's) or an int, got {request_id!r:.80}")
+
+
+def request_ids(request_id) -> list:
+    """One id or an iterable of them (vLLM's abort) as a list of str / int ids (numpy ints as ints); ValueError
+    naming anything else."""
+    one = isinstance(request_id, (str, Integral))
+    try:
+        ids = [int(r) if isinstance(r, Integral) and not isinstance(r, bool) else r
+               for r in ([request_id] if one else request_id)]
+    except TypeError:
+        raise ValueError(f"request_id must be a string, an int or an iterable of them, got {request_id!r:.80}") \
+            from None
+    for rid in ids:
+        check_id(rid)
+    return ids
+
+
 def _twin(request_id):
     """The id's other spelling (5 and "5" name one request), None if it has none."""
     if isinstance(request_id, int):
@@ -110,8 +130,7 @@ class EngineAPI:
         prompt_forms.check_unsupported("LLMEngine.add_request", lora_request=lora_request)
         if isinstance(priority, bool) or priority != 0:
             raise ValueError(f"LLMEngine.add_request: priority={priority!r:.80} is not supported by jaxinfer (0 only)")
-        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
-            raise ValueError(f"request_id must be a string (vLLM's) or an int, got {request_id!r:.80}")
+        check_id(request_id)
         if request_id in self._requests or _twin(request_id) in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine (abort it or let it finish first)")
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, dict, list, tuple)):
@@ -130,36 +149,17 @@ class EngineAPI:
 
     def abort_request(self, request_id) -> None:
         """End one request or several (an iterable of ids) and free their KV blocks; unknown ids are ignored."""
-        request_id = int(request_id) if isinstance(request_id, Integral) and not isinstance(request_id, bool) \
-            else request_id                                  # (a numpy int)
-        try:
-            ids = [request_id] if isinstance(request_id, (str, int)) else list(request_id)
-        except TypeError:
-            raise ValueError(f"request_id must be a string, an int or an iterable of them, got {request_id!r:.80}") \
-                from None
-        ids = [int(r) if isinstance(r, Integral) and not isinstance(r, bool) else r for r in ids]
-        if bad := [r for r in ids if isinstance(r, bool) or not isinstance(r, (str, int))]:
-            raise ValueError(f"request_id must be a string or an int, got {bad[0]!r:.80}")
-        for rid in ids:
-            req = self._requests.pop(self._key(rid), None)
-            for seq in req.seqs if req else ():
-                if not is_finished(seq):
-                    self._llm.engine.abort(seq)
+        for rid in request_ids(request_id):
+            self._abort(rid)
 
-    def _abort_with_output(self, request_id) -> RequestOutput | None:
-        """abort_request for one id, returning the request's last output (finish_reason "abort" for the samples
-        that had not ended); None for an unknown id. AsyncLLMEngine.abort's: the id is free again at once."""
-        key = self._key(request_id)
-        req = self._requests.get(key)
-        if req is None:
-            return None
-        for seq in req.seqs:
+    def _abort(self, request_id, output: bool = False) -> RequestOutput | None:
+        """End one request (its id is free again at once); `output` (AsyncLLMEngine.abort): return its last output,
+        finish_reason "abort" for the samples that had not ended. None for an unknown id."""
+        req = self._requests.pop(self._key(request_id), None)
+        for seq in req.seqs if req else ():
             if not is_finished(seq):
                 self._llm.engine.abort(seq)
-        try:
-            return self._output(req, TokenTexts(self._llm.tokenizer))
-        finally:
-            del self._requests[key]
+        return self._output(req, TokenTexts(self._llm.tokenizer)) if req and output else None
 
     def _key(self, request_id):
         """The key a request was added under: the id itself or its other spelling (5 and "5" name one request)."""
