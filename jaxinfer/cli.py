@@ -6,11 +6,10 @@
     jaxinfer serve Qwen/Qwen3-0.6B --port 8000          # OpenAI-compatible HTTP API
     jaxinfer bench ...                                  # scripts/bench.py
 
-MODEL is a checkpoint directory, an embedded preset (qwen3-0.6b ... qwen3-32b: random weights) or a
-Hugging Face hub id. Engine flags are the fields of jaxinfer.config.EngineConfig; left unset they take the
-engine's platform defaults (config.PLATFORM_DEFAULTS: the benchmarked configuration on a GPU, small ones on
-a CPU). The commands own their process, so they also turn on XLA's fast command-buffer mode where it applies
-(jaxinfer/xla_options.py) before JAX starts.
+MODEL is a checkpoint directory, an embedded preset (qwen3-0.6b ... qwen3-32b: random weights) or a Hugging Face hub
+id. Engine flags are the fields of jaxinfer.config.EngineConfig; left unset they take the engine's platform defaults
+(config.PLATFORM_DEFAULTS: the benchmarked configuration on a GPU, small ones on a CPU). The commands own their
+process, so they also turn on XLA's fast command-buffer mode where it applies (jaxinfer/xla_options.py).
 """
 from __future__ import annotations
 
@@ -130,7 +129,8 @@ def build_llm(a: argparse.Namespace):
     check_text_tokenizer(kw.get("tokenizer") or a.model)     # (generate and chat print text: before the load)
     llm = LLM(a.model, **kw)
     c, st = llm.config, llm.stats()
-    print(f"engine: {c.attn_backend} attention, {c.dtype}, max_num_seqs={c.max_num_seqs}, max_model_len="
+    par = "".join(f"{k}={getattr(c, k)}, " for k in ("tensor_parallel_size", "data_parallel_size") if getattr(c, k) > 1)
+    print(f"engine: {c.attn_backend} attention, {c.dtype}, {par}max_num_seqs={c.max_num_seqs}, max_model_len="
           f"{c.max_model_len}, {st['kv_blocks_total']} KV blocks of {c.block_size} tokens ({st['kv_cache_dtype']})"
           + ("" if c.warmup else "; steps compile when first used"), file=sys.stderr, flush=True)
     return llm
@@ -275,10 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     from jaxinfer.xla_options import set_process_flags
-    set_process_flags()                   # this process is ours: before JAX starts its GPU client
-    if argv[:1] == ["bench"]:             # everything after `bench` belongs to the benchmark script
-        command, run = "bench", lambda: cmd_bench(argv[1:])
+    if argv[:1] == ["bench"]:             # everything after `bench` belongs to the benchmark script, which sets
+        command, run = "bench", lambda: cmd_bench(argv[1:])     # the process flags itself (unless --no-process-flags)
     else:
+        set_process_flags()               # this process is ours: before JAX starts its GPU client
         ap = build_parser()
         a = ap.parse_args(bare_flags(dashed(config_file_args(argv, ap)), CHUNKED))
         if getattr(a, "attn_backend", None) == "triton":

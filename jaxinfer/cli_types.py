@@ -141,6 +141,13 @@ def output_path(text: str) -> str:
     if os.path.isdir(text) or not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"{text!r} is a directory" if os.path.isdir(text) else
                                          f"{text!r}: its folder {folder!r} does not exist")
+    existed = os.path.exists(text)
+    try:                                  # writable now, not after a long run
+        open(text, "a").close()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {e.strerror}") from None
+    if not existed:
+        os.remove(text)
     return text
 
 

@@ -179,9 +179,9 @@ def with_extras(llm, params, args):
 
 def run_latency(args) -> dict:
     from jaxinfer import SamplingParams
-    llm = build(args)
-    if args.latency_output < 2:
+    if args.latency_output < 2:                       # (before the warm-up)
         raise ValueError(f"--output-len {args.latency_output}: a TPOT needs 2 output tokens or more")
+    llm = build(args)
     if args.latency_prompt + args.latency_output > (mml := llm.config.max_model_len):
         raise ValueError(f"--latency-prompt + --latency-output exceed max_model_len={mml}: the requests would stop")
     V = min(10000, llm.model_config.vocab_size)
@@ -225,11 +225,11 @@ def host_name() -> str:
 
 def parse(argv=None):
     from jaxinfer.cli import CHUNKED, add_engine_args
-    from jaxinfer.cli_types import at_least_two, bare_flags, output_path, positive_float, positive_int, probability
+    from jaxinfer.cli_types import at_least_two, bare_flags, dashed, output_path, positive_float, positive_int
+    from jaxinfer.cli_types import probability
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", nargs="?", default=None,
-                    help="checkpoint dir, preset name (random weights) or hub id (default: qwen3-0.6b)")
-    ap.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)   # older spelling
+    ap.add_argument("model", nargs="?", help="checkpoint dir, preset (random weights) or hub id (default: qwen3-0.6b)")
+    ap.add_argument("--model", dest="model_flag", metavar="MODEL", help="the same as the positional MODEL (vLLM's)")
     g = ap.add_argument_group("workload (nano-vllm's bench.py)")
     g.add_argument("--num-seqs", "--num-prompts", type=positive_int, default=256, help="requests (default: 256)")
     g.add_argument("--max-input-len", type=positive_int, default=1024, help="longest prompt (default: 1024)")
@@ -263,7 +263,7 @@ def parse(argv=None):
     ap.add_argument("--no-process-flags", action="store_true",
                     help="run as a plain `LLM()` in a user's Python does: XLA_FLAGS left as they are (A/B of the "
                          "SKIP_TEMP mode that the jaxinfer commands set)")
-    return ap.parse_args(bare_flags(sys.argv[1:] if argv is None else argv, CHUNKED))
+    return ap.parse_args(bare_flags(dashed(sys.argv[1:] if argv is None else list(argv)), CHUNKED))
 
 
 def main(argv=None) -> dict:

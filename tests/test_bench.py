@@ -304,3 +304,22 @@ def test_bench_flags_checked_before_the_run_and_strict_json(tiny_dir, tmp_path, 
     assert r["output_tokens"] == 2 and r["tpot_ms_p50"] != r["tpot_ms_p50"]          # NaN in the dict
     strict = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
     assert strict["tpot_ms_p50"] is None and strict["output_tokens"] == 2
+
+
+def test_bench_flags_as_the_cli_and_refused_early(tmp_path, monkeypatch):
+    """bench.py takes vLLM's underscore spellings as the CLI does; an unwritable --json and a latency run of one
+    output token are refused before the model loads; `jaxinfer bench --no-process-flags` leaves XLA_FLAGS alone
+    (bench.py sets the process flags itself, unless told not to)."""
+    a = bench.parse(["--max_model_len", "64", "--num_prompts", "3", "--model", "m"])
+    assert (a.max_model_len, a.num_seqs, a.model_flag) == (64, 3, "m")
+    with pytest.raises(SystemExit):
+        bench.parse(["--json", "/proc/no-such-file.json"])
+    with pytest.raises(ValueError, match="TPOT needs 2"):
+        bench.main([str(tmp_path / "no-such-model"), "--latency", "--output-len", "1", "--no-process-flags"])
+    from jaxinfer import cli, xla_options
+    monkeypatch.setattr(xla_options, "jaxlib_minor", lambda: (0, 11))     # where the SKIP_TEMP mode applies
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=nowhere")
+    seen = []
+    monkeypatch.setattr(cli, "cmd_bench", lambda argv: seen.append((argv, os.environ["XLA_FLAGS"])) or 0)
+    assert cli.main(["bench", "--no-process-flags"]) == 0
+    assert seen == [(["--no-process-flags"], "--xla_dump_to=nowhere")]
