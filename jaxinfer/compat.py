@@ -12,8 +12,7 @@ chunked prefill is always on, 20 logprobs at most, Hugging Face tokenizers and s
 quantisation, text generation only, no pipeline parallelism (tensor and data parallelism instead), logprobs
 of the raw logits (vLLM's raw_logprobs), no CPU offload, the tokenizer of the model's revision, first come first
 served, and every device driven from this one process (distributed_executor_backend "mp", "uni" or
-"external_launcher" are taken to mean that: no Ray), fp8 KV scales from the checkpoint or the weights' bound
-(kv_scales.py; vLLM's calculate_kv_scales=True measures them on the first batch).
+"external_launcher" are taken to mean that: no Ray). (calculate_kv_scales is an engine option: EngineConfig.)
 `tokenizer` (a folder) is used: the tokenizer is loaded from it instead of the model's folder; and
 `skip_tokenizer_init=True`: no tokenizer (tokenizer.NoTokenizer: token-id prompts, outputs without text).
 """
@@ -33,7 +32,7 @@ FIXED = {"enable_chunked_prefill": (True, None), "max_logprobs": (20, None), "to
          "skip_tokenizer_init": (False, True, None), "pipeline_parallel_size": (1, None),
          "runner": ("auto", "generate", None), "convert": ("auto", "none", None),      # (vLLM's names for task)
          "cpu_offload_gb": (0, 0.0, None), "tokenizer_revision": (None,), "logprobs_mode": ("raw_logprobs", None),
-         "enable_lora": (False, None), "scheduling_policy": ("fcfs", None), "calculate_kv_scales": (False, None),
+         "enable_lora": (False, None), "scheduling_policy": ("fcfs", None),
          "distributed_executor_backend": ("mp", "uni", "external_launcher", None)}
 
 

@@ -158,6 +158,8 @@ class EngineConfig:
     attn_backend: str | None = _opt(None, "attention implementation (GPU: pallas; CPU: xla)", choices=ATTN_BACKENDS)
     kv_cache_dtype: str = _opt("auto", "KV cache dtype: auto (the model's; bfloat16 / float16: the same, if that is "
                                        "it), fp8 / fp8_e4m3 (float8_e4m3fn, per-layer scales)", choices=KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = _opt(False, "fp8 KV cache: compute the scales (the weights' bound) even where the "
+                                            "checkpoint has k_scale / v_scale (otherwise: only where it has none)")
     max_num_seqs: int | None = _opt(None, "most sequences in one step (GPU: 256; CPU: 8)")
     max_num_batched_tokens: int | None = _opt(None, "most prompt tokens in one prefill step (GPU: 16384; CPU: 512)")
     max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's, capped by the KV pool)")
@@ -194,7 +196,8 @@ class EngineConfig:
             raise ValueError(f"block_size={bs} must be a power of two")
         if not isinstance(g := self.gpu_memory_utilization, (int, float)) or isinstance(g, bool) or not 0 < g <= 1:
             raise ValueError(f"gpu_memory_utilization={g!r} must be in (0, 1]")
-        for name in ("enable_prefix_caching", "async_scheduling", "warmup")[:2 if self.warmup is None else 3]:
+        for name in ("enable_prefix_caching", "async_scheduling", "calculate_kv_scales", "warmup")[:3 + (
+                self.warmup is not None)]:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.attn_backend is not None and self.attn_backend not in ATTN_BACKENDS:

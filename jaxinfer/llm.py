@@ -66,7 +66,7 @@ class LLM(PoolingRefused, EngineControlRefused):
 
         def load(placement):                     # (called by create_engine, under the engine's JAX settings)
             return load_weights(path, model_config, config.dtype, config.seed or 0, placement,   # (presets)
-                                kv_scales=config.kv_cache_dtype != "auto")
+                                kv_scales=config.kv_cache_dtype != "auto" and not config.calculate_kv_scales)
         eos = eos_ids(self.tokenizer, self.model_config.eos_token_id + folder_eos_ids(generation_config))
         # max_model_len unset (or -1): the model's, capped by the KV pool (vLLM: only for -1; unset, it refuses)
         with engine_numerics():                  # a user's JAX settings stay theirs (executables.engine_numerics)

@@ -173,6 +173,22 @@ def test_checkpoint_scales_are_used(tiny_dir, tmp_path):
         LLM(bad, **FP8)
 
 
+def test_calculate_kv_scales_computes_them_even_over_the_checkpoints(tiny_dir, tmp_path):
+    """vLLM's `calculate_kv_scales=True` (its fp8 KV cache example): the scales are computed (the weights' bound)
+    even where the checkpoint has some; also a CLI flag. A non-bool is a ValueError naming it."""
+    path = _with_scale_tensors(tiny_dir, str(tmp_path / "scaled"), 2)
+    p = LLM(path, **FP8, calculate_kv_scales=True).engine.runner.params
+    want = LLM(tiny_dir, **FP8).engine.runner.params                  # (no scales in it: the bound)
+    for w in ("k_scale", "v_scale"):
+        np.testing.assert_allclose(np.asarray(p[w]), np.asarray(want[w]), rtol=1e-6)
+    assert not np.allclose(np.asarray(p["k_scale"])[:, 0], [0.01, 0.02])
+    with pytest.raises(ValueError, match="calculate_kv_scales='yes' must be True or False"):
+        LLM(tiny_dir, **FP8, calculate_kv_scales="yes")
+    from jaxinfer.cli import build_parser, engine_kwargs
+    a = build_parser().parse_args(["generate", "--kv-cache-dtype", "fp8", "--calculate-kv-scales"])
+    assert engine_kwargs(a)["calculate_kv_scales"] is True
+
+
 @pytest.mark.parametrize("name, shape", [("self_attn.attn.{w}_scale", (1,)), ("self_attn.{w}_proj.{w}_scale", ()),
                                          ("self_attn.{w}_proj.output_scale", (1,)), ("self_attn.kv_scale", ())])
 def test_checkpoint_scales_under_every_name_vllm_reads(tiny_dir, tmp_path, name, shape):

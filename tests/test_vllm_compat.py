@@ -144,8 +144,7 @@ def test_vllm_options_that_describe_jaxinfer():
               task="generate", pipeline_parallel_size=1, max_num_seqs=4, runner="generate", convert="none",
               compilation_config={"level": 3}, disable_custom_all_reduce=True, cpu_offload_gb=0,
               tokenizer_revision=None, logprobs_mode="raw_logprobs", enable_lora=False, max_lora_rank=16,
-              distributed_executor_backend="mp", scheduling_policy="fcfs", served_model_name="my-model",
-              calculate_kv_scales=False)
+              distributed_executor_backend="mp", scheduling_policy="fcfs", served_model_name="my-model")
     pop_vllm_options(kw)                                  # (runner / convert: vLLM's names for task since 2025)
     assert kw == {"max_num_seqs": 4}
     pop_vllm_options(dict(compilation_config=None, cpu_offload_gb=0.0))
@@ -158,7 +157,6 @@ def test_vllm_options_that_describe_jaxinfer():
                       (dict(pipeline_parallel_size=2), "pipeline_parallel_size=1"),
                       (dict(distributed_executor_backend="ray"), "'mp' or 'uni' or 'external_launcher'"),
                       (dict(scheduling_policy="priority"), "scheduling_policy='fcfs'"),
-                      (dict(calculate_kv_scales=True), "calculate_kv_scales=False"),
                       (dict(served_model_name=3), "served_model_name=3 must be a str or list")]:
         with pytest.raises(ValueError, match=word):
             pop_vllm_options(bad)
