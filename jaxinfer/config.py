@@ -213,6 +213,9 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r} must be a non-empty list of positive integers")
             object.__setattr__(self, name, tuple(sorted(set(v))))
         if self.resolved:
+            if (k := self.num_scheduler_steps) and k > self.max_model_len:   # (also after the KV pool capped it)
+                raise ValueError(f"num_scheduler_steps={k} is more than max_model_len={self.max_model_len} (the KV "
+                                 f"pool's blocks x block_size, if less): no request could use it")
             if max(self.decode_buckets) < self.max_num_seqs:
                 raise ValueError(f"decode_buckets={self.decode_buckets} do not reach max_num_seqs={self.max_num_seqs}")
             if max(self.prefill_buckets) < self.max_num_batched_tokens:
@@ -258,8 +261,6 @@ class EngineConfig:
         if mml > model.max_length:
             raise ValueError(f"max_model_len={mml} exceeds the model's longest context, {model.max_length} "
                              f"(max_position_embeddings; with rope scaling, the trained length times its factor)")
-        if (k := self.num_scheduler_steps) and k > mml:        # (its warm-up would compile a call no request uses)
-            raise ValueError(f"num_scheduler_steps={k} is more than max_model_len={mml}: no request could use it")
         seqs = self.max_num_seqs or kw["max_num_seqs"]
         tokens = self.max_num_batched_tokens or kw["max_num_batched_tokens"]
         backend = BACKEND_DEFAULTS.get(self.attn_backend or kw["attn_backend"], BACKEND_DEFAULTS["pallas"])

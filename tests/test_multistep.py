@@ -200,6 +200,18 @@ def test_bad_num_scheduler_steps(tiny_dir, k, words):
         LLM(tiny_dir, **{**BASE, "num_scheduler_steps": k})
 
 
+def test_steps_past_a_max_model_len_the_kv_pool_capped(tiny_dir):
+    """max_model_len left to the KV pool (3 blocks of 4: 12 tokens): an explicit K above it is refused as an
+    explicit max_model_len is; the automatic Ks above it are not compiled (no request could use them)."""
+    pool = {**BASE, "block_size": 4, "num_kvcache_blocks": 3}
+    pool.pop("max_model_len", None)
+    with pytest.raises(ValueError, match="num_scheduler_steps=64 is more than max_model_len=12"):
+        LLM(tiny_dir, **pool, num_scheduler_steps=64)
+    for backend, ks in (("xla", ()), ("pallas", (4,))):
+        llm = LLM(tiny_dir, **pool, attn_backend=backend, num_scheduler_steps=None)
+        assert llm.config.max_model_len == 12 and llm.engine.runner.multistep_ks() == ks
+
+
 def test_no_compilation_after_warmup(tiny_dir):
     """Warm-up compiles every variant (K = 1 and the K-step ones), runs each once and two tiny requests:
     afterwards no K, sampling variant or batch size compiles anything."""

@@ -152,10 +152,10 @@ class ModelRunner:
                       for K in self.multistep_ks() for f in (False, "top_k")]
 
     def multistep_ks(self) -> tuple[int, ...]:
-        """Steps per call compiled: num_scheduler_steps, or MULTISTEP_KS (auto; xla the largest alone: warm-up)."""
-        n = self.engine.num_scheduler_steps
-        auto = MULTISTEP_KS[-1:] if self.engine.attn_backend == "xla" else MULTISTEP_KS
-        return auto if n is None else (() if n == 1 else (n,))
+        """Steps per call compiled: num_scheduler_steps, or MULTISTEP_KS (auto; xla the largest alone: warm-up) up to
+        max_model_len (a longer K could never run)."""
+        n, auto = self.engine.num_scheduler_steps, MULTISTEP_KS[-(self.engine.attn_backend == "xla"):]
+        return tuple(k for k in auto if k <= self.engine.max_model_len) if n is None else (() if n == 1 else (n,))
 
     def multistep_buckets(self) -> tuple[int, ...]:
         explicit = self.engine.num_scheduler_steps is not None     # (as vLLM's multi-step: every decode bucket)
