@@ -94,14 +94,15 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str, hf_overrides: dict | None = None) -> "ModelConfig":
-        """From path/config.json (and generation_config.json's EOS ids), vLLM's `hf_overrides` replacing its fields."""
+        """From path/config.json (EOS ids: generation_config.json's, if any), with vLLM's `hf_overrides` applied."""
         if not os.path.isfile(cfg := os.path.join(path, "config.json")):
             raise FileNotFoundError(f"model directory {path!r} does not exist" if not os.path.isdir(path) else
                                     f"{cfg!r} is missing: a checkpoint directory needs config.json")
         d, gen = with_overrides(read_json(cfg), hf_overrides), os.path.join(path, "generation_config.json")
-        if os.path.isfile(gen):     # its EOS ids end generation too (HF's generate, vLLM): Qwen3 lists <|endoftext|>
-            g = read_json(gen, broken={})     # (broken: LLM's sampling defaults name it, but not for "vllm")
-            d = {**d, "eos_token_id": [d.get("eos_token_id"), g.get("eos_token_id")]}   # (flattened)
+        g = read_json(gen, broken={}) if os.path.isfile(gen) else {}    # (broken: LLM's sampling defaults name it)
+        if (ids := g.get("eos_token_id")) is not None:    # its EOS ids replace config.json's (HF's generate, vLLM;
+            own = "eos_token_id" in (hf_overrides if isinstance(hf_overrides, dict) else {})   # Qwen3 lists
+            d = {**d, "eos_token_id": [d["eos_token_id"] if own else None, ids]}   # <|endoftext|>), an override's stay
         try:
             return cls.from_dict(d, name=os.path.basename(os.path.normpath(path)))
         except KeyError as e:

@@ -63,8 +63,9 @@ def test_missing_config(ckpt):
 
 
 def test_generation_config_eos_ids_end_generation(ckpt):
-    """generation_config.json's eos_token_id add to config.json's (as in HF's generate and vLLM): Qwen3 lists
-    <|endoftext|> only there. A broken one is a ValueError naming it at LLM() (not with generation_config="vllm")."""
+    """generation_config.json's eos_token_id replace config.json's (as in HF's generate and vLLM, which read
+    config.json's only without one): Qwen3 lists <|endoftext|> only there. A broken one is a ValueError naming it at
+    LLM() (not with generation_config="vllm")."""
     from helpers import TINY_ENGINE
 
     from jaxinfer import LLM, SamplingParams
@@ -74,7 +75,13 @@ def test_generation_config_eos_ids_end_generation(ckpt):
     with open(os.path.join(ckpt, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [free[3], *own]}, f)
     eos = ModelConfig.from_pretrained(ckpt).eos_token_id
-    assert eos == tuple(dict.fromkeys([*own, free[3]]))
+    assert eos == tuple(dict.fromkeys([free[3], *own]))
+    with open(os.path.join(ckpt, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": free[3]}, f)
+    assert ModelConfig.from_pretrained(ckpt).eos_token_id == (free[3],)                   # config.json's: not used
+    assert ModelConfig.from_pretrained(ckpt, {"eos_token_id": 9}).eos_token_id == (9, free[3])   # an override's: kept
+    with open(os.path.join(ckpt, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [free[3], *own]}, f)
     out = LLM(ckpt, **TINY_ENGINE).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12),
                                             use_tqdm=False)[0]
     end = next(i for i, t in enumerate(free) if t in eos)
