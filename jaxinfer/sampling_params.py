@@ -104,6 +104,8 @@ class SamplingParams:
         # A temperature past MAX_TEMPERATURE is MAX_TEMPERATURE: the same uniform draw, and float32 keeps it finite.
         object.__setattr__(self, "temperature", min(max(float(self.temperature), MIN_TEMPERATURE), MAX_TEMPERATURE)
                            if self.temperature else 0.0)
+        if self.temperature == 0.0:             # greedy: its filters reset, as vLLM's
+            [object.__setattr__(self, k, v) for k, v in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0))]
         if self.seed == -1:
             object.__setattr__(self, "seed", None)
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:

@@ -24,8 +24,9 @@ def test_sampling_params_take_numpy_numbers_and_keep_lists():
 
 
 def test_sampling_params_as_vllms_greedy_n_bool_logprobs_and_any_id_iterable():
-    """As vLLM's SamplingParams: n > 1 with greedy sampling is refused (also when set later); a bool logprobs is
-    the int it is (True: 1); stop_token_ids may be any iterable of ids (vLLM takes list(...) of it)."""
+    """As vLLM's SamplingParams: n > 1 with greedy sampling is refused (also when set later), and greedy resets
+    top_k / top_p / min_p; a bool logprobs is the int it is (True: 1); stop_token_ids may be any iterable of ids
+    (vLLM takes list(...) of it)."""
     with pytest.raises(ValueError, match="n=2 must be 1 when using greedy sampling"):
         SamplingParams(n=2, temperature=0)
     sp = SamplingParams(n=3)
@@ -35,6 +36,8 @@ def test_sampling_params_as_vllms_greedy_n_bool_logprobs_and_any_id_iterable():
     sp.n = 1
     assert sp.clone() == SamplingParams(temperature=0.0) and SamplingParams(n=3, temperature=1e-3).temperature == 0.01
     assert (SamplingParams(logprobs=True).logprobs, SamplingParams(prompt_logprobs=False).prompt_logprobs) == (1, 0)
+    g = SamplingParams(temperature=0, top_k=20, top_p=0.5, min_p=0.1)      # greedy: vLLM resets the filters
+    assert (g.top_k, g.top_p, g.min_p) == (0, 1.0, 0.0) and g == SamplingParams(temperature=0)
     assert SamplingParams(stop_token_ids={7}).stop_token_ids == [7] == SamplingParams(stop_token_ids=(7,)).stop_token_ids
     assert SamplingParams(stop_token_ids=iter([7, 8])).stop_token_ids == [7, 8]
     assert SamplingParams(stop_token_ids=np.array([7, 8])).stop_token_ids == [7, 8]
