@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from jaxinfer.model.rope import flag, hf_rope_scaling, number, rope_fields, with_overrides
-from jaxinfer.model.supported import check_supported
+from jaxinfer.model.supported import check_platform, check_supported
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32", "bf16": "bfloat16",
            "fp16": "float16", "half": "float16", "float": "float32"}
@@ -240,16 +240,7 @@ class EngineConfig:
 
     def resolve(self, platform: str, model: "ModelConfig") -> "EngineConfig":
         """Fill every None field for `platform` ("gpu" / "cpu") and `model` (max_model_len: the model's length)."""
-        if self.attn_backend in GPU_ONLY_BACKENDS:
-            what = GPU_ONLY_BACKENDS[self.attn_backend]
-            if platform != "gpu":
-                raise ValueError(f"attn_backend={self.attn_backend!r} needs a CUDA GPU (the engine runs {what} only "
-                                 f"on a GPU); JAX's platform here is {platform!r}: use 'xla' or 'pallas'")
-            if self.kv_cache_dtype.startswith("fp8"):
-                raise ValueError(f"attn_backend={self.attn_backend!r} does not read an fp8 KV cache "
-                                 f"(kv_cache_dtype={self.kv_cache_dtype!r}): use 'pallas' or 'xla' for fp8")
-            if self.attn_backend == "mosaic" and self.block_size < 8:   # (its kernels' whole 8-row SMEM tiles)
-                raise ValueError(f"attn_backend='mosaic' needs block_size >= 8, got block_size={self.block_size}")
+        check_platform(self, platform)
         kw = {k: v for k, v in PLATFORM_DEFAULTS["gpu" if platform == "gpu" else "cpu"].items()
               if getattr(self, k) is None}
         if (self.dtype or kw.get("dtype")) == "auto":

@@ -23,6 +23,7 @@ from jaxinfer.engine.one_thread import OneThread, Stream, Window, recovering
 from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.generation_config import folder_eos_ids, sampling_defaults
 from jaxinfer.hub import load_weights, model_config_for
+from jaxinfer.model.supported import check_platform
 from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, completion, eos_ids, logprobs_of,
                                        metrics_of, prompt_logprobs_of, primary_eos, stop_reason, warm_up)
 from jaxinfer.outputs import CompletionOutput, RequestOutput
@@ -51,14 +52,15 @@ class LLM(PoolingRefused, EngineControlRefused):
         tokenizer, parser = pop_vllm_options(kwargs), kwargs.pop("reasoning_parser", None)     # (compat.py)
         hub = {k: kwargs.pop(k) for k in ("hf_overrides", "revision", "download_dir", "hf_token") if k in kwargs}
         requested = EngineConfig.from_kwargs(**kwargs)
+        check_platform(requested, jax.default_backend())     # before the model: a hub id may download its weights
+        if requested.attn_backend == "triton":    # (on a GPU) its packages and ptxas, before anything loads
+            from pallas_kernels._triton_ffi import check_ready
+            check_ready()
         path, model_config = model_config_for(model, **hub)
         self.default_sampling_params = sampling_defaults(path if os.path.isdir(path) else None, generation_config,
                                                          override_generation_config)
         self._default_params = SamplingParams(**self.default_sampling_params)
         config = requested.resolve(jax.default_backend(), model_config)
-        if config.attn_backend == "triton":       # (on a GPU) its packages and ptxas, before anything loads
-            from pallas_kernels._triton_ffi import check_ready
-            check_ready()
         self.model_config = model_config
         self.tokenizer = load_tokenizer(tokenizer or (path if os.path.isdir(path) else None), missing_ok=True)
         self._reasoning = reasoning_marks(parser, self.tokenizer)     # structured outputs wait for </think> (vLLM's)

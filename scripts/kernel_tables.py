@@ -18,12 +18,15 @@ def print_decode(rows):
           "through jax-triton's triton_call; fp8: the Pallas kernels on fp8 pages, TB/s = bytes actually read")
     names = [c for c, _ in DECODE_COLUMNS if any(r.get(c + "_s") for r in rows)]
     labels = dict(DECODE_COLUMNS)
+    plain = any(r.get("fp8_qkv_plain_s") for r in rows)          # (only when named in --impls)
     print(f"{'B':>4} {'ctx':>5} | " + " ".join(f"{labels[c]:>9}" for c in names) + " | "
-          + " ".join(f"{labels[c][:6]:>6}" for c in names) + f" | {'%copy':>5} | {'fp8':>9} {'fp8 eng':>9}")
+          + " ".join(f"{labels[c][:6]:>6}" for c in names) + f" | {'%copy':>5} | {'fp8':>9} {'fp8 eng':>9}"
+          + (f" {'eng plain':>9}" if plain else ""))
     for r in rows:
         print(f"{r['batch']:>4} {r['ctx']:>5} | " + " ".join(us(r.get(c + "_s")) for c in names) + " | "
               + " ".join(f"{r.get(c + '_tbps') or 0:6.2f}" for c in names)
-              + f" | {r.get('pct_copy_bw', 0):4.0f}% | {us(r.get('fp8_s'))} {us(r.get('fp8_qkv_s'))}")
+              + f" | {r.get('pct_copy_bw', 0):4.0f}% | {us(r.get('fp8_s'))} {us(r.get('fp8_qkv_s'))}"
+              + (f" {us(r.get('fp8_qkv_plain_s'))}" if plain else ""))
 
 
 def print_prefill(rows):

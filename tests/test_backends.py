@@ -113,7 +113,7 @@ def test_cudnn_backend_in_the_engine_through_xla(tiny_dir, monkeypatch):
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's error: this machine has a GPU")
-@pytest.mark.parametrize("backend", ["cudnn", "triton"])
+@pytest.mark.parametrize("backend", ["cudnn", "triton", "mosaic"])
 def test_gpu_only_backend_on_cpu_is_a_clear_error(tiny_dir, backend):
     with pytest.raises(ValueError, match=rf"attn_backend='{backend}' needs a CUDA GPU.*'xla' or 'pallas'"):
         LLM(tiny_dir, attn_backend=backend, **TINY_ENGINE)
@@ -124,6 +124,18 @@ def test_gpu_only_backend_on_cpu_is_a_clear_error(tiny_dir, backend):
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's error: this machine has a GPU")
+def test_gpu_only_backend_refused_before_the_model_is_resolved(monkeypatch):
+    """A hub id is downloaded (weights included) when the model is resolved: the refusal comes first."""
+    import jaxinfer.hub
+
+    def no_download(*a, **k):
+        raise AssertionError("resolved (maybe downloaded) the model before refusing the backend")
+    monkeypatch.setattr(jaxinfer.hub, "resolve_model", no_download)
+    with pytest.raises(ValueError, match="attn_backend='cudnn' needs a CUDA GPU"):
+        LLM("Qwen/Qwen3-32B", attn_backend="cudnn")
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's error: this machine has a GPU")
 def test_triton_prefill_on_cpu_is_a_clear_error():
     from pallas_kernels.triton_prefill import triton_prefill
     q, k, v, tables, cu, lens = prefill_case(PREFILL_CASES[0], jnp.bfloat16)
@@ -131,7 +143,7 @@ def test_triton_prefill_on_cpu_is_a_clear_error():
         triton_prefill(q, k, v, tables, cu, lens)
 
 
-@pytest.mark.parametrize("backend", ["cudnn", "triton"])
+@pytest.mark.parametrize("backend", ["cudnn", "triton", "mosaic"])
 def test_gpu_only_backend_refuses_fp8_cache(tiny_dir, backend):
     model = ModelConfig.from_pretrained(tiny_dir)
     with pytest.raises(ValueError, match=rf"attn_backend='{backend}' does not read an fp8 KV cache"):

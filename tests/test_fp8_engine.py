@@ -190,6 +190,7 @@ def test_calculate_kv_scales_computes_them_even_over_the_checkpoints(tiny_dir, t
 
 
 @pytest.mark.parametrize("name, shape", [("self_attn.attn.{w}_scale", (1,)), ("self_attn.{w}_proj.{w}_scale", ()),
+                                         ("self_attn.qkv_proj.{w}_scale", (1,)),
                                          ("self_attn.{w}_proj.output_scale", (1,)), ("self_attn.kv_scale", ())])
 def test_checkpoint_scales_under_every_name_vllm_reads(tiny_dir, tmp_path, name, shape):
     """The other names vLLM loads a layer's scales under (its own with attn., ModelOpt's k_proj.k_scale,

@@ -4,9 +4,10 @@ A cache value c (float8_e4m3fn) stands for c * scale (vLLM's convention; pallas_
 per layer, one for k and one for v, kept in the params pytree as `k_scale`, `v_scale` [L, 1] float32
 (replicated under tensor parallelism). They come from, in order:
 
-1. the checkpoint, when it has them under a name vLLM reads: `model.layers.N.self_attn.k_scale` / `v_scale`
-   (also under `self_attn.attn.`), ModelOpt's `k_proj.k_scale` / `v_proj.v_scale`, compressed-tensors'
-   (llm-compressor's) `k_proj.output_scale` / `v_proj.output_scale`, or the old `self_attn.kv_scale` for both;
+1. the checkpoint, when it has them under a name vLLM reads: `model.layers.N.self_attn.k_scale` / `v_scale` (also
+   under `self_attn.attn.`), ModelOpt's `k_proj.k_scale` / `v_proj.v_scale` (fused: `qkv_proj.k_scale`),
+   compressed-tensors' (llm-compressor's) `k_proj.output_scale` / `v_proj.output_scale`, or the old
+   `self_attn.kv_scale` for both;
 2. otherwise a bound computed from the weights, which no activation can exceed (so nothing is ever clipped):
    * k: Qwen3 RMS-normalises each k head (k_norm) before RoPE. A normalised head n has sum(n^2) <= D, so after
      the weight w, |n_i w_i| <= sqrt(D) max|w|, and RoPE only rotates pairs (i, i + D/2), whose joint length
@@ -40,7 +41,8 @@ BOUND_MARGIN = 1.03
 # get_cache_scale), first found wins: its own (plain and attn.), ModelOpt's, compressed-tensors' (llm-compressor's
 # output_scale), and the deprecated kv_scale that vLLM uses for both k and v
 _CHECKPOINT_NAMES = {w: (f"self_attn.{w}", f"self_attn.attn.{w}", f"self_attn.{w[0]}_proj.{w}",
-                         f"self_attn.{w[0]}_proj.output_scale", "self_attn.kv_scale") for w in ("k_scale", "v_scale")}
+                         f"self_attn.qkv_proj.{w}", f"self_attn.{w[0]}_proj.output_scale", "self_attn.kv_scale")
+                     for w in ("k_scale", "v_scale")}
 
 
 def kv_cache_dtype(name: str, model_dtype) -> jnp.dtype:

@@ -1,5 +1,6 @@
 """What config.json may ask for: Qwen3 dense causal LMs whose every layer attends in full, with unquantized
-weights. Anything else is a ValueError naming the field (ModelConfig.from_dict calls `check_supported`)."""
+weights. Anything else is a ValueError naming the field (ModelConfig.from_dict calls `check_supported`). Also what
+an engine configuration can run on a platform (`check_platform`)."""
 
 
 def check_supported(d: dict) -> None:
@@ -39,3 +40,19 @@ def quantized_weights(q) -> bool:
     if not q:
         return False
     return not (isinstance(q, dict) and q.get("quant_method") == "compressed-tensors" and not q.get("config_groups"))
+
+
+def check_platform(c, platform: str) -> None:
+    """An EngineConfig's checks that need no model: a GPU-only backend off a GPU, or with what it cannot read.
+    LLM() runs them before it resolves (and maybe downloads) the model, so a refusal costs no download."""
+    from jaxinfer.config import GPU_ONLY_BACKENDS
+    if c.attn_backend in GPU_ONLY_BACKENDS:
+        what = GPU_ONLY_BACKENDS[c.attn_backend]
+        if platform != "gpu":
+            raise ValueError(f"attn_backend={c.attn_backend!r} needs a CUDA GPU (the engine runs {what} only "
+                             f"on a GPU); JAX's platform here is {platform!r}: use 'xla' or 'pallas'")
+        if c.kv_cache_dtype.startswith("fp8"):
+            raise ValueError(f"attn_backend={c.attn_backend!r} does not read an fp8 KV cache "
+                             f"(kv_cache_dtype={c.kv_cache_dtype!r}): use 'pallas' or 'xla' for fp8")
+        if c.attn_backend == "mosaic" and c.block_size < 8:   # (its kernels' whole 8-row SMEM tiles)
+            raise ValueError(f"attn_backend='mosaic' needs block_size >= 8, got block_size={c.block_size}")
