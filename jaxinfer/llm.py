@@ -27,6 +27,7 @@ from jaxinfer.model.supported import check_platform
 from jaxinfer.output_processor import (OutputProcessor, TextDelta, TokenTexts, completion, eos_ids, logprobs_of,
                                        metrics_of, prompt_logprobs_of, primary_eos, stop_reason, warm_up)
 from jaxinfer.outputs import CompletionOutput, RequestOutput
+from jaxinfer.parallel.agree import same_requests
 from jaxinfer.prompts import Prompt, truncate
 from jaxinfer.sampling_params import SamplingParams, per_prompt
 from jaxinfer.structured import reasoning_marks, reasoning_wait
@@ -52,10 +53,7 @@ class LLM(PoolingRefused, EngineControlRefused):
         tokenizer, parser = pop_vllm_options(kwargs), kwargs.pop("reasoning_parser", None)     # (compat.py)
         hub = {k: kwargs.pop(k) for k in ("hf_overrides", "revision", "download_dir", "hf_token") if k in kwargs}
         requested = EngineConfig.from_kwargs(**kwargs)
-        check_platform(requested, jax.default_backend())     # before the model: a hub id may download its weights
-        if requested.attn_backend == "triton":    # (on a GPU) its packages and ptxas, before anything loads
-            from pallas_kernels._triton_ffi import check_ready
-            check_ready()
+        check_platform(requested, jax.default_backend(), ready=True)   # before the model (a hub id downloads it)
         path, model_config = model_config_for(model, **hub)
         self.default_sampling_params = sampling_defaults(path if os.path.isdir(path) else None, generation_config,
                                                          override_generation_config)
@@ -156,6 +154,7 @@ class LLM(PoolingRefused, EngineControlRefused):
     def _add(self, reqs, mine: Window) -> list[list[Sequence]]:
         """One sequence per sample (SamplingParams.for_sample); samples 1.. reuse sample 0's prompt KV (prefix cache,
         Sequence.waits_for_prompt). Callers hold `recovering(..., mine)`: a KeyboardInterrupt leaves none queued."""
+        same_requests(reqs)                       # several hosts: every process queues the same, in order
         groups = []
         for p, ids, sp in reqs:
             groups.append([])

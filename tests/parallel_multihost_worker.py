@@ -34,6 +34,11 @@ EXTRAS = SamplingParams(temperature=0.7, seed=4, max_tokens=6, ignore_eos=True, 
 top_p = llm.generate(prompts, TOP_P, use_tqdm=False)
 extras = llm.generate(prompts, EXTRAS, use_tqdm=False)
 st = llm.stats()
+try:      # process 1 queues another prompt 1: refused on both processes, naming it, before any step
+    llm.generate([prompts[0], [9, 9, 9]] if pid else prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    mismatch = ""
+except ValueError as e:
+    mismatch = str(e)
 try:      # dp = 2 would put a replica on one process only: refused on every process, before any collective
     LLM(path, data_parallel_size=2, dtype="float32", warmup=False)
     refused = ""
@@ -41,6 +46,7 @@ except ValueError as e:
     refused = str(e)
 with open(out, "w") as f:
     json.dump(dict(tokens=[o.token_ids for o in outs], top1=[o.token_ids for o in top1], refused=refused,
+                   mismatch=mismatch,
                    drawn=[o.token_ids for o in drawn], top_p=[o.token_ids for o in top_p],
                    extras=[o.token_ids for o in extras],
                    local_shards=[s.data.shape[0] for s in shards],

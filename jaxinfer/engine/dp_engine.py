@@ -17,6 +17,7 @@ over dp of them. `DPEngine` offers what `LLM`, the server and the benchmarks use
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -29,6 +30,7 @@ from jaxinfer.engine.sequence import Sequence
 from jaxinfer.model.attention import check_backend
 from jaxinfer.model.kv_scales import kv_cache_dtype
 from jaxinfer.parallel import Placement, make_placements, shared_seed
+from jaxinfer.parallel.agree import agree
 from jaxinfer.sampling_params import SamplingParams
 
 # stats that are the same for every replica, not summed (compilations are each replica's own: summed)
@@ -40,6 +42,10 @@ def create_engine(model: ModelConfig, config: EngineConfig, load: Callable[[Plac
     """The engine for `config.tensor_parallel_size` x `config.data_parallel_size` devices (the first ones).
     load(placement) -> params placed on that placement's devices (e.g. `load_params(..., placement=p)`).
     tokenizer: what requests' bad_words and structured choices are read with (LLMEngine.tokenizer)."""
+    # several hosts: the same options and model everywhere (else the collectives desynchronise), checked first
+    agree("LLM()", {**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)}, "eos": eos_token_ids,
+                    **{f"model.{f.name}": getattr(model, f.name) for f in dataclasses.fields(model)
+                       if f.name != "name"}})
     placements = make_placements(config.tensor_parallel_size, config.data_parallel_size)
     config = config.replace(seed=shared_seed(config.seed))       # several hosts: one engine seed for all
     placements[0].check(model)            # heads that do not divide: before any weight is read

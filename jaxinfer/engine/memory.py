@@ -107,6 +107,8 @@ def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype, stric
     mem = device_memory(device)
     if mem is not None:
         free = mem[0] * engine.gpu_memory_utilization - mem[1]
+        from jaxinfer.parallel.agree import min_over_processes     # several hosts: one pool size, the smallest
+        free = min_over_processes("KV pool sizing", int(free))
         blocks = int((free - headroom_bytes(engine)) // per_block)
         if blocks < (engine.max_blocks_per_seq if strict else 1):
             raise ValueError(f"after the weights, gpu_memory_utilization={engine.gpu_memory_utilization} leaves room "

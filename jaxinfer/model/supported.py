@@ -42,9 +42,9 @@ def quantized_weights(q) -> bool:
     return not (isinstance(q, dict) and q.get("quant_method") == "compressed-tensors" and not q.get("config_groups"))
 
 
-def check_platform(c, platform: str) -> None:
-    """An EngineConfig's checks that need no model: a GPU-only backend off a GPU, or with what it cannot read.
-    LLM() runs them before it resolves (and maybe downloads) the model, so a refusal costs no download."""
+def check_platform(c, platform: str, ready: bool = False) -> None:
+    """An EngineConfig's checks that need no model: a GPU-only backend off a GPU, or with what it cannot read (and,
+    `ready`, triton's packages and ptxas). LLM() runs them before it resolves (and maybe downloads) the model."""
     from jaxinfer.config import GPU_ONLY_BACKENDS
     if c.attn_backend in GPU_ONLY_BACKENDS:
         what = GPU_ONLY_BACKENDS[c.attn_backend]
@@ -56,3 +56,6 @@ def check_platform(c, platform: str) -> None:
                              f"(kv_cache_dtype={c.kv_cache_dtype!r}): use 'pallas' or 'xla' for fp8")
         if c.attn_backend == "mosaic" and c.block_size < 8:   # (its kernels' whole 8-row SMEM tiles)
             raise ValueError(f"attn_backend='mosaic' needs block_size >= 8, got block_size={c.block_size}")
+        if ready and c.attn_backend == "triton":
+            from pallas_kernels._triton_ffi import check_ready
+            check_ready()

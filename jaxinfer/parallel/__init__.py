@@ -19,17 +19,17 @@ Several hosts. Every host runs the same Python script, which first calls
     import jax
     jax.distributed.initialize(coordinator_address="host0:1234", num_processes=N, process_id=i)
 
-(on Slurm / TPU pods / with JAX_COORDINATOR_ADDRESS etc. set, plain `jax.distributed.initialize()`), then builds its
-`LLM`; the CLI and the server do not call it. `jax.devices()` then lists every host's devices and `make_placements`
-builds the mesh from that global list, so a tp group spans hosts (XLA uses NCCL across them). Every process runs
-every replica, so each replica needs devices on every process (`make_placements` refuses sizes that would not; for
-dp across hosts, run one LLM per host without jax.distributed). Each process runs the same scheduler on the same
+(on Slurm / Open MPI / TPU pods, which JAX detects, plain `jax.distributed.initialize()`), then builds its `LLM`;
+the CLI and the server do not call it. `jax.devices()` then lists every host's devices and `make_placements` builds
+the mesh from that global list, so a tp group spans hosts (XLA uses NCCL across them). Every process runs every
+replica, so each replica needs devices on every process (`make_placements` refuses sizes that would not; for dp
+across hosts, run one LLM per host without jax.distributed). Each process runs the same scheduler on the same
 requests, so every host packs the same batch and supplies it to its own devices (`Placement.put`); sampled ids are
 replicated, so each host reads its local copy. Requests must therefore reach every process in the same order
 (`LLM.generate` with the same prompts on every host does), and a seed=None engine takes process 0's seed
-(`shared_seed`); the library hand-rolls no RPC. On CPUs, `jax.config.update("jax_cpu_collectives_implementation",
-"gloo")` before `initialize` gives the collectives: tests/parallel_multihost_worker.py runs a tp=2 mesh over two
-processes that way.
+(`shared_seed`); `agree.py` checks that options and requests match (and sizes one KV pool for all). On CPUs,
+`jax.config.update("jax_cpu_collectives_implementation", "gloo")` before `initialize` gives the collectives:
+tests/parallel_multihost_worker.py runs a tp=2 mesh over two processes that way.
 """
 from jaxinfer.parallel.compat import shard_map
 from jaxinfer.parallel.layout import check_tp, kv_heads, padded_vocab

@@ -36,6 +36,12 @@ def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1"
     `ServerOptions.create()`, the API key from $JAXINFER_API_KEY or $VLLM_API_KEY)."""
     if not isinstance(api_server_count, int) or api_server_count < 1:
         raise ValueError(f"api_server_count={api_server_count!r} must be a positive integer")
+    from jax._src.distributed import global_state
+    if global_state.client is not None:     # (the engine core is a process of its own: it would see this host only)
+        raise ValueError("serve() does not span hosts: jax.distributed is initialized in this process, but the "
+                         "server's engine core is a process of its own that neither joins it nor shares requests "
+                         "between hosts; run one server per host without jax.distributed (-tp / -dp over that "
+                         "host's devices), or LLM.generate from the same script on every host")
     options = options if options is not None else ServerOptions.create()
     options, engine_kwargs = generation_config_to_both(options, engine_kwargs)
     name = served_model_name or model          # (a list: several names, the first in answers)
