@@ -252,8 +252,8 @@ def test_sampling_flags_default_to_the_generation_config():
     p = cli.build_parser()
     gen = cli.sampling(p.parse_args(["generate"]), qwen3)
     assert (gen.temperature, gen.top_k, gen.top_p, gen.max_tokens) == (0.6, 20, 0.95, 99)   # max_new_tokens too
-    mine = cli.sampling(p.parse_args(["generate", "--top-k", "5", "--temperature", "0", "--max-tokens", "7"]), qwen3)
-    assert (mine.temperature, mine.top_k, mine.top_p, mine.max_tokens) == (0.0, 5, 0.95, 7)
+    mine = cli.sampling(p.parse_args(["generate", "--top-k", "5", "--temperature", "0.5", "--max-tokens", "7"]), qwen3)
+    assert (mine.temperature, mine.top_k, mine.top_p, mine.max_tokens) == (0.5, 5, 0.95, 7)
     plain = cli.sampling(p.parse_args(["generate"]), {})
     assert (plain.temperature, plain.top_k, plain.top_p, plain.max_tokens) == (0.0, 0, 1.0, 32)
     chat = cli.sampling(p.parse_args(["chat"]), {})
