@@ -34,6 +34,7 @@ EXTRAS = SamplingParams(temperature=0.7, seed=4, max_tokens=6, ignore_eos=True, 
 top_p = llm.generate(prompts, TOP_P, use_tqdm=False)
 extras = llm.generate(prompts, EXTRAS, use_tqdm=False)
 st = llm.stats()
+empty = llm.generate([], SamplingParams(max_tokens=2), use_tqdm=False)    # (nothing to compare: no false mismatch)
 try:      # process 1 queues another prompt 1: refused on both processes, naming it, before any step
     llm.generate([prompts[0], [9, 9, 9]] if pid else prompts, SamplingParams(max_tokens=2), use_tqdm=False)
     mismatch = ""
@@ -46,7 +47,7 @@ except ValueError as e:
     refused = str(e)
 with open(out, "w") as f:
     json.dump(dict(tokens=[o.token_ids for o in outs], top1=[o.token_ids for o in top1], refused=refused,
-                   mismatch=mismatch,
+                   mismatch=mismatch, empty=empty,
                    drawn=[o.token_ids for o in drawn], top_p=[o.token_ids for o in top_p],
                    extras=[o.token_ids for o in extras],
                    local_shards=[s.data.shape[0] for s in shards],

@@ -57,6 +57,7 @@ def test_two_processes_one_mesh(tmp_path, tiny_dir):
         assert g["top_p"] == top_p and g["extras"] == extras          # (tp=1's tokens)
         assert "replica 0 would run on devices [0] of process(es) [0] only" in g["refused"], g["refused"]
         assert "LLM.generate / stream differs between process" in g["mismatch"] and "prompt 1" in g["mismatch"]
+        assert g["empty"] == []
         assert g["local_shards"] == [g["vocab"] // 2] and g["blocks_returned"]
 
 

@@ -36,6 +36,11 @@ def _exchange(what: str, mine: str) -> list[str]:
             raise RuntimeError(f"jax.distributed: process {me} is at {what} but process {p} is at {tag}: every "
                                f"process must make the same LLM calls in the same order")
         every.append(value)
+    if n:          # every process has read round n - 1 (each wrote round n after): this process's key of it can go
+        try:
+            client.key_value_delete(f"jaxinfer/agree/{n - 1}/{me}")
+        except Exception:      # (a jaxlib without it: the keys only stay)
+            pass
     return every
 
 
@@ -45,7 +50,7 @@ def agree(what: str, fields: dict[str, object]) -> None:
     if jax.process_count() == 1:
         return
     names, mine = list(fields), [f"{zlib.crc32(repr(v).encode()):08x}" for v in fields.values()]
-    for p, theirs in enumerate(t.split(",") for t in _exchange(what, ",".join(mine))):
+    for p, theirs in enumerate(t.split(",") if t else [] for t in _exchange(what, ",".join(mine))):   # ("": none)
         differ = [k for k, a, b in zip(names, mine, theirs) if a != b]
         if len(theirs) != len(mine):
             differ.insert(0, f"the number of entries ({len(mine)} here, {len(theirs)} there)")
@@ -58,8 +63,11 @@ def agree(what: str, fields: dict[str, object]) -> None:
 def same_requests(reqs) -> None:
     """LLM.generate / stream / chat on several hosts: every process queues the same (prompt, ids, params) in order."""
     if jax.process_count() > 1:
+        from dataclasses import replace
+
         from jaxinfer.prompts import cache_salt
-        agree("LLM.generate / stream", {f"prompt {i}": (ids, sp, cache_salt(p, 0))
+        plain = lambda sp: replace(sp, extra_args=None) if sp.extra_args else sp   # noqa: E731 (unread; its objects'
+        agree("LLM.generate / stream", {f"prompt {i}": (ids, plain(sp), cache_salt(p, 0))      # reprs name addresses)
                                         for i, (p, ids, sp) in enumerate(reqs)})
 
 
