@@ -152,9 +152,9 @@ class ModelRunner:
                       for K in self.multistep_ks() for f in (False, "top_k")]
 
     def multistep_ks(self) -> tuple[int, ...]:
-        """Steps per call compiled: num_scheduler_steps, or MULTISTEP_KS (auto; xla the largest alone: warm-up) up to
-        max_model_len (a longer K could never run)."""
-        n, auto = self.engine.num_scheduler_steps, MULTISTEP_KS[-(self.engine.attn_backend == "xla"):]
+        """Steps per call compiled: num_scheduler_steps, or MULTISTEP_KS up to max_model_len (xla: the largest)."""
+        n, xla = self.engine.num_scheduler_steps, self.engine.attn_backend == "xla"
+        auto = MULTISTEP_KS[-1:] if xla else MULTISTEP_KS
         return tuple(k for k in auto if k <= self.engine.max_model_len) if n is None else (() if n == 1 else (n,))
 
     def multistep_buckets(self) -> tuple[int, ...]:
