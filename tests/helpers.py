@@ -1,6 +1,7 @@
 """Test helpers: tiny checkpoints (cached per session) and the HF transformers reference."""
 from __future__ import annotations
 
+import dis
 import os
 import sys
 
@@ -130,9 +131,29 @@ def interrupt_at_call(objs, at_call: int) -> None:
         obj.compile = interrupting(obj.compile)
 
 
+_EXITS: dict = {}
+
+
+def with_exit(frame) -> bool:
+    """Whether the line about to run is a `with` block's normal exit: its __exit__(None, None, None) call, which lies
+    outside the block's exception handler. CPython delivers no signal before that call (its first check is after
+    __exit__ returns), but a tracer raising there would skip __exit__ and leave, e.g., a lock held for good."""
+    code = frame.f_code
+    if code not in _EXITS:
+        ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "NOP")]
+        _EXITS[code] = set()
+        for k, first in enumerate(ins):         # ([SWAP 2: a `return` inside the block], None x3, __exit__'s call)
+            rest = [i.opname for i in ins[k:k + 6] if i.opname != "PRECALL"]
+            rest = rest[1:] if rest[:1] == ["SWAP"] else rest
+            nones = all(i.argval is None for i in ins[k:k + 6] if i.opname == "LOAD_CONST")
+            if rest[:4] == ["LOAD_CONST"] * 3 + ["CALL"] and nones:
+                _EXITS[code].add(first.offset)
+    return frame.f_lasti in _EXITS[code]
+
+
 class Interrupt:
     """sys.settrace hook: KeyboardInterrupt at the n-th line executed in jaxinfer's engine and facade code (or, with
-    `function`, in that function only)."""
+    `function`, in that function only; at the first line from there that is not a `with` block's exit)."""
 
     def __init__(self, n: int, function: str | None = None):
         self.n, self.function, self.count, self.where = n, function, 0, None
@@ -146,7 +167,7 @@ class Interrupt:
     def line(self, frame, event, arg):
         if event == "line":
             self.count += 1
-            if self.count == self.n:
+            if self.count >= self.n and not with_exit(frame):
                 sys.settrace(None)
                 self.where = f"{frame.f_code.co_name}:{frame.f_lineno}"
                 raise KeyboardInterrupt

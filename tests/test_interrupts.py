@@ -2,6 +2,8 @@
 queued, inside the block manager's allocate or free_seq, in a step's bookkeeping. Afterwards nothing may stay
 queued, every KV block must be free with a reference count of 0, and the next call must give a fresh LLM's tokens
 (a block freed twice was once handed to two sequences, silently corrupting both)."""
+import threading
+
 import pytest
 from helpers import TINY_ENGINE, Interrupt
 
@@ -31,6 +33,26 @@ def assert_clean(llm, where):
     assert st["kv_blocks_free"] == st["kv_blocks_total"], where
     assert all(b.ref_count == 0 for b in bm.blocks), (where, [b.ref_count for b in bm.blocks])
     assert all(bm.blocks[bid].hash == h for h, bid in bm.cached.items()), where
+
+
+def test_the_tracer_raises_where_a_real_ctrl_c_can_land():
+    """Not at a `with` block's exit (before its __exit__ call, outside its handler): raising there left a lock
+    held for good, and the engine's next step waited on it forever."""
+    lock = threading.Lock()
+
+    def locked_thrice():
+        with lock:
+            x = 1
+        with lock:
+            x += 1
+        with lock:
+            return x                # (its exit runs __exit__ before returning)
+    where = []
+    for n in range(1, 10):
+        where.append(Interrupt(n, "locked_thrice").run(locked_thrice))
+        assert not lock.locked(), where
+    first = locked_thrice.__code__.co_firstlineno
+    assert [w and int(w.split(":")[1]) - first for w in where] == [1, 2, 3, 3, 4, 5, 5, 6, None]
 
 
 @pytest.fixture(scope="module")

@@ -176,7 +176,8 @@ def test_a_second_signal_ends_the_drain_at_once(tiny_dir, jax_cache):
             proc.send_signal(signal.SIGINT)
         reasons, t0 = finish_reasons(url, "Stop", twice), t0[0]
         assert sorted(reasons) == list(range(200)) and "abort" in reasons.values()
-        assert proc.wait(timeout=60) == 0 and time.monotonic() - t0 < 4.5, "a second signal stops at once"
+        # (well under the drain's 30 s: a loaded 2-core CI machine once took 6 s to exit)
+        assert proc.wait(timeout=60) == 0 and time.monotonic() - t0 < 15, "a second signal stops at once"
         log = proc.stdout.read()
         assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
     finally:
