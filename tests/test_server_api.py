@@ -99,6 +99,12 @@ def test_completion_echo_only_scores_the_prompt(url, client, ref):
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
     assert [t for ch in chunks if ch.choices for t in ch.choices[0].logprobs.tokens] == c.logprobs.tokens
     assert chunks[-1].usage.completion_tokens == 0
+    full = [int(t) % 500 + 3 for t in range(128)]           # a prompt that fills max_model_len=128: scored, as vLLM
+    r = post(url + "/v1/completions",
+             json={"model": MODEL, "prompt": full, "max_tokens": 0, "echo": True, "logprobs": 0})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["tokens"]) == 128, r.text
+    r = post(url + "/v1/completions", json={"model": MODEL, "prompt": full, "max_tokens": 1, "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     # the dropped token's finish reason, as vLLM's: "stop" when it is a stop id (vLLM's check_stop looks at stop ids
     # before the length), streamed or not
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True, "temperature": 0,
@@ -271,8 +277,10 @@ def test_metrics(url, client):
     for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert m[f"jaxinfer:{h}_count" + lab] >= 1
     assert m['jaxinfer:request_success_total{finished_reason="length",model_name="tiny-qwen3"}'] >= 1
-    from jaxinfer.server.metrics import VLLM_NAMES             # the same numbers under vLLM's names (its dashboards)
-    twins, back = {k: v for k, v in m.items() if k.startswith("vllm:")}, {v: k for k, v in VLLM_NAMES.items()}
+    from jaxinfer.server.metrics import VLLM_NAMES, VLLM_OLD_NAMES   # the same numbers under vLLM's names
+    twins = {k: v for k, v in m.items() if k.startswith("vllm:")}
+    back = {v: k for t in (VLLM_NAMES, VLLM_OLD_NAMES) for k, v in t.items()}
+    assert m["vllm:gpu_cache_usage_perc" + lab] == m["vllm:kv_cache_usage_perc" + lab]     # (vLLM 0.8-0.10's name)
     for name, v in twins.items():
         base, brace, rest = name.removeprefix("vllm:").partition("{")
         stem = max((n for n in back if base.startswith(n)), key=len)

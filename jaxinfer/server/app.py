@@ -119,8 +119,8 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         beam.check(req)
         check_model(req.model)
         ids_list, params, param = [], [], "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"
-        keep = truncation(req, max_model_len, default_max_tokens)
-        encoded = await off_loop(lambda: [tokenize(p, keep, req.add_special_tokens, param) for p in prompts])
+        keep, scoring = truncation(req, max_model_len, default_max_tokens), streams.echo_only(req)   # (tokens.py)
+        encoded = await off_loop(lambda: [tokenize(p, keep, req.add_special_tokens, param, scoring) for p in prompts])
         for ids in encoded:
             sp = P.sampling_params(req, len(ids), max_model_len, default_max_tokens, logprobs, prompt_logprobs,
                                    pool_tokens=limits["num_blocks"] * limits["block_size"], defaults=defaults, cap=cap)

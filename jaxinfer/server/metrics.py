@@ -52,8 +52,14 @@ VLLM_NAMES = {"time_to_first_token_seconds": "time_to_first_token_seconds",
 N_BUCKETS = (1, 2, 5, 10, 20)
 
 
+# vLLM 0.8-0.10's names of the same numbers (renamed in 0.10.2 / 0.11; those releases' dashboards read them)
+VLLM_OLD_NAMES = {"kv_cache_usage_perc": "gpu_cache_usage_perc", "prefix_cache_hit_tokens": "gpu_prefix_cache_hits",
+                  "prefix_cache_query_tokens": "gpu_prefix_cache_queries",
+                  "inter_token_latency_seconds": "time_per_output_token_seconds"}
+
+
 def _names(name: str) -> list[str]:
-    return [P + name] + (["vllm:" + VLLM_NAMES[name]] if name in VLLM_NAMES else [])
+    return [P + name] + [f"vllm:{t[name]}" for t in (VLLM_NAMES, VLLM_OLD_NAMES) if name in t]
 
 
 def available() -> bool:

@@ -183,6 +183,7 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
     request leaves out (generation_config.py: its max_tokens only fills in); `cap`: generation_config.max_tokens_cap."""
     defaults, mct = defaults or {}, getattr(req, "max_completion_tokens", None)
     key, max_tokens = ("max_completion_tokens", mct) if mct is not None else ("max_tokens", req.max_tokens)
+    scoring = max_tokens == 0                 # (echo only: the token generated is dropped, so it needs no room)
     if max_tokens == 0:            # completions: echo only (streams.echo_only) runs one token and drops it
         if not getattr(req, "echo", False):
             raise RequestError("max_tokens=0 needs echo=true (the prompt's logprobs, nothing generated); "
@@ -193,7 +194,7 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
     if max_tokens is None:
         room = min(max_model_len, pool_tokens or max_model_len) - prompt_len
         max_tokens = max(1, min(room, defaults.get("max_tokens", room), cap or room))
-    elif prompt_len + max_tokens > max_model_len:
+    elif prompt_len + (0 if scoring else max_tokens) > max_model_len:
         raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
                            f"completion). Please reduce the prompt or {key}.", param=key,

@@ -52,10 +52,12 @@ def truncation(req, max_model_len: int, default_max_tokens: int | None) -> int |
 
 def prompt_encoder(tokenizer, max_model_len: int):
     """tokenize(prompt, keep, special, param) -> a request's prompt ids (a text encoded, ids as given), truncated to
-    its last `keep` (truncate_prompt_tokens), or a 400 naming `param`: empty, or no room left to generate."""
+    its last `keep` (truncate_prompt_tokens), or a 400 naming `param`: empty, or no room left to generate (`scoring`,
+    an echo-only request, which drops the token it generates: the prompt may fill max_model_len, as in vLLM)."""
     char_limit = prompt_char_limit(tokenizer, max_model_len)
 
-    def tokenize(prompt, keep: int | None = None, special: bool = False, param: str = "prompt") -> list[int]:
+    def tokenize(prompt, keep: int | None = None, special: bool = False, param: str = "prompt",
+                 scoring: bool = False) -> list[int]:
         if keep == 0:
             raise P.RequestError("truncate_prompt_tokens=0 would leave no prompt: give k >= 1, or -1",
                                  param="truncate_prompt_tokens")
@@ -69,7 +71,7 @@ def prompt_encoder(tokenizer, max_model_len: int):
             raise P.RequestError(str(e), param="truncate_prompt_tokens") from None
         if not ids:
             raise P.RequestError("the prompt is empty", param=param)
-        if len(ids) >= max_model_len:
+        if len(ids) > max_model_len or len(ids) == max_model_len and not scoring:
             raise P.RequestError(f"This model's maximum context length is {max_model_len} tokens; the prompt has "
                                  f"{len(ids)} tokens and leaves no room to generate.", param=param,
                                  code="context_length_exceeded")
