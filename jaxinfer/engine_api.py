@@ -7,12 +7,12 @@
             if out.finished:
                 print(out.request_id, out.outputs[0].text)
 
-Request ids are the caller's (vLLM: strings), prompts take every form `generate` takes, and an output holds
-what `SamplingParams.output_kind` asks: everything so far (vLLM's default, CUMULATIVE), only what is new
-(DELTA), or only the finished request (FINAL_ONLY); a kind is given as vLLM's enum, its name or its value.
-Stop strings, n samples, logprobs and prompt logprobs behave as in `generate`. `abort_request` ends requests
-and frees their KV blocks at once (they yield no further output). What it does not define it takes from the
-engine below (`stats()`, `block_manager`, `scheduler`, `warmup_extras`, ...).
+Request ids are the caller's (vLLM: strings), prompts take every form `generate` takes, and an output holds what
+`SamplingParams.output_kind` asks: everything so far (vLLM's default, CUMULATIVE), only what is new (DELTA), or only
+the finished request (FINAL_ONLY); a kind is given as vLLM's enum, its name or its value. Stop strings, n samples,
+logprobs and prompt logprobs behave as in `generate`. `abort_request` ends requests and frees their KV blocks at once
+(they yield no further output). What it does not define it takes from the engine below (`stats()`, `block_manager`,
+`scheduler`, `warmup_extras`, ...).
 
 As vLLM's, it can be made without an LLM in hand: `LLMEngine.from_engine_args(EngineArgs(model, **options))`
 (both importable from jaxinfer; `EngineArgs.add_cli_args(parser)` / `from_cli_args(args)` are the engine flags of
@@ -75,8 +75,7 @@ def request_ids(request_id) -> list:
         ids = [int(r) if isinstance(r, Integral) and not isinstance(r, bool) else r
                for r in ([request_id] if one else request_id)]
     except TypeError:
-        raise ValueError(f"request_id must be a string, an int or an iterable of them, got {request_id!r:.80}") \
-            from None
+        raise ValueError(f"request_id must be a str, an int or an iterable of them, got {request_id!r:.80}") from None
     for rid in ids:
         check_id(rid)
     return ids
@@ -137,15 +136,20 @@ class EngineAPI:
             raise ValueError(f"add_request takes one prompt, got a list of {len(prompt)} (add one request each)")
         if params is not None and not hasattr(params, "n"):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.80}")
-        kind = output_kind(params or self._llm.get_default_sampling_params())
-        with self._llm._one_thread(), recovering(self._llm.engine, [], mine := Window()):   # (Ctrl-C: none left)
-            try:
-                [(p, ids, sp)] = self._llm._prepare([prompt], params, tokenization_kwargs)
-            except ValueError as e:           # (it names the prompt by its place in a list of one: name the request)
-                raise ValueError(str(e).replace("prompt 0", f"request {request_id!r}", 1)) from None
-            [group] = self._llm._add([(p, ids, sp)], mine)
-            self._requests[request_id] = _Request(request_id, p, ids, group, kind, text=[""] * len(group),
-                                                  ids=list([] for _ in group))
+        added, kind = None, output_kind(params or self._llm.get_default_sampling_params())
+        try:       # (an exception, even a Ctrl-C as the `with` blocks exit, leaves nothing queued)
+            with self._llm._one_thread(), recovering(self._llm.engine, [], mine := Window()):
+                try:
+                    [(p, ids, sp)] = self._llm._prepare([prompt], params, tokenization_kwargs)
+                except ValueError as e:       # (it names the prompt by its place in a list of one: name the request)
+                    raise ValueError(str(e).replace("prompt 0", f"request {request_id!r}", 1)) from None
+                [group] = self._llm._add([(p, ids, sp)], mine)
+                self._requests[request_id] = added = _Request(request_id, p, ids, group, kind, text=[""] * len(group),
+                                                              ids=list([] for _ in group))
+        except BaseException:
+            if added is not None and self._requests.get(request_id) is added:
+                self._abort(request_id)
+            raise
 
     def abort_request(self, request_id) -> None:
         """End one request or several (an iterable of ids) and free their KV blocks; unknown ids are ignored."""
@@ -174,25 +178,26 @@ class EngineAPI:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step (when there is work) and return the outputs of this API's requests that moved."""
-        with self._llm._one_thread(), recovering(self._llm.engine, []):   # (Ctrl-C: the requests go on, recomputed)
-            if self._llm.engine.has_unfinished():
-                self._llm._one_thread.steps += 1
-                self._llm.engine.step()
-            outputs, texts, saved = [], TokenTexts(self._llm.tokenizer), dict(self._requests)
-            sent = [(r, r.sent()) for r in saved.values()]
-            try:       # (an exception: nothing of this step counts as sent, the next step gives it)
+        saved, sent = self._requests, []
+        try:       # (an exception, even a Ctrl-C as the `with` blocks exit: nothing of this step counts as sent)
+            with self._llm._one_thread(), recovering(self._llm.engine, []):   # (Ctrl-C: the requests go on, recomputed)
+                if self._llm.engine.has_unfinished():
+                    self._llm._one_thread.steps += 1
+                    self._llm.engine.step()
+                outputs, texts, saved = [], TokenTexts(self._llm.tokenizer), dict(self._requests)
+                sent = [(r, r.sent()) for r in saved.values()]
                 for rid, req in saved.items():
                     out = self._output(req, texts)
                     if out is not None:
                         outputs.append(out)
                     if all(is_finished(s) and j in req.ended for j, s in enumerate(req.seqs)):
                         del self._requests[rid]
-            except BaseException:
-                self._requests = saved
-                for req, state in sent:
-                    req.text, req.ids, req.prompt_sent, req.cum, req.ended = state
-                raise
-            return outputs
+        except BaseException:
+            self._requests = saved                # (the next step gives them again: _output reads what was not sent)
+            for req, state in sent:
+                req.text, req.ids, req.prompt_sent, req.cum, req.ended = state
+            raise
+        return outputs
 
     def _output(self, req: _Request, texts: TokenTexts) -> RequestOutput | None:
         moved = []
@@ -228,10 +233,9 @@ class EngineAPI:
 
     def _completion(self, j, seq, start, text, ids, reason, req, texts) -> CompletionOutput:
         # (the cumulative logprob counts every token so far: a delta adds its rows to the running sum)
-        lps, cum = logprobs_of(seq, start, ids, texts, req.cum.get(j, 0.0) if start else 0.0)
-        req.cum[j] = cum
+        lps, req.cum[j] = logprobs_of(seq, start, ids, texts, req.cum.get(j, 0.0) if start else 0.0)
         stop = None if reason is None else stop_reason(seq, req.procs.get(seq.seq_id), *self._llm._eos)
-        return CompletionOutput(j, text, list(ids), cum, lps, reason, stop)
+        return CompletionOutput(j, text, list(ids), req.cum[j], lps, reason, stop)
 
 
 class ModelConfigView:

@@ -153,15 +153,18 @@ def with_exit(frame) -> bool:
 
 class Interrupt:
     """sys.settrace hook: KeyboardInterrupt at the n-th line executed in jaxinfer's engine and facade code (or, with
-    `function`, in that function only; at the first line from there that is not a `with` block's exit)."""
+    `function`, in that function only, and with `caller`, only where a frame of that file calls it; at the first
+    line from there that is not a `with` block's exit)."""
 
-    def __init__(self, n: int, function: str | None = None):
-        self.n, self.function, self.count, self.where = n, function, 0, None
+    def __init__(self, n: int, function: str | None = None, caller: str | None = None):
+        self.n, self.function, self.caller, self.count, self.where = n, function, caller, 0, None
 
     def call(self, frame, event, arg):
         code = frame.f_code
         mine = code.co_name == self.function if self.function else \
             any(p in code.co_filename for p in ("jaxinfer/engine/", "jaxinfer/llm.py", "jaxinfer/output_processor"))
+        if self.caller is not None:         # (only the calls from that file: e.g. its `with` blocks' __exit__)
+            mine = mine and frame.f_back is not None and frame.f_back.f_code.co_filename.endswith(self.caller)
         return self.line if mine else None
 
     def line(self, frame, event, arg):

@@ -131,6 +131,37 @@ def api_tokens(llm, tag):
     return [[got[(f"{tag}{i}", j)] for j in range(p.n)] for i, p in enumerate(PARAMS)]
 
 
+@pytest.mark.parametrize("function, caller", [("__exit__", "engine_api.py"), ("recovering", None)])
+def test_a_ctrl_c_as_the_engine_apis_calls_leave_their_with_blocks(tiny_dir, want, function, caller):
+    """A real Ctrl-C can land in contextlib's exits of step()'s `with` blocks, after the step's outputs were made and
+    finished requests dropped (their last outputs were lost: a loop that caught it and stepped on never saw them
+    finish), and in add_request's (an exception there now always leaves nothing queued)."""
+    llm = LLM(tiny_dir, **KW)
+    api = llm.llm_engine
+    for n in range(1, 7):
+        where = Interrupt(n, function, caller).run(lambda: api.add_request(f"a{n}", PROMPTS[0], PARAMS[0]))
+        assert where is None or not api.has_unfinished_requests(), (where, api.get_num_unfinished_requests())
+        api.abort_request(f"a{n}")
+        for kind in ("CUMULATIVE", "DELTA"):
+            got, done = {}, set()
+            for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS)):
+                api.add_request(f"{kind}{n}.{i}", p, SamplingParams(**{**sp.__dict__, "output_kind": kind}))
+            k = 0
+            while api.has_unfinished_requests():
+                k, outs = k + 1, []
+                # (every other step of the first 40: an interrupted recovery starts its requests over)
+                Interrupt(n, function, caller).run(lambda: outs.extend(api.step())) if k % 2 and k < 40 else \
+                    outs.extend(api.step())
+                for out in outs:
+                    done |= {out.request_id} if out.finished else set()
+                    for c in out.outputs:
+                        ids = got.setdefault((out.request_id, c.index), [])
+                        ids[:] = ids + list(c.token_ids) if kind == "DELTA" else list(c.token_ids)
+            assert done == {f"{kind}{n}.{i}" for i in range(len(PROMPTS))}, (function, n, kind)
+            assert [[got[(f"{kind}{n}.{i}", j)] for j in range(p.n)] for i, p in enumerate(PARAMS)] == want
+            assert_clean(llm, (function, n, kind))
+
+
 @pytest.mark.parametrize("function", ["on_dispatch", "launch", "finish_dispatch", "_apply", "postprocess"])
 def test_requests_that_outlive_an_interrupted_step_get_a_fresh_llms_tokens(tiny_dir, want, function):
     """The engine API keeps its requests across an interrupted `step()` (a notebook's Ctrl-C), and a stream keeps its
