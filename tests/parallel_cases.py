@@ -374,6 +374,36 @@ def test_a_replica_launch_that_fails_is_raised_and_loses_nothing(ckpts, tp1, pro
     assert run(dp, ps) == run(tp1, ps)
 
 
+def test_a_ctrl_c_between_the_launch_submits_waits_for_those_queued(ckpts, tp1, prompts, monkeypatch):
+    """dp=3: a Ctrl-C landing between the submits of replicas 1's and 2's launches left step() while replica 1's
+    still ran (its future was not listed yet); it is now waited for, and nothing is lost after."""
+    import time
+    dp = LLM(ckpts["gqa_v509"], data_parallel_size=3, num_scheduler_steps=1, **BASE)
+    ps = prompts * 3
+    assert run(dp, ps) == run(tp1, ps)                  # (and the launch pool is made)
+    r1, pool = dp.engine.replicas[1], dp.engine._pool
+    real1, real_submit, ended, calls = r1.launch, pool.submit, [], []
+
+    def launch1(plan):
+        time.sleep(0.3)
+        real1(plan)
+        ended.append(time.perf_counter())
+
+    def submit(fn, *args):
+        calls.append(fn)
+        if len(calls) == 4:                             # the second step's second submit
+            raise KeyboardInterrupt
+        return real_submit(fn, *args)
+    monkeypatch.setattr(r1, "launch", launch1)
+    monkeypatch.setattr(pool, "submit", submit)
+    with pytest.raises(KeyboardInterrupt):
+        dp.generate(ps, GREEDY, use_tqdm=False)
+    left = time.perf_counter()
+    assert len(calls) == 4 and len(ended) == 2 and ended[-1] <= left
+    monkeypatch.undo()
+    assert run(dp, ps) == run(tp1, ps)
+
+
 def test_a_ctrl_c_in_the_first_launch_waits_for_the_other_replicas(ckpts, tp1, prompts, monkeypatch):
     """Ctrl-C during replica 0's launch (this thread) while replica 1's launch (a pool thread) still runs: the
     interrupt leaves step() only once that launch is done (before, it left at once, and a launch still writing

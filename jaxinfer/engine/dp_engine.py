@@ -187,9 +187,10 @@ class DPEngine:
             return None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(len(self.replicas) - 1, thread_name_prefix="jaxinfer-dp-launch")
-        futures = [self._pool.submit(r.launch, p) for r, p in plans[1:]]
-        errors = []
-        try:
+        futures, errors = [], []
+        try:       # (the submits too: a Ctrl-C landing between them must still wait for those queued)
+            for r, p in plans[1:]:
+                futures.append(self._pool.submit(r.launch, p))
             plans[0][0].launch(plans[0][1])
         except BaseException as e:      # (Ctrl-C too) the other launches still finish and are recorded first:
             errors.append(e)            # one left running would write its masks while recovery resets the guides
