@@ -374,65 +374,63 @@ def test_a_replica_launch_that_fails_is_raised_and_loses_nothing(ckpts, tp1, pro
     assert run(dp, ps) == run(tp1, ps)
 
 
-def test_a_ctrl_c_between_the_launch_submits_waits_for_those_queued(ckpts, tp1, prompts, monkeypatch):
-    """dp=3: a Ctrl-C landing between the submits of replicas 1's and 2's launches left step() while replica 1's
-    still ran (its future was not listed yet); it is now waited for, and nothing is lost after."""
-    import time
-    dp = LLM(ckpts["gqa_v509"], data_parallel_size=3, num_scheduler_steps=1, **BASE)
-    ps = prompts * 3
-    assert run(dp, ps) == run(tp1, ps)                  # (and the launch pool is made)
-    r1, pool = dp.engine.replicas[1], dp.engine._pool
-    real1, real_submit, ended, calls = r1.launch, pool.submit, [], []
-
-    def launch1(plan):
-        time.sleep(0.3)
-        real1(plan)
-        ended.append(time.perf_counter())
-
-    def submit(fn, *args):
-        calls.append(fn)
-        if len(calls) == 4:                             # the second step's second submit
+def interrupting(real, calls: list, n: int):
+    """`real`, each call listed in `calls`: the n-th raises KeyboardInterrupt instead (a Ctrl-C landing there)."""
+    def call(*args):
+        calls.append(args)
+        if len(calls) == n:
             raise KeyboardInterrupt
-        return real_submit(fn, *args)
-    monkeypatch.setattr(r1, "launch", launch1)
-    monkeypatch.setattr(pool, "submit", submit)
+        return real(*args)
+    return call
+
+
+def slowed(real, ended: list):
+    """A replica's launch taking 0.3 s longer (as if still running in its pool thread), its end time listed."""
+    import time
+
+    def launch(plan):
+        time.sleep(0.3)
+        real(plan)
+        ended.append(time.perf_counter())
+    return launch
+
+
+def interrupted_then_same(dp, tp1, ps, monkeypatch, ended: list) -> None:
+    """dp.generate(ps) raises the KeyboardInterrupt only once the slowed launch ended (`ended`: its end times);
+    then, unpatched, it gives tp1's tokens."""
+    import time
     with pytest.raises(KeyboardInterrupt):
         dp.generate(ps, GREEDY, use_tqdm=False)
     left = time.perf_counter()
-    assert len(calls) == 4 and len(ended) == 2 and ended[-1] <= left
+    assert ended and ended[-1] <= left
     monkeypatch.undo()
     assert run(dp, ps) == run(tp1, ps)
+
+
+def test_a_ctrl_c_between_the_launch_submits_waits_for_those_queued(ckpts, tp1, prompts, monkeypatch):
+    """dp=3: a Ctrl-C landing between the submits of replicas 1's and 2's launches left step() while replica 1's
+    still ran (its future was not listed yet); it is now waited for, and nothing is lost after."""
+    dp = LLM(ckpts["gqa_v509"], data_parallel_size=3, num_scheduler_steps=1, **BASE)
+    ps = prompts * 3
+    assert run(dp, ps) == run(tp1, ps)                  # (and the launch pool is made)
+    r1, pool, calls, ended = dp.engine.replicas[1], dp.engine._pool, [], []
+    monkeypatch.setattr(r1, "launch", slowed(r1.launch, ended))
+    monkeypatch.setattr(pool, "submit", interrupting(pool.submit, calls, 4))     # (the second step's second submit)
+    interrupted_then_same(dp, tp1, ps, monkeypatch, ended)
+    assert len(calls) == 4 and len(ended) == 2
 
 
 def test_a_ctrl_c_in_the_first_launch_waits_for_the_other_replicas(ckpts, tp1, prompts, monkeypatch):
     """Ctrl-C during replica 0's launch (this thread) while replica 1's launch (a pool thread) still runs: the
     interrupt leaves step() only once that launch is done (before, it left at once, and a launch still writing
     its grammar masks raced the recovery's guide resets: a json row broke its schema). Nothing is lost after."""
-    import time
     dp = LLM(ckpts["gqa_v509"], data_parallel_size=2, num_scheduler_steps=1, **BASE)
-    r0, r1 = dp.engine.replicas
-    calls, ended = [], []
-    real0, real1 = r0.launch, r1.launch
-
-    def launch0(plan):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real0(plan)
-
-    def launch1(plan):
-        time.sleep(0.3)
-        real1(plan)
-        ended.append(time.perf_counter())
-    monkeypatch.setattr(r0, "launch", launch0)
-    monkeypatch.setattr(r1, "launch", launch1)
+    (r0, r1), calls, ended = dp.engine.replicas, [], []
+    monkeypatch.setattr(r0, "launch", interrupting(r0.launch, calls, 3))
+    monkeypatch.setattr(r1, "launch", slowed(r1.launch, ended))
     ps = prompts * 2
-    with pytest.raises(KeyboardInterrupt):
-        dp.generate(ps, GREEDY, use_tqdm=False)
-    left = time.perf_counter()
-    assert len(calls) == 3 and len(ended) == 3 and ended[-1] <= left
-    monkeypatch.undo()
-    assert run(dp, ps) == run(tp1, ps)
+    interrupted_then_same(dp, tp1, ps, monkeypatch, ended)
+    assert len(calls) == 3 and len(ended) == 3
 
 
 @pytest.mark.parametrize("at_call", [1, 4])
