@@ -150,7 +150,9 @@ def test_a_ctrl_c_as_the_engine_apis_calls_leave_their_with_blocks(tiny_dir, wan
             while api.has_unfinished_requests():
                 k, outs = k + 1, []
                 # (every other step of the first 40: an interrupted recovery starts its requests over)
-                Interrupt(n, function, caller).run(lambda: outs.extend(api.step())) if k % 2 and k < 40 else \
+                if k % 2 and k < 40:
+                    Interrupt(n, function, caller).run(lambda: outs.extend(api.step()))
+                else:
                     outs.extend(api.step())
                 for out in outs:
                     done |= {out.request_id} if out.finished else set()

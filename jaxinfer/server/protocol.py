@@ -184,7 +184,7 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
     defaults, mct = defaults or {}, getattr(req, "max_completion_tokens", None)
     key, max_tokens = ("max_completion_tokens", mct) if mct is not None else ("max_tokens", req.max_tokens)
     scoring = max_tokens == 0                 # (echo only: the token generated is dropped, so it needs no room)
-    if max_tokens == 0:            # completions: echo only (streams.echo_only) runs one token and drops it
+    if scoring:                    # completions: echo only (streams.echo_only) runs one token and drops it
         if not getattr(req, "echo", False):
             raise RequestError("max_tokens=0 needs echo=true (the prompt's logprobs, nothing generated); "
                                "else give max_tokens >= 1", param="max_tokens")
