@@ -420,6 +420,37 @@ def test_a_ctrl_c_between_the_launch_submits_waits_for_those_queued(ckpts, tp1, 
     assert len(calls) == 4 and len(ended) == 2
 
 
+def test_a_ctrl_c_inside_submit_after_the_launch_was_queued(ckpts, tp1, prompts, monkeypatch):
+    """A Ctrl-C landing inside `submit` once replica 1's launch is queued (as in the first dp step's Thread.start),
+    before step() lists its future: step() left while that launch could still run or start later. Now each launch
+    the step queued either ends before step() is left or never runs."""
+    import time
+    dp = LLM(ckpts["gqa_v509"], data_parallel_size=2, num_scheduler_steps=1, **BASE)
+    ps = prompts * 2
+    assert run(dp, ps) == run(tp1, ps)                  # (and the launch pool is made)
+    r1, pool, started, ended = dp.engine.replicas[1], dp.engine._pool, [], []
+    real_submit, real_launch, submits = pool.submit, r1.launch, []
+
+    def launch(plan):
+        started.append(time.perf_counter())
+        slowed(real_launch, ended)(plan)
+
+    def submit(*args):
+        submits.append(real_submit(*args))
+        if len(submits) == 2:             # (the second step's: its launch is queued, then the Ctrl-C lands)
+            raise KeyboardInterrupt
+        return submits[-1]
+    monkeypatch.setattr(r1, "launch", launch)
+    monkeypatch.setattr(pool, "submit", submit)
+    with pytest.raises(KeyboardInterrupt):
+        dp.generate(ps, GREEDY, use_tqdm=False)
+    left = time.perf_counter()
+    submits[-1].result(timeout=5)                       # (done, or skipped when it had not begun)
+    assert len(ended) == len(started) in (1, 2) and all(t <= left for t in ended)
+    monkeypatch.undo()
+    assert run(dp, ps) == run(tp1, ps)
+
+
 def test_a_ctrl_c_in_the_first_launch_waits_for_the_other_replicas(ckpts, tp1, prompts, monkeypatch):
     """Ctrl-C during replica 0's launch (this thread) while replica 1's launch (a pool thread) still runs: the
     interrupt leaves step() only once that launch is done (before, it left at once, and a launch still writing

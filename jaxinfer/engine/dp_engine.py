@@ -18,6 +18,7 @@ over dp of them. `DPEngine` offers what `LLM`, the server and the benchmarks use
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -25,6 +26,7 @@ from typing import Callable
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.memory import num_blocks_for_memory
+from jaxinfer.engine.dp_views import BlockManagerView, RunnerView, SchedulerView
 from jaxinfer.engine.one_thread import recovering
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.model.attention import check_backend
@@ -102,9 +104,11 @@ class DPEngine:
         self._just_finished: list[Sequence] = []
         self._load: dict[LLMEngine, int] | None = None     # outstanding tokens per replica (add_request)
         self._pool: ThreadPoolExecutor | None = None      # launches replicas 1.. (made at the first step)
-        self.scheduler = _SchedulerView(self)
-        self.block_manager = _BlockManagerView(self.replicas)
-        self.runner = _RunnerView(self.replicas)
+        self._launching = {r: threading.Lock() for r in self.replicas}   # held by a pool thread while it launches
+        self._generation = 0                              # bumped when a step is left by an exception (`_settle`)
+        self.scheduler = SchedulerView(self)
+        self.block_manager = BlockManagerView(self.replicas)
+        self.runner = RunnerView(self.replicas)
 
     def warmup(self, progress=None) -> None:
         """Replica 0 compiles every bucket; the others load those executables onto their own devices
@@ -160,19 +164,26 @@ class DPEngine:
         """Prepare a step on every replica with work (schedule, pack: Python, this thread), launch them all at
         once (one thread per replica: see `_launch_all`), then read them in turn."""
         with recovering(self, []):      # (any exception, Ctrl-C too: the replicas' sequences compute their KV again)
-            self._load = None
-            todo = [(r, r.prepare()) for r in self.replicas if r.has_unfinished() or r.in_flight is not None]
-            todo = [(r, p) for r, p in todo if p is not r.idle] or todo[:1]   # (one idle replica's sleep at most)
-            error = self._launch_all([(r, p) for r, p in todo if not callable(p)])
-            # (a launch that failed leaves its plan without ids: the others are still recorded, then it is raised)
-            reads = [p if callable(p) else r.finish_dispatch(p) for r, p in todo if callable(p) or p.ids is not None]
-            if error is not None:
-                raise error
-            updated = [seq for read in reads for seq in read()]
-            for seq in self._just_finished:   # kept one step longer: a stop string's cut (LLM._process_text) is theirs
-                self._owner.pop(seq.seq_id, None)
-            self._just_finished = [seq for seq in updated if seq.finish_reason is not None]
-            return updated
+            try:
+                return self._step()
+            except BaseException:
+                self._settle()          # (no launch this step queued may still run, or start, once it is left)
+                raise
+
+    def _step(self) -> list[Sequence]:
+        self._load = None
+        todo = [(r, r.prepare()) for r in self.replicas if r.has_unfinished() or r.in_flight is not None]
+        todo = [(r, p) for r, p in todo if p is not r.idle] or todo[:1]   # (one idle replica's sleep at most)
+        error = self._launch_all([(r, p) for r, p in todo if not callable(p)])
+        # (a launch that failed leaves its plan without ids: the others are still recorded, then it is raised)
+        reads = [p if callable(p) else r.finish_dispatch(p) for r, p in todo if callable(p) or p.ids is not None]
+        if error is not None:
+            raise error
+        updated = [seq for read in reads for seq in read()]
+        for seq in self._just_finished:   # kept one step longer: a stop string's cut (LLM._process_text) is theirs
+            self._owner.pop(seq.seq_id, None)
+        self._just_finished = [seq for seq in updated if seq.finish_reason is not None]
+        return updated
 
     def _launch_all(self, plans: list) -> BaseException | None:
         """Launch the replicas' device calls: this thread launches the first, a pool thread each other one.
@@ -190,7 +201,7 @@ class DPEngine:
         futures, errors = [], []
         try:       # (the submits too: a Ctrl-C landing between them must still wait for those queued)
             for r, p in plans[1:]:
-                futures.append(self._pool.submit(r.launch, p))
+                futures.append(self._pool.submit(self._launch_one, r, p, self._generation))
             plans[0][0].launch(plans[0][1])
         except BaseException as e:      # (Ctrl-C too) the other launches still finish and are recorded first:
             errors.append(e)            # one left running would write its masks while recovery resets the guides
@@ -207,6 +218,21 @@ class DPEngine:
                 break
         return errors[0] if errors else None
 
+    def _launch_one(self, replica: LLMEngine, plan, generation: int) -> None:
+        """A pool thread's launch; skipped when the step that queued it was left by an exception meanwhile."""
+        with self._launching[replica]:
+            if generation == self._generation:
+                replica.launch(plan)
+
+    def _settle(self) -> None:
+        """A step is left by an exception: its queued launches that have not begun will not run, and one that runs
+        is waited for (a Ctrl-C can land inside `submit` once the launch is queued, before `_launch_all` lists it,
+        or where it has stopped waiting)."""
+        self._generation += 1
+        for lock in self._launching.values():
+            lock.acquire()
+            lock.release()
+
     @property
     def step_log(self) -> list | None:
         logs = [r.step_log for r in self.replicas]
@@ -221,79 +247,3 @@ class DPEngine:
         per = [r.stats() for r in self.replicas]
         total = {k: (max(s[k] for s in per) if k in _NOT_SUMMED else sum(s[k] for s in per)) for k in per[0]}
         return {**total, "data_parallel_size": len(per), "replicas": per}
-
-
-class _SchedulerView:
-    """What callers use of `engine.scheduler`, routed to the sequence's replica."""
-
-    def __init__(self, dp: DPEngine):
-        self._dp = dp
-
-    def finish(self, seq: Sequence, reason: str, drop: int = 0) -> None:
-        owner = self._dp._owner.pop(seq.seq_id, None)     # (kept, it would stay listed for good)
-        if owner is not None:           # (a sequence that finished in the last step: only its cut tokens count)
-            owner.scheduler.finish(seq, reason, drop)
-        elif drop:                      # finished longer ago: its cut tokens are counted on the first replica
-            self._dp.replicas[0].scheduler.finish(seq, reason, drop)
-
-    def has_unfinished(self) -> bool:
-        return self._dp.has_unfinished()
-
-    @property
-    def eos(self) -> frozenset[int]:
-        return self._dp.replicas[0].scheduler.eos
-
-    @property
-    def waiting(self) -> list[Sequence]:
-        return [s for r in self._dp.replicas for s in (*r.scheduler.waiting, *r.scheduler.building)]
-
-    @property
-    def running(self) -> list[Sequence]:
-        return [s for r in self._dp.replicas for s in r.scheduler.running]
-
-
-class _BlockManagerView:
-    def __init__(self, replicas: list[LLMEngine]):
-        self._replicas = replicas
-
-    def reset_prefix_cache(self, in_use: bool = False) -> int:
-        return sum(r.block_manager.reset_prefix_cache(in_use) for r in self._replicas)
-
-    @property
-    def cached(self) -> dict:
-        return {k: v for r in self._replicas for k, v in r.block_manager.cached.items()}
-
-    @property
-    def num_blocks(self) -> int:
-        """All replicas' pools together (as num_free_blocks: an idle engine has them equal)."""
-        return sum(r.block_manager.num_blocks for r in self._replicas)
-
-    @property
-    def blocks_per_replica(self) -> int:
-        """One replica's pool: what one request can use."""
-        return self._replicas[0].block_manager.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return sum(r.block_manager.num_free_blocks for r in self._replicas)
-
-    @property
-    def prefix_caching(self) -> bool:
-        return self._replicas[0].block_manager.prefix_caching
-
-    @prefix_caching.setter
-    def prefix_caching(self, on: bool) -> None:
-        for r in self._replicas:
-            r.block_manager.prefix_caching = on
-
-
-class _RunnerView:
-    def __init__(self, replicas: list[LLMEngine]):
-        self._replicas = replicas
-
-    def buckets(self) -> list:
-        """Every replica's buckets (each replica has its own executables: they are bound to devices)."""
-        return [k for r in self._replicas for k in r.runner.buckets()]
-
-    def __getattr__(self, name):         # params, widths, compiled, ...: replica 0's
-        return getattr(self._replicas[0].runner, name)
