@@ -6,10 +6,12 @@ For each case: the max |error| of each implementation against the jnp reference,
 scores, as bench_kernels does, next to the bf16 matmul rate measured in the same run. "cudnn" is the cudnn
 backend's paged prefill (query tiles gathering their pages); "cudnn_dense" is jax.nn.dot_product_attention on
 contiguous equal-length inputs (uniform cases only), the number issue 21's targets are set against. A Mosaic tile
-choice that fails to compile or run is recorded with its error and the run goes on.
+choice that fails to compile or run is recorded with its error and the run goes on. --persistent times each Mosaic
+tile choice twice in the same run: a program per q tile, then the persistent kernel (one program an SM looping over
+q tiles, prefill_persistent.py), in rows named "... persistent".
 Targets (issue 21): >= 450 TFLOP/s at 1x8192, >= 320 at 8x1024.
 
-  PYTHONPATH=. python scripts/bench_mosaic_prefill.py [--quick] [--json scripts/results/h200_mosaic_prefill.json]
+  PYTHONPATH=. python scripts/bench_mosaic_prefill.py [--quick] [--persistent] [--json scripts/results/h200_x.json]
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference  # noqa: E402
 from pallas_kernels.mosaic import _common  # noqa: E402
-from pallas_kernels.mosaic.flash_prefill import MAX_SMEM, flash_prefill, smem_bytes  # noqa: E402
+from pallas_kernels.mosaic.flash_prefill import MAX_SMEM, default_programs, flash_prefill, smem_bytes  # noqa: E402
 
 from bench import write_json  # noqa: E402
 from bench_kernels import D, DTYPE, H, K, PREFILL_CASES, backend_fns, prefill_case  # noqa: E402
@@ -47,7 +49,7 @@ def measure(name, fn, args, ref, flops, est_s) -> dict:
         print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         return {"name": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
     tflops = flops / s / 1e12
-    print(f"  {name:<22} {s * 1e6:9.1f} us {tflops:7.1f} TFLOP/s  max err "
+    print(f"  {name:<30} {s * 1e6:9.1f} us {tflops:7.1f} TFLOP/s  max err "
           f"{'n/a (other K/V)' if err is None else f'{err:.2e}'}", flush=True)
     return {"name": name, "us": s * 1e6, "tflops": tflops, "max_abs_err": err}
 
@@ -67,6 +69,8 @@ def dense_cudnn(n_new):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1x8192 and 8x1024; the default tiles, paired or not")
+    ap.add_argument("--persistent", action="store_true",
+                    help="also time each Mosaic tile choice as the persistent kernel (rows '... persistent')")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if jax.default_backend() != "gpu":
@@ -93,17 +97,22 @@ def main():
         for block_kv, stages, pair in TILES[:2] if args.quick else TILES:
             if smem_bytes(D, block_kv, stages) > MAX_SMEM:
                 continue
-            fn = lambda *x, bk=block_kv, st=stages, p=pair: flash_prefill(*x, block_kv=bk, num_stages=st, pair_heads=p)
-            label = f"mosaic kv{block_kv} s{stages}" + ("" if pair else " fa3")
-            res.append(measure(label, fn, inputs, ref, flops, est))
-        best = max((r.get("tflops", 0.0) for r in res if r["name"].startswith("mosaic")), default=0.0)
-        if name in TARGETS:
-            print(f"  best mosaic {best:.1f} TFLOP/s vs target {TARGETS[name]:.0f} "
-                  f"({'met' if best >= TARGETS[name] else 'NOT met'}); {best / matmul:.0%} of the matmul rate")
+            for persist in (False, True) if args.persistent else (False,):
+                fn = lambda *x, bk=block_kv, st=stages, p=pair, ps=persist: flash_prefill(
+                    *x, block_kv=bk, num_stages=st, pair_heads=p, persistent=ps)
+                label = f"mosaic kv{block_kv} s{stages}" + ("" if pair else " fa3") + (" persistent" if persist else "")
+                res.append(measure(label, fn, inputs, ref, flops, est))
+        for kind in ("mosaic", "mosaic persistent") if args.persistent else ("mosaic",):
+            best = max((r.get("tflops", 0.0) for r in res if r["name"].startswith("mosaic")
+                        and r["name"].endswith("persistent") == kind.endswith("persistent")), default=0.0)
+            if name in TARGETS:
+                print(f"  best {kind} {best:.1f} TFLOP/s vs target {TARGETS[name]:.0f} "
+                      f"({'met' if best >= TARGETS[name] else 'NOT met'}); {best / matmul:.0%} of the matmul rate")
         rows.append({"case": name, "tokens": sum(n_new), "flops": flops, "target_tflops": TARGETS.get(name),
                      "results": res})
     write_json(args.json, {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                           "mosaic_lowering": _common.LOWERING, "matmul_tflops": matmul, "prefill": rows})
+                           "mosaic_lowering": _common.LOWERING, "matmul_tflops": matmul, "prefill": rows,
+                           "persistent_programs": default_programs() if args.persistent else None})
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ def pytest_configure(config):
 # The files that take longest on 2 CPU cores, longest first: run first, so that `-n 2 --dist loadfile` (whole files
 # per worker, in collection order) ends with short files on both workers instead of one long file on one of them.
 LONG_FILES = ("test_parallel.py", "test_xla_attention.py", "test_bench.py", "test_fp8_engine.py",
-              "test_mosaic_prefill.py", "test_engine.py", "test_cli.py", "test_notebook.py", "test_server_faults.py",
-              "test_demo_model.py")
+              "test_mosaic_prefill.py", "test_mosaic_persistent.py", "test_engine.py", "test_cli.py",
+              "test_notebook.py", "test_server_faults.py", "test_demo_model.py")
 
 
 def pytest_collection_modifyitems(config, items):

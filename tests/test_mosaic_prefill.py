@@ -1,4 +1,5 @@
-"""Mosaic GPU varlen causal prefill (pallas_kernels/mosaic/flash_prefill.py).
+"""Mosaic GPU varlen causal prefill (pallas_kernels/mosaic/flash_prefill.py), its program-per-q-tile kernel
+(persistent=False; the persistent one, flash_prefill's default, in test_mosaic_persistent.py).
 
 On the CPU the kernel is LOWERED for CUDA (Pallas' Mosaic lowering runs in Python: API, register-layout,
 SMEM-transform, TMA-shape and shared-memory-size errors show up here) and RUN in Mosaic GPU's interpreter on one
@@ -59,7 +60,7 @@ LOWER_CASES = [
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim,block_size,batch,width,dtype,opts", LOWER_CASES)
 def test_lowers_for_cuda(lowering_only, tokens, heads, kv_heads, head_dim, block_size, batch, width, dtype, opts):
     args = prefill_args(tokens, heads, kv_heads, head_dim, block_size, batch, width, dtype)
-    text = lowered_text(lambda *a: flash_prefill(*a, **opts), args)
+    text = lowered_text(lambda *a: flash_prefill(*a, **opts, persistent=False), args)
     assert "mosaic_gpu" in text and "triton" not in text
 
 
@@ -72,7 +73,7 @@ def test_lowers_for_cuda(lowering_only, tokens, heads, kv_heads, head_dim, block
 def test_lowers_for_cuda_fp8(lowering_only, heads, kv_heads, head_dim, block_size, scales, opts):
     """float8_e4m3fn pages, per-layer / per-kv-head scales (each compute warpgroup converts to f16 tiles)."""
     args = prefill_args(512, heads, kv_heads, head_dim, block_size, 4, 16, cache_dtype=FP8)
-    assert "mosaic_gpu" in lowered_text(lambda *a: flash_prefill(*a, **scales, **opts), args)
+    assert "mosaic_gpu" in lowered_text(lambda *a: flash_prefill(*a, **scales, **opts, persistent=False), args)
 
 
 @needs_mosaic
@@ -86,7 +87,7 @@ def test_lowers_with_layout_inference(lowering_only, monkeypatch, case):
     jax.clear_caches()  # the kernel's jit caches traces by shapes
     try:
         args = prefill_args(tokens, heads, kv_heads, head_dim, block_size, batch, width, dtype)
-        assert "mosaic_gpu" in lowered_text(lambda *a: flash_prefill(*a, **opts), args)
+        assert "mosaic_gpu" in lowered_text(lambda *a: flash_prefill(*a, **opts, persistent=False), args)
     finally:
         jax.clear_caches()
 
@@ -151,7 +152,7 @@ def test_interpreter_matches_reference(n_new, prefix, block_size, heads, fp8):
     the paired-heads layout, the GPU default, is lowered here and run compiled by the GPU-marked tests.)"""
     args, scales = make_prefill(np.random.default_rng(3), n_new, prefix, block_size, heads, 1, 64, pad_tokens=3,
                                 fp8=fp8)
-    check(flash_prefill(*args, interpret=True, block_kv=64, **scales), args, scales)
+    check(flash_prefill(*args, interpret=True, block_kv=64, persistent=False, **scales), args, scales)
 
 
 @needs_mosaic
@@ -231,11 +232,11 @@ def test_gpu_matches_reference(n_new, prefix, block_size, heads, kv_heads, head_
     """Permuted block tables, ragged lengths, cached prefixes, padding rows; bf16 against the jnp reference."""
     args, _ = make_prefill(np.random.default_rng(4), n_new, prefix, block_size, heads, kv_heads, head_dim,
                            pad_tokens=13)
-    check(jax.jit(lambda *a: flash_prefill(*a, **opts))(*args), args, {})
+    check(jax.jit(lambda *a: flash_prefill(*a, **opts, persistent=False))(*args), args, {})
 
 
 @pytest.mark.gpu
 def test_gpu_fp8_matches_reference():
     args, scales = make_prefill(np.random.default_rng(5), [700, 1, 90], [0, 300, 1000], 16, 16, 8, 128,
                                 pad_tokens=5, fp8=True)
-    check(jax.jit(lambda *a: flash_prefill(*a, **scales, block_kv=64))(*args), args, scales)
+    check(jax.jit(lambda *a: flash_prefill(*a, **scales, block_kv=64, persistent=False))(*args), args, scales)

@@ -18,7 +18,10 @@ FA3-style attention_mgpu made paged and varlen; three warpgroups per program.
     rows go out by TMA in power-of-two pieces (64, 32, ..., 1) covering exactly the tile's rows.
   * fp8 pages: each compute warpgroup converts the tile to its own f16 SMEM tile (no fp8 x f16 wgmma) and frees
     the slot at once; q is f16, scales fold into the softmax scale and the normalisation (as in paged_decode).
-Argument checks and SMEM sizing: prefill_checks.py.
+  * persistent (the default, PERSISTENT): one program an SM looping over the (unit, q tile) items instead
+    (prefill_persistent.py), so the next tile's K/V and q copies overlap the current tile's last key tiles and
+    epilogue; on an H100 it ran 8 x 1024 6% and a mixed batch with cached prefixes 15% faster (docs/kernels.md).
+The work of one tile (both kernels): prefill_body.py. Argument checks and SMEM sizing: prefill_checks.py.
 """
 from __future__ import annotations
 
@@ -29,14 +32,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import LOG2E, NEG_BIG
 from pallas_kernels.flash_attention import flash_attention_reference
-from pallas_kernels.mosaic._common import (MAX_SMEM, _interpreter, _row_layout, _tiled, _to_f16_tile, available,
-                                           compiler_params, plgpu, wgmma_iota)
+from pallas_kernels.mosaic._common import MAX_SMEM, _interpreter, available, compiler_params, plgpu
+from pallas_kernels.mosaic.prefill_body import (Config, Refs, Smem, attend, issue, item_rows, page_ids, smem_specs,
+                                                store_out, tile_item)
 from pallas_kernels.mosaic.prefill_checks import (DEFAULT_BLOCK_KV, DEFAULT_NUM_STAGES, ROWS, check_prefill_args,
                                                   smem_bytes)
-from pallas_kernels.mosaic.prefill_tiles import aligned_tiles, store_rows
-from pallas_kernels.quant import load_scales
+from pallas_kernels.mosaic.prefill_persistent import persistent_kernel
+from pallas_kernels.mosaic.prefill_tiles import aligned_tiles
+
+PERSISTENT = True  # flash_prefill's default kernel: the persistent one (read at each call)
 
 # Re-exported (tests, scripts/bench_mosaic_prefill.py): available is paged_decode's; MAX_SMEM, smem_bytes and the
 # defaults live with the argument checks (prefill_checks.py).
@@ -48,191 +53,63 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _dot(a, b, transpose_b: bool = False):
-    """a @ b (or b^T) in fp32: the interpreter's wgmma (which reads neither a transposed nor a register operand)."""
-    dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-
-
 def _prefill_kernel(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref,
-                    *refs, scale: float, block_size: int, group: int, heads_per_program: int, block_kv: int,
-                    num_stages: int, batch: int, quantized: bool, interpret: bool):
+                    *refs, cfg: Config):
+    """One program per (unit, q tile); the tile's work is prefill_body.py's."""
     # refs: [k_scale [L, C], v_scale [L, C], layer [1] if quantized] o [T, H, D], then the scratch (run_scoped).
-    scale_refs, o_ref = (refs[:3], refs[3]) if quantized else (None, refs[0])
+    scale_refs, o_ref = (refs[:3], refs[3]) if cfg.quantized else (None, refs[0])
+    gm = Refs(tile_seq_ref, tile_first_ref, tile_end_ref, cu_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref,
+              scale_refs)
     wg = lax.axis_index("wg")
-    cast = (lambda x, layout: x) if interpret else plgpu.layout_cast  # the interpreter has no register layouts
-    tile, unit = lax.axis_index("tile"), lax.axis_index("unit")
-    seq, first, end = tile_seq_ref[tile], tile_first_ref[tile], tile_end_ref[tile]
-    real = seq < batch  # seq == batch: the padding zone (zeros); seq > batch: an unused tile (end <= first)
-    b = jnp.minimum(seq, batch - 1)
-    length = jnp.where(real, lens_ref[b], 0)
-    q_start = cu_ref[b]
-    ctx_start = length - (cu_ref[b + 1] - q_start)  # absolute position of the sequence's first new token
-    head0 = unit * heads_per_program
-    kh = lax.div(head0, group)
-    tile_last = ctx_start + end - 1 - q_start  # position of the tile's last row
-    num_steps = jnp.where(real & (end > first), pl.cdiv(jnp.clip(jnp.minimum(length, tile_last + 1), 0), block_kv), 0)
-    last_page = jnp.maximum(pl.cdiv(length, block_size) - 1, 0)
-    copies, rows = max(1, block_kv // block_size), min(block_kv, block_size)  # TMA copies per tile, tokens each
+    it = tile_item(cfg, gm, lax.axis_index("tile"), lax.axis_index("unit"))
+    num_stages, num_steps = cfg.num_stages, it.num_steps
 
-    def scoped(q_smem2, o_smem2, k_smem, v_smem, q_bars, k_bars, v_bars, k_free, v_free, sched, *f16_tiles):
-        def ping_pong():
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(sched)
+    def scoped(*scratch):
+        sm = Smem(*scratch[:10], f16=tuple(scratch[10:]))
 
         @pl.when(wg < 2)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
-            # Unit of this warpgroup: another head on the same rows (heads_per_program 2) or the next 64 rows.
-            head = head0 + wg if heads_per_program == 2 else head0
-            # SMEM row 0 is q row `row0`, a multiple of 8 (the q copy's TMA needs it: prefill_tiles.py).
-            window = lax.bitwise_and(first, jnp.int32(-8))
-            row0 = pl.multiple_of(window if heads_per_program == 2 else window + wg * ROWS, 8)
-            lo = jnp.maximum(first, row0)  # this unit's rows of the tile: [lo, lo + n), SMEM rows from lo - row0
-            n = jnp.clip(jnp.minimum(end, row0 + ROWS) - lo, 0, ROWS)
-            first_pos = ctx_start + row0 - q_start  # position of SMEM row 0 (rows before `first`: never stored)
-            last_pos = jnp.minimum(first_pos + ROWS - 1, tile_last)
-            steps = jnp.where(real & (n > 0), pl.cdiv(jnp.clip(jnp.minimum(length, last_pos + 1), 0), block_kv), 0)
-            full = jnp.minimum(jnp.maximum(first_pos + 1, 0) // block_kv, steps)  # tiles seen by every row
-            q_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
+            rw = item_rows(cfg, it, wg)
+            q_smem, o_smem = sm.q.at[wg], sm.o.at[wg]
 
-            @pl.when(real & (n > 0))
+            @pl.when(it.real & (rw.n > 0))
             def _load_q():
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, ROWS), head], q_smem, q_bars.at[wg])
-                plgpu.barrier_wait(q_bars.at[wg])
-            k_scale, v_scale = load_scales(scale_refs, kh)  # fp8 dequantisation scales (else 1.0)
-            qk_scale = scale * LOG2E * k_scale
-            acc = cast(jnp.full((ROWS, q_smem.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
-            m = cast(jnp.full((ROWS,), NEG_BIG, jnp.float32), _row_layout())
-            l = cast(jnp.full((ROWS,), 0, jnp.float32), _row_layout())
-            pl.when(steps > 0)(lambda: plgpu.barrier_wait(k_bars.at[0]))
-            pl.when(wg == 1)(ping_pong)
-
-            def step(i, carry, masked: bool):
-                acc, m, l = carry
-                slot = lax.rem(i, num_stages)
-                k_tile = k_smem.at[slot]
-                if quantized:
-                    k_tile = _to_f16_tile(k_tile, f16_tiles[0].at[wg])
-                    plgpu.barrier_arrive(k_free.at[slot])
-
-                def qk(acc_ref):  # (acc_ref None: the interpreter)
-                    if acc_ref is not None:
-                        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
-                    ping_pong()
-                    return _dot(q_smem[...], k_tile[...], transpose_b=True) if acc_ref is None else acc_ref[...]
-                s = qk(None) if interpret else pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
-                s = s * qk_scale  # [ROWS, BKV] fp32, base-2 logits
-                if not quantized:
-                    plgpu.barrier_arrive(k_free.at[slot])
-                if masked:  # key position <= query position (the cached prefix shifts the diagonal)
-                    r, c = wgmma_iota(s.shape, 0, interpret), wgmma_iota(s.shape, 1, interpret)
-                    s = jnp.where(c + i * block_kv <= r + first_pos, s, -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=1))
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l = l * alpha + p.sum(axis=1)
-                p16 = p.astype(q_smem.dtype)
-                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                plgpu.barrier_arrive(sched)  # softmax done
-                plgpu.barrier_wait(v_bars.at[slot])
-                plgpu.barrier_wait(sched)  # the tensor cores are ours
-                v_tile = v_smem.at[slot]
-                if quantized:
-                    v_tile = _to_f16_tile(v_tile, f16_tiles[1].at[wg])
-                    plgpu.barrier_arrive(v_free.at[slot])
-
-                def pv(acc_ref):  # (acc_ref None: the interpreter)
-                    if acc_ref is not None:
-                        plgpu.wgmma(acc_ref, p16, v_tile)
-                    nxt = i + 1  # wait for the next K tile while this wgmma runs
-                    pl.when(nxt < steps)(lambda: plgpu.barrier_wait(k_bars.at[lax.rem(nxt, num_stages)]))
-                if interpret:
-                    pv(None)
-                    acc = acc + _dot(p16, v_tile[...])
-                else:
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                if not quantized:
-                    plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l
-
-            def drain(i, _):  # tiles this warpgroup does not need: free their slots, keep the ping-pong in step
-                slot = lax.rem(i, num_stages)
-                plgpu.barrier_wait(k_bars.at[slot])  # (every phase of a barrier is observed by its waiters)
-                plgpu.barrier_wait(v_bars.at[slot])
-                plgpu.barrier_arrive(k_free.at[slot])
-                plgpu.barrier_arrive(v_free.at[slot])
-                ping_pong()
-                ping_pong()
-
-            carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (acc, m, l))
-            acc, m, l = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
-            lax.fori_loop(steps, num_steps, drain, None)
-            pl.when(wg == 0)(ping_pong)
-            norm = jnp.where(l > 0, l, 1.0)  # padding tiles (no keys) give zeros
-            out = acc / lax.broadcast_in_dim(norm, acc.shape, [0])
-            o_smem[...] = (out * v_scale if quantized else out).astype(o_smem.dtype)
-            plgpu.commit_smem()
-            store_rows(o_smem, o_ref, jnp.clip(lo - row0, 0, ROWS - n), lo, n, head, ROWS)
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(rw.row0, ROWS), rw.head], q_smem, sm.q_bars.at[wg])
+                plgpu.barrier_wait(sm.q_bars.at[wg])
+            acc, l, v_scale = attend(cfg, gm, sm, it, rw, wg, q_smem)
+            store_out(cfg, gm, rw, acc, l, v_scale, o_smem)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
-
-            def page_ids(i):  # tile i's pages, clamped (real, finite data); read together, so one load latency
-                page0 = lax.div(i * block_kv, block_size)
-                return [bt_ref[b, jnp.minimum(page0 + j, last_page)] for j in range(copies)]
-
-            def issue(i, slot, pages):
-                tok0 = i * block_kv
-                src = (pl.ds(pl.multiple_of(lax.rem(tok0, block_size), block_kv), rows) if block_size > block_kv
-                       else pl.ds(0, rows))  # a tile inside a bigger page starts at a multiple of block_kv
-                for j, page in enumerate(pages):
-                    dst = pl.ds(j * rows, rows)
-                    plgpu.copy_gmem_to_smem(k_ref.at[page, src, kh], k_smem.at[slot, dst], k_bars.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[page, src, kh], v_smem.at[slot, dst], v_bars.at[slot])
-
             for s in range(num_stages):
-                pl.when(s < num_steps)(lambda s=s: issue(s, s, page_ids(s)))
+                pl.when(s < num_steps)(lambda s=s: issue(cfg, gm, sm, it, s, s, page_ids(cfg, gm, it, s)))
 
             @pl.loop(num_stages, jnp.maximum(num_steps, num_stages))
             def _refill(i):
                 slot = lax.rem(i, num_stages)
-                pages = page_ids(i)  # read while the slot is still in use
-                plgpu.barrier_wait(k_free.at[slot])  # both compute warpgroups are done with tile i - stages
-                plgpu.barrier_wait(v_free.at[slot])
-                issue(i, slot, pages)
+                pages = page_ids(cfg, gm, it, i)  # read while the slot is still in use
+                plgpu.barrier_wait(sm.k_free.at[slot])  # both compute warpgroups are done with tile i - stages
+                plgpu.barrier_wait(sm.v_free.at[slot])
+                issue(cfg, gm, sm, it, i, slot, pages)
 
             @pl.loop(jnp.maximum(num_steps, num_stages), num_steps + num_stages)
             def _last(i):  # the last tiles' slots: observe their release too (barrier phases stay in step)
                 slot = lax.rem(i, num_stages)
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
+                plgpu.barrier_wait(sm.k_free.at[slot])
+                plgpu.barrier_wait(sm.v_free.at[slot])
 
-    head_dim, cdtype = q_ref.shape[-1], q_ref.dtype
-    tiled, ring = _tiled(cdtype, head_dim), _tiled(k_ref.dtype, head_dim)
-    f16 = [plgpu.SMEM((2, block_kv, head_dim), cdtype, transforms=tiled)] * 2 if quantized else []
-    pl.run_scoped(
-        scoped,
-        plgpu.SMEM((2, ROWS, head_dim), cdtype, transforms=tiled),  # q of each compute warpgroup
-        plgpu.SMEM((2, ROWS, head_dim), o_ref.dtype),  # output rows (plain rows: stored in pieces)
-        plgpu.SMEM((num_stages, block_kv, head_dim), k_ref.dtype, transforms=ring),  # k ring
-        plgpu.SMEM((num_stages, block_kv, head_dim), k_ref.dtype, transforms=ring),  # v ring
-        plgpu.Barrier(num_barriers=2),  # q, per compute warpgroup
-        *[plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages)] * 2,  # k, v tile arrived
-        *[plgpu.Barrier(num_arrivals=2, num_barriers=num_stages)] * 2,  # k, v slot consumed by both
-        plgpu.Barrier(num_arrivals=2),  # the ping-pong schedule
-        *f16,
-        collective_axes="wg",
-    )
+    pl.run_scoped(scoped, *smem_specs(cfg, gm), collective_axes="wg")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_stages", "pair_heads", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_stages", "pair_heads", "interpret",
+                                             "persistent", "num_programs"))
 def _flash_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scales=None, *, scale, block_kv,
-                   num_stages, pair_heads=True, interpret=False):
-    """scales: (k_scale [L, C], v_scale [L, C], layer [1]) of fp8 caches (quant.kv_scales), else None."""
+                   num_stages, pair_heads=True, interpret=False, persistent=False, num_programs=132):
+    """scales: (k_scale [L, C], v_scale [L, C], layer [1]) of fp8 caches (quant.kv_scales), else None.
+    persistent: min(units x q tiles, num_programs) programs looping over the tiles (prefill_persistent.py)."""
     num_tokens, heads, head_dim = q.shape  # [T, H, D]
     _, block_size, kv_heads, _ = k_cache.shape
     batch, group = seq_lens.shape[0], heads // kv_heads
@@ -248,19 +125,27 @@ def _flash_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sc
     padded = num_tokens + ROWS if interpret else max(ROWS, -(-num_tokens // 8) * 8)
     if padded != num_tokens:
         q_in = jnp.pad(q_in, ((0, padded - num_tokens), (0, 0), (0, 0)))
-    kernel = functools.partial(_prefill_kernel, scale=scale, block_size=block_size, group=group,
-                               heads_per_program=heads_per_program, block_kv=block_kv, num_stages=num_stages,
-                               batch=batch, quantized=quantized, interpret=interpret)
+    cfg = Config(scale, block_size, group, heads_per_program, block_kv, num_stages, batch, quantized, interpret)
+    kernel = functools.partial(_prefill_kernel, cfg=cfg)
+    grid, grid_names, name = (heads // heads_per_program, tile_seq.shape[0]), ("unit", "tile"), "mosaic_flash_prefill"
+    if persistent:
+        units, num_items = grid[0], grid[0] * grid[1]
+        programs = min(num_items, num_programs)
+        # Two q tiles per compute warpgroup (item r + 2's q copied once item r's QK^Ts are done) when they fit.
+        q_buffers = 2 if smem_bytes(head_dim, block_kv, num_stages, quantized, q_buffers=2) <= MAX_SMEM else 1
+        kernel = functools.partial(persistent_kernel, cfg=cfg, units=units, num_items=num_items, programs=programs,
+                                   q_buffers=q_buffers)
+        grid, grid_names, name = (programs,), ("program",), name + "_persistent"
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),  # [T, H, D]; every row is stored by one program
-        grid=(heads // heads_per_program, tile_seq.shape[0]),
-        grid_names=("unit", "tile"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=3,  # two compute warpgroups, one memory warpgroup
         thread_name="wg",
         compiler_params=compiler_params(approx_math=True),
         interpret=_interpreter()() if interpret else None,
-        kernel_name="mosaic_flash_prefill",
+        kernel_name=name,
     )(tile_seq, tile_first, tile_end, cu_seqlens_q, seq_lens, block_tables, q_in, k_cache, v_cache,
       *(scales or ()))
 
@@ -269,23 +154,36 @@ def flash_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_ta
                   cu_seqlens_q: jax.Array, seq_lens: jax.Array, *, scale: float | None = None,
                   k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, layer: int | jax.Array = 0,
                   interpret: bool = False, block_kv: int | None = None,
-                  num_stages: int = DEFAULT_NUM_STAGES, pair_heads: bool = True) -> jax.Array:
+                  num_stages: int = DEFAULT_NUM_STAGES, pair_heads: bool = True, persistent: bool | None = None,
+                  num_programs: int | None = None) -> jax.Array:
     """Causal prefill (flash_attention's contract) on Mosaic GPU: q [T, H, D], caches [P, block_size, K, D].
 
     Needs bf16/fp16 q, head_dim 64 or 128, block_size >= 8. float8_e4m3fn caches need k_scale / v_scale
     (and `layer` for stacked [L, C] scales). block_kv: key tokens per tile (64, 128, 256; None: 128, 64 for fp8
     pages); num_stages: tiles in flight (>= 2); pair_heads: two q heads of a kv head per program when the GQA
     group is even (False: FA3's two 64-row halves of one head). interpret: Mosaic GPU's interpreter on the CPU
-    (threads, SMEM, TMA and mbarriers simulated; the wgmmas become dots). Returns [T, H, D] in q's dtype.
+    (threads, SMEM, TMA and mbarriers simulated; the wgmmas become dots). persistent (None: PERSISTENT, on):
+    num_programs programs (None: one per SM, default_programs) each looping over q tiles (prefill_persistent.py);
+    False: a program per q tile. Returns [T, H, D] in q's dtype.
     """
     scales, block_kv = check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                           k_scale=k_scale, v_scale=v_scale, layer=layer, block_kv=block_kv,
                                           num_stages=num_stages, interpret=interpret, on_gpu=_on_gpu())
+    persistent = PERSISTENT if persistent is None else persistent
+    programs = int(default_programs() if num_programs is None else num_programs) if persistent else 132
+    if programs < 1:
+        raise ValueError(f"flash_prefill: num_programs must be >= 1, got {num_programs}")
     head_dim = q.shape[-1]
     scale = float(head_dim ** -0.5 if scale is None else scale)
     return _flash_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scales, scale=scale,
                           block_kv=block_kv, num_stages=num_stages, pair_heads=bool(pair_heads),
-                          interpret=bool(interpret))
+                          interpret=bool(interpret), persistent=bool(persistent), num_programs=programs)
+
+
+def default_programs() -> int:
+    """The persistent kernel's programs: one per SM of the GPU (a program's SMEM fills an SM), else H100/H200's 132."""
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or 132) if device.platform == "gpu" else 132
 
 
 # The plain jnp reference: the Triton kernel's (same contract), not a copy.

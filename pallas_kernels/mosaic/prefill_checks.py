@@ -16,11 +16,12 @@ DEFAULT_NUM_STAGES = 2  # K/V tiles in flight
 NAME = "flash_prefill"  # the entry point named in every error
 
 
-def smem_bytes(head_dim: int, block_kv: int, num_stages: int, fp8: bool = False) -> int:
-    """SMEM of a program: q and output tiles of both compute warpgroups, the K/V ring, fp8's f16 tiles, scratch."""
+def smem_bytes(head_dim: int, block_kv: int, num_stages: int, fp8: bool = False, q_buffers: int = 1) -> int:
+    """SMEM of a program: q (q_buffers each: the persistent kernel's may be 2) and output tiles of both compute
+    warpgroups, the K/V ring, fp8's f16 tiles, scratch."""
     ring = 2 * num_stages * block_kv * head_dim * (1 if fp8 else 2)
     f16_tiles = 2 * 2 * block_kv * head_dim * 2 if fp8 else 0  # k and v, per compute warpgroup
-    return 2 * 2 * ROWS * head_dim * 2 + ring + f16_tiles + 2048 + 256  # Mosaic's 2 KiB scratch, the barriers
+    return 2 * (q_buffers + 1) * ROWS * head_dim * 2 + ring + f16_tiles + 2048 + 256  # 2 KiB scratch, barriers
 
 
 def check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, k_scale, v_scale, layer,
