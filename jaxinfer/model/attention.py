@@ -147,10 +147,9 @@ def attention_fns(backend: str, interpret: bool):
     if backend == "xla":
         return prefill_xla, paged_decode_xla
     if backend == "pallas":
-        from pallas_kernels.flash_attention import flash_attention
+        from jaxinfer.model.pallas_prefill import pallas_prefill  # (Mosaic GPU's prefill on Hopper, bf16 pages)
         from pallas_kernels.paged_attention import paged_attention
-        return (functools.partial(flash_attention, interpret=interpret),
-                functools.partial(paged_attention, interpret=interpret))
+        return pallas_prefill(interpret), functools.partial(paged_attention, interpret=interpret)
     if backend == "cudnn":   # GPU only (config.GPU_ONLY_BACKENDS): JAX's cuDNN attention over the same cache
         from pallas_kernels.cudnn_attention import cudnn_paged_decode, cudnn_prefill
         return cudnn_prefill, cudnn_paged_decode
