@@ -45,7 +45,8 @@ def test_which_kernel_takes_the_prefill(case, mosaic):
                                          (dict(block_size=4), "triton")])
 def test_on_hopper_each_case_lowers_to_its_kernel(monkeypatch, case, kernel):
     """With a Hopper GPU (patched in), the pallas backend's prefill lowers for CUDA to Mosaic GPU's kernel where it
-    takes the case, else to the Pallas/Triton flash kernel; MOSAIC_PREFILL = False keeps the flash kernel."""
+    takes the case, else to the Pallas/Triton flash kernel; tensor-parallel steps and MOSAIC_PREFILL = False
+    keep the flash kernel."""
     monkeypatch.setattr(pp, "mosaic_runs_here", lambda: True)
     monkeypatch.setattr(fp, "_on_gpu", lambda: True)
     a = args(**case)
@@ -55,6 +56,7 @@ def test_on_hopper_each_case_lowers_to_its_kernel(monkeypatch, case, kernel):
         return jax.jit(fn).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
     text = lowered()
     assert kernel in text and ("triton" if kernel == "mosaic_gpu" else "mosaic_gpu") not in text
+    assert attention.attention_fns("pallas", False, sharded=True)[0].func is flash_attention   # (tensor parallel)
     monkeypatch.setattr(pp, "MOSAIC_PREFILL", False)
     assert "mosaic_gpu" not in lowered()
 

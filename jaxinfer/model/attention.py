@@ -142,14 +142,14 @@ def layer_rows(cache, layers: int, l, slot_mapping):
     return jnp.where(slot_mapping < slots, slot_mapping + l * slots, layers * slots), l * per
 
 
-def attention_fns(backend: str, interpret: bool):
-    """(prefill_fn, decode_fn) for a backend; both follow the pallas_kernels contracts."""
+def attention_fns(backend: str, interpret: bool, sharded: bool = False):
+    """(prefill_fn, decode_fn) for a backend; both follow the pallas_kernels contracts (sharded: run per device)."""
     if backend == "xla":
         return prefill_xla, paged_decode_xla
     if backend == "pallas":
         from jaxinfer.model.pallas_prefill import pallas_prefill  # (Mosaic GPU's prefill on Hopper, bf16 pages)
         from pallas_kernels.paged_attention import paged_attention
-        return pallas_prefill(interpret), functools.partial(paged_attention, interpret=interpret)
+        return pallas_prefill(interpret, sharded), functools.partial(paged_attention, interpret=interpret)
     if backend == "cudnn":   # GPU only (config.GPU_ONLY_BACKENDS): JAX's cuDNN attention over the same cache
         from pallas_kernels.cudnn_attention import cudnn_paged_decode, cudnn_prefill
         return cudnn_prefill, cudnn_paged_decode
@@ -212,7 +212,7 @@ def paged_attention_layer(kind: str, backend: str, meta: dict, interpret: bool =
 
     padded: the pages' head dimension is wider than the model's (engine/memory.cache_head_dim); decode then takes the
     unfused path (the fused kernel's RoPE pairs dimension j with j + D/2 of the model's D)."""
-    prefill_fn, decode_fn = attention_fns(backend, interpret)
+    prefill_fn, decode_fn = attention_fns(backend, interpret, mesh is not None and mesh.shape["tp"] > 1)
     if kv_scales is not None:
         meta = {**meta, "k_scale": kv_scales[0], "v_scale": kv_scales[1]}
     if stacked_layers and backend not in STACKED_BACKENDS:

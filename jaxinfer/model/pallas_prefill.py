@@ -2,10 +2,11 @@
 Pallas/Triton flash kernel, else `flash_attention`.
 
 Where: a Hopper GPU (compute capability 9.x) with Pallas' Mosaic GPU backend and a ptxas that builds the kernel
-right (pallas_kernels/mosaic/ptxas.py), bf16 / fp16 pages and q, head_dim 64 or 128, pages of >= 8 tokens. fp8
-pages stay with flash_attention: the pallas backend keeps them as bytes and V pairs (attention.v_pages), which the
-Mosaic kernel does not read. On an H100 the Mosaic kernel ran 1 x 8192 tokens at 516 TFLOP/s against 410,
-8 x 1024 at 287 against 258, a mixed batch with cached prefixes at 413 against 342 (docs/kernels.md).
+right (pallas_kernels/mosaic/ptxas.py), bf16 / fp16 pages and q, head_dim 64 or 128, pages of >= 8 tokens. fp8 pages
+stay with flash_attention: the pallas backend keeps them as bytes and V pairs (attention.v_pages), which the Mosaic
+kernel does not read; so do tensor-parallel steps, where the Mosaic kernel has not run on GPUs yet. On an H100 the
+Mosaic kernel ran 1 x 8192 tokens at 516 TFLOP/s against 410, 8 x 1024 at 287 against 258, a mixed batch with cached
+prefixes at 413 against 342 (docs/kernels.md).
 MOSAIC_PREFILL = False keeps flash_attention everywhere (the other side of an A/B: scripts/bench_with.py).
 """
 from __future__ import annotations
@@ -39,10 +40,11 @@ def mosaic_takes(q, k_cache, v_cache) -> bool:
             and k_cache.shape[1] >= 8)
 
 
-def pallas_prefill(interpret: bool):
-    """The prefill function of the pallas backend (flash_attention's contract)."""
+def pallas_prefill(interpret: bool, sharded: bool = False):
+    """The prefill function of the pallas backend (flash_attention's contract). sharded (tensor parallelism: the
+    kernel runs per device in shard_map): flash_attention, the kernel measured there."""
     flash = functools.partial(flash_attention, interpret=interpret)
-    if interpret or not MOSAIC_PREFILL or not mosaic_runs_here():
+    if interpret or sharded or not MOSAIC_PREFILL or not mosaic_runs_here():
         return flash
 
     def prefill(q, k_cache, v_cache, *args, **kwargs):
