@@ -287,7 +287,9 @@ def test_kv_pool_sizing_without_allocator_stats(monkeypatch):
     per_block = memory.kv_bytes_per_block(cfg, 4, "float32")
     monkeypatch.setattr(memory.jax, "devices", lambda: [_FakeGpu()])
     monkeypatch.setattr(memory, "_nvml_memory", lambda device: (40 * 2**30, 4 * 2**30))
-    assert memory.num_blocks_for_memory(cfg, engine, "float32") == (16 * 2**30 - memory._HEADROOM) // per_block
+    room = memory._HEADROOM + 2 * 2 * 512 * 64 + 4 * 8 * 512        # 2 GiB, twice the LM head, the logits
+    assert memory.headroom_bytes(engine, cfg) == room
+    assert memory.num_blocks_for_memory(cfg, engine, "float32") == (16 * 2**30 - room) // per_block
     assert memory.free_memory_bytes() == 36 * 2**30
     monkeypatch.setattr(memory, "_nvml_memory", lambda device: None)
     with pytest.raises(ValueError, match="give num_kvcache_blocks"):
@@ -298,8 +300,7 @@ def test_kv_pool_sizing_without_allocator_stats(monkeypatch):
     from jaxinfer.model.xla_attention import GATHER_BUDGET
     xla = EngineConfig(max_num_seqs=8, max_model_len=128, block_size=4, gpu_memory_utilization=0.5, attn_backend="xla")
     assert memory.headroom_bytes(xla) == memory._HEADROOM + GATHER_BUDGET
-    assert memory.num_blocks_for_memory(cfg, xla, "float32") == (16 * 2**30 - memory._HEADROOM - GATHER_BUDGET) // \
-        per_block
+    assert memory.num_blocks_for_memory(cfg, xla, "float32") == (16 * 2**30 - room - GATHER_BUDGET) // per_block
 
 
 def test_engine_options_are_the_config_fields():

@@ -40,13 +40,22 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype, backend: str 
 _HEADROOM = 2 * 2**30   # activations / logits of the largest bucket
 
 
-def headroom_bytes(engine: EngineConfig) -> int:
-    """Memory left beside the KV pool for a step's temporaries: the largest bucket's activations, and for the xla
-    backend also the gathered pages it may write (bounded by xla_attention.GATHER_BUDGET per step)."""
+def headroom_bytes(engine: EngineConfig, model: ModelConfig | None = None) -> int:
+    """Memory left beside the KV pool for a step's temporaries: 2 GiB for the largest bucket's activations; with
+    `model` (one device's view), also twice its largest weight matrix and the largest decode bucket's float32
+    logits, because XLA's GEMM autotuner copies a matmul's operands while the steps compile (Qwen3-8B's LM head,
+    1.2 GB, found no room at warm-up on an 80 GB H100 with the 2 GiB alone); for the xla backend also the gathered
+    pages it may write (bounded by xla_attention.GATHER_BUDGET per step)."""
+    room = _HEADROOM
+    if model is not None:
+        E, I, V = model.hidden_size, model.intermediate_size, model.vocab_size
+        itemsize = 4 if str(engine.dtype) == "float32" else 2
+        room += 2 * itemsize * max(V * E, 2 * E * I, E * (model.q_size + 2 * model.kv_size))
+        room += 4 * engine.max_num_seqs * V
     if engine.attn_backend == "xla":
         from jaxinfer.model.xla_attention import GATHER_BUDGET
-        return _HEADROOM + GATHER_BUDGET
-    return _HEADROOM
+        return room + GATHER_BUDGET
+    return room
 
 
 def _nvml_index(device) -> int | str:
@@ -109,7 +118,7 @@ def num_blocks_for_memory(model: ModelConfig, engine: EngineConfig, dtype, stric
         free = mem[0] * engine.gpu_memory_utilization - mem[1]
         from jaxinfer.parallel.agree import min_over_processes     # several hosts: one pool size, the smallest
         free = min_over_processes("KV pool sizing", int(free))
-        blocks = int((free - headroom_bytes(engine)) // per_block)
+        blocks = int((free - headroom_bytes(engine, model)) // per_block)
         if blocks < (engine.max_blocks_per_seq if strict else 1):
             raise ValueError(f"after the weights, gpu_memory_utilization={engine.gpu_memory_utilization} leaves room "
                              f"for {max(blocks, 0)} KV blocks, fewer than one max_model_len={engine.max_model_len} "
