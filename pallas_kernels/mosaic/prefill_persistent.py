@@ -1,4 +1,4 @@
-"""The persistent Mosaic GPU prefill (flash_prefill(..., persistent=True)): grid = (P,) programs, P = min(work
+"""The persistent Mosaic GPU prefill (flash_prefill's default, persistent=True): grid = (P,) programs, P = min(work
 items, num_programs) (default: one per SM, all SMEM allows), each looping over its work items, (unit, q tile)
 pairs, with the three warpgroups of the program-per-tile kernel (flash_prefill.py; a tile's work is
 prefill_body.py's). What it buys: a program per tile starts cold (tile metadata, the sequence's length, page ids,
