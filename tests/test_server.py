@@ -532,9 +532,11 @@ def test_chunk_encoder_equals_the_chunk_dicts(text, reason):
         return d
     want = P.completion_chunk("cmpl-1", 'model "x"', 3, text, reason)
     assert parse(enc.completion(3, text, reason)) == parse(P.sse(want))
+    assert parse(enc.completion(3, text, reason))["usage"] is None        # vLLM's completion chunks carry it
     stop = text if reason == "stop" else None          # vLLM's stop_reason: the matched string (or a token id)
     want = P.completion_chunk("cmpl-1", 'model "x"', 3, text, reason, {"tokens": [text]}, stop_reason=stop)
     assert parse(enc.completion_lp(3, text, reason, {"tokens": [text]}, stop)) == parse(P.sse(want))
     enc = P.ChunkEncoder("chat-1", "m", "chat.completion.chunk")
     assert parse(enc.chat_content(text)) == parse(P.sse(P.chat_chunk("chat-1", "m", {"content": text}, None)))
+    assert "usage" not in parse(enc.chat_content(text))                   # (chat chunks do not, as vLLM's)
     assert parse(enc.chat_content(text, 2)) == parse(P.sse(P.chat_chunk("chat-1", "m", {"content": text}, None, 2)))

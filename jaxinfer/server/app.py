@@ -64,7 +64,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
     served_model_name = names[0]                  # answers carry the first (vLLM: several names allowed)
     if options.chat_template:                     # --chat-template: a file or the template itself
         tokenizer.chat_template = options.template_text()
-    metrics = ServerMetrics(served_model_name, max_model_len)
+    metrics = ServerMetrics(served_model_name, max_model_len, limits.get("kv_cache_dtype", "auto"))
     text_of = R.TokenTexts(tokenizer)
 
     async def lifespan(app):

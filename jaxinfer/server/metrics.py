@@ -72,11 +72,12 @@ def available() -> bool:
 
 class ServerMetrics:
     """One API process's metrics. `observe_*` are cheap (a lock and an add); `render(stats)` builds the
-    text of a scrape, with the engine core's `stats` dict."""
+    text of a scrape, with the engine core's `stats` dict. `kv_cache_dtype`: the option as given ("auto", "fp8",
+    ...), cache_config_info's label as in vLLM (stats() names the stored dtype)."""
 
-    def __init__(self, model_name: str, max_model_len: int = 1 << 20):
+    def __init__(self, model_name: str, max_model_len: int = 1 << 20, kv_cache_dtype: str | None = None):
         self.enabled = available()
-        self.model_name = model_name
+        self.model_name, self.kv_cache_dtype = model_name, kv_cache_dtype
         if not self.enabled:
             return
         from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -138,7 +139,7 @@ class ServerMetrics:
             from prometheus_client.multiprocess import MultiProcessCollector
             registry = CollectorRegistry()
             MultiProcessCollector(registry, path=mp_dir)
-        return generate_latest(registry) + engine_text(stats, self.model_name), CONTENT_TYPE_LATEST
+        return generate_latest(registry) + engine_text(stats, self.model_name, self.kv_cache_dtype), CONTENT_TYPE_LATEST
 
 
 def token_buckets(max_model_len: int) -> tuple[float, ...]:
@@ -189,7 +190,7 @@ class RequestTimes:
         return {name: [self.bounds[name], self.counts[name].tolist(), self.sums[name]] for name in CORE_HISTOGRAMS}
 
 
-def engine_text(st: dict, model_name: str) -> bytes:
+def engine_text(st: dict, model_name: str, kv_cache_dtype: str | None = None) -> bytes:
     """The engine core's gauges and counters in the exposition format."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -217,7 +218,7 @@ def engine_text(st: dict, model_name: str) -> bytes:
                     m = cls(full, doc, labels=["model_name"])
                     m.add_metric([model_name], float(value))
                     yield m
-            labels = dict(block_size=st.get("block_size"), cache_dtype=st.get("kv_cache_dtype"),
+            labels = dict(block_size=st.get("block_size"), cache_dtype=kv_cache_dtype or st.get("kv_cache_dtype"),
                           num_gpu_blocks=st.get("kv_blocks_total"))
             for full in _names("cache_config_info"):      # (vLLM's info gauge: the values are its labels)
                 m = GaugeMetricFamily(full, "The KV cache's configuration", labels=list(labels))

@@ -103,9 +103,10 @@ def completion(rid: str, model: str, choices: list[dict], use: dict) -> dict:
 
 def completion_chunk(rid: str, model: str, index: int, text: str, reason: str | None, logprobs=None,
                      stop_reason=None) -> dict:
+    """A streamed completion chunk: `usage` null unless given (vLLM's completion chunks always carry it)."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
-                         "stop_reason": stop_reason}]}
+                         "stop_reason": stop_reason}], "usage": None}
 
 
 def chat_completion(rid: str, model: str, choices: list[dict], use: dict, prompt_ids: list[int] | None = None,
@@ -232,21 +233,23 @@ class ChunkEncoder:
     def completion(self, index: int, text: str, reason: str | None, stop_reason=None, use: dict | None = None,
                    ids: dict | None = None) -> str:
         return (f'{self._head}{index}, "text": {json.dumps(text, ensure_ascii=False)}, "logprobs": null, '
-                f'"finish_reason": {json.dumps(reason)}, "stop_reason": {json.dumps(stop_reason)}{_end(use, ids)}')
+                f'"finish_reason": {json.dumps(reason)}, "stop_reason": {json.dumps(stop_reason)}{_end(use, ids, True)}')
 
     def completion_lp(self, index: int, text: str, reason: str | None, logprobs: dict, stop_reason=None,
                       use: dict | None = None, ids: dict | None = None) -> str:
         return (f'{self._head}{index}, "text": {json.dumps(text, ensure_ascii=False)}, "logprobs": '
                 f'{json.dumps(logprobs, ensure_ascii=False)}, "finish_reason": {json.dumps(reason)}, '
-                f'"stop_reason": {json.dumps(stop_reason)}{_end(use, ids)}')
+                f'"stop_reason": {json.dumps(stop_reason)}{_end(use, ids, True)}')
 
     def chat_content(self, text: str, index: int = 0, use: dict | None = None, ids: dict | None = None) -> str:
         return (f'{self._head}{index}, "delta": {{"content": {json.dumps(text, ensure_ascii=False)}}}, '
                 f'"logprobs": null, "finish_reason": null, "stop_reason": null{_end(use, ids)}')
 
 
-def _end(use: dict | None, ids: dict | None = None) -> str:
+def _end(use: dict | None, ids: dict | None = None, null_usage: bool = False) -> str:
     """The end of an encoded chunk: the choice's token ids if given (return_token_ids), the choice, the choices
-    list and the chunk closed, with `usage` if given."""
+    list and the chunk closed, with `usage` if given (null if not given and null_usage: completion chunks)."""
     more = "".join(f', "{k}": {json.dumps(v)}' for k, v in ids.items()) if ids else ""
-    return f"{more}}}]}}\n\n" if use is None else f'{more}}}], "usage": {json.dumps(use)}}}\n\n'
+    if use is None and not null_usage:
+        return f"{more}}}]}}\n\n"
+    return f'{more}}}], "usage": {json.dumps(use)}}}\n\n'
