@@ -35,7 +35,10 @@ def token_ids(tokenizer, words: list[str], vocab_size: int, error=ValueError) ->
     out: list[list[int]] = []
     for word in words:
         for space in ("", " "):
-            ids = [int(t) for t in tokenizer.encode(space + word.lstrip(), add_special_tokens=False)]
+            try:
+                ids = [int(t) for t in tokenizer.encode(space + word.lstrip(), add_special_tokens=False)]
+            except (TypeError, ValueError) as e:     # (a lone surrogate: the tokenizer cannot take it)
+                raise error(f"bad_words entry {word!r:.80} cannot be tokenized ({str(e)[:120]})") from None
             if not ids:
                 if not space:
                     raise error(f"bad_words entries must tokenize to at least one token, got {word!r:.80}")

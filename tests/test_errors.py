@@ -68,6 +68,8 @@ def test_prompts_of_other_types(llm):
     assert llm.generate(list(np.array([5, 6, 7])), sp, use_tqdm=False)[0].token_ids == want
     with pytest.raises(ValueError, match="prompt 0: the tokenizer cannot encode"):
         llm.generate("bad \ud800 text", sp, use_tqdm=False)            # (a lone surrogate)
+    with pytest.raises(ValueError, match="bad_words entry .* cannot be tokenized"):    # (was the tokenizer's TypeError)
+        llm.generate([5, 6, 7], SamplingParams(max_tokens=3, bad_words=["\ud800"]), use_tqdm=False)
     assert llm.generate([5, 6, 7], sp, use_tqdm=False)[0].token_ids == want
 
 

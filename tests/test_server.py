@@ -272,6 +272,10 @@ def test_disconnect_before_a_plain_answer_aborts_it(url):
     ({"prompt": [1, 10**9]}, "prompt"),
     ({"prompt": [True, 2]}, "prompt"),
     (b'{"prompt": "hi \\ud800"}', "prompt"),                 # a lone surrogate: valid JSON, not encodable text
+    (b'{"prompt": "hi", "bad_words": ["\\ud800"]}', "bad_words"),                 # (these two were plain-text 500s)
+    (b'{"prompt": "hi", "request_id": "\\ud800", "stream": true}', "request_id"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "bad_words": ["\\ud800"]}', "bad_words"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "request_id": "\\ud800"}', "request_id"),
     ({"prompt": "hi", "seed": 2**64}, "seed"),
     ({"prompt": "hi", "top_k": 2**64}, "top_k"),
     ({"prompt": "hi", "stop_token_ids": [2**64]}, "stop_token_ids"),

@@ -408,3 +408,20 @@ def test_a_drain_ends_the_wait_for_an_index():
     with pytest.raises(RequestError) as e:
         asyncio.run(asyncio.wait_for(formats.index_built(building, "guided_json", lambda: True), 5))
     assert e.value.status == 503 and e.value.code == "shutting_down"
+
+
+def test_an_unexpected_exception_is_openais_500():
+    """A handler's bug answers in OpenAI's shape (a 500 naming the exception), not Starlette's plain text."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from jaxinfer.server.errors import internal_error
+    app = FastAPI()
+    app.exception_handler(Exception)(internal_error)
+
+    @app.get("/boom")
+    def boom():
+        raise KeyError("x")
+    r = TestClient(app, raise_server_exceptions=False).get("/boom")
+    assert r.status_code == 500, r.text
+    assert r.json()["error"] == {"message": "internal error: KeyError: 'x'", "type": "server_error", "param": None,
+                                 "code": "internal_error"}

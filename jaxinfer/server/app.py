@@ -22,13 +22,12 @@ from jaxinfer.generation_config import max_tokens_cap, sampling_defaults
 from jaxinfer.server import chat_prompt as CP
 from jaxinfer.server import choices as C
 from jaxinfer.server import protocol as P
-from jaxinfer.server import reasoning
 from jaxinfer.server import responses as R
-from jaxinfer.server import beam, formats, streams, tools
+from jaxinfer.server import beam, formats, reasoning, streams, tools
 from jaxinfer.server.admission import Admission
 from jaxinfer.server.client import CoreClient, EngineDeadError, RequestFailed
 from jaxinfer.server.docs import add_docs, package_version
-from jaxinfer.server.errors import validation_error
+from jaxinfer.server.errors import internal_error, validation_error
 from jaxinfer.server.gate import add_middleware
 from jaxinfer.server.metrics import ServerMetrics
 from jaxinfer.server.options import ServerOptions
@@ -90,6 +89,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         return JSONResponse(P.error_body(str(e), e.param, e.code, e.type), status_code=e.status, headers=e.headers)
 
     app.exception_handler(RequestValidationError)(validation_error)     # (OpenAI's 400 naming the field, not 422)
+    app.exception_handler(Exception)(internal_error)                    # (a bug: still OpenAI's shape, a 500)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException):

@@ -47,3 +47,9 @@ async def validation_error(request, e) -> JSONResponse:
     if not loc and not (media == "application/json" or media.endswith("+json")):   # (FastAPI parses only those)
         msg += f" (send it as JSON with Content-Type: application/json; got {media or 'none'!r})"
     return JSONResponse(error_body(msg, param), status_code=400)
+
+
+async def internal_error(request, e: Exception) -> JSONResponse:
+    """An exception no handler expected (a bug), as OpenAI's 500 rather than a plain-text one."""
+    return JSONResponse(error_body(f"internal error: {type(e).__name__}: {str(e)[:200]}", code="internal_error",
+                                   type_="server_error"), status_code=500)

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from jaxinfer.detokenizer import FIXUP_TOKENS
 from jaxinfer.output_processor import TokenTexts     # each token id decoded once (vLLM's decoded_token)
+from jaxinfer.server.errors import RequestError
 
 
 
@@ -87,7 +88,10 @@ def new_id(prefix: str, request=None, req=None) -> str:
     """An answer's id as vLLM's: `prefix`-, then the X-Request-Id header of `request` if it has one, else the
     body's `request_id` (vLLM's field), else a new uuid."""
     given = request.headers.get("X-Request-Id") if request is not None else None
-    return f"{prefix}-{given if given is not None else getattr(req, 'request_id', None) or uuid.uuid4().hex}"
+    rid = f"{prefix}-{given if given is not None else getattr(req, 'request_id', None) or uuid.uuid4().hex}"
+    if rid.encode("utf-8", "replace").decode("utf-8") != rid:       # (a lone surrogate: no JSON answer could carry it)
+        raise RequestError(f"request_id {rid[len(prefix) + 1:]!r:.80} is not valid UTF-8", param="request_id")
+    return rid
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
