@@ -20,6 +20,8 @@ Variants (us a call, one layer's attention; back-to-back dispatch):
                 merge the group's sibling reductions (one read of each chunk, nothing written), where the
                 GEMMs need the gathered chunks written out and read back (3x their bytes)
   chunks_reduce_group  `chunks_reduce` with the GQA group in one multiply + reduce (K / V broadcast over it)
+  chunks_hybrid_qk / _pv  q.K (or p.V) as a multiply + reduce, the other half a batched GEMM: which half the
+                reduce forms lose in
 On the H200 both reduce forms were 15-42% slower than chunks_given (docs/performance.md, thirtieth run).
 """
 from __future__ import annotations
@@ -84,6 +86,28 @@ def variants(chunk: int):
         o = jnp.sum(p[..., None] * v[:, :, :, None], axis=1, dtype=jnp.float32)       # [N, K, G, D]
         return m, p.sum(axis=1), o
 
+    def attend_chunk_hybrid(reduce_qk: bool):
+        """xd.attend_chunk with one of its two GEMMs as a multiply + reduce over the group-broadcast pages (a
+        gather XLA may fuse into the reduction: that half reads its pages once), the other a batched GEMM."""
+        def attend(q, k, v, visible, scale):
+            N, H, D = q.shape
+            K = k.shape[2]
+            qg = q.reshape(N, K, H // K, D)
+            if reduce_qk:
+                s = jnp.sum(qg[:, None].astype(jnp.float32) * k[:, :, :, None], axis=-1, dtype=jnp.float32)
+                s = s.transpose(0, 2, 3, 1)                                               # [N, K, G, C]
+            else:
+                s = jnp.einsum("nkgd,nckd->nkgc", qg, k, preferred_element_type=jnp.float32)
+            s = jnp.where(visible[:, None, None, :], s * scale, xd._NEG)
+            m = s.max(axis=-1)
+            p = jnp.where(visible[:, None, None, :], jnp.exp(s - m[..., None]), 0.0)
+            if reduce_qk:
+                o = jnp.einsum("nkgc,nckd->nkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            else:
+                o = jnp.sum(p.transpose(0, 3, 1, 2)[..., None] * v[:, :, :, None], axis=1, dtype=jnp.float32)
+            return m, p.sum(axis=-1), o
+        return attend
+
     def chunks_split(barrier: bool, merge: bool, attend=xd.attend_chunk):
         def fn(q, k_cache, v_cache, tables, lens):
             B, H, D = q.shape
@@ -122,6 +146,8 @@ def variants(chunk: int):
         "chunks_nomerge": chunks_split(True, False),
         "chunks_reduce": chunks_split(True, True, attend_chunk_reduce),
         "chunks_reduce_group": chunks_split(True, True, attend_chunk_reduce_group),
+        "chunks_hybrid_qk": chunks_split(True, True, attend_chunk_hybrid(True)),
+        "chunks_hybrid_pv": chunks_split(True, True, attend_chunk_hybrid(False)),
     }
 
 
