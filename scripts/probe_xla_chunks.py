@@ -22,7 +22,8 @@ Variants (us a call, one layer's attention; back-to-back dispatch):
   chunks_reduce_group  `chunks_reduce` with the GQA group in one multiply + reduce (K / V broadcast over it)
   chunks_hybrid_qk / _pv  q.K (or p.V) as a multiply + reduce, the other half a batched GEMM: which half the
                 reduce forms lose in
-On the H200 both reduce forms were 15-42% slower than chunks_given (docs/performance.md, thirtieth run).
+On the H200 both reduce forms were 15-42% slower than chunks_given (docs/performance.md, thirtieth run); on an
+H100 each hybrid was too (q.K reduced: +8% at 256 rows, +32% at 64; fifty-fifth run).
 """
 from __future__ import annotations
 
