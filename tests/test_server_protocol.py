@@ -425,3 +425,18 @@ def test_an_unexpected_exception_is_openais_500():
     assert r.status_code == 500, r.text
     assert r.json()["error"] == {"message": "internal error: KeyError: 'x'", "type": "server_error", "param": None,
                                  "code": "internal_error"}
+
+
+def test_structured_output_errors_name_the_field_sent_not_its_internal_form():
+    from jaxinfer.server import protocol as P
+    schema = {"type": "object", "properties": {"a": {"type": "string", "not": {}}}}
+    cases = (("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}, None),
+             ("guided_json", schema, None), ("structured_outputs", {"json": schema}, "{'json'"))
+    for field, body, value in cases:
+        with pytest.raises(P.RequestError) as e:
+            P.sampling_params(P.CompletionRequest(prompt="hi", **{field: body}), 2, 100, None)
+        assert e.value.param == field and "json schema keyword 'not' at #/properties/a" in str(e.value)
+        if value is None:           # (another field's form, {'json': ...}, is not what the client sent)
+            assert str(e.value).startswith(f"{field}: json schema") and "{'json'" not in str(e.value), str(e.value)
+        else:                       # (the field as sent: its value is quoted, as for any other field)
+            assert str(e.value).startswith(f"{field}={value}"), str(e.value)

@@ -230,8 +230,11 @@ def sampling_params(req: _Request, prompt_len: int, max_model_len: int, default_
     except (ValueError, TypeError) as e:       # (structured outputs: named as the request gave them)
         message = str(e).replace("SamplingParams.", "")
         param = message.split("=")[0].split(".")[-1]
-        if field is not None and param.split()[0] in ("structured_outputs", "guided_decoding"):
-            message, param = message.replace(param.split()[0], field, 1), field
+        if field is not None and (name := param.split()[0]) in ("structured_outputs", "guided_decoding"):
+            head = f"{name}={kw.get(name)!r:.100} "     # (another field's internal form: not what the client sent)
+            cut = field != name and message.startswith(head)
+            message = f"{field}: {message[len(head):]}" if cut else message.replace(name, field, 1)
+            param = field
         raise RequestError(message, param=param) from None
 
 
