@@ -153,6 +153,15 @@ def attend(cfg: Config, refs: Refs, sm: Smem, it: Item, rw: Rows, wg, q_smem, g0
     def ping_pong():
         plgpu.barrier_arrive(sm.sched)
         plgpu.barrier_wait(sm.sched)
+
+    def operand(ring, f16, free, slot):
+        """Ring slot `slot` of K or V as the wgmma reads it: fp8 pages converted into this warpgroup's f16 tile
+        (the slot is then released at once), else the slot itself (released after its wgmma)."""
+        if f16 is None:
+            return ring.at[slot]
+        tile = _to_f16_tile(ring.at[slot], f16.at[wg])
+        plgpu.barrier_arrive(free.at[slot])
+        return tile
     k_scale, v_scale = load_scales(refs.scales, it.kh)  # fp8 dequantisation scales (else 1.0)
     qk_scale = cfg.scale * LOG2E * k_scale
     acc = cast(jnp.full((ROWS, q_smem.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
@@ -164,10 +173,7 @@ def attend(cfg: Config, refs: Refs, sm: Smem, it: Item, rw: Rows, wg, q_smem, g0
     def step(i, carry, masked: bool):
         acc, m, l = carry
         slot = slot_of(i)
-        k_tile = sm.k.at[slot]
-        if quantized:
-            k_tile = _to_f16_tile(k_tile, sm.f16[0].at[wg])
-            plgpu.barrier_arrive(sm.k_free.at[slot])
+        k_tile = operand(sm.k, sm.f16[0] if quantized else None, sm.k_free, slot)
 
         def qk(acc_ref):  # (acc_ref None: the interpreter)
             if acc_ref is not None:
@@ -191,10 +197,7 @@ def attend(cfg: Config, refs: Refs, sm: Smem, it: Item, rw: Rows, wg, q_smem, g0
         plgpu.barrier_arrive(sm.sched)  # softmax done
         plgpu.barrier_wait(sm.v_bars.at[slot])
         plgpu.barrier_wait(sm.sched)  # the tensor cores are ours
-        v_tile = sm.v.at[slot]
-        if quantized:
-            v_tile = _to_f16_tile(v_tile, sm.f16[1].at[wg])
-            plgpu.barrier_arrive(sm.v_free.at[slot])
+        v_tile = operand(sm.v, sm.f16[1] if quantized else None, sm.v_free, slot)
 
         def pv(acc_ref):  # (acc_ref None: the interpreter)
             if acc_ref is not None:
