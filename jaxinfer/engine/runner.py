@@ -199,8 +199,8 @@ class ModelRunner:
             t0 = time.perf_counter()
             self.compiled[key] = self.executables.get(shared, self.placement.devices, build)
             self.compile_s[key] = time.perf_counter() - t0
-            if not quiet and time.perf_counter() - t0 > 0.5:       # a step compiled lazily, mid-run
-                log.info("compiled the %s step for %d tokens, %d rows, %d-block tables in %.1f s",
+            if not quiet and time.perf_counter() - t0 > 0.5:       # a step compiled (or relocated) lazily, mid-run
+                log.info("the %s step for %d tokens, %d rows, %d-block tables: compiled or loaded in %.1f s",
                          kind, T, B, W, time.perf_counter() - t0)
         return self.compiled[key]
 
