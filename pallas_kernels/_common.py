@@ -1,6 +1,7 @@
 """Helpers shared by the Pallas (Triton backend) attention kernels: validation, page gathers, constants."""
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -28,6 +29,17 @@ def online_softmax_update(acc, m, l, s, v, prec):
     l = l * alpha + p.sum(axis=1)
     acc = tuple(a * alpha[:, None] + plt.dot(p.astype(x.dtype), x, precision=prec) for a, x in zip(acc, v))
     return acc, m_new, l
+
+
+def merge_splits(out, lse, dtype):
+    """A decode kernel's context splits combined: out [B, S, H, D] (each split's normalised partial), lse [B, S, H]
+    (base 2; an empty split carries NEG_BIG and weighs 0); weights 2^(lse_s - max lse). Written split by split (S is
+    static), so XLA makes it one elementwise kernel; a reduction over S would be two, the max and the weighted sum."""
+    splits = range(out.shape[1])
+    top = functools.reduce(jnp.maximum, [lse[:, s] for s in splits])                       # [B, H]
+    w = [jnp.exp2(lse[:, s] - top) for s in splits]
+    num = functools.reduce(jnp.add, [w[s][..., None] * out[:, s].astype(jnp.float32) for s in splits])
+    return (num / functools.reduce(jnp.add, w)[..., None]).astype(dtype)
 
 
 def acc_zeros(rows: int, head_dim: int, v_dtype) -> tuple:

@@ -25,8 +25,8 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import _common
 from pallas_kernels._common import (LOG2E, NEG_BIG, acc_zeros, check_paged_inputs, context_total_operand,
-                                    dot_precision, load_kv_tile, next_pow2, online_softmax_update, out_columns,
-                                    padded_head_dim, prev_pow2)
+                                    dot_precision, load_kv_tile, merge_splits, next_pow2, online_softmax_update,
+                                    out_columns, padded_head_dim, prev_pow2)
 from pallas_kernels._qkv_prologue import attend_new_token, check_qkv_inputs, new_token, norm_rope
 from pallas_kernels.quant import compute_dtype, is_fp8, kv_scales, load_scales
 
@@ -192,9 +192,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, prologue=None,
     if num_splits == 1:
         out = out[:, 0].astype(q.dtype)
     else:
-        # Combine the splits: weights 2^(lse_s - max lse); empty splits carry NEG_BIG and weigh 0.
-        w = jnp.exp2(lse - lse.max(axis=1, keepdims=True))  # [B, S, H]
-        out = ((w[..., None] * out).sum(axis=1) / w.sum(axis=1)[..., None]).astype(q.dtype)
+        out = merge_splits(out, lse, q.dtype)
     return (out, *res[2:]) if fused else out
 
 

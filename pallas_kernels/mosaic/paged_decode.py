@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import LOG2E, NEG_BIG, check_paged_inputs
+from pallas_kernels._common import LOG2E, NEG_BIG, check_paged_inputs, merge_splits
 from pallas_kernels.mosaic._common import (DTYPES, MAX_SMEM, _interpreter, _row_layout, _tiled,  # noqa: F401
                                            _to_f16_tile, available, check_runnable, compiler_params, plgpu,
                                            wgmma_iota)
@@ -223,9 +223,7 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, order=None, scale
     if num_splits == 1:
         return out[:, 0].astype(q.dtype)
     lse = lse[..., :group].reshape(batch, num_splits, heads)  # row r of kv head k is q head k*G + r
-    # Combine the splits: weights 2^(lse_s - max lse); empty splits carry NEG_BIG and weigh 0.
-    w = jnp.exp2(lse - lse.max(axis=1, keepdims=True))  # [B, S, H]
-    return ((w[..., None] * out).sum(axis=1) / w.sum(axis=1)[..., None]).astype(q.dtype)
+    return merge_splits(out, lse, q.dtype)
 
 
 def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
