@@ -27,9 +27,8 @@ from timing import pct, write_json  # noqa: E402,F401  (write_json: scripts impo
 
 def workload(num_seqs: int, max_input: int, max_output: int, vocab: int = 151936, seed: int = 0,
              fixed_input: bool = False, fixed_output: bool = False):
-    """Exactly nano-vllm bench.py's prompts and lengths (same random calls, same order). Token ids are
-    taken modulo the vocabulary so tiny test models can run it too. fixed_*: every length is the max (vLLM's
-    --input-len / --output-len)."""
+    """Exactly nano-vllm bench.py's prompts and lengths (same random calls, same order); token ids modulo the
+    vocabulary (tiny test models run it too). fixed_*: every length is the max (vLLM's --input-len / --output-len)."""
     from jaxinfer import SamplingParams
     random.seed(seed)
     lo_in = max_input if fixed_input else min(100, max_input)
@@ -253,16 +252,14 @@ def parse(argv=None):
     g.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
                    help="every request has presence_penalty=X (cost of penalties; default: 0)")
     g.add_argument("--top-p", type=probability, default=1.0, metavar="P",
-                   help="every request has top_p=P (cost of filtered sampling; default: 1, no filter; Qwen3's "
-                   "generation config: --top-k 20 --top-p 0.95)")
+                   help="every request has top_p=P (default 1: no filter; Qwen3's config: --top-k 20 --top-p 0.95)")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="every request has top_k=K (default 0)")
     ap.add_argument("--repeats", type=positive_int, default=1, help="time it N times; the median wall (A/B runs)")
     ap.add_argument("--step-log", type=output_path, default=None, metavar="PATH",
                     help="log every step's host times (schedule, dispatch, wait, apply) to PATH; print them by bucket")
     ap.add_argument("--profile", metavar="DIR", help="trace the timed run into DIR; where the GPU time went")
-    ap.add_argument("--no-process-flags", action="store_true",
-                    help="run as a plain `LLM()` in a user's Python does: XLA_FLAGS left as they are (A/B of the "
-                         "SKIP_TEMP mode that the jaxinfer commands set)")
+    ap.add_argument("--no-process-flags", action="store_true", help="run as a plain `LLM()` in a user's Python does: "
+                    "XLA_FLAGS left as they are (A/B of the SKIP_TEMP mode that the jaxinfer commands set)")
     return ap.parse_args(bare_flags(dashed(sys.argv[1:] if argv is None else list(argv)), CHUNKED))
 
 
@@ -275,6 +272,9 @@ def main(argv=None) -> dict:
         args.max_input_len = args.latency_prompt = args.input_len
     if args.output_len:
         args.max_output_len = args.latency_output = args.output_len
+    need = args.latency_prompt + args.latency_output if args.latency else args.max_input_len    # before the warm-up:
+    if 0 < (getattr(args, "max_model_len", None) or 0) < need:
+        raise ValueError(f"the requests need {need} tokens of context: more than max_model_len={args.max_model_len}")
     from jaxinfer import SamplingParams      # the per-request flags' values: refused now, not after the warm-up
     SamplingParams(top_p=args.top_p, top_k=args.top_k, logprobs=args.logprobs, presence_penalty=args.presence_penalty)
     if args.peer and args.hf_overrides:     # transformers would load the checkpoint as its config.json says

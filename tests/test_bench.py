@@ -182,6 +182,18 @@ def test_latency_refuses_requests_that_would_stop_early(tiny_dir):
                                        "--latency-output", "10", "--max-model-len", "64", "--block-size", "4"]))
 
 
+def test_lengths_past_max_model_len_are_refused_before_the_warm_up(tiny_dir, monkeypatch):
+    """--input-len (or --latency's prompt + output) past an explicit --max-model-len: refused before any compile."""
+    monkeypatch.setattr(bench, "build", lambda args: pytest.fail("built the engine"))
+    base = [tiny_dir, "--max-model-len", "64"]
+    with pytest.raises(ValueError, match="need 100 tokens .*max_model_len=64"):
+        bench.main(base + ["--input-len", "100"])
+    with pytest.raises(ValueError, match="need 70 tokens .*max_model_len=64"):
+        bench.main(base + ["--latency", "--input-len", "60", "--output-len", "10"])
+    with pytest.raises(ValueError, match="need 65 tokens"):
+        bench.main(base + ["--max-input-len", "65"])
+
+
 def test_bench_script_reports_bad_engine_values_without_a_traceback():
     """python scripts/bench.py with a value the engine refuses: its message and exit status 2, as `jaxinfer bench`."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
