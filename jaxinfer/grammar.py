@@ -21,6 +21,7 @@ import weakref
 import numpy as np
 
 from jaxinfer import index_worker
+from jaxinfer.json_strings import ascii_digits, json_text_schema
 
 _INDEXES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # tokenizer -> {(V, eos, regex): Index}
 _VOCABS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # tokenizer -> {(V, eos): Vocabulary}
@@ -36,8 +37,7 @@ UNENFORCED = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "mul
               "minContains", "maxContains", "minProperties", "maxProperties", "patternProperties", "dependentRequired",
               "dependentSchemas", "if", "then", "else", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
               "dependencies", "not"}
-# masks kept per index by guide state: a copy (~1 us) instead of outlines-core's write (~13 us at Qwen3's vocabulary)
-MASK_CACHE = 64
+MASK_CACHE = 64     # masks kept per index by guide state: a copy (~1 us), not outlines-core's write (~13 us at 151k)
 LENGTHS = {"minLength", "maxLength"}     # not enforced beside a pattern, a format or an enum (outlines-core drops them)
 
 
@@ -52,13 +52,13 @@ def _outlines(error):
 def regex_for(so, error=ValueError) -> str:
     """The regular expression of a StructuredOutputsParams of one of KINDS (checked by structured.check), or of a
     choice list the choice kind cannot take (structured.Unspellable). A regex's leading `^` and trailing `$` are
-    dropped: the whole output must match anyway (xgrammar, vLLM's default backend, drops them too)."""
+    dropped: the whole output must match anyway (xgrammar, vLLM's default backend, drops them too); `\\d` is ASCII."""
     if so.choice is not None:
         return "(" + "|".join("".join("\\" + c if c in _META else c for c in choice) for choice in so.choice) + ")"
     if so.regex is not None:
         r = so.regex[1:] if so.regex.startswith("^") else so.regex
         escapes = len(r[:-1]) - len(r[:-1].rstrip("\\"))          # (backslashes before a last `$`: `\$` is a $)
-        return r[:-1] if r.endswith("$") and escapes % 2 == 0 else r
+        return ascii_digits(r[:-1] if r.endswith("$") and escapes % 2 == 0 else r)
     schema = {"type": "object"} if so.json is None else so.json
     if isinstance(schema, str):
         try:
@@ -74,7 +74,7 @@ def regex_for(so, error=ValueError) -> str:
     _outlines(error)
     from outlines_core.json_schema import build_regex_from_schema
     try:
-        return build_regex_from_schema(json.dumps(schema), ws)
+        return build_regex_from_schema(json.dumps(json_text_schema(schema)), ws)     # (its strings: json_strings.py)
     except Exception as e:             # (outlines-core's own errors name what it cannot take)
         raise error(f"structured_outputs json schema is not supported: {e}") from None
 

@@ -442,3 +442,57 @@ def test_refusals(llm):
         grammar.GrammarRule("a", None, 10, [2])
     assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("string", [{"pattern": "^.{2,8}$"}, {"pattern": r"^[^@]+@\S+$"}, {"pattern": r'^a"\d\\'},
+                                    {"format": "date"}, {"format": "date-time"}, {"format": "time"},
+                                    {"format": "email"}, {"format": "uri"}, {"format": "uuid"}])
+def test_string_patterns_and_formats_give_json(llm, string):
+    """A schema string's pattern or format holds only what JSON text may (outlines-core wrote `.` or `\\S` between the
+    quotes as they are: a raw quote, backslash or control character, or a date in other scripts' digits): every
+    finished sample parses, and its value matches the pattern (re.search, as JSON Schema) or is of its format."""
+    import datetime
+    import re
+    import uuid
+    tok = llm.get_tokenizer()
+    bias = {tok.encode(c, add_special_tokens=False)[-1]: 3.0 for c in '"}@'} | {2: 30.0}     # (to end sooner)
+    sp = SamplingParams(temperature=1.0, seed=0, n=8, max_tokens=64, logit_bias=bias,
+                        structured_outputs={"json": {"type": "object", "properties": {"v": {"type": "string", **string}},
+                                                     "required": ["v"]}})
+    done = 0
+    for c in llm.generate(["Hello"], sp, use_tqdm=False)[0].outputs:
+        if c.finish_reason != "stop":
+            continue
+        done += 1
+        v = json.loads(c.text)["v"]
+        fmt = string.get("format")
+        if fmt in ("date", "date-time", "time"):
+            parse = {"date": datetime.date.fromisoformat, "date-time": datetime.datetime.fromisoformat,
+                     "time": datetime.time.fromisoformat}[fmt]
+            assert v.isascii() and parse(v) and (fmt == "date" or v.endswith("Z") or v[-6] in "+-"), v
+        elif fmt == "uuid":
+            assert str(uuid.UUID(v)) == v
+        elif fmt:
+            assert v.isascii() and v.isprintable() and ('@' in v if fmt == "email" else "://" in v), v
+        else:
+            assert re.search(string["pattern"], v), (string, v)
+    assert done or string.get("format") in ("email", "uri")      # (random weights: these run past max_tokens)
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_json_text_patterns():
+    """json_strings.json_text: the JSON text of any value the pattern matches, only where JSON may hold it as it
+    is; a regex kind's \\d is ASCII (xgrammar's reading), a pattern beside a known format refused."""
+    from jaxinfer.json_strings import ascii_digits, json_text, json_text_schema
+    for pattern, texts, not_texts in ((".{2}", ["ab", "\u00e9\u00e9"], ['a"', "a\\", "a\n"]),
+                                      (r"a\"b\\c\nd", ['a\\"b\\\\c\\nd'], ['a"b\\c\nd']),
+                                      (r"[^@]\S\d[\d.]\s", ["xy1. ", "xy1.\\t"], ["xy\u0661. ", '"y1. ', "x\\1. "]),
+                                      (r"\p{L}[a-z\"]", ["\u00e9a"], ['\u00e9"'])):
+        r = regex.compile(json_text(pattern), flags=regex.V1)
+        assert all(r.fullmatch(t) for t in texts), (pattern, json_text(pattern))
+        assert not any(r.fullmatch(t) for t in not_texts), (pattern, json_text(pattern))
+    assert ascii_digits(r"^\d[\d.][^\d]\\d$") == r"^[0-9][0-9.][^\d]\\d$"
+    with pytest.raises(ValueError, match="pattern beside format 'date'"):
+        json_text_schema({"type": "string", "format": "date", "pattern": "x"})
+    assert json_text_schema({"enum": ["."], "properties": {"pattern": {"type": "string", "pattern": "."}}}) == \
+        {"enum": ["."], "properties": {"pattern": {"type": "string", "pattern": json_text(".")}}}

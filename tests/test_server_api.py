@@ -717,6 +717,7 @@ def test_structured_outputs_json_and_regex(client, url):
                       ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format"),
                       ({"response_format": {"type": "json_schema"}}, "response_format"),    # (no schema: OpenAI 400s)
                       ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format"),
+                      ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format"),
                       ({"guided_regex": "a("}, "guided_regex"), ({"guided_json": "{bad"}, "guided_json"),
                       ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
                       ({"structured_outputs": {"regex": "a"}, "guided_json": {}}, "structured_outputs")):

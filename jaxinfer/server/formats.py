@@ -23,7 +23,7 @@ def response_format(value) -> dict | None:
     if kind == "json_schema":
         spec = value.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
-        if schema is None:     # (OpenAI: 400; vLLM: "none are specified") rather than any JSON in its place
+        if schema is None or not isinstance(spec.get("name"), str):    # (OpenAI and vLLM: 400; name is required)
             raise RequestError(f"response_format type 'json_schema' needs json_schema: {{\"name\": ..., \"schema\": "
                                f"{{...}}}}, got json_schema={spec!r:.80}", param="response_format")
         return {"json": schema}

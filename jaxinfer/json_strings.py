@@ -1,0 +1,136 @@
+"""A JSON schema's string `pattern`s and `format`s as expressions over JSON text (grammar.py's json kind).
+
+outlines-core writes a string's `pattern` (or its own expression for a `format`) between the quotes as it is, but
+the expression is matched against the JSON text, not the string's value: `.`, `[^@]` or `\\S` there also match `"`,
+`\\` and control characters, which JSON text may not hold unescaped (the answer would not parse), and its `\\d`
+matches any Unicode digit (a `date` of other scripts' digits). So before outlines-core sees the schema, each pattern
+is rewritten to match only JSON-valid text whose value the pattern matches: what may match an unsafe character is
+cut to the safe ones (a literal quote, backslash or \\n becomes its escape), `\\d` is ASCII (as xgrammar, vLLM's
+default backend, reads it), and each `format` outlines-core knows becomes such a pattern of our own (RFC 3339
+dates and times with their offset, as jsonschema's format checker wants them).
+"""
+from __future__ import annotations
+
+_UNSAFE = '"\\\\\\x00-\\x1F\\x7F-\\x9F'          # regex class items: what JSON text may not hold unescaped
+SAFE = f"[^{_UNSAFE}]"                           # any character JSON text may hold as it is
+_DATE = ("[0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|"   # (no Feb 29:
+         "02-(0[1-9]|1[0-9]|2[0-8]))")                                                       # leap years unchecked)
+_TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_URI_CHARS = "[a-zA-Z0-9._~%!$&'()*+,;=:@/-]"
+FORMATS = {
+    "date": _DATE, "time": _TIME, "date-time": f"{_DATE}T{_TIME}",
+    "uuid": "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+    "email": "[a-zA-Z0-9._%+-]+@[a-zA-Z0-9-]+(\\.[a-zA-Z0-9-]+)*\\.[a-zA-Z]{2,}",
+    "uri": f"(https?|ftp)://[a-zA-Z0-9-]+(\\.[a-zA-Z0-9-]+)*(:[0-9]+)?(/{_URI_CHARS}*)?(\\?{_URI_CHARS}*)?"
+           f"(#{_URI_CHARS}*)?",
+}
+# escapes outside a class: their JSON-text form (s: whitespace as a space or an escape; D / S / W: without the unsafe)
+_ESCAPES = {"d": "[0-9]", "D": f"[^0-9{_UNSAFE}]", "s": "( |\\\\[tnrf])", "S": f"[^\\s{_UNSAFE}]",
+            "W": f"[^\\w{_UNSAFE}]", '"': '\\\\"', "\\": "\\\\\\\\", "n": "\\\\n", "t": "\\\\t", "r": "\\\\r",
+            "f": "\\\\f"}
+
+
+def json_text(pattern: str) -> str:
+    """`pattern` (a JSON schema string's) as an expression over the string's JSON text between its quotes."""
+    out, i, n = [], 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\" and i + 1 < n:
+            e = pattern[i + 1]
+            if e in "pP" and i + 2 < n and pattern[i + 2] == "{":          # \p{..} / \P{..}: kept, cut to SAFE
+                end = pattern.index("}", i) + 1
+                out.append(f"[{pattern[i:end]}&&{SAFE}]")
+                i = end
+                continue
+            out.append(_ESCAPES.get(e, c + e))
+            i += 2
+        elif c == "[":
+            end = _class_end(pattern, i)
+            body = pattern[i + 1:end]
+            if body.startswith("^"):                  # a negated class: the unsafe characters excluded too
+                out.append(f"[{body}{_UNSAFE}]")
+            else:                                     # its ASCII digits, and only what JSON text may hold
+                out.append(f"[[{_ascii_digits(body)}]&&{SAFE}]")
+            i = end + 1
+        elif c == ".":
+            out.append(SAFE)
+            i += 1
+        elif c == '"':
+            out.append('\\\\"')
+            i += 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _class_end(pattern: str, start: int) -> int:
+    """Index of the `]` that closes the class opened at `start` (a `]` first in it, or escaped, is a member)."""
+    i = start + 1
+    if i < len(pattern) and pattern[i] == "^":
+        i += 1
+    if i < len(pattern) and pattern[i] == "]":
+        i += 1
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            i += 2
+            continue
+        if pattern[i] == "]":
+            return i
+        i += 1
+    raise ValueError(f"the pattern {pattern!r:.80} has an unclosed '['")
+
+
+def _ascii_digits(body: str) -> str:
+    """A class body with its `\\d` as 0-9 (an escaped backslash before a d stays)."""
+    out, i = [], 0
+    while i < len(body):
+        if body[i] == "\\" and i + 1 < len(body):
+            out.append("0-9" if body[i + 1] == "d" else body[i:i + 2])
+            i += 2
+        else:
+            out.append(body[i])
+            i += 1
+    return "".join(out)
+
+
+def ascii_digits(regex: str) -> str:
+    """A regex kind's expression with `\\d` as [0-9] outside classes and 0-9 inside (xgrammar's reading); one
+    with an unclosed class as it is (outlines-core names the error)."""
+    if regex.count("[") > regex.count("]"):
+        return regex
+    out, i, n = [], 0, len(regex)
+    while i < n:
+        if regex[i] == "\\" and i + 1 < n:
+            out.append("[0-9]" if regex[i + 1] == "d" else regex[i:i + 2])
+            i += 2
+        elif regex[i] == "[":
+            end = _class_end(regex, i)
+            body = regex[i + 1:end]
+            out.append(f"[{body}]" if body.startswith("^") else f"[{_ascii_digits(body)}]")
+            i = end + 1
+        else:
+            out.append(regex[i])
+            i += 1
+    return "".join(out)
+
+
+def json_text_schema(schema, named: bool = False):
+    """A copy of `schema` whose string patterns and known formats are JSON-text patterns (`json_text`, FORMATS)."""
+    if isinstance(schema, list):
+        return [json_text_schema(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    if named:
+        return {k: json_text_schema(v) for k, v in schema.items()}
+    out = {k: v if k in ("enum", "const", "examples", "default", "required") else
+           json_text_schema(v, k in ("properties", "$defs", "definitions")) for k, v in schema.items()}
+    if isinstance(out.get("format"), str) and out["format"] in FORMATS:
+        if "pattern" in out:
+            raise ValueError(f"a pattern beside format {out['format']!r} (the answer could match only one of them)")
+        out["pattern"] = FORMATS[out.pop("format")]
+    elif isinstance(out.get("pattern"), str):        # (anchored or not, the whole value matches: its ends dropped)
+        p = out["pattern"][out["pattern"].startswith("^"):]
+        out["pattern"] = json_text(p[:-1] if p.endswith("$") and (len(p[:-1]) - len(p[:-1].rstrip("\\"))) % 2 == 0
+                                   else p)
+    return out
