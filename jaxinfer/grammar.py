@@ -21,7 +21,7 @@ import weakref
 import numpy as np
 
 from jaxinfer import index_worker
-from jaxinfer.json_strings import ascii_digits, json_text_schema
+from jaxinfer.json_strings import NAMED as _NAMED, VALUES as _VALUES, ascii_digits, json_text_schema, walk
 
 _INDEXES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # tokenizer -> {(V, eos, regex): Index}
 _VOCABS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # tokenizer -> {(V, eos): Vocabulary}
@@ -80,21 +80,15 @@ def regex_for(so, error=ValueError) -> str:
 
 
 _META = set("\\.^$|?*+()[]{}")   # escaped in a choice's regex (only these: outlines-core refuses "\\ ", say)
-_VALUES = ("enum", "const", "examples", "default", "required")     # keywords whose values are not schemas
-_NAMED = ("properties", "$defs", "definitions")                     # keywords whose values are {name: schema}
-
-
-def relaxed(schema, named: bool = False):
+def relaxed(schema):
     """A copy of `schema` without its UNENFORCED keywords (server/tools.py: a tool's parameters)."""
-    if isinstance(schema, list):
-        return [relaxed(v) for v in schema]
-    if not isinstance(schema, dict):
-        return schema
-    if named:
-        return {k: relaxed(v) for k, v in schema.items()}
+    return walk(schema, _relax)
+
+
+def _relax(schema: dict) -> dict:
     drop = UNENFORCED | (LENGTHS if {"pattern", "format", "enum"} & schema.keys() else set()) | \
         ({"required"} if "properties" not in schema else set())
-    out = {k: v if k in _VALUES else relaxed(v, k in _NAMED) for k, v in schema.items() if k not in drop}
+    out = {k: v for k, v in schema.items() if k not in drop}
     if isinstance(out.get("required"), list) and isinstance(out.get("properties"), dict):
         out["required"] = [k for k in out["required"] if k in out["properties"]]
     return out

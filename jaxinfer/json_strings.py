@@ -115,16 +115,27 @@ def ascii_digits(regex: str) -> str:
     return "".join(out)
 
 
-def json_text_schema(schema, named: bool = False):
-    """A copy of `schema` whose string patterns and known formats are JSON-text patterns (`json_text`, FORMATS)."""
+VALUES = ("enum", "const", "examples", "default", "required")     # keywords whose values are not schemas
+NAMED = ("properties", "$defs", "definitions")                     # keywords whose values are {name: schema}
+
+
+def walk(schema, edit, named: bool = False):
+    """A copy of `schema` with `edit` applied to each of its schemas, innermost first (edit gets a copy)."""
     if isinstance(schema, list):
-        return [json_text_schema(v) for v in schema]
+        return [walk(v, edit) for v in schema]
     if not isinstance(schema, dict):
         return schema
     if named:
-        return {k: json_text_schema(v) for k, v in schema.items()}
-    out = {k: v if k in ("enum", "const", "examples", "default", "required") else
-           json_text_schema(v, k in ("properties", "$defs", "definitions")) for k, v in schema.items()}
+        return {k: walk(v, edit) for k, v in schema.items()}
+    return edit({k: v if k in VALUES else walk(v, edit, k in NAMED) for k, v in schema.items()})
+
+
+def json_text_schema(schema):
+    """A copy of `schema` whose string patterns and known formats are JSON-text patterns (`json_text`, FORMATS)."""
+    return walk(schema, _json_text_string)
+
+
+def _json_text_string(out: dict) -> dict:
     if isinstance(out.get("format"), str) and out["format"] in FORMATS:
         if "pattern" in out:
             raise ValueError(f"a pattern beside format {out['format']!r} (the answer could match only one of them)")
