@@ -21,7 +21,8 @@ import weakref
 import numpy as np
 
 from jaxinfer import index_worker
-from jaxinfer.json_strings import NAMED as _NAMED, VALUES as _VALUES, ascii_digits, json_text_schema, walk
+from jaxinfer.json_strings import NAMED as _NAMED, VALUES as _VALUES, ascii_digits, json_text_schema, walk, \
+    without_anchors
 
 _INDEXES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # tokenizer -> {(V, eos, regex): Index}
 _VOCABS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # tokenizer -> {(V, eos): Vocabulary}
@@ -56,9 +57,7 @@ def regex_for(so, error=ValueError) -> str:
     if so.choice is not None:
         return "(" + "|".join("".join("\\" + c if c in _META else c for c in choice) for choice in so.choice) + ")"
     if so.regex is not None:
-        r = so.regex[1:] if so.regex.startswith("^") else so.regex
-        escapes = len(r[:-1]) - len(r[:-1].rstrip("\\"))          # (backslashes before a last `$`: `\$` is a $)
-        return ascii_digits(r[:-1] if r.endswith("$") and escapes % 2 == 0 else r)
+        return ascii_digits(without_anchors(so.regex))
     schema = {"type": "object"} if so.json is None else so.json
     if isinstance(schema, str):
         try:

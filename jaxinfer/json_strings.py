@@ -38,7 +38,8 @@ def json_text(pattern: str) -> str:
         if c == "\\" and i + 1 < n:
             e = pattern[i + 1]
             if e in "pP" and i + 2 < n and pattern[i + 2] == "{":          # \p{..} / \P{..}: kept, cut to SAFE
-                end = pattern.index("}", i) + 1
+                if (end := pattern.find("}", i) + 1) == 0:
+                    raise ValueError(f"the pattern {pattern!r:.80} has an unclosed '\\{e}{{'")
                 out.append(f"[{pattern[i:end]}&&{SAFE}]")
                 i = end
                 continue
@@ -97,15 +98,16 @@ def _ascii_digits(body: str) -> str:
 def ascii_digits(regex: str) -> str:
     """A regex kind's expression with `\\d` as [0-9] outside classes and 0-9 inside (xgrammar's reading); one
     with an unclosed class as it is (outlines-core names the error)."""
-    if regex.count("[") > regex.count("]"):
-        return regex
     out, i, n = [], 0, len(regex)
     while i < n:
         if regex[i] == "\\" and i + 1 < n:
             out.append("[0-9]" if regex[i + 1] == "d" else regex[i:i + 2])
             i += 2
         elif regex[i] == "[":
-            end = _class_end(regex, i)
+            try:
+                end = _class_end(regex, i)
+            except ValueError:
+                return regex
             body = regex[i + 1:end]
             out.append(f"[{body}]" if body.startswith("^") else f"[{_ascii_digits(body)}]")
             i = end + 1
@@ -140,8 +142,13 @@ def _json_text_string(out: dict) -> dict:
         if "pattern" in out:
             raise ValueError(f"a pattern beside format {out['format']!r} (the answer could match only one of them)")
         out["pattern"] = FORMATS[out.pop("format")]
-    elif isinstance(out.get("pattern"), str):        # (anchored or not, the whole value matches: its ends dropped)
-        p = out["pattern"][out["pattern"].startswith("^"):]
-        out["pattern"] = json_text(p[:-1] if p.endswith("$") and (len(p[:-1]) - len(p[:-1].rstrip("\\"))) % 2 == 0
-                                   else p)
+    elif isinstance(out.get("pattern"), str):        # (anchored or not, the whole value matches)
+        out["pattern"] = json_text(without_anchors(out["pattern"]))
     return out
+
+
+def without_anchors(regex: str) -> str:
+    """`regex` without a leading `^` and a trailing `$` (an escaped `\\$` is a dollar sign: kept)."""
+    r = regex[1:] if regex.startswith("^") else regex
+    escapes = len(r[:-1]) - len(r[:-1].rstrip("\\"))          # (backslashes before a last `$`)
+    return r[:-1] if r.endswith("$") and escapes % 2 == 0 else r

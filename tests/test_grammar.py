@@ -483,7 +483,7 @@ def test_string_patterns_and_formats_give_json(llm, string):
 def test_json_text_patterns():
     """json_strings.json_text: the JSON text of any value the pattern matches, only where JSON may hold it as it
     is; a regex kind's \\d is ASCII (xgrammar's reading), a pattern beside a known format refused."""
-    from jaxinfer.json_strings import ascii_digits, json_text, json_text_schema
+    from jaxinfer.json_strings import ascii_digits, json_text, json_text_schema, without_anchors
     for pattern, texts, not_texts in ((".{2}", ["ab", "\u00e9\u00e9"], ['a"', "a\\", "a\n"]),
                                       (r"a\"b\\c\nd", ['a\\"b\\\\c\\nd'], ['a"b\\c\nd']),
                                       (r"[^@]\S\d[\d.]\s", ["xy1. ", "xy1.\\t"], ["xy\u0661. ", '"y1. ', "x\\1. "]),
@@ -492,6 +492,11 @@ def test_json_text_patterns():
         assert all(r.fullmatch(t) for t in texts), (pattern, json_text(pattern))
         assert not any(r.fullmatch(t) for t in not_texts), (pattern, json_text(pattern))
     assert ascii_digits(r"^\d[\d.][^\d]\\d$") == r"^[0-9][0-9.][^\d]\\d$"
+    assert ascii_digits(r"\]\]\d[a") == r"\]\]\d[a"            # (an unclosed class: outlines-core names it)
+    assert without_anchors("^a$") == without_anchors("a") == "a" and without_anchors(r"^a\$") == r"a\$"
+    for bad, frag in ((r"\p{L", "unclosed '\\p{'"), ("a[b", "unclosed '['")):
+        with pytest.raises(ValueError, match=regex.escape(frag)):
+            json_text(bad)
     with pytest.raises(ValueError, match="pattern beside format 'date'"):
         json_text_schema({"type": "string", "format": "date", "pattern": "x"})
     assert json_text_schema({"enum": ["."], "properties": {"pattern": {"type": "string", "pattern": "."}}}) == \
