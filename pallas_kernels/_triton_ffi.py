@@ -25,8 +25,9 @@ import jax
 import numpy as np
 
 INSTALL_HINT = ("attn_backend='triton' needs the triton and jax-triton packages on a CUDA machine: "
-                "pip install '.[triton]' (jax-triton==0.3.1 for triton 3.6; offline: pip install --no-deps "
-                ".whl/jax_triton-0.3.1-py3-none-any.whl)")
+                "python -m pip install '.[triton]' (jax-triton==0.3.1 for triton 3.6; offline: python -m pip install "
+                "--no-deps .whl/jax_triton-0.3.1-py3-none-any.whl; `python -m pip` installs into the Python that runs "
+                "jaxinfer, a bare `pip` may belong to another one)")
 
 
 def load_triton():
