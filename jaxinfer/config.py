@@ -181,7 +181,8 @@ class EngineConfig:
                                                  "for small batches when nothing waits, xla 16; 1: one step)")
     warmup: bool | None = _opt(None, "compile every step bucket at start-up (GPU: yes; CPU: no, compile lazily)")
     tensor_parallel_size: int = _opt(1, "devices each replica's weights and KV cache are split over (tensor "
-                                        "parallelism; must divide the attention heads)", aliases=("-tp",))
+                                        "parallelism; must divide the attention heads and intermediate_size, and divide "
+                                        "or be a multiple of the kv heads)", aliases=("-tp",))
     data_parallel_size: int = _opt(1, "engine replicas, each on its own tensor_parallel_size devices; requests go "
                                       "to the least loaded", aliases=("-dp",))
 
