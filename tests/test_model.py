@@ -71,6 +71,12 @@ def test_config_refuses_other_models_and_rope_kinds():
     for extra in (dict(max_window_layers=1), dict(layer_types=["full_attention", "sliding_attention"])):
         with pytest.raises(ValueError, match=r"sliding-window attention .* layers \[1\]"):
             ModelConfig.from_dict(_base(**sliding, **extra))
+    # a sliding_window left out is Qwen3Config's default (4096), not null: those layers slide, so it is refused
+    unset = dict(use_sliding_window=True, num_hidden_layers=2, max_window_layers=0)
+    for extra in ({}, dict(layer_types=["sliding_attention"] * 2)):
+        with pytest.raises(ValueError, match=r"sliding_window=4096, layers \[0, 1\]"):
+            ModelConfig.from_dict(_base(**unset, **extra))
+    assert ModelConfig.from_dict(_base(**unset, sliding_window=None)).num_hidden_layers == 2    # (null: full)
     with pytest.raises(ValueError, match="the checkpoint's dtype='int8'"):
         ModelConfig.from_dict(_base(torch_dtype="int8"))
     # fields config.json leaves out take transformers' Qwen3Config defaults (so vLLM's), not hidden / heads

@@ -14,7 +14,7 @@ def check_supported(d: dict) -> None:
             raise ValueError(f"{key}={d[key]!r} is not supported{why}")
     if sliding := sliding_layers(d):
         raise ValueError(f"sliding-window attention (use_sliding_window={d.get('use_sliding_window')!r}, "
-                         f"sliding_window={d.get('sliding_window')!r}, layers {sliding}) is not supported")
+                         f"sliding_window={d.get('sliding_window', 4096)!r}, layers {sliding}) is not supported")
     if quantized_weights(q := d.get("quantization_config")):
         method = q.get("quant_method") if isinstance(q, dict) else q
         raise ValueError(f"quantization_config (quant_method={method!r}) is not supported: jaxinfer runs bf16 / fp16 / "
@@ -22,10 +22,11 @@ def check_supported(d: dict) -> None:
 
 
 def sliding_layers(d: dict) -> list[int]:
-    """The layers transformers' Qwen3 runs with a sliding window: none unless use_sliding_window and a sliding_window
-    are set; then those layer_types marks "sliding_attention", or (without layer_types) those from max_window_layers
-    on (Qwen3Config's default: 28). A checkpoint whose flag is set but no layer slides is plain full attention."""
-    if not d.get("use_sliding_window") or d.get("sliding_window") is None:
+    """The layers transformers' Qwen3 runs with a sliding window: none unless use_sliding_window is set and
+    sliding_window is not null (absent: Qwen3Config's default, 4096); then those layer_types marks
+    "sliding_attention", or (without layer_types) those from max_window_layers on (Qwen3Config's default: 28). A
+    checkpoint whose flag is set but no layer slides is plain full attention."""
+    if not d.get("use_sliding_window") or d.get("sliding_window", 4096) is None:
         return []
     if isinstance(types := d.get("layer_types"), list):
         return [i for i, t in enumerate(types) if t == "sliding_attention"]
