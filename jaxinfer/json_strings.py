@@ -5,9 +5,10 @@ the expression is matched against the JSON text, not the string's value: `.`, `[
 `\\` and control characters, which JSON text may not hold unescaped (the answer would not parse), and its `\\d`
 matches any Unicode digit (a `date` of other scripts' digits). So before outlines-core sees the schema, each pattern
 is rewritten to match only JSON-valid text whose value the pattern matches: what may match an unsafe character is
-cut to the safe ones (a literal quote, backslash or \\n becomes its escape), `\\d` is ASCII (as xgrammar, vLLM's
-default backend, reads it), and each `format` outlines-core knows becomes such a pattern of our own (RFC 3339
-dates and times with their offset, as jsonschema's format checker wants them).
+cut to the safe ones (a quote, backslash or control character, written as it is or as a \\x / \\u escape,
+becomes its JSON escape), `\\d` is ASCII (as xgrammar, vLLM's default backend, reads it), and each `format`
+outlines-core knows becomes such a pattern of our own (RFC 3339 dates and times with their offset, as jsonschema's
+format checker wants them).
 """
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ FORMATS = {
            f"(#{_URI_CHARS}*)?",
 }
 # escapes outside a class: their JSON-text form (s: whitespace as a space or an escape; D / S / W: without the unsafe)
+# (a quote, a backslash, \\n, \\t, \\r, \\f: those characters' JSON escapes, `_literal`)
 _ESCAPES = {"d": "[0-9]", "D": f"[^0-9{_UNSAFE}]", "s": "( |\\\\[tnrf])", "S": f"[^\\s{_UNSAFE}]",
-            "W": f"[^\\w{_UNSAFE}]", '"': '\\\\"', "\\": "\\\\\\\\", "n": "\\\\n", "t": "\\\\t", "r": "\\\\r",
-            "f": "\\\\f"}
+            "W": f"[^\\w{_UNSAFE}]"}
+_CHARS = {'"': '"', "\\": "\\", "n": "\n", "t": "\t", "r": "\r", "f": "\f"}
 
 
 def json_text(pattern: str) -> str:
@@ -43,7 +45,11 @@ def json_text(pattern: str) -> str:
                 out.append(f"[{pattern[i:end]}&&{SAFE}]")
                 i = end
                 continue
-            out.append(_ESCAPES.get(e, c + e))
+            if (code := _code_point(pattern, i)) is not None:    # \xHH, \x{..}, \uHHHH, \u{..}, \UHHHHHHHH
+                out.append(_literal(chr(code[0])) if _unsafe(chr(code[0])) else pattern[i:code[1]])
+                i = code[1]
+                continue
+            out.append(_literal(_CHARS[e]) if e in _CHARS else _ESCAPES.get(e, c + e))
             i += 2
         elif c == "[":
             end = _class_end(pattern, i)
@@ -56,13 +62,44 @@ def json_text(pattern: str) -> str:
         elif c == ".":
             out.append(SAFE)
             i += 1
-        elif c == '"':
-            out.append('\\\\"')
+        elif _unsafe(c):                              # a raw quote, backslash or control character: its escape
+            out.append(_literal(c))
             i += 1
         else:
             out.append(c)
             i += 1
     return "".join(out)
+
+
+def _unsafe(c: str) -> bool:
+    """A character JSON text may not hold as it is (as _UNSAFE: also 0x7F-0x9F, which JSON allows escaped)."""
+    return c in '"\\' or ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F
+
+
+def _literal(c: str) -> str:
+    """An expression matching the JSON escape of the unsafe character `c` (its short form where JSON has one), as a
+    group (a quantifier after it repeats the whole escape)."""
+    short = {'"': '"', "\\": "\\\\", "\n": "n", "\t": "t", "\r": "r", "\f": "f", "\b": "b"}.get(c)
+    return "(\\\\" + (short if short is not None else f"u{ord(c):04x}") + ")"
+
+
+def _code_point(pattern: str, i: int) -> tuple[int, int] | None:
+    """(code point, end) of the hex escape at pattern[i] (\\xHH, \\x{H..}, \\uHHHH, \\u{H..}, \\UHHHHHHHH), else
+    None; a ValueError naming a malformed one."""
+    kind, j = pattern[i + 1], i + 2
+    if kind not in "xuU":
+        return None
+    if kind != "U" and pattern.startswith("{", j):
+        end = pattern.find("}", j)
+        digits, after = (pattern[j + 1:end], end + 1) if end > 0 else ("", j + 1)
+    else:
+        width = {"x": 2, "u": 4, "U": 8}[kind]
+        digits, after = pattern[j:j + width], j + width
+        digits = digits if len(digits) == width else ""
+    hexadecimal = 0 < len(digits) <= 8 and all(d in "0123456789abcdefABCDEF" for d in digits)
+    if not hexadecimal or (code := int(digits, 16)) > 0x10FFFF:
+        raise ValueError(f"the pattern {pattern!r:.80} has a bad escape {pattern[i:after]!r}")
+    return code, after
 
 
 def _class_end(pattern: str, start: int) -> int:

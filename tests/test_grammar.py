@@ -445,6 +445,7 @@ def test_refusals(llm):
 
 
 @pytest.mark.parametrize("string", [{"pattern": "^.{2,8}$"}, {"pattern": r"^[^@]+@\S+$"}, {"pattern": r'^a"\d\\'},
+                                    {"pattern": r"^\x22\u005c\x0a?$"},
                                     {"format": "date"}, {"format": "date-time"}, {"format": "time"},
                                     {"format": "email"}, {"format": "uri"}, {"format": "uuid"}])
 def test_string_patterns_and_formats_give_json(llm, string):
@@ -487,14 +488,18 @@ def test_json_text_patterns():
     for pattern, texts, not_texts in ((".{2}", ["ab", "\u00e9\u00e9"], ['a"', "a\\", "a\n"]),
                                       (r"a\"b\\c\nd", ['a\\"b\\\\c\\nd'], ['a"b\\c\nd']),
                                       (r"[^@]\S\d[\d.]\s", ["xy1. ", "xy1.\\t"], ["xy\u0661. ", '"y1. ', "x\\1. "]),
-                                      (r"\p{L}[a-z\"]", ["\u00e9a"], ['\u00e9"'])):
+                                      (r"\p{L}[a-z\"]", ["\u00e9a"], ['\u00e9"']),
+                                      (r"\x22\u005c\x{0a}\U00000001\x41" + "\t", ['\\"\\\\\\n\\u0001A\\t'],
+                                       ['"\\\nA\t', '\\"\\\\\\n\x01A\\t']),
+                                      ('a"?\\n{2}', ["a\\n\\n", 'a\\"\\n\\n'], ["a\\\\n\\n", "a\\n\\"])):   # (? / {2}: whole escapes)
         r = regex.compile(json_text(pattern), flags=regex.V1)
         assert all(r.fullmatch(t) for t in texts), (pattern, json_text(pattern))
         assert not any(r.fullmatch(t) for t in not_texts), (pattern, json_text(pattern))
     assert ascii_digits(r"^\d[\d.][^\d]\\d$") == r"^[0-9][0-9.][^\d]\\d$"
     assert ascii_digits(r"\]\]\d[a") == r"\]\]\d[a"            # (an unclosed class: outlines-core names it)
     assert without_anchors("^a$") == without_anchors("a") == "a" and without_anchors(r"^a\$") == r"a\$"
-    for bad, frag in ((r"\p{L", "unclosed '\\p{'"), ("a[b", "unclosed '['")):
+    for bad, frag in ((r"\p{L", "unclosed '\\p{'"), ("a[b", "unclosed '['"), (r"a\x4", r"bad escape '\\x4'"),
+                      (r"\u{110000}", "bad escape")):
         with pytest.raises(ValueError, match=regex.escape(frag)):
             json_text(bad)
     with pytest.raises(ValueError, match="pattern beside format 'date'"):

@@ -719,6 +719,7 @@ def test_structured_outputs_json_and_regex(client, url):
                       ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format"),
                       ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format"),
                       ({"guided_regex": "a("}, "guided_regex"), ({"guided_json": "{bad"}, "guided_json"),
+                      ({"guided_json": {"type": "string", "pattern": "\\x4"}}, "guided_json"),    # (bad escape)
                       ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
                       ({"structured_outputs": {"regex": "a"}, "guided_json": {}}, "structured_outputs")):
         r = post(url + "/v1/completions", json={**body, **bad})
