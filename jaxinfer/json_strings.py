@@ -5,12 +5,15 @@ the expression is matched against the JSON text, not the string's value: `.`, `[
 `\\` and control characters, which JSON text may not hold unescaped (the answer would not parse), and its `\\d`
 matches any Unicode digit (a `date` of other scripts' digits). So before outlines-core sees the schema, each pattern
 is rewritten to match only JSON-valid text whose value the pattern matches: what may match an unsafe character is
-cut to the safe ones (a quote, backslash or control character, written as it is or as a \\x / \\u escape,
-becomes its JSON escape), `\\d` is ASCII (as xgrammar, vLLM's default backend, reads it), and each `format`
-outlines-core knows becomes such a pattern of our own (RFC 3339 dates and times with their offset, as jsonschema's
-format checker wants them).
+cut to the safe ones (a class also gives the escapes of the quote, backslash, \\n, \\t, \\r it holds; a quote,
+backslash or control character, written as it is or as a \\x / \\u escape, becomes its JSON escape), `\\d` is ASCII
+(as xgrammar, vLLM's default backend, reads it), and each `format` outlines-core knows becomes such a pattern of
+our own (RFC 3339 dates and times with their offset, as jsonschema's format checker wants them).
 """
 from __future__ import annotations
+
+import re
+import warnings
 
 _UNSAFE = '"\\\\\\x00-\\x1F\\x7F-\\x9F'          # regex class items: what JSON text may not hold unescaped
 SAFE = f"[^{_UNSAFE}]"                           # any character JSON text may hold as it is
@@ -56,8 +59,10 @@ def json_text(pattern: str) -> str:
             body = pattern[i + 1:end]
             if body.startswith("^"):                  # a negated class: the unsafe characters excluded too
                 out.append(f"[{body}{_UNSAFE}]")
-            else:                                     # its ASCII digits, and only what JSON text may hold
-                out.append(f"[[{_ascii_digits(body)}]&&{SAFE}]")
+            else:       # its ASCII digits, what JSON text may hold, and the escapes of its quote, backslash, \n, \t, \r
+                safe = f"[[{_ascii_digits(body)}]&&{SAFE}]"
+                escaped = [_literal(ch) for ch in _members(body, '"\\\n\t\r')]
+                out.append(f"({'|'.join([safe, *escaped])})" if escaped else safe)
             i = end + 1
         elif c == ".":
             out.append(SAFE)
@@ -81,6 +86,20 @@ def _literal(c: str) -> str:
     group (a quantifier after it repeats the whole escape)."""
     short = {'"': '"', "\\": "\\\\", "\n": "n", "\t": "t", "\r": "r", "\f": "f", "\b": "b"}.get(c)
     return "(\\\\" + (short if short is not None else f"u{ord(c):04x}") + ")"
+
+
+def _members(body: str, chars: str) -> list[str]:
+    """Those of `chars` that the class `[body]` holds, where Python's re reads the class (else none: it is cut to
+    SAFE only, e.g. a \\p{..}, nested or && class)."""
+    if "[" in body or "&&" in body or "--" in body or "~~" in body:
+        return []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            member = re.compile(f"[{body}]").fullmatch
+    except (re.error, ValueError):
+        return []
+    return [ch for ch in chars if member(ch)]
 
 
 def _code_point(pattern: str, i: int) -> tuple[int, int] | None:

@@ -445,7 +445,7 @@ def test_refusals(llm):
 
 
 @pytest.mark.parametrize("string", [{"pattern": "^.{2,8}$"}, {"pattern": r"^[^@]+@\S+$"}, {"pattern": r'^a"\d\\'},
-                                    {"pattern": r"^\x22\u005c\x0a?$"},
+                                    {"pattern": r"^\x22\u005c\x0a?$"}, {"pattern": r'^["\\a-c]{3,8}$'},
                                     {"format": "date"}, {"format": "date-time"}, {"format": "time"},
                                     {"format": "email"}, {"format": "uri"}, {"format": "uuid"}])
 def test_string_patterns_and_formats_give_json(llm, string):
@@ -491,7 +491,8 @@ def test_json_text_patterns():
                                       (r"\p{L}[a-z\"]", ["\u00e9a"], ['\u00e9"']),
                                       (r"\x22\u005c\x{0a}\U00000001\x41" + "\t", ['\\"\\\\\\n\\u0001A\\t'],
                                        ['"\\\nA\t', '\\"\\\\\\n\x01A\\t']),
-                                      ('a"?\\n{2}', ["a\\n\\n", 'a\\"\\n\\n'], ["a\\\\n\\n", "a\\n\\"])):   # (? / {2}: whole escapes)
+                                      ('a"?\\n{2}', ["a\\n\\n", 'a\\"\\n\\n'], ["a\\\\n\\n", "a\\n\\"]),   # (? / {2}: whole escapes)
+                                      (r'[ -~\n]+', ['a\\"b\\\\c\\n'], ['a"', "a\\", "a\n"])):   # (a class: its escapes)
         r = regex.compile(json_text(pattern), flags=regex.V1)
         assert all(r.fullmatch(t) for t in texts), (pattern, json_text(pattern))
         assert not any(r.fullmatch(t) for t in not_texts), (pattern, json_text(pattern))
