@@ -5,7 +5,7 @@ the expression is matched against the JSON text, not the string's value: `.`, `[
 `\\` and control characters, which JSON text may not hold unescaped (the answer would not parse), and its `\\d`
 matches any Unicode digit (a `date` of other scripts' digits). So before outlines-core sees the schema, each pattern
 is rewritten to match only JSON-valid text whose value the pattern matches: what may match an unsafe character is
-cut to the safe ones (a class also gives the escapes of the quote, backslash, \\n, \\t, \\r it holds; a quote,
+cut to the safe ones (also the escapes of the quote, backslash, \\n, \\t, \\r they matched; a quote,
 backslash or control character, written as it is or as a \\x / \\u escape, becomes its JSON escape), `\\d` is ASCII
 (as xgrammar, vLLM's default backend, reads it), and each `format` outlines-core knows becomes such a pattern of
 our own (RFC 3339 dates and times with their offset, as jsonschema's format checker wants them).
@@ -33,6 +33,7 @@ FORMATS = {
 _ESCAPES = {"d": "[0-9]", "D": f"[^0-9{_UNSAFE}]", "s": "( |\\\\[tnrf])", "S": f"[^\\s{_UNSAFE}]",
             "W": f"[^\\w{_UNSAFE}]"}
 _CHARS = {'"': '"', "\\": "\\", "n": "\n", "t": "\t", "r": "\r", "f": "\f"}
+_ESCAPED = '"\\\n\t\r'                            # unsafe characters a class or \\S may give as escapes
 
 
 def json_text(pattern: str) -> str:
@@ -52,20 +53,21 @@ def json_text(pattern: str) -> str:
                 out.append(_literal(chr(code[0])) if _unsafe(chr(code[0])) else pattern[i:code[1]])
                 i = code[1]
                 continue
-            out.append(_literal(_CHARS[e]) if e in _CHARS else _ESCAPES.get(e, c + e))
+            if e in "DSW":                            # also the escapes of the quote, backslash, ... it matches
+                out.append(_with_escapes(_ESCAPES[e], _members(pattern[i:i + 2], _ESCAPED)))
+            else:
+                out.append(_literal(_CHARS[e]) if e in _CHARS else _ESCAPES.get(e, c + e))
             i += 2
         elif c == "[":
             end = _class_end(pattern, i)
             body = pattern[i + 1:end]
-            if body.startswith("^"):                  # a negated class: the unsafe characters excluded too
-                out.append(f"[{body}{_UNSAFE}]")
-            else:       # its ASCII digits, what JSON text may hold, and the escapes of its quote, backslash, \n, \t, \r
-                safe = f"[[{_ascii_digits(body)}]&&{SAFE}]"
-                escaped = [_literal(ch) for ch in _members(body, '"\\\n\t\r')]
-                out.append(f"({'|'.join([safe, *escaped])})" if escaped else safe)
+            # what JSON text may hold as it is (a negated class: the unsafe characters excluded too; else its ASCII
+            # digits), and the escapes of the quote, backslash, \n, \t, \r it holds
+            safe = f"[{body}{_UNSAFE}]" if body.startswith("^") else f"[[{_ascii_digits(body)}]&&{SAFE}]"
+            out.append(_with_escapes(safe, _members(f"[{body}]", _ESCAPED)))
             i = end + 1
-        elif c == ".":
-            out.append(SAFE)
+        elif c == ".":                                # (JSON Schema's `.`: any character but \n and \r)
+            out.append(_with_escapes(SAFE, '"\\\t'))
             i += 1
         elif _unsafe(c):                              # a raw quote, backslash or control character: its escape
             out.append(_literal(c))
@@ -88,18 +90,24 @@ def _literal(c: str) -> str:
     return "(\\\\" + (short if short is not None else f"u{ord(c):04x}") + ")"
 
 
-def _members(body: str, chars: str) -> list[str]:
-    """Those of `chars` that the class `[body]` holds, where Python's re reads the class (else none: it is cut to
-    SAFE only, e.g. a \\p{..}, nested or && class)."""
-    if "[" in body or "&&" in body or "--" in body or "~~" in body:
-        return []
+def _with_escapes(safe: str, chars) -> str:
+    """`safe` or one of the JSON escapes of `chars`, as one group."""
+    return f"({'|'.join([safe, *map(_literal, chars)])})" if chars else safe
+
+
+def _members(expr: str, chars: str) -> str:
+    """Those of `chars` that the one-character expression `expr` (a class, \\S, ...) matches, where Python's re
+    reads it as our regexes do (else none: it is cut to SAFE only, e.g. a \\p{..}, nested or && class)."""
+    inner = expr[1:-1] if expr.startswith("[") else ""
+    if "[" in inner or "&&" in inner or "--" in inner or "~~" in inner:
+        return ""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            member = re.compile(f"[{body}]").fullmatch
+            member = re.compile(expr).fullmatch
     except (re.error, ValueError):
-        return []
-    return [ch for ch in chars if member(ch)]
+        return ""
+    return "".join(ch for ch in chars if member(ch))
 
 
 def _code_point(pattern: str, i: int) -> tuple[int, int] | None:

@@ -492,7 +492,8 @@ def test_json_text_patterns():
                                       (r"\x22\u005c\x{0a}\U00000001\x41" + "\t", ['\\"\\\\\\n\\u0001A\\t'],
                                        ['"\\\nA\t', '\\"\\\\\\n\x01A\\t']),
                                       ('a"?\\n{2}', ["a\\n\\n", 'a\\"\\n\\n'], ["a\\\\n\\n", "a\\n\\"]),   # (? / {2}: whole escapes)
-                                      (r'[ -~\n]+', ['a\\"b\\\\c\\n'], ['a"', "a\\", "a\n"])):   # (a class: its escapes)
+                                      (r'[ -~\n]+', ['a\\"b\\\\c\\n'], ['a"', "a\\", "a\n"]),   # (a class: its escapes)
+                                      (r"[^@]\S.", ['\\"\\\\\\t', "\\nab"], ["a b", "ab\\n", "@ab"])):
         r = regex.compile(json_text(pattern), flags=regex.V1)
         assert all(r.fullmatch(t) for t in texts), (pattern, json_text(pattern))
         assert not any(r.fullmatch(t) for t in not_texts), (pattern, json_text(pattern))
