@@ -62,16 +62,23 @@ class AsyncLLMEngine:
                        tokenization_kwargs=None, trace_headers=None, priority: int = 0, prompt_text=None,
                        data_parallel_rank=None):
         """Yield RequestOutputs of one request until it finishes (vLLM's signature; `request_id` a string or int of
-        the caller's, unique among running requests; trace_headers, prompt_text and the data_parallel_rank hint are
-        taken and unused). Leaving the loop early aborts it."""
+        the caller's, unique among running requests; trace_headers and prompt_text are taken and unused;
+        data_parallel_rank: the replica that runs it, as vLLM's, else the least loaded). Leaving the loop early aborts
+        it."""
         if request_id is None:
             raise ValueError("generate needs a request_id (a string or an int, unique among running requests)")
         check_id(request_id)                      # (before anything is queued: the engine's thread hashes it)
+        size = self._llm.config.data_parallel_size
+        if data_parallel_rank is not None and (not isinstance(data_parallel_rank, int) or
+                                               isinstance(data_parallel_rank, bool) or
+                                               not 0 <= data_parallel_rank < size):
+            raise ValueError(f"data_parallel_rank={data_parallel_rank!r:.40} is out of range [0, {size}) "
+                             f"(data_parallel_size={size})")
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
         added = loop.create_future()
         self._send(("add", request_id, dict(prompt=prompt, params=sampling_params, lora_request=lora_request,
-                                            tokenization_kwargs=tokenization_kwargs, priority=priority),
-                    (loop, outputs, added)))
+                                            tokenization_kwargs=tokenization_kwargs, priority=priority,
+                                            data_parallel_rank=data_parallel_rank), (loop, outputs, added)))
         finished = False
         try:
             await added                           # (a bad request: its ValueError, raised here)
@@ -175,12 +182,23 @@ class AsyncLLMEngine:
             self._reply(loop, done, lambda: self._api.reset_prefix_cache(*args[0], **args[1]))
         else:                                     # add
             loop, outputs, added = reply
-            added_ok, told = self._reply(loop, added, lambda: self._api.add_request(request_id, **args))
+            added_ok, told = self._reply(loop, added, lambda: self._add(request_id, **args))
             if added_ok:
                 self._streams[request_id] = (loop, outputs)
                 if not told:                      # (its event loop has closed: nobody reads it)
                     self._drop(request_id)
         return True
+
+    def _add(self, request_id, data_parallel_rank=None, **args) -> None:
+        """Queue the request (on the engine's thread), on replica `data_parallel_rank` when one is given."""
+        engine = self._llm.engine
+        if data_parallel_rank is None or not hasattr(engine, "pinned"):      # (one replica: rank 0, checked)
+            return self._api.add_request(request_id, **args)
+        engine.pinned = data_parallel_rank
+        try:
+            self._api.add_request(request_id, **args)
+        finally:
+            engine.pinned = None
 
     @staticmethod
     def _reply(loop, future, call) -> bool:

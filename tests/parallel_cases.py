@@ -481,6 +481,37 @@ def test_an_interrupt_inside_a_replica_call_leaves_the_engine_usable(ckpts, tp1,
     assert run(llm, ps) == want == run(tp1, ps)          # (run checks that every block returned)
 
 
+def test_async_engine_runs_a_request_on_its_data_parallel_rank(ckpts, tp1, prompts):
+    """AsyncLLMEngine.generate(..., data_parallel_rank=r) runs the request (all its samples) on replica r, as vLLM's,
+    with the tokens one replica gives; a rank out of range is a ValueError naming it, and the engine goes on."""
+    import asyncio
+
+    from jaxinfer import AsyncLLMEngine
+    sp = SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=5, ignore_eos=True)
+    want = [c.token_ids for c in tp1.generate(prompts[1:2], sp, use_tqdm=False)[0].outputs]
+    dp = LLM(ckpts["gqa_v509"], data_parallel_size=2, **BASE)
+    engine = AsyncLLMEngine(dp)
+
+    async def one(rid, rank):
+        async for out in engine.generate(prompts[1], sp, rid, data_parallel_rank=rank):
+            pass
+        return [c.token_ids for c in out.outputs]
+    try:
+        for i, rank in enumerate((1, 1, 0)):       # (replica 1 busier after the first: least-loaded would pick 0)
+            before = [r["generated_tokens"] for r in dp.stats()["replicas"]]
+            assert asyncio.run(asyncio.wait_for(one(f"r{i}", rank), 120)) == want
+            after = [r["generated_tokens"] for r in dp.stats()["replicas"]]
+            assert after[rank] - before[rank] == 10 and after[1 - rank] == before[1 - rank], (rank, before, after)
+        for bad in (2, -1, True, 1.0):
+            with pytest.raises(ValueError, match=re.escape(f"data_parallel_rank={bad!r} is out of range [0, 2)")):
+                asyncio.run(one("bad", bad))
+        assert asyncio.run(asyncio.wait_for(one("after", None), 120)) == want
+    finally:
+        engine.shutdown()
+    st = dp.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == st["waiting"] == 0, st
+
+
 def test_preemption_chunking_and_queueing_on_parallel_replicas(ckpts, tp1):
     """More requests than rows, prompts longer than a prefill chunk, and a KV pool that cannot hold two of them
     at once: replicas that are themselves tensor-parallel (vocabulary 509: padded) preempt, chunk and queue, and

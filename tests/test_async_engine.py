@@ -92,6 +92,13 @@ def test_leaving_early_abort_and_bad_input(tiny_dir):
         with pytest.raises(ValueError, match="already in the engine"):
             await _collect(engine, [1], long, "dup")
         await running.aclose()
+        with pytest.raises(ValueError, match=r"data_parallel_rank=1 is out of range \[0, 1\)"):    # (one replica)
+            async for _ in engine.generate([1], long, "rank", data_parallel_rank=1):
+                pass
+        async for out in engine.generate([5, 7], SamplingParams(temperature=0, max_tokens=2), "r0",
+                                         data_parallel_rank=0):
+            pass
+        assert len(out.outputs[0].token_ids) == 2
         done = await _collect(engine, [5, 7], SamplingParams(temperature=0, max_tokens=3), "after")
         assert len(done[-1].outputs[0].token_ids) == 3       # (the engine went on)
         assert await engine.reset_prefix_cache()

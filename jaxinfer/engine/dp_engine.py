@@ -103,6 +103,7 @@ class DPEngine:
         self._owner: dict[int, LLMEngine] = {}            # seq_id -> its replica, until a step after it finished
         self._just_finished: list[Sequence] = []
         self._load: dict[LLMEngine, int] | None = None     # outstanding tokens per replica (add_request)
+        self.pinned: int | None = None                    # a replica index the next adds go to (data_parallel_rank)
         self._pool: ThreadPoolExecutor | None = None      # launches replicas 1.. (made at the first step)
         self._launching = {r: threading.Lock() for r in self.replicas}   # held by a pool thread while it launches
         self._generation = 0                              # bumped when a step is left by an exception (`_settle`)
@@ -136,7 +137,7 @@ class DPEngine:
         if self._load is None:
             self._load = {r: outstanding_tokens(r) for r in self.replicas}
         replica = (self._owner.get(prompt_source.seq_id) if prompt_source is not None else None) or \
-            min(self.replicas, key=self._load.__getitem__)
+            (self.replicas[self.pinned] if self.pinned is not None else min(self.replicas, key=self._load.__getitem__))
         seq = replica.add_request(token_ids, params, prompt_source, cache_salt, reasoning_end)
         self._owner[seq.seq_id], self._load[replica] = replica, self._load[replica] + outstanding(seq)
         return seq
