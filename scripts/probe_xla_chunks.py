@@ -22,6 +22,9 @@ Variants (us a call, one layer's attention; back-to-back dispatch):
   chunks_reduce_group  `chunks_reduce` with the GQA group in one multiply + reduce (K / V broadcast over it)
   chunks_hybrid_qk / _pv  q.K (or p.V) as a multiply + reduce, the other half a batched GEMM: which half the
                 reduce forms lose in
+  chunks_rows[_k]  the chunks gathered head-major ([N, K, C, D], one 256-byte row of the cache per (token, head),
+                from the flat [P * bs * K, D] view; `_k`: K only, V as the engine gathers it): the GEMMs' layout,
+                so that XLA writes a plain gather instead of a gather + transpose
 On the H200 both reduce forms were 15-42% slower than chunks_given (docs/performance.md, thirtieth run); on an
 H100 each hybrid was too (q.K reduced: +8% at 256 rows, +32% at 64; fifty-fifth run).
 """
@@ -127,6 +130,39 @@ def variants(chunk: int):
             return xd.merge_chunks(row, m, l, o, B, "scatter").reshape(B, H, D).astype(q.dtype)
         return fn
 
+    def gather_rows(cache, ids, barrier):
+        """cache [P, bs, K, D], pages [N, cp] -> [N, K, cp * bs, D], each (token, head) row read on its own."""
+        P, bs, K, D = cache.shape
+        tok = (ids[:, :, None] * bs + jnp.arange(bs)).reshape(ids.shape[0], -1)            # [N, C]
+        rows = tok[:, None, :] * K + jnp.arange(K)[None, :, None]                          # [N, K, C]
+        if barrier:
+            rows = jax.lax.optimization_barrier(rows)
+        return cache.reshape(P * bs * K, D)[rows]
+
+    def chunks_rows(both: bool, barrier: bool):
+        def fn(q, k_cache, v_cache, tables, lens):
+            B, H, D = q.shape
+            bs, K = k_cache.shape[1], k_cache.shape[2]
+            cp = chunk // bs
+            flat = tables.reshape(-1)
+            start = jnp.arange(B, dtype=jnp.int32) * tables.shape[1]
+            row, pages, visible = xd.chunk_items(lens, start, B * (tables.shape[1] // cp), cp, flat.shape[0], bs)
+            row, ids, visible = jax.lax.optimization_barrier((row, flat[pages], visible))
+            qg = q[row].reshape(-1, K, H // K, D)
+            kt = gather_rows(k_cache, ids, barrier)                                           # [N, K, C, D]
+            s = jnp.einsum("nkgd,nkcd->nkgc", qg, kt, preferred_element_type=jnp.float32) * D ** -0.5
+            s = jnp.where(visible[:, None, None, :], s, xd._NEG)
+            m = s.max(axis=-1)
+            p = jnp.where(visible[:, None, None, :], jnp.exp(s - m[..., None]), 0.0)
+            if both:
+                o = jnp.einsum("nkgc,nkcd->nkgd", p.astype(q.dtype), gather_rows(v_cache, ids, barrier),
+                               preferred_element_type=jnp.float32)
+            else:
+                o = jnp.einsum("nkgc,nckd->nkgd", p.astype(q.dtype), xa.gather_pages(v_cache, ids),
+                               preferred_element_type=jnp.float32)
+            return xd.merge_chunks(row, m, p.sum(axis=-1), o, B, "scatter").reshape(B, H, D).astype(q.dtype)
+        return fn
+
     work = {}
 
     def chunks_given(q, k, v, t, s):     # the work list made once outside the call, as the engine does a step
@@ -149,6 +185,10 @@ def variants(chunk: int):
         "chunks_reduce_group": chunks_split(True, True, attend_chunk_reduce_group),
         "chunks_hybrid_qk": chunks_split(True, True, attend_chunk_hybrid(True)),
         "chunks_hybrid_pv": chunks_split(True, True, attend_chunk_hybrid(False)),
+        "chunks_barrier": chunks_split(True, True),
+        "chunks_rows": chunks_rows(True, False),
+        "chunks_rows_b": chunks_rows(True, True),
+        "chunks_rows_k": chunks_rows(False, False),
     }
 
 

@@ -67,12 +67,14 @@ def test_decode_forms_equal_reference(form, dtype, tol):
     np.testing.assert_allclose(np.asarray(grouped, np.float32), np.asarray(got, np.float32), **tol)
 
 
+@pytest.mark.parametrize("gather", ["pages", "rows"])
 @pytest.mark.parametrize("budget", [2**30, 3000])
-def test_decode_chunks_over_flat_tables(monkeypatch, budget):
+def test_decode_chunks_over_flat_tables(monkeypatch, budget, gather):
     """The "chunks" form with chunks of 2 pages (8 tokens): rows of several chunks, a row ending inside a chunk,
     one on a chunk boundary, a padding row, in ordinary [B, W] tables and in flat tables (the rows' pages one
     after another from table_start, as the engine packs them, W then a per-row budget); in one group and in
-    several (lax.map under a small budget). All equal the reference."""
+    several (lax.map under a small budget); chunks gathered as whole pages or head-major rows. All equal the
+    reference."""
     import jaxinfer.model.xla_decode as xd
     monkeypatch.setattr(xd, "DECODE_CHUNK", 8)
     rng = np.random.default_rng(4)
@@ -80,7 +82,7 @@ def test_decode_chunks_over_flat_tables(monkeypatch, budget):
     k, v, tables, seq_lens = make_paged(rng, lens, 4, 2, 16, jnp.float32)
     q = jnp.asarray(rng.standard_normal((6, 4, 16)), jnp.float32)
     ref = np.asarray(paged_attention_reference(q, k, v, tables, seq_lens))
-    got = paged_decode_xla(q, k, v, tables, seq_lens, form="chunks", gather_budget_bytes=budget)
+    got = paged_decode_xla(q, k, v, tables, seq_lens, form="chunks", gather_budget_bytes=budget, gather=gather)
     np.testing.assert_allclose(np.asarray(got), ref, **TOL)
     cp, t = 2, np.asarray(tables)
     blocks = [-(-n // 4) for n in lens]
@@ -90,7 +92,7 @@ def test_decode_chunks_over_flat_tables(monkeypatch, budget):
     for b, n in enumerate(blocks):
         flat[start[b]:start[b] + n] = t[b, :n]
     got = paged_decode_xla(q, k, v, jnp.asarray(flat.reshape(6, W)), seq_lens, form="chunks",
-                           table_start=jnp.asarray(start), gather_budget_bytes=budget)
+                           table_start=jnp.asarray(start), gather_budget_bytes=budget, gather=gather)
     np.testing.assert_allclose(np.asarray(got), ref, **TOL)
     assert float(jnp.abs(got[3]).max()) == 0.0
 
@@ -110,8 +112,9 @@ def test_fp8_cache_equals_reference(per_head):
     ref = flash_attention_reference(q, k8, v8, tables, cu, lens, **scales)
     np.testing.assert_allclose(np.asarray(got[:41]), np.asarray(ref[:41]), atol=1e-4, rtol=1e-4)
     qd, dl = q[:6], jnp.asarray([9, 33, 5, 8, 0, 1], jnp.int32)
-    for form in ("chunks", "reduce", "reduce_per_group", "einsum", "mixed"):
-        got = paged_decode_xla(qd, k8, v8, tables, dl, form=form, **scales)
+    for form, gather in (("chunks", "pages"), ("chunks", "rows"), ("reduce", None), ("reduce_per_group", None),
+                         ("einsum", None), ("mixed", None)):
+        got = paged_decode_xla(qd, k8, v8, tables, dl, form=form, gather=gather, **scales)
         ref = paged_attention_reference(qd, k8, v8, tables, dl, **scales)
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=1e-4)
 

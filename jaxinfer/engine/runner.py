@@ -65,9 +65,9 @@ def decode_chunk_pages(engine: EngineConfig) -> int:
 
 
 def program_switches() -> tuple:
-    """The module switches a compiled step depends on (part of every executables key): the small-batch matmul
-    choice, the xla decode's form, chunk and merge."""
-    return layers.GEMV_MAX_ROWS, layers.GEMV_FUSE, xla_decode.DECODE_FORM, xla_decode.DECODE_CHUNK, xla_decode.MERGE
+    """The module switches a compiled step depends on (in every executables key): gemv's, the xla decode's."""
+    x = xla_decode
+    return layers.GEMV_MAX_ROWS, layers.GEMV_FUSE, x.DECODE_FORM, x.DECODE_CHUNK, x.MERGE, x.GATHER
 
 
 def rows_out(kind: str) -> bool:

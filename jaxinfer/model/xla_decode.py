@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxinfer.model.xla_attention import (GATHER_BUDGET, _NEG, _scales, attend_einsum, gather_pages, gathered_itemsize,
                                           in_groups, layer_scales)
+from pallas_kernels.quant import as_fp8
 
 # "chunks" (einsum over a flat list of DECODE_CHUNK-token chunks) | "einsum" (each row's W pages gathered and
 # copied) | "reduce" (XLA may fuse the gather into the reductions) | "reduce_per_group" (no K/V broadcast over the
@@ -28,6 +29,9 @@ DECODE_FORM = "chunks"
 DECODE_CHUNK = 128     # tokens a decode work item reads ("chunks" form): a multiple of the block size; W on the H200:
                        # 6,214 tok/s with 128 against 6,092 with 256 (docs/performance.md, seventeenth run)
 MERGE = "scatter"      # how the "chunks" form merges a row's chunks (merge_chunks)
+GATHER = "pages"       # how the "chunks" form gathers a chunk: "pages" ([n, C, K, D], whole pages, which XLA writes
+                       # transposed for the GEMMs) | "rows" ([n, K, C, D], each (token, head) row of the cache on its
+                       # own: the GEMMs' layout, a plain gather; gather_rows)
 
 
 def attend_reduce(q, k, v, visible, scale, fp8=None):
@@ -102,19 +106,29 @@ def chunk_items(seq_lens, table_start, n_items: int, chunk_pages: int, n_pages: 
     return row, pages, used[:, None] & (tok < seq_lens[row][:, None])
 
 
-def attend_chunk(q, k, v, visible, scale, fp8=None):
-    """One chunk per item: q [N, H, D] (its row's query); k/v [N, C, K, D]; visible [N, C] -> the chunk's softmax
-    max m and sum l [N, K, G] and unnormalised output o [N, K, G, D], fp32 (two batched GEMMs, as attend_einsum)."""
+def gather_rows(cache, ids):
+    """cache [P, bs, K, D], pages [N, cp] -> [N, K, cp * bs, D]: each (token, head) row of the cache gathered on
+    its own from the flat [P * bs * K, D] view, so that the result is already in the batched GEMMs' layout."""
+    P, bs, K, D = cache.shape
+    tok = (ids[:, :, None] * bs + jnp.arange(bs)).reshape(ids.shape[0], -1)              # [N, C]
+    return as_fp8(cache.reshape(P * bs * K, D)[tok[:, None, :] * K + jnp.arange(K)[None, :, None]])
+
+
+def attend_chunk(q, k, v, visible, scale, fp8=None, heads_major: bool = False):
+    """One chunk per item: q [N, H, D] (its row's query); k/v [N, C, K, D] ([N, K, C, D] if heads_major);
+    visible [N, C] -> the chunk's softmax max m and sum l [N, K, G] and unnormalised output o [N, K, G, D], fp32
+    (two batched GEMMs, as attend_einsum)."""
     N, H, D = q.shape
-    K = k.shape[2]
+    K = k.shape[1 if heads_major else 2]
+    kv = "nkcd" if heads_major else "nckd"
     ks, vs = _scales(fp8, (K, H // K))
     if fp8 is not None:
         k, v = k.astype(q.dtype), v.astype(q.dtype)
-    s = jnp.einsum("nkgd,nckd->nkgc", q.reshape(N, K, H // K, D), k, preferred_element_type=jnp.float32)
+    s = jnp.einsum(f"nkgd,{kv}->nkgc", q.reshape(N, K, H // K, D), k, preferred_element_type=jnp.float32)
     s = jnp.where(visible[:, None, None, :], s * (scale * ks)[..., None], _NEG)
     m = s.max(axis=-1)
     p = jnp.where(visible[:, None, None, :], jnp.exp(s - m[..., None]), 0.0)
-    o = jnp.einsum("nkgc,nckd->nkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = jnp.einsum(f"nkgc,{kv}->nkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return m, p.sum(axis=-1), o * vs[..., None]
 
 
@@ -134,15 +148,18 @@ def decode_work_list(block_tables, seq_lens, table_start, block_size: int, chunk
     return jax.lax.optimization_barrier((row, flat[pages], visible))
 
 
-def decode_chunks(q, k_cache, v_cache, work, scale, fp8, budget: int, merge: str | None = None):
+def decode_chunks(q, k_cache, v_cache, work, scale, fp8, budget: int, merge: str | None = None,
+                  gather: str | None = None):
     """The "chunks" decode form (see the module doc) over a step's work list (`decode_work_list`)."""
     B, H, D = q.shape
     _, bs, K, _ = k_cache.shape
     row, ids, visible = work
+    rows = (gather or GATHER) == "rows"
+    take = gather_rows if rows else gather_pages
 
     def items(qi, ids, visible):                                                 # [n, H, D], [n, cp], [n, C]
-        k, v = gather_pages(k_cache, ids), gather_pages(v_cache, ids)            # [n, C, K, D]
-        return attend_chunk(qi, k, v, visible, scale, fp8)
+        k, v = take(k_cache, ids), take(v_cache, ids)                            # [n, C, K, D] / [n, K, C, D]
+        return attend_chunk(qi, k, v, visible, scale, fp8, heads_major=rows)
 
     per_item = 2 * ids.shape[1] * bs * K * D * gathered_itemsize(k_cache, q)
     m, l, o = in_groups(items, (q[row], ids, visible), (0, 0, False), per_item, budget)
@@ -172,7 +189,7 @@ def merge_chunks(row, m, l, o, B: int, how: str):
 
 def paged_decode_xla(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, k_scale=None, v_scale=None,
                      layer=0, form: str | None = None, gather_budget_bytes: int = GATHER_BUDGET, table_start=None,
-                     chunk: int | None = None, work=None, merge: str | None = None):
+                     chunk: int | None = None, work=None, merge: str | None = None, gather: str | None = None):
     """q [B, H, D], one new token per row; seq_lens [B] include it (0: a padding row, zeros out) -> [B, H, D].
     fp8 caches: stacked k_scale / v_scale [L, C] and the layer row, as the Pallas kernels take them.
 
@@ -194,7 +211,7 @@ def paged_decode_xla(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None,
     if form == "chunks":
         if work is None:
             work = decode_work_list(block_tables, seq_lens, table_start, k_cache.shape[1], chunk)
-        out = decode_chunks(q, k_cache, v_cache, work, scale, fp8, gather_budget_bytes, merge)
+        out = decode_chunks(q, k_cache, v_cache, work, scale, fp8, gather_budget_bytes, merge, gather)
         return jnp.where((seq_lens > 0)[:, None, None], out, 0).astype(q.dtype)
 
     def rows(q, tables, lens):
