@@ -22,8 +22,8 @@ Variants (us a call, one layer's attention; back-to-back dispatch):
   chunks_reduce_group  `chunks_reduce` with the GQA group in one multiply + reduce (K / V broadcast over it)
   chunks_hybrid_qk / _pv  q.K (or p.V) as a multiply + reduce, the other half a batched GEMM: which half the
                 reduce forms lose in
-  chunks_rows[_k]  the chunks gathered head-major ([N, K, C, D], one 256-byte row of the cache per (token, head),
-                from the flat [P * bs * K, D] view; `_k`: K only, V as the engine gathers it): the GEMMs' layout,
+  chunks_rows[_k]  chunks_given with the chunks gathered head-major ([N, K, C, D], one row of the cache per
+                (token, head), xla_attention.GATHER = "rows"; `_k`: K only, V as whole pages): the GEMMs' layout,
                 so that XLA writes a plain gather instead of a gather + transpose
 On the H200 both reduce forms were 15-42% slower than chunks_given (docs/performance.md, thirtieth run); on an
 H100 each hybrid was too (q.K reduced: +8% at 256 rows, +32% at 64; fifty-fifth run).
@@ -130,50 +130,39 @@ def variants(chunk: int):
             return xd.merge_chunks(row, m, l, o, B, "scatter").reshape(B, H, D).astype(q.dtype)
         return fn
 
-    def gather_rows(cache, ids, barrier):
-        """cache [P, bs, K, D], pages [N, cp] -> [N, K, cp * bs, D], each (token, head) row read on its own."""
-        P, bs, K, D = cache.shape
-        tok = (ids[:, :, None] * bs + jnp.arange(bs)).reshape(ids.shape[0], -1)            # [N, C]
-        rows = tok[:, None, :] * K + jnp.arange(K)[None, :, None]                          # [N, K, C]
-        if barrier:
-            rows = jax.lax.optimization_barrier(rows)
-        return cache.reshape(P * bs * K, D)[rows]
-
-    def chunks_rows(both: bool, barrier: bool):
-        def fn(q, k_cache, v_cache, tables, lens):
-            B, H, D = q.shape
-            bs, K = k_cache.shape[1], k_cache.shape[2]
-            cp = chunk // bs
-            flat = tables.reshape(-1)
-            start = jnp.arange(B, dtype=jnp.int32) * tables.shape[1]
-            row, pages, visible = xd.chunk_items(lens, start, B * (tables.shape[1] // cp), cp, flat.shape[0], bs)
-            row, ids, visible = jax.lax.optimization_barrier((row, flat[pages], visible))
-            qg = q[row].reshape(-1, K, H // K, D)
-            kt = gather_rows(k_cache, ids, barrier)                                           # [N, K, C, D]
-            s = jnp.einsum("nkgd,nkcd->nkgc", qg, kt, preferred_element_type=jnp.float32) * D ** -0.5
-            s = jnp.where(visible[:, None, None, :], s, xd._NEG)
-            m = s.max(axis=-1)
-            p = jnp.where(visible[:, None, None, :], jnp.exp(s - m[..., None]), 0.0)
-            if both:
-                o = jnp.einsum("nkgc,nkcd->nkgd", p.astype(q.dtype), gather_rows(v_cache, ids, barrier),
-                               preferred_element_type=jnp.float32)
-            else:
-                o = jnp.einsum("nkgc,nckd->nkgd", p.astype(q.dtype), xa.gather_pages(v_cache, ids),
-                               preferred_element_type=jnp.float32)
-            return xd.merge_chunks(row, m, p.sum(axis=-1), o, B, "scatter").reshape(B, H, D).astype(q.dtype)
-        return fn
+    def chunks_rows_k(q, k_cache, v_cache, tables, lens):
+        """K gathered head-major ([N, K, C, D], xla_attention.gather_rows), V as whole pages."""
+        B, H, D = q.shape
+        bs, K = k_cache.shape[1], k_cache.shape[2]
+        cp = chunk // bs
+        flat = tables.reshape(-1)
+        start = jnp.arange(B, dtype=jnp.int32) * tables.shape[1]
+        row, pages, visible = xd.chunk_items(lens, start, B * (tables.shape[1] // cp), cp, flat.shape[0], bs)
+        row, ids, visible = jax.lax.optimization_barrier((row, flat[pages], visible))
+        qg = q[row].reshape(-1, K, H // K, D)
+        s = jnp.einsum("nkgd,nkcd->nkgc", qg, xa.gather_rows(k_cache, ids), preferred_element_type=jnp.float32)
+        s = jnp.where(visible[:, None, None, :], s * D ** -0.5, xd._NEG)
+        m = s.max(axis=-1)
+        p = jnp.where(visible[:, None, None, :], jnp.exp(s - m[..., None]), 0.0)
+        o = jnp.einsum("nkgc,nckd->nkgd", p.astype(q.dtype), xa.gather_pages(v_cache, ids),
+                       preferred_element_type=jnp.float32)
+        return xd.merge_chunks(row, m, p.sum(axis=-1), o, B, "scatter").reshape(B, H, D).astype(q.dtype)
 
     work = {}
 
-    def chunks_given(q, k, v, t, s):     # the work list made once outside the call, as the engine does a step
-        if "w" not in work:
-            work["w"] = jax.tree.map(np.asarray, xd.decode_work_list(t, s, None, k.shape[1], chunk))
-        return xd.paged_decode_xla(q, k, v, t, s, form="chunks", work=tuple(map(jnp.asarray, work["w"])))
+    def chunks_given(gather):     # the work list made once outside the call, as the engine does a step
+        def fn(q, k, v, t, s):
+            if "w" not in work:
+                work["w"] = jax.tree.map(np.asarray, xd.decode_work_list(t, s, None, k.shape[1], chunk))
+            return xd.paged_decode_xla(q, k, v, t, s, form="chunks", work=tuple(map(jnp.asarray, work["w"])),
+                                       gather=gather)
+        return fn
 
     return {
         "einsum": lambda q, k, v, t, s: xd.paged_decode_xla(q, k, v, t, s, form="einsum"),
         "chunks": lambda q, k, v, t, s: xd.paged_decode_xla(q, k, v, t, s, form="chunks", chunk=chunk),
-        "chunks_given": chunks_given,
+        "chunks_given": chunks_given("pages"),
+        "chunks_rows": chunks_given("rows"),
         "chunks_sorted": lambda q, k, v, t, s: xd.paged_decode_xla(q, k, v, t, s, form="chunks", chunk=chunk,
                                                                    merge="sorted"),
         "chunks_onehot": lambda q, k, v, t, s: xd.paged_decode_xla(q, k, v, t, s, form="chunks", chunk=chunk,
@@ -185,10 +174,7 @@ def variants(chunk: int):
         "chunks_reduce_group": chunks_split(True, True, attend_chunk_reduce_group),
         "chunks_hybrid_qk": chunks_split(True, True, attend_chunk_hybrid(True)),
         "chunks_hybrid_pv": chunks_split(True, True, attend_chunk_hybrid(False)),
-        "chunks_barrier": chunks_split(True, True),
-        "chunks_rows": chunks_rows(True, False),
-        "chunks_rows_b": chunks_rows(True, True),
-        "chunks_rows_k": chunks_rows(False, False),
+        "chunks_rows_k": chunks_rows_k,
     }
 
 
@@ -227,7 +213,7 @@ def main(argv=None) -> dict:
     for name, fn in fns.items():
         if a.variants and name not in a.variants:
             continue
-        if a.hlo_dir and name != "chunks_given":     # chunks_given makes its work list on the host: not jittable
+        if a.hlo_dir and name not in ("chunks_given", "chunks_rows"):     # (work list made on the host: not jittable)
             os.makedirs(a.hlo_dir, exist_ok=True)
             text = jax.jit(fn).lower(q, cache, cache, tables, lens).compile().as_text()
             with open(os.path.join(a.hlo_dir, f"{name}.txt"), "w") as f:

@@ -28,12 +28,13 @@ def prefill_case(rng, dtype=jnp.float32):
     return q, k, v, tables, cu, jnp.asarray(lens + [0, 0], jnp.int32)
 
 
+@pytest.mark.parametrize("gather", ["pages", "rows"])
 @pytest.mark.parametrize("tile,budget", [(None, 2**30), (3, 2**30), (4, 9000)])
-def test_prefill_equals_reference(tile, budget):
-    """Any tile size, in one group or several (lax.map under a small budget), gives the reference; padding
-    tokens give zeros."""
+def test_prefill_equals_reference(tile, budget, gather):
+    """Any tile size, in one group or several (lax.map under a small budget), pages gathered whole or as
+    head-major rows, gives the reference; padding tokens give zeros."""
     q, k, v, tables, cu, lens = prefill_case(np.random.default_rng(0))
-    got = prefill_xla(q, k, v, tables, cu, lens, tile=tile, gather_budget_bytes=budget)
+    got = prefill_xla(q, k, v, tables, cu, lens, tile=tile, gather_budget_bytes=budget, gather=gather)
     ref = flash_attention_reference(q, k, v, tables, cu, lens)
     np.testing.assert_allclose(np.asarray(got[:41]), np.asarray(ref[:41]), **TOL)
     assert float(jnp.abs(got[41:]).max()) == 0.0
@@ -108,9 +109,10 @@ def test_fp8_cache_equals_reference(per_head):
     vs = jnp.asarray(rng.uniform(0.5, 2.0, (3, C)), jnp.float32) / 100
     k8, v8 = quantize(k, ks[1], jnp.float8_e4m3fn), quantize(v, vs[1], jnp.float8_e4m3fn)
     scales = dict(k_scale=ks, v_scale=vs, layer=1)
-    got = prefill_xla(q, k8, v8, tables, cu, lens, **scales)
     ref = flash_attention_reference(q, k8, v8, tables, cu, lens, **scales)
-    np.testing.assert_allclose(np.asarray(got[:41]), np.asarray(ref[:41]), atol=1e-4, rtol=1e-4)
+    for gather in ("pages", "rows"):
+        got = prefill_xla(q, k8, v8, tables, cu, lens, gather=gather, **scales)
+        np.testing.assert_allclose(np.asarray(got[:41]), np.asarray(ref[:41]), atol=1e-4, rtol=1e-4)
     qd, dl = q[:6], jnp.asarray([9, 33, 5, 8, 0, 1], jnp.int32)
     for form, gather in (("chunks", "pages"), ("chunks", "rows"), ("reduce", None), ("reduce_per_group", None),
                          ("einsum", None), ("mixed", None)):

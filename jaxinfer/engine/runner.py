@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.memory import cache_head_dim
-from jaxinfer.model import layers, xla_decode
+from jaxinfer.model import layers, xla_attention, xla_decode
 from jaxinfer.model.attention import cache_dtypes, cache_layout
 from jaxinfer.model.kv_scales import kv_cache_dtype, with_kv_scales
 from jaxinfer.parallel import Placement, kv_heads, make_placements
@@ -67,7 +67,7 @@ def decode_chunk_pages(engine: EngineConfig) -> int:
 def program_switches() -> tuple:
     """The module switches a compiled step depends on (in every executables key): gemv's, the xla decode's."""
     x = xla_decode
-    return layers.GEMV_MAX_ROWS, layers.GEMV_FUSE, x.DECODE_FORM, x.DECODE_CHUNK, x.MERGE, x.GATHER
+    return layers.GEMV_MAX_ROWS, layers.GEMV_FUSE, x.DECODE_FORM, x.DECODE_CHUNK, x.MERGE, xla_attention.GATHER
 
 
 def rows_out(kind: str) -> bool:

@@ -23,6 +23,9 @@ from pallas_kernels.quant import BYTES_DTYPE, FP8_DTYPE, as_fp8
 _NEG = -1e30
 QUERY_TILE = 64        # most prefill queries per tile (see prefill_xla)
 GATHER_BUDGET = 6 * 2**30   # bytes of gathered pages (+ prefill scores) one group of chunks / tiles may take
+GATHER = "pages"       # how decode chunks and prefill tiles gather their pages: "pages" ([N, S, K, D], whole pages,
+                       # which XLA writes out transposed for the GEMMs) | "rows" ([N, K, S, D], each (token, head) row
+                       # of the cache on its own: already the GEMMs' layout; gather_rows)
 
 
 def layer_scales(k_scale, v_scale, layer):
@@ -44,6 +47,14 @@ def gather_pages(cache, block_tables):
     return g.reshape(g.shape[0], -1, *g.shape[3:])
 
 
+def gather_rows(cache, block_tables):
+    """cache [P, bs, K, D], tables [N, W] -> [N, K, W*bs, D]: each (token, head) row of the cache gathered on its
+    own from the flat [P * bs * K, D] view, so that the result is already in the batched GEMMs' layout."""
+    P, bs, K, D = cache.shape
+    tok = (block_tables[:, :, None] * bs + jnp.arange(bs)).reshape(block_tables.shape[0], -1)   # [N, S]
+    return as_fp8(cache.reshape(P * bs * K, D)[tok[:, None, :] * K + jnp.arange(K)[None, :, None]])
+
+
 def _scales(fp8, shape):
     """fp8 (k_scale, v_scale) [C] -> two [K, G] arrays (`shape`) for the scores and the outputs; ones without."""
     ones = jnp.ones(shape, jnp.float32)                      # XLA folds a multiply by ones away
@@ -52,20 +63,21 @@ def _scales(fp8, shape):
     return tuple(s.astype(jnp.float32).reshape(-1, 1) * ones for s in fp8)     # [C, 1] * [K, G]
 
 
-def attend_einsum(q, k, v, visible, scale, fp8=None):
-    """Q queries per row as two batched GEMMs: q [N, Q, H, D]; k/v [N, S, K, D]; visible [N, Q, S] ->
-    [N, Q, H, D]. GQA without repeating K/V: q is viewed as [N, Q, K, G, D]. fp8 k/v are converted to q's
-    dtype (fused into the gather) and the scales applied to the scores and the output."""
+def attend_einsum(q, k, v, visible, scale, fp8=None, heads_major: bool = False):
+    """Q queries per row as two batched GEMMs: q [N, Q, H, D]; k/v [N, S, K, D] ([N, K, S, D] if heads_major);
+    visible [N, Q, S] -> [N, Q, H, D]. GQA without repeating K/V: q is viewed as [N, Q, K, G, D]. fp8 k/v are
+    converted to q's dtype (fused into the gather) and the scales applied to the scores and the output."""
     N, Q, H, D = q.shape
-    K = k.shape[2]
+    K = k.shape[1 if heads_major else 2]
+    kv = "nksd" if heads_major else "nskd"
     ks, vs = _scales(fp8, (K, H // K))
     if fp8 is not None:
         k, v = k.astype(q.dtype), v.astype(q.dtype)
     qg = q.reshape(N, Q, K, H // K, D)
-    s = jnp.einsum("nqkgd,nskd->nqkgs", qg, k, preferred_element_type=jnp.float32)   # [N, Q, K, G, S]
+    s = jnp.einsum(f"nqkgd,{kv}->nqkgs", qg, k, preferred_element_type=jnp.float32)  # [N, Q, K, G, S]
     s = jnp.where(visible[:, :, None, None, :], s * (scale * ks)[..., None], _NEG)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    out = jnp.einsum("nqkgs,nskd->nqkgd", p, v, preferred_element_type=jnp.float32)  # [N, Q, K, G, D]
+    out = jnp.einsum(f"nqkgs,{kv}->nqkgd", p, v, preferred_element_type=jnp.float32)  # [N, Q, K, G, D]
     return (out * vs[..., None]).reshape(N, Q, H, D).astype(q.dtype)
 
 
@@ -109,7 +121,8 @@ def query_tiles(cu_seqlens, seq_lens, T: int, Q: int):
 
 
 def prefill_xla(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, scale=None, k_scale=None,
-                v_scale=None, layer=0, gather_budget_bytes: int = GATHER_BUDGET, tile: int | None = None):
+                v_scale=None, layer=0, gather_budget_bytes: int = GATHER_BUDGET, tile: int | None = None,
+                gather: str | None = None):
     """q [T, H, D] packed new tokens (row b's are q[cu[b]:cu[b+1]], its last at position seq_lens[b] - 1);
     each sees its own sequence's context up to its position (prefix-cache hits and earlier chunks included:
     they are in the cache, and this step's K/V were written before). -> [T, H, D], zeros for padding.
@@ -132,11 +145,13 @@ def prefill_xla(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, sc
     S = block_tables.shape[1] * k_cache.shape[1]
     fp8 = layer_scales(k_scale, v_scale, layer)
     qt = jnp.zeros((N * Q, H, D), q.dtype).at[slot].set(q, mode="drop").reshape(N, Q, H, D)
+    rows = (gather or GATHER) == "rows"
+    take = gather_rows if rows else gather_pages
 
     def tiles(qt, tables, pos):                                                  # [n, Q, H, D], [n, W], [n, Q]
         visible = jnp.arange(S)[None, None, :] <= pos[:, :, None]               # [n, Q, S]; pos -1: none
-        k, v = gather_pages(k_cache, tables), gather_pages(v_cache, tables)     # [n, S, K, D]
-        return attend_einsum(qt, k, v, visible, scale, fp8)
+        k, v = take(k_cache, tables), take(v_cache, tables)                     # [n, S, K, D] / [n, K, S, D]
+        return attend_einsum(qt, k, v, visible, scale, fp8, heads_major=rows)
 
     per_tile = 2 * S * k_cache.shape[2] * D * gathered_itemsize(k_cache, q) + Q * H * S * 8   # pages; scores + exp
     out = in_groups(tiles, (qt, block_tables[row], pos), (0, 0, -1), per_tile, gather_budget_bytes)   # [N, Q, H, D]

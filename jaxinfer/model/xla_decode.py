@@ -18,9 +18,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.model.xla_attention import (GATHER_BUDGET, _NEG, _scales, attend_einsum, gather_pages, gathered_itemsize,
-                                          in_groups, layer_scales)
-from pallas_kernels.quant import as_fp8
+from jaxinfer.model import xla_attention as xa
+from jaxinfer.model.xla_attention import (GATHER_BUDGET, _NEG, _scales, attend_einsum, gather_pages, gather_rows,
+                                          gathered_itemsize, in_groups, layer_scales)
 
 # "chunks" (einsum over a flat list of DECODE_CHUNK-token chunks) | "einsum" (each row's W pages gathered and
 # copied) | "reduce" (XLA may fuse the gather into the reductions) | "reduce_per_group" (no K/V broadcast over the
@@ -29,9 +29,6 @@ DECODE_FORM = "chunks"
 DECODE_CHUNK = 128     # tokens a decode work item reads ("chunks" form): a multiple of the block size; W on the H200:
                        # 6,214 tok/s with 128 against 6,092 with 256 (docs/performance.md, seventeenth run)
 MERGE = "scatter"      # how the "chunks" form merges a row's chunks (merge_chunks)
-GATHER = "pages"       # how the "chunks" form gathers a chunk: "pages" ([n, C, K, D], whole pages, which XLA writes
-                       # transposed for the GEMMs) | "rows" ([n, K, C, D], each (token, head) row of the cache on its
-                       # own: the GEMMs' layout, a plain gather; gather_rows)
 
 
 def attend_reduce(q, k, v, visible, scale, fp8=None):
@@ -106,14 +103,6 @@ def chunk_items(seq_lens, table_start, n_items: int, chunk_pages: int, n_pages: 
     return row, pages, used[:, None] & (tok < seq_lens[row][:, None])
 
 
-def gather_rows(cache, ids):
-    """cache [P, bs, K, D], pages [N, cp] -> [N, K, cp * bs, D]: each (token, head) row of the cache gathered on
-    its own from the flat [P * bs * K, D] view, so that the result is already in the batched GEMMs' layout."""
-    P, bs, K, D = cache.shape
-    tok = (ids[:, :, None] * bs + jnp.arange(bs)).reshape(ids.shape[0], -1)              # [N, C]
-    return as_fp8(cache.reshape(P * bs * K, D)[tok[:, None, :] * K + jnp.arange(K)[None, :, None]])
-
-
 def attend_chunk(q, k, v, visible, scale, fp8=None, heads_major: bool = False):
     """One chunk per item: q [N, H, D] (its row's query); k/v [N, C, K, D] ([N, K, C, D] if heads_major);
     visible [N, C] -> the chunk's softmax max m and sum l [N, K, G] and unnormalised output o [N, K, G, D], fp32
@@ -154,7 +143,7 @@ def decode_chunks(q, k_cache, v_cache, work, scale, fp8, budget: int, merge: str
     B, H, D = q.shape
     _, bs, K, _ = k_cache.shape
     row, ids, visible = work
-    rows = (gather or GATHER) == "rows"
+    rows = (gather or xa.GATHER) == "rows"
     take = gather_rows if rows else gather_pages
 
     def items(qi, ids, visible):                                                 # [n, H, D], [n, cp], [n, C]
