@@ -21,6 +21,7 @@ import os
 import sys
 import time
 
+from jaxinfer.cli_checks import check_engine_flags, check_model_folder, check_vllm_flags
 from jaxinfer.cli_types import bare_flags, bool_arg, config_file_args, dashed, flag_type, json_object, model_len, port
 
 VLLM_MODEL_OPTIONS = ("hf_overrides", "revision", "download_dir", "tokenizer", "hf_token")   # LLM() options, not config
@@ -92,13 +93,6 @@ def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True, llm_nam
         g.add_argument(*names, dest=f.name, default=None, help=help_text, **kw)
 
 
-def check_vllm_flags(a: argparse.Namespace) -> None:
-    """vLLM flags given a value: checked as `LLM()` checks the same options (compat.py), then dropped."""
-    from jaxinfer.compat import FIXED, pop_vllm_options
-    kw = {k[5:]: v for k, v in vars(a).items() if k.startswith("vllm_") and k[5:] in FIXED and v is not None}
-    pop_vllm_options(kw)
-
-
 def model_arg(a: argparse.Namespace) -> str:
     """The model the user named (positional or --model), else the shipped demo model's directory."""
     if getattr(a, "model", None) and getattr(a, "model_flag", None) and a.model != a.model_flag:
@@ -119,14 +113,15 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return {**kw, **{k: getattr(a, k) for k in VLLM_MODEL_OPTIONS if getattr(a, k, None)}}
 
 
-def build_llm(a: argparse.Namespace):
+def build_llm(a: argparse.Namespace, chat: str | None = None):
+    """LLM(MODEL, flags) once the flags, the folder and (`chat`: what to do instead) its chat template checked out."""
     from jaxinfer import LLM
     kw = engine_kwargs(a)
     a.model = model_arg(a)
+    check_engine_flags({k: v for k, v in kw.items() if k not in VLLM_MODEL_OPTIONS})     # (cli_checks.py)
+    check_model_folder(a.model, kw.get("tokenizer"), chat=chat)
     shown = ", ".join(f"{k}={'***' if k == 'hf_token' else v}" for k, v in kw.items())
     print(f"loading {a.model} ({shown or 'engine defaults'})", file=sys.stderr, flush=True)
-    from jaxinfer.tokenizer import check_text_tokenizer
-    check_text_tokenizer(kw.get("tokenizer") or a.model)     # (generate and chat print text: before the load)
     llm = LLM(a.model, **kw)
     c, st = llm.config, llm.stats()
     par = "".join(f"{k}={getattr(c, k)}, " for k in ("tensor_parallel_size", "data_parallel_size") if getattr(c, k) > 1)
@@ -164,9 +159,11 @@ def sampling(a: argparse.Namespace, defaults=None):
 def cmd_generate(a: argparse.Namespace) -> int:
     import jax
     sampling(a)                           # bad values fail before the model loads
-    llm = build_llm(a)
-    sp = sampling(a, llm.default_sampling_params)
     prompts = [q for p in a.prompt or DEFAULT_PROMPTS for q in (sys.stdin.read().splitlines() if p == "-" else [p])]
+    if not prompts:
+        raise ValueError("no prompts: standard input (-p -) had no lines")
+    llm = build_llm(a, chat="run `jaxinfer generate` without --chat" if a.chat else None)
+    sp = sampling(a, llm.default_sampling_params)
     inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts] if a.chat else prompts
     t0 = time.perf_counter()
     outs = llm.generate(inputs, sp, use_tqdm=False, tokenization_kwargs={"add_special_tokens": not a.chat})
@@ -185,17 +182,19 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_chat(a: argparse.Namespace) -> int:
     from jaxinfer.chat import chat_loop
     sampling(a)                           # bad values fail before the model loads
-    llm = build_llm(a)
+    llm = build_llm(a, chat="`jaxinfer chat` needs one; `jaxinfer generate` runs plain prompts")
     return chat_loop(llm, sampling(a, llm.default_sampling_params), system=a.system, thinking=not a.no_thinking)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
     from jaxinfer.server import serve
     # The engine core loads the model in its own process; this one serves HTTP. Exit 1: the core died.
-    model = model_arg(a)
+    model, kw = model_arg(a), engine_kwargs(a)
+    check_engine_flags({k: v for k, v in kw.items() if k not in VLLM_MODEL_OPTIONS})     # (here: one line, at once)
+    check_model_folder(model, kw.get("tokenizer"), text=False)
     name = a.served_model_name or a.model or DEFAULT_MODEL
     from jaxinfer.server.options import server_options
-    return serve(model, engine_kwargs(a), host=a.host, port=a.port, served_model_name=name,
+    return serve(model, kw, host=a.host, port=a.port, served_model_name=name,
                  log_level=a.log_level, api_server_count=a.api_server_count, options=server_options(a))
 
 

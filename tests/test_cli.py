@@ -1,4 +1,5 @@
 """The `jaxinfer` command end to end on a tiny checkpoint (subprocesses), plus --help and errors in-process."""
+import json
 import os
 import subprocess
 import sys
@@ -135,6 +136,37 @@ def test_bad_input_is_a_clear_error(tmp_path, tiny_dir, capsys):
         with pytest.raises(SystemExit) as e:
             server_main(["m", "--engine", bad])
         assert e.value.code == 2 and word in capsys.readouterr().err
+
+
+def test_errors_known_from_the_command_line_come_before_loading(tmp_path, tiny_dir, capsys, monkeypatch):
+    """Bad engine values, a folder without config.json, empty standard input and a chat without a chat template
+    end in one line naming the flag or file, with no "loading ..." line before it (generate, chat and serve)."""
+    import io
+    import shutil
+    os.mkdir(tmp_path / "empty")
+    cases = [(["generate", tiny_dir, "--max-model-len", "0"], "(--max-model-len)"),
+             (["chat", tiny_dir, "--block-size=3"], "block_size=3 must be a power of two (--block-size)"),
+             (["serve", tiny_dir, "-tp", "0", "--port", "0"], "(--tensor-parallel-size)"),
+             (["serve", tiny_dir, "--gpu-memory-utilization", "1.5"], "(--gpu-memory-utilization)"),
+             (["generate", str(tmp_path / "empty")], "config.json' is missing"),
+             (["serve", str(tmp_path / "empty"), "--port", "0"], "config.json' is missing"),
+             (["generate", tiny_dir, "-p", "-"], "standard input (-p -) had no lines")]
+    shutil.copytree(tiny_dir, tmp_path / "plain")
+    with open(tmp_path / "plain" / "tokenizer_config.json") as f:
+        tok = json.load(f)
+    tok.pop("chat_template", None)
+    with open(tmp_path / "plain" / "tokenizer_config.json", "w") as f:
+        json.dump(tok, f)
+    for name in os.listdir(tmp_path / "plain"):
+        if name.startswith("chat_template"):
+            os.remove(tmp_path / "plain" / name)
+    cases += [(["chat", str(tmp_path / "plain")], "has no chat template"),
+              (["generate", str(tmp_path / "plain"), "--chat"], "without --chat")]
+    for argv, words in cases:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert words in err and "loading" not in err and len(err.strip().splitlines()) == 1, (argv, err)
 
 
 def test_vllm_flag_forms(capsys):
