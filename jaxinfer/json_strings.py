@@ -12,6 +12,7 @@ our own (RFC 3339 dates and times with their offset, as jsonschema's format chec
 """
 from __future__ import annotations
 
+import json
 import re
 import warnings
 
@@ -197,11 +198,16 @@ def walk(schema, edit, named: bool = False):
 
 
 def json_text_schema(schema):
-    """A copy of `schema` whose string patterns and known formats are JSON-text patterns (`json_text`, FORMATS)."""
+    """A copy of `schema` whose string patterns and known formats are JSON-text patterns (`json_text`, FORMATS)
+    and whose property names are written as JSON text (`json_name`)."""
     return walk(schema, _json_text_string)
 
 
 def _json_text_string(out: dict) -> dict:
+    if isinstance(out.get("properties"), dict):      # (outlines-core writes a name between quotes as it is)
+        out["properties"] = {json_name(k): v for k, v in out["properties"].items()}
+        if isinstance(out.get("required"), list):
+            out["required"] = [json_name(k) if isinstance(k, str) else k for k in out["required"]]
     if isinstance(out.get("format"), str) and out["format"] in FORMATS:
         if "pattern" in out:
             raise ValueError(f"a pattern beside format {out['format']!r} (the answer could match only one of them)")
@@ -209,6 +215,12 @@ def _json_text_string(out: dict) -> dict:
     elif isinstance(out.get("pattern"), str):        # (anchored or not, the whole value matches)
         out["pattern"] = json_text(without_anchors(out["pattern"]))
     return out
+
+
+def json_name(name):
+    """A property name as JSON text writes it between its quotes (a quote, backslash or control character
+    escaped; other characters as they are)."""
+    return json.dumps(name, ensure_ascii=False)[1:-1] if isinstance(name, str) else name
 
 
 def without_anchors(regex: str) -> str:

@@ -27,7 +27,8 @@ MAX_CHARS = 4096              # the choices' characters in all
 MAX_EOS = 8                   # EOS ids a finished choice allows (the first of them, sorted)
 _TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # tokenizer -> (V, texts, ids by text)
 _RULES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # tokenizer -> {(V, choices): ChoiceRule}
-_SETTINGS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+_SETTINGS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+             "backend", "backend_was_auto")
 
 
 @dataclass(eq=True, kw_only=True)
@@ -44,8 +45,31 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
 
+    def __post_init__(self):               # (vLLM's check: a kind given as False, json_object=False, counts)
+        given = [k for k in KIND_FIELDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams needs one kind of constraint ({', '.join(KIND_FIELDS)}), "
+                             f"got {len(given)}: {given}")
 
-GuidedDecodingParams = StructuredOutputsParams        # (vLLM's older name)
+
+@dataclass(eq=True, kw_only=True)
+class GuidedDecodingParams(StructuredOutputsParams):
+    """vLLM's older name, with its older fields (`backend`: the grammar library, which jaxinfer does not choose)."""
+    backend: str | None = None
+    backend_was_auto: bool = False
+
+    def __post_init__(self):               # (the older check: more than one kind is refused, none is not)
+        if len(given := [k for k in KIND_FIELDS if getattr(self, k) is not None]) > 1:
+            raise ValueError(f"GuidedDecodingParams needs one kind of constraint at most ({', '.join(KIND_FIELDS)}), "
+                             f"got {given}")
+
+    @classmethod
+    def from_optional(cls, **kw) -> "GuidedDecodingParams | None":
+        """None when no kind is given (vLLM's)."""
+        return None if all(kw.get(k) is None for k in KIND_FIELDS) else cls(**kw)
+
+
+KIND_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 def check(value, legacy, bad, min_tokens: int = 0) -> StructuredOutputsParams | None:
@@ -59,11 +83,20 @@ def check(value, legacy, bad, min_tokens: int = 0) -> StructuredOutputsParams | 
         return None
     v, name = given[0], "structured_outputs" if given[0] is value else "guided_decoding"   # (the field given)
     if isinstance(v, dict):
-        if unknown := set(v) - {f.name for f in fields(StructuredOutputsParams)}:
+        cls = GuidedDecodingParams if name == "guided_decoding" else StructuredOutputsParams
+        if unknown := set(v) - {f.name for f in fields(cls)}:
             bad(name, f"has no field {sorted(unknown)[0]!r}")
-        v = StructuredOutputsParams(**v)
+        try:
+            v = cls(**v)
+        except ValueError as e:
+            bad(name, str(e))
     if not isinstance(v, StructuredOutputsParams):
         bad(name, "must be a StructuredOutputsParams, a dict of its fields, or None")
+    if type(v) is not StructuredOutputsParams:              # (GuidedDecodingParams: its StructuredOutputsParams)
+        try:
+            v = StructuredOutputsParams(**{f.name: getattr(v, f.name) for f in fields(StructuredOutputsParams)})
+        except ValueError as e:
+            bad(name, str(e))
     kinds = [f.name for f in fields(v) if f.name not in _SETTINGS and getattr(v, f.name) not in (None, False)]
     if other := [k for k in kinds if k not in ("choice", *grammar.KINDS)]:
         bad(name, f"{other[0]} is not supported by jaxinfer (choice, json, regex and json_object are)")

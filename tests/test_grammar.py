@@ -481,6 +481,17 @@ def test_string_patterns_and_formats_give_json(llm, string):
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
+@pytest.mark.parametrize("key", ['a"b', "a\\b", "a\nb", "tab\there", "caf\u00e9", "x|y"])
+def test_property_names_are_written_as_json(llm, key):
+    """A property name with a quote, backslash or control character is written escaped (outlines-core wrote it
+    between the quotes as it is: text that did not parse, or another key): greedy output parses with that key."""
+    schema = {"type": "object", "properties": {key: {"type": "boolean"}, "n": {"type": "integer"}},
+              "required": [key]}
+    out = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": schema}),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and key in json.loads(out.text), (key, out.text)
+
+
 def test_json_text_patterns():
     """json_strings.json_text: the JSON text of any value the pattern matches, only where JSON may hold it as it
     is; a regex kind's \\d is ASCII (xgrammar's reading), a pattern beside a known format refused."""

@@ -122,6 +122,22 @@ def test_refusals(llm):
     assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_params_take_one_kind_as_vllms():
+    """StructuredOutputsParams refuses two kinds or none when built (json_object=False counts, as in vLLM);
+    the older GuidedDecodingParams refuses two, takes `backend` and has from_optional."""
+    for kw in ({}, dict(json={"type": "integer"}, regex="a"), dict(regex="a", json_object=False)):
+        with pytest.raises(ValueError, match="needs one kind"):
+            StructuredOutputsParams(**kw)
+    with pytest.raises(ValueError, match="at most"):
+        GuidedDecodingParams(choice=["a"], regex="a")
+    assert GuidedDecodingParams.from_optional(json=None, backend="xgrammar") is None
+    g = GuidedDecodingParams.from_optional(regex="ab?", backend="xgrammar")
+    so = SamplingParams(guided_decoding=g).structured_outputs
+    assert type(so) is StructuredOutputsParams and so.regex == "ab?"
+    with pytest.raises(ValueError, match="guided_decoding.*needs one kind"):
+        SamplingParams(guided_decoding=GuidedDecodingParams())
+
+
 class FakeTokenizer:
     """A vocabulary of a few texts: " " alone leads nowhere for " \u201c" (no token is "\u201c" alone)."""
     all_special_ids = [0]
