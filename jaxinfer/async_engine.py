@@ -32,9 +32,14 @@ class AsyncEngineArgs(EngineArgs):
 
 class AsyncLLMEngine:
     """Made from an LLM (`AsyncLLMEngine(llm)`) or, as vLLM's, `AsyncLLMEngine.from_engine_args(AsyncEngineArgs(...))`.
-    While it runs, its thread alone uses the LLM: other calls on that LLM raise (an LLM serves one thread)."""
+    While it runs, its thread alone uses the LLM: other calls on that LLM raise (an LLM serves one thread), and so
+    does a second AsyncLLMEngine on it until this one's shutdown()."""
 
     def __init__(self, llm):
+        if (other := getattr(llm, "_async_engine", None)) is not None and other.is_running:
+            raise RuntimeError("this LLM already has a running AsyncLLMEngine (its thread alone uses the LLM): "
+                               "shutdown() that one first, or make another LLM")
+        llm._async_engine = self
         self._llm, self._api = llm, llm.llm_engine
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()             # (a command is queued only while the thread still takes them)

@@ -139,6 +139,25 @@ def test_a_failed_step_ends_every_request(llm):
     _free(llm)                                         # (the dead engine's requests were aborted: no block kept)
 
 
+def test_one_running_engine_per_llm(llm):
+    """A second AsyncLLMEngine on an LLM whose first one runs is refused at once (both stepping it killed the first
+    and left the second's requests hanging); after shutdown() another one runs."""
+    first = AsyncLLMEngine(llm)
+    try:
+        with pytest.raises(RuntimeError, match="already has a running AsyncLLMEngine"):
+            AsyncLLMEngine(llm)
+        out = asyncio.run(_collect(first, [1, 2], SamplingParams(max_tokens=3, ignore_eos=True), "a"))
+        assert len(out[-1].outputs[0].token_ids) == 3
+    finally:
+        first.shutdown()
+    second = AsyncLLMEngine(llm)
+    try:
+        assert len(asyncio.run(_collect(second, [1, 2], SamplingParams(max_tokens=2), "b"))[-1].outputs[0].token_ids)
+    finally:
+        second.shutdown()
+    _free(llm)
+
+
 def test_callers_that_leave_early_or_race_shutdown(llm):
     """A generator left with `break` in an asyncio.run that then ends (its loop closed before the drop reaches the
     engine), and a task cancelled before its first output, end their requests without harming the engine; a generate
