@@ -539,7 +539,8 @@ def test_data_and_tensor_parallel_together(ckpts, prompts):
 
 def test_server_over_tensor_parallel_replicas(ckpts, tp1):
     """`jaxinfer serve -tp 2 -dp 2`'s path: the engine core (a spawned process, which sees the same 8 devices)
-    runs two tensor-parallel replicas; concurrent completions get the plain engine's greedy text."""
+    runs two tensor-parallel replicas; concurrent completions get the plain engine's greedy text; vLLM's
+    X-data-parallel-rank header runs a request on that replica, a bad one is a 400 naming it."""
     uvicorn = pytest.importorskip("uvicorn")
     import socket
     import threading
@@ -572,6 +573,21 @@ def test_server_over_tensor_parallel_replicas(ckpts, tp1):
             return r.json()["choices"][0]["text"]
         with ThreadPoolExecutor(len(ps)) as pool:
             assert list(pool.map(complete, ps)) == want
+        url = f"http://127.0.0.1:{port}"
+        for rank in (1, 1, 0):                  # vLLM's X-data-parallel-rank header: that replica runs it
+            before = [r["generated_tokens"] for r in httpx.get(url + "/stats").json()["replicas"]]
+            r = httpx.post(url + "/v1/chat/completions" if rank else url + "/v1/completions", timeout=120,
+                           headers={"X-data-parallel-rank": str(rank)},
+                           json=dict(model="tiny", max_tokens=8, temperature=0, ignore_eos=True,
+                                     **({"messages": [{"role": "user", "content": "hi"}]} if rank else
+                                        {"prompt": ps[0]})))
+            assert r.status_code == 200, r.text
+            after = [r["generated_tokens"] for r in httpx.get(url + "/stats").json()["replicas"]]
+            assert after[rank] - before[rank] == 8 and after[1 - rank] == before[1 - rank], (rank, before, after)
+        for bad in ("2", "-1", "one"):
+            r = httpx.post(url + "/v1/completions", headers={"X-data-parallel-rank": bad},
+                           json=dict(model="tiny", prompt=ps[0], max_tokens=2))
+            assert r.status_code == 400 and "X-data-parallel-rank" in r.json()["error"]["message"], r.text
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -632,7 +632,7 @@ def test_bad_words(client, url, tiny_dir):
 
 def test_vllms_request_id(client, url):
     """vLLM's answer ids: cmpl- / chatcmpl- and the X-Request-Id header if given, else the body's request_id, else a
-    new uuid; every chunk of a stream carries it."""
+    new uuid; every chunk of a stream carries it. (And vLLM's X-data-parallel-rank header: 0 of one replica.)"""
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"request_id": "mine-1"})
     assert r.id == "cmpl-mine-1"
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
@@ -644,6 +644,11 @@ def test_vllms_request_id(client, url):
     ids = [client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).id for _ in range(2)]
     assert ids[0] != ids[1] and all(len(i) == len("cmpl-") + 32 for i in ids)
     assert post(url + "/v1/completions", json=dict(prompt=PROMPT, request_id=5)).status_code == 400
+    one = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,     # (one replica: rank 0 only)
+                                    extra_headers={"X-data-parallel-rank": "0"})
+    assert one.choices[0].finish_reason == "length"
+    r = post(url + "/v1/completions", json=dict(prompt=PROMPT), headers={"X-data-parallel-rank": "1"})
+    assert r.status_code == 400 and "X-data-parallel-rank '1'" in r.json()["error"]["message"], r.text
 
 
 def test_structured_outputs_choice(client, url):

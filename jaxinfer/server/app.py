@@ -79,7 +79,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
                   redoc_url=None, description="OpenAI-compatible API of jaxinfer (see docs/serving.md).",
                   openapi_url=None if options.disable_fastapi_docs else "/openapi.json")
     app.state.client, app.state.options, app.state.draining, app.state.active = None, options, False, 0
-    app.state.hurry = 0.0                          # when a second signal came: in-flight requests end now (drain)
+    app.state.hurry, app.state.dp_size = 0.0, limits.get("data_parallel_size", 1)  # (hurry: a second signal's time)
     add_middleware(app, options)                   # the Gate (API key, drain, limits), CORS, request ids
     add_docs(app, off=options.disable_fastapi_docs)
 

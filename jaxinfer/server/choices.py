@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from jaxinfer.output_processor import OutputProcessor, TextDelta, stop_token_reason
 from jaxinfer.server.client import CoreClient
+from jaxinfer.server.gate import DP_RANK
 
 
 class Choice:
@@ -68,7 +69,8 @@ def run(client: CoreClient, tokenizer, items: list[tuple], stream: bool, metrics
     choices = [Choice(i, ids, sp, OutputProcessor.for_params(tokenizer, sp, stream), eos)
                for i, (ids, sp) in enumerate(items)]
     sources = [i - i % n if i % n else None for i in range(len(items))] if n > 1 else None   # sample 0's prompt KV
-    coll = client.submit(items, eager=stream or any(sp.stop for _, sp in items), sources=sources, cache_salt=cache_salt)
+    coll = client.submit(items, eager=stream or any(sp.stop for _, sp in items), sources=sources, cache_salt=cache_salt,
+                         rank=DP_RANK.get())
     return _follow(client, coll, choices, metrics, t_start, n)
 
 

@@ -140,10 +140,10 @@ class CoreClient:
 
     # -- requests (event loop) ----------------------------------------------------------------------
     def submit(self, items: list[tuple[list[int], object]], eager: bool, sources: list | None = None,
-               cache_salt: str | None = None) -> Collector:
+               cache_salt: str | None = None, rank: int | None = None) -> Collector:
         """Queue the prompts (token ids, SamplingParams); their outputs arrive in the returned Collector.
         sources[i]: the index of the item whose prompt KV item i waits for and reuses (sample 0 of n), or None.
-        cache_salt: the request's (vLLM's; LLMEngine.add_request)."""
+        cache_salt: the request's (vLLM's; LLMEngine.add_request); rank: the data-parallel replica to run on."""
         if self.dead:
             raise EngineDeadError(self.dead)
         coll = Collector(len(items), eager)
@@ -156,7 +156,7 @@ class CoreClient:
                                      for f in fields(params) if f.name not in ("stop", "output_kind")}]   # (stop: here)
             has_source = sources is not None and sources[index] is not None
             self._command(cmd + [coll.rids[sources[index]] if has_source else None, cache_salt,
-                                 getattr(params, "_reasoning_end", None)])    # (app.py's chat route sets it)
+                                 getattr(params, "_reasoning_end", None), rank])    # (app.py's chat route sets it)
         return coll
 
     def abort(self, coll: Collector, indices=None, kept: int | None = None) -> None:

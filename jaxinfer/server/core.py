@@ -8,7 +8,8 @@ error) through a pipe. Then it loops:
     drain the inbox (blocking only when idle) -> engine.step() -> one message per API process
 
 Inbound (PULL, any API process may push): msgpack lists of commands
-    ["add", rid, prompt_token_ids, sampling_params_fields, (source rid)]   ["abort", rid, (kept)]
+    ["add", rid, prompt_token_ids, sampling_params_fields, source rid, cache salt, reasoning end, replica]
+    ["abort", rid, (kept)]
                                       (source rid: sample 0 of the same n > 1 request, whose prompt KV this
                                       sample waits for and reuses, as LLM.generate: Sequence.prompt_source)
     ["stats", api_index, token]     ["ping", api_index, token]    ["shutdown"]
@@ -74,6 +75,7 @@ def run_core(model: str, engine_kwargs: dict, in_addr: str, out_addrs: list[str]
     ready_conn.send({"limits": dict(max_model_len=cfg.max_model_len, vocab_size=llm.model_config.vocab_size,
                                     num_blocks=pool, block_size=cfg.block_size, kv_cache_dtype=cfg.kv_cache_dtype,
                                     max_num_seqs=cfg.max_num_seqs * cfg.data_parallel_size,   # (the queue bound)
+                                    data_parallel_size=cfg.data_parallel_size,
                                     pid=os.getpid(), eos=[sorted(llm._eos[0]), llm._eos[1]],   # (stop_reason)
                                     xla_flags=os.environ.get("XLA_FLAGS", ""))})
     ready_conn.close()
@@ -164,15 +166,21 @@ class EngineCore:
             self.running = False
 
     def _add(self, rid: int, token_ids: list[int], fields: dict, source: int | None = None,
-             cache_salt: str | None = None, reasoning_end: int | None = None) -> None:
+             cache_salt: str | None = None, reasoning_end: int | None = None, rank: int | None = None) -> None:
         from jaxinfer.sampling_params import SamplingParams
         src = self.live[self.by_rid[source]][1] if source in self.by_rid else None
+        pin = rank is not None and hasattr(self.engine, "pinned")     # (X-data-parallel-rank: checked by the API)
         try:
+            if pin:
+                self.engine.pinned = rank
             seq = self.engine.add_request(token_ids, SamplingParams(**fields), prompt_source=src, cache_salt=cache_salt,
                                           reasoning_end=reasoning_end)
         except (ValueError, TypeError) as e:    # the API checked it already; this is the authoritative check
             self._send(rid % len(self.outs), ["out", [[rid, [], "rejected", str(e)]]])
             return
+        finally:
+            if pin:
+                self.engine.pinned = None
         self.live[seq.seq_id] = [rid, seq, 0]
         self.by_rid[rid] = seq.seq_id
 

@@ -11,6 +11,7 @@ middleware (Starlette's BaseHTTPMiddleware would wrap every streamed event of ev
   overloaded server refuses at the cost of one pass through this gate.
 - Body size: a Content-Length over the limit is refused (413) before the body is read; a chunked body is
   counted as it arrives and cut off the same way (an HTTPException(413) from the body read).
+- `X-data-parallel-rank` (vLLM's): a generate request runs on that data-parallel replica (0 .. dp - 1; else 400).
 - `--enable-request-id-headers` (vLLM's): every answer carries X-Request-Id, the request's own or a new id
   (`RequestId`, outside CORS too, so a preflight's answer has one).
 Paths are the routes' own: behind `--root-path` uvicorn puts the prefix in front of them, and it is taken off here as
@@ -18,12 +19,14 @@ Starlette's routing does (else no path would start with /v1/ and the API key wou
 """
 from __future__ import annotations
 
+import contextvars
 import hmac
 import json
 import uuid
 
 OPEN_WHILE_DRAINING = ("/metrics", "/stats", "/version")
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+DP_RANK: contextvars.ContextVar = contextvars.ContextVar("dp_rank", default=None)   # (this request's replica)
 
 
 def _json_response(status: int, message: str, type_: str, code: str | None, headers: tuple = ()):
@@ -85,6 +88,8 @@ class Gate:
         elif scope["method"] == "POST" and path in GENERATE_PATHS and (msg := self._queue_full()):
             refused = _json_response(503, msg, "server_error", "overloaded",
                                      ((b"retry-after", str(opts.retry_after_s).encode()),))
+        elif scope["method"] == "POST" and path in GENERATE_PATHS and (msg := self._bad_rank(scope)):
+            refused = _json_response(400, msg, "invalid_request_error", "invalid_data_parallel_rank")
         else:
             length = dict(scope["headers"]).get(b"content-length")
             if length is not None and length.isdigit() and int(length) > opts.max_request_body_bytes:
@@ -105,10 +110,21 @@ class Gate:
                     raise HTTPException(413, self._too_large_message(opts))
             return msg
         self.state.active += 1
+        rank = dict(scope["headers"]).get(b"x-data-parallel-rank")      # (a bad one was refused above)
+        token = DP_RANK.set(int(rank) if rank is not None and scope["method"] == "POST" and path in GENERATE_PATHS
+                            else None)
         try:
             await self.app(scope, counted_receive, send)
         finally:
             self.state.active -= 1
+            DP_RANK.reset(token)
+
+    def _bad_rank(self, scope) -> str | None:
+        """vLLM's X-data-parallel-rank header: the replica a generate request runs on, an integer in [0, dp)."""
+        rank, size = dict(scope["headers"]).get(b"x-data-parallel-rank"), getattr(self.state, "dp_size", 1)
+        if rank is None or (rank.strip().isdigit() and int(rank) < size):
+            return None
+        return f"X-data-parallel-rank {rank.decode('latin-1')!r:.40} is not an integer in [0, {size})"
 
     def _queue_full(self) -> str | None:
         check = getattr(self.state, "queue_full", None)      # admission.py (set by app.py)
