@@ -840,7 +840,8 @@ def test_vllms_prompt_logprobs(client, url, ref, tok):
 def test_vllms_beam_search(client, url, tiny_dir):
     """vLLM's use_beam_search (n = beam width, length_penalty): the choices are the n best beams of vLLM's search over
     transformers' logprobs, best first (text: the generated tokens', an ending EOS left out); the same streamed (each
-    choice whole), in chat, and with logprobs; fields a beam search does not use are 400s naming them."""
+    choice whole), in chat, and with logprobs; fields a beam search does not use are 400s naming them; a client that
+    leaves a plain search ends it."""
     from helpers import hf_beam_search
     eos = load_tokenizer(tiny_dir).eos_token_id
     prompt = [45, 147, 254, 307, 154, 12, 290, 203]          # (an EOS beam is among its best 3: test_beam_search.py)
@@ -874,5 +875,13 @@ def test_vllms_beam_search(client, url, tiny_dir):
                        ({"use_beam_search": False, "length_penalty": 2.0}, "length_penalty")):
         r = post(url + "/v1/completions", json={**body, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+    sent = lambda: httpx.get(url + "/stats").json()["api_requests"]      # noqa: E731 (engine requests so far)
+    with pytest.raises(httpx.ReadTimeout):      # a plain search whose client leaves ends at its next step (each
+        post(url + "/v1/completions", timeout=1.0, json=dict(model=MODEL, prompt=[PROMPT, [7, 8]], max_tokens=110,
+                                                              n=10, use_beam_search=True, ignore_eos=True))
+    time.sleep(1.0)                             # step can be shorter than the handler's disconnect poll)
+    left = sent()
+    time.sleep(1.0)
+    assert sent() - left <= 2 * 10
     st = wait_idle(url)
     assert st["kv_blocks_free"] == st["kv_blocks_total"]

@@ -168,7 +168,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
     def searched(req, request, prompts, items, n: int, t0: float):     # vLLM's beam search (beam.py): its choices
         return beam.search(lambda its: collect(its, request, t0, len(its), req.cache_salt), tokenizer, prompts,
                            [sp for _, sp in items[::n]], n, req.length_penalty, limits.get("eos", ((), None)),
-                           max_model_len)
+                           max_model_len, None if req.stream else request.is_disconnected)
 
     # -- routes -------------------------------------------------------------------------------------
     @app.get("/health")

@@ -47,9 +47,11 @@ def check(req) -> None:
 
 
 async def search(step, tokenizer, prompts: list[list[int]], params: list[SamplingParams], n: int,
-                 length_penalty: float, eos: tuple, max_model_len: int) -> list[Choice]:
+                 length_penalty: float, eos: tuple, max_model_len: int, gone=None) -> list[Choice]:
     """The n best beams of each prompt (beam_search.search's rules) as finished choices (index = prompt * n + rank).
-    `step(items)` runs engine requests [(ids, SamplingParams)] to their end and returns their Choices (app.collect)."""
+    `step(items)` runs engine requests [(ids, SamplingParams)] to their end and returns their Choices (app.collect).
+    `gone()` (awaited between steps: a step can be shorter than app.collect's disconnect poll): the client left, so
+    the search ends (499)."""
     one = SamplingParams(max_tokens=1, logprobs=2 * n, temperature=params[0].temperature, ignore_eos=True,
                          detokenize=False)                  # (a request's prompts share their sampling fields)
     limits = [min(max_model_len, len(ids) + sp.max_tokens) for ids, sp in zip(prompts, params)]
@@ -57,6 +59,8 @@ async def search(step, tokenizer, prompts: list[list[int]], params: list[Samplin
     try:
         todo = next(run)
         while True:
+            if gone is not None and await gone():
+                raise RequestError("the client disconnected", status=499)
             chs = await step([(t, one) for t in todo])
             todo = run.send([[(t, lp.logprob, [lp.logprob, lp.rank, *ch.logprobs[0][2:]]) for t, lp in
                               logprob_dict(ch.logprobs[0], ch.token_ids[0], 2 * n).items()] for ch in chs])
