@@ -328,12 +328,13 @@ def test_vllms_http_flags(tiny_dir):
     assert len(new[0]) == 32 and new[0] != new[1]
     refused = off.get("/v1/models", headers={"X-Request-Id": "r1"})
     assert refused.status_code == 401 and refused.headers["x-request-id"] == "r1"
-    opts = ServerOptions(root_path="/api")              # (uvicorn's root_path, which run_api gives it; uvicorn puts it
-    proxied = TestClient(_app_without_core(tiny_dir, api_key="k", enable_request_id_headers=True),   # before the path)
-                         root_path=opts.uvicorn_kwargs()["root_path"])
+    assert "root_path" not in ServerOptions(root_path="/api").uvicorn_kwargs()      # (FastAPI's, as vLLM's)
+    proxied = TestClient(_app_without_core(tiny_dir, api_key="k", enable_request_id_headers=True, root_path="/api"))
     assert proxied.get("/api/openapi.json").json()["servers"] == [{"url": "/api"}]
     assert proxied.get("/api/v1/models").status_code == 401                 # the key is still asked for
     assert proxied.get("/api/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+    assert proxied.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200   # (a proxy that
+    assert proxied.get("/v1/models").status_code == 401                                      # strips the prefix)
     docs = proxied.get("/api/docs").text                                    # the docs' links carry the prefix
     assert "/api/openapi.json" in docs and ("/api/docs-static/" in docs or "fastapi-offline" in docs)
     assert proxied.get("/api/nothing").json()["error"]["message"].endswith("GET /api/nothing")
@@ -376,8 +377,7 @@ def test_https_with_vllms_ssl_flags(tiny_dir, tmp_path):
         with pytest.raises(ValueError, match="do not load as a PEM certificate"):
             ServerOptions(**bad)
     opts = ServerOptions(ssl_keyfile=key, ssl_certfile=cert)
-    assert opts.uvicorn_kwargs() == {"root_path": "", "ssl_keyfile": key, "ssl_certfile": cert, "ssl_ca_certs": None,
-                                     "ssl_cert_reqs": 0}
+    assert opts.uvicorn_kwargs() == {"ssl_keyfile": key, "ssl_certfile": cert, "ssl_ca_certs": None, "ssl_cert_reqs": 0}
     app = _app_without_core(tiny_dir, ssl_keyfile=key, ssl_certfile=cert)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",

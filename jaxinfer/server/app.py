@@ -19,10 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from jaxinfer.generation_config import max_tokens_cap, sampling_defaults
-from jaxinfer.server import chat_prompt as CP
-from jaxinfer.server import choices as C
-from jaxinfer.server import protocol as P
-from jaxinfer.server import responses as R
+from jaxinfer.server import chat_prompt as CP, choices as C, protocol as P, responses as R
 from jaxinfer.server import beam, formats, reasoning, streams, tools
 from jaxinfer.server.admission import Admission
 from jaxinfer.server.client import CoreClient, EngineDeadError, RequestFailed
@@ -77,7 +74,8 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
 
     app = FastAPI(title="jaxinfer", version=package_version(), lifespan=asynccontextmanager(lifespan), docs_url=None,
                   redoc_url=None, description="OpenAI-compatible API of jaxinfer (see docs/serving.md).",
-                  openapi_url=None if options.disable_fastapi_docs else "/openapi.json")
+                  openapi_url=None if options.disable_fastapi_docs else "/openapi.json",
+                  root_path=options.root_path or "")                # (vLLM's: paths with or without it are served)
     app.state.client, app.state.options, app.state.draining, app.state.active = None, options, False, 0
     app.state.hurry, app.state.dp_size = 0.0, limits.get("data_parallel_size", 1)  # (hurry: a second signal's time)
     add_middleware(app, options)                   # the Gate (API key, drain, limits), CORS, request ids

@@ -14,7 +14,7 @@ middleware (Starlette's BaseHTTPMiddleware would wrap every streamed event of ev
 - `X-data-parallel-rank` (vLLM's): a generate request runs on that data-parallel replica (0 .. dp - 1; else 400).
 - `--enable-request-id-headers` (vLLM's): every answer carries X-Request-Id, the request's own or a new id
   (`RequestId`, outside CORS too, so a preflight's answer has one).
-Paths are the routes' own: behind `--root-path` uvicorn puts the prefix in front of them, and it is taken off here as
+Paths are the routes' own: a request under `--root-path`'s prefix (FastAPI's root_path) has it taken off here as
 Starlette's routing does (else no path would start with /v1/ and the API key would not be asked for).
 """
 from __future__ import annotations

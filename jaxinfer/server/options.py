@@ -177,10 +177,10 @@ class ServerOptions:
                 "allow_headers": self.origins("allowed_headers"), "allow_credentials": self.allow_credentials}
 
     def uvicorn_kwargs(self) -> dict:
-        """uvicorn.Config's arguments from these options: root_path, and HTTPS's with a certificate."""
-        ssl = {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile, "ssl_ca_certs": self.ssl_ca_certs,
-               "ssl_cert_reqs": self.ssl_cert_reqs} if self.ssl_certfile else {}
-        return {"root_path": self.root_path or "", **ssl}
+        """uvicorn.Config's arguments from these options: HTTPS's with a certificate. (root_path is FastAPI's, as
+        vLLM's: uvicorn's would put it in front of every path, so /PREFIX/v1/... became /PREFIX/PREFIX/v1/...)"""
+        return {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile, "ssl_ca_certs": self.ssl_ca_certs,
+                "ssl_cert_reqs": self.ssl_cert_reqs} if self.ssl_certfile else {}
 
     def replace(self, **kw) -> "ServerOptions":
         return replace(self, **kw)
