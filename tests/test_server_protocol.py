@@ -440,3 +440,18 @@ def test_structured_output_errors_name_the_field_sent_not_its_internal_form():
             assert str(e.value).startswith(f"{field}: json schema") and "{'json'" not in str(e.value), str(e.value)
         else:                       # (the field as sent: its value is quoted, as for any other field)
             assert str(e.value).startswith(f"{field}={value}"), str(e.value)
+
+
+def test_metrics_series_exist_at_zero_before_any_request():
+    """The latency histograms and the finished-request counters (each finished_reason) are there at 0 from the
+    start, as vLLM's, so a dashboard or a rate() has a series before the first request ends."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import generate_latest
+
+    from jaxinfer.server.metrics import ServerMetrics
+    text = generate_latest(ServerMetrics("m").registry).decode()
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:request_time_per_output_token_seconds_count", "jaxinfer:time_to_first_token_seconds_count"):
+        assert f'{name}{{model_name="m"}} 0.0' in text, name
+    for reason in ("stop", "length", "abort"):
+        assert f'vllm:request_success_total{{finished_reason="{reason}",model_name="m"}} 0.0' in text, reason

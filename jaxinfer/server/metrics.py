@@ -103,6 +103,10 @@ class ServerMetrics:
         self.rejected = Counter(P + "requests_rejected", "Requests refused with 503 (queue bound, draining, "
                                 "engine gone)", lb + ["reason"], registry=self.registry)
         self._stats: dict = {}
+        for m in (*self.ttft, *self.tpot, *self.e2e, *self.params_n, *self.params_max_tokens, *self.most_tokens):
+            m.labels(model_name)                  # (every series there from the start, at 0, as vLLM's)
+        for m, reason in itertools.product(self.success, ("stop", "length", "abort")):
+            m.labels(model_name, reason)
 
     def observe_request(self, t_start: float, t_first: float | None, t_end: float, n_tokens: int,
                         reason: str | None) -> None:
