@@ -226,6 +226,43 @@ def test_api_key(server, url):
         app.state.options = before
 
 
+def test_prompt_tokens_details(server, url, client):
+    """vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens counts the prompt tokens found
+    in the prefix cache (a repeated 24-token prompt: its first 5 blocks of 4), plain and streamed, completions and
+    chat; without the flag (or with no hits) it is absent."""
+    app = server[1]
+    before = app.state.options
+    prompt = [int(t) % 400 + 7 for t in range(24)]
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)          # (its blocks into the cache)
+    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=2).usage.prompt_tokens_details is None
+    app.state.options = before.replace(enable_prompt_tokens_details=True)
+    try:
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2).usage.prompt_tokens_details
+        assert got.cached_tokens == 20, got
+        events = _sse(url, "/v1/completions", dict(model=MODEL, prompt=prompt, max_tokens=2,
+                                                     stream_options={"include_usage": True}))
+        assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 20}, events[-1]
+        chat = dict(model=MODEL, messages=[{"role": "user", "content": "cached " * 12}], max_tokens=2)
+        first = post(url + "/v1/chat/completions", json=chat).json()["usage"]
+        again = post(url + "/v1/chat/completions", json=chat).json()["usage"]
+        assert "prompt_tokens_details" not in first or first["prompt_tokens_details"]["cached_tokens"] < \
+            again["prompt_tokens_details"]["cached_tokens"] <= again["prompt_tokens"]
+        fresh = client.completions.create(model=MODEL, prompt=[9, 8, 7], max_tokens=1).usage
+        assert fresh.prompt_tokens_details is None
+    finally:
+        app.state.options = before
+    assert server_options_flag_parses()
+
+
+def server_options_flag_parses() -> bool:
+    import argparse
+
+    from jaxinfer.server.options import add_server_args, server_options
+    ap = argparse.ArgumentParser()
+    add_server_args(ap)
+    return server_options(ap.parse_args(["--enable-prompt-tokens-details"])).enable_prompt_tokens_details is True
+
+
 def test_queue_bound_answers_503_at_once(server, url):
     """max_num_seqs 8 + 0 waiting: 8 engine requests are admitted; the next gets 503 + Retry-After at once, before
     its body is read; a request that could never fit is a 400; the admitted ones complete."""

@@ -266,7 +266,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
             return streams.chat_stream(run, rid, model, prompts, len(items), req, text_of, role, echo, think, calls)
         done = await (found or collect(items, request, t0, len(items), req.cache_salt))
         return R.chat_completion(rid, model, [streams.chat_choice(ch, k, text_of, role, echo, req, think, calls)
-                                              for ch in done], streams.total_usage(prompts, done), ids,
+                                              for ch in done], streams.total_usage(prompts, done, req), ids,
                                  **streams.prompt_logprobs(done[0], prompts[0], req, text_of))
 
     # -- SIGTERM: drain ---------------------------------------------------------------------------------

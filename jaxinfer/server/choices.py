@@ -18,7 +18,7 @@ from jaxinfer.server.gate import DP_RANK
 class Choice:
     """One engine request's state in the API process."""
     __slots__ = ("index", "prompt_ids", "params", "proc", "logprobs", "prompt_logprobs", "t_first", "t_end", "sent",
-                 "eos")
+                 "eos", "cached")
 
     def __init__(self, index: int, prompt_ids: list[int], params, proc: OutputProcessor, eos=((), None)):
         self.index, self.prompt_ids, self.params, self.proc = index, prompt_ids, params, proc
@@ -28,6 +28,7 @@ class Choice:
         self.t_first: float | None = None
         self.t_end: float | None = None
         self.sent = 0                                            # generated tokens whose logprobs were streamed
+        self.cached = 0                                          # its prompt tokens found in the prefix cache
 
     @property
     def token_ids(self) -> list[int]:
@@ -82,6 +83,7 @@ async def _follow(client: CoreClient, coll, choices: list[Choice], metrics, t_st
                 ch = choices[index]
                 if ch.proc.finished:
                     continue
+                ch.cached = coll.cached.get(index, 0)
                 if plps is not None and ch.prompt_logprobs is None:
                     ch.prompt_logprobs = plps
                 if lps:

@@ -50,10 +50,14 @@ class Collector:
         self.event = asyncio.Event()
         self.unfinished = set(range(n))
         self.first: dict[int, float] = {}         # index -> when its first token arrived (TTFT without waking)
+        self.cached: dict[int, int] = {}          # index -> its prompt tokens found in the prefix cache (if any)
 
     def put(self, index: int, ids: list[int], reason: str | None, message: str | None = None,
-            logprobs: list | None = None, prompt_logprobs: list | None = None) -> None:
-        """New ids of prompt `index` (with their logprobs, and the prompt's on its first output, if asked)."""
+            logprobs: list | None = None, prompt_logprobs: list | None = None, cached: int = 0) -> None:
+        """New ids of prompt `index` (with their logprobs, and the prompt's on its first output, if asked; `cached`:
+        its prompt tokens found in the prefix cache, on its first output)."""
+        if cached:
+            self.cached[index] = cached
         if reason in ("error", "rejected"):
             self.error = RequestFailed(message or "the engine failed this request", 400 if reason == "rejected" else 500)
             self.event.set()
@@ -232,9 +236,9 @@ class CoreClient:
                         continue
                     if row[2] is not None:
                         del self._requests[row[0]]
-                    extra = row[4] if len(row) > 4 else None      # logprobs (core.py), when asked
-                    entry[0].put(entry[1], row[1], row[2], row[3] if len(row) > 3 else None,
-                                 *((extra.get("logprobs"), extra.get("prompt_logprobs")) if extra else ()))
+                    extra = row[4] if len(row) > 4 else {}      # logprobs, prefix-cache hits (core.py)
+                    entry[0].put(entry[1], row[1], row[2], row[3] if len(row) > 3 else None, extra.get("logprobs"),
+                                 extra.get("prompt_logprobs"), extra.get("cached", 0))
             elif msg[0] in ("stats", "pong"):
                 fut = self._stats.pop(msg[1], None)
                 if fut is not None and not fut.done():

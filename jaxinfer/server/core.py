@@ -200,10 +200,12 @@ class EngineCore:
                 del self.live[seq.seq_id], self.by_rid[rid]
                 self.times.add(seq)
             row = [rid, seq.token_ids[p + sent:p + n], reason]
-            if seq.params.logprobs is not None or (sent == 0 and seq.prompt_logprob_rows is not None):
-                extra = {"logprobs": seq.logprob_rows[sent:n]} if seq.params.logprobs is not None else {}
-                if sent == 0 and seq.prompt_logprob_rows is not None:
-                    extra["prompt_logprobs"] = seq.prompt_logprob_rows
+            extra = {"logprobs": seq.logprob_rows[sent:n]} if seq.params.logprobs is not None else {}
+            if sent == 0 and seq.prompt_logprob_rows is not None:
+                extra["prompt_logprobs"] = seq.prompt_logprob_rows
+            if sent == 0 and seq.num_cached_tokens:          # (prefix-cache hits: usage's prompt_tokens_details)
+                extra["cached"] = seq.num_cached_tokens
+            if extra or seq.params.logprobs is not None:
                 row += [None, extra]
             rows[rid % n_api].append(row)
         for i, r in enumerate(rows):

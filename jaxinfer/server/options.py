@@ -55,6 +55,8 @@ class ServerOptions:
     return_tokens_as_token_ids: bool = _opt(False, "logprobs name tokens 'token_id:N' unless a request says "
                                                    "otherwise (its return_tokens_as_token_ids; vLLM's flag)")
     disable_uvicorn_access_log: bool = _opt(False, "no access log line per HTTP request (vLLM's flag)")
+    enable_prompt_tokens_details: bool = _opt(False, "usage carries prompt_tokens_details.cached_tokens (the prompt "
+                                                     "tokens found in the prefix cache) when there are any (vLLM's)")
     reasoning_parser: str | None = _opt(None, "qwen3 or deepseek_r1: a chat answer's thinking (<think>...</think>) "
                                               "goes to the message's `reasoning`, the rest to `content` (vLLM's)")
     response_role: str = _opt("assistant", "the role of a chat answer that opens the assistant's turn "
@@ -130,7 +132,7 @@ class ServerOptions:
         self.cors()
         for name in ("enable_force_include_usage", "return_tokens_as_token_ids", "disable_uvicorn_access_log",
                      "enable_auto_tool_choice", "exclude_tools_when_tool_choice_none", "allow_credentials",
-                     "disable_fastapi_docs", "enable_request_id_headers"):
+                     "disable_fastapi_docs", "enable_request_id_headers", "enable_prompt_tokens_details"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         if not isinstance(self.shutdown_timeout, (int, float)) or not 0 <= self.shutdown_timeout < float("inf"):
@@ -193,6 +195,8 @@ class ServerOptions:
             req.return_tokens_as_token_ids = True
         if self.default_chat_template_kwargs and "chat_template_kwargs" in type(req).model_fields:
             req.chat_template_kwargs = {**self.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
+        if self.enable_prompt_tokens_details:
+            req._prompt_tokens_details = True
         if self.enable_force_include_usage and getattr(req, "stream", False):
             from jaxinfer.server.protocol import StreamOptions
             req.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)

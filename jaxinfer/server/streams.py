@@ -30,8 +30,17 @@ def echo_only(req) -> bool:
 
 
 def total_usage(prompts: list[list[int]], done, req=None) -> dict:
-    """Prompt tokens once per prompt (whatever n), completion tokens of every choice."""
-    return R.usage(sum(len(p) for p in prompts), 0 if echo_only(req) else sum(len(ch.token_ids) for ch in done))
+    """Prompt tokens once per prompt (whatever n), completion tokens of every choice; with
+    --enable-prompt-tokens-details (options.apply marks the request) and prefix-cache hits, vLLM's
+    prompt_tokens_details.cached_tokens (per prompt: the most of its choices)."""
+    use = R.usage(sum(len(p) for p in prompts), 0 if echo_only(req) else sum(len(ch.token_ids) for ch in done))
+    if getattr(req, "_prompt_tokens_details", False):
+        per_prompt: dict[int, int] = {}
+        for ch in done:
+            per_prompt[id(ch.prompt_ids)] = max(per_prompt.get(id(ch.prompt_ids), 0), ch.cached)
+        if cached := sum(per_prompt.values()):
+            use["prompt_tokens_details"] = {"cached_tokens": cached}
+    return use
 
 
 def _choice_usage(req, prompts, n: int):
@@ -213,7 +222,7 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
             elif not shaped and (d.text or new and d.token_ids):      # (token ids of text held back too)
                 yield enc.chat_content(d.text, ch.index, use(ch), new)
         if P.include_usage(req):
-            yield R.sse(R.usage_chunk(rid, model, "chat.completion.chunk", total_usage(prompts, done.values()),
+            yield R.sse(R.usage_chunk(rid, model, "chat.completion.chunk", total_usage(prompts, done.values(), req),
                                       created))
     return sse_response(events())
 
