@@ -113,13 +113,13 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return {**kw, **{k: getattr(a, k) for k in VLLM_MODEL_OPTIONS if getattr(a, k, None)}}
 
 
-def build_llm(a: argparse.Namespace, chat: str | None = None):
-    """LLM(MODEL, flags) once the flags, the folder and (`chat`: what to do instead) its chat template checked out."""
+def build_llm(a: argparse.Namespace):
+    """LLM(MODEL, flags), once the flags, the folder and (given a.chat_hint) its chat template checked out."""
     from jaxinfer import LLM
     kw = engine_kwargs(a)
     a.model = model_arg(a)
     check_engine_flags({k: v for k, v in kw.items() if k not in VLLM_MODEL_OPTIONS})     # (cli_checks.py)
-    check_model_folder(a.model, kw.get("tokenizer"), chat=chat)
+    check_model_folder(a.model, kw.get("tokenizer"), chat=getattr(a, "chat_hint", None))
     shown = ", ".join(f"{k}={'***' if k == 'hf_token' else v}" for k, v in kw.items())
     print(f"loading {a.model} ({shown or 'engine defaults'})", file=sys.stderr, flush=True)
     llm = LLM(a.model, **kw)
@@ -162,7 +162,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     prompts = [q for p in a.prompt or DEFAULT_PROMPTS for q in (sys.stdin.read().splitlines() if p == "-" else [p])]
     if not prompts:
         raise ValueError("no prompts: standard input (-p -) had no lines")
-    llm = build_llm(a, chat="run `jaxinfer generate` without --chat" if a.chat else None)
+    a.chat_hint = "run `jaxinfer generate` without --chat" if a.chat else None
+    llm = build_llm(a)
     sp = sampling(a, llm.default_sampling_params)
     inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts] if a.chat else prompts
     t0 = time.perf_counter()
@@ -182,7 +183,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_chat(a: argparse.Namespace) -> int:
     from jaxinfer.chat import chat_loop
     sampling(a)                           # bad values fail before the model loads
-    llm = build_llm(a, chat="`jaxinfer chat` needs one; `jaxinfer generate` runs plain prompts")
+    llm = build_llm(a)
     return chat_loop(llm, sampling(a, llm.default_sampling_params), system=a.system, thinking=not a.no_thinking)
 
 
@@ -245,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", "--system-prompt", help="system prompt")
     c.add_argument("--no-thinking", action="store_true", help="Qwen3: disable thinking (enable_thinking=False)")
     add_sampling_args(c, max_tokens=256, temperature=0.6)
-    c.set_defaults(func=cmd_chat)
+    c.set_defaults(func=cmd_chat, chat_hint="`jaxinfer chat` needs one; `jaxinfer generate` runs plain prompts")
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                        description="Serve /v1/models, /v1/completions, /v1/chat/completions, /health, /stats.")
