@@ -21,8 +21,8 @@ import weakref
 import numpy as np
 
 from jaxinfer import index_worker
-from jaxinfer.json_strings import NAMED as _NAMED, VALUES as _VALUES, ascii_digits, json_text_schema, walk, \
-    without_anchors
+from jaxinfer.json_strings import NAMED as _NAMED, VALUES as _VALUES, ascii_digits, contradiction, json_text_schema, \
+    walk, without_anchors
 
 _INDEXES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # tokenizer -> {(V, eos, regex): Index}
 _VOCABS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # tokenizer -> {(V, eos): Vocabulary}
@@ -66,6 +66,8 @@ def regex_for(so, error=ValueError) -> str:
             raise error(f"structured_outputs json is not valid JSON: {e}") from None
     if not isinstance(schema, dict):
         raise error(f"structured_outputs json must be a JSON schema object, not {type(schema).__name__}")
+    if bad := contradiction(schema):
+        raise error(f"structured_outputs json schema has {bad}: no value can match it")
     if found := unenforced(schema):
         raise error(f"structured_outputs json schema keyword {found[1]!r} at {found[0]} is not supported "
                     f"(outlines-core would not enforce it)")

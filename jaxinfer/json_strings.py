@@ -217,6 +217,21 @@ def _json_text_string(out: dict) -> dict:
     return out
 
 
+def contradiction(schema) -> str | None:
+    """A bound pair of a schema that no value meets (minItems above maxItems, minLength above maxLength), named;
+    else None (outlines-core's own error for it names neither: "Failed to build DFA")."""
+    found: list[str] = []
+
+    def look(s: dict) -> dict:
+        for lo, hi in (("minItems", "maxItems"), ("minLength", "maxLength")):
+            a, b = s.get(lo), s.get(hi)
+            if isinstance(a, int) and isinstance(b, int) and a > b:
+                found.append(f"{lo}={a} above {hi}={b}")
+        return s
+    walk(schema, look)
+    return found[0] if found else None
+
+
 def json_name(name):
     """A property name as JSON text writes it between its quotes (a quote, backslash or control character
     escaped; other characters as they are)."""

@@ -429,7 +429,11 @@ def test_refusals(llm):
                        "'dependencies'"),
                       (dict(structured_outputs={"json": {"type": "integer", "not": {"enum": [1, 2]}}}), "'not' at #"),
                       (dict(structured_outputs={"json": {"type": "object", "properties": {"a": {"type": "integer"}},
-                                                         "required": ["b"]}}), "required 'b' \\(not in properties")):
+                                                         "required": ["b"]}}), "required 'b' \\(not in properties"),
+                      (dict(structured_outputs={"json": {"type": "array", "minItems": 3, "maxItems": 1}}),
+                       "minItems=3 above maxItems=1: no value"),
+                      (dict(structured_outputs={"json": {"type": "object", "properties": {"a": {
+                          "type": "string", "minLength": 5, "maxLength": 2}}}}), "minLength=5 above maxLength=2")):
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kw)
     for so, match in (({"json": "{not json"}, "structured_outputs=.* json is not valid JSON"),
