@@ -12,7 +12,9 @@ chunked prefill is always on, 20 logprobs at most, Hugging Face tokenizers and s
 quantisation, text generation only, no pipeline parallelism (tensor and data parallelism instead), logprobs
 of the raw logits (vLLM's raw_logprobs), no CPU offload, the tokenizer of the model's revision, first come first
 served, and every device driven from this one process (distributed_executor_backend "mp", "uni" or
-"external_launcher" are taken to mean that: no Ray). (calculate_kv_scales is an engine option: EngineConfig.)
+"external_launcher" are taken to mean that: no Ray); vLLM features jaxinfer lacks (speculative decoding, KV
+transfer, sleep mode, multimodal inputs, LoRA, ...) are accepted at their off values. (calculate_kv_scales is an
+engine option: EngineConfig.)
 `tokenizer` (a folder) is used: the tokenizer is loaded from it instead of the model's folder; and
 `skip_tokenizer_init=True`: no tokenizer (tokenizer.NoTokenizer: token-id prompts, outputs without text).
 """
@@ -26,14 +28,28 @@ import numpy as np
 IGNORED = {"trust_remote_code": bool, "enforce_eager": bool, "disable_log_stats": bool, "swap_space": (int, float),
            "max_seq_len_to_capture": int, "compilation_config": (int, dict), "disable_custom_all_reduce": bool,
            "max_lora_rank": int, "max_loras": int,          # (LoRA's sizes: no LoRA here, enable_lora=False)
-           "served_model_name": (str, list)}
+           "served_model_name": (str, list), "disable_cascade_attn": bool, "disable_async_output_proc": bool,
+           "use_v2_block_manager": bool, "max_context_len_to_capture": int, "guided_decoding_backend": str}
 FIXED = {"enable_chunked_prefill": (True, None), "max_logprobs": (20, None), "tokenizer_mode": ("auto", "hf", None),
          "load_format": ("auto", "safetensors", None), "quantization": (None,), "task": ("auto", "generate", None),
          "skip_tokenizer_init": (False, True, None), "pipeline_parallel_size": (1, None),
          "runner": ("auto", "generate", None), "convert": ("auto", "none", None),      # (vLLM's names for task)
          "cpu_offload_gb": (0, 0.0, None), "tokenizer_revision": (None,), "logprobs_mode": ("raw_logprobs", None),
          "enable_lora": (False, None), "scheduling_policy": ("fcfs", None),
-         "distributed_executor_backend": ("mp", "uni", "external_launcher", None)}
+         "distributed_executor_backend": ("mp", "uni", "external_launcher", None),
+         # vLLM EngineArgs a ported script may pass at their defaults (features jaxinfer does not have: any other
+         # value is refused by name)
+         **{name: (None,) for name in ("speculative_config", "kv_transfer_config", "kv_events_config",
+                                       "limit_mm_per_prompt", "mm_processor_kwargs", "kv_cache_memory_bytes",
+                                       "logits_processors", "code_revision", "cuda_graph_sizes",
+                                       "structured_outputs_config", "max_cpu_loras", "rope_scaling", "rope_theta",
+                                       "tokenizer_pool_size")},
+         **{name: (False, None) for name in ("enable_sleep_mode", "enable_prompt_embeds", "disable_sliding_window",
+                                             "enable_expert_parallel", "fully_sharded_loras",
+                                             "kv_sharing_fast_prefill")},
+         "model_impl": ("auto", None), "config_format": ("auto", "hf", None), "max_num_partial_prefills": (1, None),
+         "long_prefill_token_threshold": (0, None), "allowed_local_media_path": ("", None),
+         "num_lookahead_slots": (0, None), "preemption_mode": ("recompute", None)}
 
 
 def pop_vllm_options(kwargs: dict):

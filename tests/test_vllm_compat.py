@@ -163,6 +163,17 @@ def test_vllm_options_that_describe_jaxinfer():
                       (dict(served_model_name=3), "served_model_name=3 must be a str or list")]:
         with pytest.raises(ValueError, match=word):
             pop_vllm_options(bad)
+    at_defaults = dict(enable_sleep_mode=False, speculative_config=None, kv_transfer_config=None, model_impl="auto",
+                       limit_mm_per_prompt=None, disable_cascade_attn=False, kv_cache_memory_bytes=None,
+                       logits_processors=None, max_num_partial_prefills=1, guided_decoding_backend="xgrammar",
+                       num_lookahead_slots=0, disable_sliding_window=False)     # (vLLM features jaxinfer lacks, off)
+    pop_vllm_options(at_defaults)
+    assert at_defaults == {}
+    for bad, word in [(dict(enable_sleep_mode=True), "enable_sleep_mode=False"),
+                      (dict(speculative_config={"method": "ngram"}), "no speculative_config"),
+                      (dict(model_impl="transformers"), "model_impl='auto'")]:
+        with pytest.raises(ValueError, match=word):
+            pop_vllm_options(bad)
 
 
 def test_prompt_dicts_bad_params_entry_and_detokenize_false(tiny_dir):
