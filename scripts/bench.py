@@ -22,7 +22,7 @@ import time
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 import numpy as np  # noqa: E402
-from timing import pct, write_json  # noqa: E402,F401  (write_json: scripts import it from here)
+from timing import measure_bandwidth, pct, write_json  # noqa: E402,F401  (write_json: scripts import it from here)
 
 
 def workload(num_seqs: int, max_input: int, max_output: int, vocab: int = 151936, seed: int = 0,
@@ -38,13 +38,6 @@ def workload(num_seqs: int, max_input: int, max_output: int, vocab: int = 151936
     params = [SamplingParams(temperature=0.6, ignore_eos=True,
                              max_tokens=random.randint(lo_out, max_output)) for _ in range(num_seqs)]
     return prompts, params
-
-
-def measure_bandwidth() -> float:
-    """HBM bandwidth (bytes/s) as XLA's own elementwise pass over 2 GiB reaches it, in this process."""
-    import jax
-    from timing import copy_bandwidth
-    return copy_bandwidth(2**30 if jax.devices()[0].platform == "gpu" else 2**24)
 
 
 HOST_TIMES = ("host_schedule_s", "host_dispatch_s", "host_wait_s", "host_apply_s")
@@ -117,7 +110,16 @@ def build(args):
     print(f"warm-up {args.warmup_s:.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in w.items() if k.endswith("_s")) +
           f"; {w['programs']} programs (" + ", ".join(f"{k} {n}: {t:.0f} s" for k, (n, t) in w["compile_by_kind"].items())
           + "), slowest " + ", ".join(f"{x['step']} {x['s']:.1f} s" for x in w["slowest"][:3]))
+    check_context(args, llm.config.max_model_len)             # (the pool may have capped it)
     return llm
+
+
+def check_context(args, max_model_len) -> None:
+    """The longest request (prompt + output) fits max_model_len (else it stops short: vLLM's benchmark refuses it)."""
+    need = args.latency_prompt + args.latency_output if args.latency else args.max_input_len + args.max_output_len
+    if 0 < (max_model_len or 0) < need:
+        raise ValueError(f"the requests need {need} tokens of context (prompt + output): more than "
+                         f"max_model_len={max_model_len}")
 
 
 def run_throughput(args) -> dict:
@@ -181,8 +183,6 @@ def run_latency(args) -> dict:
     if args.latency_output < 2:                       # (before the warm-up)
         raise ValueError(f"--output-len {args.latency_output}: a TPOT needs 2 output tokens or more")
     llm = build(args)
-    if args.latency_prompt + args.latency_output > (mml := llm.config.max_model_len):
-        raise ValueError(f"--latency-prompt + --latency-output exceed max_model_len={mml}: the requests would stop")
     V = min(10000, llm.model_config.vocab_size)
     prompt = np.random.default_rng(0).integers(0, V, args.latency_prompt).tolist()
     hot = dict(temperature=0.6, top_k=args.top_k, top_p=args.top_p, seed=0) if args.top_k or args.top_p < 1 else {}
@@ -266,19 +266,17 @@ def parse(argv=None):
 def main(argv=None) -> dict:
     args = parse(argv)
     if args.model_flag and args.model not in (args.model_flag, None):
-        raise SystemExit(f"bench.py: two models given: {args.model!r} and --model {args.model_flag!r}")
+        raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
     args.model = args.model_flag or args.model or "qwen3-0.6b"
     if args.input_len:                          # vLLM's fixed lengths: the workload's, and --latency's request's
         args.max_input_len = args.latency_prompt = args.input_len
     if args.output_len:
         args.max_output_len = args.latency_output = args.output_len
-    need = args.latency_prompt + args.latency_output if args.latency else args.max_input_len    # before the warm-up:
-    if 0 < (getattr(args, "max_model_len", None) or 0) < need:
-        raise ValueError(f"the requests need {need} tokens of context: more than max_model_len={args.max_model_len}")
+    check_context(args, getattr(args, "max_model_len", None))       # before the warm-up (again after: build)
     from jaxinfer import SamplingParams      # the per-request flags' values: refused now, not after the warm-up
     SamplingParams(top_p=args.top_p, top_k=args.top_k, logprobs=args.logprobs, presence_penalty=args.presence_penalty)
     if args.peer and args.hf_overrides:     # transformers would load the checkpoint as its config.json says
-        raise SystemExit("bench.py: --peer hf compares against the checkpoint as it is; drop --hf-overrides")
+        raise ValueError("--peer hf compares against the checkpoint as it is; drop --hf-overrides")
     from jaxinfer.xla_options import set_process_flags, use_triton_ptxas
     if not args.no_process_flags:
         set_process_flags()      # exactly what the `jaxinfer` commands do: this process is ours

@@ -35,6 +35,11 @@ def time_loop(fn, x, *args, est_s: float, repeats: int = 7, donate: bool = False
     return statistics.median(times)
 
 
+def measure_bandwidth() -> float:
+    """HBM bandwidth (bytes/s) as XLA's own elementwise pass over 2 GiB reaches it, in this process (bench.py)."""
+    return copy_bandwidth(2**30 if jax.devices()[0].platform == "gpu" else 2**24)
+
+
 def copy_bandwidth(n: int) -> float:
     """Bytes/s of a jitted elementwise pass over n bf16 values (read + write), best of 10."""
     x = jnp.ones((n,), jnp.bfloat16)

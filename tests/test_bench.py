@@ -183,15 +183,18 @@ def test_latency_refuses_requests_that_would_stop_early(tiny_dir):
 
 
 def test_lengths_past_max_model_len_are_refused_before_the_warm_up(tiny_dir, monkeypatch):
-    """--input-len (or --latency's prompt + output) past an explicit --max-model-len: refused before any compile."""
+    """The longest prompt + output (or --latency's prompt + output) past an explicit --max-model-len: refused before
+    any compile (as vLLM's throughput benchmark: a request cut short would make the numbers another workload's)."""
     monkeypatch.setattr(bench, "build", lambda args: pytest.fail("built the engine"))
     base = [tiny_dir, "--max-model-len", "64"]
-    with pytest.raises(ValueError, match="need 100 tokens .*max_model_len=64"):
-        bench.main(base + ["--input-len", "100"])
+    with pytest.raises(ValueError, match="need 110 tokens .*max_model_len=64"):
+        bench.main(base + ["--input-len", "100", "--output-len", "10"])
     with pytest.raises(ValueError, match="need 70 tokens .*max_model_len=64"):
         bench.main(base + ["--latency", "--input-len", "60", "--output-len", "10"])
     with pytest.raises(ValueError, match="need 65 tokens"):
-        bench.main(base + ["--max-input-len", "65"])
+        bench.main(base + ["--max-input-len", "60", "--max-output-len", "5"])
+    with pytest.raises(ValueError, match="need 1084 tokens"):          # (the default outputs: up to 1,024 tokens)
+        bench.main(base + ["--max-input-len", "60"])
 
 
 def test_bench_script_reports_bad_engine_values_without_a_traceback():
@@ -300,7 +303,8 @@ def test_bench_refuses_bad_request_flags_before_loading(tmp_path, flags, match):
 
 
 def test_bench_flags_checked_before_the_run_and_strict_json(tiny_dir, tmp_path, capsys):
-    """--step-log in a missing folder, --latency-output 1 (no TPOT) and two models are refused before loading;
+    """--step-log in a missing folder, --latency-output 1 (no TPOT), two models and requests longer than
+    max_model_len (given, or capped by the pool: after loading) are refused, the others before loading;
     the JSON is strict: a TPOT of one-token outputs (NaN) is written as null."""
     import json
     for flags in (["--step-log", str(tmp_path / "nope" / "s.json")], ["--latency", "--latency-output", "1"]):
@@ -308,8 +312,13 @@ def test_bench_flags_checked_before_the_run_and_strict_json(tiny_dir, tmp_path, 
             bench.main([tiny_dir, *flags])
         assert e.value.code == 2
     assert "less than 2" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="two models given"):
+    with pytest.raises(ValueError, match="two models given"):          # (the script's handler: one line, exit 2)
         bench.main([tiny_dir, "--model", str(tmp_path / "other")])
+    with pytest.raises(ValueError, match=r"need 20 tokens of context \(prompt \+ output\): .* max_model_len=18"):
+        bench.main([tiny_dir, "--max-input-len", "16", "--max-output-len", "4", "--max-model-len", "18"])
+    with pytest.raises(ValueError, match="need 20 tokens .* max_model_len=16"):    # (a pool that caps the length)
+        bench.main([tiny_dir, "--dtype", "float32", "--max-input-len", "16", "--max-output-len", "4", "--block-size",
+                    "16", "--num-kvcache-blocks", "1", "--max-num-seqs", "2"])
     out = tmp_path / "r.json"
     r = bench.main([tiny_dir, "--dtype", "float32", "--num-seqs", "2", "--max-input-len", "8", "--max-output-len", "1",
                     "--max-num-seqs", "2", "--max-model-len", "64", "--json", str(out)])
