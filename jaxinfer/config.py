@@ -211,7 +211,8 @@ class EngineConfig:
         for name in ("decode_buckets", "prefill_buckets", "context_buckets", "decode_context_buckets"):
             if (v := getattr(self, name)) is None:
                 continue
-            if not isinstance(v, (list, tuple)) or not v or not all(isinstance(x, int) and x >= 1 for x in v):
+            if not isinstance(v, (list, tuple)) or not v or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
                 raise ValueError(f"{name}={v!r} must be a non-empty list of positive integers")
             object.__setattr__(self, name, tuple(sorted(set(v))))
         if self.resolved:

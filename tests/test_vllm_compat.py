@@ -257,7 +257,8 @@ def test_bad_values_are_value_errors_naming_them(tiny_dir):
         llm.generate(np.int64(5), use_tqdm=False)
     from jaxinfer.config import EngineConfig
     for kw, name in ((dict(block_size=None), "block_size"), (dict(decode_buckets=2.0), "decode_buckets"),
-                     (dict(prefill_buckets=np.array(8)), "prefill_buckets")):
+                     (dict(prefill_buckets=np.array(8)), "prefill_buckets"),
+                     (dict(decode_buckets=[True, 8]), "decode_buckets")):      # (a bool is no bucket size)
         with pytest.raises(ValueError, match=name):
             EngineConfig(**kw)
     st = llm.stats()
