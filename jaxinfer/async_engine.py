@@ -196,14 +196,9 @@ class AsyncLLMEngine:
 
     def _add(self, request_id, data_parallel_rank=None, **args) -> None:
         """Queue the request (on the engine's thread), on replica `data_parallel_rank` when one is given."""
-        engine = self._llm.engine
-        if data_parallel_rank is None or not hasattr(engine, "pinned"):      # (one replica: rank 0, checked)
-            return self._api.add_request(request_id, **args)
-        engine.pinned = data_parallel_rank
-        try:
+        from jaxinfer.engine.dp_engine import on_replica
+        with on_replica(self._llm.engine, data_parallel_rank):
             self._api.add_request(request_id, **args)
-        finally:
-            engine.pinned = None
 
     @staticmethod
     def _reply(loop, future, call) -> bool:

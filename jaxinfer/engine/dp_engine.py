@@ -17,6 +17,7 @@ over dp of them. `DPEngine` offers what `LLM`, the server and the benchmarks use
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -62,6 +63,20 @@ def create_engine(model: ModelConfig, config: EngineConfig, load: Callable[[Plac
     for replica in getattr(engine, "replicas", [engine]):
         replica.tokenizer = tokenizer
     return engine
+
+
+@contextlib.contextmanager
+def on_replica(engine, rank: int | None):
+    """Requests added inside go to replica `rank` (vLLM's data_parallel_rank; checked by the caller); None, or an
+    engine of one replica: where they would go anyway."""
+    pin = rank is not None and hasattr(engine, "pinned")
+    if pin:
+        engine.pinned = rank
+    try:
+        yield
+    finally:
+        if pin:
+            engine.pinned = None
 
 
 def sized_stats(engine) -> dict:

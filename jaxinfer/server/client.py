@@ -236,9 +236,10 @@ class CoreClient:
                         continue
                     if row[2] is not None:
                         del self._requests[row[0]]
-                    extra = row[4] if len(row) > 4 else {}      # logprobs, prefix-cache hits (core.py)
-                    entry[0].put(entry[1], row[1], row[2], row[3] if len(row) > 3 else None, extra.get("logprobs"),
-                                 extra.get("prompt_logprobs"), extra.get("cached", 0))
+                    extra = row[4] if len(row) > 4 else None      # logprobs, prefix-cache hits (core.py)
+                    entry[0].put(entry[1], row[1], row[2], row[3] if len(row) > 3 else None,
+                                 *((extra.get("logprobs"), extra.get("prompt_logprobs"), extra.get("cached", 0))
+                                   if extra is not None else ()))
             elif msg[0] in ("stats", "pong"):
                 fut = self._stats.pop(msg[1], None)
                 if fut is not None and not fut.done():

@@ -167,20 +167,16 @@ class EngineCore:
 
     def _add(self, rid: int, token_ids: list[int], fields: dict, source: int | None = None,
              cache_salt: str | None = None, reasoning_end: int | None = None, rank: int | None = None) -> None:
+        from jaxinfer.engine.dp_engine import on_replica
         from jaxinfer.sampling_params import SamplingParams
         src = self.live[self.by_rid[source]][1] if source in self.by_rid else None
-        pin = rank is not None and hasattr(self.engine, "pinned")     # (X-data-parallel-rank: checked by the API)
         try:
-            if pin:
-                self.engine.pinned = rank
-            seq = self.engine.add_request(token_ids, SamplingParams(**fields), prompt_source=src, cache_salt=cache_salt,
-                                          reasoning_end=reasoning_end)
+            with on_replica(self.engine, rank):             # (X-data-parallel-rank: checked by the API)
+                seq = self.engine.add_request(token_ids, SamplingParams(**fields), prompt_source=src,
+                                              cache_salt=cache_salt, reasoning_end=reasoning_end)
         except (ValueError, TypeError) as e:    # the API checked it already; this is the authoritative check
             self._send(rid % len(self.outs), ["out", [[rid, [], "rejected", str(e)]]])
             return
-        finally:
-            if pin:
-                self.engine.pinned = None
         self.live[seq.seq_id] = [rid, seq, 0]
         self.by_rid[rid] = seq.seq_id
 
@@ -200,12 +196,13 @@ class EngineCore:
                 del self.live[seq.seq_id], self.by_rid[rid]
                 self.times.add(seq)
             row = [rid, seq.token_ids[p + sent:p + n], reason]
-            extra = {"logprobs": seq.logprob_rows[sent:n]} if seq.params.logprobs is not None else {}
-            if sent == 0 and seq.prompt_logprob_rows is not None:
-                extra["prompt_logprobs"] = seq.prompt_logprob_rows
-            if sent == 0 and seq.num_cached_tokens:          # (prefix-cache hits: usage's prompt_tokens_details)
-                extra["cached"] = seq.num_cached_tokens
-            if extra or seq.params.logprobs is not None:
+            if seq.params.logprobs is not None or (sent == 0 and (seq.prompt_logprob_rows is not None or
+                                                                  seq.num_cached_tokens)):
+                extra = {"logprobs": seq.logprob_rows[sent:n]} if seq.params.logprobs is not None else {}
+                if sent == 0 and seq.prompt_logprob_rows is not None:
+                    extra["prompt_logprobs"] = seq.prompt_logprob_rows
+                if sent == 0 and seq.num_cached_tokens:      # (prefix-cache hits: usage's prompt_tokens_details)
+                    extra["cached"] = seq.num_cached_tokens
                 row += [None, extra]
             rows[rid % n_api].append(row)
         for i, r in enumerate(rows):

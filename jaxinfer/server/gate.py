@@ -78,6 +78,8 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         opts, path = self.state.options, route_path(scope)
+        rank = dict(scope["headers"]).get(b"x-data-parallel-rank") if scope["method"] == "POST" and \
+            path in GENERATE_PATHS else None                 # (vLLM's header: the replica a generate request runs on)
         refused = None
         if opts.api_key is not None and path.startswith("/v1/") and not self._authorized(scope, opts.api_key):
             refused = _json_response(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
@@ -88,7 +90,7 @@ class Gate:
         elif scope["method"] == "POST" and path in GENERATE_PATHS and (msg := self._queue_full()):
             refused = _json_response(503, msg, "server_error", "overloaded",
                                      ((b"retry-after", str(opts.retry_after_s).encode()),))
-        elif scope["method"] == "POST" and path in GENERATE_PATHS and (msg := self._bad_rank(scope)):
+        elif rank is not None and (msg := self._bad_rank(rank)):
             refused = _json_response(400, msg, "invalid_request_error", "invalid_data_parallel_rank")
         else:
             length = dict(scope["headers"]).get(b"content-length")
@@ -110,19 +112,17 @@ class Gate:
                     raise HTTPException(413, self._too_large_message(opts))
             return msg
         self.state.active += 1
-        rank = dict(scope["headers"]).get(b"x-data-parallel-rank")      # (a bad one was refused above)
-        token = DP_RANK.set(int(rank) if rank is not None and scope["method"] == "POST" and path in GENERATE_PATHS
-                            else None)
+        token = DP_RANK.set(None if rank is None else int(rank))      # (a bad one was refused above)
         try:
             await self.app(scope, counted_receive, send)
         finally:
             self.state.active -= 1
             DP_RANK.reset(token)
 
-    def _bad_rank(self, scope) -> str | None:
+    def _bad_rank(self, rank: bytes) -> str | None:
         """vLLM's X-data-parallel-rank header: the replica a generate request runs on, an integer in [0, dp)."""
-        rank, size = dict(scope["headers"]).get(b"x-data-parallel-rank"), getattr(self.state, "dp_size", 1)
-        if rank is None or (rank.strip().isdigit() and int(rank) < size):
+        size = getattr(self.state, "dp_size", 1)
+        if rank.strip().isdigit() and int(rank) < size:
             return None
         return f"X-data-parallel-rank {rank.decode('latin-1')!r:.40} is not an integer in [0, {size})"
 
