@@ -33,10 +33,10 @@ def check_engine_flags(kw: dict) -> None:
 def check_model_folder(model: str, tokenizer: str | None, text: bool = True, chat: str | None = None) -> None:
     """A checkpoint folder (not a preset or hub id) needs config.json; commands that print text (`text`) need
     tokenizer files (here or in --tokenizer's folder); `chat` (the command's hint) needs a chat template."""
-    if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
-        raise FileNotFoundError(f"{os.path.join(model, 'config.json')!r} is missing: a checkpoint directory needs "
-                                f"config.json")
+    from jaxinfer.config import config_json
     from jaxinfer.tokenizer import check_text_tokenizer
+    if os.path.isdir(model):
+        config_json(model)
     folder = tokenizer or model
     if text:
         check_text_tokenizer(folder)

@@ -31,6 +31,14 @@ def canonical_dtype(name: str, stored: bool = False) -> str:
 QWEN3_DEFAULTS = dict(head_dim=128, max_position_embeddings=32768)   # transformers' Qwen3Config's (so vLLM's)
 
 
+def config_json(path: str) -> str:
+    """A checkpoint directory's config.json path; a missing directory or file is a FileNotFoundError naming it."""
+    if not os.path.isfile(cfg := os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"model directory {path!r} does not exist" if not os.path.isdir(path) else
+                                f"{cfg!r} is missing: a checkpoint directory needs config.json")
+    return cfg
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Every Qwen3 field that changes the math. Names follow HF's Qwen3Config."""
@@ -95,9 +103,7 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str, hf_overrides: dict | None = None) -> "ModelConfig":
         """From path/config.json (EOS ids: generation_config.json's, if any), with vLLM's `hf_overrides` applied."""
-        if not os.path.isfile(cfg := os.path.join(path, "config.json")):
-            raise FileNotFoundError(f"model directory {path!r} does not exist" if not os.path.isdir(path) else
-                                    f"{cfg!r} is missing: a checkpoint directory needs config.json")
+        cfg = config_json(path)
         d, gen = with_overrides(read_json(cfg), hf_overrides), os.path.join(path, "generation_config.json")
         g = read_json(gen, broken={}) if os.path.isfile(gen) else {}    # (broken: LLM's sampling defaults name it)
         if (ids := g.get("eos_token_id")) is not None:    # its EOS ids replace config.json's (HF's generate, vLLM;
