@@ -133,16 +133,17 @@ def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None, use_t
     prompts are searched at once (None: all)."""
     from jaxinfer import prompts as prompt_forms
     from jaxinfer.output_processor import TokenTexts
-    from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
 
     prompt_forms.check_unsupported("LLM.beam_search", lora_request=lora_request)
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__} {params!r:.80}")
     params.__post_init__()                          # (a field set after construction: checked too)
-    if 2 * params.beam_width > MAX_LOGPROBS:
+    cap = llm.model_config.vocab_size if llm.config.max_logprobs == -1 else llm.config.max_logprobs
+    if 2 * params.beam_width > cap:
         raise ValueError(f"beam_width={params.beam_width} is too wide: each step asks for 2 * beam_width = "
-                         f"{2 * params.beam_width} logprobs, and {MAX_LOGPROBS} is the most the engine returns "
-                         f"(vLLM's max_logprobs), so beam_width may be at most {MAX_LOGPROBS // 2}")
+                         f"{2 * params.beam_width} logprobs, and {cap} is the most the engine returns "
+                         f"(max_logprobs), so beam_width may be at most {cap // 2}")
     if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or isinstance(concurrency_limit, bool)
                                           or concurrency_limit < 1):
         raise ValueError(f"concurrency_limit must be None or an int >= 1, got {concurrency_limit!r:.80}")

@@ -58,7 +58,7 @@ def add_engine_args(p: argparse.ArgumentParser, with_model: bool = True, llm_nam
         if not skip(name):
             v.add_argument("--" + name.replace("_", "-"), dest=pre + name, action=argparse.BooleanOptionalAction,
                            help=argparse.SUPPRESS)
-    for name, typ in (("max_logprobs", int), ("quantization", str), ("task", str), ("runner", str), ("convert", str),
+    for name, typ in (("quantization", str), ("task", str), ("runner", str), ("convert", str),
                       ("load_format", str), ("distributed_executor_backend", str), ("scheduling_policy", str),
                       ("tokenizer_mode", str), ("max_log_len", int), ("swap_space", float),
                       ("max_seq_len_to_capture", int), ("pipeline_parallel_size", int), ("max_loras", int),

@@ -30,7 +30,7 @@ IGNORED = {"trust_remote_code": bool, "enforce_eager": bool, "disable_log_stats"
            "max_lora_rank": int, "max_loras": int,          # (LoRA's sizes: no LoRA here, enable_lora=False)
            "served_model_name": (str, list), "disable_cascade_attn": bool, "disable_async_output_proc": bool,
            "use_v2_block_manager": bool, "max_context_len_to_capture": int, "guided_decoding_backend": str}
-FIXED = {"enable_chunked_prefill": (True, None), "max_logprobs": (20, None), "tokenizer_mode": ("auto", "hf", None),
+FIXED = {"enable_chunked_prefill": (True, None), "tokenizer_mode": ("auto", "hf", None),
          "load_format": ("auto", "safetensors", None), "quantization": (None,), "task": ("auto", "generate", None),
          "skip_tokenizer_init": (False, True, None), "pipeline_parallel_size": (1, None),
          "runner": ("auto", "generate", None), "convert": ("auto", "none", None),      # (vLLM's names for task)

@@ -182,6 +182,7 @@ class EngineConfig:
     decode_context_buckets: tuple[int, ...] | None = _opt(None, "decode steps' context buckets (default: xla 512, "
         "640, 768, 1024, 1536, 2048, 8192: mean tokens a row of its flat tables; other backends: context_buckets)")
     seed: int | None = _opt(0, "engine seed: draws the seeds of requests that give none")
+    max_logprobs: int = _opt(20, "most logprobs / prompt_logprobs a request may ask for (vLLM's; -1: the vocabulary)")
     async_scheduling: bool = _opt(True, "schedule step N+1 while step N runs (sampled ids stay on the device)")
     num_scheduler_steps: int | None = _opt(None, "decode steps per device call (default: the engine picks 4 or 16 "
                                                  "for small batches when nothing waits, xla 16; 1: one step)")
@@ -194,10 +195,11 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kvcache_blocks",
-                     "tensor_parallel_size", "data_parallel_size", "num_scheduler_steps", "seed"):
-            v, least = getattr(self, name), 0 if name == "seed" else 1      # None: the default (seed: a random one)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):
-                raise ValueError(f"{name}={v!r} must be a {'non-negative' if least == 0 else 'positive'} integer")
+                     "tensor_parallel_size", "data_parallel_size", "num_scheduler_steps", "seed", "max_logprobs"):
+            v, least = getattr(self, name), {"seed": 0, "max_logprobs": -1}.get(name, 1)   # None: the default
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):   # (seed: a random one)
+                raise ValueError(f"{name}={v!r} must be " + ("a positive integer", "a non-negative integer",
+                                                             "an integer >= -1 (-1: the vocabulary)")[1 - least])
             if v is not None and v > UPPER_BOUNDS.get(name, v):
                 raise ValueError(f"{name}={v} is more than {UPPER_BOUNDS[name]}, the most the engine takes")
         if (bs := self.block_size) is None or bs & (bs - 1):
@@ -289,9 +291,8 @@ class EngineConfig:
 
 
 def _decode_buckets(n: int, first: int = 32, ratio: int = 2) -> list[int]:
-    # 8, 32, 64, 128, 256, ..., n (or 8, first * ratio^k, n): few buckets (each is a compilation); padding rows cost
-    # little. The smallest is 8: XLA pads a bf16 GEMM's rows to 8 for cuBLAS (batch 1: 1.41 ms a token, 1.64 with 2).
-    return sorted({8, *(b for b in _ladder(n, first, ratio) if b > 8)})
+    # 8, 32, 64, ..., n (or 8, first * ratio^k, n): few compilations, padding rows cost little; 8: XLA pads bf16
+    return sorted({8, *(b for b in _ladder(n, first, ratio) if b > 8)})   # GEMM rows to 8 (1 row: 1.41 ms, 2: 1.64)
 
 
 def _ladder(n: int, first: int, ratio: int) -> list[int]:

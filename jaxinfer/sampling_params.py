@@ -11,7 +11,7 @@ from jaxinfer.outputs import RequestOutputKind  # (also vLLM's import path)
 from jaxinfer.structured import GuidedDecodingParams, StructuredOutputsParams  # noqa: F401  (vLLM's import path)
 from jaxinfer.tokenizer import check_text_fields
 
-MAX_LOGPROBS = 20          # as vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20
+MAX_LOGPROBS = 20          # vLLM's default max_logprobs: logprobs / prompt_logprobs take 0 .. 20 (LLM(max_logprobs=))
 MIN_TEMPERATURE = 0.01     # vLLM's floor for a positive temperature
 MAX_TEMPERATURE = 1e30     # float32 holds it and its inverse (1e300 would become inf, -inf logits NaN)
 TOP_K_CANDIDATES = 64      # a row with top_k <= this draws among its top candidates, no sort (sampling.py)
@@ -115,9 +115,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if isinstance(v := getattr(self, name), bool):         # True: 1 (vLLM takes a bool as the int it is)
                 object.__setattr__(self, name, v := int(v))
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
-                bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}] (the top-N logprobs per token; "
-                          f"{MAX_LOGPROBS} is the most the engine returns, as vLLM's max_logprobs)")
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < -1):
+                bad(name, "must be None or an integer >= -1 (the top-N logprobs per token; -1: the whole vocabulary)")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2 <= v <= 2:
@@ -194,9 +193,7 @@ class SamplingParams:
 
     __hash__ = None                                    # mutable, as vLLM's
 
-    def clone(self) -> "SamplingParams":
-        """A copy (vLLM's)."""
-        return replace(self)
+    clone = replace                                    # a copy: sp.clone() (vLLM's)
 
     @classmethod
     def from_optional(cls, **kwargs) -> "SamplingParams":
@@ -224,19 +221,23 @@ class SamplingParams:
         return self.has_penalties or self.logprobs is not None or self.prompt_logprobs is not None or \
             self.min_tokens > 0 or self.has_bias or bool(self.bad_words) or self.structured_outputs is not None
 
-    @property
-    def has_bias(self) -> bool:
-        return bool(self.logit_bias or self.allowed_token_ids)
+    has_bias = property(lambda self: bool(self.logit_bias or self.allowed_token_ids))
+    has_penalties = property(lambda self: self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or
+                             self.repetition_penalty != 1.0)
 
-    @property
-    def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    def check_vocab(self, vocab_size: int, error=ValueError, eos=(), tokenizer=None, wait: bool = True) -> None:
-        """`error` (ValueError) for ids past the vocabulary (vLLM's check and words), or allowed_token_ids that are
-        all stop or `eos` ids banned by min_tokens (no token could be drawn). bad_words are tokenized with
-        `tokenizer` (vLLM's update_from_tokenizer; kept as its `_bad_words_token_ids`), refused if they cannot be."""
+    def check_vocab(self, vocab_size: int, error=ValueError, eos=(), tokenizer=None, wait: bool = True,
+                    max_logprobs: int = MAX_LOGPROBS) -> None:
+        """`error` (ValueError) for ids past the vocabulary (vLLM's check and words), allowed_token_ids that are
+        all stop or `eos` ids banned by min_tokens (no token could be drawn), or more logprobs than `max_logprobs`
+        (the engine's). bad_words are tokenized with `tokenizer` (vLLM's update_from_tokenizer; kept as its
+        `_bad_words_token_ids`), refused if they cannot be. Logprobs -1 become the vocabulary size here."""
         check_text_fields(tokenizer, self, error)           # (no tokenizer: stop strings, bad_words, ... refused)
+        cap = vocab_size if max_logprobs == -1 else max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):        # -1: vLLM's "all vocab_size log probabilities"
+            object.__setattr__(self, name, k := vocab_size if getattr(self, name) == -1 else getattr(self, name))
+            if k is not None and k > cap:
+                raise error(f"{name}={k} is more than max_logprobs={cap}, the most logprobs the engine returns "
+                            f"(vLLM's max_logprobs: LLM(max_logprobs=...), --max-logprobs; -1: no cap)")
         if self.bad_words:
             object.__setattr__(self, "_bad_words_token_ids", bad_words.token_ids(tokenizer, self.bad_words,
                                                                                 vocab_size, error))

@@ -110,7 +110,7 @@ def test_serve(tiny_dir):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    assert cli.main(["serve", tiny_dir, "--max-logprobs", "5"]) == 2          # before anything loads
+    assert cli.main(["serve", tiny_dir, "-pp", "2"]) == 2          # before anything loads
 
 
 def test_bad_input_is_a_clear_error(tmp_path, tiny_dir, capsys):

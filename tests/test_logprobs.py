@@ -271,11 +271,11 @@ def test_outputs_as_dicts_are_json(llm):
 
 def test_a_vocabulary_smaller_than_the_logprob_width(tmp_path):
     """A 7-token vocabulary: logprobs=6 gives 6 entries (the step's top-n width, 20, is cut to the vocabulary
-    instead of failing inside it), logprobs=20 all 7, whose probabilities add up to 1; prompt logprobs too."""
+    instead of failing inside it), logprobs=20 or -1 all 7, whose probabilities add up to 1; prompt logprobs too."""
     from helpers import make_tiny_model
     path = make_tiny_model(str(tmp_path / "v7"), vocab_size=7, num_hidden_layers=1, intermediate_size=32)
     llm = LLM(path, **TINY_ENGINE)
-    for n, want in ((6, 6), (20, 7)):
+    for n, want in ((6, 6), (20, 7), (-1, 7)):                     # (logprobs=-1: all of it, vLLM's)
         o = llm.generate([[0, 1, 3]], SamplingParams(temperature=0, max_tokens=2, logprobs=n, prompt_logprobs=n),
                          use_tqdm=False)[0]
         for entries in [*o.outputs[0].logprobs, *o.prompt_logprobs[1:]]:
@@ -283,6 +283,8 @@ def test_a_vocabulary_smaller_than_the_logprob_width(tmp_path):
         if want == 7:
             assert abs(sum(np.exp(lp.logprob) for lp in o.outputs[0].logprobs[0].values()) - 1) < 1e-5
     _free(llm)
+    with pytest.raises(ValueError, match="logprobs=8 is more than max_logprobs=7"):     # (-1: the vocabulary)
+        LLM(path, **TINY_ENGINE, max_logprobs=-1).generate([[0, 1]], SamplingParams(logprobs=8), use_tqdm=False)
 
 
 def test_a_cpu_engine_holds_few_extras_variants(tiny_dir, monkeypatch):
@@ -297,3 +299,32 @@ def test_a_cpu_engine_holds_few_extras_variants(tiny_dir, monkeypatch):
     assert len(llm.engine.extras.compiled) == 2                    # (three variants used: the oldest went)
     assert outs[3][0].outputs[0].token_ids == outs[0][0].outputs[0].token_ids       # (compiled again: the same)
     _free(llm)
+
+
+def test_max_logprobs_is_the_engines_bound(tiny_dir, llm, ref):
+    """vLLM's LLM(max_logprobs=...) (default 20): SamplingParams take any logprobs >= -1, the engine refuses more
+    than its bound by name, before anything runs (the engine stays usable); a raised bound gives that many,
+    against transformers."""
+    sp = SamplingParams(temperature=0, max_tokens=3, logprobs=21)                 # (built: the engine decides)
+    with pytest.raises(ValueError, match="logprobs=21 is more than max_logprobs=20"):
+        llm.generate(PROMPTS[:1], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs=30 is more than max_logprobs=20"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, prompt_logprobs=30), use_tqdm=False)
+    _free(llm)
+    for bad in (-2, True, 1.5):
+        with pytest.raises(ValueError, match="max_logprobs="):
+            LLM(tiny_dir, **TINY_ENGINE, max_logprobs=bad)
+    wide = LLM(tiny_dir, **TINY_ENGINE, max_logprobs=40)
+    o = wide.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3, logprobs=33, prompt_logprobs=25),
+                      use_tqdm=False)[0]
+    lp = ref(PROMPTS[0] + list(o.outputs[0].token_ids))
+    n = len(PROMPTS[0])
+    for i, (t, entries) in enumerate(zip(o.outputs[0].token_ids, o.outputs[0].logprobs)):
+        _check_entries(entries, lp[n - 1 + i], t, 33)
+    for i in range(1, n):
+        _check_entries(o.prompt_logprobs[i], lp[i - 1], PROMPTS[0][i], 25)
+    with pytest.raises(ValueError, match="logprobs=41 is more than max_logprobs=40"):
+        wide.generate(PROMPTS[:1], SamplingParams(max_tokens=2, logprobs=41), use_tqdm=False)
+    from jaxinfer import BeamSearchParams
+    assert len(wide.beam_search([PROMPTS[1]], BeamSearchParams(beam_width=15, max_tokens=2))[0].sequences) == 15
+    _free(wide)

@@ -112,7 +112,7 @@ def test_warmup_extras_compiles_ahead(tiny_dir):
 @pytest.mark.parametrize("kw, name", [
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=float("nan")), "repetition_penalty"),
-    (dict(logprobs=21), "logprobs"), (dict(logprobs=-1), "logprobs"), (dict(prompt_logprobs=1.5), "prompt_logprobs"),
+    (dict(logprobs=-2), "logprobs"), (dict(logprobs=1.0), "logprobs"), (dict(prompt_logprobs=1.5), "prompt_logprobs"),
     (dict(n=0), "n"), (dict(n=True), "n")])
 def test_bad_values_are_refused(kw, name):
     with pytest.raises(ValueError, match=f"SamplingParams.{name}="):

@@ -455,3 +455,29 @@ def test_metrics_series_exist_at_zero_before_any_request():
         assert f'{name}{{model_name="m"}} 0.0' in text, name
     for reason in ("stop", "length", "abort"):
         assert f'vllm:request_success_total{{finished_reason="{reason}",model_name="m"}} 0.0' in text, reason
+
+
+def test_logprobs_up_to_the_cores_max_logprobs():
+    """The server's bound on logprobs / top_logprobs / prompt_logprobs (and on a beam's width, 2 * n logprobs a
+    step) is the core's max_logprobs (vLLM's --max-logprobs; -1: the vocabulary), a 400 naming the request's own
+    field past it, as vLLM's, not OpenAI's fixed 20."""
+    from jaxinfer.server import beam
+    from jaxinfer.server.errors import RequestError
+    from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest, check_request
+    base = dict(vocab_size=100, block_size=4, num_blocks=64, max_model_len=128)
+    check_request([5], SamplingParams(max_tokens=2, logprobs=30, prompt_logprobs=30), {**base, "max_logprobs": 30})
+    check_request([5], SamplingParams(max_tokens=2, logprobs=100), {**base, "max_logprobs": -1})
+    for param, sp in (("logprobs", SamplingParams(logprobs=21)), ("prompt_logprobs", SamplingParams(prompt_logprobs=31))):
+        with pytest.raises(RequestError, match=f"{param}=\\d+ is more than max_logprobs=") as e:
+            check_request([5], sp, {**base, "max_logprobs": 20 if param == "logprobs" else 30})
+        assert e.value.param == param
+    with pytest.raises(RequestError, match="top_logprobs=21 is more than max_logprobs=20") as e:
+        check_request([5], SamplingParams(logprobs=21), base, "messages")     # (a chat request: its field's name)
+    assert e.value.param == "top_logprobs"
+    assert CompletionRequest(prompt="a", logprobs=40).logprobs == 40                 # (no fixed 20 in the schema)
+    assert ChatCompletionRequest(messages=[{"role": "user", "content": "a"}], top_logprobs=40).top_logprobs == 40
+    wide = CompletionRequest(prompt="a", n=12, use_beam_search=True)
+    beam.check(wide, {**base, "max_logprobs": 24})
+    with pytest.raises(RequestError, match="at most 10") as e:
+        beam.check(wide, base)
+    assert e.value.param == "n"

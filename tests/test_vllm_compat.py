@@ -143,7 +143,7 @@ def test_sampling_params_take_vllms_unused_fields_unset():
 
 
 def test_vllm_options_that_describe_jaxinfer():
-    kw = dict(enable_chunked_prefill=True, max_logprobs=20, quantization=None, max_seq_len_to_capture=8192,
+    kw = dict(enable_chunked_prefill=True, quantization=None, max_seq_len_to_capture=8192,
               task="generate", pipeline_parallel_size=1, max_num_seqs=4, runner="generate", convert="none",
               compilation_config={"level": 3}, disable_custom_all_reduce=True, cpu_offload_gb=0,
               tokenizer_revision=None, logprobs_mode="raw_logprobs", enable_lora=False, max_lora_rank=16,
@@ -156,7 +156,7 @@ def test_vllm_options_that_describe_jaxinfer():
                       (dict(logprobs_mode="processed_logprobs"), "raw_logprobs"), (dict(enable_lora=True), "enable_lora"),
                       (dict(compilation_config="O3"), "int or dict"),
                       (dict(runner="pooling"), "runner='auto' or 'generate'"), (dict(convert="embed"), "convert"),
-                      (dict(max_logprobs=5), "max_logprobs=20"), (dict(quantization="awq"), "no quantization"),
+                      (dict(quantization="awq"), "no quantization"),
                       (dict(pipeline_parallel_size=2), "pipeline_parallel_size=1"),
                       (dict(distributed_executor_backend="ray"), "'mp' or 'uni' or 'external_launcher'"),
                       (dict(scheduling_policy="priority"), "scheduling_policy='fcfs'"),

@@ -37,6 +37,12 @@ CPU_VARIANTS = 32               # extras programs an engine on the CPU holds (th
 LOGPROB_WIDTHS = (5, 20)        # static top-N widths: a batch asking N logprobs computes the smallest >= N
 
 
+def logprob_width(n: int) -> int:
+    """The top-N width a batch asking n logprobs computes: LOGPROB_WIDTHS' smallest >= n, past them (max_logprobs
+    above 20) the power of two >= n (logprob_stats takes at most the vocabulary)."""
+    return next((w for w in LOGPROB_WIDTHS if w >= n), 1 << (n - 1).bit_length())
+
+
 def choose(batch) -> Extras | None:
     """The extras variant this batch needs, or None (the plain step)."""
     if not any(s.needs_extras for s in batch.seqs):       # the default path: one cheap pass
@@ -53,8 +59,7 @@ def choose(batch) -> Extras | None:
     if not (penalties or asks or prompt or bans or bias or bad or choice or grammar):
         return None
     n = max(asks + [p.prompt_logprobs for p in ps if prompt and p.prompt_logprobs is not None], default=0)
-    top_n = next(w for w in LOGPROB_WIDTHS if w >= n)
-    return Extras(penalties, bool(asks), top_n, -1 if prompt else 0, bans, bias, bad, choice,   # -1: from the bucket
+    return Extras(penalties, bool(asks), logprob_width(n), -1 if prompt else 0, bans, bias, bad, choice,   # -1: from the bucket
                   grammar)
 
 
@@ -243,7 +248,7 @@ def warmup_keys(cfg, widths: tuple[int, ...], runner: "ExtrasRunner", params, to
     V, so = runner.runner.model.vocab_size, params.structured_outputs
     seqs = bad_words.token_ids(tokenizer, params.bad_words, V) if params.bad_words else []
     e = Extras(params.has_penalties, params.logprobs is not None,
-               next(w for w in LOGPROB_WIDTHS if w >= max(params.logprobs or 0, params.prompt_logprobs or 0)), 0,
+               logprob_width(max(params.logprobs or 0, params.prompt_logprobs or 0)), 0,
                params.min_tokens > 0, bias_width([params]), bad_words.width(len(seqs)),
                choice := structured.choice_width(so.choice, tokenizer, V) if so is not None and so.choice else 0,
                -(-V // 32) if so is not None and not choice else 0)

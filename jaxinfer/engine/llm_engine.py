@@ -112,7 +112,8 @@ class LLMEngine:
                              f"prompt is longer than the maximum model length)")
         room = min(cfg.max_model_len, self.block_manager.num_blocks * cfg.block_size) - n
         params = params.clone().up_to(max(1, room))      # (clone: validated again: a stop list edited in place)
-        params.check_vocab(V, eos=self.scheduler.eos, tokenizer=self.tokenizer, wait=self.grammar_wait)
+        params.check_vocab(V, eos=self.scheduler.eos, tokenizer=self.tokenizer, wait=self.grammar_wait,
+                           max_logprobs=cfg.max_logprobs)
         need = -(-min(n + params.max_tokens - 1, cfg.max_model_len) // cfg.block_size)   # (the last token: no KV)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"{where} needs {need} KV blocks for {n} prompt + {params.max_tokens} output tokens "

@@ -114,7 +114,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
                       prompt_logprobs: int | None, stream: bool) -> tuple[list, list]:
         """Validate, tokenize (off the loop) and admit: (prompt ids per prompt, (ids, params) per choice)."""
         P.check_unsupported(req)
-        beam.check(req)
+        beam.check(req, limits)
         check_model(req.model)
         ids_list, params, param = [], [], "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"
         keep, scoring = truncation(req, max_model_len, default_max_tokens), streams.echo_only(req)   # (tokens.py)

@@ -16,11 +16,10 @@ from dataclasses import replace
 from jaxinfer import beam_search
 from jaxinfer.output_processor import OutputProcessor, TextDelta
 from jaxinfer.outputs import logprob_dict
-from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server.choices import Choice
 from jaxinfer.server.errors import RequestError
 
-MAX_WIDTH = MAX_LOGPROBS // 2       # 2 * n logprobs a step, as LLM.beam_search's bound
 # request fields that a beam search does not use, with the values that mean "not used"
 UNUSED = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0), "seed": (None,), "stop": (None, [], ""),
           "stop_token_ids": (None, []), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
@@ -30,16 +29,18 @@ UNUSED = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0), "s
           "response_format": (None, {"type": "text"}), "echo": (None, False), "prompt_logprobs": (None,), "tools": (None, [])}
 
 
-def check(req) -> None:
-    """400s for a beam search the server cannot run as asked (fields named), before anything is submitted."""
+def check(req, limits: dict) -> None:
+    """400s for a beam search the server cannot run as asked (fields named), before anything is submitted.
+    limits: the core's (its max_logprobs bounds the width: a step asks for 2 * n logprobs)."""
     if not req.use_beam_search:
         if req.length_penalty not in (None, 1.0):
             raise RequestError("length_penalty applies to beam search only: give use_beam_search: true",
                                param="length_penalty")
         return
-    if (req.n or 1) > MAX_WIDTH:
-        raise RequestError(f"n={req.n} is the beam width under use_beam_search and may be at most {MAX_WIDTH} (each "
-                           f"step asks for 2 * n logprobs, at most {MAX_LOGPROBS})", param="n")
+    cap = limits["vocab_size"] if limits.get("max_logprobs", 20) == -1 else limits.get("max_logprobs", 20)
+    if (req.n or 1) > cap // 2:
+        raise RequestError(f"n={req.n} is the beam width under use_beam_search and may be at most {cap // 2} (each "
+                           f"step asks for 2 * n logprobs, at most {cap}: max_logprobs)", param="n")
     for name, unused in UNUSED.items():
         if getattr(req, name, None) not in unused:
             raise RequestError(f"{name} is not used by beam search (use_beam_search: true); leave it out",

@@ -75,7 +75,7 @@ def run_core(model: str, engine_kwargs: dict, in_addr: str, out_addrs: list[str]
     ready_conn.send({"limits": dict(max_model_len=cfg.max_model_len, vocab_size=llm.model_config.vocab_size,
                                     num_blocks=pool, block_size=cfg.block_size, kv_cache_dtype=cfg.kv_cache_dtype,
                                     max_num_seqs=cfg.max_num_seqs * cfg.data_parallel_size,   # (the queue bound)
-                                    data_parallel_size=cfg.data_parallel_size,
+                                    data_parallel_size=cfg.data_parallel_size, max_logprobs=cfg.max_logprobs,
                                     pid=os.getpid(), eos=[sorted(llm._eos[0]), llm._eos[1]],   # (stop_reason)
                                     xla_flags=os.environ.get("XLA_FLAGS", ""))})
     ready_conn.close()

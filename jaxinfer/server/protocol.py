@@ -2,8 +2,7 @@
 
 Every problem is an OpenAI-style 400 naming the field (app.py turns FastAPI's validation errors into that,
 not 422). A field this server does not implement is refused by name (`check_unsupported`), never ignored:
-`best_of`, `guided_grammar`, ... (UNSUPPORTED below); so is a field nobody knows. (Chat's
-`tools` are tools.py's.)
+`best_of`, `guided_grammar`, ... (UNSUPPORTED below); so is a field nobody knows. (Chat's `tools`: tools.py.)
 """
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from jaxinfer.server.errors import ErrorResponse, RequestError, error_body  # no
 from jaxinfer.server.tools import NamedToolChoice, Tool
 
 MAX_N = 128                      # OpenAI's bound on n: it multiplies the engine requests of one HTTP request
-MAX_LOGPROBS = 20                # OpenAI's bound on (top_)logprobs
 
 
 # Fields of OpenAI's API that this server does not implement, with the values that mean "not used" (accepted).
@@ -96,7 +94,7 @@ class _Request(BaseModel):
         None, description="vLLM: only requests with the same salt (or none) share prefix-cache blocks")
     return_token_ids: bool | None = Field(None, description="vLLM: the prompt's and each choice's token ids too")
     return_tokens_as_token_ids: bool | None = Field(None, description='vLLM: logprobs name tokens "token_id:N"')
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+    prompt_logprobs: Annotated[int, Field(ge=0)] | None = Field(
         None, description="vLLM: each prompt token's logprob and this many most likely (not streamed)")
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias added to its logit "
                                                                   "(clamped to [-100, 100])")
@@ -124,7 +122,7 @@ class CompletionRequest(_Request):
         ..., description="a string, token ids, or a list of either (one choice per prompt and n)")
     max_tokens: Annotated[int, Field(ge=0)] | None = Field(
         None, description="default 16; 0 only with echo (the prompt and its logprobs, nothing generated: vLLM's)")
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+    logprobs: Annotated[int, Field(ge=0)] | None = Field(
         None, description="log-probabilities of the sampled tokens and this many most likely ones")
     echo: bool | None = Field(False, description="prepend the prompt to the text (and its logprobs)")
     add_special_tokens: bool = Field(True, description="vLLM: the tokenizer's special tokens (e.g. BOS) around a "
@@ -150,7 +148,7 @@ class ChatCompletionRequest(_Request):
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="default: the rest of the context")
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None      # (at most the engine's max_logprobs)
     chat_template_kwargs: dict | None = Field(None, description='e.g. {"enable_thinking": false} (Qwen3); '
                                                                  'the two fields below win over it')
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None   # vLLM's: "none" = no thinking
@@ -252,9 +250,12 @@ def check_request(ids: list[int], params: SamplingParams, limits: dict, param: s
     if bad := [t for t in ids if not 0 <= t < V]:
         raise RequestError(f"the prompt has token id {bad[0]!r} out of vocabulary: ids are in [0, {V})", param=param)
     def error(message):
-        first = message.split()[0]
+        first = message.split()[0].split("=")[0]
+        if first == "logprobs" and param == "messages":        # (a chat request's field for it)
+            first, message = "top_logprobs", "top_" + message
         return RequestError(message, param=structured if structured and first == "structured_outputs" else first)
-    params.check_vocab(V, error, eos=limits.get("eos", ((),))[0], tokenizer=tokenizer, wait=wait)
+    params.check_vocab(V, error, eos=limits.get("eos", ((),))[0], tokenizer=tokenizer, wait=wait,
+                       max_logprobs=limits.get("max_logprobs", 20))
     need = -(-min(len(ids) + params.max_tokens - 1, limits["max_model_len"]) // bs)     # (the last token: no KV)
     if need > nb:
         raise RequestError(f"the request needs {need} KV blocks for {len(ids)} prompt + {params.max_tokens} output "
