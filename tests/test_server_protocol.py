@@ -278,7 +278,7 @@ def test_reasoning_parser_splits_thinking_streamed_or_not():
     proc = SimpleNamespace(text=text, finish_reason="stop")
     ch = SimpleNamespace(index=0, token_ids=[1], logprobs=[], stop_reason=None, proc=proc)
     msg = streams.chat_choice(ch, None, None, req=req, think=False)["message"]
-    assert (msg["reasoning"], msg["content"]) == split(text, False)
+    assert (msg["reasoning"], msg["content"]) == split(text, False) and msg["reasoning_content"] == msg["reasoning"]
     quiet = ChatCompletionRequest(messages=req.messages, include_reasoning=False, return_token_ids=True)
     hidden = streams.chat_choice(ch, 2, None, req=quiet, think=False)     # (no logprobs or ids to show it by)
     assert hidden["message"]["reasoning"] is None and hidden["logprobs"] is None and "token_ids" not in hidden
@@ -296,6 +296,7 @@ def test_reasoning_parser_splits_thinking_streamed_or_not():
         deltas = [e["choices"][0]["delta"] for e in asyncio.run(events(pieces))]
         got = tuple("".join(d.get(key) or "" for d in deltas) for key in ("reasoning", "content"))
         assert got == split(text, False), pieces
+        assert all(d.get("reasoning_content") == d.get("reasoning") for d in deltas)    # (vLLM 0.11's older name)
 
 
 def _app_without_core(model_dir, **options):

@@ -1,6 +1,6 @@
 """vLLM's reasoning parsers for Qwen3 (`--reasoning-parser qwen3`, or `deepseek_r1`): a chat answer's thinking,
-between `<think>` and `</think>`, goes to the message's `reasoning` field (vLLM's name since 2026; it was
-`reasoning_content`) and the rest to `content`.
+between `<think>` and `</think>`, goes to the message's `reasoning` field (vLLM's name since 2026; also sent
+as `reasoning_content`, the older one) and the rest to `content`.
 
 As vLLM's Qwen3ReasoningParser: the first `<think>` (before any `</think>`) is dropped (a template may also put it
 in the prompt); the text before `</think>` is reasoning, after it content; with no `</think>` the whole output is

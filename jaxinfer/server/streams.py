@@ -117,7 +117,7 @@ def chat_choice(ch: Choice, k: int | None, text_of, role: str = "assistant", ech
         text, found = calls.extract(text)
     message = {"role": role, "content": echo + (text or "") if echo else text}
     if think is not None:
-        message["reasoning"] = thought if req.include_reasoning else None
+        message["reasoning"] = message["reasoning_content"] = thought if req.include_reasoning else None  # (older name)
     if found:
         message["tool_calls"] = found
     reason = calls.finish_reason(ch.proc.finish_reason, found) if calls else ch.proc.finish_reason
@@ -206,6 +206,8 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
                     if parse else (content, [])
                 delta = {k_: v for k_, v in (("reasoning", thought if req.include_reasoning else ""),
                                              ("content", content)) if v}
+                if "reasoning" in delta:          # (and under its older name, as vLLM 0.11 sent both)
+                    delta["reasoning_content"] = delta["reasoning"]
                 if found:
                     delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(found)]
                     reason = calls.finish_reason(reason, found)
