@@ -49,10 +49,8 @@ def report(llm, st: dict, outs, wall: float, bw: float, args) -> dict:
     from jaxinfer.model.kv_scales import kv_cache_dtype
     mc = llm.model_config
     out_tokens = sum(len(o.token_ids) for o in outs)
-    in_tokens = sum(len(o.prompt_token_ids) for o in outs)
-    steps = st["prefill_steps"] + st["decode_steps"]
-    dtype_bytes = 2 if llm.config.dtype != "float32" else 4
-    weight_bytes = mc.num_params() * dtype_bytes
+    in_tokens, steps = sum(len(o.prompt_token_ids) for o in outs), st["prefill_steps"] + st["decode_steps"]
+    weight_bytes = mc.num_params() * (2 if llm.config.dtype != "float32" else 4)
     kv_dtype = kv_cache_dtype(llm.config.kv_cache_dtype, llm.config.dtype)    # fp8: one byte a value
     kv_per_token = kv_bytes_per_block(mc, 1, kv_dtype)
     need = weight_bytes * steps + kv_per_token * st["kv_tokens_read"]
@@ -187,6 +185,7 @@ def run_latency(args) -> dict:
     prompt = np.random.default_rng(0).integers(0, V, args.latency_prompt).tolist()
     hot = dict(temperature=0.6, top_k=args.top_k, top_p=args.top_p, seed=0) if args.top_k or args.top_p < 1 else {}
     sp = SamplingParams(**{"temperature": 0.0, **hot}, ignore_eos=True, max_tokens=args.latency_output)
+    sp = with_extras(llm, [sp], args)[0]                  # (--logprobs / --presence-penalty: every request's too)
     n = args.latency_batch
     llm.engine.block_manager.prefix_caching = False       # measure cold prompts
     # the first request after LLM(): warm-up must have left nothing lazy
@@ -200,7 +199,8 @@ def run_latency(args) -> dict:
     r = dict(model=args.model, attn_backend=args.attn_backend, prompt_tokens=args.latency_prompt, batch=n,
              tensor_parallel_size=llm.config.tensor_parallel_size, data_parallel_size=llm.config.data_parallel_size,
              num_scheduler_steps=llm.config.num_scheduler_steps, output_tokens=args.latency_output,
-             first_ttft_ms=first, ttft_ms=float(np.median(ttfts)), tpot_ms=float(np.median(tpots)), sampling=hot,
+             first_ttft_ms=first, ttft_ms=float(np.median(ttfts)), tpot_ms=float(np.median(tpots)),
+             sampling=dict(hot, logprobs=args.logprobs, presence_penalty=args.presence_penalty),
              warmup_s=args.warmup_s, warmup_breakdown=args.warmup_breakdown, compiled_buckets=st["compiled_buckets"],
              compiled_multistep=st.get("compiled_multistep"), multistep_calls=st.get("multistep_calls"),
              decode_steps=st["decode_steps"], compilations_after_warmup=st["compilations"], host=host_name())
@@ -274,9 +274,11 @@ def main(argv=None) -> dict:
         args.max_output_len = args.latency_output = args.output_len
     check_context(args, getattr(args, "max_model_len", None))       # before the warm-up (again after: build)
     from jaxinfer import SamplingParams      # the per-request flags' values: refused now, not after the warm-up
-    SamplingParams(top_p=args.top_p, top_k=args.top_k, logprobs=args.logprobs, presence_penalty=args.presence_penalty)
-    if args.peer and args.hf_overrides:     # transformers would load the checkpoint as its config.json says
-        raise ValueError("--peer hf compares against the checkpoint as it is; drop --hf-overrides")
+    SamplingParams(top_p=args.top_p, top_k=args.top_k, logprobs=args.logprobs, presence_penalty=args.presence_penalty
+                   ).check_vocab(1 << 30, max_logprobs=20 if args.max_logprobs is None else args.max_logprobs)
+    if args.peer and (args.latency or args.hf_overrides):   # (transformers loads the checkpoint as config.json says)
+        raise ValueError("--peer hf compares the throughput run against the checkpoint as it is; drop "
+                         + ("--latency" if args.latency else "--hf-overrides"))
     from jaxinfer.xla_options import set_process_flags, use_triton_ptxas
     if not args.no_process_flags:
         set_process_flags()      # exactly what the `jaxinfer` commands do: this process is ours

@@ -67,8 +67,11 @@ def test_vllms_fixed_lengths(tiny_dir):
             "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--block-size", "16"]
     r = bench.main(base + ["--num-prompts", "3", "--input-len", "20", "--output-len", "7"])
     assert r["num_seqs"] == 3 and r["output_tokens"] == 21
-    r = bench.main(base + ["--latency", "--input-len", "40", "--output-len", "5"])
+    r = bench.main(base + ["--latency", "--input-len", "40", "--output-len", "5", "--logprobs", "2"])
     assert r["prompt_tokens"] == 40 and r["output_tokens"] == 5, r
+    assert r["sampling"]["logprobs"] == 2 and r["compilations_after_warmup"] == 0, r     # (its requests ask too)
+    with pytest.raises(ValueError, match="drop --latency"):
+        bench.main(base + ["--latency", "--input-len", "40", "--output-len", "5", "--peer", "hf"])
 
 
 def test_peer_hf_runs_same_subset(tiny_dir, tmp_path):
