@@ -192,7 +192,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     # The engine core loads the model in its own process; this one serves HTTP. Exit 1: the core died.
     model, kw = model_arg(a), engine_kwargs(a)
     check_engine_flags({k: v for k, v in kw.items() if k not in VLLM_MODEL_OPTIONS})     # (here: one line, at once)
-    check_model_folder(model, kw.get("tokenizer"), text=False)
+    check_model_folder(model, kw.get("tokenizer"))       # (the API processes detokenize: a tokenizer)
     name = a.served_model_name or a.model or DEFAULT_MODEL
     from jaxinfer.server.options import server_options
     return serve(model, kw, host=a.host, port=a.port, served_model_name=name,

@@ -30,16 +30,19 @@ def check_engine_flags(kw: dict) -> None:
         raise ValueError(f"{e} (--{name.group(1).replace('_', '-')})" if name else str(e)) from None
 
 
-def check_model_folder(model: str, tokenizer: str | None, text: bool = True, chat: str | None = None) -> None:
-    """A checkpoint folder (not a preset or hub id) needs config.json; commands that print text (`text`) need
-    tokenizer files (here or in --tokenizer's folder); `chat` (the command's hint) needs a chat template."""
-    from jaxinfer.config import config_json
+def check_model_folder(model: str, tokenizer: str | None, chat: str | None = None) -> None:
+    """A checkpoint folder needs a valid config.json (a name that is no folder, preset or hub id: an error now) and
+    tokenizer files (here or in --tokenizer's folder: the commands print text, the server detokenizes); `chat`
+    (the command's hint) needs a chat template."""
+    from jaxinfer.config import config_json, read_json
+    from jaxinfer.hub import is_hub_id, resolve_model
     from jaxinfer.tokenizer import check_text_tokenizer
     if os.path.isdir(model):
-        config_json(model)
+        read_json(config_json(model))                     # (not valid JSON: named now, not after "loading")
+    elif not is_hub_id(model):
+        resolve_model(model)                              # a preset or the demo model, else its FileNotFoundError
     folder = tokenizer or model
-    if text:
-        check_text_tokenizer(folder)
+    check_text_tokenizer(folder)
     if chat and os.path.isdir(folder) and not has_chat_template(folder):
         raise ValueError(f"the tokenizer in {folder!r} has no chat template (tokenizer_config.json 'chat_template' "
                          f"or {' / '.join(CHAT_TEMPLATE_FILES)}): {chat}")

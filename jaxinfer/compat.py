@@ -99,7 +99,8 @@ def python_numbers(kwargs: dict) -> dict:
 ALIASES = {"kvcache_block_size": "block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
 # Options whose None means their default (vLLM's EngineArgs types them `X | None = None`)
 NONE_IS_DEFAULT = ("block_size", "enable_prefix_caching", "async_scheduling", "gpu_memory_utilization",
-                   "kv_cache_dtype", "calculate_kv_scales", "tensor_parallel_size", "data_parallel_size")
+                   "kv_cache_dtype", "calculate_kv_scales", "tensor_parallel_size", "data_parallel_size",
+                   "max_logprobs")
 
 
 def engine_names(kwargs: dict) -> dict:

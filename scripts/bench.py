@@ -127,7 +127,7 @@ def run_throughput(args) -> dict:
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, llm.model_config.vocab_size,
                                fixed_input=args.input_len is not None, fixed_output=args.output_len is not None)
     params = with_extras(llm, params, args)
-    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)            # warm-up, as nano-vllm
+    llm.generate([[1, 2, 3]], SamplingParams(), use_tqdm=False)       # warm-up, as nano-vllm (ids: no tokenizer needed)
     walls = []
     for _ in range(args.repeats):     # the counters, step log and profile are of the last repeat
         llm.reset_prefix_cache()      # every repeat computes its prompts, as the first did

@@ -162,6 +162,14 @@ def test_errors_known_from_the_command_line_come_before_loading(tmp_path, tiny_d
             os.remove(tmp_path / "plain" / name)
     cases += [(["chat", str(tmp_path / "plain")], "has no chat template"),
               (["generate", str(tmp_path / "plain"), "--chat"], "without --chat")]
+    os.mkdir(tmp_path / "broken")                       # config.json that is not JSON; no tokenizer files (serve)
+    with open(tmp_path / "broken" / "config.json", "w") as f:
+        f.write("{not json")
+    shutil.copytree(tiny_dir, tmp_path / "untokenized", ignore=shutil.ignore_patterns("tokenizer*", "vocab.json"))
+    cases += [([cmd, str(tmp_path / "broken"), "--port", "0"][:2 + 2 * (cmd == "serve")], "is not valid JSON")
+              for cmd in ("generate", "chat", "serve")]
+    cases += [(["serve", str(tmp_path / "untokenized"), "--port", "0"], "no tokenizer files"),
+              (["generate", str(tmp_path / "no-such-dir")], "is not a directory")]
     for argv, words in cases:
         monkeypatch.setattr(sys, "stdin", io.StringIO(""))
         assert cli.main(argv) == 2, argv

@@ -283,6 +283,9 @@ def test_a_vocabulary_smaller_than_the_logprob_width(tmp_path):
         if want == 7:
             assert abs(sum(np.exp(lp.logprob) for lp in o.outputs[0].logprobs[0].values()) - 1) < 1e-5
     _free(llm)
+    from jaxinfer.engine.extras import warmup_keys                  # warm-up for logprobs=-1: the vocabulary's width
+    e = llm.engine
+    assert warmup_keys(e.config, e.runner.widths, e.extras, SamplingParams(prompt_logprobs=-1))[0][-1].top_n == 20
     with pytest.raises(ValueError, match="logprobs=8 is more than max_logprobs=7"):     # (-1: the vocabulary)
         LLM(path, **TINY_ENGINE, max_logprobs=-1).generate([[0, 1]], SamplingParams(logprobs=8), use_tqdm=False)
 
@@ -311,6 +314,7 @@ def test_max_logprobs_is_the_engines_bound(tiny_dir, llm, ref):
     with pytest.raises(ValueError, match="prompt_logprobs=30 is more than max_logprobs=20"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, prompt_logprobs=30), use_tqdm=False)
     _free(llm)
+    assert LLM(tiny_dir, **TINY_ENGINE, max_logprobs=None).config.max_logprobs == 20       # (None: the default)
     for bad in (-2, True, 1.5):
         with pytest.raises(ValueError, match="max_logprobs="):
             LLM(tiny_dir, **TINY_ENGINE, max_logprobs=bad)

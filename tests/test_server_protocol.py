@@ -477,6 +477,12 @@ def test_logprobs_up_to_the_cores_max_logprobs():
     assert e.value.param == "top_logprobs"
     assert CompletionRequest(prompt="a", logprobs=40).logprobs == 40                 # (no fixed 20 in the schema)
     assert ChatCompletionRequest(messages=[{"role": "user", "content": "a"}], top_logprobs=40).top_logprobs == 40
+    from jaxinfer.server.protocol import chat_top_logprobs, engine_prompt_logprobs    # -1: the vocabulary (vLLM's)
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "a"}], logprobs=True, top_logprobs=-1,
+                                 prompt_logprobs=-1)
+    assert chat_top_logprobs(chat, 100) == chat.top_logprobs == 100 and engine_prompt_logprobs(chat, 100) == 100
+    with pytest.raises(ValueError, match="logprobs"):
+        CompletionRequest(prompt="a", logprobs=-1)                 # (completions: >= 0, as vLLM's)
     wide = CompletionRequest(prompt="a", n=12, use_beam_search=True)
     beam.check(wide, {**base, "max_logprobs": 24})
     with pytest.raises(RequestError, match="at most 10") as e:

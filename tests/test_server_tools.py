@@ -110,17 +110,24 @@ def test_tool_calls_parsed_streamed_or_not(client):
     assert content == "Checking both." and finish == "tool_calls"
     assert [{"name": v["name"], "arguments": json.loads(v["arguments"])} for _, v in sorted(calls.items())] == \
         [CALL1, CALL2]
+    with client.chat.completions.stream(model=MODEL, messages=ASK, tools=TOOLS, temperature=0) as events:
+        done = [e.name for e in events if e.type == "tool_calls.function.arguments.done"]   # (the openai helper's:
+    assert done == [CALL1["name"], CALL2["name"]]               # each call ends before the finish's chunk)
+    for choice in ("required", "auto"):                         # tools [] (vLLM's, OpenAI's): no calls to make
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[], tool_choice=choice, max_tokens=2)
+        assert not r.choices[0].message.tool_calls, choice
 
 
 def test_tool_choice_variants(client, server):
     """parallel_tool_calls false: the first call only; cut off inside the first call's block (max_tokens): that
-    call, finish "length"; tool_choice "none": no parsing (the text as it is, tags and all); a named
+    call, finish "tool_calls" (vLLM's); tool_choice "none": no parsing (the text as it is, tags and all); a named
     function or "required" with response_format: a 400 naming tool_choice; a tool result turn is templated."""
     one = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0,
                                          parallel_tool_calls=False).choices[0]
     assert _calls(one.message.tool_calls) == [CALL1] and one.finish_reason == "tool_calls"
     cut = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=3)
-    assert cut.choices[0].finish_reason == "length" and _calls(cut.choices[0].message.tool_calls) == [CALL1]
+    assert cut.choices[0].finish_reason == "tool_calls"         # (cut after a call: vLLM's "tool_calls" too)
+    assert _calls(cut.choices[0].message.tool_calls) == [CALL1]
     none = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0,
                                           tool_choice="none").choices[0]
     assert none.message.tool_calls is None and none.finish_reason == "stop"
@@ -211,7 +218,8 @@ def test_hermes_parsing_and_its_stream():
                 '<tool_call>["f"]</tool_call>', call + "<tool_call>{", '<tool_call>{"name": "f", "arguments": ' + "[" * 5000):
         assert T.extract("x" + bad) == ("x" + bad, [])
     assert T.extract(call)[0] is None and len(T.extract(call + call, first_only=True)[1]) == 1
-    assert T.finish_reason("stop", [1]) == "tool_calls" and T.finish_reason("length", [1]) == "length"
+    assert T.finish_reason("stop", [1]) == T.finish_reason("length", [1]) == "tool_calls"   # (vLLM's)
+    assert T.finish_reason("length", []) == "length" and T.finish_reason("abort", [1]) == "abort"
     named, required = T.ToolUse(None, True, forced="f"), T.ToolUse(None, True, True, forced="required")
     content, calls = named.extract('{"x": 1}')            # forced calls (vLLM's): content "", "stop" stays "stop"
     assert content == "" and calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}

@@ -59,8 +59,8 @@ def choose(batch) -> Extras | None:
     if not (penalties or asks or prompt or bans or bias or bad or choice or grammar):
         return None
     n = max(asks + [p.prompt_logprobs for p in ps if prompt and p.prompt_logprobs is not None], default=0)
-    return Extras(penalties, bool(asks), logprob_width(n), -1 if prompt else 0, bans, bias, bad, choice,   # -1: from the bucket
-                  grammar)
+    return Extras(penalties, bool(asks), logprob_width(n), -1 if prompt else 0, bans, bias, bad, choice,   # -1: from
+                  grammar)                                                                            # the bucket
 
 
 def bias_width(params) -> int:
@@ -248,7 +248,7 @@ def warmup_keys(cfg, widths: tuple[int, ...], runner: "ExtrasRunner", params, to
     V, so = runner.runner.model.vocab_size, params.structured_outputs
     seqs = bad_words.token_ids(tokenizer, params.bad_words, V) if params.bad_words else []
     e = Extras(params.has_penalties, params.logprobs is not None,
-               logprob_width(max(params.logprobs or 0, params.prompt_logprobs or 0)), 0,
+               logprob_width(max(V if n == -1 else n or 0 for n in (params.logprobs, params.prompt_logprobs))), 0,
                params.min_tokens > 0, bias_width([params]), bad_words.width(len(seqs)),
                choice := structured.choice_width(so.choice, tokenizer, V) if so is not None and so.choice else 0,
                -(-V // 32) if so is not None and not choice else 0)

@@ -52,7 +52,7 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
     tokenizer = tokenizer if tokenizer is not None else load_model_tokenizer(info.tokenizer or info.model)
     options = options or ServerOptions()
     limits = info.limits
-    max_model_len = limits["max_model_len"]
+    max_model_len, V = limits["max_model_len"], limits["vocab_size"]
     defaults = sampling_defaults(info.model if os.path.isdir(info.model) else None, options.generation_config,
                                  options.override_generation_config)
     cap = max_tokens_cap(options.generation_config, options.override_generation_config, defaults)
@@ -226,12 +226,12 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         return model_card(model)
 
     # (their own thread: /tokenize needs no API key, and a huge one must not hold up the generate requests)
-    add_token_routes(app, tokenizer, check_model, max_model_len, limits["vocab_size"], TokenizerThread())
+    add_token_routes(app, tokenizer, check_model, max_model_len, V, TokenizerThread())
 
     @app.post("/v1/completions", responses={200: {"model": R.CompletionResponse}, **ERRORS})
     async def completions(req: P.CompletionRequest, request: Request):
         t0, k, asked = time.perf_counter(), req.logprobs, P.completion_prompts(app.state.options.apply(req))
-        prompts, items = await prepare(req, asked, 16, k, P.engine_prompt_logprobs(req, k if req.echo else None),
+        prompts, items = await prepare(req, asked, 16, k, P.engine_prompt_logprobs(req, V, k if req.echo else None),
                                        bool(req.stream))
         echoed = await off_loop(streams.echo_texts, tokenizer, asked, prompts, req) if req.echo else None
         rid, n, texts, model = R.new_id("cmpl", request, req), req.n or 1, R.token_texts(text_of, req), names[0]
@@ -252,10 +252,10 @@ def build_app(info: CoreInfo, served_model_name: str | list[str], *, api_index: 
         t0, opts = time.perf_counter(), app.state.options
         P.check_unsupported(opts.apply(req))
         check_model(req.model)
-        calls, k = tools.resolve(req, opts), P.chat_top_logprobs(req)
+        calls, k = tools.resolve(req, opts), P.chat_top_logprobs(req, V)
         prompt, role, echo = await off_loop(CP.chat_prompt, tokenizer, req, calls.tools, opts.response_role)
         think = reasoning.thinking_closed(opts.reasoning_parser, prompt, CP.chat_template_kwargs(req))
-        prompts, items = await prepare(req, [prompt], None, k, P.engine_prompt_logprobs(req), bool(req.stream))
+        prompts, items = await prepare(req, [prompt], None, k, P.engine_prompt_logprobs(req, V), bool(req.stream))
         if think is False:                                 # structured outputs apply after the thinking (vLLM's)
             reasoning.after_thinking(items, opts.reasoning_parser, tokenizer)
         rid, model, ids = R.new_id("chatcmpl", request, req), names[0], prompts[0] if req.return_token_ids else None

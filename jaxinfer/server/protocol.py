@@ -94,7 +94,7 @@ class _Request(BaseModel):
         None, description="vLLM: only requests with the same salt (or none) share prefix-cache blocks")
     return_token_ids: bool | None = Field(None, description="vLLM: the prompt's and each choice's token ids too")
     return_tokens_as_token_ids: bool | None = Field(None, description='vLLM: logprobs name tokens "token_id:N"')
-    prompt_logprobs: Annotated[int, Field(ge=0)] | None = Field(
+    prompt_logprobs: Annotated[int, Field(ge=-1)] | None = Field(
         None, description="vLLM: each prompt token's logprob and this many most likely (not streamed)")
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias added to its logit "
                                                                   "(clamped to [-100, 100])")
@@ -148,7 +148,7 @@ class ChatCompletionRequest(_Request):
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="default: the rest of the context")
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0)] | None = None      # (at most the engine's max_logprobs)
+    top_logprobs: Annotated[int, Field(ge=-1)] | None = None      # (-1: all; at most the core's max_logprobs)
     chat_template_kwargs: dict | None = Field(None, description='e.g. {"enable_thinking": false} (Qwen3); '
                                                                  'the two fields below win over it')
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None   # vLLM's: "none" = no thinking
@@ -262,14 +262,6 @@ def check_request(ids: list[int], params: SamplingParams, limits: dict, param: s
                            f"tokens but the pool has only {nb}", param=param)
 
 
-def encode(tokenizer, text: str, special: bool = False, param: str = "prompt") -> list[int]:
-    """Token ids of a request's text; text a tokenizer cannot take (a lone surrogate) is a 400 naming `param`."""
-    try:
-        return list(tokenizer.encode(text, add_special_tokens=special))
-    except (TypeError, UnicodeEncodeError, ValueError) as e:
-        raise RequestError(f"the {param} cannot be tokenized: {str(e)[:120]}", param=param) from None
-
-
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     p = req.prompt
     prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
@@ -279,14 +271,19 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return prompts
 
 
-def engine_prompt_logprobs(req: _Request, echo_k: int | None = None) -> int | None:
-    """The prompt logprobs the engine computes: vLLM's prompt_logprobs, and a completion's echo with logprobs."""
+def engine_prompt_logprobs(req: _Request, vocab_size: int, echo_k: int | None = None) -> int | None:
+    """The prompt logprobs the engine computes: vLLM's prompt_logprobs (-1: the vocabulary, `vocab_size` from
+    here on), and a completion's echo with logprobs."""
+    if req.prompt_logprobs == -1:
+        req.prompt_logprobs = vocab_size
     asked = [k for k in (req.prompt_logprobs, echo_k) if k is not None]
     return max(asked) if asked else None
 
 
-def chat_top_logprobs(req: ChatCompletionRequest) -> int | None:
-    """A chat request's logprobs: None (not asked), else how many alternatives per token."""
+def chat_top_logprobs(req: ChatCompletionRequest, vocab_size: int) -> int | None:
+    """A chat request's logprobs: None (not asked), else how many alternatives per token (-1: `vocab_size`)."""
+    if req.top_logprobs == -1:                     # (vLLM's "all of them"; the bound: the core's max_logprobs)
+        req.top_logprobs = vocab_size
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None

@@ -211,8 +211,12 @@ def chat_stream(run: AsyncIterator, rid: str, model: str, prompts, n: int, req, 
                 if found:
                     delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(found)]
                     reason = calls.finish_reason(reason, found)
-            if last:       # the finish rides on the chunk with the last text, as in vLLM
-                lp = R.chat_logprobs(text_of, ids, entries, k, before, as_ids) if ids else None
+            if last:       # the finish rides on the chunk with the last text, as in vLLM; tool calls come in
+                lp = R.chat_logprobs(text_of, ids, entries, k, before, as_ids) if ids else None   # a chunk of their
+                if "tool_calls" in delta:       # own first (the openai client's stream helper ends each call then)
+                    yield R.sse(R.chat_chunk(rid, model, delta, None, ch.index, lp, created=created, use=use(ch),
+                                             ids=new))
+                    delta, lp, new = {}, None, None
                 yield R.sse(R.chat_chunk(rid, model, delta or {"content": ""}, reason, ch.index, lp,
                                          stop_reason=ch.stop_reason, created=created, use=use(ch), ids=new))
             elif ids:

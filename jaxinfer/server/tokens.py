@@ -15,6 +15,14 @@ from jaxinfer.server import chat_prompt as CP
 from jaxinfer.server import protocol as P
 
 
+def encode_text(tokenizer, text: str, special: bool = False, param: str = "prompt") -> list[int]:
+    """Token ids of a request's text; text a tokenizer cannot take (a lone surrogate) is a 400 naming `param`."""
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=special))
+    except (TypeError, UnicodeEncodeError, ValueError) as e:
+        raise P.RequestError(f"the {param} cannot be tokenized: {str(e)[:120]}", param=param) from None
+
+
 class TokenizerThread:
     """Runs tokenizer work (encode, chat rendering, decode of whole requests) off the event loop, one call at a time:
     a 25 MiB prompt took ~40 s to encode on the loop, and every stream and /health of the process waited (HF's
@@ -64,7 +72,7 @@ def prompt_encoder(tokenizer, max_model_len: int):
         if isinstance(prompt, str) and keep is None and char_limit and len(prompt) > char_limit:
             raise P.RequestError(f"This model's maximum context length is {max_model_len} tokens; a prompt of "
                                  f"{len(prompt)} characters is longer.", param=param, code="context_length_exceeded")
-        ids = P.encode(tokenizer, prompt, special, param) if isinstance(prompt, str) else list(prompt)
+        ids = encode_text(tokenizer, prompt, special, param) if isinstance(prompt, str) else list(prompt)
         try:
             ids = truncate(ids, keep, max_model_len)
         except ValueError as e:
@@ -121,7 +129,7 @@ def add_token_routes(app: FastAPI, tokenizer, check_model, max_model_len: int, v
             tools = [t.model_dump(exclude_none=True) for t in req.tools or []]           # (as tools.resolve)
             text = CP.apply_chat_template(tokenizer, CP.chat_messages(req.messages),
                                           CP.chat_template_kwargs(req, tools)) if chat else req.prompt
-            return P.encode(tokenizer, text, special, "messages" if chat else "prompt")
+            return encode_text(tokenizer, text, special, "messages" if chat else "prompt")
         ids = await off_loop(encode)      # token_strs: the vocabulary's strings, as vLLM (a byte piece stays whole)
         strs = await off_loop(tokenizer.convert_ids_to_tokens, ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}

@@ -102,7 +102,9 @@ def resolve(req, options) -> ToolUse:
     if isinstance(choice, str) and choice not in ("none", "auto", "required"):
         raise RequestError(f'Invalid value for `tool_choice`: {choice!r:.80}! Only named tools, "none", "auto" or '
                            f'"required" are supported.', param="tool_choice")
-    if choice != "none" and not tools:
+    if choice == "required" and req.tools == []:        # vLLM's (OpenAI's): as "none"
+        choice = "none"
+    if choice != "none" and req.tools is None:          # ([] with "auto": no calls to make, vLLM's)
         raise RequestError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
     if not isinstance(choice, str):
         names = [t["function"]["name"] for t in tools]
@@ -173,7 +175,7 @@ def extract(text: str, first_only: bool = False) -> tuple[str | None, list[dict]
 
 
 def finish_reason(reason: str | None, calls: list) -> str | None:
-    return "tool_calls" if calls and reason == "stop" else reason
+    return "tool_calls" if calls and reason in ("stop", "length") else reason     # (vLLM's: whenever calls came)
 
 
 class Stream:
