@@ -102,10 +102,9 @@ class LLMEngine:
             raise ValueError(f"{where} is empty: give at least one token" if isinstance(params, SamplingParams) else
                              f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
         n, V, cfg = len(token_ids), self.model_config.vocab_size, self.config
-        bad = [t for t in token_ids if isinstance(t, bool) or not (isinstance(t, (int, np.integer)) and 0 <= t < V)]
-        if bad:
-            why = "out of vocabulary: ids are in" if isinstance(t := bad[0], (int, np.integer)) and \
-                not isinstance(t, bool) else "that is not an int: ids are ints in"
+        isint = lambda t: isinstance(t, (int, np.integer)) and not isinstance(t, bool)   # noqa: E731
+        if bad := [t for t in token_ids if not (isint(t) and 0 <= t < V)]:
+            why = "out of vocabulary: ids are in" if isint(t := bad[0]) else "that is not an int: ids are ints in"
             raise ValueError(f"{where} has token id {t!r} {why} [0, {V})")
         if n > cfg.max_model_len:        # exactly max_model_len is taken, as vLLM: one token, finish "length"
             raise ValueError(f"{where} has {n} tokens, more than max_model_len={cfg.max_model_len} (the decoder "
