@@ -116,6 +116,12 @@ def engine_names(kwargs: dict) -> dict:
     kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in NONE_IS_DEFAULT}
     if kwargs.get("max_model_len") in (-1, "auto"):
         kwargs["max_model_len"] = None
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.sampling_params import SamplingParams
+    if per_request := sorted(set(kwargs) & set(SamplingParams.__dataclass_fields__) - set(
+            EngineConfig.__dataclass_fields__)):         # (LLM(model, max_tokens=64): a sampling setting)
+        raise ValueError(f"{per_request[0]}={kwargs[per_request[0]]!r:.80} is not an engine option but a sampling "
+                         f"one: llm.generate(prompts, SamplingParams({per_request[0]}=...))")
     return kwargs
 
 

@@ -311,6 +311,10 @@ def test_engine_options_are_the_config_fields():
     with pytest.raises(ValueError, match=r"max_num_seq=4.*did you mean max_num_seqs"):
         EngineConfig.from_kwargs(max_num_seq=4)
     assert EngineConfig.from_kwargs(kvcache_block_size=8).block_size == 8
+    for name in ("max_tokens", "temperature"):       # a sampling setting given to LLM(): where it goes instead
+        with pytest.raises(ValueError, match=f"{name}=.* not an engine option .*SamplingParams\\({name}="):
+            EngineConfig.from_kwargs(**{name: 1})
+    assert EngineConfig.from_kwargs(seed=3).seed == 3                       # (both: the engine's)
     with pytest.raises(ValueError, match="not both"):
         EngineConfig.from_kwargs(kvcache_block_size=8, block_size=8)
 
