@@ -234,10 +234,10 @@ class SamplingParams:
         check_text_fields(tokenizer, self, error)           # (no tokenizer: stop strings, bad_words, ... refused)
         cap = vocab_size if max_logprobs == -1 else max_logprobs
         for name in ("logprobs", "prompt_logprobs"):        # -1: vLLM's "all vocab_size log probabilities"
-            object.__setattr__(self, name, k := vocab_size if getattr(self, name) == -1 else getattr(self, name))
+            asked = f"-1 (the vocabulary, {vocab_size})" if (k := getattr(self, name)) == -1 else k
+            object.__setattr__(self, name, k := vocab_size if k == -1 else k)
             if k is not None and k > cap:
-                raise error(f"{name}={k} is more than max_logprobs={cap}, the most logprobs the engine returns "
-                            f"(vLLM's max_logprobs: LLM(max_logprobs=...), --max-logprobs; -1: no cap)")
+                raise error(f"{name}={asked} is more than max_logprobs={cap} (LLM(max_logprobs=...), --max-logprobs)")
         if self.bad_words:
             object.__setattr__(self, "_bad_words_token_ids", bad_words.token_ids(tokenizer, self.bad_words,
                                                                                 vocab_size, error))

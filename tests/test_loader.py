@@ -231,8 +231,9 @@ def test_random_init_is_finite_in_bf16():
     cfg = preset("qwen3-0.6b")
     small = ModelConfig(**{**cfg.__dict__, "num_hidden_layers": 2, "vocab_size": 1000})
     from jaxinfer.model.loader import random_params             # (a preset's weights, as LLM() draws them)
+    logits_of = jax.jit(lambda params: dense_logits(small, params, jnp.arange(16)[None]))   # (one compile)
     for params in (init_params(small, jnp.bfloat16), random_params(small, jnp.bfloat16)):
-        logits = dense_logits(small, params, jnp.arange(16)[None])
+        logits = logits_of(params)
         assert bool(jnp.all(jnp.isfinite(logits))) and float(jnp.abs(logits).max()) < 100
 
 

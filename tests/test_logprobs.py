@@ -311,6 +311,8 @@ def test_max_logprobs_is_the_engines_bound(tiny_dir, llm, ref):
     sp = SamplingParams(temperature=0, max_tokens=3, logprobs=21)                 # (built: the engine decides)
     with pytest.raises(ValueError, match="logprobs=21 is more than max_logprobs=20"):
         llm.generate(PROMPTS[:1], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"logprobs=-1 \(the vocabulary, \d+\) is more than max_logprobs=20"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, logprobs=-1), use_tqdm=False)
     with pytest.raises(ValueError, match="prompt_logprobs=30 is more than max_logprobs=20"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, prompt_logprobs=30), use_tqdm=False)
     _free(llm)

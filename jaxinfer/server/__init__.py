@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server, with the engine in its own process.
 
-    jaxinfer serve Qwen/Qwen3-0.6B --port 8000          # or, from Python:
-    from jaxinfer.server import serve; serve("Qwen/Qwen3-0.6B", {"max_model_len": 4096}, port=8000)
+    jaxinfer serve Qwen/Qwen3-0.6B --port 8000          # or, from Python (under `if __name__ == "__main__":`,
+    from jaxinfer.server import serve                   # as the engine core is a spawned process)
+    serve("Qwen/Qwen3-0.6B", {"max_model_len": 4096}, port=8000)
 
 Process layout (as vLLM V1):
 
