@@ -219,6 +219,7 @@ def test_api_key(server, url):
         good = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
         assert [m.id for m in good.models.list().data] == [MODEL]
         assert httpx.get(url + "/health").status_code == 200          # open, as in vLLM
+        assert httpx.options(url + "/v1/completions").status_code != 401     # (a preflight carries no key: vLLM's)
         app.state.options = before.replace(api_key=("k1", "k2"))         # vLLM's --api-key k1 k2: any of them
         assert [httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {k}"}).status_code
                 for k in ("k1", "k2", "k3", "k1 k2")] == [200, 200, 401, 401]

@@ -1,9 +1,9 @@
 """What every HTTP request passes before a handler: the API key, the drain, the body size limit. A plain ASGI
 middleware (Starlette's BaseHTTPMiddleware would wrap every streamed event of every response).
 
-- API key (`--api-key` / JAXINFER_API_KEY): paths under /v1/ need `Authorization: Bearer KEY`, else 401 in
-  OpenAI's error shape (the openai client raises AuthenticationError). /health, /metrics, /version, /docs
-  and the rest stay open, as in vLLM.
+- API key (`--api-key` / JAXINFER_API_KEY): paths under /v1/ need `Authorization: Bearer KEY` (not an OPTIONS
+  request), else 401 in OpenAI's error shape (the openai client raises AuthenticationError). /health, /metrics,
+  /version, /docs and the rest stay open, as in vLLM.
 - Draining (after SIGTERM): new requests get 503 with Retry-After (/health too, so a load balancer moves on);
   requests already inside run to their end.
 - Queue bound (`--max-waiting-requests`): while this API process is at its share of the bound, a generate
@@ -81,7 +81,8 @@ class Gate:
         rank = dict(scope["headers"]).get(b"x-data-parallel-rank") if scope["method"] == "POST" and \
             path in GENERATE_PATHS else None                 # (vLLM's header: the replica a generate request runs on)
         refused = None
-        if opts.api_key is not None and path.startswith("/v1/") and not self._authorized(scope, opts.api_key):
+        if opts.api_key is not None and path.startswith("/v1/") and scope["method"] != "OPTIONS" and \
+                not self._authorized(scope, opts.api_key):                # (a preflight carries no key: vLLM's)
             refused = _json_response(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                                      "invalid_request_error", "invalid_api_key")
         elif self.state.draining and path not in OPEN_WHILE_DRAINING:
