@@ -488,3 +488,13 @@ def test_logprobs_up_to_the_cores_max_logprobs():
     with pytest.raises(RequestError, match="at most 10") as e:
         beam.check(wide, base)
     assert e.value.param == "n"
+
+
+def test_text_a_tokenizer_cannot_take_is_named_plainly():
+    """A lone surrogate (valid JSON, not UTF-8 text): a 400 naming the field and the character, not the
+    tokenizer's internal type error."""
+    from jaxinfer.server.errors import RequestError
+    from jaxinfer.server.tokens import encode_text
+    with pytest.raises(RequestError, match="not valid UTF-8 text .* at character 3") as e:
+        encode_text(ByteTokenizer(), "hi \ud800", param="messages")
+    assert e.value.param == "messages"

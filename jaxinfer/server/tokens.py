@@ -20,7 +20,12 @@ def encode_text(tokenizer, text: str, special: bool = False, param: str = "promp
     try:
         return list(tokenizer.encode(text, add_special_tokens=special))
     except (TypeError, UnicodeEncodeError, ValueError) as e:
-        raise P.RequestError(f"the {param} cannot be tokenized: {str(e)[:120]}", param=param) from None
+        why = str(e)[:120]
+        try:                                  # (the usual cause, said plainly: a lone surrogate, e.g. "\\ud800")
+            text.encode("utf-8")
+        except UnicodeEncodeError as u:
+            why = f"it is not valid UTF-8 text ({u.reason} at character {u.start})"
+        raise P.RequestError(f"the {param} cannot be tokenized: {why}", param=param) from None
 
 
 class TokenizerThread:
