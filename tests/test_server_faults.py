@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -292,17 +293,25 @@ def test_two_api_processes_and_a_killed_server(tiny_dir, jax_cache):
 @pytest.mark.parametrize("apis", [1, 2])
 def test_sigterm_right_after_the_ready_line_stops_the_server(tiny_dir, jax_cache, apis):
     """A supervisor that stops the server as soon as it says it listens: the SIGTERM comes before uvicorn's handler
-    is in (in this process, or in the API processes being started); it is kept and drains then (exit 0), not lost."""
+    is in (in this process, or in the API processes being started); it is kept and drains then (exit 0), not lost,
+    and a request sent before it (queued on the socket while the API processes start) is answered, not reset."""
     env = {**os.environ, **jax_cache, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
     proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.server", tiny_dir, "--engine", json.dumps(ENGINE),
                              "--port", "0", "--log-level", "info", "--api-server-count", str(apis)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        answers = []
         for line in proc.stdout:
             if "API server on" in line:
+                url = line.split("API server on ")[1].split()[0]
+                asked = threading.Thread(target=lambda: answers.append(httpx.post(
+                    url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60).status_code))
+                asked.start()
+                time.sleep(0.3)                               # (connected: queued while the API processes start)
                 proc.send_signal(signal.SIGTERM)
                 break
-        assert proc.wait(timeout=60) == 0
+        asked.join(timeout=60)
+        assert answers == [200] and proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

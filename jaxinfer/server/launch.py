@@ -10,7 +10,6 @@ A model that fails to load raises (ValueError / FileNotFoundError / RuntimeError
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -26,6 +25,7 @@ from jaxinfer.server.process import CoreInfo, CoreProcess
 
 log = logging.getLogger("jaxinfer.server")
 EXIT_GRACE_S = 1.0      # after the core died: time for error events to reach clients before the server exits
+PENDING_GRACE_S = 0.5   # a signal that came before uvicorn served: the drain starts this long after it does
 
 
 def serve(model: str, engine_kwargs: dict | None = None, host: str = "127.0.0.1", port: int = 8000,
@@ -127,6 +127,7 @@ def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api
 
     import uvicorn
     dead: list[str] = []
+    pending = pending if pending is not None else []
 
     def on_dead(why: str) -> None:
         dead.append(why)
@@ -138,19 +139,21 @@ def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api
         1 s); after the drain, a signal ends uvicorn's wait for connections."""
         signals = 0
 
-        @contextlib.contextmanager
-        def capture_signals(self):
-            with super().capture_signals():
-                while pending:
-                    self.handle_exit(pending.pop(0), None)
-                yield
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if pending and self.started:   # a signal before it served: drains once the connections queued on the
+                asyncio.get_running_loop().call_later(PENDING_GRACE_S, self.handle_pending)   # socket are taken
+
+        def handle_pending(self):
+            while pending:
+                self.handle_exit(pending.pop(0), None)
 
         def handle_exit(self, sig, frame):
             if ignore_sigint and sig == signal.SIGINT:
                 return
+            if not self.started:                  # (kept until it serves: startup)
+                return pending.append(sig)
             self.signals += 1
-            if not self.started:
-                return super().handle_exit(sig, frame)
             if self.should_exit:                  # drained: uvicorn waits for connections; a signal ends the wait
                 self.force_exit = True
                 return
@@ -179,6 +182,7 @@ def _api_main(info: CoreInfo, name: str, host: str, port: int, log_level: str, a
     pending: list[int] = []                            # until uvicorn's handler is in (run_api)
     signal.signal(signal.SIGTERM, lambda sig, frame: pending.append(sig))
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # the parent forwards it (run_api's ignore_sigint)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})    # (blocked while it started)
     # this process is ours: prometheus_client's multiprocess mode (metrics.py), set before it is imported
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     logging.basicConfig(level=log_level.upper(), format=f"%(levelname)s:     [api {api_index}] %(message)s")
@@ -209,8 +213,14 @@ def _run_api_processes(core: CoreProcess, name: str, host: str, port: int, log_l
                 p.terminate()                             # SIGTERM: uvicorn drains
     prev = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for p in procs:
-            p.start()
+        # started with SIGTERM / SIGINT blocked (the mask outlives exec): one that comes while a child imports is
+        # held until its handler is in (_api_main), not fatal to it with connections already queued on the socket
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if pending or stopping:                           # (came while they started: each is told once)
             forward(signal.SIGTERM, None, untold_only=True)
         rc = 0
