@@ -25,7 +25,8 @@ QUERY_TILE = 64        # most prefill queries per tile (see prefill_xla)
 GATHER_BUDGET = 6 * 2**30   # bytes of gathered pages (+ prefill scores) one group of chunks / tiles may take
 GATHER = "pages"       # how decode chunks and prefill tiles gather their pages: "pages" ([N, S, K, D], whole pages,
                        # which XLA writes out transposed for the GEMMs) | "rows" ([N, K, S, D], each (token, head) row
-                       # of the cache on its own: already the GEMMs' layout; gather_rows)
+                       # of the cache on its own: already the GEMMs' layout; gather_rows; measured 1.04-1.08x slower
+                       # on an H100, docs/performance.md, fifty-ninth run)
 
 
 def layer_scales(k_scale, v_scale, layer):
