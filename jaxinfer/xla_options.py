@@ -28,6 +28,7 @@ _warned = False
 # reduced to 271.45GiB" 14 times at start-up, and W's warm-up took 22.3 s (141 s of compile time summed) against
 # 19.7 s (112 s) without it, the same tokens/s (docs/performance.md, twentieth run).
 DISABLED_PASSES = ("rematerialization",)
+EXTRA_OPTIONS: dict = {}   # more per-compile options, for A/Bs: scripts/bench_with.py 'jaxinfer.xla_options.EXTRA_OPTIONS={...}'
 
 
 def step_compiler_options(platform: str, num_devices: int = 1) -> dict:
@@ -47,7 +48,7 @@ def step_compiler_options(platform: str, num_devices: int = 1) -> dict:
         opts["xla_disable_hlo_passes"] = ",".join(DISABLED_PASSES)
     if num_devices > 1:
         opts["xla_gpu_graph_min_graph_size"] = 1
-    return opts
+    return {**opts, **EXTRA_OPTIONS}
 
 
 def jaxlib_minor() -> tuple[int, int]:
