@@ -1,5 +1,6 @@
-"""Write a tiny random Qwen3 checkpoint directory, made with HF transformers, with no downloads:
-config.json, model.safetensors, tokenizer.json, tokenizer_config.json (with a Qwen3-style chat template).
+"""Write a tiny random Qwen3 checkpoint directory, made with HF transformers and torch (the `[test]` extra),
+with no downloads: config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json
+and chat_template.jinja (a Qwen3-style chat template).
 
     python scripts/make_tiny_model.py /tmp/tiny-qwen3 [--layers 2 --hidden 64 ...]
 
@@ -59,7 +60,10 @@ def make_tiny_model(path: str, *, vocab_size: int = 512, hidden_size: int = 64, 
     model peaked next-token distributions, so greedy decoding is not decided by float rounding. RMSNorm
     weights are 1 + N(0, norm_std) (HF initialises them to ones, which would hide a norm weight taken
     from the wrong layer or head)."""
-    import torch
+    try:
+        import torch
+    except ImportError as e:
+        raise SystemExit(f"make_tiny_model.py needs torch ({e}): pip install -e '.[test]'") from None
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     os.makedirs(path, exist_ok=True)

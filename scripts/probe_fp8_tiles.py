@@ -8,6 +8,9 @@ import json
 import os
 import sys
 
+if sys.argv[1:2] in (["-h"], ["--help"]) or len(sys.argv) < 2:   # the docstring is the usage
+    sys.exit(print(__doc__) if sys.argv[1:2] in (["-h"], ["--help"]) else __doc__)
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402

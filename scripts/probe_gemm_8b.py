@@ -13,6 +13,9 @@ import statistics
 import sys
 import time
 
+if sys.argv[1:2] in (["-h"], ["--help"]):       # the docstring is the usage
+    sys.exit(print(__doc__))
+
 import jax
 import jax.numpy as jnp
 

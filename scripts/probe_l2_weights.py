@@ -16,6 +16,9 @@ import json
 import os
 import sys
 
+if sys.argv[1:2] in (["-h"], ["--help"]):       # the docstring is the usage
+    sys.exit(print(__doc__))
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl

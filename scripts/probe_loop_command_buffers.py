@@ -12,6 +12,9 @@ import os
 import sys
 import time
 
+if sys.argv[1:2] in (["-h"], ["--help"]) or len(sys.argv) < 4:   # the docstring is the usage
+    sys.exit(print(__doc__) if sys.argv[1:2] in (["-h"], ["--help"]) else __doc__)
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

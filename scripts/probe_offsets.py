@@ -7,6 +7,8 @@ builds [TOTAL_PAGES, 16, 8, 128] fp8 caches (16 KiB a page), puts 256 pages of r
 compares the kernel reading them there (page_offset=FIRST_PAGE) with the kernel on those pages alone. Run each
 case in its own process: an illegal address breaks the CUDA context."""
 import sys
+if sys.argv[1:2] in (["-h"], ["--help"]) or len(sys.argv) < 3:   # the docstring is the usage
+    sys.exit(print(__doc__) if sys.argv[1:2] in (["-h"], ["--help"]) else __doc__)
 import numpy as np
 import jax
 import jax.numpy as jnp
