@@ -213,3 +213,38 @@ def test_engine_step_itself_recovers_from_an_interrupt(tiny_dir, function, line,
     got, caught = engine_steps(LLM(tiny_dir, **KW), Once(function, line, skip=skip))
     assert caught == 1
     assert got == want
+
+
+class FailedOnDevice:
+    """Stands for a device array whose call failed while it ran (its error comes out when it is used or waited
+    for), as a step's outputs are when its executable fails on the device."""
+    def __init__(self, like):
+        self.shape, self.dtype = like.shape, like.dtype
+
+    def is_deleted(self):
+        return False
+
+    def block_until_ready(self):
+        raise RuntimeError("INTERNAL: the step failed on the device")
+
+    def delete(self):
+        pass
+
+
+@pytest.mark.parametrize("which", ["last_ids", "kv"])
+def test_a_step_that_failed_on_the_device_leaves_the_engine_usable(tiny_dir, which):
+    """A step whose outputs carry a device error fails; its outputs (the KV pages, the last ids) went to the
+    runner, and every later step failed on them (the server answered 500s, /health ok). After the failure the
+    engine makes that state again: the next generate gives a fresh engine's tokens and every block is back."""
+    llm = LLM(tiny_dir, **TINY_ENGINE)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+    r = llm.engine.runner
+    if which == "last_ids":
+        r.last_ids = FailedOnDevice(r.last_ids)
+    else:
+        r.kv_caches[0] = (FailedOnDevice(r.kv_caches[0][0]), r.kv_caches[0][1])
+    with pytest.raises(Exception):
+        llm.generate(PROMPTS, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == want
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]

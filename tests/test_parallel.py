@@ -61,6 +61,36 @@ def test_two_processes_one_mesh(tmp_path, tiny_dir):
         assert g["local_shards"] == [g["vocab"] // 2] and g["blocks_returned"]
 
 
+DP_WITH_CACHE = """
+import json, sys
+from jaxinfer import LLM, SamplingParams
+llm = LLM(sys.argv[1], data_parallel_size=2, dtype="float32", max_num_seqs=4, max_model_len=64, block_size=4,
+          num_kvcache_blocks=64, warmup=False)
+outs = llm.generate([[1, 2, 3, 4, 5], list(range(7, 30)), [9, 8, 7], [3] * 12], SamplingParams(temperature=0,
+                    max_tokens=6, ignore_eos=True), use_tqdm=False)
+print(json.dumps([o.outputs[0].token_ids for o in outs]))
+"""
+
+
+def test_data_parallel_with_jaxs_compilation_cache(tmp_path, tiny_dir):
+    """dp=2 with JAX's persistent compilation cache on, in two processes: a replica's copy of a program the cache
+    loaded (parallel/relocate.py) loaded without an error but failed when run ("Function wrapped_iota not found"),
+    every step of that replica after it too. Both runs give the same tokens as one device."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "PYTHONPATH": os.path.dirname(HERE),
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()}
+    runs = [subprocess.run([sys.executable, "-c", DP_WITH_CACHE, tiny_dir], env=env, capture_output=True, text=True,
+                           timeout=600) for _ in range(2)]
+    for proc in runs:
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    llm = LLM(tiny_dir, dtype="float32", max_num_seqs=4, max_model_len=64, block_size=4, num_kvcache_blocks=64,
+              warmup=False)
+    want = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3, 4, 5], list(range(7, 30)), [9, 8, 7], [3] * 12],
+                                                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                                                         use_tqdm=False)]
+    assert [json.loads(p.stdout.strip().splitlines()[-1]) for p in runs] == [want, want]
+
+
 @pytest.mark.gpu
 def test_two_gpus_tp2_and_dp2_tokens_equal_tp1():
     """On a machine with 2+ GPUs: compiled Pallas kernels per device, NCCL collectives (scripts/check_parallel.py)."""

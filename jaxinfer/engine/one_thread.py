@@ -12,6 +12,8 @@ import threading
 import weakref
 from collections.abc import Iterator
 
+import jax
+
 from jaxinfer.engine.sequence import Sequence, id_mark, is_finished
 
 
@@ -219,6 +221,19 @@ def recover(engine, seqs, since: Window | None = None) -> None:
         replica.in_flight = None                # the step may be half applied: the survivors (a nested call's
         replica.scheduler.recompute_all()       # outer stream, the engine API's requests) compute their KV again
         replica.scheduler.recount_blocks()
+        replica.runner.lost_buffers(failed)     # a call that failed on the device: its outputs are made again
+        if replica.extras.counts is not None and failed(replica.extras.counts):
+            replica.extras.counts = None
+
+
+def failed(arrays) -> bool:
+    """Whether device arrays (a pytree) hold a failed call's error (a step that failed while it ran: its outputs,
+    donated to the next step, would fail it too) or were deleted. Waits for them."""
+    try:
+        jax.block_until_ready(arrays)
+        return False
+    except Exception:                           # noqa: BLE001 (whatever the device reported)
+        return True
 
 
 @contextlib.contextmanager

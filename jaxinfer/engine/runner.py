@@ -252,22 +252,22 @@ class ModelRunner:
 
     def _allocate(self) -> None:
         """The device state each step donates and gets back, zeroed: the KV pages, the previous step's sampled ids,
-        and the last step's sampled rows' hidden states (its first B rows; read by the "resample" program of a
-        batch that filters)."""
+        the last step's sampled rows' hidden states (its first B rows; what a filtering batch's "resample" reads)."""
         pairs, kv_shape, _, v_shape, _ = self.cache_kind
         self.kv_caches = list(zip(self.placement.zeros_kv(kv_shape, self.k_dtype, pairs),
                                   self.placement.zeros_kv(v_shape, self.v_dtype, pairs)))
         self.last_ids = self.placement.put(np.zeros((self.max_rows,), np.int32))
         self.rows = self.placement.put(np.zeros((self.max_rows, self.hidden_size), self.dtype))
 
-    def lost_buffers(self) -> bool:
-        """Whether a step call consumed its donated buffers without their successors being kept (an exception such
-        as a KeyboardInterrupt between the call and the assignment of its outputs); if so they are allocated
-        again, zeroed, and the KV pages' contents are gone (the engine recomputes them)."""
-        if not (self.kv_caches[0][0].is_deleted() or self.last_ids.is_deleted() or self.rows.is_deleted()):
-            return False
-        self._allocate()
-        return True
+    def lost_buffers(self, failed=None) -> bool:
+        """Whether a call took its donated buffers and its outputs were not kept (e.g. a KeyboardInterrupt), or
+        (`failed`: one_thread.failed, after an exception) they carry a device error every later step would fail on.
+        If so they are made again, zeroed (freed first: the pool is most of the memory); the KV is recomputed."""
+        state = (self.kv_caches, self.last_ids, self.rows)
+        if any(a.is_deleted() for a in (self.kv_caches[0][0], self.last_ids, self.rows)) or failed and failed(state):
+            [a.delete() for a in jax.tree.leaves(state) if not a.is_deleted()]
+            return self._allocate() or True
+        return False
 
     def put(self, packed: np.ndarray) -> np.ndarray | jax.Array:
         """A step's packed batch as its compiled step takes it: the numpy array itself, which the call copies to

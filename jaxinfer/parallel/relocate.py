@@ -9,7 +9,9 @@ device assignment. Loading takes milliseconds.
 It leans on JAX internals that have been stable across 0.10-0.12 (the unpickler of serialize_executable and
 `jax.stages.Compiled`'s constructor). Any failure returns None and the caller compiles as before, so a JAX
 version where this breaks costs start-up time, never correctness. Several processes (jax.distributed) are not
-handled (device ids are global there): None.
+handled (device ids are global there): None. Neither is JAX's persistent compilation cache: an executable it
+loaded, serialized again, loads without an error but fails when it runs ("NOT_FOUND: Function wrapped_iota not
+found", on the CPU), so with the cache on each replica compiles (and caches) its own programs.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def relocate(compiled, src_devices: list, dst_devices: list):
     global _warned
     import jax
     if len(src_devices) != len(dst_devices) or jax.process_count() > 1 or \
-            {d.platform for d in (*src_devices, *dst_devices)} != {src_devices[0].platform}:
+            {d.platform for d in (*src_devices, *dst_devices)} != {src_devices[0].platform} or \
+            jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache:
         return None
     try:
         from jax._src.lib import xla_client as xc
