@@ -601,11 +601,13 @@ def test_an_interrupt_inside_a_step_call_leaves_the_llm_usable(tiny_dir, at_call
     prompts = [[5, 6, 7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     runner = llm.engine.runner
+    old = (runner.kv_caches[0][0], runner.last_ids)
     interrupt_at_call((runner, llm.engine.extras), at_call)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, params, use_tqdm=False)
     del runner.compile, llm.engine.extras.compile
-    assert runner.kv_caches[0][0].is_deleted() or runner.last_ids.is_deleted()     # what the interrupt left
+    assert old[0].is_deleted() or old[1].is_deleted()        # what the interrupted call took: made again
+    assert not (runner.kv_caches[0][0].is_deleted() or runner.last_ids.is_deleted())
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     st = llm.stats()
