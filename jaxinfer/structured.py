@@ -103,7 +103,7 @@ def check(value, legacy, bad, min_tokens: int = 0) -> StructuredOutputsParams | 
     if len(kinds) != 1:
         bad(name, f"needs one kind (choice, json, regex or json_object), not {len(kinds)}: {kinds}")
     if isinstance(min_tokens, int) and min_tokens > 1:
-        bad("min_tokens", f"cannot be {min_tokens} with structured_outputs: the answer may end (EOS) before it")
+        bad("min_tokens", "cannot be more than 1 with structured_outputs: the answer may end (EOS) before it")
     if kinds[0] == "regex" and not isinstance(v.regex, str):
         bad(name, "regex must be a string")
     if kinds[0] == "json" and not isinstance(v.json, (str, dict)):
