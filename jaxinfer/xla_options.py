@@ -28,7 +28,7 @@ _warned = False
 # reduced to 271.45GiB" 14 times at start-up, and W's warm-up took 22.3 s (141 s of compile time summed) against
 # 19.7 s (112 s) without it, the same tokens/s (docs/performance.md, twentieth run).
 DISABLED_PASSES = ("rematerialization",)
-EXTRA_OPTIONS: dict = {}   # more per-compile options, for A/Bs: scripts/bench_with.py 'jaxinfer.xla_options.EXTRA_OPTIONS={...}'
+EXTRA_OPTIONS: dict = {}   # more per-compile options, for A/Bs (scripts/bench_with.py); none by default
 
 
 def step_compiler_options(platform: str, num_devices: int = 1) -> dict:

@@ -86,14 +86,12 @@ class ModelRunner:
         self.model, self.engine = model, engine
         self.executables = executables if executables is not None else SHARED_EXECUTABLES
         self.placement = placement or make_placements(1, 1, jax.devices()[:1])[0]
-        tp = self.placement.tp
-        self.mesh = self.placement.mesh if tp > 1 else None
+        self.mesh = self.placement.mesh if (tp := self.placement.tp) > 1 else None
         self.dtype = jnp.dtype(engine.dtype)
         self.interpret = self.placement.devices[0].platform != "gpu"
         # fp8 KV cache: per-layer k_scale / v_scale [L, 1] join the params (model/kv_scales.py)
         self.kv_dtype = kv_cache_dtype(engine.kv_cache_dtype, self.dtype)
-        params = with_kv_scales(model, params, self.kv_dtype, tp)
-        self.params = self._place(params)
+        self.params = self._place(with_kv_scales(model, params, self.kv_dtype, tp))
         self.num_blocks, self.num_slots = num_blocks, num_blocks * engine.block_size
         # [P, bs, K', D] pages per layer (xla, pallas: one pair [L * P, ...] for all layers), split by kv head: each
         # device holds K'/tp heads (parallel/layout.py)
@@ -260,14 +258,16 @@ class ModelRunner:
         self.rows = self.placement.put(np.zeros((self.max_rows, self.hidden_size), self.dtype))
 
     def lost_buffers(self, failed=None) -> bool:
-        """Whether a call took its donated buffers and its outputs were not kept (e.g. a KeyboardInterrupt), or
-        (`failed`: one_thread.failed, after an exception) they carry a device error every later step would fail on.
-        If so they are made again, zeroed (freed first: the pool is most of the memory); the KV is recomputed."""
+        """Whether a call took the donated state and its outputs were not kept (a KeyboardInterrupt) or they carry a
+        device error (`failed`: one_thread.failed); if so it is made again, zeroed (the old freed first: the pool is
+        most of the memory), and the KV is recomputed."""
         state = (self.kv_caches, self.last_ids, self.rows)
-        if any(a.is_deleted() for a in (self.kv_caches[0][0], self.last_ids, self.rows)) or failed and failed(state):
-            [a.delete() for a in jax.tree.leaves(state) if not a.is_deleted()]
-            return self._allocate() or True
-        return False
+        if not any(a.is_deleted() for a in (state[0][0][0], *state[1:])) and not (failed and failed(state)):
+            return False
+        for a in jax.tree.leaves(state):
+            a.delete()
+        self._allocate()
+        return True
 
     def put(self, packed: np.ndarray) -> np.ndarray | jax.Array:
         """A step's packed batch as its compiled step takes it: the numpy array itself, which the call copies to
