@@ -12,7 +12,7 @@ from jaxinfer.model.qwen3 import compute_logits, tp_size
 from jaxinfer.parallel.sample import sample_sharded
 from jaxinfer.parallel.vocab import local_ids, logprob_stats_split, over_vocab, split_logits
 from jaxinfer.sampling import apply_bias, apply_penalties, sample
-from jaxinfer.step import BAN_PAD, BAN_WIDTH, Extras, forward_rows, unpack
+from jaxinfer.step import BAN_PAD, Extras, forward_rows, unpack
 
 
 def make_extras_step(config: ModelConfig, kind: str, T: int, B: int, W: int, backend: str, interpret: bool,
@@ -100,7 +100,7 @@ def _edit(extras: Extras, split, rest, start):
         logits = apply_penalties(logits, seen, outs, b["repetition"], b["frequency"], b["presence"])
     rows = jnp.arange(B)[:, None]
     if extras.bans:                                        # (BAN_PAD is out of range: dropped)
-        logits = logits.at[rows, cols(b["ban_ids"].reshape(B, BAN_WIDTH))].set(-jnp.inf, mode="drop")
+        logits = logits.at[rows, cols(b["ban_ids"].reshape(B, extras.bans))].set(-jnp.inf, mode="drop")
     if extras.bad_words:                                   # an entry bans its id when its condition holds
         cond = b["bad_cond"].reshape(B, extras.bad_words)
         ban = jnp.where((cond < 0) | (cond == last), b["bad_ids"].reshape(B, extras.bad_words), BAN_PAD)

@@ -15,7 +15,7 @@ MAX_LOGPROBS = 20          # vLLM's default max_logprobs: logprobs / prompt_logp
 MIN_TEMPERATURE = 0.01     # vLLM's floor for a positive temperature
 MAX_TEMPERATURE = 1e30     # float32 holds it and its inverse (1e300 would become inf, -inf logits NaN)
 TOP_K_CANDIDATES = 64      # a row with top_k <= this draws among its top candidates, no sort (sampling.py)
-MAX_STOP_IDS_WITH_MIN_TOKENS = 16   # the step bans them (and EOS) per row until min_tokens: step.BAN_WIDTH ids
+MAX_STOP_IDS_WITH_MIN_TOKENS = 1024  # the step bans them (and EOS) until min_tokens: step.BAN_WIDTHS' widest holds
 MAX_BIASED = 1024          # logit_bias / allowed_token_ids ids a request may name (step.BIAS_WIDTHS' widest)
 
 

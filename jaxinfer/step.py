@@ -31,7 +31,8 @@ FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 _EXTRA_ROW_FIELDS = ("pen_slot", "num_prompt", "repetition", "frequency", "presence")   # [B]
 _EXTRA_TOKEN_FIELDS = ("plp_idx", "plp_target")                                          # [Tp]
 _ALL_FLOATS = FLOAT_FIELDS + ("repetition", "frequency", "presence", "bias_vals")
-BAN_WIDTH = 32        # ids a row may ban (min_tokens: its stop_token_ids and EOS ids); BAN_PAD pads (dropped)
+# ids a row may ban (min_tokens: its stop_token_ids and EOS ids), the batch's widest row picks; BAN_PAD pads (dropped)
+BAN_WIDTHS = (32, 1056)         # 16 stop ids or 1,024 (sampling_params.MAX_STOP_IDS_WITH_MIN_TOKENS), + 32 EOS ids
 BAN_PAD = 2**30
 BIAS_WIDTHS = (16, 128, 1024)   # logit_bias / allowed_token_ids entries a row holds (the smallest that fits)
 
@@ -42,7 +43,7 @@ class Extras(NamedTuple):
     penalties: presence / frequency / repetition penalties from the per-slot token counts (a device state
     updated in the step). logprobs: the sampled tokens' logprobs and ranks. top_n: top logprobs per token
     (a width of LOGPROB_WIDTHS). prompt_rows: prefill only: prompt tokens whose logprobs are computed.
-    bans: per row up to BAN_WIDTH token ids that cannot be sampled (min_tokens: EOS and stop ids until then).
+    bans: per row up to this many token ids that cannot be sampled (min_tokens: EOS and stop ids until then); 0: none.
     bias: per row up to this many (token id, bias) entries added to its logits (logit_bias), and whether they are
     the only ids it may sample (allowed_token_ids); 0: none. bad_words: per row up to this many (token id,
     condition) bans (bad_words.py: an id is banned when its condition is -1 or the row's input token); 0: none.
@@ -53,7 +54,7 @@ class Extras(NamedTuple):
     logprobs: bool = False
     top_n: int = 0
     prompt_rows: int = 0
-    bans: bool = False
+    bans: int = 0
     bias: int = 0
     bad_words: int = 0
     choice: int = 0
@@ -93,7 +94,7 @@ def extras_layout(T: int, B: int, W: int, extras: Extras) -> dict[str, tuple[int
     e, bad, choice = extras, extras.bad_words, extras.choice
     off = _place(layout, layout.pop("_size")[0], [*((f, B) for f in _EXTRA_ROW_FIELDS),
                                                  *((f, e.prompt_rows) for f in _EXTRA_TOKEN_FIELDS),
-                                                 *([("ban_ids", B * BAN_WIDTH)] if e.bans else []),
+                                                 *([("ban_ids", B * e.bans)] if e.bans else []),
                                                  *([("bias_ids", B * e.bias), ("bias_vals", B * e.bias),
                                                     ("bias_only", B)] if e.bias else []),
                                                  *([("bad_ids", B * bad), ("bad_cond", B * bad)] if bad else []),

@@ -51,6 +51,22 @@ def test_stop_ids_wait_for_min_tokens(llm, banned_greedy):
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
 
 
+def test_many_stop_ids_wait_for_min_tokens(llm, banned_greedy):
+    """More stop ids than the narrow ban row holds (16) take the wide variant (vLLM has no bound; here 1,024), also
+    beside a row with one stop id in the same batch."""
+    plain = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    stop = sorted(set(plain.token_ids[:6]) | set(range(100, 140)))      # greedy's first tokens among 40 others
+    sps = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=stop, min_tokens=5),
+           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=stop[:1], min_tokens=3)]
+    got = llm.generate([PROMPT, PROMPT], sps, use_tqdm=False)
+    want = banned_greedy(PROMPT, 12, stop, 5)
+    assert got[0].token_ids == want and not set(want[:5]) & set(stop)
+    assert got[0].finish_reason == ("stop" if want[-1] in stop else "length")
+    assert got[1].token_ids == banned_greedy(PROMPT, 12, stop[:1], 3)
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
 def test_eos_waits_for_min_tokens_also_in_k_step_and_crowded_engines(tiny_dir, llm, banned_greedy):
     """The model's EOS is banned like a stop id (also with ignore_eos, as vLLM); a K-step engine runs one step per call while
     a row bans, and a tiny pool (preemptions) gives the same tokens."""
@@ -104,7 +120,7 @@ def test_min_tokens_past_the_room_left_ends_on_length(llm):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(min_tokens=-1), "min_tokens=-1"), (dict(min_tokens=5, max_tokens=4), "min_tokens=5"),
-    (dict(min_tokens=1.5), "min_tokens=1.5"), (dict(min_tokens=1, stop_token_ids=list(range(17))), "stop_token_ids")])
+    (dict(min_tokens=1.5), "min_tokens=1.5"), (dict(min_tokens=1, stop_token_ids=list(range(1025))), "1025 ids")])
 def test_bad_min_tokens(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kw)

@@ -14,7 +14,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine.scheduler import ScheduledBatch
 from jaxinfer.engine.sequence import PLACEHOLDER
 from jaxinfer.multistep import STOP_IDS, multistep_layout
-from jaxinfer.step import BAN_PAD, BAN_WIDTH, FLOAT_FIELDS, Extras, batch_layout, extras_layout
+from jaxinfer.step import BAN_PAD, FLOAT_FIELDS, Extras, batch_layout, extras_layout
 from jaxinfer.structured import NO_COND, OFF
 
 
@@ -164,14 +164,14 @@ def pack_extras(batch: ScheduledBatch, T: int, B: int, W: int, block_size: int, 
     f["frequency"].view(np.float32)[:n] = [s.params.frequency_penalty for s in seqs]
     f["presence"].view(np.float32)[:n] = [s.params.presence_penalty for s in seqs]
     if extras.bans:
-        ban = f["ban_ids"].reshape(B, BAN_WIDTH)
+        ban = f["ban_ids"].reshape(B, extras.bans)
         ban[:] = BAN_PAD
         for i, seq in enumerate(seqs):
             if seq.banning:
                 # EOS too under ignore_eos: vLLM's min_tokens bans all its stop ids (`_all_stop_token_ids`)
                 ids = sorted(t for t in set(seq.params.stop_token_ids) | set(eos)
                              if t < 2**31)           # (an id past int32 is past any vocabulary: never sampled)
-                ban[i, :len(ids[:BAN_WIDTH])] = ids[:BAN_WIDTH]
+                ban[i, :len(ids[:extras.bans])] = ids[:extras.bans]
     if extras.bias:                     # logit_bias / allowed_token_ids (SamplingParams.biased_ids)
         ids, vals = f["bias_ids"].reshape(B, extras.bias), f["bias_vals"].view(np.float32).reshape(B, extras.bias)
         ids[:] = BAN_PAD

@@ -30,7 +30,7 @@ from jaxinfer.engine.sequence import Sequence, Status
 from jaxinfer.parallel.layout import KV_SPEC, padded_vocab
 from jaxinfer.parallel.vocab import VOCAB_SPEC
 from jaxinfer.extras_step import make_extras_step
-from jaxinfer.step import BIAS_WIDTHS, Extras, extras_layout, idle_batch
+from jaxinfer.step import BAN_WIDTHS, BIAS_WIDTHS, Extras, extras_layout, idle_batch
 from jaxinfer.xla_options import step_compiler_options
 
 CPU_VARIANTS = 32               # extras programs an engine on the CPU holds (the least recently used go first)
@@ -51,7 +51,7 @@ def choose(batch) -> Extras | None:
     penalties = any(p.has_penalties for p in ps)
     asks = [p.logprobs for p in ps if p.logprobs is not None]
     prompt = batch.is_prefill and any(p.prompt_logprobs is not None for p in ps)
-    bans = any(s.banning for s in batch.seqs)
+    bans = max((ban_width(s.params) for s in batch.seqs if s.banning), default=0)
     bias = bias_width(ps)
     bad = bad_words.width(max(len(s.bad_words_ids) for s in batch.seqs))   # (at most one entry per sequence)
     choice = max((s.choice.width for s in batch.seqs if s.choice is not None), default=0)
@@ -61,6 +61,11 @@ def choose(batch) -> Extras | None:
     n = max(asks + [p.prompt_logprobs for p in ps if prompt and p.prompt_logprobs is not None], default=0)
     return Extras(penalties, bool(asks), logprob_width(n), -1 if prompt else 0, bans, bias, bad, choice,   # -1: from
                   grammar)                                                                            # the bucket
+
+
+def ban_width(params) -> int:
+    """The ids a min_tokens row bans, its stop_token_ids and EOS ids: the BAN_WIDTHS one that holds them; 0 if none."""
+    return 0 if not params.min_tokens else BAN_WIDTHS[len(set(params.stop_token_ids or ())) > BAN_WIDTHS[0] // 2]
 
 
 def bias_width(params) -> int:
@@ -249,7 +254,7 @@ def warmup_keys(cfg, widths: tuple[int, ...], runner: "ExtrasRunner", params, to
     seqs = bad_words.token_ids(tokenizer, params.bad_words, V) if params.bad_words else []
     e = Extras(params.has_penalties, params.logprobs is not None,
                logprob_width(max(V if n == -1 else n or 0 for n in (params.logprobs, params.prompt_logprobs))), 0,
-               params.min_tokens > 0, bias_width([params]), bad_words.width(len(seqs)),
+               ban_width(params), bias_width([params]), bad_words.width(len(seqs)),
                choice := structured.choice_width(so.choice, tokenizer, V) if so is not None and so.choice else 0,
                -(-V // 32) if so is not None and not choice else 0)
     if not (e.penalties or e.logprobs or e.bans or e.bias or e.bad_words or e.choice or e.grammar or
