@@ -65,7 +65,7 @@ def choose(batch) -> Extras | None:
 
 def ban_width(params) -> int:
     """The ids a min_tokens row bans, its stop_token_ids and EOS ids: the BAN_WIDTHS one that holds them; 0 if none."""
-    return 0 if not params.min_tokens else BAN_WIDTHS[len(set(params.stop_token_ids or ())) > BAN_WIDTHS[0] // 2]
+    return 0 if not params.min_tokens else BAN_WIDTHS[len(params.stop_token_ids or ()) > BAN_WIDTHS[0] // 2]
 
 
 def bias_width(params) -> int:
