@@ -133,6 +133,7 @@ def test_bad_rope_fields_name_the_value():
     for rope, word in [({**yarn, "factor": 0}, "factor=0"), ({**yarn, "factor": 2.0,
                         "original_max_position_embeddings": 0}, "original_max_position_embeddings=0"),
                        ({**yarn, "factor": 2.0, "original_max_position_embeddings": -5}, "=-5"),
+                       ({**yarn, "factor": 2.0, "original_max_position_embeddings": 32.5}, "=32.5"),
                        ("yarn", "must be a dict"), ([1], "must be a dict")]:
         with pytest.raises(ValueError, match=word):
             ModelConfig.from_dict(_base(max_position_embeddings=64, rope_scaling=rope))
@@ -142,6 +143,9 @@ def test_bad_rope_fields_name_the_value():
     # a top-level original_max_position_embeddings wins over rope_scaling's, as in transformers
     c = ModelConfig.from_dict(_base(original_max_position_embeddings=16, rope_scaling={**yarn, "factor": 2.0}))
     assert c.rope_yarn[0] == 16 and c.max_length == 32
+    # a whole number written as a float (64.0) is read as the int, as transformers reads it
+    c = ModelConfig.from_dict(_base(rope_scaling={**yarn, "factor": 2.0, "original_max_position_embeddings": 64.0}))
+    assert c.rope_yarn[0] == 64 and type(c.rope_yarn[0]) is int and c.max_length == 128
     for key, bad in (("num_hidden_layers", True), ("head_dim", 0)):
         with pytest.raises(ValueError, match=f"{key}={bad!r}"):
             ModelConfig.from_dict(_base(**{key: bad}))

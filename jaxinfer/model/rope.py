@@ -77,8 +77,9 @@ def rope_fields(d: dict) -> dict:
     longest = d["max_position_embeddings"]          # (ModelConfig.from_dict fills Qwen3Config's default)
     # a top-level original_max_position_embeddings wins, as in transformers (standardize_rope_params)
     orig = d.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", longest))
-    if not isinstance(orig, int) or isinstance(orig, bool) or orig < 1:
+    if not isinstance(orig, (int, float)) or isinstance(orig, bool) or not float(orig).is_integer() or orig < 1:
         raise ValueError(f"original_max_position_embeddings={orig!r} must be a positive integer")
+    orig = int(orig)                                # (64.0 in a config.json is 64, as transformers reads it)
     factor = rope.get("factor")
     factor = longest / orig if factor is None else factor
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
