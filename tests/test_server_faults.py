@@ -188,6 +188,43 @@ def test_a_second_signal_ends_the_drain_at_once(tiny_dir, jax_cache):
             proc.wait(timeout=30)
 
 
+
+def test_a_second_signal_drops_a_response_left_unread(tiny_dir, jax_cache):
+    """A whole response handed to uvicorn but never read by its client (more than the kernel's socket buffers take,
+    so the rest waits in the transport's) does not hold a second signal's exit for uvicorn's 5 s graceful timeout
+    and its ERROR line: it is dropped after 1 s."""
+    proc, url = start_server(tiny_dir, jax_cache)
+    unread = socket.socket()
+    unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        big = json.dumps({**stream_body(110), "stream": False, "stream_options": None, "logprobs": 5,
+                          "prompt": [f"Big {i}" for i in range(300)]}).encode()
+        unread.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        unread.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: " + str(len(big)).encode() + b"\r\n\r\n" + big)
+        end = time.time() + 120
+        while httpx.get(url + "/stats", timeout=30).json()["api_inflight"] or \
+                httpx.get(url + "/stats", timeout=30).json()["api_requests"] == 0:
+            assert time.time() < end, "the request did not finish"
+            time.sleep(0.2)
+        time.sleep(1.0)                                    # (its response is written)
+        t0 = []
+
+        def twice():                                       # while another stream runs
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            t0.append(time.monotonic())
+            proc.send_signal(signal.SIGINT)
+        assert sorted(finish_reasons(url, "Stop", twice)) == list(range(200))
+        assert proc.wait(timeout=60) == 0
+        log = proc.stdout.read()
+        assert time.monotonic() - t0[0] < 4.5 and "ERROR" not in log, log[-3000:]
+    finally:
+        unread.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
 def test_port_in_use_fails_before_loading(tiny_dir):
     from jaxinfer.server import serve
     with socket.create_server(("127.0.0.1", 0)) as busy:

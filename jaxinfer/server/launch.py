@@ -161,10 +161,16 @@ def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api
 
         def stop(self, force: bool = False):
             if force:           # a response still unsent (its client stopped reading): drop the connections, so
-                for conn in list(self.server_state.connections):      # that its handler ends as on a disconnect
-                    if getattr(conn, "transport", None) is not None:
-                        conn.transport.abort()
+                self.drop_connections()                                # that its handler ends as on a disconnect
+            elif app.state.hurry:   # a response handed over whole but unread stays in its socket's buffer, which
+                asyncio.get_running_loop().call_later(1.0, self.drop_connections, True)   # holds uvicorn's exit
             self.should_exit = True
+
+        def drop_connections(self, unflushed_only: bool = False):
+            for conn in list(self.server_state.connections):
+                transport = getattr(conn, "transport", None)
+                if transport is not None and not (unflushed_only and not transport.get_write_buffer_size()):
+                    transport.abort()
 
     app = build_app(info, name, api_index=api_index, tokenizer=tokenizer, alive=alive, on_dead=on_dead,
                     options=options)
