@@ -169,7 +169,7 @@ def run_api(info: CoreInfo, name: str, host: str, port: int, log_level: str, api
         def drop_connections(self, unflushed_only: bool = False):
             for conn in list(self.server_state.connections):
                 transport = getattr(conn, "transport", None)
-                if transport is not None and not (unflushed_only and not transport.get_write_buffer_size()):
+                if transport is not None and (not unflushed_only or transport.get_write_buffer_size()):
                     transport.abort()
 
     app = build_app(info, name, api_index=api_index, tokenizer=tokenizer, alive=alive, on_dead=on_dead,
