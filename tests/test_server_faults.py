@@ -86,6 +86,17 @@ def stream_body(max_tokens):
             "stream": True, "stream_options": {"include_usage": True}}
 
 
+def unread_post(url, body: dict) -> socket.socket:
+    """POST a completion on a raw socket with a small receive buffer, whose answer the caller never reads."""
+    data = json.dumps(body).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return sock
+
+
 @pytest.fixture
 def server(tiny_dir, jax_cache):
     proc, url = start_server(tiny_dir, jax_cache)
@@ -159,13 +170,9 @@ def test_a_second_signal_ends_the_drain_at_once(tiny_dir, jax_cache):
     with its last event), and the server exits 0 at once, with no traceback in its log (it used to send on a
     closed socket and print uvicorn's cancelled-task trace after 5 s)."""
     proc, url = start_server(tiny_dir, jax_cache)           # (--shutdown-timeout: 30 s)
-    stalled = socket.socket()                              # and a client that stops reading its stream
-    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    # and a client that stops reading its stream
+    stalled = unread_post(url, {**stream_body(110), "prompt": [f"Big {i}" for i in range(100)], "logprobs": 5})
     try:
-        big = json.dumps({**stream_body(110), "prompt": [f"Big {i}" for i in range(100)], "logprobs": 5}).encode()
-        stalled.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
-        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: " + str(len(big)).encode() + b"\r\n\r\n" + big)
         stalled.recv(1024)
         time.sleep(3)                                      # (its socket's buffers fill)
         t0 = []
@@ -188,23 +195,16 @@ def test_a_second_signal_ends_the_drain_at_once(tiny_dir, jax_cache):
             proc.wait(timeout=30)
 
 
-
 def test_a_second_signal_drops_a_response_left_unread(tiny_dir, jax_cache):
     """A whole response handed to uvicorn but never read by its client (more than the kernel's socket buffers take,
     so the rest waits in the transport's) does not hold a second signal's exit for uvicorn's 5 s graceful timeout
     and its ERROR line: it is dropped after 1 s."""
     proc, url = start_server(tiny_dir, jax_cache)
-    unread = socket.socket()
-    unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    unread = unread_post(url, {**stream_body(110), "stream": False, "stream_options": None, "logprobs": 5,
+                               "prompt": [f"Big {i}" for i in range(300)]})
     try:
-        big = json.dumps({**stream_body(110), "stream": False, "stream_options": None, "logprobs": 5,
-                          "prompt": [f"Big {i}" for i in range(300)]}).encode()
-        unread.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
-        unread.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: " + str(len(big)).encode() + b"\r\n\r\n" + big)
         end = time.time() + 120
-        while httpx.get(url + "/stats", timeout=30).json()["api_inflight"] or \
-                httpx.get(url + "/stats", timeout=30).json()["api_requests"] == 0:
+        while (st := httpx.get(url + "/stats", timeout=30).json())["api_inflight"] or st["api_requests"] == 0:
             assert time.time() < end, "the request did not finish"
             time.sleep(0.2)
         time.sleep(1.0)                                    # (its response is written)
@@ -224,6 +224,7 @@ def test_a_second_signal_drops_a_response_left_unread(tiny_dir, jax_cache):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
 
 def test_port_in_use_fails_before_loading(tiny_dir):
     from jaxinfer.server import serve
